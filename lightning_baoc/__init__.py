@@ -1,0 +1,7 @@
+"""lightning_baoc: budget-aware, block-wise optimizer-state formats for PyTorch Lightning."""
+
+from lightning_baoc.formats import FORMATS
+from lightning_baoc.optim import BlockwiseAdamW
+
+# public names of the other modules are added below, one import line each
+__all__ = ["FORMATS", "BlockwiseAdamW"]

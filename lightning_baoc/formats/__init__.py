@@ -1,0 +1,96 @@
+"""The optimizer-state formats: one per file, and the registry :data:`FORMATS`.
+
+``FORMATS[name]`` is the format object; :func:`resolve_format` gives the format a tensor of a given
+shape really gets (1-D tensors have no factored form, tensors under the 8-bit threshold stay
+unquantized), and :func:`format_state_bytes` the exact bytes it allocates.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Mapping
+
+from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, factor_dims, numel_of
+from .bf16 import BF16
+from .bf16_momentum import BF16Momentum
+from .factored import Factored
+from .fp32 import FP32
+from .int8 import Int8
+from .int8_factored import Int8Factored
+from .nomomentum import NoMomentum
+from .nomomentum_int8 import NoMomentumInt8
+from .offload import Offload
+
+#: Tensors with fewer elements stay out of the 8-bit formats by default (bitsandbytes keeps
+#: tensors under 4096 elements in 32 bit: their bytes are negligible and their scales are not).
+DEFAULT_MIN_8BIT_NUMEL = 4096
+
+_ORDER = (FP32, BF16Momentum, BF16, NoMomentum, Int8, Int8Factored, NoMomentumInt8, Factored, Offload)
+
+#: Registry: format name -> format object (read-only), in DESIGN.md's order.
+FORMATS: Mapping[str, StateFormat] = MappingProxyType({cls.name: cls() for cls in _ORDER})
+
+
+def check_format_name(value: object, argument: str = "state_format") -> str:
+    """Validate a format name; raises ``TypeError``/``ValueError`` naming ``argument``."""
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{argument} must be a format name (str), got {value!r} of type {type(value).__name__}; "
+            f"allowed: {sorted(FORMATS)}"
+        )
+    if value not in FORMATS:
+        raise ValueError(f"Unknown {argument} {value!r}; allowed: {list(FORMATS)}")
+    return value
+
+
+def resolve_format(name: str, shape: Shape, min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL) -> str:
+    """The format a tensor of ``shape`` really gets when ``name`` is asked for.
+
+    Follows each format's ``fallback`` while the format cannot hold the shape: ``factored`` on a
+    1-D tensor becomes ``nomomentum``; ``int8_factored`` becomes ``int8``, then ``fp32`` under the
+    8-bit threshold; ``nomomentum_int8`` under the threshold becomes ``nomomentum``.
+
+    Example:
+        >>> resolve_format("factored", (512,))
+        'nomomentum'
+        >>> resolve_format("int8", (1024, 1024))
+        'int8'
+    """
+    check_format_name(name)
+    fmt = FORMATS[name]
+    while not fmt.accepts(shape, min_8bit_numel):
+        if fmt.fallback is None:  # pragma: no cover - every restricted format has a fallback
+            raise ValueError(f"format {fmt.name!r} cannot hold shape {tuple(shape)}")
+        fmt = FORMATS[fmt.fallback]
+    return fmt.name
+
+
+def format_state_bytes(name: str, shape: Shape, min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL) -> int:
+    """Exact state bytes allocated for a tensor of ``shape`` asked to use format ``name``.
+
+    This counts every stored tensor (codes, scales, factors) of the resolved format, wherever it
+    lives; for ``offload`` these are host bytes (see :class:`~.offload.Offload`).
+
+    Example:
+        >>> format_state_bytes("fp32", (1024, 1024))
+        8388608
+        >>> format_state_bytes("int8", (1024, 1024))  # 2 + 4/32 bytes per element
+        2228224
+    """
+    return FORMATS[resolve_format(name, shape, min_8bit_numel)].state_bytes(shape)
+
+
+__all__ = [
+    "FORMATS",
+    "DEFAULT_MIN_8BIT_NUMEL",
+    "Canonical",
+    "StateFormat",
+    "StepHyper",
+    "StepItem",
+    "TensorSpec",
+    "check_format_name",
+    "factor_dims",
+    "format_state_bytes",
+    "numel_of",
+    "resolve_format",
+]

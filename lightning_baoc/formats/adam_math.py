@@ -1,0 +1,165 @@
+"""AdamW's update as pure functions over fp32 tensors, shared by every format.
+
+Two forms of the same math (``torch.optim.AdamW``: decoupled weight decay, bias correction):
+
+- :func:`foreach_adamw`: lists of full tensors with ``torch._foreach_*`` ops, written in the same
+  order as torch's own foreach implementation, for formats whose state is already fp32 (parity
+  with ``torch.optim.AdamW`` to rounding).
+- :func:`chunk_adamw`: one flat fp32 chunk of momentum (or none) and second moment, for formats
+  that dequantize a chunk, update it and write it back.
+
+``chunk_ranges`` walks a parameter in chunks whose boundaries fall on 32-element quantization
+groups, and :func:`param_flat` gives a writable flat fp32 view of a parameter (or a copy to write
+back for non-contiguous or low-precision parameters).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from .base import StepHyper, StepItem
+from .quant import GROUP
+
+
+def chunk_ranges(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
+    """``[start, stop)`` ranges covering ``numel`` elements; starts are multiples of 32."""
+    chunk = max(GROUP, (chunk // GROUP) * GROUP)
+    for start in range(0, numel, chunk):
+        yield start, min(start + chunk, numel)
+
+
+def param_flat(param: Tensor) -> tuple[Tensor, Callable[[], None]]:
+    """A flat fp32 tensor to update in place, and a function that writes it back to ``param``."""
+    if param.dtype == torch.float32 and param.is_contiguous():
+        return param.view(-1), _noop
+    work = param.detach().to(torch.float32).reshape(-1).clone()
+
+    def write_back() -> None:
+        param.copy_(work.view_as(param))
+
+    return work, write_back
+
+
+def _noop() -> None:
+    return None
+
+
+def grad_flat(grad: Tensor) -> Tensor:
+    """A flat view of the gradient (a copy only if it is not contiguous)."""
+    return grad.reshape(-1)
+
+
+def effective_grad(g: Tensor, p: Tensor, hyper: StepHyper) -> Tensor:
+    """The gradient the moments see: fp32, negated under ``maximize``, plus L2 decay for Adam."""
+    g = g.to(torch.float32)
+    if hyper.maximize:
+        g = -g
+    if hyper.weight_decay != 0 and not hyper.decoupled_weight_decay:
+        g = g.add(p, alpha=hyper.weight_decay)
+    return g
+
+
+def chunk_adamw(
+    p: Tensor,
+    g: Tensor,
+    m: Tensor | None,
+    v: Tensor,
+    hyper: StepHyper,
+    bias_correction1: float,
+    bias_correction2: float,
+) -> None:
+    """One AdamW step on a flat fp32 chunk, in place on ``p``, ``m`` and ``v``.
+
+    Args:
+        p: flat fp32 parameter chunk (written).
+        g: flat gradient chunk (read only, any float dtype).
+        m: flat fp32 first moment, or ``None`` for formats without momentum (the update then uses
+            the gradient itself: RMSprop with Adam's bias-corrected second moment).
+        v: flat fp32 second moment.
+        hyper: the group's hyperparameters.
+        bias_correction1: ``1 - beta1 ** t_m`` (ignored without momentum).
+        bias_correction2: ``1 - beta2 ** t``.
+    """
+    g = effective_grad(g, p, hyper)
+    if hyper.weight_decay != 0 and hyper.decoupled_weight_decay:
+        p.mul_(1.0 - hyper.lr * hyper.weight_decay)
+    v.mul_(hyper.beta2).addcmul_(g, g, value=1.0 - hyper.beta2)
+    denom = v.sqrt().div_(math.sqrt(bias_correction2)).add_(hyper.eps)
+    if m is not None:
+        m.lerp_(g, 1.0 - hyper.beta1)
+        p.addcdiv_(m, denom, value=-hyper.lr / bias_correction1)
+    else:
+        p.addcdiv_(g, denom, value=-hyper.lr)
+
+
+def foreach_adamw(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor] | None,
+    exp_avg_sqs: list[Tensor],
+    hyper: StepHyper,
+    bias_corrections1: list[float],
+    bias_corrections2: list[float],
+) -> None:
+    """AdamW over lists of fp32 tensors with foreach kernels (torch's own order of operations)."""
+    if not params:
+        return
+    if hyper.maximize:
+        grads = torch._foreach_neg(grads)
+    if hyper.weight_decay != 0:
+        if hyper.decoupled_weight_decay:
+            torch._foreach_mul_(params, 1.0 - hyper.lr * hyper.weight_decay)
+        else:
+            grads = torch._foreach_add(grads, params, alpha=hyper.weight_decay)
+    if exp_avgs is not None:
+        torch._foreach_lerp_(exp_avgs, grads, 1.0 - hyper.beta1)
+    torch._foreach_mul_(exp_avg_sqs, hyper.beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - hyper.beta2)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, [bc**0.5 for bc in bias_corrections2])
+    torch._foreach_add_(denom, hyper.eps)
+    if exp_avgs is not None:
+        step_sizes = [-(hyper.lr / bc) for bc in bias_corrections1]
+        torch._foreach_addcdiv_(params, exp_avgs, denom, step_sizes)
+    else:
+        torch._foreach_addcdiv_(params, grads, denom, -hyper.lr)
+
+
+def foreach_dense_fp32(
+    items: list[StepItem], hyper: StepHyper, m_key: str | None, v_key: str
+) -> None:
+    """Run :func:`foreach_adamw` on items whose state tensors are fp32 on the parameter's device.
+
+    Parameters that are not fp32 go through a working copy that is written back.
+    """
+    direct = [it for it in items if it.param.dtype == torch.float32]
+    for it in items:
+        if it.param.dtype != torch.float32:
+            work = it.param.detach().to(torch.float32)
+            _foreach_items([work], [it], hyper, m_key, v_key)
+            it.param.copy_(work)
+    if direct:
+        _foreach_items([it.param for it in direct], direct, hyper, m_key, v_key)
+
+
+def _foreach_items(
+    params: list[Tensor], items: list[StepItem], hyper: StepHyper, m_key: str | None, v_key: str
+) -> None:
+    grads = [it.grad if it.grad.dtype == torch.float32 else it.grad.float() for it in items]
+    exp_avgs = None
+    if m_key is not None:
+        exp_avgs = [it.views[m_key].view_as(p) for it, p in zip(items, params)]
+    exp_avg_sqs = [it.views[v_key].view_as(p) for it, p in zip(items, params)]
+    foreach_adamw(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        hyper,
+        [it.bias_correction1 for it in items],
+        [it.bias_correction2 for it in items],
+    )

@@ -1,0 +1,187 @@
+"""The contract every optimizer-state format implements.
+
+A format says three things about a parameter tensor of a given shape:
+
+1. ``layout(shape)``: the exact compact tensors it stores (name, dtype, element count), from which
+   ``state_bytes(shape)`` follows. The optimizer allocates exactly these bytes, so the number a
+   format states is the number of bytes really allocated (tests hold the two equal).
+2. ``encode`` / ``decode``: conversion between the compact tensors and a :class:`Canonical` fp32
+   view of Adam's state. Every change of format (state inheritance) goes through it.
+3. ``update``: one AdamW step for a list of parameters held in this format, written as a pure
+   function of tensors: dequantize a chunk, do the math in fp32, write back through the format.
+
+Formats never import Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar, Sequence
+
+import torch
+from torch import Tensor
+
+#: Elements processed at once by chunked updates: large enough to amortize per-op overhead, small
+#: enough that the fp32 working copies of a chunk stay in cache (measured: 2**17 was ~3x faster than
+#: whole-tensor passes for int8 on a 2-core CPU, see benchmarks/step_time.py).
+DEFAULT_CHUNK = 1 << 17
+
+Shape = Sequence[int]
+
+
+def numel_of(shape: Shape) -> int:
+    """Number of elements of a tensor of ``shape``."""
+    return int(math.prod(int(s) for s in shape))
+
+
+def factor_dims(shape: Shape) -> tuple[int, int] | None:
+    """Rows and columns a tensor of ``shape`` is factored over, or ``None`` if it has no factored form.
+
+    Tensors with two or more dimensions are viewed as ``(shape[0], prod(shape[1:]))`` (a conv weight
+    ``(out, in, kh, kw)`` becomes ``(out, in*kh*kw)``). Both sides must be at least 2, otherwise the
+    factored form is no smaller than the tensor (1-D tensors have none: DESIGN.md, "State formats").
+    """
+    if len(shape) < 2:
+        return None
+    rows = int(shape[0])
+    cols = numel_of(shape[1:])
+    if rows < 2 or cols < 2:
+        return None
+    return rows, cols
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One compact tensor a format stores for a parameter."""
+
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class Canonical:
+    """Adam's state of one parameter in fp32, the common ground of every format conversion.
+
+    ``exp_avg`` is ``None`` where a format holds no momentum. The second moment is held dense
+    (``exp_avg_sq``, parameter-shaped) or factored (``row``/``col``, see :func:`factor_dims`), or
+    both; :meth:`dense_v` and :meth:`factored_v` produce whichever form is needed.
+    """
+
+    shape: tuple[int, ...]
+    exp_avg: Tensor | None = None
+    exp_avg_sq: Tensor | None = None
+    row: Tensor | None = None
+    col: Tensor | None = None
+
+    def dense_v(self) -> Tensor:
+        """The dense second moment; expands a factored one (outer product over the row mean)."""
+        if self.exp_avg_sq is not None:
+            return self.exp_avg_sq
+        if self.row is None or self.col is None:
+            raise ValueError("Canonical state holds no second moment")
+        return expand_factored(self.row, self.col).reshape(self.shape)
+
+    def factored_v(self) -> tuple[Tensor, Tensor]:
+        """Row and column means of the second moment (computed from the dense form if needed)."""
+        if self.row is not None and self.col is not None:
+            return self.row, self.col
+        dims = factor_dims(self.shape)
+        if dims is None:
+            raise ValueError(f"shape {self.shape} has no factored form")
+        v = self.dense_v().reshape(dims)
+        return v.mean(dim=1), v.mean(dim=0)
+
+
+def expand_factored(row: Tensor, col: Tensor) -> Tensor:
+    """Adafactor's rank-1 estimate ``v[i, j] = row[i] * col[j] / mean(row)`` (exact for rank-1 v)."""
+    mean = row.mean()
+    if float(mean) == 0.0:
+        return torch.zeros(row.numel(), col.numel(), dtype=torch.float32, device=row.device)
+    return torch.outer(row, col).div_(mean)
+
+
+@dataclass
+class StepItem:
+    """One parameter in a step: its tensors and its own bias corrections."""
+
+    param: Tensor
+    grad: Tensor
+    views: dict[str, Tensor]
+    bias_correction1: float  # 1 - beta1 ** (steps since momentum was created)
+    bias_correction2: float  # 1 - beta2 ** step
+
+
+@dataclass
+class StepHyper:
+    """The group's hyperparameters for one step (plain floats)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled_weight_decay: bool = True
+    maximize: bool = False
+    chunk: int = DEFAULT_CHUNK
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+
+class StateFormat(ABC):
+    """Base class of the optimizer-state formats (one subclass per file)."""
+
+    #: Public name, as in DESIGN.md's table.
+    name: ClassVar[str]
+    #: Whether the format keeps a first moment.
+    has_momentum: ClassVar[bool]
+    #: Whether the format is 8-bit and so subject to the small-tensor threshold.
+    quantized: ClassVar[bool] = False
+    #: Whether the format needs a factorable (>= 2-D) shape.
+    factored: ClassVar[bool] = False
+    #: Whether states live in host memory rather than on the parameter's device.
+    offloaded: ClassVar[bool] = False
+    #: The format used for shapes this one cannot hold (1-D for factored, small for 8-bit).
+    fallback: ClassVar[str | None] = None
+    #: One line for tables and docs.
+    summary: ClassVar[str] = ""
+
+    def accepts(self, shape: Shape, min_8bit_numel: int = 0) -> bool:
+        """Whether this format can hold a tensor of ``shape`` (else :attr:`fallback` is used)."""
+        if self.factored and factor_dims(shape) is None:
+            return False
+        if self.quantized and numel_of(shape) < min_8bit_numel:
+            return False
+        return True
+
+    @abstractmethod
+    def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
+        """The compact tensors stored for a parameter of ``shape``."""
+
+    def state_bytes(self, shape: Shape) -> int:
+        """Exact bytes of state for a parameter of ``shape`` held in this format."""
+        return sum(spec.nbytes for spec in self.layout(shape))
+
+    @abstractmethod
+    def encode(self, state: Canonical, views: dict[str, Tensor], hyper: StepHyper) -> None:
+        """Write ``state`` into this format's compact tensors ``views`` (in place)."""
+
+    @abstractmethod
+    def decode(self, views: dict[str, Tensor], shape: Shape) -> Canonical:
+        """Read the compact tensors back into fp32 (a new :class:`Canonical`)."""
+
+    @abstractmethod
+    def update(self, items: list[StepItem], hyper: StepHyper) -> None:
+        """One AdamW step for every parameter in ``items`` (parameters and states in place)."""
+
+    def __repr__(self) -> str:
+        return f"<state format {self.name!r}>"

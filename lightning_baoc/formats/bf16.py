@@ -1,0 +1,44 @@
+"""``bf16``: both moments in bf16 with stochastic rounding (4 bytes per parameter element).
+
+Stochastic rounding keeps the second moment decaying: with beta2 = 0.999, ``v * 0.999`` rounds
+back to ``v`` under round-to-nearest bf16 (8 mantissa bits), so a nearest-rounded v would stop
+tracking a shrinking gradient (DESIGN.md; tested in ``tests/test_formats.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .base import Shape, StepHyper, TensorSpec, numel_of
+from .elementwise import ElementwiseFormat
+from .quant import bf16_stochastic
+
+
+class BF16(ElementwiseFormat):
+    """Momentum and second moment in bf16, stochastically rounded. Bytes: ``4 * numel``."""
+
+    name = "bf16"
+    has_momentum = True
+    summary = "m bf16, v bf16 (stochastic rounding)"
+
+    #: The rounding used to store; tests swap in round-to-nearest to show the stagnation it causes.
+    rounding: Callable[[Tensor, Tensor, torch.Generator | None], None] = staticmethod(bf16_stochastic)
+
+    def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
+        n = numel_of(shape)
+        return (TensorSpec("exp_avg", torch.bfloat16, n), TensorSpec("exp_avg_sq", torch.bfloat16, n))
+
+    def load_m(self, views: dict[str, Tensor], start: int, stop: int) -> Tensor:
+        return views["exp_avg"][start:stop].to(torch.float32)
+
+    def store_m(self, m: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
+        self.rounding(m, views["exp_avg"][start:stop], hyper.generator)
+
+    def load_v(self, views: dict[str, Tensor], start: int, stop: int) -> Tensor:
+        return views["exp_avg_sq"][start:stop].to(torch.float32)
+
+    def store_v(self, v: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
+        self.rounding(v, views["exp_avg_sq"][start:stop], hyper.generator)

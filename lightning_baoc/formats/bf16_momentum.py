@@ -1,0 +1,35 @@
+"""``bf16_momentum``: bf16 momentum with stochastic rounding, fp32 second moment (6 bytes/element)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import Shape, StepHyper, TensorSpec, numel_of
+from .elementwise import ElementwiseFormat
+from .quant import bf16_stochastic
+
+
+class BF16Momentum(ElementwiseFormat):
+    """Momentum in bf16 (stochastically rounded), second moment in fp32. Bytes: ``6 * numel``."""
+
+    name = "bf16_momentum"
+    has_momentum = True
+    summary = "m bf16 (stochastic rounding), v fp32"
+
+    def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
+        n = numel_of(shape)
+        # fp32 first: the pool packs tensors by descending item size, so no padding is needed.
+        return (TensorSpec("exp_avg_sq", torch.float32, n), TensorSpec("exp_avg", torch.bfloat16, n))
+
+    def load_m(self, views: dict[str, Tensor], start: int, stop: int) -> Tensor:
+        return views["exp_avg"][start:stop].to(torch.float32)
+
+    def store_m(self, m: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
+        bf16_stochastic(m, views["exp_avg"][start:stop], hyper.generator)
+
+    def load_v(self, views: dict[str, Tensor], start: int, stop: int) -> Tensor:
+        return views["exp_avg_sq"][start:stop].clone()
+
+    def store_v(self, v: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
+        views["exp_avg_sq"][start:stop].copy_(v)

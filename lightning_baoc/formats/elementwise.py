@@ -1,0 +1,80 @@
+"""Shared driver for formats whose states are stored element by element (bf16, 8-bit, fp32).
+
+A subclass says how to load a chunk of each moment into fp32 and how to store it back; this
+driver walks every parameter in cache-sized chunks (boundaries on 32-element groups), runs the
+fp32 AdamW math of :func:`~lightning_baoc.formats.adam_math.chunk_adamw` and writes back. Encode
+and decode use the same two methods over the whole tensor, so a conversion and a step quantize
+identically.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+from torch import Tensor
+
+from .adam_math import chunk_adamw, chunk_ranges, grad_flat, param_flat
+from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, numel_of
+
+
+class ElementwiseFormat(StateFormat):
+    """A format whose momentum (optional) and second moment are stored per element."""
+
+    @abstractmethod
+    def load_m(self, views: dict[str, Tensor], start: int, stop: int) -> Tensor:
+        """A new flat fp32 tensor of the momentum elements ``[start, stop)``."""
+
+    @abstractmethod
+    def store_m(
+        self, m: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper
+    ) -> None:
+        """Store flat fp32 ``m`` (may be overwritten) as the momentum elements ``[start, stop)``."""
+
+    @abstractmethod
+    def load_v(self, views: dict[str, Tensor], start: int, stop: int) -> Tensor:
+        """A new flat fp32 tensor of the second-moment elements ``[start, stop)``."""
+
+    @abstractmethod
+    def store_v(
+        self, v: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper
+    ) -> None:
+        """Store flat fp32 ``v`` (may be overwritten) as the second-moment elements ``[start, stop)``."""
+
+    def encode(self, state: Canonical, views: dict[str, Tensor], hyper: StepHyper) -> None:
+        n = numel_of(state.shape)
+        v = state.dense_v().reshape(-1)
+        m = state.exp_avg.reshape(-1) if (self.has_momentum and state.exp_avg is not None) else None
+        if self.has_momentum and m is None:
+            raise ValueError("this format needs a momentum; the optimizer re-creates it before encode")
+        for start, stop in chunk_ranges(n, hyper.chunk):
+            if m is not None:
+                self.store_m(m[start:stop].to(torch.float32).clone(), views, start, stop, hyper)
+            self.store_v(v[start:stop].to(torch.float32).clone(), views, start, stop, hyper)
+
+    def decode(self, views: dict[str, Tensor], shape: Shape) -> Canonical:
+        n = numel_of(shape)
+        shape = tuple(shape)
+        m = self.load_m(views, 0, n).view(shape) if self.has_momentum else None
+        return Canonical(shape, exp_avg=m, exp_avg_sq=self.load_v(views, 0, n).view(shape))
+
+    def update(self, items: list[StepItem], hyper: StepHyper) -> None:
+        for item in items:
+            p, write_back = param_flat(item.param)
+            g = grad_flat(item.grad)
+            for start, stop in chunk_ranges(p.numel(), hyper.chunk):
+                m = self.load_m(item.views, start, stop) if self.has_momentum else None
+                v = self.load_v(item.views, start, stop)
+                chunk_adamw(
+                    p[start:stop],
+                    g[start:stop],
+                    m,
+                    v,
+                    hyper,
+                    item.bias_correction1,
+                    item.bias_correction2,
+                )
+                if m is not None:
+                    self.store_m(m, item.views, start, stop, hyper)
+                self.store_v(v, item.views, start, stop, hyper)
+            write_back()

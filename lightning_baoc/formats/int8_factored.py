@@ -1,0 +1,70 @@
+"""``int8_factored``: companded int8 momentum, factored fp32 second moment.
+
+Bytes for ``n`` elements viewed as ``(R, C)``: ``n + 2 * ceil(n / 32) + 4 * (R + C)``, about
+1.06 per element. Shapes without a factored form fall back to ``int8``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, factor_dims, numel_of
+from .adam_math import chunk_ranges
+from .factored_math import factored_update
+from .int8 import group_slice
+from .quant import SCALE_DTYPE, dequantize_momentum, num_groups, quantize_momentum
+
+
+def _load_m(views: dict[str, Tensor], start: int, stop: int) -> Tensor:
+    return dequantize_momentum(views["exp_avg"][start:stop], views["exp_avg_scale"][group_slice(start, stop)])
+
+
+def _store_m(m: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
+    quantize_momentum(m, views["exp_avg"][start:stop], views["exp_avg_scale"][group_slice(start, stop)])
+
+
+class Int8Factored(StateFormat):
+    """int8 companded momentum + Adafactor factored v."""
+
+    name = "int8_factored"
+    has_momentum = True
+    quantized = True
+    factored = True
+    fallback = "int8"
+    summary = "m int8 companded (groups of 32), v factored into row + column (fp32)"
+
+    def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
+        dims = factor_dims(shape)
+        if dims is None:
+            raise ValueError(f"shape {tuple(shape)} has no factored form; use the fallback {self.fallback!r}")
+        rows, cols = dims
+        n = numel_of(shape)
+        return (
+            TensorSpec("exp_avg_sq_row", torch.float32, rows),
+            TensorSpec("exp_avg_sq_col", torch.float32, cols),
+            TensorSpec("exp_avg_scale", SCALE_DTYPE, num_groups(n)),
+            TensorSpec("exp_avg", torch.int8, n),
+        )
+
+    def encode(self, state: Canonical, views: dict[str, Tensor], hyper: StepHyper) -> None:
+        if state.exp_avg is None:
+            raise ValueError("this format needs a momentum; the optimizer re-creates it before encode")
+        row, col = state.factored_v()
+        views["exp_avg_sq_row"].copy_(row)
+        views["exp_avg_sq_col"].copy_(col)
+        m = state.exp_avg.reshape(-1)
+        for start, stop in chunk_ranges(m.numel(), hyper.chunk):
+            _store_m(m[start:stop].to(torch.float32).clone(), views, start, stop, hyper)
+
+    def decode(self, views: dict[str, Tensor], shape: Shape) -> Canonical:
+        shape = tuple(shape)
+        return Canonical(
+            shape,
+            exp_avg=_load_m(views, 0, numel_of(shape)).view(shape),
+            row=views["exp_avg_sq_row"].clone(),
+            col=views["exp_avg_sq_col"].clone(),
+        )
+
+    def update(self, items: list[StepItem], hyper: StepHyper) -> None:
+        factored_update(items, hyper, _load_m, _store_m)
