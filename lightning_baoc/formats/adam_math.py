@@ -22,12 +22,12 @@ import torch
 from torch import Tensor
 
 from .base import StepHyper, StepItem
-from .quant import GROUP
+from .quant import SUPER
 
 
 def chunk_ranges(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
-    """``[start, stop)`` ranges covering ``numel`` elements; starts are multiples of 32."""
-    chunk = max(GROUP, (chunk // GROUP) * GROUP)
+    """``[start, stop)`` ranges covering ``numel`` elements; starts fall on 8-bit super-blocks."""
+    chunk = max(SUPER, (chunk // SUPER) * SUPER)
     for start in range(0, numel, chunk):
         yield start, min(start + chunk, numel)
 

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .adam_math import effective_grad, param_flat
 from .base import StepHyper, StepItem, factor_dims
-from .quant import GROUP
+from .quant import SUPER
 
 #: Added to squared gradients so that a row of exact zeros keeps a positive estimate (Adafactor's eps1).
 EPS_SQUARE = 1e-30
@@ -26,9 +26,9 @@ StoreM = Callable[[Tensor, dict[str, Tensor], int, int, StepHyper], None]
 
 
 def row_blocks(rows: int, cols: int, chunk: int) -> Iterator[tuple[int, int]]:
-    """Row ranges of about ``chunk`` elements whose element offsets fall on 32-element groups."""
+    """Row ranges of about ``chunk`` elements whose element offsets fall on 8-bit super-blocks."""
     step = max(1, chunk // max(cols, 1))
-    align = GROUP // gcd(cols, GROUP)
+    align = SUPER // gcd(cols, SUPER)
     step = max(align, (step // align) * align)
     for r0 in range(0, rows, step):
         yield r0, min(r0 + step, rows)
@@ -56,7 +56,7 @@ def factored_update(
         col_sum_sq = torch.zeros(cols, dtype=torch.float32, device=col.device)
         for r0, r1 in blocks:
             g = effective_grad(g2d[r0:r1], p2d[r0:r1], hyper)
-            sq = g.square_().add_(EPS_SQUARE)
+            sq = g.square().add_(EPS_SQUARE)  # never in place: g may be the gradient itself
             row_mean_sq[r0:r1] = sq.mean(dim=1)
             col_sum_sq.add_(sq.sum(dim=0))
         row.mul_(hyper.beta2).add_(row_mean_sq, alpha=1.0 - hyper.beta2)

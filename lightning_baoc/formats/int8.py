@@ -1,7 +1,8 @@
 """``int8``: companded 8-bit momentum and second moment, groups of 32 (FlashOptim).
 
 Bytes for ``n`` elements: ``n`` (int8 momentum codes) + ``n`` (uint8 sqrt-v codes) +
-``2 * 2 * ceil(n / 32)`` (one 16-bit scale per group for each), i.e. ``2 + 4/32`` per element.
+``2 * 2 * ceil(n / 32)`` (one fp16 scale per group for each) + ``2 * ceil(n / 1024)`` (one int8
+exponent per super-block for each), i.e. ``2 + 4/32 + 2/1024`` (~2.127) per element.
 """
 
 from __future__ import annotations
@@ -12,23 +13,49 @@ from torch import Tensor
 from .base import Shape, StepHyper, TensorSpec, numel_of
 from .elementwise import ElementwiseFormat
 from .quant import (
+    EXP_DTYPE,
     GROUP,
     SCALE_DTYPE,
+    SUPER,
     dequantize_momentum,
     dequantize_sqrt,
     num_groups,
+    num_supers,
     quantize_momentum,
     quantize_sqrt,
 )
 
 
 def group_slice(start: int, stop: int) -> slice:
-    """The scales covering elements ``[start, stop)`` (``start`` on a group boundary)."""
+    """The scales covering elements ``[start, stop)`` (``start`` on a super-block boundary)."""
     return slice(start // GROUP, -(-stop // GROUP))
 
 
+def super_slice(start: int, stop: int) -> slice:
+    """The exponents covering elements ``[start, stop)`` (``start`` on a super-block boundary)."""
+    return slice(start // SUPER, -(-stop // SUPER))
+
+
+def quant_args(views: dict[str, Tensor], key: str, start: int, stop: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Codes, scales and exponents of ``key``'s elements ``[start, stop)``."""
+    return (
+        views[key][start:stop],
+        views[key + "_scale"][group_slice(start, stop)],
+        views[key + "_exp"][super_slice(start, stop)],
+    )
+
+
+def quant_specs(key: str, code_dtype: torch.dtype, n: int) -> tuple[TensorSpec, TensorSpec, TensorSpec]:
+    """The three tensors of one 8-bit moment: codes, fp16 group scales, int8 super-block exponents."""
+    return (
+        TensorSpec(key + "_scale", SCALE_DTYPE, num_groups(n)),
+        TensorSpec(key, code_dtype, n),
+        TensorSpec(key + "_exp", EXP_DTYPE, num_supers(n)),
+    )
+
+
 class Int8(ElementwiseFormat):
-    """Companded int8 momentum + sqrt-companded uint8 second moment (bf16 scales per 32)."""
+    """Companded int8 momentum + sqrt-companded uint8 second moment (fp16 scales per 32)."""
 
     name = "int8"
     has_momentum = True
@@ -38,30 +65,16 @@ class Int8(ElementwiseFormat):
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         n = numel_of(shape)
-        g = num_groups(n)
-        return (
-            TensorSpec("exp_avg_scale", SCALE_DTYPE, g),
-            TensorSpec("exp_avg_sq_scale", SCALE_DTYPE, g),
-            TensorSpec("exp_avg", torch.int8, n),
-            TensorSpec("exp_avg_sq", torch.uint8, n),
-        )
+        return quant_specs("exp_avg", torch.int8, n) + quant_specs("exp_avg_sq", torch.uint8, n)
 
     def load_m(self, views: dict[str, Tensor], start: int, stop: int) -> Tensor:
-        return dequantize_momentum(
-            views["exp_avg"][start:stop], views["exp_avg_scale"][group_slice(start, stop)]
-        )
+        return dequantize_momentum(*quant_args(views, "exp_avg", start, stop))
 
     def store_m(self, m: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
-        quantize_momentum(
-            m, views["exp_avg"][start:stop], views["exp_avg_scale"][group_slice(start, stop)]
-        )
+        quantize_momentum(m, *quant_args(views, "exp_avg", start, stop))
 
     def load_v(self, views: dict[str, Tensor], start: int, stop: int) -> Tensor:
-        return dequantize_sqrt(
-            views["exp_avg_sq"][start:stop], views["exp_avg_sq_scale"][group_slice(start, stop)]
-        )
+        return dequantize_sqrt(*quant_args(views, "exp_avg_sq", start, stop))
 
     def store_v(self, v: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
-        quantize_sqrt(
-            v, views["exp_avg_sq"][start:stop], views["exp_avg_sq_scale"][group_slice(start, stop)]
-        )
+        quantize_sqrt(v, *quant_args(views, "exp_avg_sq", start, stop))

@@ -1,6 +1,6 @@
 """``int8_factored``: companded int8 momentum, factored fp32 second moment.
 
-Bytes for ``n`` elements viewed as ``(R, C)``: ``n + 2 * ceil(n / 32) + 4 * (R + C)``, about
+Bytes for ``n`` elements viewed as ``(R, C)``: ``n + 2 * ceil(n / 32) + ceil(n / 1024) + 4 * (R + C)``, about
 1.06 per element. Shapes without a factored form fall back to ``int8``.
 """
 
@@ -12,16 +12,16 @@ from torch import Tensor
 from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, factor_dims, numel_of
 from .adam_math import chunk_ranges
 from .factored_math import factored_update
-from .int8 import group_slice
-from .quant import SCALE_DTYPE, dequantize_momentum, num_groups, quantize_momentum
+from .int8 import quant_args, quant_specs
+from .quant import dequantize_momentum, quantize_momentum
 
 
 def _load_m(views: dict[str, Tensor], start: int, stop: int) -> Tensor:
-    return dequantize_momentum(views["exp_avg"][start:stop], views["exp_avg_scale"][group_slice(start, stop)])
+    return dequantize_momentum(*quant_args(views, "exp_avg", start, stop))
 
 
 def _store_m(m: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
-    quantize_momentum(m, views["exp_avg"][start:stop], views["exp_avg_scale"][group_slice(start, stop)])
+    quantize_momentum(m, *quant_args(views, "exp_avg", start, stop))
 
 
 class Int8Factored(StateFormat):
@@ -43,9 +43,7 @@ class Int8Factored(StateFormat):
         return (
             TensorSpec("exp_avg_sq_row", torch.float32, rows),
             TensorSpec("exp_avg_sq_col", torch.float32, cols),
-            TensorSpec("exp_avg_scale", SCALE_DTYPE, num_groups(n)),
-            TensorSpec("exp_avg", torch.int8, n),
-        )
+        ) + quant_specs("exp_avg", torch.int8, n)
 
     def encode(self, state: Canonical, views: dict[str, Tensor], hyper: StepHyper) -> None:
         if state.exp_avg is None:

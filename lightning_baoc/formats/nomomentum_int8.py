@@ -1,4 +1,4 @@
-"""``nomomentum_int8``: no momentum, sqrt-companded uint8 second moment (``1 + 2/32`` bytes/element).
+"""``nomomentum_int8``: no momentum, sqrt-companded uint8 second moment (``1 + 2/32 + 1/1024`` bytes/element).
 
 Hazard (measured on a character GPT, DESIGN.md): a uint8 v rounds entries below ~1/510 of their
 group's maximum square root to zero, and without momentum the raw gradient is then divided by
@@ -12,12 +12,12 @@ from torch import Tensor
 
 from .base import Shape, StepHyper, TensorSpec, numel_of
 from .elementwise import ElementwiseFormat
-from .int8 import group_slice
-from .quant import SCALE_DTYPE, dequantize_sqrt, num_groups, quantize_sqrt
+from .int8 import quant_args, quant_specs
+from .quant import dequantize_sqrt, quantize_sqrt
 
 
 class NoMomentumInt8(ElementwiseFormat):
-    """No momentum; second moment as uint8 sqrt-companded codes with bf16 scales per 32."""
+    """No momentum; second moment as uint8 sqrt-companded codes with fp16 scales per 32."""
 
     name = "nomomentum_int8"
     has_momentum = False
@@ -27,10 +27,7 @@ class NoMomentumInt8(ElementwiseFormat):
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         n = numel_of(shape)
-        return (
-            TensorSpec("exp_avg_sq_scale", SCALE_DTYPE, num_groups(n)),
-            TensorSpec("exp_avg_sq", torch.uint8, n),
-        )
+        return quant_specs("exp_avg_sq", torch.uint8, n)
 
     def load_m(self, views: dict[str, Tensor], start: int, stop: int) -> Tensor:
         raise NotImplementedError("nomomentum_int8 holds no momentum")
@@ -39,11 +36,7 @@ class NoMomentumInt8(ElementwiseFormat):
         raise NotImplementedError("nomomentum_int8 holds no momentum")
 
     def load_v(self, views: dict[str, Tensor], start: int, stop: int) -> Tensor:
-        return dequantize_sqrt(
-            views["exp_avg_sq"][start:stop], views["exp_avg_sq_scale"][group_slice(start, stop)]
-        )
+        return dequantize_sqrt(*quant_args(views, "exp_avg_sq", start, stop))
 
     def store_v(self, v: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
-        quantize_sqrt(
-            v, views["exp_avg_sq"][start:stop], views["exp_avg_sq_scale"][group_slice(start, stop)]
-        )
+        quantize_sqrt(v, *quant_args(views, "exp_avg_sq", start, stop))

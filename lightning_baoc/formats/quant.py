@@ -9,10 +9,13 @@ elements with one 16-bit absmax scale per group:
 - second moment: ``sqrt(v) / absmax -> uint8 round(255 .)``; inverse squares. The square root
   halves the dynamic range the 8 bits must cover.
 
-Scales are stored as bfloat16 (2 bytes, as fp16 would be): fp16's smallest normal number is
-6.1e-5 and ``sqrt(v)`` of a gradient of 1e-7 is 1e-7, so fp16 scales would flush whole groups of a
-quiet layer to zero. The scale is rounded *up* so that every normalized value lies in [-1, 1], and
-quantization normalizes by the stored scale, so encode and decode agree exactly on it.
+Scales are fp16 as in FlashOptim (their 11-bit precision matters: the largest element of each
+group is reproduced to the scale's precision, and it dominates the squared error of v), but fp16
+alone cannot hold gradient-sized numbers: its smallest normal value is 6.1e-5 and ``sqrt(v)`` of a
+quiet layer's gradient can be 1e-7, which would flush whole groups to zero. So every super-block of
+32 groups (1024 elements) also stores one int8 power-of-two exponent: scale = fp16 * 2**exp.
+That costs 1 byte per 1024 elements per moment; quantization normalizes by the stored scale, so
+encode and decode agree exactly.
 """
 
 from __future__ import annotations
@@ -21,10 +24,15 @@ import torch
 from torch import Tensor
 
 GROUP = 32
-SCALE_DTYPE = torch.bfloat16
-# A bf16 scale rounded to nearest is within 2**-8 (relative) of the exact value; bumping by 2**-7
-# first guarantees the stored scale is >= the absmax.
-_SCALE_BUMP = 1.0 + 2.0**-7
+#: Groups share one power-of-two exponent per super-block of 32 groups (1024 elements), so the
+#: fp16 scales keep fp16's 11-bit precision while the exponent carries the range (see module doc).
+SUPER_GROUPS = 32
+SUPER = GROUP * SUPER_GROUPS
+SCALE_DTYPE = torch.float16
+EXP_DTYPE = torch.int8
+# A super-block's largest scale is stored in [2**14, 2**15): below fp16's maximum (65504), and
+# groups down to 2**-28 of it stay normal fp16 numbers.
+_TOP_EXPONENT = 14
 
 
 def num_groups(numel: int) -> int:
@@ -32,17 +40,30 @@ def num_groups(numel: int) -> int:
     return -(-numel // GROUP)
 
 
+def num_supers(numel: int) -> int:
+    """Number of super-blocks (exponents) for ``numel`` elements."""
+    return -(-numel // SUPER)
+
+
 def _per_group(x: Tensor, scales: Tensor) -> Tensor:
-    """Multiply flat ``x`` in place by its group's scale; the tail group may be short."""
+    """Multiply flat ``x`` in place by its group's (fp32) scale; the tail group may be short."""
     n = x.numel()
     full = (n // GROUP) * GROUP
     if full:
-        body = x[:full].view(-1, GROUP)
-        s = scales[: full // GROUP].to(torch.float32).unsqueeze(1)
-        body.mul_(s)
+        x[:full].view(-1, GROUP).mul_(scales[: full // GROUP].unsqueeze(1))
     if full < n:
-        x[full:].mul_(scales[-1].to(torch.float32))
+        x[full:].mul_(scales[-1])
     return x
+
+
+def _per_super(groups: Tensor, values: Tensor, op: str) -> Tensor:
+    """Broadcast one value per super-block over its groups (fp32), padding the tail."""
+    g = groups.numel()
+    pad = (-g) % SUPER_GROUPS
+    padded = torch.nn.functional.pad(groups, (0, pad)).view(-1, SUPER_GROUPS)
+    if op == "max":
+        return padded.amax(dim=1)
+    return padded.mul_(values.unsqueeze(1)).view(-1)[:g]
 
 
 def group_absmax(x: Tensor) -> Tensor:
@@ -57,16 +78,29 @@ def group_absmax(x: Tensor) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _store_scales(absmax: Tensor, scales_out: Tensor) -> Tensor:
-    """Round the absmax up to bf16, store it, and return the fp32 reciprocal (0 for empty groups)."""
-    scales_out.copy_(absmax * _SCALE_BUMP)
-    stored = scales_out.to(torch.float32)
+def _store_scales(absmax: Tensor, scales_out: Tensor, exps_out: Tensor) -> Tensor:
+    """Store fp16 scales with a shared exponent per super-block; return per-group fp32 reciprocals.
+
+    Normalizing by the stored (rounded) scale keeps encode and decode in exact agreement; values
+    a rounding pushes past 1 are clamped by the callers.
+    """
+    top = _per_super(absmax, absmax, "max")
+    exps = torch.where(top > 0, torch.floor(torch.log2(top)) - _TOP_EXPONENT, torch.zeros_like(top))
+    exps.clamp_(-128, 127)
+    exps_out.copy_(exps)
+    unit = torch.exp2(exps)
+    scales_out.copy_(_per_super(absmax.clone(), unit.reciprocal(), "mul"))
+    stored = _per_super(scales_out.to(torch.float32), unit, "mul")
     return torch.where(stored > 0, stored.reciprocal(), torch.zeros_like(stored))
 
 
-def quantize_momentum(x: Tensor, codes_out: Tensor, scales_out: Tensor) -> None:
+def _load_scales(scales: Tensor, exps: Tensor) -> Tensor:
+    return _per_super(scales.to(torch.float32), torch.exp2(exps.to(torch.float32)), "mul")
+
+
+def quantize_momentum(x: Tensor, codes_out: Tensor, scales_out: Tensor, exps_out: Tensor) -> None:
     """Companded int8 quantization of a flat fp32 momentum chunk (``x`` is overwritten)."""
-    inv = _store_scales(group_absmax(x), scales_out)
+    inv = _store_scales(group_absmax(x), scales_out, exps_out)
     _per_group(x, inv).clamp_(-1.0, 1.0)
     # softsign: y = 2x / (1 + |x|)
     y = x.abs().add_(1.0)
@@ -74,26 +108,26 @@ def quantize_momentum(x: Tensor, codes_out: Tensor, scales_out: Tensor) -> None:
     codes_out.copy_(y)
 
 
-def dequantize_momentum(codes: Tensor, scales: Tensor) -> Tensor:
+def dequantize_momentum(codes: Tensor, scales: Tensor, exps: Tensor) -> Tensor:
     """Inverse of :func:`quantize_momentum`: a new flat fp32 tensor."""
     y = codes.to(torch.float32).div_(127.0)
     x = y.abs().neg_().add_(2.0)
     torch.div(y, x, out=x)
-    return _per_group(x, scales)
+    return _per_group(x, _load_scales(scales, exps))
 
 
-def quantize_sqrt(v: Tensor, codes_out: Tensor, scales_out: Tensor) -> None:
+def quantize_sqrt(v: Tensor, codes_out: Tensor, scales_out: Tensor, exps_out: Tensor) -> None:
     """sqrt-companded uint8 quantization of a flat fp32 second-moment chunk (``v`` is overwritten)."""
     s = v.clamp_(min=0.0).sqrt_()
-    inv = _store_scales(group_absmax(s), scales_out)
+    inv = _store_scales(group_absmax(s), scales_out, exps_out)
     _per_group(s, inv).clamp_(0.0, 1.0).mul_(255.0).round_()
     codes_out.copy_(s)
 
 
-def dequantize_sqrt(codes: Tensor, scales: Tensor) -> Tensor:
+def dequantize_sqrt(codes: Tensor, scales: Tensor, exps: Tensor) -> Tensor:
     """Inverse of :func:`quantize_sqrt`: a new flat fp32 tensor."""
     s = codes.to(torch.float32).div_(255.0)
-    _per_group(s, scales)
+    _per_group(s, _load_scales(scales, exps))
     return s.mul_(s)
 
 
