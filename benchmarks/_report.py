@@ -1,0 +1,65 @@
+"""Shared by the benchmarks: the machine they ran on, and writing a table into the README.
+
+Each benchmark owns one README section between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``;
+:func:`write_readme_section` replaces what is between the markers (and adds them at the end of the
+file if they are missing).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def machine() -> str:
+    """One line: CPU model, cores, memory, Python and torch versions."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        mem = f", {pages * size / 2**30:.0f} GiB RAM"
+    except (ValueError, OSError, AttributeError):
+        pass
+    return (
+        f"{cpu}, {os.cpu_count()} cores{mem}, Python {platform.python_version()}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} torch threads"
+    )
+
+
+def command() -> str:
+    """The command that ran this benchmark, as typed from the repository root."""
+    return "python " + " ".join([os.path.relpath(sys.argv[0], README.parent)] + sys.argv[1:])
+
+
+def write_readme_section(name: str, body: str) -> None:
+    """Replace the README section ``name`` with ``body``."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    text = README.read_text()
+    block = f"{start}\n{body.strip()}\n{end}"
+    if start in text and end in text:
+        text = re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S)
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    README.write_text(text)
+
+
+def markdown_table(headers: list[str], rows: list[list[object]]) -> str:
+    """A GitHub markdown table."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
