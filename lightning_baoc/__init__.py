@@ -2,6 +2,8 @@
 
 from lightning_baoc.formats import FORMATS
 from lightning_baoc.optim import BlockwiseAdamW
+from lightning_baoc.blocks import partition
+from lightning_baoc.sampler import GradientSampler
 
 # public names of the other modules are added below, one import line each
-__all__ = ["FORMATS", "BlockwiseAdamW"]
+__all__ = ["FORMATS", "BlockwiseAdamW", "partition", "GradientSampler"]
