@@ -29,7 +29,9 @@ class BF16Momentum(ElementwiseFormat):
         bf16_stochastic(m, views["exp_avg"][start:stop], hyper.generator)
 
     def load_v(self, views: dict[str, Tensor], start: int, stop: int) -> Tensor:
-        return views["exp_avg_sq"][start:stop].clone()
+        return views["exp_avg_sq"][start:stop]  # fp32 already: updated in place
 
     def store_v(self, v: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
-        views["exp_avg_sq"][start:stop].copy_(v)
+        target = views["exp_avg_sq"][start:stop]
+        if v.data_ptr() != target.data_ptr():
+            target.copy_(v)

@@ -33,7 +33,11 @@ class ElementwiseFormat(StateFormat):
 
     @abstractmethod
     def load_v(self, views: dict[str, Tensor], start: int, stop: int) -> Tensor:
-        """A new flat fp32 tensor of the second-moment elements ``[start, stop)``."""
+        """A flat fp32 tensor of the second-moment elements ``[start, stop)``.
+
+        It may be the stored view itself (fp32 storage), which the step then updates in place;
+        ``store_v`` must accept that.
+        """
 
     @abstractmethod
     def store_v(
@@ -56,7 +60,7 @@ class ElementwiseFormat(StateFormat):
         n = numel_of(shape)
         shape = tuple(shape)
         m = self.load_m(views, 0, n).view(shape) if self.has_momentum else None
-        return Canonical(shape, exp_avg=m, exp_avg_sq=self.load_v(views, 0, n).view(shape))
+        return Canonical(shape, exp_avg=m, exp_avg_sq=self.load_v(views, 0, n).clone().view(shape))
 
     def update(self, items: list[StepItem], hyper: StepHyper) -> None:
         for item in items:
