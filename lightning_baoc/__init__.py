@@ -4,6 +4,8 @@ from lightning_baoc.formats import FORMATS
 from lightning_baoc.optim import BlockwiseAdamW
 from lightning_baoc.blocks import partition
 from lightning_baoc.sampler import GradientSampler
+from lightning_baoc.solver import Allocation, BudgetInfeasibleError, parse_memory_budget, parse_time_budget, select_boundaries, solve
 
 # public names of the other modules are added below, one import line each
 __all__ = ["FORMATS", "BlockwiseAdamW", "partition", "GradientSampler"]
+__all__ += ["solve", "Allocation", "BudgetInfeasibleError", "parse_memory_budget", "parse_time_budget", "select_boundaries"]

@@ -1,0 +1,118 @@
+"""The ``lightning-baoc`` command line (also ``python -m lightning_baoc``).
+
+Subcommands register themselves in :data:`SUBCOMMANDS`: a name -> (add arguments, run) pair, so a
+new one (``check``, ...) is one function pair and one entry.
+
+Example:
+    python -m lightning_baoc plan --preset llama-7b --budget 0.35 --budget 0.25
+    lightning-baoc plan --model mypkg.models:build --device cuda --budget 6GB --time-budget 1.10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from .budget import MEMORY_BUDGET_FORMS, TIME_BUDGET_FORMS
+
+
+def _add_plan(parser: argparse.ArgumentParser) -> None:
+    from .blocks import GRANULARITIES
+    from .formats import FORMATS
+    from .planner import PRESETS
+
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="a built-in model: " + "; ".join(f"{k}: {v[1]}" for k, v in PRESETS.items()) + " (default: llama-7b)",
+    )
+    which.add_argument("--model", metavar="PACKAGE.MODULE:FACTORY", help="a factory called with no arguments")
+    parser.add_argument(
+        "--budget",
+        action="append",
+        default=[],
+        metavar="BUDGET",
+        help=f"memory budget, repeatable: {MEMORY_BUDGET_FORMS}",
+    )
+    parser.add_argument("--time-budget", metavar="MULTIPLE", help=f"time budget: {TIME_BUDGET_FORMS}")
+    parser.add_argument(
+        "--device", default="cuda", help="the training device planned for (default: cuda); decides the hardware mask"
+    )
+    parser.add_argument("--granularity", choices=list(GRANULARITIES), default="module", help="block granularity (default: module)")
+    parser.add_argument("--stats", metavar="FILE", help='risks from a statistics file: {"blocks": [{"name": ..., "risk": {format: value}}]}')
+    parser.add_argument("--mask", action="append", default=[], choices=list(FORMATS), metavar="FORMAT", help="exclude a format (repeatable)")
+    parser.add_argument("--max-boundaries", type=int, metavar="N", help="the format changes at most N times along the blocks")
+    parser.add_argument("--calibrate", action="store_true", help="time costs from a calibration of --device here (cached)")
+    parser.add_argument("--min-8bit-numel", type=int, default=4096, help="small-tensor threshold of the 8-bit formats (default: 4096)")
+    parser.add_argument("--method", choices=["auto", "greedy", "exact"], default="auto", help="solver method (default: auto)")
+    parser.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .planner import plan, render
+
+    model = args.model or args.preset or "llama-7b"
+    result = plan(
+        model,
+        args.budget,
+        time_budget=args.time_budget,
+        device=args.device,
+        granularity=args.granularity,
+        statistics=args.stats,
+        mask=args.mask,
+        max_boundaries=args.max_boundaries,
+        calibrate_time=args.calibrate,
+        min_8bit_numel=args.min_8bit_numel,
+        method=args.method,
+    )
+    render(result, Console(width=max(Console().width, 120)))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(result.to_dict(), fh, indent=2)
+    return 0
+
+
+#: name -> (help, add arguments, run)
+SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "plan": (
+        "plan optimizer-state memory of a model built on the meta device: fp32 AdamW, every format, allocations",
+        _add_plan,
+        _run_plan,
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every subcommand of :data:`SUBCOMMANDS`."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-baoc", description="Budget-aware, block-wise optimizer-state formats for PyTorch Lightning."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_text, add, run) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add(p)
+        p.set_defaults(_run=run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``lightning-baoc`` and ``python -m lightning_baoc``; returns the exit code.
+
+    Bad input (a budget, a model, a file) ends with a one-line error and exit code 2.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args))
+    except (ValueError, TypeError) as err:
+        parser.exit(2, f"lightning-baoc {args.command}: error: {err}\n")
+    return 2  # pragma: no cover - parser.exit raises
+
+
+if __name__ == "__main__":
+    sys.exit(main())
