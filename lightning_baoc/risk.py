@@ -1,0 +1,277 @@
+"""The risk model: how much harm would each state format do to each block?
+
+The score is a prediction of harm to training progress over a horizon of ``H`` optimizer steps,
+measured on the block's real Adam state at allocation time (warm-up runs all-fp32, so the exact
+``m`` and ``v`` are at hand). DESIGN.md's caution shapes it: one step's update perturbation is
+a poor predictor (dropping momentum perturbs a single update by 20-30x its norm yet moves the loss
+by ~1e-2, either way), because zero-mean noise in the update averages out over steps while a bias
+does not. So the risk separates what persists from what averages out.
+
+For a block ``b`` with bias-corrected moments ``m, v`` (per element ``i``) and Adam direction
+``u_i = m_i / (sqrt(v_i) + eps)``:
+
+- **progress** ``p_b = sum_i m_i * u_i``: the first-order loss decrease per unit learning rate
+  that the block contributes (``m`` estimates the expected gradient). Blocks are weighted by
+  their share of the total progress ``P = sum_b p_b``: harm to a block that drives little of
+  the descent matters little.
+- **bias** of format ``f``: the format's state is round-tripped through its real encode/decode
+  (the same code the optimizer runs: companded 8-bit codes, bf16 rounding, Adafactor's rank-1
+  ``v``), and the expected update ``E[u_f] = m_f / (sqrt(v_f) + eps)`` (``m_f = m`` for formats
+  without momentum: the gradient's expectation) is compared with ``u``:
+  ``B_f = ||E[u_f] - u||^2 / ||u||^2``. A systematic distortion of the step sizes (a factored
+  ``v`` on an unevenly scaled matrix; 8-bit ``v`` entries rounded to zero, whose updates become
+  ``m / eps``) persists over every step, so it enters in full.
+- **variance** of formats without momentum: the raw gradient replaces ``m``; with ``E[g^2] = v``
+  the per-element update noise is ``(v_i - m_i^2)^+ / (sqrt(v_i) + eps)^2``. Momentum had
+  already damped that noise to a fraction ``a = (1 - beta1) / (1 + beta1)`` (an EMA's variance
+  reduction), so dropping it adds ``(1 - a)`` of it. Summed over ``H`` steps, noise grows like
+  ``sqrt(H)`` and progress like ``H``: the relative squared error of the accumulated update is
+  ``V_f = (1 - a) * sum_i noise_i / (H * ||u||^2)``.
+
+The risk is ``risk[b][f] = (p_b / P) * (B_f + V_f)``, zero for ``fp32`` and ``offload`` (the
+same fp32 math; ``offload`` costs time, which the time budget prices). The gradient statistics of
+the sampler enter where the state cannot speak: a block already held without momentum (at a
+re-evaluation) has no ``m``; its signal is then taken from the sampled gradients'
+signal-to-noise ratio, ``m_i^2 = v_i * (1 - noise_fraction)``, per element, in expectation.
+
+Cost is bounded per tensor: above ``max_elements`` elements, the scores are computed on random
+1024-element segments aligned to the 8-bit formats' quantization super-blocks (so the round trip
+is exactly the one the format performs), with factored ``v`` built from the full tensor's row and
+column means.
+
+Validation (does it predict measured harm?) is ``benchmarks/risk_validation.py``; its tables are
+in the README.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_baoc.formats import FORMATS, Canonical, StepHyper, factor_dims, resolve_format
+from lightning_baoc.formats.quant import SUPER
+from lightning_baoc.optim import BlockwiseAdamW
+
+#: Default horizon (optimizer steps) over which zero-mean update noise averages out.
+DEFAULT_HORIZON = 200
+#: Default bound on the elements of one tensor that the scores are computed on.
+DEFAULT_MAX_ELEMENTS = 1 << 16
+
+
+@dataclass
+class BlockRisk:
+    """The terms behind one block's risk scores (all floats, JSON-ready)."""
+
+    name: str
+    progress: float = 0.0  # p_b, over the sampled elements scaled to the whole block
+    update_sq: float = 0.0  # ||u||^2, same scaling
+    noise_sq: float = 0.0  # sum_i (v_i - m_i^2)^+ / (sqrt(v_i) + eps)^2, same scaling
+    bias: dict[str, float] = field(default_factory=dict)  # format -> B_f
+    variance: dict[str, float] = field(default_factory=dict)  # format -> V_f
+    risk: dict[str, float] = field(default_factory=dict)  # format -> final score
+    share: float = 0.0  # p_b / P
+
+    @property
+    def noise_ratio(self) -> float:
+        """Per-step update noise over update signal (the 20-30x of DESIGN.md's caution)."""
+        return self.noise_sq / self.update_sq if self.update_sq > 0 else math.nan
+
+
+def _segments(numel: int, max_elements: int, generator: torch.Generator) -> Tensor | None:
+    """Indices of random super-block-aligned segments covering <= max_elements, or None for all."""
+    if numel <= max_elements:
+        return None
+    n_super = numel // SUPER  # whole super-blocks only: the tail is left out of the sample
+    k = max(1, max_elements // SUPER)
+    chosen = torch.randperm(n_super, generator=generator)[:k].sort().values
+    return (chosen.unsqueeze(1) * SUPER + torch.arange(SUPER)).reshape(-1)
+
+
+def _round_trip(fmt: str, m: Tensor | None, v: Tensor, generator: torch.Generator) -> tuple[Tensor | None, Tensor]:
+    """Encode flat fp32 ``m``, ``v`` in an element-wise format and decode them again."""
+    shape = (v.numel(),)
+    layout = FORMATS[fmt].layout(shape)
+    views = {spec.key: torch.zeros(spec.numel, dtype=spec.dtype, device=v.device) for spec in layout}
+    has_m = FORMATS[fmt].has_momentum
+    state = Canonical(shape, exp_avg=m.clone() if (has_m and m is not None) else None, exp_avg_sq=v.clone())
+    if has_m and state.exp_avg is None:
+        state.exp_avg = torch.zeros_like(v)
+    hyper = StepHyper(0.0, 0.9, 0.999, 0.0, 0.0, generator=generator)
+    FORMATS[fmt].encode(state, views, hyper)
+    out = FORMATS[fmt].decode(views, shape)
+    return out.exp_avg, out.exp_avg_sq
+
+
+def _raw_state(opt: BlockwiseAdamW, name: str) -> tuple[Canonical, int, int, Mapping] | None:
+    p = opt.named_params[name]
+    state = opt.param_state(name)
+    if state is None:
+        return None
+    rec = opt._records[p]  # noqa: SLF001 - same package: step counts live there
+    return state, rec.step, rec.m_step, opt.param_groups[rec.group]
+
+
+def _param_terms(
+    opt: BlockwiseAdamW,
+    name: str,
+    formats: Sequence[str],
+    noise_fraction: float | None,
+    generator: torch.Generator,
+    max_elements: int,
+) -> tuple[float, float, float, dict[str, float], dict[str, float]] | None:
+    """progress, ||u||^2, noise^2, and per-format ||E[u_f] - u||^2 and added noise^2 of one tensor."""
+    raw = _raw_state(opt, name)
+    if raw is None:
+        return None
+    state, step, m_step, group = raw
+    p = opt.named_params[name]
+    beta1, beta2 = (float(b) for b in group["betas"])
+    eps = float(group["eps"])
+    bc2 = 1.0 - beta2**step if step else 1.0
+    v_full = state.dense_v().reshape(-1).to(torch.float32)
+    idx = _segments(v_full.numel(), max_elements, generator)
+    scale = 1.0 if idx is None else v_full.numel() / idx.numel()
+    take = (lambda t: t) if idx is None else (lambda t: t[idx])
+    v = take(v_full)
+    if state.exp_avg is not None and m_step:
+        m = take(state.exp_avg.reshape(-1).to(torch.float32))
+        bc1 = 1.0 - beta1**m_step
+    else:
+        m = None
+        bc1 = 1.0
+    v_hat = v / bc2
+    if m is not None:
+        m_hat = m / bc1
+    else:
+        # no momentum held: expected signal from the sampled gradients' SNR (see module doc)
+        frac = 1.0 if noise_fraction is None or math.isnan(noise_fraction) else noise_fraction
+        m_hat = (v_hat * (1.0 - frac)).sqrt()
+    denom = v_hat.sqrt() + eps
+    u = m_hat / denom
+    progress = float((m_hat * u).sum()) * scale
+    update_sq = float((u * u).sum()) * scale
+    noise = ((v_hat - m_hat * m_hat).clamp_min(0.0) / (denom * denom)).sum()
+    noise_sq = float(noise) * scale
+    damp = (1.0 - beta1) / (1.0 + beta1)
+
+    m_src = m if m is not None else m_hat * bc1  # a re-created momentum estimates the same signal
+    dims = factor_dims(p.shape)
+    factored_v: Tensor | None = None
+    bias: dict[str, float] = {}
+    added_noise: dict[str, float] = {}
+    cache: dict[str, tuple[Tensor | None, Tensor]] = {}
+    for fmt in formats:
+        actual = resolve_format(fmt, p.shape, opt.min_8bit_numel)
+        spec = FORMATS[actual]
+        if actual in ("fp32", "offload"):
+            bias[fmt], added_noise[fmt] = 0.0, 0.0
+            continue
+        if spec.factored:
+            if factored_v is None:
+                rows, cols = dims  # type: ignore[misc] - factored formats resolve only for 2-D+
+                v2d = v_full.view(rows, cols)
+                row, col = v2d.mean(dim=1), v2d.mean(dim=0)
+                flat = torch.arange(v_full.numel()) if idx is None else idx
+                r_idx, c_idx = flat // cols, flat % cols
+                mean = row.mean()
+                factored_v = row[r_idx] * col[c_idx] / mean if float(mean) > 0 else torch.zeros_like(v)
+            v_f = factored_v
+            m_f = _round_trip("int8", m_src, v, generator)[0] if spec.has_momentum else None
+        else:
+            if actual not in cache:
+                cache[actual] = _round_trip(actual, m_src, v, generator)
+            m_f, v_f = cache[actual]
+        m_exp = (m_f / bc1) if (spec.has_momentum and m_f is not None) else m_hat
+        u_f = m_exp / ((v_f / bc2).sqrt() + eps)
+        bias[fmt] = float(((u_f - u) ** 2).sum()) * scale
+        # risk is relative to full fp32 AdamW: every format without momentum adds the noise
+        added_noise[fmt] = 0.0 if spec.has_momentum else (1.0 - damp) * noise_sq
+    return progress, update_sq, noise_sq, bias, added_noise
+
+
+def risk_details(
+    optimizer: BlockwiseAdamW,
+    blocks: Mapping[str, Sequence[str]],
+    statistics: Mapping[str, Mapping[str, float]] | None = None,
+    formats: Sequence[str] | None = None,
+    horizon: int = DEFAULT_HORIZON,
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+    seed: int = 0,
+) -> dict[str, BlockRisk]:
+    """The risk scores with the terms behind them (see the module docstring for the formula).
+
+    Args:
+        optimizer: the BlockwiseAdamW whose live state is scored.
+        blocks: block name -> parameter names (:func:`lightning_baoc.partition`).
+        statistics: per-block sampler statistics (``noise_fraction`` is read for blocks held
+            without momentum); optional.
+        formats: formats to score (default: all of :data:`~lightning_baoc.FORMATS`).
+        horizon: steps over which update noise averages out (default: 200).
+        max_elements: elements per tensor the scores are computed on (default: 65536).
+        seed: seed of the segment sampling and of stochastic rounding (default: 0).
+    """
+    if not isinstance(horizon, int) or horizon < 1:
+        raise ValueError(f"Invalid horizon: {horizon!r}; expected an int >= 1 (optimizer steps)")
+    formats = list(formats) if formats is not None else list(FORMATS)
+    for fmt in formats:
+        if fmt not in FORMATS:
+            raise ValueError(f"Unknown format {fmt!r} in formats; allowed: {list(FORMATS)}")
+    generator = torch.Generator().manual_seed(seed)
+    out: dict[str, BlockRisk] = {}
+    with torch.no_grad():
+        for block, names in blocks.items():
+            br = BlockRisk(block, bias={f: 0.0 for f in formats}, variance={f: 0.0 for f in formats})
+            noise_fraction = None
+            if statistics is not None and block in statistics:
+                noise_fraction = statistics[block].get("noise_fraction")
+            noise_added = {f: 0.0 for f in formats}
+            for name in names:
+                terms = _param_terms(optimizer, name, formats, noise_fraction, generator, max_elements)
+                if terms is None:
+                    continue
+                progress, update_sq, noise_sq, bias, added = terms
+                br.progress += progress
+                br.update_sq += update_sq
+                br.noise_sq += noise_sq
+                for f in formats:
+                    br.bias[f] += bias[f]
+                    noise_added[f] += added[f]
+            if br.update_sq > 0:
+                for f in formats:
+                    br.bias[f] /= br.update_sq
+                    br.variance[f] = noise_added[f] / (horizon * br.update_sq)
+            out[block] = br
+    total = sum(br.progress for br in out.values())
+    for br in out.values():
+        br.share = br.progress / total if total > 0 else 0.0
+        br.risk = {f: max(0.0, br.share * (br.bias[f] + br.variance[f])) for f in formats}
+    return out
+
+
+def risk_table(
+    optimizer: BlockwiseAdamW,
+    blocks: Mapping[str, Sequence[str]],
+    statistics: Mapping[str, Mapping[str, float]] | None = None,
+    formats: Sequence[str] | None = None,
+    horizon: int = DEFAULT_HORIZON,
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+    seed: int = 0,
+) -> dict[str, dict[str, float]]:
+    """Block -> format -> risk (non-negative; 0 for ``fp32`` and ``offload``).
+
+    Example:
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+        >>> opt = BlockwiseAdamW(model.named_parameters(), min_8bit_numel=0)
+        >>> for _ in range(3):
+        ...     opt.zero_grad(); model(torch.randn(16, 64)).pow(2).mean().backward(); opt.step()
+        >>> risk = risk_table(opt, {"0": ["0.weight", "0.bias"], "1": ["1.weight", "1.bias"]})
+        >>> risk["0"]["fp32"], risk["0"]["int8"] > 0
+        (0.0, True)
+    """
+    details = risk_details(optimizer, blocks, statistics, formats, horizon, max_elements, seed)
+    return {block: dict(br.risk) for block, br in details.items()}
