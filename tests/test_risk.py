@@ -1,0 +1,81 @@
+"""The risk model (issue 3): properties on constructed states, and a reduced validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_baoc import FORMATS, BlockwiseAdamW
+from lightning_baoc.risk import risk_details, risk_table
+
+
+def _opt_with_state(weights: dict[str, torch.Tensor], m: dict, v: dict, step: int = 1000) -> BlockwiseAdamW:
+    module = nn.Module()
+    for name, w in weights.items():
+        setattr(module, name, nn.Parameter(w.clone()))
+    opt = BlockwiseAdamW(module.named_parameters(), min_8bit_numel=0)
+    sd = {
+        "state": {i: {"step": torch.tensor(float(step)), "exp_avg": m[n], "exp_avg_sq": v[n]} for i, n in enumerate(weights)},
+        "param_groups": [{"params": list(range(len(weights)))}],
+    }
+    opt.load_state_dict(sd)
+    return opt
+
+
+def test_fp32_and_offload_are_free_and_all_scores_nonnegative() -> None:
+    torch.manual_seed(0)
+    w = {"a": torch.randn(64, 96), "b": torch.randn(96)}
+    m = {k: torch.randn_like(t) * 1e-3 for k, t in w.items()}
+    v = {k: torch.rand_like(t) * 1e-6 + 1e-7 for k, t in w.items()}
+    opt = _opt_with_state(w, m, v)
+    risk = risk_table(opt, {"blk": ["a", "b"]})
+    assert set(risk["blk"]) == set(FORMATS)
+    assert risk["blk"]["fp32"] == 0.0 and risk["blk"]["offload"] == 0.0
+    assert all(r >= 0 for r in risk["blk"].values())
+
+
+def test_factored_risk_follows_rank_of_v() -> None:
+    torch.manual_seed(0)
+    rows, cols = torch.rand(128) + 0.5, torch.rand(64) + 0.5
+    rank1 = torch.outer(rows, cols) * 1e-6
+    uneven = rank1 * torch.exp(torch.randn(128, 64) * 2)  # far from rank one
+    w = {"low": torch.zeros(128, 64), "high": torch.zeros(128, 64)}
+    m = {"low": rank1.sqrt() * 0.5, "high": uneven.sqrt() * 0.5}
+    v = {"low": rank1, "high": uneven}
+    details = risk_details(_opt_with_state(w, m, v), {"low": ["low"], "high": ["high"]})
+    assert details["low"].bias["factored"] < 1e-6
+    assert details["high"].bias["factored"] > 100 * max(details["low"].bias["factored"], 1e-9)
+
+
+def test_dropping_momentum_costs_more_where_gradients_are_noisy_and_less_over_longer_horizons() -> None:
+    torch.manual_seed(0)
+    v = torch.rand(64, 64) * 1e-6 + 1e-7
+    w = {"clean": torch.zeros(64, 64), "noisy": torch.zeros(64, 64)}
+    m = {"clean": v.sqrt() * 0.95, "noisy": v.sqrt() * 0.05}  # |m| ~ sqrt(v): little noise
+    opt = _opt_with_state(w, m, {"clean": v, "noisy": v})
+    short = risk_details(opt, {"clean": ["clean"], "noisy": ["noisy"]}, horizon=10)
+    long = risk_details(opt, {"clean": ["clean"], "noisy": ["noisy"]}, horizon=1000)
+    assert short["noisy"].variance["nomomentum"] > 10 * short["clean"].variance["nomomentum"]
+    assert long["noisy"].variance["nomomentum"] == pytest.approx(short["noisy"].variance["nomomentum"] / 100)
+    assert short["noisy"].noise_ratio > 100  # one step's noise dwarfs its signal, as in DESIGN.md
+
+
+def test_int8_second_moment_zeroing_hazard_is_seen_without_momentum() -> None:
+    torch.manual_seed(0)
+    # within each group of 32, one large entry and many tiny ones: uint8 sqrt(v) rounds them to 0
+    v = torch.full((64, 64), 1e-12)
+    v[:, ::32] = 1e-4
+    m = v.sqrt() * 0.5
+    details = risk_details(_opt_with_state({"w": torch.zeros(64, 64)}, {"w": m}, {"w": v}), {"w": ["w"]})
+    bias = details["w"].bias
+    assert bias["nomomentum_int8"] > 1e3 * max(bias["nomomentum"], 1e-12)
+    assert bias["nomomentum_int8"] > 10 * bias["int8"]  # with momentum, m rounds to zero there too
+
+
+def test_bad_arguments() -> None:
+    opt = _opt_with_state({"w": torch.zeros(8, 8)}, {"w": torch.zeros(8, 8)}, {"w": torch.ones(8, 8)})
+    with pytest.raises(ValueError, match="Invalid horizon: 0"):
+        risk_table(opt, {"w": ["w"]}, horizon=0)
+    with pytest.raises(ValueError, match="Unknown format 'fp8'"):
+        risk_table(opt, {"w": ["w"]}, formats=["fp8"])
