@@ -208,6 +208,19 @@ def _multiple_seconds(multiple: float, fp32_seconds: float | None, argument: str
     return multiple * fp32_seconds
 
 
+def _format_units(n: float, units: tuple[str, ...], base: float) -> str:
+    if not math.isfinite(n):
+        return str(n)
+    value = float(n)
+    for unit in units:
+        if abs(value) < base or unit == units[-1]:
+            if unit == "B":
+                return f"{int(round(value))} B"
+            return f"{value:.3g} {unit}"
+        value /= base
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 def format_bytes(n: float) -> str:
     """Bytes in binary units, three significant digits.
 
@@ -217,16 +230,7 @@ def format_bytes(n: float) -> str:
         >>> format_bytes(100)
         '100 B'
     """
-    if not math.isfinite(n):
-        return str(n)
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024.0 or unit == "TiB":
-            if unit == "B":
-                return f"{int(round(value))} B"
-            return f"{value:.3g} {unit}"
-        value /= 1024.0
-    raise AssertionError("unreachable")  # pragma: no cover
+    return _format_units(n, ("B", "KiB", "MiB", "GiB", "TiB"), 1024.0)
 
 
 def format_decimal_bytes(n: float) -> str:
@@ -236,16 +240,7 @@ def format_decimal_bytes(n: float) -> str:
         >>> format_decimal_bytes(53_907_324_928)
         '53.9 GB'
     """
-    if not math.isfinite(n):
-        return str(n)
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(value) < 1000.0 or unit == "TB":
-            if unit == "B":
-                return f"{int(round(value))} B"
-            return f"{value:.3g} {unit}"
-        value /= 1000.0
-    raise AssertionError("unreachable")  # pragma: no cover
+    return _format_units(n, ("B", "KB", "MB", "GB", "TB"), 1000.0)
 
 
 def format_seconds(seconds: float) -> str:
