@@ -116,11 +116,21 @@ def chargpt_task() -> Task:
     return Task("chargpt", make, loss, heldout, lr=2e-3)
 
 
-def _train(task: Task, model: nn.Module, opt: BlockwiseAdamW, steps: int, gen: torch.Generator) -> None:
+def _train(
+    task: Task, model: nn.Module, opt: BlockwiseAdamW, steps: int, gen: torch.Generator, eval_points: int = 0
+) -> float:
+    """Train ``steps`` steps; return the mean held-out loss at ``eval_points`` evenly spaced points
+    of the last fifth of training (averaging damps the step-to-step fluctuation of a constant-lr
+    run, the largest part of the noise floor), or nan without evaluation points."""
+    at = {steps - 1 - i * max(1, steps // (5 * max(eval_points, 1))) for i in range(eval_points)}
+    losses = []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         task.loss(model, step, gen).backward()
         opt.step()
+        if step in at:
+            losses.append(task.heldout(model))
+    return sum(losses) / len(losses) if losses else math.nan
 
 
 def warm_up(task: Task, steps: int) -> tuple[bytes, bytes]:
@@ -141,12 +151,14 @@ def restore(task: Task, warm: tuple[bytes, bytes]) -> tuple[nn.Module, Blockwise
     return model, opt
 
 
+EVAL_POINTS = 5
+
+
 def run(task: Task, warm: tuple[bytes, bytes], formats: dict[str, str], blocks: dict, steps: int, order: int) -> float:
     model, opt = restore(task, warm)
     if formats:
         opt.set_formats(formats, blocks=blocks)
-    _train(task, model, opt, steps, torch.Generator().manual_seed(order))
-    return task.heldout(model)
+    return _train(task, model, opt, steps, torch.Generator().manual_seed(order), EVAL_POINTS)
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -179,7 +191,7 @@ def main() -> None:
     parser.add_argument("--task", choices=["digits", "chargpt"], default="digits")
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--orders", type=int, default=3)
+    parser.add_argument("--orders", type=int, default=5)
     parser.add_argument("--budget", type=float, default=0.2)
     parser.add_argument("--random", type=int, default=5)
     parser.add_argument("--blocks", type=int, default=8, help="blocks in the block-level test")
@@ -244,14 +256,22 @@ def main() -> None:
         above = sum(1 for hh, ss in zip(h, s) if not math.isnan(ss) and abs(hh) > 2 * ss)
         corr_rows.append([f, f"{spearman(p, h):+.2f}", len(p), f"{above}/{len(p)}"])
 
-    noise_floor = mean_sem([harms_of["risk-min"][i] - harms_of["risk-min"][i] for i in range(len(orders))])[0]
+    paired = [harms_of["risk-max"][i] - harms_of["risk-min"][i] for i in range(len(orders))]
+    pm, ps = mean_sem(paired)
+    vs_random = [
+        stats.median(harms_of[k][i] for k in harms_of if k.startswith("random")) - harms_of["risk-min"][i]
+        for i in range(len(orders))
+    ]
+    rm, rs = mean_sem(vs_random)
     summary = (
         f"Task `{task.name}`: fp32 warm-up {args.warmup} steps, then {args.steps} steps at constant lr "
-        f"{task.lr}, {args.orders} data orders (paired). Harm = held-out loss minus the fp32 continuation's "
+        f"{task.lr}, {args.orders} data orders (paired). Harm = held-out loss (mean of {EVAL_POINTS} evaluations over the last fifth) minus the fp32 continuation's "
         f"on the same order, mean and standard error (the noise floor) over orders. Budget {args.budget} "
         f"of fp32 AdamW state. fp32 continuation held-out loss: "
         f"{stats.mean(base.values()):.4f} (spread over orders {max(base.values()) - min(base.values()):.4f}).\n\n"
-        f"(i) allocations (median harm of the random ones: {median_random:+.4f}):\n\n"
+        f"(i) allocations (median harm of the random ones: {median_random:+.4f}); paired by order, "
+        f"risk-max minus risk-min {pm:+.4f} +- {ps:.4f} (sem), median random minus risk-min "
+        f"{rm:+.4f} +- {rs:.4f}:\n\n"
         + markdown_table(["allocation", "memory / fp32", "predicted risk", "harm", "sem"], alloc_rows)
         + "\n\n(ii) one block at a time, Spearman(predicted risk, measured harm); "
         "'above noise' counts harms beyond 2 sem:\n\n"
@@ -260,7 +280,6 @@ def main() -> None:
         + markdown_table(["block", "format", "predicted risk", "harm", "sem"], block_rows)
         + "\n\n</details>"
     )
-    del noise_floor
     print(summary)
     if not args.quick:
         write_readme_section(
