@@ -125,8 +125,15 @@ def quantize_sqrt(v: Tensor, codes_out: Tensor, scales_out: Tensor, exps_out: Te
 
 
 def dequantize_sqrt(codes: Tensor, scales: Tensor, exps: Tensor) -> Tensor:
-    """Inverse of :func:`quantize_sqrt`: a new flat fp32 tensor."""
-    s = codes.to(torch.float32).div_(255.0)
+    """Inverse of :func:`quantize_sqrt`: a new flat fp32 tensor.
+
+    Code 0 stands for every ``sqrt(v)`` below half a step (``absmax / 510``); it decodes to that
+    bound rather than to 0. Decoding it to 0 (FlashOptim's plain inverse) turns the update of such
+    an element into ``m / eps``, and without momentum into ``g / eps``: measured here, digits runs
+    with ``nomomentum_int8`` diverged that way. The bound caps the step at the size the group's
+    precision allows; a group of exact zeros (scale 0) still decodes to 0.
+    """
+    s = codes.to(torch.float32).clamp_(min=0.5).div_(255.0)
     _per_group(s, _load_scales(scales, exps))
     return s.mul_(s)
 
