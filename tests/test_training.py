@@ -23,9 +23,9 @@ MEASURED = {
     "bf16_momentum": 0.0742,
     "bf16": 0.0742,
     "nomomentum": 0.0786,
-    "int8": 0.0945,
+    "int8": 0.0741,
     "int8_factored": 0.0776,
-    "nomomentum_int8": 0.0743,
+    "nomomentum_int8": 0.0770,
     "factored": 0.0794,
     "offload": 0.0742,
 }
