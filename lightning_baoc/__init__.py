@@ -9,3 +9,6 @@ from lightning_baoc.solver import Allocation, BudgetInfeasibleError, parse_memor
 # public names of the other modules are added below, one import line each
 __all__ = ["FORMATS", "BlockwiseAdamW", "partition", "GradientSampler"]
 __all__ += ["solve", "Allocation", "BudgetInfeasibleError", "parse_memory_budget", "parse_time_budget", "select_boundaries"]
+from lightning_baoc.callback import BAOC
+from lightning_baoc.fabric import BAOCStrategy
+__all__ += ["BAOC", "BAOCStrategy"]

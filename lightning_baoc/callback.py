@@ -1,0 +1,355 @@
+"""BAOC: the Lightning callback, a thin adapter over :class:`~lightning_baoc.controller.BAOCController`.
+
+Hook by hook (Lightning 2.6; DESIGN.md, "Lightning and Fabric facts"):
+
+- ``setup``: refuses strategies that own or shard the optimizer (DeepSpeed, FSDP, ModelParallel).
+- ``on_fit_start``: installs once: the optimizer ``configure_optimizers`` returned becomes a fp32
+  :class:`~lightning_baoc.BlockwiseAdamW` over the same param groups (``strategy.optimizers``
+  and every LR scheduler are rebound, so Lightning, the schedulers, ``LearningRateMonitor`` and
+  checkpoints hold that one object from then on); an infeasible budget fails here, before
+  training. On resume the callback state is already loaded (Lightning loads callback state
+  before ``configure_optimizers``), so the saved allocation is requested here and the optimizer
+  state, which Lightning loads after this hook, lands in the saved formats.
+- ``on_before_optimizer_step``: samples the gradients. Here, not in ``on_after_backward``:
+  Lightning calls it once per optimizer step, after the closure has run the backward of the
+  micro-batch that completes the accumulation window, so the gradients are accumulated over the
+  whole window, all-reduced under DDP (every rank samples the same gradient), unscaled under
+  fp16 AMP and not yet clipped. ``on_after_backward`` fires on every micro-batch, with partial
+  sums, unsynchronized gradients and the loss scale still applied.
+- ``on_train_batch_end``, after a batch whose optimizer step completed (``global_step`` moved):
+  the allocation at warm-up end and pending re-evaluations run here, between batches, never
+  inside the step in flight (a conversion inside ``on_before_optimizer_step`` would act on the
+  step that is running).
+- ``on_validation_end`` (plateau of ``monitor``) and ``on_train_epoch_end`` (every N epochs)
+  schedule re-evaluations; they run at once when the last batch completed a step, else at the
+  next step boundary.
+- ``state_dict`` / ``load_state_dict``: the controller's state (allocation, counters, sampler
+  ring); the compact optimizer state is saved by Lightning with the optimizer.
+
+Reports (rank zero, at each allocation): a rich table, ``baoc_allocation.json`` and
+``baoc_allocation.png`` in ``trainer.log_dir``, and the scalars ``baoc/state_bytes``,
+``baoc/saved_fraction``, ``baoc/total_risk`` to every logger.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from .controller import AllocationEvent, BAOCConfig, BAOCController, rebind_scheduler
+from .optim import BlockwiseAdamW
+from .report import build_record, scalars, write_reports
+
+
+def _refused_strategy(strategy: Any) -> str | None:
+    """Why BAOC cannot run under ``strategy`` (None if it can)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+    name = type(strategy).__name__
+    if isinstance(strategy, DeepSpeedStrategy):
+        return (
+            f"BAOC cannot run under {name}: DeepSpeed owns the optimizer and its states (ZeRO partitions "
+            f"them), so their formats cannot be converted per block. Use strategy='ddp' (or a single "
+            f"device) with BAOC, or DeepSpeed without BAOC."
+        )
+    if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
+        return (
+            f"BAOC cannot run under {name}: sharded optimizer-state checkpoints need one state dtype and "
+            f"parameter-shaped states per flat parameter, which heterogeneous formats do not have. Use "
+            f"strategy='ddp' (or a single device) with BAOC."
+        )
+    return None
+
+
+class BAOC(Callback):
+    """Budget-aware optimizer-state formats per block, chosen from gradient statistics.
+
+    Trains ``warmup_steps`` optimizer steps in fp32 (AdamW, exactly), sampling per-block gradient
+    statistics; then scores the risk of every cheaper state format per block, solves for the
+    allocation of least total risk within the budgets and converts the optimizer's states in
+    place. Re-evaluates every ``reevaluate_every_n_epochs`` epochs and when ``monitor`` plateaus.
+
+    Args:
+        memory_budget: optimizer-state memory allowed: a fraction in (0, 1] of the fp32 AdamW
+            state (``0.3``, ``"30%"``) or absolute (``"6GB"``, ``"512MiB"``, an int of bytes).
+        time_budget: optimizer-step time allowed, a multiple >= 1 of the fp32 AdamW step
+            (``1.2``) or absolute (``"12ms"``) (default: ``None``: no limit).
+        warmup_steps: fp32 optimizer steps before the first allocation (default: 200).
+        sample_every: sample the gradients every N optimizer steps during warm-up (default: 10).
+        granularity: ``"module"``, ``"layer"`` or ``"param"`` blocks (default: ``"module"``).
+        blocks: named glob patterns over parameter names, matched first (default: ``None``).
+        formats: formats the solver may pick (default: ``None``: all the device serves).
+        reevaluate_every_n_epochs: re-evaluate every N epochs (default: ``None``: never).
+        monitor: validation metric whose plateau triggers a re-evaluation (default: ``None``).
+        mode: ``"min"`` or ``"max"`` for ``monitor`` (default: ``"min"``).
+        patience: validation checks without improvement before re-evaluating (default: 3).
+        min_delta: smallest change of ``monitor`` counted as an improvement (default: 0.0).
+        hysteresis: re-allocate only when the total risk drops by more than this fraction, or
+            the current allocation breaks a budget (default: 0.1).
+        horizon: steps over which the risk model lets update noise average out (default: 200).
+        sparse_sampling: after warm-up, sample N times less often (default: 4).
+        capacity: ring-buffer samples kept by the sampler (default: 32).
+        max_elements: gradient elements sampled per block (default: 4096).
+        min_8bit_numel: tensors with fewer elements stay out of the 8-bit formats (default: 4096).
+        calibration: step costs for ``time_budget``: ``"auto"`` (measured once on the device,
+            cached) or ``"prior"`` (default: ``"auto"``).
+        calibration_cache_dir: cache directory of ``"auto"`` (default: ``None``: user cache).
+        report: print the table and write ``baoc_allocation.json``/``.png`` (default: True).
+        seed: seed of the gradient sampling and of stochastic rounding (default: 0).
+
+    Example:
+        >>> from lightning import Trainer
+        >>> trainer = Trainer(callbacks=[BAOC(memory_budget=0.35, warmup_steps=200)])  # doctest: +SKIP
+        >>> trainer.fit(model)  # configure_optimizers returns torch.optim.AdamW  # doctest: +SKIP
+        >>> trainer.optimizers[0].state_bytes()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        memory_budget: int | float | str,
+        time_budget: float | str | None = None,
+        warmup_steps: int = 200,
+        sample_every: int = 10,
+        granularity: str = "module",
+        blocks: dict[str, str | list[str]] | None = None,
+        formats: list[str] | None = None,
+        reevaluate_every_n_epochs: int | None = None,
+        monitor: str | None = None,
+        mode: str = "min",
+        patience: int = 3,
+        min_delta: float = 0.0,
+        hysteresis: float = 0.1,
+        horizon: int = 200,
+        sparse_sampling: int = 4,
+        capacity: int = 32,
+        max_elements: int = 4096,
+        min_8bit_numel: int = 4096,
+        calibration: str = "auto",
+        calibration_cache_dir: str | None = None,
+        report: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.config = BAOCConfig(
+            memory_budget=memory_budget,
+            time_budget=time_budget,
+            warmup_steps=warmup_steps,
+            sample_every=sample_every,
+            granularity=granularity,
+            blocks=blocks,
+            formats=formats,
+            reevaluate_every_n_epochs=reevaluate_every_n_epochs,
+            monitor=monitor,
+            mode=mode,
+            patience=patience,
+            min_delta=min_delta,
+            hysteresis=hysteresis,
+            horizon=horizon,
+            sparse_sampling=sparse_sampling,
+            capacity=capacity,
+            max_elements=max_elements,
+            min_8bit_numel=min_8bit_numel,
+            calibration=calibration,
+            calibration_cache_dir=calibration_cache_dir,
+            seed=seed,
+        )
+        self.report = bool(report)
+        self.controller = BAOCController(self.config)
+        self.last_record: dict[str, Any] | None = None
+        self._step_at_batch_start = -1
+        self._at_boundary = True
+        self._warned_missing_monitor = False
+        self._warned_short_run = False
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    @override
+    def state_key(self) -> str:
+        # Structural arguments only: a budget changed between runs must not orphan the state.
+        return self._generate_state_key(granularity=self.config.granularity, blocks=self.config.blocks)
+
+    @property
+    def optimizer(self) -> BlockwiseAdamW | None:
+        """The installed optimizer (``None`` before ``fit``)."""
+        return self.controller.optimizer
+
+    @property
+    def allocation(self) -> dict[str, str]:
+        """Block -> format in force (empty during warm-up)."""
+        return dict(self.controller.allocation)
+
+    @property
+    def phase(self) -> str:
+        """``"warmup"`` or ``"allocated"``."""
+        return self.controller.phase
+
+    def set_budget(self, memory_budget: int | float | str | None = None, time_budget: float | str | None = None) -> None:
+        """Change a budget mid-training (on every rank); the next step boundary re-evaluates.
+
+        Example:
+            >>> baoc.set_budget(memory_budget=0.25)  # e.g. from a LightningModule hook  # doctest: +SKIP
+        """
+        self.controller.set_budget(memory_budget, time_budget)
+
+    # ------------------------------------------------------------------ hooks
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        why = _refused_strategy(trainer.strategy)
+        if why is not None:
+            raise RuntimeError(why)
+        others = [cb for cb in trainer.callbacks if isinstance(cb, BAOC) and cb is not self]
+        if others:
+            raise RuntimeError(
+                f"Trainer(callbacks=...) holds {len(others) + 1} BAOC callbacks; one optimizer has one "
+                f"allocation: keep a single BAOC"
+            )
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        optimizers = trainer.strategy.optimizers
+        if len(optimizers) != 1:
+            raise RuntimeError(
+                f"BAOC manages exactly one optimizer; configure_optimizers returned {len(optimizers)}. "
+                f"Return a single torch.optim.AdamW/Adam (several param groups are fine)."
+            )
+        old = optimizers[0]
+        new = self.controller.install(old, pl_module)
+        if new is not old:
+            trainer.strategy.optimizers = [new]  # also rebuilds strategy._lightning_optimizers
+            for config in trainer.lr_scheduler_configs:
+                rebind_scheduler(config.scheduler, new)
+        self.controller.check_feasible(trainer.strategy.broadcast, trainer.is_global_zero)
+        if not pl_module.automatic_optimization:
+            rank_zero_info(
+                "BAOC: manual optimization: fetch the optimizer with self.optimizers() in training_step "
+                "(it is a BlockwiseAdamW now); gradients are sampled when optimizer.step() runs"
+            )
+        rank_zero_info(self.controller.summary())
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.controller.phase != "warmup":
+            return
+        try:
+            total = trainer.estimated_stepping_batches
+        except Exception:  # noqa: BLE001 - an estimate only; unknown lengths just skip the warning
+            return
+        if math.isfinite(total) and total < self.config.warmup_steps:
+            self._warned_short_run = True
+            rank_zero_warn(
+                f"BAOC(warmup_steps={self.config.warmup_steps}) is longer than this run "
+                f"({int(total)} optimizer steps): warm-up will not end and the optimizer states stay fp32. "
+                f"Lower warmup_steps to convert formats in this run."
+            )
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._step_at_batch_start = trainer.global_step
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        # Gradients here are final for the step: accumulated, all-reduced, unscaled, not clipped.
+        self.controller.observe(trainer.global_step)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._at_boundary = trainer.global_step != self._step_at_batch_start
+        if self._at_boundary:
+            self._maybe_allocate(trainer)
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking or not trainer.state.fn == "fit":
+            return
+        monitor = self.config.monitor
+        if monitor is not None:
+            value: float | None = None
+            metric = trainer.callback_metrics.get(monitor)
+            if metric is not None:
+                value = float(metric.item() if isinstance(metric, torch.Tensor) else metric)
+            elif not self._warned_missing_monitor:
+                self._warned_missing_monitor = True
+                rank_zero_warn(
+                    f"BAOC(monitor={monitor!r}) found no such metric after validation; logged metrics: "
+                    f"{sorted(trainer.callback_metrics)[:10]}. Log it with self.log({monitor!r}, ...) "
+                    f"or fix monitor; plateau re-evaluation is off until it appears."
+                )
+            value = trainer.strategy.broadcast(value)  # every rank counts rank zero's value
+            self.controller.validation_end(value)
+        if self._at_boundary:
+            self._maybe_allocate(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.controller.epoch_end(trainer.current_epoch)
+        if self._at_boundary:
+            self._maybe_allocate(trainer)
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.controller.phase == "warmup" and self.controller.installed and not self._warned_short_run:
+            rank_zero_warn(
+                f"BAOC: training ended after {trainer.global_step} optimizer steps, before warm-up ended "
+                f"(warmup_steps={self.config.warmup_steps}); the optimizer states stayed fp32."
+            )
+        self.controller.close()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self.controller.close()
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.controller.close()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.controller.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.controller.load_state_dict(state_dict)
+
+    # ------------------------------------------------------------------ internals
+
+    def _maybe_allocate(self, trainer: Trainer) -> AllocationEvent | None:
+        event = self.controller.maybe_allocate(trainer.global_step, trainer.strategy.broadcast, trainer.is_global_zero)
+        if event is not None:
+            self._report(trainer, event)
+        return event
+
+    def _report(self, trainer: Trainer, event: AllocationEvent) -> None:
+        # trainer.log_dir broadcasts: every rank must ask for it.
+        directory = trainer.log_dir if self.report else None
+        record = build_record(event, self.controller.history)
+        self.last_record = record
+        if not trainer.is_global_zero:
+            return
+        if self.report:
+            write_reports(record, directory)
+        values = scalars(record)
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=trainer.global_step)
+        what = "kept" if event.kept else f"{len(event.changed)} block(s) converted"
+        rank_zero_info(
+            f"BAOC: {event.reason} allocation at step {event.step}: {what}; optimizer state "
+            f"{event.state_bytes_before:,} -> {event.state_bytes:,} bytes "
+            f"({event.saved_fraction:.1%} of fp32 AdamW saved), total risk {event.total_risk:.4g}"
+        )
+
+
+__all__ = ["BAOC"]

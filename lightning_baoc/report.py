@@ -1,0 +1,397 @@
+"""Allocation reports: a rich table, ``baoc_allocation.json``, a PNG figure and logger scalars.
+
+Everything here is a pure function of an :class:`~lightning_baoc.controller.AllocationEvent` (or
+of the JSON record built from it), so the Lightning callback and the Fabric strategy report the
+same way; they call it on rank zero only.
+
+The JSON record (``baoc_allocation.json``, schema :data:`ALLOCATION_SCHEMA`)::
+
+    {"step": int, "reason": str, "memory_budget_bytes": int, "state_bytes": int,
+     "state_bytes_before": int, "fp32_state_bytes": int, "saved_fraction": float,
+     "total_risk": float, "time_budget": float | null, "time": float | null, "kept": bool,
+     "blocks": [{"name": str, "params": int, "param_names": [str], "format": str,
+                 "state_bytes": int, "risk": {format: float}, "format_risk": float,
+                 "changed": bool,
+                 "stats": {"stability": float | null, "anisotropy": float | null,
+                           "noise": float | null, ...}}],
+     "history": [{"step", "reason", "kept", "changed", "state_bytes", "total_risk", ...}]}
+
+``params`` is the number of parameter elements of the block. ``risk`` holds the block's risk for
+every format the solver could pick (so ``lightning-baoc plan --stats baoc_allocation.json`` can
+re-plan from a real run), ``format_risk`` the risk of the format chosen. Undefined statistics
+(``nan``) are written as ``null``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from .budget import format_bytes
+from .controller import AllocationEvent
+
+#: File names written into the log directory.
+JSON_NAME = "baoc_allocation.json"
+PNG_NAME = "baoc_allocation.png"
+
+#: The logger scalars, one value per allocation.
+SCALAR_NAMES = ("baoc/state_bytes", "baoc/saved_fraction", "baoc/total_risk")
+
+_NUMBER_OR_NULL = {"type": ["number", "null"]}
+
+#: JSON Schema (draft 2020-12) of ``baoc_allocation.json``.
+ALLOCATION_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "baoc_allocation.json",
+    "type": "object",
+    "required": ["step", "memory_budget_bytes", "state_bytes", "fp32_state_bytes", "blocks"],
+    "properties": {
+        "step": {"type": "integer", "minimum": 0},
+        "reason": {"type": "string"},
+        "memory_budget_bytes": {"type": "integer", "minimum": 0},
+        "state_bytes": {"type": "integer", "minimum": 0},
+        "state_bytes_before": {"type": "integer", "minimum": 0},
+        "fp32_state_bytes": {"type": "integer", "minimum": 0},
+        "saved_fraction": {"type": "number"},
+        "total_risk": {"type": "number", "minimum": 0},
+        "time_budget": _NUMBER_OR_NULL,
+        "time": _NUMBER_OR_NULL,
+        "kept": {"type": "boolean"},
+        "blocks": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name", "params", "format", "state_bytes", "risk", "stats"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "params": {"type": "integer", "minimum": 0},
+                    "param_names": {"type": "array", "items": {"type": "string"}},
+                    "format": {"type": "string"},
+                    "state_bytes": {"type": "integer", "minimum": 0},
+                    "risk": {"type": "object", "additionalProperties": {"type": "number", "minimum": 0}},
+                    "format_risk": {"type": "number", "minimum": 0},
+                    "changed": {"type": "boolean"},
+                    "stats": {
+                        "type": "object",
+                        "required": ["stability", "anisotropy", "noise"],
+                        "properties": {
+                            "stability": _NUMBER_OR_NULL,
+                            "anisotropy": _NUMBER_OR_NULL,
+                            "noise": _NUMBER_OR_NULL,
+                        },
+                        "additionalProperties": _NUMBER_OR_NULL,
+                    },
+                },
+            },
+        },
+        "history": {"type": "array", "items": {"type": "object"}},
+    },
+}
+
+
+def _finite(value: Any) -> float | int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def build_record(event: AllocationEvent, history: list[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """The JSON record of an allocation (see the module docstring; primitives only, no NaN).
+
+    Example:
+        >>> record = build_record(event)  # doctest: +SKIP
+        >>> record["blocks"][0]["format"], record["state_bytes"] <= record["memory_budget_bytes"]  # doctest: +SKIP
+        ('int8', True)
+    """
+    blocks = []
+    for name, fmt in event.formats.items():
+        stats = {k: _finite(v) for k, v in event.statistics.get(name, {}).items()}
+        for key in ("stability", "anisotropy", "noise"):
+            stats.setdefault(key, None)
+        risk = {f: float(r) for f, r in event.risk.get(name, {}).items()}
+        blocks.append(
+            {
+                "name": name,
+                "params": int(event.block_numel[name]),
+                "param_names": list(event.block_params[name]),
+                "format": fmt,
+                "state_bytes": int(event.block_bytes[name]),
+                "risk": risk,
+                "format_risk": float(risk.get(fmt, 0.0)),
+                "changed": name in event.changed,
+                "stats": stats,
+            }
+        )
+    return {
+        "step": int(event.step),
+        "reason": event.reason,
+        "memory_budget_bytes": int(event.memory_budget_bytes),
+        "state_bytes": int(event.state_bytes),
+        "state_bytes_before": int(event.state_bytes_before),
+        "fp32_state_bytes": int(event.fp32_state_bytes),
+        "saved_fraction": float(event.saved_fraction),
+        "total_risk": float(event.total_risk),
+        "time_budget": _finite(event.time_budget),
+        "time": _finite(event.time),
+        "kept": bool(event.kept),
+        "blocks": blocks,
+        "history": [dict(h) for h in (history or [])],
+    }
+
+
+def validate_record(record: Mapping[str, Any]) -> None:
+    """Check a record against :data:`ALLOCATION_SCHEMA` (a dependency-free subset of JSON Schema).
+
+    Raises:
+        ValueError: naming every violation found.
+
+    Example:
+        >>> validate_record({"step": 0, "memory_budget_bytes": 1, "state_bytes": 1,
+        ...                  "fp32_state_bytes": 8, "blocks": []})
+    """
+    problems: list[str] = []
+    _check(record, ALLOCATION_SCHEMA, "$", problems)
+    if problems:
+        raise ValueError("baoc_allocation.json does not match its schema: " + "; ".join(problems[:10]))
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "object": (dict,),
+    "array": (list,),
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "null": (type(None),),
+}
+
+
+def _check(value: Any, schema: Mapping[str, Any], where: str, problems: list[str]) -> None:
+    types = schema.get("type")
+    if types is not None:
+        names = [types] if isinstance(types, str) else list(types)
+        ok = any(
+            isinstance(value, _TYPES[t]) and not (t in ("integer", "number") and isinstance(value, bool))
+            for t in names
+        )
+        if not ok:
+            problems.append(f"{where} should be {' or '.join(names)}, got {type(value).__name__}")
+            return
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"{where} is not finite ({value!r})")
+        if "minimum" in schema and value < schema["minimum"]:
+            problems.append(f"{where} = {value!r} is below {schema['minimum']}")
+    if isinstance(value, dict):
+        for key in schema.get("required", ()):
+            if key not in value:
+                problems.append(f"{where} misses {key!r}")
+        props = schema.get("properties", {})
+        extra = schema.get("additionalProperties")
+        for key, item in value.items():
+            if key in props:
+                _check(item, props[key], f"{where}.{key}", problems)
+            elif isinstance(extra, Mapping):
+                _check(item, extra, f"{where}.{key}", problems)
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            _check(item, schema["items"], f"{where}[{i}]", problems)
+
+
+def scalars(record: Mapping[str, Any]) -> dict[str, float]:
+    """The logger scalars of a record: ``baoc/state_bytes``, ``baoc/saved_fraction``, ``baoc/total_risk``.
+
+    Example:
+        >>> scalars({"state_bytes": 300, "fp32_state_bytes": 1000, "total_risk": 0.5})
+        {'baoc/state_bytes': 300.0, 'baoc/saved_fraction': 0.7, 'baoc/total_risk': 0.5}
+    """
+    fp32 = record["fp32_state_bytes"]
+    return {
+        "baoc/state_bytes": float(record["state_bytes"]),
+        "baoc/saved_fraction": float(1.0 - record["state_bytes"] / fp32) if fp32 else 0.0,
+        "baoc/total_risk": float(record["total_risk"]),
+    }
+
+
+def _num(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    value = float(value)
+    if not math.isfinite(value):
+        return "-"
+    if value != 0 and (abs(value) < 10 ** -digits or abs(value) >= 1e4):
+        return f"{value:.2e}"
+    return f"{value:.{digits}f}"
+
+
+def allocation_table(record: Mapping[str, Any]) -> Any:
+    """A ``rich.table.Table``: block, parameters, stability, anisotropy, noise, risk, format, bytes,
+    with the totals (state bytes before and after, fraction saved) in the footer and caption."""
+    from rich.table import Table
+
+    title = f"BAOC allocation at step {record['step']} ({record.get('reason', 'allocation')})"
+    if record.get("kept"):
+        title += ": kept (hysteresis)"
+    table = Table(title=title, show_footer=True)
+    total_params = sum(b["params"] for b in record["blocks"])
+    total_risk = record.get("total_risk", 0.0)
+    table.add_column("block", footer="total")
+    table.add_column("parameters", justify="right", footer=f"{total_params:,}")
+    table.add_column("stability", justify="right")
+    table.add_column("anisotropy", justify="right")
+    table.add_column("noise (SNR)", justify="right")
+    table.add_column("risk", justify="right", footer=_num(total_risk, 4))
+    table.add_column("format")
+    table.add_column("bytes", justify="right", footer=format_bytes(record["state_bytes"]))
+    for b in record["blocks"]:
+        stats = b["stats"]
+        fmt = f"[bold]{b['format']}[/bold]" if b.get("changed") else b["format"]
+        table.add_row(
+            b["name"],
+            f"{b['params']:,}",
+            _num(stats.get("stability")),
+            _num(stats.get("anisotropy")),
+            _num(stats.get("noise"), 4),
+            _num(b.get("format_risk"), 4),
+            fmt,
+            format_bytes(b["state_bytes"]),
+        )
+    fp32, after = record["fp32_state_bytes"], record["state_bytes"]
+    before = record.get("state_bytes_before", fp32)
+    saved = 1.0 - after / fp32 if fp32 else 0.0
+    table.caption = (
+        f"optimizer state {format_bytes(before)} -> {format_bytes(after)} "
+        f"(fp32 AdamW {format_bytes(fp32)}, budget {format_bytes(record['memory_budget_bytes'])}); "
+        f"saved {saved:.1%} of the fp32 state"
+    )
+    return table
+
+
+def print_report(record: Mapping[str, Any], console: Any = None) -> None:
+    """Print :func:`allocation_table` with rich (to ``console``, default a new stdout console)."""
+    from rich.console import Console
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # logs and CI: rich would wrap the table at 80 columns
+            console.width = max(console.width, 132)
+    console.print(allocation_table(record))
+
+
+def write_json(record: Mapping[str, Any], directory: str | os.PathLike[str], name: str = JSON_NAME) -> Path:
+    """Write the record as ``directory/baoc_allocation.json`` (atomically); returns the path."""
+    validate_record(record)
+    path = Path(directory) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2, allow_nan=False), encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+#: One colour per format in the figure (stable across runs).
+FORMAT_COLORS: dict[str, str] = {
+    "fp32": "#4c72b0",
+    "bf16_momentum": "#64b5cd",
+    "bf16": "#55a868",
+    "nomomentum": "#c44e52",
+    "int8": "#dd8452",
+    "int8_factored": "#8172b3",
+    "nomomentum_int8": "#937860",
+    "factored": "#da8bc3",
+    "offload": "#8c8c8c",
+}
+
+
+def plot_allocation(record: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+    """A PNG of the per-block statistics (stability, anisotropy, noise), risk and state bytes, the
+    bars coloured by the chosen format; returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    blocks = record["blocks"]
+    names = [b["name"] for b in blocks]
+    colors = [FORMAT_COLORS.get(b["format"], "#333333") for b in blocks]
+    panels = [
+        ("stability (lag-1 cosine)", [b["stats"].get("stability") for b in blocks], False),
+        ("anisotropy (CV of row norms)", [b["stats"].get("anisotropy") for b in blocks], False),
+        ("noise: gradient SNR", [b["stats"].get("noise") for b in blocks], True),
+        ("risk of the chosen format", [b.get("format_risk", 0.0) for b in blocks], True),
+        ("state bytes", [b["state_bytes"] for b in blocks], True),
+    ]
+    height = max(2.5, 0.28 * len(blocks) + 1.5)
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), height), sharey=True)
+    y = list(range(len(blocks)))
+    for ax, (title, values, log) in zip(axes, panels):
+        clean = [0.0 if v is None or not math.isfinite(float(v)) else float(v) for v in values]
+        ax.barh(y, clean, color=colors)
+        ax.set_title(title, fontsize=9)
+        if log and any(v > 0 for v in clean):
+            ax.set_xscale("symlog", linthresh=max(min((v for v in clean if v > 0), default=1e-6), 1e-12))
+        ax.tick_params(labelsize=7)
+    axes[0].set_yticks(y)
+    axes[0].set_yticklabels(names, fontsize=7)
+    axes[0].invert_yaxis()
+    used = list(dict.fromkeys(b["format"] for b in blocks))
+    fig.legend(
+        handles=[Patch(color=FORMAT_COLORS.get(f, "#333333"), label=f) for f in used],
+        loc="lower center",
+        ncol=min(len(used), 6),
+        fontsize=8,
+    )
+    saved = record.get("saved_fraction")
+    fig.suptitle(
+        f"BAOC allocation at step {record['step']}: {format_bytes(record['state_bytes'])} of "
+        f"{format_bytes(record['fp32_state_bytes'])} fp32"
+        + (f" ({saved:.0%} saved)" if saved is not None else ""),
+        fontsize=10,
+    )
+    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def write_reports(
+    record: Mapping[str, Any], directory: str | os.PathLike[str] | None, console: Any = None, table: bool = True
+) -> dict[str, Path]:
+    """Print the table and write the JSON and the PNG into ``directory`` (files skipped if ``None``).
+
+    Returns:
+        ``{"json": path, "png": path}`` for the files written.
+    """
+    if table:
+        print_report(record, console)
+    if directory is None:
+        return {}
+    return {"json": write_json(record, directory), "png": plot_allocation(record, Path(directory) / PNG_NAME)}
+
+
+__all__ = [
+    "ALLOCATION_SCHEMA",
+    "FORMAT_COLORS",
+    "JSON_NAME",
+    "PNG_NAME",
+    "SCALAR_NAMES",
+    "allocation_table",
+    "build_record",
+    "plot_allocation",
+    "print_report",
+    "scalars",
+    "validate_record",
+    "write_json",
+    "write_reports",
+]

@@ -1,0 +1,170 @@
+"""Issue 5, done-when 5: the allocation reports (table, JSON, PNG, scalars), rank zero only."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from lightning_baoc import BAOC
+from lightning_baoc.controller import AllocationEvent
+from lightning_baoc.planner import load_statistics
+from lightning_baoc.report import (
+    ALLOCATION_SCHEMA,
+    JSON_NAME,
+    PNG_NAME,
+    allocation_table,
+    build_record,
+    plot_allocation,
+    scalars,
+    validate_record,
+    write_json,
+    write_reports,
+)
+
+
+def _event() -> AllocationEvent:
+    stats = {
+        "emb": {"stability": 0.12, "anisotropy": 1.8, "noise": 0.001, "noise_fraction": 0.999, "samples": 8.0},
+        "attn": {"stability": math.nan, "anisotropy": 0.9, "noise": 0.02, "noise_fraction": 0.98, "samples": 1.0},
+        "head": {"stability": -0.05, "anisotropy": 1.1, "noise": 0.03, "noise_fraction": 0.97, "samples": 8.0},
+    }
+    risk = {
+        b: {"fp32": 0.0, "bf16": 0.01 * (i + 1), "int8": 0.02 * (i + 1), "factored": 0.1}
+        for i, b in enumerate(stats)
+    }
+    return AllocationEvent(
+        step=200,
+        reason="warmup",
+        formats={"emb": "bf16", "attn": "int8", "head": "fp32"},
+        changed={"emb": ("fp32", "bf16"), "attn": ("fp32", "int8")},
+        migrated={"emb.weight": ("fp32", "bf16"), "attn.weight": ("fp32", "int8")},
+        kept=False,
+        risk=risk,
+        total_risk=0.01 + 0.04,
+        solver_risk=0.05,
+        statistics=stats,
+        block_params={"emb": ["emb.weight"], "attn": ["attn.weight", "attn.bias"], "head": ["head.weight"]},
+        block_numel={"emb": 65536, "attn": 16448, "head": 2560},
+        block_bytes={"emb": 262144, "attn": 34952, "head": 20480},
+        state_bytes_before=8 * (65536 + 16448 + 2560),
+        state_bytes=262144 + 34952 + 20480,
+        fp32_state_bytes=8 * (65536 + 16448 + 2560),
+        memory_budget_bytes=int(0.5 * 8 * (65536 + 16448 + 2560)),
+    )
+
+
+def test_record_follows_the_schema_and_is_strict_json(tmp_path: Path) -> None:
+    record = build_record(_event(), history=[{"step": 200, "reason": "warmup"}])
+    validate_record(record)
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(record, ALLOCATION_SCHEMA)
+    assert {"step", "memory_budget_bytes", "state_bytes", "fp32_state_bytes", "blocks"} <= set(record)
+    block = record["blocks"][1]
+    assert block == {
+        "name": "attn",
+        "params": 16448,
+        "param_names": ["attn.weight", "attn.bias"],
+        "format": "int8",
+        "state_bytes": 34952,
+        "risk": {"fp32": 0.0, "bf16": 0.02, "int8": 0.04, "factored": 0.1},
+        "format_risk": 0.04,
+        "changed": True,
+        "stats": {"stability": None, "anisotropy": 0.9, "noise": 0.02, "noise_fraction": 0.98, "samples": 1.0},
+    }
+    path = write_json(record, tmp_path)
+    assert path.name == JSON_NAME
+    assert json.loads(path.read_text()) == record  # NaN written as null: strict JSON
+
+
+@pytest.mark.parametrize(
+    "mutate, problem",
+    [
+        (lambda r: r.pop("fp32_state_bytes"), "misses 'fp32_state_bytes'"),
+        (lambda r: r.update(step="200"), "$.step should be integer"),
+        (lambda r: r["blocks"][0].pop("format"), "misses 'format'"),
+        (lambda r: r["blocks"][0]["stats"].update(noise=float("nan")), "not finite"),
+        (lambda r: r["blocks"][0]["risk"].update(int8=-1.0), "below 0"),
+        (lambda r: r["blocks"][0].update(params=True), "should be integer"),
+    ],
+)
+def test_validation_names_the_problem(mutate: Any, problem: str) -> None:
+    record = build_record(_event())
+    mutate(record)
+    with pytest.raises(ValueError, match=problem.replace("$", r"\$").replace("(", r"\(")):
+        validate_record(record)
+
+
+def test_table_lists_every_block_with_totals() -> None:
+    record = build_record(_event())
+    console = Console(record=True, width=160)
+    console.print(allocation_table(record))
+    text = console.export_text()
+    for column in ("block", "parameters", "stability", "anisotropy", "noise", "risk", "format", "bytes"):
+        assert column in text
+    for name, fmt in (("emb", "bf16"), ("attn", "int8"), ("head", "fp32")):
+        assert any(name in line and fmt in line for line in text.splitlines())
+    assert "84,544" in text  # parameters in total
+    assert "660 KiB -> 310 KiB" in text and "saved 53.0%" in text
+
+
+def test_png_and_scalars(tmp_path: Path) -> None:
+    record = build_record(_event())
+    png = plot_allocation(record, tmp_path / PNG_NAME)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    values = scalars(record)
+    assert set(values) == {"baoc/state_bytes", "baoc/saved_fraction", "baoc/total_risk"}
+    assert values["baoc/state_bytes"] == 317576 and values["baoc/saved_fraction"] == pytest.approx(0.5304, abs=1e-4)
+    assert values["baoc/total_risk"] == pytest.approx(0.05)
+
+
+def test_the_planner_replans_from_the_json(tmp_path: Path) -> None:
+    path = write_json(build_record(_event()), tmp_path)
+    risk, missing = load_statistics(path, ["emb", "attn", "head"])
+    assert missing == [] and risk["attn"]["int8"] == 0.04
+
+
+class _Logger:
+    def __init__(self) -> None:
+        self.logged: list[tuple[dict[str, float], int]] = []
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.logged.append((metrics, step))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_callback_reports_on_rank_zero_only(rank: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    baoc = BAOC(memory_budget=0.5)
+    logger = _Logger()
+    asked: list[bool] = []
+
+    def log_dir() -> str:
+        asked.append(True)  # every rank must ask: trainer.log_dir is a collective under DDP
+        return str(tmp_path)
+
+    class Trainer(SimpleNamespace):
+        log_dir = property(lambda self: log_dir())
+
+    trainer = Trainer(is_global_zero=rank == 0, loggers=[logger], global_step=200)
+    baoc._report(trainer, _event())  # type: ignore[arg-type]
+    out = capsys.readouterr().out
+    assert asked == [True]
+    assert baoc.last_record is not None and baoc.last_record["step"] == 200
+    if rank == 0:
+        assert "BAOC allocation at step 200" in out
+        assert (tmp_path / JSON_NAME).exists() and (tmp_path / PNG_NAME).exists()
+        assert logger.logged == [(scalars(baoc.last_record), 200)]
+    else:
+        assert out == "" and not (tmp_path / JSON_NAME).exists() and logger.logged == []
+
+
+def test_write_reports_without_a_directory_prints_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert write_reports(build_record(_event()), None) == {}
+    assert "BAOC allocation" in capsys.readouterr().out
+    paths = write_reports(build_record(_event()), tmp_path / "logs", table=False)
+    assert sorted(p.name for p in paths.values()) == [JSON_NAME, PNG_NAME]
