@@ -1,0 +1,844 @@
+"""Three example workloads: LightningModules and data modules on data every machine has.
+
+Shared by the example scripts (``vit_digits.py``, ``char_gpt.py``, ``ddpm_digits.py``), the tests
+and ``benchmarks/quality.py``. Every module is an ordinary user module: ``configure_optimizers``
+returns a plain ``torch.optim.AdamW`` with two param groups (decay / no decay) and a per-step
+``LambdaLR``, which is what the ``BAOC`` callback expects to find and replace.
+
+| name          | model                                     | data (embedded, no download)              | quality metric          |
+|---------------|-------------------------------------------|-------------------------------------------|-------------------------|
+| `vit_digits`  | ViT, patch 2, 3 blocks of width 64 (~150k) | scikit-learn's 8x8 digits, 1400 / 397     | accuracy (`val_acc`)    |
+| `char_gpt`    | character GPT, 4 blocks of width 128 (~0.8M) | the standard library's own ``.py`` sources | perplexity (`val_ppl`) |
+| `ddpm_digits` | DDPM, a tiny conv UNet (~0.25M)            | scikit-learn's 8x8 digits                  | held-out denoising loss (`val_denoise`) |
+
+Two recipes per workload (:data:`RECIPES`): ``"realistic"`` (AdamW, linear warm-up, cosine decay
+to a tenth of the peak) and ``"stress"`` (a constant, higher learning rate, no warm-up), where
+cheaper optimizer states show their cost first.
+
+Each data module takes ``data_dir`` for a real data set on disk instead of the embedded one (never
+downloaded): an image folder ``data_dir/<class>/*.png`` for the digits workloads (grayscale,
+resized to ``image_size``), a directory of ``.txt`` / ``.py`` / ``.md`` files for the GPT.
+
+Example:
+    >>> module, data = build("vit_digits", recipe="realistic", max_steps=300, seed=0)
+    >>> trainer = L.Trainer(max_steps=300, accelerator="cpu", logger=False)   # doctest: +SKIP
+    >>> trainer.fit(module, data)                                              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import string
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.text import Perplexity
+
+__all__ = [
+    "RECIPES",
+    "WORKLOADS",
+    "Recipe",
+    "Workload",
+    "ViTDigits",
+    "CharGPT",
+    "DDPMDigits",
+    "DigitsDataModule",
+    "CharDataModule",
+    "build",
+    "stdlib_text",
+]
+
+SPLIT_SEED = 0  # the train / validation split is the same for every run seed
+
+
+# --------------------------------------------------------------------------------------- recipes
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """An AdamW recipe: peak learning rate, schedule and hyperparameters.
+
+    Attributes:
+        lr: Peak learning rate.
+        schedule: ``"cosine"`` (decay to ``min_lr_ratio * lr`` at ``max_steps``) or ``"constant"``.
+        warmup_fraction: Fraction of ``max_steps`` of linear warm-up from ~0 (0: none).
+        min_lr_ratio: Final learning rate of the cosine schedule, as a fraction of ``lr``.
+        weight_decay: Decoupled weight decay of the decay group (the other group gets 0).
+        betas: AdamW's ``(beta1, beta2)``.
+        eps: AdamW's epsilon.
+    """
+
+    lr: float
+    schedule: str = "cosine"
+    warmup_fraction: float = 0.1
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.05
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if self.schedule not in ("cosine", "constant"):
+            raise ValueError(f"Invalid schedule: {self.schedule!r}; expected 'cosine' or 'constant'")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"Invalid lr: {self.lr!r}; expected a finite number > 0")
+        if not 0.0 <= self.warmup_fraction < 1.0:
+            raise ValueError(f"Invalid warmup_fraction: {self.warmup_fraction!r}; expected 0 <= x < 1")
+
+    def lr_factor(self, step: int, max_steps: int) -> float:
+        """Multiplier of ``lr`` at optimizer step ``step`` (0-based) of ``max_steps``."""
+        warmup = int(self.warmup_fraction * max_steps)
+        if step < warmup:
+            return (step + 1) / warmup
+        if self.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+#: Recipes per workload. The GPT's realistic recipe is nanoGPT's character recipe (beta2 0.99);
+#: the stress recipes are constant learning rates 3-5x the realistic peaks, without warm-up,
+#: still stable for fp32 AdamW on these models (checked by ``benchmarks/quality.py``'s fp32 row).
+RECIPES: dict[str, dict[str, Recipe]] = {
+    "vit_digits": {
+        "realistic": Recipe(lr=2e-3, weight_decay=0.05),
+        "stress": Recipe(lr=6e-3, schedule="constant", warmup_fraction=0.0, weight_decay=0.05),
+    },
+    "char_gpt": {
+        "realistic": Recipe(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.99)),
+        "stress": Recipe(lr=3e-3, schedule="constant", warmup_fraction=0.0, weight_decay=0.1, betas=(0.9, 0.99)),
+    },
+    "ddpm_digits": {
+        "realistic": Recipe(lr=2e-3, weight_decay=0.01),
+        "stress": Recipe(lr=6e-3, schedule="constant", warmup_fraction=0.0, weight_decay=0.01),
+    },
+}
+
+
+# ---------------------------------------------------------------------------------- base module
+
+
+class Workload(L.LightningModule):
+    """Base of the example modules: the recipe, the two param groups and ``configure_optimizers``.
+
+    Subclasses set the class attributes and implement ``training_step`` / ``validation_step``.
+
+    Args:
+        recipe: ``"realistic"`` or ``"stress"`` (see :data:`RECIPES`) (default: ``"realistic"``).
+        max_steps: Optimizer steps of the run; the schedule's length (default: 1000).
+        lr: Overrides the recipe's peak learning rate (default: None, the recipe's).
+    """
+
+    name: ClassVar[str]
+    #: Key of the quality metric in ``trainer.callback_metrics``.
+    quality_metric: ClassVar[str]
+    #: Human name of the quality metric.
+    quality_label: ClassVar[str]
+    higher_is_better: ClassVar[bool]
+    #: Parameter names (substrings) that never get weight decay besides 1-D tensors.
+    no_decay_names: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, recipe: str = "realistic", max_steps: int = 1000, lr: float | None = None) -> None:
+        super().__init__()
+        if recipe not in RECIPES[self.name]:
+            raise ValueError(f"Invalid recipe: {recipe!r}; expected one of {sorted(RECIPES[self.name])}")
+        if not isinstance(max_steps, int) or max_steps < 1:
+            raise ValueError(f"Invalid max_steps: {max_steps!r}; expected an int >= 1")
+        self.recipe_name = recipe
+        self.recipe = RECIPES[self.name][recipe] if lr is None else replace(RECIPES[self.name][recipe], lr=lr)
+        self.max_steps = max_steps
+
+    def num_parameters(self) -> int:
+        """Number of trainable parameters."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Two AdamW param groups: matrices with ``weight_decay``; vectors, norms, tokens without."""
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                continue
+            if p.ndim < 2 or any(s in name for s in self.no_decay_names):
+                no_decay.append(p)
+            else:
+                decay.append(p)
+        return [
+            {"params": decay, "weight_decay": self.recipe.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+
+    def lr_lambda(self, step: int) -> float:
+        """The schedule for ``LambdaLR``: a multiplier of the peak learning rate."""
+        return self.recipe.lr_factor(step, self.max_steps)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        """A plain ``torch.optim.AdamW`` (decay / no-decay groups) and the recipe's per-step schedule."""
+        r = self.recipe
+        opt = torch.optim.AdamW(self.param_groups(), lr=r.lr, betas=r.betas, eps=r.eps, weight_decay=r.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr_lambda)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+# ------------------------------------------------------------------------- transformer building
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with one fused ``qkv`` Linear and an output ``proj``."""
+
+    def __init__(self, dim: int, heads: int, causal: bool) -> None:
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"Invalid heads: dim={dim} must be divisible by heads={heads}")
+        self.heads, self.causal = heads, causal
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class MLP(nn.Module):
+    """``fc`` -> GELU -> ``proj``, ``ratio`` x wide."""
+
+    def __init__(self, dim: int, ratio: int = 4) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, ratio * dim)
+        self.proj = nn.Linear(ratio * dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block (nanoGPT's names: ``ln_1``, ``attn``, ``ln_2``, ``mlp``)."""
+
+    def __init__(self, dim: int, heads: int, causal: bool, mlp_ratio: int = 4) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads, causal)
+        self.ln_2 = nn.LayerNorm(dim)
+        self.mlp = MLP(dim, mlp_ratio)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+def _gpt_init(module: nn.Module) -> None:
+    # GPT-2's initialization: N(0, 0.02) weights, zero biases.
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+# --------------------------------------------------------------------------------------- digits
+
+
+def _load_image_folder(data_dir: str | Path, image_size: int) -> tuple[Tensor, Tensor]:
+    """Images ``data_dir/<class>/*`` as grayscale ``image_size`` squares in [0, 1], and labels."""
+    from PIL import Image  # a dependency of matplotlib
+
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"Invalid data_dir: {str(data_dir)!r} is not a directory; expected <dir>/<class>/*.png")
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir())
+    xs, ys = [], []
+    for label, cls in enumerate(classes):
+        for path in sorted((root / cls).iterdir()):
+            if path.suffix.lower() not in (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".pgm"):
+                continue
+            with Image.open(path) as img:
+                img = img.convert("L").resize((image_size, image_size), Image.BILINEAR)
+                xs.append(torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).float().view(image_size, image_size) / 255.0)
+            ys.append(label)
+    if not xs:
+        raise FileNotFoundError(f"Invalid data_dir: no images under {str(data_dir)!r}; expected <dir>/<class>/*.png")
+    return torch.stack(xs)[:, None], torch.tensor(ys)
+
+
+class DigitsDataModule(L.LightningDataModule):
+    """scikit-learn's 8x8 digits (1797 images, shipped with the package): 1400 train / 397 validation.
+
+    Images are ``(1, image_size, image_size)`` in [0, 1] (upsampled bilinearly when ``image_size``
+    is not 8). With ``denoise_pairs > 0`` the validation set is, for the DDPM, every validation
+    image with ``denoise_pairs`` fixed ``(t, noise)`` draws (from a generator seeded with
+    ``SPLIT_SEED``), so every run is scored on the same noise.
+
+    Args:
+        batch_size: Training batch size (default: 64).
+        seed: Seed of the training shuffle (default: 0).
+        image_size: Side of the images (default: 8).
+        data_dir: An image folder ``<dir>/<class>/*.png`` instead of the digits (default: None).
+        denoise_pairs: Fixed ``(t, noise)`` draws per validation image, for the DDPM (default: 0).
+        timesteps: Diffusion timesteps the draws of ``t`` come from (default: 1000).
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 64,
+        seed: int = 0,
+        image_size: int = 8,
+        data_dir: str | None = None,
+        denoise_pairs: int = 0,
+        timesteps: int = 1000,
+    ) -> None:
+        super().__init__()
+        self.batch_size, self.seed, self.image_size, self.data_dir = batch_size, seed, image_size, data_dir
+        self.denoise_pairs, self.timesteps = denoise_pairs, timesteps
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+
+    def tensors(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(x_train, y_train, x_val, y_val)``, images ``(N, 1, S, S)`` in [0, 1]."""
+        if self.data_dir is not None:
+            x, y = _load_image_folder(self.data_dir, self.image_size)
+            n_train = int(0.8 * len(x))
+        else:
+            from sklearn.datasets import load_digits
+
+            data = load_digits()
+            x = torch.tensor(data.images, dtype=torch.float32)[:, None] / 16.0
+            y = torch.tensor(data.target, dtype=torch.long)
+            if self.image_size != 8:
+                x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False)
+            n_train = 1400
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(SPLIT_SEED))
+        x, y = x[order], y[order]
+        return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        x_train, y_train, x_val, y_val = self.tensors()
+        self.train_set = TensorDataset(x_train, y_train)
+        if self.denoise_pairs:
+            g = torch.Generator().manual_seed(SPLIT_SEED)
+            x0 = x_val.repeat_interleave(self.denoise_pairs, dim=0)
+            t = torch.randint(self.timesteps, (len(x0),), generator=g)
+            noise = torch.randn(x0.shape, generator=g)
+            self.val_set = TensorDataset(x0, t, noise)
+        else:
+            self.val_set = TensorDataset(x_val, y_val)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, generator=g, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=512)
+
+
+class ViTDigits(Workload):
+    """A small Vision Transformer classifying digits: patches -> ``Linear`` -> [cls] + positions -> blocks.
+
+    Args:
+        recipe: See :class:`Workload`.
+        max_steps: See :class:`Workload`.
+        lr: See :class:`Workload`.
+        image_size: Side of the input images (default: 8).
+        patch_size: Side of a patch; must divide ``image_size`` (default: 2, so 16 patches).
+        dim: Width (default: 64).
+        depth: Transformer blocks (default: 3).
+        heads: Attention heads (default: 4).
+        num_classes: Classes (default: 10).
+    """
+
+    name = "vit_digits"
+    quality_metric = "val_acc"
+    quality_label = "accuracy"
+    higher_is_better = True
+    no_decay_names = ("cls_token", "pos_embed")
+
+    def __init__(
+        self,
+        recipe: str = "realistic",
+        max_steps: int = 1000,
+        lr: float | None = None,
+        image_size: int = 8,
+        patch_size: int = 2,
+        dim: int = 64,
+        depth: int = 3,
+        heads: int = 4,
+        num_classes: int = 10,
+    ) -> None:
+        super().__init__(recipe, max_steps, lr)
+        if image_size % patch_size:
+            raise ValueError(f"Invalid patch_size: {patch_size} must divide image_size={image_size}")
+        self.save_hyperparameters()
+        self.patch_size = patch_size
+        n_patches = (image_size // patch_size) ** 2
+        self.patch_embed = nn.Linear(patch_size * patch_size, dim)
+        # 2-D (tokens x dim), as an embedding table: optimizers that treat embeddings row-wise
+        # (Adam-mini) expect that shape.
+        self.cls_token = nn.Parameter(torch.zeros(1, dim))
+        self.pos_embed = nn.Parameter(torch.randn(n_patches + 1, dim) * 0.02)
+        self.blocks = nn.ModuleList(Block(dim, heads, causal=False) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, num_classes)
+        self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.val_loss = MeanMetric()
+
+    def forward(self, images: Tensor) -> Tensor:
+        """Logits ``(B, num_classes)`` of images ``(B, 1, S, S)``."""
+        b, c, h, w = images.shape
+        p = self.patch_size
+        # (B, C, H, W) -> (B, N, C*p*p) by reshapes (F.unfold's im2col is very slow on some CPU builds).
+        patches = images.view(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(b, -1, c * p * p)
+        x = self.patch_embed(patches)
+        x = torch.cat([self.cls_token.expand(len(x), 1, -1), x], dim=1) + self.pos_embed
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x[:, 0]))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.val_loss.update(F.cross_entropy(logits, y), weight=len(y))
+        self.val_acc.update(logits, y)
+        self.log("val_loss", self.val_loss, prog_bar=True)
+        self.log("val_acc", self.val_acc, prog_bar=True)
+
+
+# ------------------------------------------------------------------------------------------ DDPM
+
+
+class _ResBlock(nn.Module):
+    """GroupNorm -> SiLU -> conv, plus the time embedding, twice; 1x1 skip when widths differ."""
+
+    def __init__(self, c_in: int, c_out: int, t_dim: int) -> None:
+        super().__init__()
+        self.norm1 = nn.GroupNorm(8, c_in)
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, padding=1)
+        self.time = nn.Linear(t_dim, c_out)
+        self.norm2 = nn.GroupNorm(8, c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1)
+        self.skip = nn.Conv2d(c_in, c_out, 1) if c_in != c_out else nn.Identity()
+
+    def forward(self, x: Tensor, t_emb: Tensor) -> Tensor:
+        h = self.conv1(F.silu(self.norm1(x))) + self.time(t_emb)[:, :, None, None]
+        h = self.conv2(F.silu(self.norm2(h)))
+        return h + self.skip(x)
+
+
+class TinyUNet(nn.Module):
+    """A two-level UNet for small images (side divisible by 2): eps prediction from ``(x_t, t)``."""
+
+    def __init__(self, channels: int = 32, t_dim: int = 64) -> None:
+        super().__init__()
+        c = channels
+        self.t_dim = t_dim
+        self.time_mlp = nn.Sequential(nn.Linear(t_dim, 2 * t_dim), nn.SiLU(), nn.Linear(2 * t_dim, t_dim))
+        self.inc = nn.Conv2d(1, c, 3, padding=1)
+        self.down1 = _ResBlock(c, c, t_dim)
+        self.downsample = nn.Conv2d(c, 2 * c, 3, stride=2, padding=1)
+        self.down2 = _ResBlock(2 * c, 2 * c, t_dim)
+        self.mid = _ResBlock(2 * c, 2 * c, t_dim)
+        self.upsample = nn.ConvTranspose2d(2 * c, c, 2, stride=2)
+        self.up1 = _ResBlock(2 * c, c, t_dim)
+        self.out_norm = nn.GroupNorm(8, c)
+        self.out = nn.Conv2d(c, 1, 3, padding=1)
+
+    def time_embedding(self, t: Tensor) -> Tensor:
+        """Sinusoidal embedding of integer timesteps, ``(B, t_dim)``."""
+        half = self.t_dim // 2
+        freqs = torch.exp(-math.log(10_000.0) * torch.arange(half, device=t.device) / half)
+        args = t.float()[:, None] * freqs[None]
+        return torch.cat([args.sin(), args.cos()], dim=1)
+
+    def forward(self, x: Tensor, t: Tensor) -> Tensor:
+        emb = self.time_mlp(self.time_embedding(t))
+        h1 = self.down1(self.inc(x), emb)
+        h = self.mid(self.down2(self.downsample(h1), emb), emb)
+        h = self.up1(torch.cat([self.upsample(h), h1], dim=1), emb)
+        return self.out(F.silu(self.out_norm(h)))
+
+
+class DDPMDigits(Workload):
+    """A small DDPM (Ho et al. 2020) on digits: linear beta schedule, eps prediction, MSE loss.
+
+    Images are scaled to [-1, 1]. The quality metric ``val_denoise`` is the eps-prediction MSE on
+    the validation images at fixed ``(t, noise)`` draws (:class:`DigitsDataModule` with
+    ``denoise_pairs``), so it is comparable across runs and seeds.
+
+    Args:
+        recipe: See :class:`Workload`.
+        max_steps: See :class:`Workload`.
+        lr: See :class:`Workload`.
+        channels: Width of the UNet's first level (default: 32).
+        timesteps: Diffusion steps T (default: 1000).
+        beta_start: First beta of the linear schedule (default: 1e-4).
+        beta_end: Last beta of the linear schedule (default: 0.02).
+    """
+
+    name = "ddpm_digits"
+    quality_metric = "val_denoise"
+    quality_label = "denoising loss"
+    higher_is_better = False
+
+    def __init__(
+        self,
+        recipe: str = "realistic",
+        max_steps: int = 1000,
+        lr: float | None = None,
+        channels: int = 32,
+        timesteps: int = 1000,
+        beta_start: float = 1e-4,
+        beta_end: float = 0.02,
+    ) -> None:
+        super().__init__(recipe, max_steps, lr)
+        self.save_hyperparameters()
+        self.net = TinyUNet(channels)
+        self.timesteps = timesteps
+        betas = torch.linspace(beta_start, beta_end, timesteps, dtype=torch.float64)
+        alphas_bar = torch.cumprod(1.0 - betas, dim=0)
+        self.register_buffer("betas", betas.float(), persistent=False)
+        self.register_buffer("alphas_bar", alphas_bar.float(), persistent=False)
+        self.val_denoise = MeanMetric()
+
+    def noisy(self, x0: Tensor, t: Tensor, noise: Tensor) -> Tensor:
+        """``x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) noise``."""
+        abar = self.alphas_bar[t][:, None, None, None]
+        return abar.sqrt() * x0 + (1.0 - abar).sqrt() * noise
+
+    def denoising_loss(self, x0: Tensor, t: Tensor, noise: Tensor) -> Tensor:
+        """Mean squared error of the predicted noise (``x0`` in [0, 1])."""
+        x0 = 2.0 * x0 - 1.0
+        return F.mse_loss(self.net(self.noisy(x0, t, noise), t), noise)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x0 = batch[0]
+        t = torch.randint(self.timesteps, (len(x0),), device=x0.device)
+        loss = self.denoising_loss(x0, t, torch.randn_like(x0))
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
+        x0, t, noise = batch
+        self.val_denoise.update(self.denoising_loss(x0, t, noise), weight=len(x0))
+        self.log("val_denoise", self.val_denoise, prog_bar=True)
+
+    @torch.no_grad()
+    def sample(self, n: int, image_size: int = 8, generator: torch.Generator | None = None) -> Tensor:
+        """``n`` images in [0, 1] by ancestral sampling over all timesteps."""
+        x = torch.randn(n, 1, image_size, image_size, generator=generator)
+        alphas = 1.0 - self.betas
+        for i in reversed(range(self.timesteps)):
+            t = torch.full((n,), i, dtype=torch.long)
+            eps = self.net(x, t)
+            x = (x - self.betas[i] / (1.0 - self.alphas_bar[i]).sqrt() * eps) / alphas[i].sqrt()
+            if i > 0:
+                x = x + self.betas[i].sqrt() * torch.randn(x.shape, generator=generator)
+        return ((x.clamp(-1, 1) + 1) / 2).cpu()
+
+
+# ----------------------------------------------------------------------------------- character
+
+
+#: Standard-library modules whose source is the embedded corpus, in order (the tail is held out).
+STDLIB_MODULES: tuple[str, ...] = (
+    "argparse", "json.decoder", "json.encoder", "textwrap", "string", "csv", "difflib", "configparser",
+    "inspect", "dataclasses", "enum", "functools", "typing", "pathlib", "logging", "subprocess",
+    "tarfile", "zipfile", "pydoc", "http.client", "urllib.parse", "email.message", "calendar",
+    "datetime", "fractions", "decimal", "statistics", "ast", "shutil", "tempfile",
+)
+VOCAB = string.printable  # 100 characters; anything else is mapped to '?'
+
+
+def stdlib_text(max_chars: int = 1_000_000) -> str:
+    """The source of :data:`STDLIB_MODULES` (whatever this Python ships), up to ``max_chars``.
+
+    Read from the installed files, so every Python installation has it; the text (and so the
+    numbers) differs a little between Python versions.
+    """
+    parts, total = [], 0
+    for name in STDLIB_MODULES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+            continue
+        text = Path(spec.origin).read_text(encoding="utf-8", errors="replace")
+        parts.append(text)
+        total += len(text)
+        if total >= max_chars:
+            break
+    return "".join(parts)[:max_chars]
+
+
+def _read_corpus(data_dir: str | Path) -> str:
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"Invalid data_dir: {str(data_dir)!r} is not a directory of .txt/.py/.md files")
+    files = sorted(p for p in root.rglob("*") if p.suffix in (".txt", ".py", ".md") and p.is_file())
+    if not files:
+        raise FileNotFoundError(f"Invalid data_dir: no .txt/.py/.md files under {str(data_dir)!r}")
+    return "".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
+
+
+def encode(text: str) -> Tensor:
+    """Characters -> int64 indices into :data:`VOCAB` (unknown characters become '?')."""
+    lookup = {c: i for i, c in enumerate(VOCAB)}
+    unknown = lookup["?"]
+    return torch.tensor([lookup.get(c, unknown) for c in text], dtype=torch.int64)
+
+
+class _Windows(Dataset):
+    """Windows ``(x, y)`` of ``block_size`` characters starting every ``stride`` characters."""
+
+    def __init__(self, data: Tensor, block_size: int, stride: int, limit: int | None = None) -> None:
+        self.data, self.block_size = data, block_size
+        starts = torch.arange(0, len(data) - block_size - 1, stride)
+        if limit is not None and len(starts) > limit:
+            starts = starts[torch.linspace(0, len(starts) - 1, limit).long()]
+        self.starts = starts
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        s = int(self.starts[i])
+        chunk = self.data[s : s + self.block_size + 1]
+        return chunk[:-1], chunk[1:]
+
+
+class CharDataModule(L.LightningDataModule):
+    """Characters of the standard library's source (or ``data_dir``): first 90% train, last 10% validation.
+
+    Args:
+        block_size: Context length (default: 64).
+        batch_size: Training batch size (default: 16).
+        seed: Seed of the training shuffle (default: 0).
+        data_dir: A directory of ``.txt`` / ``.py`` / ``.md`` files instead (default: None).
+        max_chars: Characters of the embedded corpus (default: 1,000,000).
+        val_windows: Evenly spaced validation windows (default: 128).
+    """
+
+    def __init__(
+        self,
+        block_size: int = 64,
+        batch_size: int = 16,
+        seed: int = 0,
+        data_dir: str | None = None,
+        max_chars: int = 1_000_000,
+        val_windows: int = 128,
+    ) -> None:
+        super().__init__()
+        self.block_size, self.batch_size, self.seed, self.data_dir = block_size, batch_size, seed, data_dir
+        self.max_chars, self.val_windows = max_chars, val_windows
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        text = stdlib_text(self.max_chars) if self.data_dir is None else _read_corpus(self.data_dir)
+        data = encode(text)
+        split = int(0.9 * len(data))
+        if len(data) - split < self.block_size + 2:
+            raise ValueError(f"Corpus too small: {len(data)} characters for block_size={self.block_size}")
+        self.train_set = _Windows(data[:split], self.block_size, self.block_size)
+        self.val_set = _Windows(data[split:], self.block_size, self.block_size, limit=self.val_windows)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, generator=g, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=64)
+
+
+class CharGPT(Workload):
+    """A character-level GPT (nanoGPT's layout; names match ``benchmarks/_models.py``).
+
+    Args:
+        recipe: See :class:`Workload`.
+        max_steps: See :class:`Workload`.
+        lr: See :class:`Workload`.
+        vocab_size: Vocabulary (default: 100, ``string.printable``).
+        block_size: Context length (default: 64).
+        n_layer: Transformer blocks (default: 4).
+        n_head: Attention heads (default: 4).
+        n_embd: Width (default: 128; about 0.8M parameters in all).
+    """
+
+    name = "char_gpt"
+    quality_metric = "val_ppl"
+    quality_label = "perplexity"
+    higher_is_better = False
+
+    def __init__(
+        self,
+        recipe: str = "realistic",
+        max_steps: int = 1000,
+        lr: float | None = None,
+        vocab_size: int = len(VOCAB),
+        block_size: int = 64,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+    ) -> None:
+        super().__init__(recipe, max_steps, lr)
+        self.save_hyperparameters()
+        self.block_size = block_size
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.h = nn.ModuleList(Block(n_embd, n_head, causal=True) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.apply(_gpt_init)
+        self.val_ppl = Perplexity()
+        self.val_loss = MeanMetric()
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """Logits ``(B, T, vocab_size)`` of indices ``(B, T)``."""
+        t = idx.shape[1]
+        if t > self.block_size:
+            raise ValueError(f"Invalid input: sequence length {t} exceeds block_size={self.block_size}")
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.val_loss.update(F.cross_entropy(logits.flatten(0, 1), y.flatten()), weight=y.numel())
+        self.val_ppl.update(logits, y)
+        self.log("val_loss", self.val_loss, prog_bar=True)
+        self.log("val_ppl", self.val_ppl, prog_bar=True)
+
+
+# ---------------------------------------------------------------------------------------- build
+
+WORKLOADS: dict[str, type[Workload]] = {"vit_digits": ViTDigits, "char_gpt": CharGPT, "ddpm_digits": DDPMDigits}
+
+
+def build(
+    name: str,
+    recipe: str = "realistic",
+    max_steps: int = 1000,
+    seed: int = 0,
+    data_dir: str | None = None,
+    lr: float | None = None,
+    batch_size: int | None = None,
+) -> tuple[Workload, L.LightningDataModule]:
+    """The module (initialized from ``seed``) and data module of workload ``name``.
+
+    Args:
+        name: ``"vit_digits"``, ``"char_gpt"`` or ``"ddpm_digits"``.
+        recipe: ``"realistic"`` or ``"stress"`` (default: ``"realistic"``).
+        max_steps: Optimizer steps of the run (the schedule's length) (default: 1000).
+        seed: Seeds the initialization, the shuffle and the training noise (default: 0).
+        data_dir: A real data set on disk instead of the embedded one (default: None).
+        lr: Overrides the recipe's peak learning rate (default: None).
+        batch_size: Overrides the training batch size (default: None: 64 images, 16 windows).
+
+    Returns:
+        ``(module, datamodule)``.
+    """
+    if name not in WORKLOADS:
+        raise ValueError(f"Invalid workload: {name!r}; expected one of {sorted(WORKLOADS)}")
+    L.seed_everything(seed, verbose=False)
+    if name == "vit_digits":
+        data: L.LightningDataModule = DigitsDataModule(batch_size or 64, seed, data_dir=data_dir)
+        module: Workload = ViTDigits(recipe, max_steps, lr)
+    elif name == "char_gpt":
+        data = CharDataModule(batch_size=batch_size or 16, seed=seed, data_dir=data_dir)
+        module = CharGPT(recipe, max_steps, lr)
+    else:
+        module = DDPMDigits(recipe, max_steps, lr)
+        data = DigitsDataModule(batch_size or 64, seed, data_dir=data_dir, denoise_pairs=4, timesteps=module.timesteps)
+    return module, data
+
+
+def add_common_arguments(parser: Any, steps: int) -> None:
+    """The command-line options the three example scripts share."""
+    parser.add_argument("--recipe", choices=["realistic", "stress"], default="realistic",
+                        help="realistic: warm-up + cosine; stress: constant, higher LR (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=steps, help="optimizer steps (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's)")
+    parser.add_argument("--eval-every", type=int, default=100, help="validate every N steps (default: %(default)s)")
+    parser.add_argument("--data-dir", default=None, help="a real data set on disk instead of the embedded one")
+    parser.add_argument("--baoc-budget", type=float, default=None,
+                        help="train with the BAOC callback at this memory budget, e.g. 0.35 (default: off)")
+    parser.add_argument("--baoc-warmup", type=int, default=None,
+                        help="BAOC warm-up steps (default: a fifth of --steps, within 20..200)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's; 1 is often faster on a busy shared CPU)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_example(name: str, args: Any, keep: dict[str, Any] | None = None) -> dict[str, float]:
+    """Train workload ``name`` as the example scripts do and print the result.
+
+    Args:
+        name: The workload.
+        args: Parsed :func:`add_common_arguments` options.
+        keep: If given, receives the trained ``"module"`` and the ``"trainer"``.
+
+    Returns:
+        The final validation metrics.
+    """
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    callbacks: list[L.Callback] = []
+    if args.baoc_budget is not None:
+        try:
+            from lightning_baoc import BAOC
+        except ImportError as err:
+            raise SystemExit(
+                f"--baoc-budget needs lightning_baoc.BAOC, which this installation does not have ({err}). "
+                "Run without --baoc-budget, or install a lightning_baoc version with the BAOC callback."
+            ) from err
+        warmup = args.baoc_warmup if args.baoc_warmup is not None else max(20, min(200, args.steps // 5))
+        callbacks.append(BAOC(memory_budget=args.baoc_budget, warmup_steps=warmup))
+    module, data = build(name, args.recipe, args.steps, args.seed, args.data_dir, args.lr)
+    print(f"{name}: {module.num_parameters():,} parameters, recipe {args.recipe} ({module.recipe})")
+    trainer = L.Trainer(
+        max_steps=args.steps,
+        accelerator="cpu",
+        devices=1,
+        val_check_interval=min(args.eval_every, args.steps),
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=not args.no_progress,
+        callbacks=callbacks,
+    )
+    trainer.fit(module, data)
+    if keep is not None:
+        keep.update(module=module, trainer=trainer)
+    metrics = {k: float(v) for k, v in trainer.validate(module, data, verbose=False)[0].items()}
+    opt = trainer.optimizers[0]
+    state = opt.state_bytes() if hasattr(opt, "state_bytes") else None
+    fp32 = 8 * module.num_parameters()
+    print(f"{name} after {trainer.global_step} steps: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items())))
+    if state is not None:
+        print(f"optimizer state: {state:,} bytes ({state / fp32:.3f} of fp32 AdamW's {fp32:,})")
+    else:
+        print(f"optimizer: {type(opt).__name__} (fp32 AdamW state: {fp32:,} bytes)")
+    return metrics
