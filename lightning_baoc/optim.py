@@ -18,7 +18,6 @@ accelerator (DESIGN.md, "Lightning and Fabric facts").
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -479,15 +478,15 @@ class BlockwiseAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for p, rec in self._records.items():
-            if p.grad is not None and p.grad.is_sparse:
+        with_grad = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        for p in with_grad:
+            if p.grad.is_sparse:
                 raise TypeError(
-                    f"BlockwiseAdamW does not support sparse gradients (parameter {rec.name!r}); "
+                    f"BlockwiseAdamW does not support sparse gradients (parameter {self._records[p].name!r}); "
                     f"use torch.optim.SparseAdam for sparse embeddings"
                 )
         self._sync_formats()
         self._initialize_new()
-        with_grad = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         finite = dict(zip(with_grad, self._finite_mask(with_grad)))
         for group in self.param_groups:
             buckets: dict[tuple[str, torch.device], list[StepItem]] = defaultdict(list)
@@ -855,5 +854,3 @@ def _validate_hyper(group: Mapping[str, Any], where: str) -> None:
     for key in ("capturable", "differentiable"):
         if group.get(key):
             raise ValueError(f"Invalid {where}{key}: True; BlockwiseAdamW supports {key}=False only")
-    if math.isnan(lr_value):  # pragma: no cover - caught by the comparison above
-        raise ValueError(f"Invalid {where}lr: nan")
