@@ -16,37 +16,20 @@ import argparse
 
 import lightning as L
 import torch
-from torch import nn
 
 from lightning_baoc import BAOC
 
-from digits_blockwise import digits_loaders
+from digits_common import DigitsMLP, digits_loaders
 
 
-class Digits(L.LightningModule):
-    """An MLP on digits; the optimizer is the user's plain AdamW."""
+class Digits(DigitsMLP):
+    """An MLP on digits (3 hidden layers); the optimizer is the user's plain AdamW."""
 
     def __init__(self, lr: float = 2e-3, max_steps: int = 400) -> None:
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Linear(64, 256), nn.LayerNorm(256), nn.GELU(),
-            nn.Linear(256, 256), nn.LayerNorm(256), nn.GELU(),
-            nn.Linear(256, 256), nn.LayerNorm(256), nn.GELU(),
-            nn.Linear(256, 10),
-        )
-        self.lr, self.max_steps = lr, max_steps
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.cross_entropy(self.net(x), y)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
+        super().__init__(hidden_layers=3, lr=lr, max_steps=max_steps)
 
     def validation_step(self, batch, batch_idx):
-        x, y = batch
-        logits = self.net(x)
-        self.log("val_loss", nn.functional.cross_entropy(logits, y), prog_bar=True)
-        self.log("val_acc", (logits.argmax(-1) == y).float().mean(), prog_bar=True)
+        self.evaluate(batch, "val", prog_bar=True)
 
     def configure_optimizers(self):
         decay = [p for n, p in self.named_parameters() if p.dim() >= 2]
@@ -54,8 +37,7 @@ class Digits(L.LightningModule):
         opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}], lr=self.lr
         )
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=self.max_steps)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return self.with_cosine_schedule(opt)
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 Runs on the CPU in well under a minute on scikit-learn's embedded 8x8 digits (no download):
 
     python examples/digits_blockwise.py
-    python examples/digits_blockwise.py --formats 0=int8 3=bf16 6=fp32 --epochs 5
+    python examples/digits_blockwise.py --formats net.0=int8 net.3=bf16 net.6=fp32 --epochs 5
 
 The LightningModule is ordinary; ``configure_optimizers`` returns a BlockwiseAdamW (an AdamW with
 per-parameter state formats) and a cosine schedule. After training it prints, per block, the
@@ -17,59 +17,29 @@ from __future__ import annotations
 import argparse
 
 import lightning as L
-import torch
 from rich.console import Console
 from rich.table import Table
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_baoc import BlockwiseAdamW
 from lightning_baoc.formats import format_state_bytes
 
-
-def digits_loaders(batch_size: int = 64, seed: int = 0) -> tuple[DataLoader, DataLoader]:
-    """scikit-learn's digits, split 1400 / 397, pixels scaled to [0, 1]."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    x, y = x[order], y[order]
-    train = TensorDataset(x[:1400], y[:1400])
-    test = TensorDataset(x[1400:], y[1400:])
-    return DataLoader(train, batch_size=batch_size, shuffle=True), DataLoader(test, batch_size=512)
+from digits_common import DigitsMLP, digits_loaders
 
 
-class DigitsClassifier(L.LightningModule):
-    """A 3-layer MLP with LayerNorm; AdamW hyperparameters, per-block state formats."""
+class DigitsClassifier(DigitsMLP):
+    """A 2-hidden-layer MLP with LayerNorm; AdamW hyperparameters, per-block state formats."""
 
     def __init__(self, formats: dict[str, str], lr: float = 2e-3, max_steps: int = 500) -> None:
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Linear(64, 256), nn.LayerNorm(256), nn.GELU(),
-            nn.Linear(256, 256), nn.LayerNorm(256), nn.GELU(),
-            nn.Linear(256, 10),
-        )
-        self.formats, self.lr, self.max_steps = formats, lr, max_steps
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.cross_entropy(self.net(x), y)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
+        super().__init__(hidden_layers=2, lr=lr, max_steps=max_steps)
+        self.formats = formats
 
     def test_step(self, batch, batch_idx):
-        x, y = batch
-        logits = self.net(x)
-        self.log("test_loss", nn.functional.cross_entropy(logits, y))
-        self.log("test_acc", (logits.argmax(-1) == y).float().mean())
+        self.evaluate(batch, "test")
 
     def configure_optimizers(self):
         opt = BlockwiseAdamW(self.named_parameters(), lr=self.lr, weight_decay=1e-2, min_8bit_numel=0)
         opt.set_formats(self.formats)
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=self.max_steps)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return self.with_cosine_schedule(opt)
 
 
 def report(model: DigitsClassifier, opt: BlockwiseAdamW) -> None:
