@@ -12,3 +12,5 @@ __all__ += ["solve", "Allocation", "BudgetInfeasibleError", "parse_memory_budget
 from lightning_baoc.callback import BAOC
 from lightning_baoc.fabric import BAOCStrategy
 __all__ += ["BAOC", "BAOCStrategy"]
+from lightning_baoc.config import BAOCSection, Config, ConfigError, json_schema, load_config, parse_config
+__all__ += ["BAOCSection", "Config", "ConfigError", "json_schema", "load_config", "parse_config"]

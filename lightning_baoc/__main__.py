@@ -6,6 +6,8 @@ new one (``check``, ...) is one function pair and one entry.
 Example:
     python -m lightning_baoc plan --preset llama-7b --budget 0.35 --budget 0.25
     lightning-baoc plan --model mypkg.models:build --device cuda --budget 6GB --time-budget 1.10
+    lightning-baoc check --config configs/vision.yaml baoc.memory_budget=0.25 --device cpu
+    python -m lightning_baoc schema > configs/baoc.schema.json
 """
 
 from __future__ import annotations
@@ -77,12 +79,51 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_check(parser: argparse.ArgumentParser) -> None:
+    from .check import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    from .check import run
+
+    return run(args)
+
+
+def _add_schema(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output", "-o", metavar="FILE", help="write to FILE instead of stdout")
+
+
+def _run_schema(args: argparse.Namespace) -> int:
+    from .config import schema_text
+
+    text = schema_text()
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 #: name -> (help, add arguments, run)
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "plan": (
         "plan optimizer-state memory of a model built on the meta device: fp32 AdamW, every format, allocations",
         _add_plan,
         _run_plan,
+    ),
+    "check": (
+        "pre-training checklist of a config for a model and device: formats served, budget feasible, "
+        "sampler overhead, thresholds; exit 0 if all pass, 1 if one fails",
+        _add_check,
+        _run_check,
+    ),
+    "schema": (
+        "print the JSON Schema of config files (python -m lightning_baoc schema > configs/baoc.schema.json)",
+        _add_schema,
+        _run_schema,
     ),
 }
 

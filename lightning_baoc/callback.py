@@ -34,6 +34,8 @@ Reports (rank zero, at each allocation): a rich table, ``baoc_allocation.json`` 
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -102,6 +104,11 @@ class BAOC(Callback):
         calibration_cache_dir: cache directory of ``"auto"`` (default: ``None``: user cache).
         report: print the table and write ``baoc_allocation.json``/``.png`` (default: True).
         seed: seed of the gradient sampling and of stochastic rounding (default: 0).
+        max_block_risk: formats whose risk on a block exceeds this are never chosen for it;
+            lifted, with a warning, when the memory budget cannot be met otherwise
+            (default: ``None``: no cap).
+
+    A YAML template (``configs/*.yaml``) builds one with :meth:`from_config`.
 
     Example:
         >>> from lightning import Trainer
@@ -134,6 +141,7 @@ class BAOC(Callback):
         calibration_cache_dir: str | None = None,
         report: bool = True,
         seed: int = 0,
+        max_block_risk: float | None = None,
     ) -> None:
         super().__init__()
         self.config = BAOCConfig(
@@ -158,6 +166,7 @@ class BAOC(Callback):
             calibration=calibration,
             calibration_cache_dir=calibration_cache_dir,
             seed=seed,
+            max_block_risk=max_block_risk,
         )
         self.report = bool(report)
         self.controller = BAOCController(self.config)
@@ -168,6 +177,38 @@ class BAOC(Callback):
         self._warned_short_run = False
 
     # ------------------------------------------------------------------ public
+
+    @classmethod
+    def from_config(cls, config: Any, overrides: Sequence[str] = ()) -> BAOC:
+        """A BAOC callback from a config: a YAML file, its ``baoc`` section, or a loaded config.
+
+        Args:
+            config: a path to a YAML template (``configs/vision.yaml``), a
+                :class:`~lightning_baoc.config.Config` or
+                :class:`~lightning_baoc.config.BAOCSection`, or a mapping / OmegaConf
+                ``DictConfig`` holding either a whole config (with a ``baoc`` key) or the
+                ``baoc`` section alone.
+            overrides: OmegaConf dotlist overrides, applied to a file only
+                (``["baoc.memory_budget=0.25"]``) (default: none).
+
+        Raises:
+            ConfigError: an unknown key or a bad value; the message names the key and the source.
+
+        Example:
+            >>> baoc = BAOC.from_config("configs/vision.yaml", ["baoc.memory_budget=0.25"])  # doctest: +SKIP
+            >>> baoc.config.memory_budget  # doctest: +SKIP
+            0.25
+        """
+        from .config import baoc_kwargs, load_config
+
+        if isinstance(config, (str, os.PathLike)):
+            config = load_config(config, overrides)
+        elif overrides:
+            raise TypeError(
+                f"BAOC.from_config(overrides={list(overrides)!r}) applies to a config file; pass a path, "
+                f"or apply the overrides to the config before"
+            )
+        return cls(**baoc_kwargs(config))
 
     @property
     @override

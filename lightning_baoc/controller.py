@@ -155,6 +155,12 @@ class BAOCConfig:
         calibration_cache_dir: where ``"auto"`` caches its measurement (default: ``None``: the
             user cache directory).
         seed: seed of the gradient sampling indices and of stochastic rounding (default: 0).
+        max_block_risk: a cap on the risk of any one block: a format whose risk on a block
+            exceeds it is not offered to the solver for that block (on the scale of the risk
+            table, where a block's risk is weighted by its share of the update, so the block
+            risks add up to the total risk). If the memory budget cannot be met under the cap,
+            the budget wins: the cap is lifted for that allocation, with a warning naming the
+            memory the cap would need (default: ``None``: no cap).
 
     Example:
         >>> BAOCConfig(memory_budget=0.3, warmup_steps=100).sample_every
@@ -182,6 +188,7 @@ class BAOCConfig:
     calibration: str = "auto"
     calibration_cache_dir: str | None = None
     seed: int = 0
+    max_block_risk: float | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -230,6 +237,8 @@ class BAOCConfig:
         if self.calibration not in ("auto", "prior"):
             raise ValueError(f"Invalid calibration={self.calibration!r}; allowed: ['auto', 'prior']")
         self.seed = _check_int("seed", self.seed, 0)
+        if self.max_block_risk is not None:
+            self.max_block_risk = _check_float("max_block_risk", self.max_block_risk, 0.0)
 
 
 @dataclass
@@ -734,12 +743,30 @@ class BAOCController:
                     )
                 row[f] = float(value)
             risk[b] = row
-        alloc = self._solve(risk)
+        options = self._capped(risk)
+        if options is risk:
+            alloc = self._solve(risk)
+        else:
+            try:
+                alloc = self._solve(options)
+            except BudgetInfeasibleError as err:
+                # Memory is the hard limit (an allocation over it may not fit at all); the cap is a
+                # quality preference: lift it rather than fail a training run after warm-up.
+                need = "" if err.min_memory is None else f" (under the cap it needs {format_bytes(err.min_memory)})"
+                warnings.warn(
+                    f"BAOC(max_block_risk={self.config.max_block_risk!r}): the budgets cannot be met with the "
+                    f"formats under the risk cap{need}; the cap is lifted for this allocation. Raise "
+                    f"memory_budget or max_block_risk to keep it.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                options = risk
+                alloc = self._solve(risk)
         formats = dict(alloc.formats)
         kept = False
         if self.phase == "allocated" and self.allocation:
             current = self.allocation
-            if all(current.get(b) in self._allowed for b in self.blocks):
+            if all(current.get(b) in options[b] for b in self.blocks):
                 current_risk = sum(risk[b][current[b]] for b in self.blocks)
                 mb, _, mb_bytes, tb_abs = self._budgets()
                 fits = sum(self._memory[b][current[b]] for b in self.blocks) <= mb_bytes
@@ -763,6 +790,27 @@ class BAOCController:
             "time": time,
             "reason": reason,
         }
+
+    def _capped(self, risk: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        """The solver's options under ``max_block_risk``: formats over the cap dropped per block.
+
+        A block keeps its least risky format(s) even when all are over the cap (only possible
+        when neither ``fp32`` nor ``offload``, both of risk 0, is allowed). Returns ``risk``
+        itself when there is no cap or it removes nothing.
+        """
+        cap = self.config.max_block_risk
+        if cap is None:
+            return risk
+        out: dict[str, dict[str, float]] = {}
+        changed = False
+        for b, row in risk.items():
+            kept = {f: r for f, r in row.items() if r <= cap}
+            if not kept:
+                least = min(row.values())
+                kept = {f: r for f, r in row.items() if r == least}
+            changed = changed or len(kept) != len(row)
+            out[b] = kept
+        return out if changed else risk
 
     def allocate(
         self, step: int, reason: str = "manual", broadcast: Broadcast | None = None, is_global_zero: bool = True
