@@ -672,8 +672,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"N for all workloads or WORKLOAD=N (default: {DEFAULT_STEPS})")
     parser.add_argument("--results-dir", type=Path, default=HERE / "results",
                         help="cache of the runs' JSON results (default: benchmarks/results)")
-    parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: RESULTS_DIR/quality.png)")
-    parser.add_argument("--readme", action="store_true", help="write the tables into README.md (quality section)")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: docs/SECTION.png with --readme, else RESULTS_DIR/SECTION.png)")
+    parser.add_argument("--readme", action="store_true", help="write the tables into README.md (section --section)")
+    parser.add_argument("--section", default="quality",
+                        help="README section the tables go to (default: quality; e.g. quality_long for longer runs)")
     parser.add_argument("--report-only", action="store_true", help="no training: tables from the cached runs")
     parser.add_argument("--rerun", action="store_true", help="ignore cached results and train again")
     parser.add_argument("--threads", type=int, default=1,
@@ -731,11 +733,14 @@ def main(argv: list[str] | None = None) -> str:
         body += (f"\n\nBAOC rows {', '.join(f'`{n}`' for n in left_out)}: "
                  + (reason if reason else "not in this measurement; add them with `--rows " + " ".join(left_out) + "`")
                  + ".")
-    plot_path = args.plot or args.results_dir / "quality.png"
+    plot_path = args.plot or (HERE.parent / "docs" if args.readme else args.results_dir) / f"{args.section}.png"
+    plot_path.parent.mkdir(parents=True, exist_ok=True)
     save_plot(plot, args.workloads, args.recipes, plot_path)
     versions = ", ".join(f"{m} {_version(m)}" for m in ("bitsandbytes", "torchao", "adam_mini") if any(r.module == m for r in rows))
+    title = ("Quality: cheaper optimizer states on three workloads" if args.section == "quality"
+             else f"Quality, longer runs ({', '.join(f'{w} {steps[w]} steps' for w in args.workloads)})")
     report = (
-        "## Quality: cheaper optimizer states on three workloads\n\n"
+        f"## {title}\n\n"
         f"Machine: {machine()}. Peers: {versions or 'none'}. Command: `{command()}`\n\n"
         "Every run trains the workload's unchanged LightningModule (`examples/workloads.py`) with the row's "
         "optimizer over the module's two param groups and LR schedule; BAOC rows keep the module's own AdamW and add "
@@ -747,15 +752,18 @@ def main(argv: list[str] | None = None) -> str:
         "step at which the row's seed-mean curve is at least as good as fp32 AdamW's seed-mean final value (strict: "
         "no tolerance, so a row 0.01% behind reads 'not in N'). "
         "Diverged: a non-finite training or validation loss (the run is stopped there). s / run: median wall "
-        "seconds per run on a shared machine (compile time of torchao's kernels included). These are short runs "
-        "(a few hundred steps: what fits about an hour of 2 shared CPU cores): a difference smaller than the seed "
-        "spread is no evidence either way.\n\n"
+        "seconds per run on a shared machine (compile time of torchao's kernels included). "
+        + ("These are short runs (a few hundred steps: what fits about an hour of 2 shared CPU cores): a difference"
+           if max(steps[w] for w in args.workloads) < 500 else "A difference")
+        + " smaller than the seed spread is no evidence either way.\n\n"
         f"{body}\n\n"
-        f"Plot: `{os.path.relpath(plot_path, HERE.parent)}` (state bytes against quality, written by the command)."
+        + (f"![state bytes against quality]({os.path.relpath(plot_path, HERE.parent)})\n\n"
+           f"Plot: `{os.path.relpath(plot_path, HERE.parent)}` (state bytes against quality, written by the command)."
+           if args.readme else f"Plot: `{plot_path}` (state bytes against quality).")
     )
     print(report)
     if args.readme:
-        write_readme_section("quality", report)
+        write_readme_section(args.section, report)
     return report
 
 

@@ -28,9 +28,11 @@ from __future__ import annotations
 import argparse
 import copy
 import io
+import json
 import math
 import statistics as stats
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -83,7 +85,7 @@ def digits_task() -> Task:
     return Task("digits", make, loss, heldout, lr=3e-3)
 
 
-def chargpt_task() -> Task:
+def chargpt_task(n_layer: int = 4, n_embd: int = 128, eval_seqs: int = 64) -> Task:
     import inspect
     import argparse as a, json.decoder as j, textwrap as t, string as s, csv as c, difflib as d, configparser as cp
 
@@ -95,13 +97,13 @@ def chargpt_task() -> Task:
     train, val = data[:split], data[split:]
     block = 64
     vgen = torch.Generator().manual_seed(1234)
-    vstarts = torch.randint(len(val) - block - 1, (64,), generator=vgen)
+    vstarts = torch.randint(len(val) - block - 1, (eval_seqs,), generator=vgen)
     vx = torch.stack([val[i : i + block] for i in vstarts])
     vy = torch.stack([val[i + 1 : i + 1 + block] for i in vstarts])
 
     def make() -> nn.Module:
         torch.manual_seed(0)
-        return CharGPT(vocab_size=len(chars), block_size=block, n_layer=4, n_head=4, n_embd=128)
+        return CharGPT(vocab_size=len(chars), block_size=block, n_layer=n_layer, n_head=4, n_embd=n_embd)
 
     def loss(model: nn.Module, step: int, gen: torch.Generator) -> torch.Tensor:
         starts = torch.randint(len(train) - block - 1, (32,), generator=gen)
@@ -118,19 +120,27 @@ def chargpt_task() -> Task:
 
 def _train(
     task: Task, model: nn.Module, opt: BlockwiseAdamW, steps: int, gen: torch.Generator, eval_points: int = 0
-) -> float:
-    """Train ``steps`` steps; return the mean held-out loss at ``eval_points`` evenly spaced points
-    of the last fifth of training (averaging damps the step-to-step fluctuation of a constant-lr
-    run, the largest part of the noise floor), or nan without evaluation points."""
-    at = {steps - 1 - i * max(1, steps // (5 * max(eval_points, 1))) for i in range(eval_points)}
-    losses = []
+) -> tuple[float, float]:
+    """Train ``steps`` steps; return (end, path): ``end`` is the mean held-out loss at
+    ``eval_points`` evenly spaced points of the last fifth of training (averaging damps the
+    step-to-step fluctuation of a constant-lr run, the largest part of the noise floor) and
+    ``path`` the mean over ``2 * eval_points`` points spread over the whole run (the harm
+    accumulated along the way); both nan without evaluation points."""
+    at_end = {steps - 1 - i * max(1, steps // (5 * max(eval_points, 1))) for i in range(eval_points)}
+    n_path = 2 * eval_points
+    at_path = {(i + 1) * steps // n_path - 1 for i in range(n_path)} if eval_points else set()
+    end, path = [], []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         task.loss(model, step, gen).backward()
         opt.step()
-        if step in at:
-            losses.append(task.heldout(model))
-    return sum(losses) / len(losses) if losses else math.nan
+        if step in at_end or step in at_path:
+            value = task.heldout(model)
+            if step in at_end:
+                end.append(value)
+            if step in at_path:
+                path.append(value)
+    return (sum(end) / len(end) if end else math.nan, sum(path) / len(path) if path else math.nan)
 
 
 def warm_up(task: Task, steps: int) -> tuple[bytes, bytes]:
@@ -154,11 +164,28 @@ def restore(task: Task, warm: tuple[bytes, bytes]) -> tuple[nn.Module, Blockwise
 EVAL_POINTS = 5
 
 
-def run(task: Task, warm: tuple[bytes, bytes], formats: dict[str, str], blocks: dict, steps: int, order: int) -> float:
-    model, opt = restore(task, warm)
-    if formats:
-        opt.set_formats(formats, blocks=blocks)
-    return _train(task, model, opt, steps, torch.Generator().manual_seed(order), EVAL_POINTS)
+class Runs:
+    """Paired continuations from the shared warm-up, cached on disk (``benchmarks/results/``) by
+    configuration, allocation and data order, so an interrupted benchmark resumes where it
+    stopped."""
+
+    def __init__(self, task: Task, warm: tuple[bytes, bytes], blocks: dict, steps: int, path: Path, config: dict) -> None:
+        self.task, self.warm, self.blocks, self.steps, self.path = task, warm, blocks, steps, path
+        self.key = json.dumps(config, sort_keys=True)
+        data = json.loads(path.read_text()) if path.exists() else {}
+        self.data = data
+        self.cache = data.setdefault(self.key, {})
+
+    def __call__(self, formats: dict[str, str], order: int) -> tuple[float, float]:
+        key = json.dumps([sorted(formats.items()), order])
+        if key not in self.cache:
+            model, opt = restore(self.task, self.warm)
+            if formats:
+                opt.set_formats(formats, blocks=self.blocks)
+            self.cache[key] = _train(self.task, model, opt, self.steps, torch.Generator().manual_seed(order), EVAL_POINTS)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(self.data))
+        return tuple(self.cache[key])
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -196,12 +223,23 @@ def main() -> None:
     parser.add_argument("--random", type=int, default=5)
     parser.add_argument("--blocks", type=int, default=8, help="blocks in the block-level test")
     parser.add_argument("--formats", nargs="*", default=["nomomentum", "int8", "factored", "nomomentum_int8"])
+    parser.add_argument("--layers", type=int, default=4, help="chargpt: transformer blocks (default: 4)")
+    parser.add_argument("--embd", type=int, default=128, help="chargpt: embedding width (default: 128)")
+    parser.add_argument("--eval-seqs", type=int, default=64, help="chargpt: held-out sequences of 64 tokens (default: 64)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    parser.add_argument("--results-dir", type=Path, default=Path(__file__).parent / "results",
+                        help="cache of finished runs (default: benchmarks/results)")
+    parser.add_argument("--merge", type=Path, nargs="*", default=[],
+                        help="other cache files of the same configuration whose finished runs are used too")
+    parser.add_argument("--blocks-first-reversed", action="store_true",
+                        help="run the block-level test first, last block first (a second process sharing the work "
+                        "with --results-dir elsewhere; merge the caches with --merge for the report)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
         args.warmup, args.steps, args.orders, args.random, args.blocks = 50, 50, 2, 2, 3
-    torch.set_num_threads(1 if args.task == "digits" else torch.get_num_threads())
-    task = digits_task() if args.task == "digits" else chargpt_task()
+    torch.set_num_threads(args.threads)
+    task = digits_task() if args.task == "digits" else chargpt_task(args.layers, args.embd, args.eval_seqs)
     model = task.make_model()
     blocks = partition(model)
     warm = warm_up(task, args.warmup)
@@ -211,50 +249,71 @@ def main() -> None:
     shapes = {n: p.shape for n, p in model.named_parameters()}
     memory = {b: {f: sum(format_state_bytes(f, shapes[n], 0) for n in names) for f in risk[b]} for b, names in blocks.items()}
     orders = list(range(args.orders))
-    base = {o: run(task, warm, {}, blocks, args.steps, o) for o in orders}
-    print(f"fp32 continuation held-out loss by order: {base}", flush=True)
+    config = {k: getattr(args, k) for k in ("task", "warmup", "steps")}
+    if args.task == "chargpt":
+        config.update(layers=args.layers, embd=args.embd, eval_seqs=args.eval_seqs)
+    config.update(torch=torch.__version__, quick=args.quick)
+    run = Runs(task, warm, blocks, args.steps, args.results_dir / f"risk_validation_{args.task}.json", config)
+    for other in args.merge:
+        run.cache.update({k: v for k, v in json.loads(other.read_text()).get(run.key, {}).items() if k not in run.cache})
+    base = {o: run({}, o) for o in orders}
+    sizes = {b: sum(shapes[n].numel() for n in names if len(shapes[n]) >= 2) for b, names in blocks.items()}
+    chosen = sorted(sizes, key=sizes.get, reverse=True)[: args.blocks]
+    if args.blocks_first_reversed:
+        for b in reversed(chosen):
+            for f in args.formats:
+                for o in orders:
+                    run({b: f}, o)
+    print(f"fp32 continuation held-out loss (end, path) by order: {base}", flush=True)
 
-    # (i) allocation level
+    def harms_of_run(formats: dict[str, str], which: int) -> list[float]:
+        return [run(formats, o)[which] - base[o][which] for o in orders]
+
+    # (i) allocation level, measured at the end of the continuation
     lo = solve(risk, memory, args.budget)
-    flipped = {b: {f: max(r.values()) - v for f, v in r.items()} for b, r in risk.items()}
-    hi = solve(flipped, memory, args.budget)
-    allocations = {"risk-min": lo.formats, "risk-max": hi.formats}
+    allocations = {"risk-min": lo.formats, "risk-max": riskiest(risk, memory, args.budget)}
     for k in range(args.random):
         gen = torch.Generator().manual_seed(100 + k)
         rnd = {b: {f: float(torch.rand(1, generator=gen)) for f in r} for b, r in risk.items()}
         allocations[f"random {k}"] = solve(rnd, memory, args.budget).formats
     alloc_rows, harms_of = [], {}
     for label, alloc in allocations.items():
-        harms = [run(task, warm, alloc, blocks, args.steps, o) - base[o] for o in orders]
+        harms = harms_of_run(alloc, 0)
         harms_of[label] = harms
         mem = sum(memory[b][f] for b, f in alloc.items()) / sum(memory[b]["fp32"] for b in memory)
         predicted = sum(risk[b][f] for b, f in alloc.items())
         m, s = mean_sem(harms)
-        alloc_rows.append([label, f"{mem:.3f}", f"{predicted:.4g}", f"{m:+.4f}", f"{s:.4f}"])
+        counts = ", ".join(f"{f} {n}" for f, n in sorted(_count(alloc.values()).items()))
+        alloc_rows.append([label, f"{mem:.3f}", f"{predicted:.4g}", f"{m:+.4f}", f"{s:.4f}", counts])
         print(alloc_rows[-1], flush=True)
     random_means = [stats.mean(harms_of[k]) for k in harms_of if k.startswith("random")]
     median_random = stats.median(random_means) if random_means else math.nan
 
-    # (ii) block level: the largest 2-D blocks
-    sizes = {b: sum(shapes[n].numel() for n in names if len(shapes[n]) >= 2) for b, names in blocks.items()}
-    chosen = sorted(sizes, key=sizes.get, reverse=True)[: args.blocks]
-    block_rows, pred_all, harm_all, per_format = [], [], [], {}
+    # (ii) block level: the largest 2-D blocks; harm at the end and along the whole continuation
+    block_rows, corr_rows = [], []
+    measured: dict[int, dict[str, tuple[list[float], list[float], list[float]]]] = {0: {}, 1: {}}
     for b in chosen:
         for f in args.formats:
-            harms = [run(task, warm, {b: f}, blocks, args.steps, o) - base[o] for o in orders]
-            m, s = mean_sem(harms)
-            pred_all.append(risk[b][f])
-            harm_all.append(m)
-            per_format.setdefault(f, ([], [], []))
-            per_format[f][0].append(risk[b][f])
-            per_format[f][1].append(m)
-            per_format[f][2].append(s)
-            block_rows.append([b, f, f"{risk[b][f]:.3g}", f"{m:+.5f}", f"{s:.5f}"])
+            row = [b, f, f"{risk[b][f]:.3g}"]
+            for which in (0, 1):
+                m, s = mean_sem(harms_of_run({b: f}, which))
+                p, h, e = measured[which].setdefault(f, ([], [], []))
+                p.append(risk[b][f])
+                h.append(m)
+                e.append(s)
+                row += [f"{m:+.5f}", f"{s:.5f}"]
+            block_rows.append(row)
             print(block_rows[-1], flush=True)
-    corr_rows = [["all", f"{spearman(pred_all, harm_all):+.2f}", len(pred_all), ""]]
-    for f, (p, h, s) in per_format.items():
-        above = sum(1 for hh, ss in zip(h, s) if not math.isnan(ss) and abs(hh) > 2 * ss)
-        corr_rows.append([f, f"{spearman(p, h):+.2f}", len(p), f"{above}/{len(p)}"])
+    for which, name in ((0, "end"), (1, "path")):
+        pred_all = [x for p, _, _ in measured[which].values() for x in p]
+        harm_all = [x for _, h, _ in measured[which].values() for x in h]
+        sem_all = [x for _, _, e in measured[which].values() for x in e]
+        rows = [(f, p, h, e) for f, (p, h, e) in measured[which].items()] + [("all", pred_all, harm_all, sem_all)]
+        for f, p, h, e in rows:
+            keep = [i for i in range(len(h)) if not math.isnan(e[i]) and abs(h[i]) > 2 * e[i]]
+            above = f"{len(keep)}/{len(h)}"
+            sub = spearman([p[i] for i in keep], [h[i] for i in keep]) if len(keep) >= 3 else math.nan
+            corr_rows.append([name, f, f"{spearman(p, h):+.2f}", len(p), above, f"{sub:+.2f}"])
 
     paired = [harms_of["risk-max"][i] - harms_of["risk-min"][i] for i in range(len(orders))]
     pm, ps = mean_sem(paired)
@@ -263,21 +322,29 @@ def main() -> None:
         for i in range(len(orders))
     ]
     rm, rs = mean_sem(vs_random)
+    model_text = (
+        f"a {args.layers}-layer character GPT (width {args.embd}, {sum(p.numel() for p in model.parameters()):,} "
+        f"parameters), held-out set {args.eval_seqs} x 64 tokens"
+        if args.task == "chargpt"
+        else f"an 8-layer MLP ({sum(p.numel() for p in model.parameters()):,} parameters)"
+    )
     summary = (
-        f"Task `{task.name}`: fp32 warm-up {args.warmup} steps, then {args.steps} steps at constant lr "
-        f"{task.lr}, {args.orders} data orders (paired). Harm = held-out loss (mean of {EVAL_POINTS} evaluations over the last fifth) minus the fp32 continuation's "
-        f"on the same order, mean and standard error (the noise floor) over orders. Budget {args.budget} "
-        f"of fp32 AdamW state. fp32 continuation held-out loss: "
-        f"{stats.mean(base.values()):.4f} (spread over orders {max(base.values()) - min(base.values()):.4f}).\n\n"
-        f"(i) allocations (median harm of the random ones: {median_random:+.4f}); paired by order, "
+        f"Task `{task.name}`, {model_text}: fp32 warm-up {args.warmup} steps, then {args.steps} steps at constant lr "
+        f"{task.lr}, {args.orders} data orders (paired). Harm = held-out loss minus the fp32 continuation's "
+        f"on the same order, mean and standard error (the noise floor) over orders; 'end' is the mean of "
+        f"{EVAL_POINTS} evaluations over the last fifth, 'path' the mean of {2 * EVAL_POINTS} evaluations spread "
+        f"over the whole continuation. Budget {args.budget} of fp32 AdamW state. fp32 continuation held-out loss "
+        f"(end): {stats.mean(v[0] for v in base.values()):.4f} (spread over orders "
+        f"{max(v[0] for v in base.values()) - min(v[0] for v in base.values()):.4f}).\n\n"
+        f"(i) allocations, harm at the end (median of the random ones: {median_random:+.4f}); paired by order, "
         f"risk-max minus risk-min {pm:+.4f} +- {ps:.4f} (sem), median random minus risk-min "
         f"{rm:+.4f} +- {rs:.4f}:\n\n"
-        + markdown_table(["allocation", "memory / fp32", "predicted risk", "harm", "sem"], alloc_rows)
-        + "\n\n(ii) one block at a time, Spearman(predicted risk, measured harm); "
-        "'above noise' counts harms beyond 2 sem:\n\n"
-        + markdown_table(["formats", "Spearman", "pairs", "above noise"], corr_rows)
+        + markdown_table(["allocation", "memory / fp32", "predicted risk", "harm", "sem", "blocks per format"], alloc_rows)
+        + "\n\n(ii) one block at a time, Spearman(predicted risk, measured harm); 'above noise' counts harms "
+        "beyond 2 sem, and the last column is the Spearman over those alone:\n\n"
+        + markdown_table(["harm", "formats", "Spearman", "pairs", "above noise", "Spearman above noise"], corr_rows)
         + "\n\n<details><summary>block-level runs</summary>\n\n"
-        + markdown_table(["block", "format", "predicted risk", "harm", "sem"], block_rows)
+        + markdown_table(["block", "format", "predicted risk", "harm (end)", "sem", "harm (path)", "sem"], block_rows)
         + "\n\n</details>"
     )
     print(summary)
@@ -286,6 +353,33 @@ def main() -> None:
             f"risk_validation_{task.name}",
             f"Machine: {machine()}. Command: `{command()}`\n\n{summary}",
         )
+
+
+def riskiest(risk: dict, memory: dict, budget: float, spend: float = 0.95) -> dict[str, str]:
+    """The risk-maximizing allocation that spends (nearly) the same memory: at least ``spend`` of
+    the budget. Maximizing risk alone would also save memory (the riskiest formats are the
+    cheapest), so unused memory is priced too; its price grows until the budget is spent."""
+    top = max(v for r in risk.values() for v in r.values()) or 1.0
+    total = sum(m["fp32"] for m in memory.values())
+    most = {b: max(m.values()) for b, m in memory.items()}
+    weight = 1.0
+    while True:
+        cost = {
+            b: {f: (top - v) / top + weight * (most[b] - memory[b][f]) / total for f, v in r.items()}
+            for b, r in risk.items()
+        }
+        formats = solve(cost, memory, budget).formats
+        used = sum(memory[b][f] for b, f in formats.items()) / total
+        if used >= spend * budget or weight > 1e6:
+            return formats
+        weight *= 4.0
+
+
+def _count(values) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
 
 
 if __name__ == "__main__":
