@@ -64,6 +64,8 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict:
         }
     finally:
         torch.set_num_threads(threads)
+    for label, h in harm.items():  # shown with -s
+        print(f"{label}: memory {fraction[label]:.3f} of fp32, harm by order {[round(x, 4) for x in h]}")
     return {"harm": harm, "fraction": fraction}
 
 
