@@ -14,16 +14,12 @@ Prints the validation perplexity and loss, and the optimizer-state bytes when th
 
 from __future__ import annotations
 
-import argparse
-
-from workloads import add_common_arguments, run_example
+from workloads import run_workload_cli
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Parse the options, train, print and return the final validation metrics."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_common_arguments(parser, steps=1000)
-    return run_example("char_gpt", parser.parse_args(argv))
+    return run_workload_cli("char_gpt", argv, __doc__.splitlines()[0], steps=1000)
 
 
 if __name__ == "__main__":

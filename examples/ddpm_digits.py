@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
-from workloads import add_common_arguments, run_example
+from workloads import run_workload_cli
 
 
 def save_samples(module: object, path: Path, n: int = 64, seed: int = 0) -> None:
@@ -40,18 +41,19 @@ def save_samples(module: object, path: Path, n: int = 64, seed: int = 0) -> None
     print(f"{n} samples written to {path}")
 
 
+def _add_samples_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--samples", type=Path, default=None, help="write 64 generated digits to this PNG")
+
+
+def _save_samples_if_asked(args: argparse.Namespace, keep: dict[str, Any]) -> None:
+    if args.samples is not None:
+        save_samples(keep["module"], args.samples)
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Parse the options, train, print and return the final validation metrics (and save samples)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_common_arguments(parser, steps=1000)
-    parser.add_argument("--samples", type=Path, default=None, help="write 64 generated digits to this PNG")
-    args = parser.parse_args(argv)
-    if args.samples is None:
-        return run_example("ddpm_digits", args)
-    holder: dict[str, object] = {}
-    metrics = run_example("ddpm_digits", args, keep=holder)
-    save_samples(holder["module"], args.samples)
-    return metrics
+    return run_workload_cli("ddpm_digits", argv, __doc__.splitlines()[0], steps=1000,
+                            add_arguments=_add_samples_option, after=_save_samples_if_asked)
 
 
 if __name__ == "__main__":

@@ -13,16 +13,12 @@ Prints the validation accuracy and loss, and the optimizer-state bytes when the 
 
 from __future__ import annotations
 
-import argparse
-
-from workloads import add_common_arguments, run_example
+from workloads import run_workload_cli
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Parse the options, train, print and return the final validation metrics."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_common_arguments(parser, steps=500)
-    return run_example("vit_digits", parser.parse_args(argv))
+    return run_workload_cli("vit_digits", argv, __doc__.splitlines()[0], steps=500)
 
 
 if __name__ == "__main__":

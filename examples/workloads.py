@@ -27,9 +27,11 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import math
 import string
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -268,7 +270,44 @@ def _load_image_folder(data_dir: str | Path, image_size: int) -> tuple[Tensor, T
     return torch.stack(xs)[:, None], torch.tensor(ys)
 
 
-class DigitsDataModule(L.LightningDataModule):
+class _SplitDataModule(L.LightningDataModule):
+    """Base of the example data modules: a training set and a validation set, built once in ``setup``.
+
+    Subclasses implement :meth:`build_sets` and set :attr:`val_batch_size`; the training loader
+    shuffles from a generator seeded with ``seed`` and drops the last partial batch.
+
+    Args:
+        batch_size: Training batch size.
+        seed: Seed of the training shuffle.
+        data_dir: A real data set on disk instead of the embedded one, or None.
+    """
+
+    #: Batch size of the (unshuffled) validation loader.
+    val_batch_size: ClassVar[int]
+
+    def __init__(self, batch_size: int, seed: int, data_dir: str | None) -> None:
+        super().__init__()
+        self.batch_size, self.seed, self.data_dir = batch_size, seed, data_dir
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+
+    def build_sets(self) -> tuple[Dataset, Dataset]:
+        """``(train_set, val_set)``; called once, by the first :meth:`setup`."""
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is None:
+            self.train_set, self.val_set = self.build_sets()
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, generator=g, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.val_batch_size)
+
+
+class DigitsDataModule(_SplitDataModule):
     """scikit-learn's 8x8 digits (1797 images, shipped with the package): 1400 train / 397 validation.
 
     Images are ``(1, image_size, image_size)`` in [0, 1] (upsampled bilinearly when ``image_size``
@@ -285,6 +324,8 @@ class DigitsDataModule(L.LightningDataModule):
         timesteps: Diffusion timesteps the draws of ``t`` come from (default: 1000).
     """
 
+    val_batch_size = 512
+
     def __init__(
         self,
         batch_size: int = 64,
@@ -294,11 +335,8 @@ class DigitsDataModule(L.LightningDataModule):
         denoise_pairs: int = 0,
         timesteps: int = 1000,
     ) -> None:
-        super().__init__()
-        self.batch_size, self.seed, self.image_size, self.data_dir = batch_size, seed, image_size, data_dir
-        self.denoise_pairs, self.timesteps = denoise_pairs, timesteps
-        self.train_set: Dataset | None = None
-        self.val_set: Dataset | None = None
+        super().__init__(batch_size, seed, data_dir)
+        self.image_size, self.denoise_pairs, self.timesteps = image_size, denoise_pairs, timesteps
 
     def tensors(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``(x_train, y_train, x_val, y_val)``, images ``(N, 1, S, S)`` in [0, 1]."""
@@ -318,26 +356,17 @@ class DigitsDataModule(L.LightningDataModule):
         x, y = x[order], y[order]
         return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_set is not None:
-            return
+    def build_sets(self) -> tuple[Dataset, Dataset]:
+        """Training ``(x, y)``; validation ``(x, y)``, or ``(x0, t, noise)`` with ``denoise_pairs``."""
         x_train, y_train, x_val, y_val = self.tensors()
-        self.train_set = TensorDataset(x_train, y_train)
-        if self.denoise_pairs:
-            g = torch.Generator().manual_seed(SPLIT_SEED)
-            x0 = x_val.repeat_interleave(self.denoise_pairs, dim=0)
-            t = torch.randint(self.timesteps, (len(x0),), generator=g)
-            noise = torch.randn(x0.shape, generator=g)
-            self.val_set = TensorDataset(x0, t, noise)
-        else:
-            self.val_set = TensorDataset(x_val, y_val)
-
-    def train_dataloader(self) -> DataLoader:
-        g = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, generator=g, drop_last=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=512)
+        train_set = TensorDataset(x_train, y_train)
+        if not self.denoise_pairs:
+            return train_set, TensorDataset(x_val, y_val)
+        g = torch.Generator().manual_seed(SPLIT_SEED)
+        x0 = x_val.repeat_interleave(self.denoise_pairs, dim=0)
+        t = torch.randint(self.timesteps, (len(x0),), generator=g)
+        noise = torch.randn(x0.shape, generator=g)
+        return train_set, TensorDataset(x0, t, noise)
 
 
 class ViTDigits(Workload):
@@ -617,7 +646,7 @@ class _Windows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
-class CharDataModule(L.LightningDataModule):
+class CharDataModule(_SplitDataModule):
     """Characters of the standard library's source (or ``data_dir``): first 90% train, last 10% validation.
 
     Args:
@@ -629,6 +658,8 @@ class CharDataModule(L.LightningDataModule):
         val_windows: Evenly spaced validation windows (default: 128).
     """
 
+    val_batch_size = 64
+
     def __init__(
         self,
         block_size: int = 64,
@@ -638,29 +669,18 @@ class CharDataModule(L.LightningDataModule):
         max_chars: int = 1_000_000,
         val_windows: int = 128,
     ) -> None:
-        super().__init__()
-        self.block_size, self.batch_size, self.seed, self.data_dir = block_size, batch_size, seed, data_dir
-        self.max_chars, self.val_windows = max_chars, val_windows
-        self.train_set: Dataset | None = None
-        self.val_set: Dataset | None = None
+        super().__init__(batch_size, seed, data_dir)
+        self.block_size, self.max_chars, self.val_windows = block_size, max_chars, val_windows
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_set is not None:
-            return
+    def build_sets(self) -> tuple[Dataset, Dataset]:
+        """Non-overlapping windows of the first 90%; ``val_windows`` evenly spaced ones of the rest."""
         text = stdlib_text(self.max_chars) if self.data_dir is None else _read_corpus(self.data_dir)
         data = encode(text)
         split = int(0.9 * len(data))
         if len(data) - split < self.block_size + 2:
             raise ValueError(f"Corpus too small: {len(data)} characters for block_size={self.block_size}")
-        self.train_set = _Windows(data[:split], self.block_size, self.block_size)
-        self.val_set = _Windows(data[split:], self.block_size, self.block_size, limit=self.val_windows)
-
-    def train_dataloader(self) -> DataLoader:
-        g = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, generator=g, drop_last=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=64)
+        train_set = _Windows(data[:split], self.block_size, self.block_size)
+        return train_set, _Windows(data[split:], self.block_size, self.block_size, limit=self.val_windows)
 
 
 class CharGPT(Workload):
@@ -841,4 +861,41 @@ def run_example(name: str, args: Any, keep: dict[str, Any] | None = None) -> dic
         print(f"optimizer state: {state:,} bytes ({state / fp32:.3f} of fp32 AdamW's {fp32:,})")
     else:
         print(f"optimizer: {type(opt).__name__} (fp32 AdamW state: {fp32:,} bytes)")
+    return metrics
+
+
+def run_workload_cli(
+    name: str,
+    argv: list[str] | None,
+    description: str,
+    steps: int,
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+    after: Callable[[argparse.Namespace, dict[str, Any]], None] | None = None,
+) -> dict[str, float]:
+    """The ``main`` of an example script: parse the options, train workload ``name``, print the result.
+
+    Args:
+        name: The workload.
+        argv: The command line without the program name (None: ``sys.argv[1:]``).
+        description: The ``--help`` description (the scripts pass their docstring's first line).
+        steps: Default of ``--steps``.
+        add_arguments: Adds the script's own options after :func:`add_common_arguments`' (default: None).
+        after: Called with the parsed options and the ``keep`` of :func:`run_example` (the trained
+            ``"module"`` and the ``"trainer"``) after training and printing (default: None).
+
+    Returns:
+        The final validation metrics.
+
+    Example:
+        >>> metrics = run_workload_cli("vit_digits", ["--steps", "3"], "ViT on digits", steps=500)  # doctest: +SKIP
+    """
+    parser = argparse.ArgumentParser(description=description)
+    add_common_arguments(parser, steps=steps)
+    if add_arguments is not None:
+        add_arguments(parser)
+    args = parser.parse_args(argv)
+    keep: dict[str, Any] = {}
+    metrics = run_example(name, args, keep=keep)
+    if after is not None:
+        after(args, keep)
     return metrics

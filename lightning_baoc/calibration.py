@@ -11,7 +11,7 @@
 - :func:`hardware_mask` names the formats a device cannot serve well, with the reason. On a CPU
   (and on unified-memory devices) host memory *is* the device's memory: ``offload`` saves nothing
   there, so it is masked; and :func:`memory_table` counts its bytes in full on such devices, so
-  even unmasked it never makes a budget look met (DESIGN.md, "State formats").
+  even unmasked it never makes a budget look met (``tests/test_calibration.py``).
 """
 
 from __future__ import annotations

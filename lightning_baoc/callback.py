@@ -1,6 +1,6 @@
 """BAOC: the Lightning callback, a thin adapter over :class:`~lightning_baoc.controller.BAOCController`.
 
-Hook by hook (Lightning 2.6; DESIGN.md, "Lightning and Fabric facts"):
+Hook by hook (Lightning 2.6; README.md, "The BAOC callback", has the whole lifecycle):
 
 - ``setup``: refuses strategies that own or shard the optimizer (DeepSpeed, FSDP, ModelParallel).
 - ``on_fit_start``: installs once: the optimizer ``configure_optimizers`` returned becomes a fp32

@@ -13,7 +13,7 @@ and the storage really allocated. Pools are rebuilt when formats change (``set_f
 
 The state is kept outside ``optimizer.state`` on purpose: Lightning moves every tensor found there
 to the root device after a restore, which would silently pull host-offloaded states onto the
-accelerator (DESIGN.md, "Lightning and Fabric facts").
+accelerator (Lightning 2.6's ``Strategy.load_optimizer_state_dict`` calls ``_optimizer_to_device``).
 """
 
 from __future__ import annotations

@@ -190,7 +190,7 @@ def build_model(spec: str, device: str | torch.device = "meta") -> nn.Module:
 # ---------------------------------------------------------------------------- risk prior
 
 #: Prior risk of each format over a whole model (expected relative harm if every parameter used
-#: it), for planning without statistics. Ordered by the harms measured in DESIGN.md: int8 costs
+#: it), for planning without statistics. Ordered by measured harm: int8 costs
 #: ~2% perplexity at high learning rates; dropping momentum is worse, and no momentum with an
 #: 8-bit v is a hazard (+30% perplexity on attention); offload is fp32 math (no risk, only time).
 PRIOR_RISK: Mapping[str, float] = {
@@ -209,8 +209,8 @@ PRIOR_RISK: Mapping[str, float] = {
 #: reason for 8-bit Adam's "stable embedding"); attention is weighted up too.
 PRIOR_KIND_WEIGHT: Mapping[str, float] = {"embedding": 2.0, "head": 2.0, "attention": 1.5, "norm": 1.0, "other": 1.0}
 
-#: Extra weight of momentum-free formats on attention (DESIGN.md: no momentum with an int8 v on the
-#: attention layers raised perplexity by 30%).
+#: Extra weight of momentum-free formats on attention (on a character GPT, no momentum with an int8 v
+#: on the attention layers raised perplexity by 30%).
 PRIOR_ATTENTION_NO_MOMENTUM = 2.0
 
 _ATTENTION_WORDS = ("attn", "attention", "q_proj", "k_proj", "v_proj", "o_proj", "qkv", "query", "key", "value")

@@ -2,7 +2,7 @@
 
 The score is a prediction of harm to training progress over a horizon of ``H`` optimizer steps,
 measured on the block's real Adam state at allocation time (warm-up runs all-fp32, so the exact
-``m`` and ``v`` are at hand). DESIGN.md's caution shapes it: one step's update perturbation is
+``m`` and ``v`` are at hand). A caution shapes it: one step's update perturbation is
 a poor predictor (dropping momentum perturbs a single update by 20-30x its norm yet moves the loss
 by ~1e-2, either way), because zero-mean noise in the update averages out over steps while a bias
 does not. So the risk separates what persists from what averages out.
@@ -77,7 +77,7 @@ class BlockRisk:
 
     @property
     def noise_ratio(self) -> float:
-        """Per-step update noise over update signal (the 20-30x of DESIGN.md's caution)."""
+        """Per-step update noise over update signal (the 20-30x of the module docstring's caution)."""
         return self.noise_sq / self.update_sq if self.update_sq > 0 else math.nan
 
 

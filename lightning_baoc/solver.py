@@ -4,7 +4,7 @@ The problem is a multiple-choice knapsack with two resources: every block ``b`` 
 ``f`` among those it allows, with risk ``r[b, f]``, state bytes ``m[b, f]`` and step time
 ``t[b, f]``; minimize ``sum r`` subject to ``sum m <= M`` and ``sum t <= T``.
 
-How :func:`solve` works (DESIGN.md, "Allocation"):
+How :func:`solve` works (summarized in README.md, "Allocation: budgets, solver, calibration, planner"):
 
 1. Validate the tables, apply the hardware mask, parse the budgets, and drop options dominated in
    all of risk, memory and time (they can never be needed).
@@ -46,7 +46,7 @@ import numpy as np
 
 from .budget import format_bytes, format_seconds, parse_memory_budget, parse_time_budget
 
-#: The format names of :data:`lightning_baoc.FORMATS` in DESIGN.md's order (kept here so the solver
+#: The format names of :data:`lightning_baoc.FORMATS`, in its order (kept here so the solver
 #: imports no torch; a test holds the two equal). Tables may also use other names.
 KNOWN_FORMATS: tuple[str, ...] = (
     "fp32",

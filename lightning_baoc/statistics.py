@@ -90,7 +90,7 @@ def directional_stability(samples: Tensor | Sequence[Tensor]) -> float:
     About 1 for a gradient that keeps its direction, about 0 (within ``1/sqrt(k)``) for independent
     noise, negative for an oscillating one. For ``g_t = mu + noise`` with independent noise it is
     about ``SNR / (1 + SNR)`` (see :func:`gradient_snr`). Momentum matters less where the direction
-    is stable (DESIGN.md, "Statistics and risk"). ``nan`` with fewer than two usable samples.
+    is stable. ``nan`` with fewer than two usable samples.
 
     Example:
         >>> directional_stability(torch.ones(5, 100))

@@ -1,7 +1,7 @@
 """Done-when 3 and 4 (issue 2): 8-bit round-trip error on real AdamW states; bf16 rounding.
 
-The FlashOptim companding reference and plain absmax int8 are written here from DESIGN.md's
-formulas, independently of the library, with fp16 scales as the paper stores them.
+The FlashOptim companding reference (softsign for m, square root for v, groups of 32) and plain
+absmax int8 are written here independently of the library, with fp16 scales as the paper stores them.
 """
 
 from __future__ import annotations

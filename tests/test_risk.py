@@ -58,7 +58,7 @@ def test_dropping_momentum_costs_more_where_gradients_are_noisy_and_less_over_lo
     long = risk_details(opt, {"clean": ["clean"], "noisy": ["noisy"]}, horizon=1000)
     assert short["noisy"].variance["nomomentum"] > 10 * short["clean"].variance["nomomentum"]
     assert long["noisy"].variance["nomomentum"] == pytest.approx(short["noisy"].variance["nomomentum"] / 100)
-    assert short["noisy"].noise_ratio > 100  # one step's noise dwarfs its signal, as in DESIGN.md
+    assert short["noisy"].noise_ratio > 100  # one step's noise dwarfs its signal, as risk.py's docstring warns
 
 
 def test_8bit_groups_with_wide_range_are_seen() -> None:

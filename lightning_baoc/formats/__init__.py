@@ -27,7 +27,7 @@ DEFAULT_MIN_8BIT_NUMEL = 4096
 
 _ORDER = (FP32, BF16Momentum, BF16, NoMomentum, Int8, Int8Factored, NoMomentumInt8, Factored, Offload)
 
-#: Registry: format name -> format object (read-only), in DESIGN.md's order.
+#: Registry: format name -> format object (read-only), in the order of README.md's "State formats" table.
 FORMATS: Mapping[str, StateFormat] = MappingProxyType({cls.name: cls() for cls in _ORDER})
 
 

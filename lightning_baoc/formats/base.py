@@ -41,7 +41,7 @@ def factor_dims(shape: Shape) -> tuple[int, int] | None:
 
     Tensors with two or more dimensions are viewed as ``(shape[0], prod(shape[1:]))`` (a conv weight
     ``(out, in, kh, kw)`` becomes ``(out, in*kh*kw)``). Both sides must be at least 2, otherwise the
-    factored form is no smaller than the tensor (1-D tensors have none: DESIGN.md, "State formats").
+    factored form is no smaller than the tensor (1-D tensors have none: README.md, "State formats").
     """
     if len(shape) < 2:
         return None
@@ -140,7 +140,7 @@ class StepHyper:
 class StateFormat(ABC):
     """Base class of the optimizer-state formats (one subclass per file)."""
 
-    #: Public name, as in DESIGN.md's table.
+    #: Public name, as in README.md's "State formats" table.
     name: ClassVar[str]
     #: Whether the format keeps a first moment.
     has_momentum: ClassVar[bool]

@@ -1,6 +1,6 @@
 """``nomomentum_int8``: no momentum, sqrt-companded uint8 second moment (``1 + 2/32 + 1/1024`` bytes/element).
 
-Hazard (measured on a character GPT, DESIGN.md): a uint8 v rounds entries below ~1/510 of their
+Hazard (measured on a character GPT): a uint8 v rounds entries below ~1/510 of their
 group's maximum square root to zero, and without momentum the raw gradient is then divided by
 ``eps``. The risk model must see this; the format does not hide it.
 """

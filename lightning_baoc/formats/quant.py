@@ -172,7 +172,7 @@ def bf16_stochastic(x: Tensor, out: Tensor, generator: torch.Generator | None) -
 
     Adding 16 random bits below the bf16 mantissa and truncating rounds up with probability equal
     to the discarded fraction, so the rounding is unbiased: ``E[round(x)] = x``. Round-to-nearest
-    would freeze ``v * 0.999`` at ``v`` (DESIGN.md, "Why stochastic rounding").
+    would freeze ``v * 0.999`` at ``v`` (``tests/test_quantization.py`` runs both roundings).
     """
     bits = x.contiguous().view(torch.int32)
     noisy = torch.add(bits, rounding_noise(bits.numel(), x.device, generator).view(bits.shape))
