@@ -12,14 +12,15 @@ standard error of that mean.
 (ii) block level: one block at a time in each of the cheap formats; Spearman correlation of
     predicted risk with measured harm, overall and within each format.
 
-Tasks: ``digits`` (an 8-layer MLP on scikit-learn's digits) and ``chargpt`` (a 4-layer character
-GPT on the Python standard library's source). Constant learning rate (the stress recipe, where
+Tasks: ``digits`` (an 8-layer MLP on scikit-learn's digits), ``chargpt`` (a 4-layer character
+GPT on the Python standard library's source) and ``ddpm`` (a small diffusion UNet on digits). Constant learning rate (the stress recipe, where
 state-format harms show).
 
 Run from the repository root:
 
     python benchmarks/risk_validation.py --task digits            # ~10 min on 2 cores
     python benchmarks/risk_validation.py --task chargpt           # ~1-2 h on 2 cores
+    python benchmarks/risk_validation.py --task ddpm --warmup 300 # ~1 h on 2 cores
     python benchmarks/risk_validation.py --task digits --quick    # smoke run, no README update
 """
 
@@ -116,6 +117,47 @@ def chargpt_task(n_layer: int = 4, n_embd: int = 128, eval_seqs: int = 64) -> Ta
             return model(vx, vy)[1].item()
 
     return Task("chargpt", make, loss, heldout, lr=2e-3)
+
+
+def ddpm_task(channels: int = 32, eval_pairs: int = 8, lr: float = 6e-3) -> Task:
+    """A small DDPM on scikit-learn's digits: ``examples/workloads.py``'s ``TinyUNet`` (eps prediction,
+    linear beta schedule over 1000 steps), batches of 64 with fresh ``(t, noise)`` draws. Held-out:
+    the denoising MSE on the 397 validation images, each at ``eval_pairs`` fixed ``(t, noise)``
+    draws, so evaluation noise is small next to the effects measured."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from sklearn.datasets import load_digits
+    from workloads import TinyUNet
+
+    images = torch.tensor(load_digits().images, dtype=torch.float32)[:, None] / 16.0 * 2.0 - 1.0
+    order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))
+    xtr, xte = images[order[:1400]], images[order[1400:]]
+    betas = torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64)
+    abar = torch.cumprod(1.0 - betas, dim=0).float()
+    vgen = torch.Generator().manual_seed(1234)
+    vx = xte.repeat(eval_pairs, 1, 1, 1)
+    vt = torch.randint(1000, (len(vx),), generator=vgen)
+    vn = torch.randn(vx.shape, generator=vgen)
+
+    def denoising(model: nn.Module, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        a = abar[t][:, None, None, None]
+        return nn.functional.mse_loss(model(a.sqrt() * x0 + (1.0 - a).sqrt() * noise, t), noise)
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return TinyUNet(channels)
+
+    def loss(model: nn.Module, step: int, gen: torch.Generator) -> torch.Tensor:
+        idx = torch.randint(len(xtr), (64,), generator=gen)
+        t = torch.randint(1000, (64,), generator=gen)
+        return denoising(model, xtr[idx], t, torch.randn((64, 1, 8, 8), generator=gen))
+
+    def heldout(model: nn.Module) -> float:
+        with torch.no_grad():
+            return denoising(model, vx, vt, vn).item()
+
+    return Task("ddpm", make, loss, heldout, lr=lr)
 
 
 def _train(
@@ -215,7 +257,7 @@ def mean_sem(xs: list[float]) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--task", choices=["digits", "chargpt"], default="digits")
+    parser.add_argument("--task", choices=["digits", "chargpt", "ddpm"], default="digits")
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--orders", type=int, default=5)
@@ -227,8 +269,9 @@ def main() -> None:
     parser.add_argument("--embd", type=int, default=128, help="chargpt: embedding width (default: 128)")
     parser.add_argument("--eval-seqs", type=int, default=64, help="chargpt: held-out sequences of 64 tokens (default: 64)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
-    parser.add_argument("--results-dir", type=Path, default=Path(__file__).parent / "results",
-                        help="cache of finished runs (default: benchmarks/results)")
+    parser.add_argument("--results-dir", type=Path, default=Path(__file__).parent / "runs",
+                        help="cache of finished runs, kept in the repository so the README tables can be "
+                        "regenerated and extended (default: benchmarks/runs)")
     parser.add_argument("--merge", type=Path, nargs="*", default=[],
                         help="other cache files of the same configuration whose finished runs are used too")
     parser.add_argument("--blocks-first-reversed", action="store_true",
@@ -239,7 +282,12 @@ def main() -> None:
     if args.quick:
         args.warmup, args.steps, args.orders, args.random, args.blocks = 50, 50, 2, 2, 3
     torch.set_num_threads(args.threads)
-    task = digits_task() if args.task == "digits" else chargpt_task(args.layers, args.embd, args.eval_seqs)
+    if args.task == "digits":
+        task = digits_task()
+    elif args.task == "chargpt":
+        task = chargpt_task(args.layers, args.embd, args.eval_seqs)
+    else:
+        task = ddpm_task()
     model = task.make_model()
     blocks = partition(model)
     warm = warm_up(task, args.warmup)
@@ -310,10 +358,13 @@ def main() -> None:
         sem_all = [x for _, _, e in measured[which].values() for x in e]
         rows = [(f, p, h, e) for f, (p, h, e) in measured[which].items()] + [("all", pred_all, harm_all, sem_all)]
         for f, p, h, e in rows:
-            keep = [i for i in range(len(h)) if not math.isnan(e[i]) and abs(h[i]) > 2 * e[i]]
-            above = f"{len(keep)}/{len(h)}"
+            # a harm stands above noise when it exceeds twice its standard error; a measured gain
+            # (held-out loss lower than fp32's by as much) is counted apart: it is no harm
+            keep = [i for i in range(len(h)) if not math.isnan(e[i]) and h[i] > 2 * e[i]]
+            gains = sum(1 for i in range(len(h)) if not math.isnan(e[i]) and h[i] < -2 * e[i])
             sub = spearman([p[i] for i in keep], [h[i] for i in keep]) if len(keep) >= 3 else math.nan
-            corr_rows.append([name, f, f"{spearman(p, h):+.2f}", len(p), above, f"{sub:+.2f}"])
+            corr_rows.append([name, f, f"{spearman(p, h):+.2f}", len(p), f"{len(keep)}/{len(h)}", f"{gains}/{len(h)}",
+                              f"{sub:+.2f}"])
 
     paired = [harms_of["risk-max"][i] - harms_of["risk-min"][i] for i in range(len(orders))]
     pm, ps = mean_sem(paired)
@@ -326,6 +377,9 @@ def main() -> None:
         f"a {args.layers}-layer character GPT (width {args.embd}, {sum(p.numel() for p in model.parameters()):,} "
         f"parameters), held-out set {args.eval_seqs} x 64 tokens"
         if args.task == "chargpt"
+        else f"a small DDPM UNet on digits ({sum(p.numel() for p in model.parameters()):,} parameters), held-out "
+        f"denoising MSE on 397 images x 8 fixed (t, noise) draws"
+        if args.task == "ddpm"
         else f"an 8-layer MLP ({sum(p.numel() for p in model.parameters()):,} parameters)"
     )
     summary = (
@@ -340,9 +394,11 @@ def main() -> None:
         f"risk-max minus risk-min {pm:+.4f} +- {ps:.4f} (sem), median random minus risk-min "
         f"{rm:+.4f} +- {rs:.4f}:\n\n"
         + markdown_table(["allocation", "memory / fp32", "predicted risk", "harm", "sem", "blocks per format"], alloc_rows)
-        + "\n\n(ii) one block at a time, Spearman(predicted risk, measured harm); 'above noise' counts harms "
-        "beyond 2 sem, and the last column is the Spearman over those alone:\n\n"
-        + markdown_table(["harm", "formats", "Spearman", "pairs", "above noise", "Spearman above noise"], corr_rows)
+        + "\n\n(ii) one block at a time, Spearman(predicted risk, measured harm); 'harms above noise' counts "
+        "harms beyond +2 sem, 'gains' held-out losses below fp32's by more than 2 sem, and the last column is "
+        "the Spearman over the harms above noise alone:\n\n"
+        + markdown_table(["harm", "formats", "Spearman", "pairs", "harms above noise", "gains", "Spearman over harms above noise"],
+                         corr_rows)
         + "\n\n<details><summary>block-level runs</summary>\n\n"
         + markdown_table(["block", "format", "predicted risk", "harm (end)", "sem", "harm (path)", "sem"], block_rows)
         + "\n\n</details>"
