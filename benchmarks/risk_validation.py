@@ -277,6 +277,9 @@ def main() -> None:
     parser.add_argument("--blocks-first-reversed", action="store_true",
                         help="run the block-level test first, last block first (a second process sharing the work "
                         "with --results-dir elsewhere; merge the caches with --merge for the report)")
+    parser.add_argument("--groups", type=int, default=0,
+                        help="(iii): momentum dropped from half of the block-level blocks at once: the half the "
+                        "model ranks safest, the riskiest half, and this many random halves (default: 0, skipped)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -366,6 +369,10 @@ def main() -> None:
             corr_rows.append([name, f, f"{spearman(p, h):+.2f}", len(p), f"{len(keep)}/{len(h)}", f"{gains}/{len(h)}",
                               f"{sub:+.2f}"])
 
+    group_text = ""
+    if args.groups:
+        group_text = "\n\n" + momentum_groups(run, base, orders, chosen, risk, shapes, blocks, args.groups)
+
     paired = [harms_of["risk-max"][i] - harms_of["risk-min"][i] for i in range(len(orders))]
     pm, ps = mean_sem(paired)
     vs_random = [
@@ -402,6 +409,7 @@ def main() -> None:
         + "\n\n<details><summary>block-level runs</summary>\n\n"
         + markdown_table(["block", "format", "predicted risk", "harm (end)", "sem", "harm (path)", "sem"], block_rows)
         + "\n\n</details>"
+        + group_text
     )
     print(summary)
     if not args.quick:
@@ -409,6 +417,40 @@ def main() -> None:
             f"risk_validation_{task.name}",
             f"Machine: {machine()}. Command: `{command()}`\n\n{summary}",
         )
+
+
+def momentum_groups(run: "Runs", base: dict, orders: list[int], chosen: list[str], risk: dict, shapes: dict,
+                    blocks: dict, n_random: int) -> str:
+    """(iii) Dropping momentum is not additive over blocks (one block alone can even gain, most blocks at once
+    diverge), so it is also measured on groups: ``nomomentum`` on half of the block-level blocks at once,
+    the half with the lowest predicted risk against the highest and ``n_random`` random halves."""
+    ranked = sorted(chosen, key=lambda b: risk[b]["nomomentum"])
+    half = len(ranked) // 2
+    groups = {"safest half": ranked[:half], "riskiest half": ranked[-half:]}
+    for k in range(n_random):
+        perm = torch.randperm(len(chosen), generator=torch.Generator().manual_seed(200 + k)).tolist()
+        groups[f"random half {k}"] = sorted(chosen[i] for i in perm[:half])
+    total = sum(shapes[n].numel() for names in blocks.values() for n in names)
+    rows, harm = [], {}
+    for label, members in groups.items():
+        harm[label] = [run({b: "nomomentum" for b in members}, o)[0] - base[o][0] for o in orders]
+        m, s = mean_sem(harm[label])
+        params = sum(shapes[n].numel() for b in members for n in blocks[b]) / total
+        predicted = sum(risk[b]["nomomentum"] for b in members)
+        rows.append([label, f"{params:.2f}", f"{predicted:.4g}", f"{m:+.4f}", f"{s:.4f}", ", ".join(members)])
+        print(rows[-1], flush=True)
+    randoms = [k for k in harm if k.startswith("random")]
+    vs_random = [stats.median(harm[k][i] for k in randoms) - harm["safest half"][i] for i in range(len(orders))]
+    vs_riskiest = [harm["riskiest half"][i] - harm["safest half"][i] for i in range(len(orders))]
+    (rm, rs), (xm, xs) = mean_sem(vs_random), mean_sem(vs_riskiest)
+    rho = spearman([sum(risk[b]["nomomentum"] for b in members) for members in groups.values()],
+                   [stats.mean(h) for h in harm.values()])
+    return (
+        "(iii) momentum dropped from half of those blocks at once (harm at the end); paired by order, riskiest "
+        f"minus safest half {xm:+.4f} +- {xs:.4f} (sem), median random minus safest {rm:+.4f} +- {rs:.4f}; "
+        f"Spearman(predicted risk, harm) over the {len(groups)} groups {rho:+.2f}:\n\n"
+        + markdown_table(["group", "parameters / model", "predicted risk", "harm", "sem", "blocks"], rows)
+    )
 
 
 def riskiest(risk: dict, memory: dict, budget: float, spend: float = 0.95) -> dict[str, str]:
