@@ -402,7 +402,12 @@ def train_one(workload: str, recipe: str, row: Row, seed: int, steps: int) -> di
             trainer.validate(module, data, verbose=False)
     seconds = time.perf_counter() - start
     optimizer = trainer.optimizers[0]
+    formats: dict[str, int] = {}
+    if isinstance(optimizer, BlockwiseAdamW):  # the allocation BAOC ended with: parameters per format
+        for fmt in optimizer.formats().values():
+            formats[fmt] = formats.get(fmt, 0) + 1
     return dict(
+        formats=formats,
         status="diverged" if recorder.diverged else "ok",
         curve=recorder.curve,
         final=recorder.curve[-1][1] if recorder.curve and not recorder.diverged else None,
