@@ -325,7 +325,9 @@ class BlockwiseAdamW(torch.optim.Optimizer):
             affected.add((fmt, dev))
             if old_format[p] is not None:
                 affected.add((old_format[p], dev))
-        members: dict[tuple[str, str], list[Tensor]] = {key: [] for key in affected}
+        # Sorted: a set of strings iterates in a per-process hash order, and the pools are encoded
+        # (drawing stochastic-rounding offsets from the seeded generator) in this order.
+        members: dict[tuple[str, str], list[Tensor]] = {key: [] for key in sorted(affected)}
         for p, rec in self._records.items():
             fmt = changes.get(p, rec.format)
             if fmt is None:
