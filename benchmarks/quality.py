@@ -539,6 +539,91 @@ def _fmt_bytes(values: list[int] | None, params: int | None) -> tuple[str, str]:
     return f"{mean:,.0f} ({lo:,}-{hi:,})", f"{mean / fp32:.3f}"
 
 
+#: A row "fits" a BAOC budget when its measured state is at most this much over the budget.
+FIT_TOLERANCE = 0.01
+
+
+def _mean_sd(s: Summary) -> tuple[float, float, int] | None:
+    """Mean, sample std and count of a row's finite finals; None without finals (or with a diverged seed)."""
+    if not s.finals or s.diverged:
+        return None
+    return statistics.fmean(s.finals), statistics.stdev(s.finals) if len(s.finals) > 1 else 0.0, len(s.finals)
+
+
+def _noise(a: tuple[float, float, int], b: tuple[float, float, int]) -> float:
+    """Two standard errors of the difference of two seed means."""
+    return 2.0 * math.sqrt(a[1] ** 2 / a[2] + b[1] ** 2 / b[2])
+
+
+def targets_table(w: str, sums: dict[tuple[str, str], Summary], rows: list[str], recipes: list[str]) -> str:
+    """The quality targets, judged on the cached runs of one workload.
+
+    * parity: BAOC at 0.35 worse than fp32 AdamW by at most one fp32 std and 0.5% (relative);
+    * at each budget: BAOC no worse than the best uniform format or peer that fits the budget
+      (measured state <= budget x (1 + FIT_TOLERANCE)) beyond noise (two standard errors of the
+      difference of the seed means);
+    * below int8 (budget 0.25): better than each fitting uniform format beyond noise.
+
+    "Worse" is signed by the workload's direction (lower accuracy, higher loss or perplexity).
+    """
+    cls = WORKLOADS[w]
+    scale = 100.0 if cls.quality_label == "accuracy" else 1.0
+    unit = " pt" if scale != 1.0 else ""
+
+    def worse(a: float, b: float) -> float:  # how much worse a is than b
+        return (b - a) if cls.higher_is_better else (a - b)
+
+    def ratio(row: str) -> float | None:
+        byts = [b for r in recipes for b in (sums[r, row].state_bytes or [])]
+        params = next((sums[r, row].params for r in recipes if sums[r, row].params), None)
+        return statistics.fmean(byts) / (8 * params) if byts and params else None
+
+    lines = []
+    for recipe in recipes:
+        ref = _mean_sd(sums[recipe, "fp32"]) if "fp32" in rows else None
+        if ref is None:
+            continue
+        if "baoc_0.35" in rows and (b := _mean_sd(sums[recipe, "baoc_0.35"])) is not None:
+            d = worse(b[0], ref[0])
+            ok = d <= ref[1] and d <= 0.005 * abs(ref[0])
+            lines.append([recipe, "BAOC 0.35 vs fp32 AdamW: within 1 std and 0.5%",
+                          f"{d * scale:+.4g}{unit} ({d / abs(ref[0]):+.2%}); fp32 std {ref[1] * scale:.3g}{unit}",
+                          "met" if ok else "missed"])
+        for name, budget in BAOC_BUDGETS.items():
+            if name not in rows or (b := _mean_sd(sums[recipe, name])) is None:
+                continue
+            fitting = [(r, m) for r in rows
+                       if r not in BAOC_BUDGETS and r != "fp32" and (x := ratio(r)) is not None
+                       and x <= budget * (1 + FIT_TOLERANCE) and (m := _mean_sd(sums[recipe, r])) is not None]
+            dead = [r for r in rows if r not in BAOC_BUDGETS and r != "fp32" and (x := ratio(r)) is not None
+                    and x <= budget * (1 + FIT_TOLERANCE) and sums[recipe, r].diverged]
+            if fitting:
+                best_row, best = min(fitting, key=lambda rm: worse(rm[1][0], 0.0))
+                d, n = worse(b[0], best[0]), _noise(b, best)
+                lines.append([recipe, f"BAOC {budget} vs best that fits ({ROWS[best_row].label})",
+                              f"{d * scale:+.4g}{unit} (noise {n * scale:.3g}{unit})",
+                              "met" if d <= n else "missed"])
+            if budget < 0.27:
+                degraded = [(r, m) for r, m in fitting if r in _UNIFORM
+                            and worse(m[0], ref[0]) > _noise(m, ref)]
+                for r, m in degraded:
+                    d, n = worse(m[0], b[0]), _noise(b, m)
+                    lines.append([recipe, f"BAOC {budget} clearly better than {ROWS[r].label} (degraded)",
+                                  f"{d * scale:+.4g}{unit} better (noise {n * scale:.3g}{unit})",
+                                  "met" if d > n else "missed"])
+                for r in dead:
+                    lines.append([recipe, f"BAOC {budget} clearly better than {ROWS[r].label}",
+                                  "that row diverged", "met"])
+    if not lines:
+        return ""
+    return (f"Targets on {w} (from the runs above; noise = two standard errors of the difference of the seed "
+            "means):\n\n" + markdown_table(["recipe", "target", "measured", "verdict"], lines))
+
+
+#: Rows that are one format for every tensor (what "uniform formats that fit" means).
+_UNIFORM = ("bf16", "fp16_nomomentum", "int8", "nomomentum", "factored")
+
+
 def tables(results_dir: Path, workloads: list[str], rows: list[str], recipes: list[str], seeds: list[int],
            steps: dict[str, int], unavailable: dict[str, str]) -> tuple[str, dict[str, Any]]:
     """The markdown tables (one per workload) from the cached runs, and the data for the plot."""
@@ -546,10 +631,12 @@ def tables(results_dir: Path, workloads: list[str], rows: list[str], recipes: li
     for w in workloads:
         cls = WORKLOADS[w]
         sums: dict[tuple[str, str], Summary] = {}
+        found_runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for recipe in recipes:
             for row in rows:
                 found = [load_cached(results_dir, w, recipe, row, seed, steps[w]) for seed in seeds]
-                sums[recipe, row] = summarize([r for r in found if r is not None])
+                found_runs[recipe, row] = [r for r in found if r is not None]
+                sums[recipe, row] = summarize(found_runs[recipe, row])
         headers = ["row", "state bytes", "x fp32 AdamW"]
         for recipe in recipes:
             headers += [f"{recipe}: {cls.quality_label}", f"{recipe}: steps to fp32's final"]
@@ -588,9 +675,13 @@ def tables(results_dir: Path, workloads: list[str], rows: list[str], recipes: li
             + (f", {RECIPES[w][r].warmup_fraction:.0%} warm-up" if RECIPES[w][r].warmup_fraction else "")
             for r in recipes
         )
+        found_seeds = sorted({r["config"]["seed"] for recipe in recipes for row in rows
+                              for r in found_runs.get((recipe, row), [])})
+        verdicts = targets_table(w, sums, rows, recipes)
         out.append(
             f"**{w}** ({params:,} parameters; {steps[w]} steps, validation every {eval_every(steps[w])}; "
-            f"seeds {', '.join(map(str, seeds))}; {recipe_text})\n\n" + markdown_table(headers, table_rows)
+            f"seeds {_seed_text(found_seeds)}; {recipe_text})\n\n" + markdown_table(headers, table_rows)
+            + (f"\n\n{verdicts}" if verdicts else "")
             if params else f"**{w}**: no cached runs\n"
         )
     if not_run:
@@ -599,6 +690,13 @@ def tables(results_dir: Path, workloads: list[str], rows: list[str], recipes: li
             + " (add them with `--rows NAME ...`; the cached runs are kept)."
         )
     return "\n\n".join(out), plot
+
+
+def _seed_text(seeds: list[int]) -> str:
+    """``[0, 1, 2, 3]`` -> ``"0-3"``; otherwise a comma list."""
+    if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1)):
+        return f"{seeds[0]}-{seeds[-1]}"
+    return ", ".join(map(str, seeds)) or "none"
 
 
 def save_plot(plot: dict[Any, Any], workloads: list[str], recipes: list[str], path: Path) -> None:

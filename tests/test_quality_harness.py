@@ -137,3 +137,35 @@ def test_steps_argument() -> None:
     assert steps["vit_digits"] == 40 and steps["char_gpt"] == 50
     with pytest.raises(SystemExit, match="steps"):
         Q.parse_steps(["resnet=3"], ["vit_digits"])
+
+
+def _summary(finals: list[float], state_bytes: int, params: int = 100, diverged: int = 0) -> "Q.Summary":
+    return Q.Summary(runs=len(finals) + diverged, finals=finals, diverged=diverged, errors=[],
+                     state_bytes=[state_bytes] * (len(finals) + diverged), params=params, seconds=[1.0])
+
+
+def test_targets_table_judges_parity_fit_and_degradation() -> None:
+    # denoising loss (lower is better), 100 parameters: fp32 AdamW holds 800 bytes
+    rows = ["fp32", "int8", "factored", "nomomentum", "baoc_0.35", "baoc_0.25"]
+    sums = {
+        ("stress", "fp32"): _summary([1.000, 1.002, 0.998], 800),  # std 0.002
+        ("stress", "int8"): _summary([1.000, 1.001, 0.999], 232),  # 0.29: fits 0.35, not 0.25
+        ("stress", "factored"): _summary([1.10, 1.11, 1.09], 16),  # fits both, degraded
+        ("stress", "nomomentum"): _summary([], 400, diverged=3),  # 0.5: fits neither
+        ("stress", "baoc_0.35"): _summary([1.001, 1.003, 0.999], 280),  # +0.001: met
+        ("stress", "baoc_0.25"): _summary([1.003, 1.005, 1.001], 200),  # +0.003 > std: missed parity n/a
+    }
+    text = Q.targets_table("ddpm_digits", sums, rows, ["stress"])
+    lines = {line.split("|")[2].strip(): line for line in text.splitlines() if line.startswith("| stress")}
+    assert "met" in lines["BAOC 0.35 vs fp32 AdamW: within 1 std and 0.5%"]
+    # at 0.35 the best fitting row is int8 (1.000): BAOC's +0.001 is inside the noise
+    assert "uniform int8" in next(k for k in lines if k.startswith("BAOC 0.35 vs best"))
+    assert lines[next(k for k in lines if k.startswith("BAOC 0.35 vs best"))].rstrip(" |").endswith("met")
+    # at 0.25 only factored fits (int8's 0.29 does not): it degrades, and BAOC is better beyond noise
+    assert "uniform factored" in next(k for k in lines if k.startswith("BAOC 0.25 vs best"))
+    assert lines["BAOC 0.25 clearly better than uniform factored (BlockwiseAdamW) (degraded)"].rstrip(" |").endswith("met")
+    # a BAOC 0.35 far behind fp32 misses parity
+    sums["stress", "baoc_0.35"] = _summary([1.02, 1.021, 1.019], 280)
+    text = Q.targets_table("ddpm_digits", sums, rows, ["stress"])
+    parity = next(line for line in text.splitlines() if "within 1 std" in line)
+    assert parity.rstrip(" |").endswith("missed") and "+2.00%" in parity
