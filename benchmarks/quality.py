@@ -794,7 +794,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: docs/SECTION.png with --readme, else RESULTS_DIR/SECTION.png)")
     parser.add_argument("--readme", action="store_true", help="write the tables into README.md (section --section)")
     parser.add_argument("--section", default="quality",
-                        help="README section the tables go to (default: quality; e.g. quality_long for longer runs)")
+                        help="README section the tables go to (default: quality)")
     parser.add_argument("--report-only", action="store_true", help="no training: tables from the cached runs")
     parser.add_argument("--rerun", action="store_true", help="ignore cached results and train again")
     parser.add_argument("--threads", type=int, default=1,
