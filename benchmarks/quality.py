@@ -44,6 +44,7 @@ import sys
 import time
 import traceback
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -413,10 +414,8 @@ def train_one(workload: str, recipe: str, row: Row, seed: int, steps: int) -> di
             trainer.validate(module, data, verbose=False)
     seconds = time.perf_counter() - start
     optimizer = trainer.optimizers[0]
-    formats: dict[str, int] = {}
-    if isinstance(optimizer, BlockwiseAdamW):  # the allocation BAOC ended with: parameters per format
-        for fmt in optimizer.formats().values():
-            formats[fmt] = formats.get(fmt, 0) + 1
+    # the allocation BAOC ended with: parameters per format
+    formats = dict(Counter(optimizer.formats().values())) if isinstance(optimizer, BlockwiseAdamW) else {}
     return dict(
         formats=formats,
         status="diverged" if recorder.diverged else "ok",
@@ -545,6 +544,10 @@ def _fmt_bytes(values: list[int] | None, params: int | None) -> tuple[str, str]:
 
 #: A row "fits" a BAOC budget when its measured state is at most this much over the budget.
 FIT_TOLERANCE = 0.01
+#: Rows that are one format for every tensor (what "uniform formats that fit" means).
+_UNIFORM = ("bf16", "fp16_nomomentum", "int8", "nomomentum", "factored")
+#: Where int8 has not been measured: the budget below which uniform int8 does not fit.
+INT8_RATIO = 0.27
 
 
 def _mean_sd(s: Summary) -> tuple[float, float, int] | None:
@@ -566,7 +569,8 @@ def targets_table(w: str, sums: dict[tuple[str, str], Summary], rows: list[str],
     * at each budget: BAOC no worse than the best uniform format or peer that fits the budget
       (measured state <= budget x (1 + FIT_TOLERANCE)) beyond noise (two standard errors of the
       difference of the seed means);
-    * below int8 (budget 0.25): better than each fitting uniform format beyond noise.
+    * below uniform int8's measured state (budget 0.25): better than each fitting uniform format
+      that is worse than fp32 beyond noise.
 
     "Worse" is signed by the workload's direction (lower accuracy, higher loss or perplexity).
     """
@@ -582,6 +586,8 @@ def targets_table(w: str, sums: dict[tuple[str, str], Summary], rows: list[str],
         params = next((sums[r, row].params for r in recipes if sums[r, row].params), None)
         return statistics.fmean(byts) / (8 * params) if byts and params else None
 
+    ratios = {r: x for r in rows if r not in BAOC_BUDGETS and r != "fp32" and (x := ratio(r)) is not None}
+    int8_ratio = ratios.get("int8", INT8_RATIO)
     lines = []
     for recipe in recipes:
         ref = _mean_sd(sums[recipe, "fp32"]) if "fp32" in rows else None
@@ -601,18 +607,16 @@ def targets_table(w: str, sums: dict[tuple[str, str], Summary], rows: list[str],
         for name, budget in BAOC_BUDGETS.items():
             if name not in rows or (b := _mean_sd(sums[recipe, name])) is None:
                 continue
-            fitting = [(r, m) for r in rows
-                       if r not in BAOC_BUDGETS and r != "fp32" and (x := ratio(r)) is not None
-                       and x <= budget * (1 + FIT_TOLERANCE) and (m := _mean_sd(sums[recipe, r])) is not None]
-            dead = [r for r in rows if r not in BAOC_BUDGETS and r != "fp32" and (x := ratio(r)) is not None
-                    and x <= budget * (1 + FIT_TOLERANCE) and sums[recipe, r].diverged]
+            fits = [r for r, x in ratios.items() if x <= budget * (1 + FIT_TOLERANCE)]
+            fitting = [(r, m) for r in fits if (m := _mean_sd(sums[recipe, r])) is not None]
+            dead = [r for r in fits if sums[recipe, r].diverged]
             if fitting:
                 best_row, best = min(fitting, key=lambda rm: worse(rm[1][0], 0.0))
                 d, n = worse(b[0], best[0]), _noise(b, best)
                 lines.append([recipe, f"BAOC {budget} vs best that fits ({ROWS[best_row].label})",
                               f"{d * scale:+.4g}{unit} (noise {n * scale:.3g}{unit})",
                               "met" if d <= n else "missed"])
-            if budget < 0.27:
+            if budget < int8_ratio:  # below int8: only formats without an 8-bit momentum fit uniformly
                 degraded = [(r, m) for r, m in fitting if r in _UNIFORM
                             and worse(m[0], ref[0]) > _noise(m, ref)]
                 for r, m in degraded:
@@ -628,9 +632,6 @@ def targets_table(w: str, sums: dict[tuple[str, str], Summary], rows: list[str],
     return (f"Targets on {w} (from the runs above; noise = two standard errors of the difference of the seed "
             "means):\n\n" + markdown_table(["recipe", "target", "measured", "verdict"], lines))
 
-
-#: Rows that are one format for every tensor (what "uniform formats that fit" means).
-_UNIFORM = ("bf16", "fp16_nomomentum", "int8", "nomomentum", "factored")
 
 
 def tables(results_dir: Path, workloads: list[str], rows: list[str], recipes: list[str], seeds: list[int],
