@@ -28,6 +28,23 @@ For a block ``b`` with bias-corrected moments ``m, v`` (per element ``i``) and A
   ``sqrt(H)`` and progress like ``H``: the relative squared error of the accumulated update is
   ``V_f = (1 - a) * sum_i noise_i / (H * ||u||^2)``.
 
+- **8-bit v, re-quantized** (``int8``, ``nomomentum_int8``): one round trip sees the error at
+  allocation time, but ``v`` is re-encoded at every step. With ``beta2 = 0.999``, ``sqrt(v)`` moves
+  by 0.05% a step, below half a code (1/510 of the group's largest entry). So a code does not follow
+  its own average; it follows the group's scale, which follows the group's largest element. The
+  error of a non-zero code later in training is not the one the round trip sees. Measured on the
+  DDPM of ``benchmarks/int8_mechanism.py`` over 600 steps:
+  - the update's distortion grows from 4e-5..2e-4 of ``||u||^2`` after one round trip to 2-4%;
+  - neither figure ranks blocks by harm: Spearman -0.61 and -0.81 against the measured harm;
+  - the harm is ``v``'s: re-encoding ``v`` alone reproduces ``int8``'s harm;
+  - it is not a step-size change: 7% larger steps on a block move the loss less, in either direction.
+  What carries over is the order of magnitude of the rounding, a property of the format on the
+  model. So the error of non-zero codes enters at the model-wide level, ``sum_b err_b / sum_b ||u_b||^2``,
+  times the block's ``||u||^2`` held in 8 bits, and blocks are ranked by their share of progress.
+  Elements coded 0 are the exception. Their ``v`` sits below the group's resolution and stays there,
+  so their update shrinks at every step, block by block (a group of one large and many tiny entries).
+  That error stays the block's own.
+
 The risk is ``risk[b][f] = (p_b / P) * (B_f + V_f)``, zero for ``fp32`` and ``offload`` (the
 same fp32 math; ``offload`` costs time, which the time budget prices). The gradient statistics of
 the sampler enter where the state cannot speak: a block already held without momentum (at a
@@ -96,8 +113,18 @@ def _segments(numel: int, max_elements: int, generator: torch.Generator) -> Tens
     return (chosen.unsqueeze(1) * SUPER + torch.arange(SUPER)).reshape(-1)
 
 
-def _round_trip(fmt: str, m: Tensor | None, v: Tensor, generator: torch.Generator) -> tuple[Tensor | None, Tensor]:
-    """Encode flat fp32 ``m``, ``v`` in an element-wise format and decode them again."""
+def _requantized_v(fmt: str) -> bool:
+    """Whether ``fmt`` holds v element-wise in 8-bit codes, re-quantized at every step."""
+    spec = FORMATS[fmt]
+    return spec.quantized and not spec.factored
+
+
+def _round_trip(
+    fmt: str, m: Tensor | None, v: Tensor, generator: torch.Generator
+) -> tuple[Tensor | None, Tensor, Tensor | None]:
+    """Encode flat fp32 ``m``, ``v`` in an element-wise format and decode them again; the third
+    item marks the elements whose v got code 0 (below half a step of their group) in the 8-bit-v
+    formats, None in the others."""
     shape = (v.numel(),)
     layout = FORMATS[fmt].layout(shape)
     views = {spec.key: torch.zeros(spec.numel, dtype=spec.dtype, device=v.device) for spec in layout}
@@ -108,7 +135,8 @@ def _round_trip(fmt: str, m: Tensor | None, v: Tensor, generator: torch.Generato
     hyper = StepHyper(0.0, 0.9, 0.999, 0.0, 0.0, generator=generator)
     FORMATS[fmt].encode(state, views, hyper)
     out = FORMATS[fmt].decode(views, shape)
-    return out.exp_avg, out.exp_avg_sq
+    zero = views["exp_avg_sq"] == 0 if _requantized_v(fmt) else None
+    return out.exp_avg, out.exp_avg_sq, zero
 
 
 def _raw_state(opt: BlockwiseAdamW, name: str) -> tuple[Canonical, int, int, Mapping] | None:
@@ -127,8 +155,10 @@ def _param_terms(
     noise_fraction: float | None,
     generator: torch.Generator,
     max_elements: int,
-) -> tuple[float, float, float, dict[str, float], dict[str, float]] | None:
-    """progress, ||u||^2, noise^2, and per-format ||E[u_f] - u||^2 and added noise^2 of one tensor."""
+) -> tuple[float, float, float, dict[str, float], dict[str, float], dict[str, tuple[float, float]]] | None:
+    """progress, ||u||^2, noise^2, per-format ||E[u_f] - u||^2 and added noise^2 of one tensor, and
+    for the formats that hold this tensor's v in 8-bit codes, (the part of ``||E[u_f] - u||^2``
+    from elements with non-zero codes, ``||u||^2``): the rounding that is pooled."""
     raw = _raw_state(opt, name)
     if raw is None:
         return None
@@ -168,7 +198,8 @@ def _param_terms(
     factored_v: Tensor | None = None
     bias: dict[str, float] = {}
     added_noise: dict[str, float] = {}
-    cache: dict[str, tuple[Tensor | None, Tensor]] = {}
+    cache: dict[str, tuple[Tensor | None, Tensor, Tensor | None]] = {}
+    rounding: dict[str, tuple[float, float]] = {}
     for fmt in formats:
         actual = resolve_format(fmt, p.shape, opt.min_8bit_numel)
         spec = FORMATS[actual]
@@ -186,16 +217,20 @@ def _param_terms(
                 factored_v = row[r_idx] * col[c_idx] / mean if float(mean) > 0 else torch.zeros_like(v)
             v_f = factored_v
             m_f = _round_trip("int8", m_src, v, generator)[0] if spec.has_momentum else None
+            zero = None
         else:
             if actual not in cache:
                 cache[actual] = _round_trip(actual, m_src, v, generator)
-            m_f, v_f = cache[actual]
+            m_f, v_f, zero = cache[actual]
         m_exp = (m_f / bc1) if (spec.has_momentum and m_f is not None) else m_hat
         u_f = m_exp / ((v_f / bc2).sqrt() + eps)
-        bias[fmt] = float(((u_f - u) ** 2).sum()) * scale
+        err = (u_f - u) ** 2
+        bias[fmt] = float(err.sum()) * scale
+        if zero is not None:
+            rounding[fmt] = (float(err[~zero].sum()) * scale, update_sq)
         # risk is relative to full fp32 AdamW: every format without momentum adds the noise
         added_noise[fmt] = 0.0 if spec.has_momentum else (1.0 - damp) * noise_sq
-    return progress, update_sq, noise_sq, bias, added_noise
+    return progress, update_sq, noise_sq, bias, added_noise, rounding
 
 
 def risk_details(
@@ -227,6 +262,8 @@ def risk_details(
             raise ValueError(f"Unknown format {fmt!r} in formats; allowed: {list(FORMATS)}")
     generator = torch.Generator().manual_seed(seed)
     out: dict[str, BlockRisk] = {}
+    # per block and 8-bit-v format: (||E[u_f] - u||^2 of non-zero codes, ||u||^2 of those tensors)
+    rounding: dict[str, dict[str, list[float]]] = {}
     with torch.no_grad():
         for block, names in blocks.items():
             br = BlockRisk(block, bias={f: 0.0 for f in formats}, variance={f: 0.0 for f in formats})
@@ -234,27 +271,56 @@ def risk_details(
             if statistics is not None and block in statistics:
                 noise_fraction = statistics[block].get("noise_fraction")
             noise_added = {f: 0.0 for f in formats}
+            pooled = rounding.setdefault(block, {})
             for name in names:
                 terms = _param_terms(optimizer, name, formats, noise_fraction, generator, max_elements)
                 if terms is None:
                     continue
-                progress, update_sq, noise_sq, bias, added = terms
+                progress, update_sq, noise_sq, bias, added, rounded = terms
                 br.progress += progress
                 br.update_sq += update_sq
                 br.noise_sq += noise_sq
                 for f in formats:
                     br.bias[f] += bias[f]
                     noise_added[f] += added[f]
-            if br.update_sq > 0:
-                for f in formats:
-                    br.bias[f] /= br.update_sq
-                    br.variance[f] = noise_added[f] / (horizon * br.update_sq)
+                for f, (err, usq) in rounded.items():
+                    acc = pooled.setdefault(f, [0.0, 0.0])
+                    acc[0] += err
+                    acc[1] += usq
             out[block] = br
+            out[block].variance = noise_added  # absolute until divided below
+    _pool_rounding(out, rounding)
+    for br in out.values():
+        if br.update_sq > 0:
+            for f in formats:
+                br.bias[f] /= br.update_sq
+                br.variance[f] = br.variance[f] / (horizon * br.update_sq)
+        else:
+            br.variance = {f: 0.0 for f in formats}
     total = sum(br.progress for br in out.values())
     for br in out.values():
         br.share = br.progress / total if total > 0 else 0.0
         br.risk = {f: max(0.0, br.share * (br.bias[f] + br.variance[f])) for f in formats}
     return out
+
+
+def _pool_rounding(out: Mapping[str, BlockRisk], rounding: Mapping[str, Mapping[str, list[float]]]) -> None:
+    """Replace each block's 8-bit rounding error by the model-wide level (module docstring).
+
+    The absolute ``||E[u_f] - u||^2`` from non-zero codes becomes the pooled relative level,
+    ``sum over the model of that error / sum of ||u||^2`` of the same tensors, times the block's own
+    ``||u||^2`` in 8-bit v; the error of zero-coded elements stays the block's own.
+    """
+    totals: dict[str, list[float]] = {}
+    for per_format in rounding.values():
+        for f, (err, usq) in per_format.items():
+            acc = totals.setdefault(f, [0.0, 0.0])
+            acc[0] += err
+            acc[1] += usq
+    for block, per_format in rounding.items():
+        for f, (err, usq) in per_format.items():
+            level = totals[f][0] / totals[f][1] if totals[f][1] > 0 else 0.0
+            out[block].bias[f] += level * usq - err
 
 
 def risk_table(

@@ -83,3 +83,49 @@ def test_bad_arguments() -> None:
         risk_table(opt, {"w": ["w"]}, horizon=0)
     with pytest.raises(ValueError, match="Unknown format 'fp8'"):
         risk_table(opt, {"w": ["w"]}, formats=["fp8"])
+
+
+def _8bit_opt(v: dict[str, torch.Tensor], min_8bit_numel: int = 0) -> BlockwiseAdamW:
+    module = nn.Module()
+    for name, t in v.items():
+        setattr(module, name, nn.Parameter(torch.zeros_like(t)))
+    opt = BlockwiseAdamW(module.named_parameters(), min_8bit_numel=min_8bit_numel)
+    sd = {
+        "state": {i: {"step": torch.tensor(1000.0), "exp_avg": t.sqrt() * 0.5, "exp_avg_sq": t} for i, t in enumerate(v.values())},
+        "param_groups": [{"params": list(range(len(v)))}],
+    }
+    opt.load_state_dict(sd)
+    return opt
+
+
+def test_8bit_rounding_enters_at_the_model_wide_level_and_zero_codes_stay_the_blocks_own() -> None:
+    torch.manual_seed(0)
+    smooth = torch.rand(64, 64) * 1e-6 + 1e-6  # narrow range in every group: fine codes
+    rough = torch.exp(torch.randn(64, 64) * 1.5) * 1e-6  # wide range: coarse codes, few zeros
+    wide = torch.full((64, 64), 1e-12)
+    wide[:, ::32] = 1e-4  # one large entry per group: the tiny ones are coded 0
+    v = {"smooth": smooth, "rough": rough, "wide": wide}
+    blocks = {k: [k] for k in v}
+    details = risk_details(_8bit_opt(v), blocks)
+
+    # one round trip alone: the rough block's rounding error is far above the smooth one's
+    alone = {k: risk_details(_8bit_opt({k: t}), {k: [k]})[k].bias["int8"] for k, t in v.items()}
+    assert alone["rough"] > 3 * alone["smooth"]
+    # pooled: smooth and rough get the same rounding level (their ||u||^2 are all in 8 bits)
+    assert details["smooth"].bias["int8"] == pytest.approx(details["rough"].bias["int8"], rel=1e-6)
+    # between the two: the level is the ||u||^2-weighted mean over the model's non-zero codes
+    assert min(alone["smooth"], alone["rough"]) < details["smooth"].bias["int8"] < 1e-2
+    # the zero-coded elements of the wide block stay its own: half its signal is lost
+    assert 0.5 < details["wide"].bias["int8"] <= 1.0
+    assert details["wide"].bias["nomomentum_int8"] > 0.5
+    # scores stay share x bias: int8 ranks the two ordinary blocks by their share of progress
+    ratio = {k: details[k].risk["int8"] / details[k].share for k in ("smooth", "rough")}
+    assert ratio["smooth"] == pytest.approx(ratio["rough"], rel=1e-6)
+
+
+def test_8bit_level_skips_tensors_held_in_fp32_for_their_size() -> None:
+    torch.manual_seed(0)
+    big, small = torch.rand(64, 64) * 1e-6 + 1e-7, torch.rand(16) * 1e-6 + 1e-7
+    details = risk_details(_8bit_opt({"big": big, "small": small}, min_8bit_numel=1024), {"big": ["big"], "small": ["small"]})
+    assert details["small"].bias["int8"] == 0.0  # falls back to fp32: no 8-bit error to pool
+    assert details["big"].bias["int8"] > 0.0
