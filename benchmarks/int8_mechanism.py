@@ -54,7 +54,7 @@ class _Stepper:
         self.opt = torch.optim.Adam(list(params.values()), lr=lr, betas=(0.9, 0.999), eps=1e-8, foreach=False)
         for name, p in params.items():
             state = warm_opt.param_state(name)
-            step = warm_opt._records[p].step  # noqa: SLF001 - the benchmark reads the step count
+            step = warm_opt._records[warm_opt.named_params[name]].step  # noqa: SLF001 - the step count
             self.opt.state[p] = {
                 "step": torch.tensor(float(step)),
                 "exp_avg": state.exp_avg.clone().float(),
