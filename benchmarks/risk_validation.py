@@ -280,6 +280,9 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=0,
                         help="(iii): momentum dropped from half of the block-level blocks at once: the half the "
                         "model ranks safest, the riskiest half, and this many random halves (default: 0, skipped)")
+    parser.add_argument("--replicate-from", type=int, default=0,
+                        help="also report (ii) over the data orders from this one on alone (held out from the "
+                        "measurements the risk model was shaped on; default: 0, off)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -317,8 +320,8 @@ def main() -> None:
                     run({b: f}, o)
     print(f"fp32 continuation held-out loss (end, path) by order: {base}", flush=True)
 
-    def harms_of_run(formats: dict[str, str], which: int) -> list[float]:
-        return [run(formats, o)[which] - base[o][which] for o in orders]
+    def harms_of_run(formats: dict[str, str], which: int, over: list[int] | None = None) -> list[float]:
+        return [run(formats, o)[which] - base[o][which] for o in (orders if over is None else over)]
 
     # (i) allocation level, measured at the end of the continuation
     lo = solve(risk, memory, args.budget)
@@ -341,33 +344,52 @@ def main() -> None:
     median_random = stats.median(random_means) if random_means else math.nan
 
     # (ii) block level: the largest 2-D blocks; harm at the end and along the whole continuation
-    block_rows, corr_rows = [], []
-    measured: dict[int, dict[str, tuple[list[float], list[float], list[float]]]] = {0: {}, 1: {}}
+    block_rows = []
     for b in chosen:
         for f in args.formats:
             row = [b, f, f"{risk[b][f]:.3g}"]
             for which in (0, 1):
                 m, s = mean_sem(harms_of_run({b: f}, which))
-                p, h, e = measured[which].setdefault(f, ([], [], []))
-                p.append(risk[b][f])
-                h.append(m)
-                e.append(s)
                 row += [f"{m:+.5f}", f"{s:.5f}"]
             block_rows.append(row)
             print(block_rows[-1], flush=True)
-    for which, name in ((0, "end"), (1, "path")):
-        pred_all = [x for p, _, _ in measured[which].values() for x in p]
-        harm_all = [x for _, h, _ in measured[which].values() for x in h]
-        sem_all = [x for _, _, e in measured[which].values() for x in e]
-        rows = [(f, p, h, e) for f, (p, h, e) in measured[which].items()] + [("all", pred_all, harm_all, sem_all)]
-        for f, p, h, e in rows:
-            # a harm stands above noise when it exceeds twice its standard error; a measured gain
-            # (held-out loss lower than fp32's by as much) is counted apart: it is no harm
-            keep = [i for i in range(len(h)) if not math.isnan(e[i]) and h[i] > 2 * e[i]]
-            gains = sum(1 for i in range(len(h)) if not math.isnan(e[i]) and h[i] < -2 * e[i])
-            sub = spearman([p[i] for i in keep], [h[i] for i in keep]) if len(keep) >= 3 else math.nan
-            corr_rows.append([name, f, f"{spearman(p, h):+.2f}", len(p), f"{len(keep)}/{len(h)}", f"{gains}/{len(h)}",
-                              f"{sub:+.2f}"])
+
+    def correlations(over: list[int]) -> list[list[object]]:
+        """The Spearman rows of (ii), from the harms measured on the data orders ``over``."""
+        corr_rows = []
+        for which, name in ((0, "end"), (1, "path")):
+            measured: dict[str, tuple[list[float], list[float], list[float]]] = {}
+            for b in chosen:
+                for f in args.formats:
+                    m, s = mean_sem(harms_of_run({b: f}, which, over))
+                    p, h, e = measured.setdefault(f, ([], [], []))
+                    p.append(risk[b][f])
+                    h.append(m)
+                    e.append(s)
+            pred_all = [x for p, _, _ in measured.values() for x in p]
+            harm_all = [x for _, h, _ in measured.values() for x in h]
+            sem_all = [x for _, _, e in measured.values() for x in e]
+            rows = [(f, p, h, e) for f, (p, h, e) in measured.items()] + [("all", pred_all, harm_all, sem_all)]
+            for f, p, h, e in rows:
+                # a harm stands above noise when it exceeds twice its standard error; a measured gain
+                # (held-out loss lower than fp32's by as much) is counted apart: it is no harm
+                keep = [i for i in range(len(h)) if not math.isnan(e[i]) and h[i] > 2 * e[i]]
+                gains = sum(1 for i in range(len(h)) if not math.isnan(e[i]) and h[i] < -2 * e[i])
+                sub = spearman([p[i] for i in keep], [h[i] for i in keep]) if len(keep) >= 3 else math.nan
+                corr_rows.append([name, f, f"{spearman(p, h):+.2f}", len(p), f"{len(keep)}/{len(h)}",
+                                  f"{gains}/{len(h)}", f"{sub:+.2f}"])
+        return corr_rows
+
+    corr_rows = correlations(orders)
+    replicate_text = ""
+    if 0 < args.replicate_from < len(orders):
+        fresh = orders[args.replicate_from :]
+        replicate_text = (
+            f"\n\nThe same over data orders {fresh[0]}..{fresh[-1]} alone: the risk model was last changed after "
+            f"orders 0..{fresh[0] - 1} had been measured, so these orders test it on data it was not shaped on:\n\n"
+            + markdown_table(["harm", "formats", "Spearman", "pairs", "harms above noise", "gains",
+                              "Spearman over harms above noise"], correlations(fresh))
+        )
 
     group_text = ""
     if args.groups:
@@ -406,6 +428,7 @@ def main() -> None:
         "the Spearman over the harms above noise alone:\n\n"
         + markdown_table(["harm", "formats", "Spearman", "pairs", "harms above noise", "gains", "Spearman over harms above noise"],
                          corr_rows)
+        + replicate_text
         + "\n\n<details><summary>block-level runs</summary>\n\n"
         + markdown_table(["block", "format", "predicted risk", "harm (end)", "sem", "harm (path)", "sem"], block_rows)
         + "\n\n</details>"
