@@ -30,7 +30,18 @@ from pathlib import Path
 import torch
 
 from _report import command, machine, markdown_table, write_readme_section
-from risk_validation import EVAL_POINTS, Runs, _train, chargpt_task, ddpm_task, mean_sem, restore, spearman, warm_up
+from risk_validation import (
+    EVAL_POINTS,
+    Runs,
+    _train,
+    chargpt_task,
+    ddpm_task,
+    mean_sem,
+    restore,
+    run_config,
+    spearman,
+    warm_up,
+)
 from lightning_baoc import partition
 from lightning_baoc.formats.quant import dequantize_sqrt, num_groups, num_supers, quantize_sqrt
 from lightning_baoc.risk import risk_details
@@ -54,9 +65,8 @@ class _Stepper:
         self.opt = torch.optim.Adam(list(params.values()), lr=lr, betas=(0.9, 0.999), eps=1e-8, foreach=False)
         for name, p in params.items():
             state = warm_opt.param_state(name)
-            step = warm_opt._records[warm_opt.named_params[name]].step  # noqa: SLF001 - the step count
             self.opt.state[p] = {
-                "step": torch.tensor(float(step)),
+                "step": torch.tensor(float(warm_opt.step_count(name))),
                 "exp_avg": state.exp_avg.clone().float(),
                 "exp_avg_sq": state.dense_v().clone().float(),
             }
@@ -102,10 +112,7 @@ def main() -> None:
     warm = warm_up(task, args.warmup)
     orders = list(range(args.orders))
 
-    config = {"task": args.task, "warmup": args.warmup, "steps": args.steps}
-    if args.task == "chargpt":
-        config.update(layers=args.layers, embd=args.embd, eval_seqs=args.eval_seqs)
-    config.update(torch=torch.__version__, quick=False)
+    config = run_config(args)
     runs = Runs(task, warm, blocks, args.steps, args.results_dir / f"risk_validation_{args.task}.json", config)
     base = {o: runs({}, o) for o in orders}
 
@@ -155,11 +162,10 @@ def main() -> None:
     once: dict[str, list[float]] = {b: [0.0, 0.0] for b in chosen}
     for b in chosen:
         for name in blocks[b]:
-            p = warm_opt.named_params[name]
-            rec = warm_opt._records[p]  # noqa: SLF001
+            step = warm_opt.step_count(name)  # an fp32 warm-up: m and v share the step count
             state = warm_opt.param_state(name)
-            m = state.exp_avg.float() / (1 - 0.9**rec.m_step)
-            v = state.dense_v().float() / (1 - 0.999**rec.step)
+            m = state.exp_avg.float() / (1 - 0.9**step)
+            v = state.dense_v().float() / (1 - 0.999**step)
             err, usq = direction_distortion(m, v, round_trip_v(v))
             once[b][0] += err
             once[b][1] += usq

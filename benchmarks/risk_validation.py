@@ -230,6 +230,15 @@ class Runs:
         return tuple(self.cache[key])
 
 
+def run_config(args: argparse.Namespace, quick: bool = False) -> dict:
+    """The configuration that keys a task's cache of finished runs (shared with ``int8_mechanism.py``)."""
+    config = {"task": args.task, "warmup": args.warmup, "steps": args.steps}
+    if args.task == "chargpt":
+        config.update(layers=args.layers, embd=args.embd, eval_seqs=args.eval_seqs)
+    config.update(torch=torch.__version__, quick=quick)
+    return config
+
+
 def spearman(a: list[float], b: list[float]) -> float:
     def ranks(x: list[float]) -> torch.Tensor:
         t = torch.tensor(x, dtype=torch.float64)
@@ -303,10 +312,7 @@ def main() -> None:
     shapes = {n: p.shape for n, p in model.named_parameters()}
     memory = {b: {f: sum(format_state_bytes(f, shapes[n], 0) for n in names) for f in risk[b]} for b, names in blocks.items()}
     orders = list(range(args.orders))
-    config = {k: getattr(args, k) for k in ("task", "warmup", "steps")}
-    if args.task == "chargpt":
-        config.update(layers=args.layers, embd=args.embd, eval_seqs=args.eval_seqs)
-    config.update(torch=torch.__version__, quick=args.quick)
+    config = run_config(args, quick=args.quick)
     run = Runs(task, warm, blocks, args.steps, args.results_dir / f"risk_validation_{args.task}.json", config)
     for other in args.merge:
         run.cache.update({k: v for k, v in json.loads(other.read_text()).get(run.key, {}).items() if k not in run.cache})

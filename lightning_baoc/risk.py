@@ -270,13 +270,14 @@ def risk_details(
     out: dict[str, BlockRisk] = {}
     # per block and 8-bit-v format: (||E[u_f] - u||^2 of non-zero codes, ||u||^2 of those tensors)
     rounding: dict[str, dict[str, list[float]]] = {}
+    noise_added: dict[str, dict[str, float]] = {}  # per block: format -> absolute added noise
     with torch.no_grad():
         for block, names in blocks.items():
             br = BlockRisk(block, bias={f: 0.0 for f in formats}, variance={f: 0.0 for f in formats})
             noise_fraction = None
             if statistics is not None and block in statistics:
                 noise_fraction = statistics[block].get("noise_fraction")
-            noise_added = {f: 0.0 for f in formats}
+            added_noise = noise_added.setdefault(block, {f: 0.0 for f in formats})
             pooled = rounding.setdefault(block, {})
             for name in names:
                 terms = _param_terms(optimizer, name, formats, noise_fraction, generator, max_elements)
@@ -288,21 +289,18 @@ def risk_details(
                 br.noise_sq += noise_sq
                 for f in formats:
                     br.bias[f] += bias[f]
-                    noise_added[f] += added[f]
+                    added_noise[f] += added[f]
                 for f, (err, usq) in rounded.items():
                     acc = pooled.setdefault(f, [0.0, 0.0])
                     acc[0] += err
                     acc[1] += usq
             out[block] = br
-            out[block].variance = noise_added  # absolute until divided below
     _pool_rounding(out, rounding)
-    for br in out.values():
+    for block, br in out.items():
         if br.update_sq > 0:
             for f in formats:
                 br.bias[f] /= br.update_sq
-                br.variance[f] = br.variance[f] / (horizon * br.update_sq)
-        else:
-            br.variance = {f: 0.0 for f in formats}
+                br.variance[f] = noise_added[block][f] / (horizon * br.update_sq)
     total = sum(br.progress for br in out.values())
     for br in out.values():
         br.share = br.progress / total if total > 0 else 0.0
