@@ -258,6 +258,71 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float((ra * rb).sum()) / den if den else math.nan
 
 
+@dataclass
+class Correlation:
+    """Spearman of predicted risk with measured harm, each with its noise floor (the standard deviation
+    of the Spearman when the data orders are drawn again with replacement)."""
+
+    rho: float  # over all pairs
+    rho_sd: float
+    above: int  # harms above noise: beyond twice their standard error
+    gains: int  # held-out loss below the fp32 continuation's by as much: no harm
+    rho_above: float  # over the harms above noise alone (nan with fewer than 3)
+    rho_above_sd: float
+
+
+def harm_correlation(predicted: list[float], harms: list[list[float]], groups: list[str] | None = None,
+                     draws: int = 400, seed: int = 0) -> Correlation:
+    """Correlate ``predicted[i]`` with the mean of ``harms[i]`` (one harm per data order). Pairs of the
+    same ``groups`` label share their data orders (paired runs), so the bootstrap draws one resample
+    of orders per group and applies it to all of that group's pairs."""
+    groups = groups if groups is not None else ["all"] * len(harms)
+    stats_ = [mean_sem(h) for h in harms]
+    mean = [m for m, _ in stats_]
+    keep = [i for i, (m, e) in enumerate(stats_) if not math.isnan(e) and m > 2 * e]
+    gains = sum(1 for m, e in stats_ if not math.isnan(e) and m < -2 * e)
+    gen = torch.Generator().manual_seed(seed)
+    drawn: dict[str, list[float]] = {"all": [], "above": []}
+    for _ in range(draws if all(len(h) > 1 for h in harms) else 0):
+        picks: dict[str, list[int]] = {}
+        means = []
+        for h, g in zip(harms, groups):
+            if g not in picks:
+                picks[g] = torch.randint(len(h), (len(h),), generator=gen).tolist()
+            means.append(sum(h[j] for j in picks[g]) / len(h))
+        drawn["all"].append(spearman(predicted, means))
+        if len(keep) >= 3:
+            drawn["above"].append(spearman([predicted[i] for i in keep], [means[i] for i in keep]))
+
+    def sd(xs: list[float]) -> float:
+        xs = [x for x in xs if not math.isnan(x)]
+        return stats.stdev(xs) if len(xs) > 1 else math.nan
+
+    rho_above = spearman([predicted[i] for i in keep], [mean[i] for i in keep]) if len(keep) >= 3 else math.nan
+    return Correlation(spearman(predicted, mean), sd(drawn["all"]), len(keep), gains, rho_above, sd(drawn["above"]))
+
+
+def _with_floor(value: float, floor: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:+.2f} +- {floor:.2f}"
+
+
+def block_orders(specs: list[str], formats: list[str], orders: int) -> dict[str, int]:
+    """Data orders of the block-level test per format: ``orders`` unless a ``FORMAT=N`` spec raises it
+    (for a format whose single-block harms sit close to the noise floor: the standard error falls as
+    one over the square root of the orders)."""
+    out = {f: orders for f in formats}
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        if not sep or not value.strip().isdigit():
+            raise ValueError(f"--more-orders takes FORMAT=N, got {spec!r}")
+        if name not in out:
+            raise ValueError(f"--more-orders names {name!r}, which is not among --formats {formats}")
+        if int(value) < orders:
+            raise ValueError(f"--more-orders {spec}: fewer than --orders {orders}")
+        out[name] = int(value)
+    return out
+
+
 def mean_sem(xs: list[float]) -> tuple[float, float]:
     if len(xs) < 2:
         return xs[0], math.nan
@@ -292,6 +357,9 @@ def main() -> None:
     parser.add_argument("--replicate-from", type=int, default=0,
                         help="also report (ii) over the data orders from this one on alone (held out from the "
                         "measurements the risk model was shaped on; default: 0, off)")
+    parser.add_argument("--more-orders", nargs="*", default=[], metavar="FORMAT=N",
+                        help="(ii) only: measure these formats' single-block harms on N data orders instead of "
+                        "--orders, where they sit close to the noise floor ((i) and (iii) keep --orders)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -312,19 +380,21 @@ def main() -> None:
     shapes = {n: p.shape for n, p in model.named_parameters()}
     memory = {b: {f: sum(format_state_bytes(f, shapes[n], 0) for n in names) for f in risk[b]} for b, names in blocks.items()}
     orders = list(range(args.orders))
+    orders_of = {f: list(range(n)) for f, n in block_orders(args.more_orders, args.formats, args.orders).items()}
     config = run_config(args, quick=args.quick)
     run = Runs(task, warm, blocks, args.steps, args.results_dir / f"risk_validation_{args.task}.json", config)
     for other in args.merge:
         run.cache.update({k: v for k, v in json.loads(other.read_text()).get(run.key, {}).items() if k not in run.cache})
-    base = {o: run({}, o) for o in orders}
+    base = {o: run({}, o) for o in range(max([args.orders, *map(len, orders_of.values())]))}
     sizes = {b: sum(shapes[n].numel() for n in names if len(shapes[n]) >= 2) for b, names in blocks.items()}
     chosen = sorted(sizes, key=sizes.get, reverse=True)[: args.blocks]
     if args.blocks_first_reversed:
         for b in reversed(chosen):
             for f in args.formats:
-                for o in orders:
+                for o in orders_of[f]:
                     run({b: f}, o)
     print(f"fp32 continuation held-out loss (end, path) by order: {base}", flush=True)
+    base_end = [base[o][0] for o in orders]
 
     def harms_of_run(formats: dict[str, str], which: int, over: list[int] | None = None) -> list[float]:
         return [run(formats, o)[which] - base[o][which] for o in (orders if over is None else over)]
@@ -355,46 +425,35 @@ def main() -> None:
         for f in args.formats:
             row = [b, f, f"{risk[b][f]:.3g}"]
             for which in (0, 1):
-                m, s = mean_sem(harms_of_run({b: f}, which))
+                m, s = mean_sem(harms_of_run({b: f}, which, orders_of[f]))
                 row += [f"{m:+.5f}", f"{s:.5f}"]
             block_rows.append(row)
             print(block_rows[-1], flush=True)
 
-    def correlations(over: list[int]) -> list[list[object]]:
-        """The Spearman rows of (ii), from the harms measured on the data orders ``over``."""
+    def correlations(start: int = 0) -> list[list[object]]:
+        """The Spearman rows of (ii), from the harms measured on each format's data orders from ``start`` on."""
         corr_rows = []
         for which, name in ((0, "end"), (1, "path")):
-            measured: dict[str, tuple[list[float], list[float], list[float]]] = {}
-            for b in chosen:
-                for f in args.formats:
-                    m, s = mean_sem(harms_of_run({b: f}, which, over))
-                    p, h, e = measured.setdefault(f, ([], [], []))
-                    p.append(risk[b][f])
-                    h.append(m)
-                    e.append(s)
-            pred_all = [x for p, _, _ in measured.values() for x in p]
-            harm_all = [x for _, h, _ in measured.values() for x in h]
-            sem_all = [x for _, _, e in measured.values() for x in e]
-            rows = [(f, p, h, e) for f, (p, h, e) in measured.items()] + [("all", pred_all, harm_all, sem_all)]
-            for f, p, h, e in rows:
-                # a harm stands above noise when it exceeds twice its standard error; a measured gain
-                # (held-out loss lower than fp32's by as much) is counted apart: it is no harm
-                keep = [i for i in range(len(h)) if not math.isnan(e[i]) and h[i] > 2 * e[i]]
-                gains = sum(1 for i in range(len(h)) if not math.isnan(e[i]) and h[i] < -2 * e[i])
-                sub = spearman([p[i] for i in keep], [h[i] for i in keep]) if len(keep) >= 3 else math.nan
-                corr_rows.append([name, f, f"{spearman(p, h):+.2f}", len(p), f"{len(keep)}/{len(h)}",
-                                  f"{gains}/{len(h)}", f"{sub:+.2f}"])
+            pairs = [(f, risk[b][f], harms_of_run({b: f}, which, orders_of[f][start:]))
+                     for f in args.formats for b in chosen]
+            for label in [*args.formats, "all"]:
+                sub = [x for x in pairs if label in (x[0], "all")]
+                c = harm_correlation([p for _, p, _ in sub], [h for _, _, h in sub], [f for f, _, _ in sub])
+                corr_rows.append([name, label, _with_floor(c.rho, c.rho_sd), len(sub), f"{c.above}/{len(sub)}",
+                                  f"{c.gains}/{len(sub)}", _with_floor(c.rho_above, c.rho_above_sd)])
         return corr_rows
 
-    corr_rows = correlations(orders)
+    corr_rows = correlations()
     replicate_text = ""
     if 0 < args.replicate_from < len(orders):
-        fresh = orders[args.replicate_from :]
+        k = args.replicate_from
         replicate_text = (
-            f"\n\nThe same over data orders {fresh[0]}..{fresh[-1]} alone: the risk model was last changed after "
-            f"orders 0..{fresh[0] - 1} had been measured, so these orders test it on data it was not shaped on:\n\n"
+            f"\n\nThe same over data orders {k}..{len(orders) - 1}"
+            + "".join(f" ({f}: {k}..{len(o) - 1})" for f, o in orders_of.items() if len(o) > len(orders))
+            + " alone: the risk model was last changed after "
+            f"orders 0..{k - 1} had been measured, so these orders test it on data it was not shaped on:\n\n"
             + markdown_table(["harm", "formats", "Spearman", "pairs", "harms above noise", "gains",
-                              "Spearman over harms above noise"], correlations(fresh))
+                              "Spearman over harms above noise"], correlations(k))
         )
 
     group_text = ""
@@ -408,6 +467,13 @@ def main() -> None:
         for i in range(len(orders))
     ]
     rm, rs = mean_sem(vs_random)
+    more = {f: len(o) for f, o in orders_of.items() if len(o) > args.orders}
+    more_text = (
+        " In (ii), " + ", ".join(f"`{f}` is measured on {n} data orders" for f, n in more.items())
+        + ": its single-block harms sit close to the noise floor, which falls as one over the square root of the "
+        "orders."
+        if more else ""
+    )
     model_text = (
         f"a {args.layers}-layer character GPT (width {args.embd}, {sum(p.numel() for p in model.parameters()):,} "
         f"parameters), held-out set {args.eval_seqs} x 64 tokens"
@@ -423,15 +489,16 @@ def main() -> None:
         f"on the same order, mean and standard error (the noise floor) over orders; 'end' is the mean of "
         f"{EVAL_POINTS} evaluations over the last fifth, 'path' the mean of {2 * EVAL_POINTS} evaluations spread "
         f"over the whole continuation. Budget {args.budget} of fp32 AdamW state. fp32 continuation held-out loss "
-        f"(end): {stats.mean(v[0] for v in base.values()):.4f} (spread over orders "
-        f"{max(v[0] for v in base.values()) - min(v[0] for v in base.values()):.4f}).\n\n"
+        f"(end): {stats.mean(base_end):.4f} (spread over orders {max(base_end) - min(base_end):.4f}).{more_text}\n\n"
         f"(i) allocations, harm at the end (median of the random ones: {median_random:+.4f}); paired by order, "
         f"risk-max minus risk-min {pm:+.4f} +- {ps:.4f} (sem), median random minus risk-min "
         f"{rm:+.4f} +- {rs:.4f}:\n\n"
         + markdown_table(["allocation", "memory / fp32", "predicted risk", "harm", "sem", "blocks per format"], alloc_rows)
         + "\n\n(ii) one block at a time, Spearman(predicted risk, measured harm); 'harms above noise' counts "
         "harms beyond +2 sem, 'gains' held-out losses below fp32's by more than 2 sem, and the last column is "
-        "the Spearman over the harms above noise alone:\n\n"
+        "the Spearman over the harms above noise alone. Beside each Spearman, its noise floor: the standard "
+        "deviation over 400 redraws of the data orders with replacement (one redraw per format, shared by its "
+        "blocks, as the runs are paired):\n\n"
         + markdown_table(["harm", "formats", "Spearman", "pairs", "harms above noise", "gains", "Spearman over harms above noise"],
                          corr_rows)
         + replicate_text

@@ -94,3 +94,44 @@ def test_risk_min_beats_the_median_random_allocation_beyond_noise(measured: dict
     mean, floor = _mean_and_floor(paired)
     assert all(d > 0 for d in paired), paired
     assert mean > floor, (mean, floor, paired)
+
+
+def test_harm_correlation_counts_harms_above_noise_and_ranks_them_alone() -> None:
+    predicted = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    # per-order harms: means -0.5, 0.05, 0.3, 0.2, 0.6, 0.9 with standard errors 0.1, 0.1, 0.1, 0.05, 0.1, 0.5
+    harms = [[-0.4, -0.6], [0.15, -0.05], [0.4, 0.2], [0.25, 0.15], [0.7, 0.5], [1.4, 0.4]]
+    c = rv.harm_correlation(predicted, harms)
+    assert c.rho == pytest.approx(1 - 6 * 2 / (6 * 35))  # one swapped pair (3, 4) over all six
+    assert c.above == 3  # 0.3, 0.2, 0.6 stand beyond 2 sem; 0.05 and 0.9 (sem 0.5) do not
+    assert c.gains == 1  # -0.5 is a gain, not a harm
+    assert c.rho_above == pytest.approx(0.5)  # ranks 2,1,3 against 1,2,3
+    assert c.rho_above_sd == 0.0  # every redraw of the two orders keeps the ranks 2,1,3
+    assert 0.0 < c.rho_sd < 0.5
+    assert math.isnan(rv.harm_correlation([1.0, 2.0], [[1.0, 1.1], [2.0, 2.1]]).rho_above)
+
+
+def test_harm_correlation_noise_floor_shrinks_with_orders() -> None:
+    """The bootstrap noise floor of the Spearman comes from the spread over data orders: ten times the
+    orders of the same noisy harms give a tighter correlation."""
+    gen = torch.Generator().manual_seed(0)
+    predicted = [float(i) for i in range(8)]
+
+    def harms(orders: int) -> list[list[float]]:
+        return [(0.1 * i + torch.randn(orders, generator=gen)).tolist() for i in range(8)]
+
+    few, many = rv.harm_correlation(predicted, harms(4)), rv.harm_correlation(predicted, harms(400))
+    assert many.rho > 0.9 and many.rho_sd < 0.5 * few.rho_sd, (few, many)
+    exact = rv.harm_correlation(predicted, [[0.1 * i] * 5 for i in range(8)])
+    assert exact.rho == pytest.approx(1.0) and exact.rho_sd == 0.0
+
+
+def test_block_orders_raise_one_format_and_refuse_bad_specs() -> None:
+    formats = ["int8", "int8_factored"]
+    assert rv.block_orders([], formats, 6) == {"int8": 6, "int8_factored": 6}
+    assert rv.block_orders(["int8_factored=24"], formats, 6) == {"int8": 6, "int8_factored": 24}
+    with pytest.raises(ValueError, match="FORMAT=N"):
+        rv.block_orders(["int8_factored:24"], formats, 6)
+    with pytest.raises(ValueError, match="'bf16'"):
+        rv.block_orders(["bf16=24"], formats, 6)
+    with pytest.raises(ValueError, match="fewer than --orders 6"):
+        rv.block_orders(["int8=4"], formats, 6)
