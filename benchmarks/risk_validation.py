@@ -437,7 +437,7 @@ def main() -> None:
             pairs = [(f, risk[b][f], harms_of_run({b: f}, which, orders_of[f][start:]))
                      for f in args.formats for b in chosen]
             for label in [*args.formats, "all"]:
-                sub = [x for x in pairs if label in (x[0], "all")]
+                sub = [x for x in pairs if label == "all" or x[0] == label]
                 c = harm_correlation([p for _, p, _ in sub], [h for _, _, h in sub], [f for f, _, _ in sub])
                 corr_rows.append([name, label, _with_floor(c.rho, c.rho_sd), len(sub), f"{c.above}/{len(sub)}",
                                   f"{c.gains}/{len(sub)}", _with_floor(c.rho_above, c.rho_above_sd)])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import tempfile
 import sys
 from pathlib import Path
 
@@ -135,3 +136,32 @@ def test_block_orders_raise_one_format_and_refuse_bad_specs() -> None:
         rv.block_orders(["bf16=24"], formats, 6)
     with pytest.raises(ValueError, match="fewer than --orders 6"):
         rv.block_orders(["int8=4"], formats, 6)
+
+
+@pytest.mark.slow
+def test_block_level_int8_risk_ranks_ddpm_harms_above_noise() -> None:
+    """(ii) reduced (about 9 minutes on one core; ``pytest -m slow``): the DDPM of the benchmark, every one of its
+    10 largest blocks alone in ``int8`` over 3 paired data orders. Most single-block harms stand above noise,
+    and the risk ranks them: Spearman >= 0.5 over the harms above noise."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        task = rv.ddpm_task()
+        model = task.make_model()
+        blocks = partition(model)
+        warm = rv.warm_up(task, 300)
+        _, opt = rv.restore(task, warm)
+        risk = {b: d.risk["int8"] for b, d in rv.risk_details(opt, blocks, horizon=600).items()}
+        shapes = {n: p.shape for n, p in model.named_parameters()}
+        sizes = {b: sum(shapes[n].numel() for n in names if len(shapes[n]) >= 2) for b, names in blocks.items()}
+        chosen = sorted(sizes, key=sizes.get, reverse=True)[:10]
+        run = rv.Runs(task, warm, blocks, 600, Path(tempfile.mkdtemp()) / "cache.json", {"test": 2})
+        orders = (3, 4, 5)
+        base = {o: run({}, o)[0] for o in orders}
+        harms = [[run({b: "int8"}, o)[0] - base[o] for o in orders] for b in chosen]
+    finally:
+        torch.set_num_threads(threads)
+    c = rv.harm_correlation([risk[b] for b in chosen], harms)
+    print(c)
+    assert c.above >= 5, c
+    assert c.rho_above >= 0.5, c
