@@ -10,7 +10,9 @@ standard error of that mean.
     risk-minimizing allocation against the risk-maximizing one of the same budget and against
     ``--random`` random allocations of the same budget;
 (ii) block level: one block at a time in each of the cheap formats; Spearman correlation of
-    predicted risk with measured harm, overall and within each format.
+    predicted risk with measured harm, overall and within each format, each with its noise floor
+    (bootstrap over data orders). ``--more-orders FORMAT=N`` measures one format on more data orders
+    where its single-block harms sit close to the noise floor.
 
 Tasks: ``digits`` (an 8-layer MLP on scikit-learn's digits), ``chargpt`` (a 4-layer character
 GPT on the Python standard library's source) and ``ddpm`` (a small diffusion UNet on digits). Constant learning rate (the stress recipe, where
