@@ -452,7 +452,7 @@ def main() -> None:
         replicate_text = (
             f"\n\nThe same over data orders {k}..{len(orders) - 1}"
             + "".join(f" ({f}: {k}..{len(o) - 1})" for f, o in orders_of.items() if len(o) > len(orders))
-            + " alone: the risk model was last changed after "
+            + " alone: the risk model's 8-bit v term was last changed after "
             f"orders 0..{k - 1} had been measured, so these orders test it on data it was not shaped on:\n\n"
             + markdown_table(["harm", "formats", "Spearman", "pairs", "harms above noise", "gains",
                               "Spearman over harms above noise"], correlations(k))
