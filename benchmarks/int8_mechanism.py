@@ -36,6 +36,7 @@ from risk_validation import (
     _train,
     chargpt_task,
     ddpm_task,
+    largest_blocks,
     mean_sem,
     restore,
     run_config,
@@ -106,9 +107,7 @@ def main() -> None:
     task = chargpt_task(args.layers, args.embd, args.eval_seqs) if args.task == "chargpt" else ddpm_task()
     model = task.make_model()
     blocks = partition(model)
-    shapes = {n: p.shape for n, p in model.named_parameters()}
-    sizes = {b: sum(shapes[n].numel() for n in names if len(shapes[n]) >= 2) for b, names in blocks.items()}
-    chosen = sorted(sizes, key=sizes.get, reverse=True)[: args.blocks]
+    chosen = largest_blocks(model, blocks, args.blocks)
     warm = warm_up(task, args.warmup)
     orders = list(range(args.orders))
 

@@ -232,6 +232,14 @@ class Runs:
         return tuple(self.cache[key])
 
 
+def largest_blocks(model: nn.Module, blocks: dict[str, list[str]], n: int) -> list[str]:
+    """The ``n`` blocks with the most elements in matrices (tensors of 2 or more dimensions), largest first:
+    the blocks of the block-level tests (shared with ``int8_mechanism.py`` and the tests)."""
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    sizes = {b: sum(shapes[p].numel() for p in names if len(shapes[p]) >= 2) for b, names in blocks.items()}
+    return sorted(sizes, key=sizes.get, reverse=True)[:n]
+
+
 def run_config(args: argparse.Namespace, quick: bool = False) -> dict:
     """The configuration that keys a task's cache of finished runs (shared with ``int8_mechanism.py``)."""
     config = {"task": args.task, "warmup": args.warmup, "steps": args.steps}
@@ -388,8 +396,7 @@ def main() -> None:
     for other in args.merge:
         run.cache.update({k: v for k, v in json.loads(other.read_text()).get(run.key, {}).items() if k not in run.cache})
     base = {o: run({}, o) for o in range(max([args.orders, *map(len, orders_of.values())]))}
-    sizes = {b: sum(shapes[n].numel() for n in names if len(shapes[n]) >= 2) for b, names in blocks.items()}
-    chosen = sorted(sizes, key=sizes.get, reverse=True)[: args.blocks]
+    chosen = largest_blocks(model, blocks, args.blocks)
     if args.blocks_first_reversed:
         for b in reversed(chosen):
             for f in args.formats:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import tempfile
 import sys
 from pathlib import Path
 
@@ -139,7 +138,7 @@ def test_block_orders_raise_one_format_and_refuse_bad_specs() -> None:
 
 
 @pytest.mark.slow
-def test_block_level_int8_risk_ranks_ddpm_harms_above_noise() -> None:
+def test_block_level_int8_risk_ranks_ddpm_harms_above_noise(tmp_path: Path) -> None:
     """(ii) reduced (about 9 minutes on one core; ``pytest -m slow``): the DDPM of the benchmark, every one of its
     10 largest blocks alone in ``int8`` over 3 paired data orders. Most single-block harms stand above noise,
     and the risk ranks them: Spearman >= 0.5 over the harms above noise."""
@@ -152,10 +151,8 @@ def test_block_level_int8_risk_ranks_ddpm_harms_above_noise() -> None:
         warm = rv.warm_up(task, 300)
         _, opt = rv.restore(task, warm)
         risk = {b: d.risk["int8"] for b, d in rv.risk_details(opt, blocks, horizon=600).items()}
-        shapes = {n: p.shape for n, p in model.named_parameters()}
-        sizes = {b: sum(shapes[n].numel() for n in names if len(shapes[n]) >= 2) for b, names in blocks.items()}
-        chosen = sorted(sizes, key=sizes.get, reverse=True)[:10]
-        run = rv.Runs(task, warm, blocks, 600, Path(tempfile.mkdtemp()) / "cache.json", {"test": 2})
+        chosen = rv.largest_blocks(model, blocks, 10)
+        run = rv.Runs(task, warm, blocks, 600, tmp_path / "cache.json", {"test": 2})
         orders = (3, 4, 5)
         base = {o: run({}, o)[0] for o in orders}
         harms = [[run({b: "int8"}, o)[0] - base[o] for o in orders] for b in chosen]
