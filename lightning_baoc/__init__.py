@@ -14,3 +14,5 @@ from lightning_baoc.fabric import BAOCStrategy
 __all__ += ["BAOC", "BAOCStrategy"]
 from lightning_baoc.config import BAOCSection, Config, ConfigError, json_schema, load_config, parse_config
 __all__ += ["BAOCSection", "Config", "ConfigError", "json_schema", "load_config", "parse_config"]
+from lightning_baoc.optim_state import CheckpointError, export_adamw_state_dict, load_checkpoint
+__all__ += ["CheckpointError", "export_adamw_state_dict", "load_checkpoint"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Mapping, Sequence, Union
+from typing import Collection, Mapping, Sequence, Union
 
 from torch import nn
 
@@ -65,6 +65,7 @@ def partition(
     model: nn.Module,
     granularity: str = "module",
     patterns: Patterns | None = None,
+    keep: Collection[str] = (),
 ) -> dict[str, list[str]]:
     """Split the trainable parameters of ``model`` into named blocks.
 
@@ -74,6 +75,8 @@ def partition(
             ``"layer"`` or ``"param"`` (default: ``"module"``).
         patterns: optional named glob patterns (``fnmatch``, case-sensitive) over parameter names,
             block name -> glob or list of globs; matched before ``granularity`` (default: ``None``).
+        keep: names of parameters partitioned even if frozen now: ones that already hold
+            optimizer state, whose bytes must stay counted (default: none).
 
     Returns:
         Block name -> parameter names, blocks ordered by their first parameter in the model.
@@ -94,7 +97,7 @@ def partition(
         >>> partition(model, patterns={"biases": "*.bias"})
         {'0': ['0.weight'], 'biases': ['0.bias', '2.bias'], '2': ['2.weight']}
     """
-    report = partition_report(model, granularity, patterns)
+    report = partition_report(model, granularity, patterns, keep)
     if report.frozen:
         log.info(
             "partition: %d frozen parameter(s) left out of the blocks (requires_grad=False): %s",
@@ -108,6 +111,7 @@ def partition_report(
     model: nn.Module,
     granularity: str = "module",
     patterns: Patterns | None = None,
+    keep: Collection[str] = (),
 ) -> PartitionReport:
     """Like :func:`partition`, and also report the frozen parameters and the block sizes.
 
@@ -129,7 +133,7 @@ def partition_report(
     trainable: list[tuple[str, nn.Parameter]] = []
     frozen: list[str] = []
     for name, p in named:
-        if not p.requires_grad:
+        if not (p.requires_grad or name in keep):
             frozen.append(name)
             continue
         if p.numel() == 0:

@@ -12,6 +12,9 @@
   (and on unified-memory devices) host memory *is* the device's memory: ``offload`` saves nothing
   there, so it is masked; and :func:`memory_table` counts its bytes in full on such devices, so
   even unmasked it never makes a budget look met (``tests/test_calibration.py``).
+- :func:`withheld_formats` is the one rule of what the solver is not offered: the hardware mask,
+  and ``offload`` on an accelerator when no time budget prices its slower step. The training
+  controller, ``lightning-baoc check`` and ``lightning-baoc plan`` all apply it.
 """
 
 from __future__ import annotations
@@ -118,6 +121,44 @@ def hardware_mask(device: str | torch.device) -> dict[str, str]:
 def offload_saves_memory(device: str | torch.device) -> bool:
     """Whether ``offload`` states live outside the device's memory (only on discrete accelerators)."""
     return _as_device(device).type not in ("cpu", "mps", "meta")
+
+
+#: Why ``offload`` is withheld on an accelerator when no time budget is set.
+OFFLOAD_NEEDS_TIME_BUDGET = (
+    "offload trades step time for memory: it costs no device memory and no risk, so without a time "
+    "budget it would win every block (a synchronous host update of the whole model every step); "
+    "give a time budget to consider it"
+)
+
+
+def withheld_formats(
+    device: str | torch.device, time_budget: bool, menu: Iterable[str] | None = None
+) -> dict[str, str]:
+    """The formats the solver must not be offered, and why: the one rule shared by the training
+    controller, ``lightning-baoc check`` and ``lightning-baoc plan``.
+
+    - the device's :func:`hardware_mask`;
+    - ``offload`` where it saves device memory (an accelerator) and no time budget is set: it
+      costs 0 device bytes and 0 risk there, so only a time budget, which prices its slower
+      step, can keep it from taking every block.
+
+    Args:
+        device: the training device.
+        time_budget: whether a time budget is set.
+        menu: the formats asked for (default: ``None``: all of :data:`~lightning_baoc.FORMATS`);
+            only formats of the menu are reported.
+
+    Example:
+        >>> withheld_formats("cuda", time_budget=False, menu=["fp32", "int8", "offload"])["offload"][:31]
+        'offload trades step time for me'
+        >>> "offload" in withheld_formats("cuda", time_budget=True)
+        False
+    """
+    wanted = list(FORMATS) if menu is None else [_check_name(f) for f in menu]
+    out = dict(hardware_mask(device))
+    if "offload" not in out and not time_budget and offload_saves_memory(device):
+        out["offload"] = OFFLOAD_NEEDS_TIME_BUDGET
+    return {f: why for f, why in out.items() if f in wanted}
 
 
 def memory_table(
@@ -409,4 +450,5 @@ __all__ = [
     "memory_table",
     "offload_saves_memory",
     "time_table",
+    "withheld_formats",
 ]

@@ -10,7 +10,10 @@ Hook by hook (Lightning 2.6; README.md, "The BAOC callback", has the whole lifec
   training. On resume the callback state is already loaded (Lightning loads callback state
   before ``configure_optimizers``), so the saved allocation is requested here and the optimizer
   state, which Lightning loads after this hook, lands in the saved formats.
-- ``on_before_optimizer_step``: samples the gradients. Here, not in ``on_after_backward``:
+- ``on_before_optimizer_step``: first takes parameters added since install into the allocation
+  (``BackboneFinetuning`` and any ``add_param_group``: allocated at once, within the budget) and
+  runs a re-allocation due to settings changed at resume, both before the step; then samples the
+  gradients. Here, not in ``on_after_backward``:
   Lightning calls it once per optimizer step, after the closure has run the backward of the
   micro-batch that completes the accumulation window, so the gradients are accumulated over the
   whole window, all-reduced under DDP (every rank samples the same gradient), unscaled under
@@ -23,12 +26,15 @@ Hook by hook (Lightning 2.6; README.md, "The BAOC callback", has the whole lifec
 - ``on_validation_end`` (plateau of ``monitor``) and ``on_train_epoch_end`` (every N epochs)
   schedule re-evaluations; they run at once when the last batch completed a step, else at the
   next step boundary.
-- ``state_dict`` / ``load_state_dict``: the controller's state (allocation, counters, sampler
-  ring); the compact optimizer state is saved by Lightning with the optimizer.
+- ``state_dict`` / ``load_state_dict``: the controller's state (allocation, counters, the
+  settings that shaped the allocation, sampler ring); the compact optimizer state is saved by
+  Lightning with the optimizer. A resume with other settings (budgets, menu, even the partition
+  that the state key names) finds its state and re-evaluates, or refuses, instead of silently
+  starting over.
 
-Reports (rank zero, at each allocation): a rich table, ``baoc_allocation.json`` and
-``baoc_allocation.png`` in ``trainer.log_dir``, and the scalars ``baoc/state_bytes``,
-``baoc/saved_fraction``, ``baoc/total_risk`` to every logger.
+Reports (rank zero, at each allocation): a rich table, ``baoc_allocation.json`` and, when
+matplotlib is installed, ``baoc_allocation.png`` in ``trainer.log_dir`` (its path is printed once),
+and the scalars ``baoc/state_bytes``, ``baoc/saved_fraction``, ``baoc/total_risk`` to every logger.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from typing_extensions import override
 
 from .controller import AllocationEvent, BAOCConfig, BAOCController, rebind_scheduler
 from .optim import BlockwiseAdamW
-from .report import build_record, scalars, write_reports
+from .report import ReportSetting, announce, build_record, png_enabled, scalars, write_reports
 
 
 def _refused_strategy(strategy: Any) -> str | None:
@@ -78,10 +84,13 @@ class BAOC(Callback):
     place. Re-evaluates every ``reevaluate_every_n_epochs`` epochs and when ``monitor`` plateaus.
 
     Args:
-        memory_budget: optimizer-state memory allowed: a fraction in (0, 1] of the fp32 AdamW
-            state (``0.3``, ``"30%"``) or absolute (``"6GB"``, ``"512MiB"``, an int of bytes).
+        memory_budget: optimizer-state memory allowed: a fraction in (0, 1] of the state your own
+            ``torch.optim.AdamW`` would hold on the parameters trained (8 bytes per fp32
+            parameter, 4 per bf16 one; parameters added later, e.g. by ``BackboneFinetuning``,
+            included) (``0.3``, ``"30%"``), or absolute (``"6GB"``, ``"512MiB"``, an int of bytes).
         time_budget: optimizer-step time allowed, a multiple >= 1 of the fp32 AdamW step
-            (``1.2``) or absolute (``"12ms"``) (default: ``None``: no limit).
+            (``1.2``) or absolute (``"12ms"``, with ``calibration="auto"`` only) (default:
+            ``None``: no limit).
         warmup_steps: fp32 optimizer steps before the first allocation (default: 200).
         sample_every: sample the gradients every N optimizer steps during warm-up (default: 10).
         granularity: ``"module"``, ``"layer"`` or ``"param"`` blocks (default: ``"module"``).
@@ -102,7 +111,10 @@ class BAOC(Callback):
         calibration: step costs for ``time_budget``: ``"auto"`` (measured once on the device,
             cached) or ``"prior"`` (default: ``"auto"``).
         calibration_cache_dir: cache directory of ``"auto"`` (default: ``None``: user cache).
-        report: print the table and write ``baoc_allocation.json``/``.png`` (default: True).
+        report: print the table and write ``baoc_allocation.json`` into ``trainer.log_dir``, and
+            ``baoc_allocation.png`` when matplotlib (optional) is installed; ``"json"``: never the
+            PNG; ``"png"``: the PNG required (raises here without matplotlib); ``False``: no report
+            (default: True).
         seed: seed of the gradient sampling and of stochastic rounding (default: 0).
         max_block_risk: formats whose risk on a block exceeds this are never chosen for it;
             lifted, with a warning, when the memory budget cannot be met otherwise
@@ -139,7 +151,7 @@ class BAOC(Callback):
         min_8bit_numel: int = 4096,
         calibration: str = "auto",
         calibration_cache_dir: str | None = None,
-        report: bool = True,
+        report: ReportSetting = True,
         seed: int = 0,
         max_block_risk: float | None = None,
     ) -> None:
@@ -168,13 +180,16 @@ class BAOC(Callback):
             seed=seed,
             max_block_risk=max_block_risk,
         )
-        self.report = bool(report)
+        self.report = report is not False
+        # optional dependencies are checked now, not after a whole warm-up
+        self.report_png = png_enabled(report, "BAOC")
         self.controller = BAOCController(self.config)
         self.last_record: dict[str, Any] | None = None
         self._step_at_batch_start = -1
         self._at_boundary = True
         self._warned_missing_monitor = False
         self._warned_short_run = False
+        self._announced_reports = False
 
     # ------------------------------------------------------------------ public
 
@@ -213,7 +228,8 @@ class BAOC(Callback):
     @property
     @override
     def state_key(self) -> str:
-        # Structural arguments only: a budget changed between runs must not orphan the state.
+        # Structural arguments only: a budget changed between runs must not orphan the state (a
+        # changed partition is found by on_load_checkpoint).
         return self._generate_state_key(granularity=self.config.granularity, blocks=self.config.blocks)
 
     @property
@@ -299,6 +315,11 @@ class BAOC(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        # Before the step: new parameters would otherwise take fp32 state outside the budget, and
+        # a format dropped from the menu at resume must not run a single step.
+        event = self.controller.before_step(trainer.global_step, trainer.strategy.broadcast, trainer.is_global_zero)
+        if event is not None:
+            self._report(trainer, event)
         # Gradients here are final for the step: accumulated, all-reduced, unscaled, not clipped.
         self.controller.observe(trainer.global_step)
 
@@ -362,6 +383,19 @@ class BAOC(Callback):
         return self.controller.state_dict()
 
     @override
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # The state key holds the partition settings: resumed with another granularity or other
+        # blocks patterns, Lightning would not find the state and the run would silently warm up
+        # again over compact states. Take the one BAOC state under its old key; the controller
+        # then maps the saved allocation onto the new blocks and re-evaluates, or refuses.
+        states = checkpoint.get("callbacks") or {}
+        if self.state_key in states:
+            return
+        found = [k for k in states if isinstance(k, str) and k.startswith(type(self).__qualname__ + "{")]
+        if len(found) == 1:
+            self.load_state_dict(states[found[0]])
+
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.controller.load_state_dict(state_dict)
 
@@ -380,8 +414,7 @@ class BAOC(Callback):
         self.last_record = record
         if not trainer.is_global_zero:
             return
-        if self.report:
-            write_reports(record, directory)
+        written = write_reports(record, directory, png=self.report_png) if self.report else {}
         values = scalars(record)
         for logger in trainer.loggers:
             logger.log_metrics(values, step=trainer.global_step)
@@ -389,8 +422,11 @@ class BAOC(Callback):
         rank_zero_info(
             f"BAOC: {event.reason} allocation at step {event.step}: {what}; optimizer state "
             f"{event.state_bytes_before:,} -> {event.state_bytes:,} bytes "
-            f"({event.saved_fraction:.1%} of fp32 AdamW saved), total risk {event.total_risk:.4g}"
+            f"({event.saved_fraction:.1%} of AdamW's state saved), total risk {event.total_risk:.4g}"
         )
+        if written and not self._announced_reports:
+            self._announced_reports = True
+            rank_zero_info(f"BAOC: allocation report written to {announce(written)} (rewritten at each allocation)")
 
 
 __all__ = ["BAOC"]

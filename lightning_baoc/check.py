@@ -43,8 +43,8 @@ import torch
 from torch import nn
 
 from .blocks import partition_report
-from .budget import format_bytes, parse_memory_budget
-from .calibration import PRIOR_STEP_COST, calibrate, hardware_mask, memory_table, time_table
+from .budget import format_bytes, parse_memory_budget, parse_time_budget
+from .calibration import PRIOR_STEP_COST, calibrate, hardware_mask, memory_table, time_table, withheld_formats
 from .config import Config, ComponentConfig, load_config
 from .formats import FORMATS, numel_of
 from .solver import BudgetInfeasibleError, solve
@@ -393,6 +393,9 @@ def _check_budget(
     device: str,
 ) -> CheckResult:
     b = config.baoc
+    served, withheld_note, refused = _offered(config, served, device)
+    if refused is not None:
+        return refused
     params = dict(model.named_parameters())
     shapes = {name: [tuple(params[n].shape) for n in names] for name, names in blocks.items()}
     fp32_bytes = 8 * sum(numel_of(s) for ss in shapes.values() for s in ss)
@@ -413,8 +416,6 @@ def _check_budget(
             time_note = f"; step time priced with a calibration of {device}"
         full = time_table(shapes, costs, sorted(set(served) | {"fp32"}), b.min_8bit_numel)
         fp32_time = sum(row["fp32"] for row in full.values())
-        from .budget import parse_time_budget
-
         time_budget = parse_time_budget(b.time_budget, fp32_time, argument="baoc.time_budget")
         tim = {name: {f: full[name][f] for f in served} for name in shapes}
         time_budget = f"{time_budget!r}s"
@@ -453,7 +454,7 @@ def _check_budget(
             False,
             f"{budget_text} is infeasible for this model: the smallest feasible budget with the allowed formats "
             f"{served} is {format_bytes(need)} ({need / fp32_bytes:.3f} of fp32)"
-            f"{' within the time budget' if b.time_budget is not None else ''}{time_note}",
+            f"{' within the time budget' if b.time_budget is not None else ''}{time_note}{withheld_note}",
             f"set baoc.memory_budget >= {_fraction_up(need / fp32_bytes)} (or an absolute size >= {int(math.ceil(need))} "
             f"bytes){allow}",
         )
@@ -461,8 +462,21 @@ def _check_budget(
         "memory budget",
         True,
         f"{budget_text} is feasible: the cheapest allocation of the allowed formats needs {format_bytes(least)} "
-        f"({least / fp32_bytes:.3f} of fp32){time_note}",
+        f"({least / fp32_bytes:.3f} of fp32){time_note}{withheld_note}",
     )
+
+
+def _offered(config: Config, served: list[str], device: str) -> tuple[list[str], str, CheckResult | None]:
+    """The served formats the solver is offered under the training controller's rule
+    (:func:`~lightning_baoc.calibration.withheld_formats`: offload only where a time budget prices
+    it), a note naming those withheld, and the failed check if none is left."""
+    withheld = withheld_formats(device, config.baoc.time_budget is not None, served)
+    offered = [f for f in served if f not in withheld]
+    note = "".join(f"; {f} withheld ({why})" for f, why in withheld.items())
+    if offered:
+        return offered, note, None
+    fix = "set baoc.time_budget, or allow other formats in baoc.allowed_configs"
+    return offered, note, CheckResult("memory budget", False, f"no allowed format is offered on {device}{note}", fix)
 
 
 def _local(device: str) -> bool:

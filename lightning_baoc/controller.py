@@ -2,29 +2,41 @@
 
 :class:`BAOCController` holds everything the Lightning callback (:mod:`lightning_baoc.callback`)
 and the Fabric strategy (:mod:`lightning_baoc.fabric`) share; the adapters only translate their
-framework's hooks into five calls:
+framework's hooks into six calls:
 
 1. :meth:`~BAOCController.install` once, before training: the user's ``torch.optim.AdamW`` /
    ``Adam`` is replaced by a :class:`~lightning_baoc.BlockwiseAdamW` over the same param groups
-   (all ``fp32``: identical behaviour), the model is partitioned into blocks and a
-   :class:`~lightning_baoc.GradientSampler` is attached. LR schedulers are rebound with
-   :func:`rebind_scheduler`. The budgets are checked against the memory (and time) tables right
-   away, so an infeasible budget fails before any training is spent on it.
-2. :meth:`~BAOCController.observe` once per optimizer step, where gradients are final
+   (``fp32``: identical behaviour; ``bf16`` on bf16/fp16 parameters, which torch's AdamW holds
+   in 4 bytes too), the model is partitioned into blocks (parameters matched by identity, not by
+   the optimizer's names) and a :class:`~lightning_baoc.GradientSampler` is attached. LR
+   schedulers are rebound with :func:`rebind_scheduler`. The budgets are checked against the
+   memory (and time) tables right away, so an infeasible budget fails before any training is
+   spent on it.
+2. :meth:`~BAOCController.before_step` once per optimizer step, before the step: parameters that
+   joined the optimizer since install (``add_param_group``, ``BackboneFinetuning``) are taken
+   into the blocks and, after the first allocation, allocated at once within the budget; a
+   re-allocation due to settings changed at resume runs here too, before any step.
+3. :meth:`~BAOCController.observe` once per optimizer step, where gradients are final
    (accumulated, all-reduced, unscaled): it feeds the sampler, every ``sample_every`` steps
    during warm-up and ``sparse_sampling`` times sparser afterwards.
-3. :meth:`~BAOCController.maybe_allocate` after an optimizer step has completed (between
+4. :meth:`~BAOCController.maybe_allocate` after an optimizer step has completed (between
    batches, never inside the step in flight): at warm-up end, and later when a re-evaluation is
    pending, it computes the statistics, the risk table (:func:`lightning_baoc.risk.risk_table`),
    solves the allocation (:func:`lightning_baoc.solve`) and converts the formats of the blocks
    whose format changed, in place (state inheritance).
-4. :meth:`~BAOCController.epoch_end` and :meth:`~BAOCController.validation_end` schedule
+5. :meth:`~BAOCController.epoch_end` and :meth:`~BAOCController.validation_end` schedule
    re-evaluations: every ``reevaluate_every_n_epochs`` epochs and when ``monitor`` has not
    improved for ``patience`` validation checks. :meth:`~BAOCController.set_budget` changes a budget
    mid-training and schedules one too.
-5. :meth:`~BAOCController.state_dict` / :meth:`~BAOCController.load_state_dict`: phase,
-   allocation, counters and the sampler's ring buffer, as primitives and tensors (loads under
-   ``torch.load(weights_only=True)``).
+6. :meth:`~BAOCController.state_dict` / :meth:`~BAOCController.load_state_dict`: phase,
+   allocation, counters, the settings that shaped the allocation and the sampler's ring buffer,
+   as primitives and tensors (loads under ``torch.load(weights_only=True)``).
+
+Budgets: a fractional memory budget is a fraction of the state the user's own
+``torch.optim.AdamW`` would hold (:attr:`~BAOCController.baseline_state_bytes`: two moments in
+each parameter's dtype), over every parameter trained, those added later included. The formats
+offered to the solver follow one rule, :func:`lightning_baoc.calibration.withheld_formats`: the
+hardware mask, and ``offload`` only with a time budget.
 
 Distributed training: every rank runs the same calls. Decisions (the feasibility check, the
 allocation) are computed on rank zero only and handed to the others through the ``broadcast``
@@ -39,6 +51,7 @@ current one no longer meets the (possibly changed) budgets.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import warnings
 import weakref
@@ -50,11 +63,14 @@ from torch import nn
 
 from .blocks import GRANULARITIES, partition
 from .budget import format_bytes, parse_memory_budget, parse_time_budget
-from .calibration import PRIOR_STEP_COST, calibrate, hardware_mask, memory_table, time_table
+from .calibration import PRIOR_STEP_COST, calibrate, memory_table, time_table, withheld_formats
 from .formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, format_state_bytes
 from .optim import BlockwiseAdamW
+from .planner import block_kind, prior_risk
 from .sampler import DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS, GradientSampler
 from .solver import Allocation, BudgetInfeasibleError, solve
+
+log = logging.getLogger(__name__)
 
 #: Format version of :meth:`BAOCController.state_dict`.
 STATE_VERSION = 1
@@ -65,6 +81,22 @@ MIN_SAMPLES = 2
 
 #: Optimizers BAOC can take over (named in the error for any other).
 SUPPORTED_OPTIMIZERS = ("torch.optim.AdamW", "torch.optim.Adam (amsgrad=False)", "lightning_baoc.BlockwiseAdamW")
+
+#: Re-allocations that run before the next optimizer step, without waiting for fresh statistics:
+#: parameters joined the optimizer (they would train unmanaged), and settings that shape the
+#: allocation changed at resume (a format may have left the menu).
+URGENT_REASONS = ("params", "settings")
+
+#: The settings that shape the allocation, saved with the controller state and compared at resume.
+ALLOCATION_SETTINGS = (
+    "memory_budget",
+    "time_budget",
+    "formats",
+    "granularity",
+    "blocks",
+    "min_8bit_numel",
+    "max_block_risk",
+)
 
 Phase = Literal["warmup", "allocated"]
 #: ``risk_fn(optimizer, blocks, statistics, formats=..., horizon=...) -> block -> format -> risk``
@@ -84,6 +116,20 @@ def _default_risk_fn(
     from .risk import risk_table
 
     return risk_table(optimizer, blocks, statistics, formats=formats, horizon=horizon)
+
+
+def _training_device(optimizer: BlockwiseAdamW) -> torch.device:
+    """The device the optimizer's parameters train on: it decides the formats withheld and what
+    ``offload`` costs there."""
+    return next(iter(optimizer.named_params.values())).device
+
+
+def _stepped(optimizer: BlockwiseAdamW, param: torch.Tensor) -> bool:
+    """Whether ``param`` holds optimizer state (it has stepped, or state was loaded for it)."""
+    try:
+        return optimizer.step_count(param) > 0
+    except KeyError:  # in a param group but never registered (param_groups assigned directly)
+        return False
 
 
 def _plain(value: Any) -> Any:
@@ -118,16 +164,30 @@ def _check_float(name: str, value: object, minimum: float) -> float:
     return float(value)
 
 
+def _absolute_time(time_budget: object) -> bool:
+    """Whether a (valid) time budget is absolute (a time with a unit) rather than a multiple."""
+    if time_budget is None:
+        return False
+    try:
+        parse_time_budget(time_budget, fp32_seconds=None)  # a multiple needs the fp32 time: it raises
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 @dataclass
 class BAOCConfig:
     """Every setting of the BAOC lifecycle, validated (the callback's and the strategy's arguments).
 
     Args:
-        memory_budget: optimizer-state memory allowed: a fraction in (0, 1] of the fp32 AdamW
-            state (``0.3``, ``"30%"``) or absolute (``"6GB"``, ``"512MiB"``, an int of bytes).
+        memory_budget: optimizer-state memory allowed: a fraction in (0, 1] of the state the
+            user's own ``torch.optim.AdamW`` would hold on the parameters trained (two moments in
+            each parameter's dtype: 8 bytes per fp32 parameter, 4 per bf16 one), taken over all
+            parameters trained, including those added later (``0.3``, ``"30%"``), or absolute
+            (``"6GB"``, ``"512MiB"``, an int of bytes).
         time_budget: optimizer-step time allowed, a multiple >= 1 of the fp32 AdamW step
-            (``1.2``) or absolute (``"12ms"``); priced by a calibration on the device
-            (default: ``None``: no limit).
+            (``1.2``) or absolute (``"12ms"``, only with ``calibration="auto"``: the prior costs
+            have no unit); priced by a calibration on the device (default: ``None``: no limit).
         warmup_steps: optimizer steps in fp32 before the first allocation (default: 200).
         sample_every: sample the gradients every N optimizer steps during warm-up (default: 10).
         granularity: blocks: ``"module"``, ``"layer"`` or ``"param"`` (default: ``"module"``).
@@ -151,7 +211,8 @@ class BAOCConfig:
         max_elements: gradient elements sampled per block (default: 4096).
         min_8bit_numel: tensors with fewer elements stay out of the 8-bit formats (default: 4096).
         calibration: step costs for a time budget: ``"auto"`` (measure on the device once, cached)
-            or ``"prior"`` (:data:`~lightning_baoc.calibration.PRIOR_STEP_COST`) (default: ``"auto"``).
+            or ``"prior"`` (:data:`~lightning_baoc.calibration.PRIOR_STEP_COST`, relative costs
+            without a unit: a time budget must then be relative) (default: ``"auto"``).
         calibration_cache_dir: where ``"auto"`` caches its measurement (default: ``None``: the
             user cache directory).
         seed: seed of the gradient sampling indices and of stochastic rounding (default: 0).
@@ -236,6 +297,13 @@ class BAOCConfig:
         self.min_8bit_numel = _check_int("min_8bit_numel", self.min_8bit_numel, 0)
         if self.calibration not in ("auto", "prior"):
             raise ValueError(f"Invalid calibration={self.calibration!r}; allowed: ['auto', 'prior']")
+        if self.calibration == "prior" and _absolute_time(self.time_budget):
+            raise ValueError(
+                f"Invalid time_budget={self.time_budget!r} with calibration='prior': the prior step costs are "
+                f"relative to fp32 AdamW and have no unit, so an absolute time cannot be compared with them. "
+                f"Give a relative time budget (a multiple of the fp32 step, e.g. time_budget=1.2), or "
+                f"calibration='auto' to measure the step in seconds on the device."
+            )
         self.seed = _check_int("seed", self.seed, 0)
         if self.max_block_risk is not None:
             self.max_block_risk = _check_float("max_block_risk", self.max_block_risk, 0.0)
@@ -247,7 +315,9 @@ class AllocationEvent:
 
     Attributes:
         step: optimizer steps completed when it ran.
-        reason: ``"warmup"``, ``"epoch"``, ``"plateau"`` or ``"budget"``.
+        reason: ``"warmup"``, ``"epoch"``, ``"plateau"``, ``"budget"`` (a budget changed
+            mid-training), ``"settings"`` (settings that shape the allocation changed at resume) or
+            ``"params"`` (parameters joined the optimizer after install).
         formats: block -> format now in force.
         changed: block -> (old format, new format) of the blocks converted.
         migrated: parameter name -> (old, new) held formats, as ``set_formats`` reported them.
@@ -256,11 +326,14 @@ class AllocationEvent:
         total_risk: total risk of ``formats`` under ``risk``.
         solver_risk: total risk of the solver's answer (before hysteresis).
         statistics: block -> sampler statistics.
-        block_params: block -> parameter names; ``block_numel``: block -> elements.
+        block_params: block -> parameter names (the model's); ``block_numel``: block -> elements.
         block_bytes: block -> state bytes in its format; ``state_bytes_before`` / ``state_bytes``:
             the optimizer's state bytes before and after; ``fp32_state_bytes``: 8 x the elements.
         memory_budget_bytes: the memory budget in bytes; ``time_budget``: seconds (or ``None``).
         time: step time of ``formats`` in the time table's unit, or ``None``.
+        baseline_state_bytes: the state the user's own ``torch.optim.AdamW`` would hold (two
+            moments in each parameter's dtype; ``None``: the fp32 state), what
+            :attr:`saved_fraction` and a fractional budget refer to.
     """
 
     step: int
@@ -282,11 +355,17 @@ class AllocationEvent:
     memory_budget_bytes: int
     time_budget: float | None = None
     time: float | None = None
+    baseline_state_bytes: int | None = None
+
+    @property
+    def baseline(self) -> int:
+        """The user's own AdamW state bytes (:attr:`baseline_state_bytes`, else the fp32 state)."""
+        return int(self.baseline_state_bytes if self.baseline_state_bytes is not None else self.fp32_state_bytes)
 
     @property
     def saved_fraction(self) -> float:
-        """Fraction of the fp32 AdamW state memory saved: ``1 - state_bytes / fp32_state_bytes``."""
-        return 1.0 - self.state_bytes / self.fp32_state_bytes if self.fp32_state_bytes else 0.0
+        """Fraction of the user's own AdamW state memory saved: ``1 - state_bytes / baseline``."""
+        return 1.0 - self.state_bytes / self.baseline if self.baseline else 0.0
 
 
 # ---------------------------------------------------------------------------- optimizer swap
@@ -298,20 +377,13 @@ def _named_like(name: str) -> type[BlockwiseAdamW]:
     """A BlockwiseAdamW subclass whose ``__name__`` is the user's optimizer class name.
 
     ``LearningRateMonitor`` names its metrics ``"lr-" + type(optimizer).__name__`` (``lr-AdamW/pg1``);
-    keeping the name keeps the user's dashboards and monitors working after the swap. The class is
-    registered in this module under ``_BlockwiseAs<name>`` so it pickles by reference.
+    keeping the name keeps the user's dashboards and monitors working after the swap. The registry
+    lives in :mod:`lightning_baoc.optim` (:func:`~lightning_baoc.optim.optimizer_alias`), which
+    resolves the class by name in any process, so pickles load in a fresh one.
     """
-    alias = _ALIASES.get(name)
-    if alias is None:
-        qualname = f"_BlockwiseAs{name}"
-        alias = type(
-            name,
-            (BlockwiseAdamW,),
-            {"__module__": __name__, "__qualname__": qualname, "__doc__": f"BlockwiseAdamW installed in place of {name}."},
-        )
-        globals()[qualname] = alias
-        _ALIASES[name] = alias
-    return alias
+    from .optim import optimizer_alias  # (a module-level import belongs with the others above)
+
+    return optimizer_alias(name)
 
 
 def convert_optimizer(
@@ -474,7 +546,7 @@ class BAOCController:
         >>> opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
         >>> for step in range(12):
         ...     opt.zero_grad(); model(torch.randn(32, 64)).pow(2).mean().backward()
-        ...     _ = ctl.observe(step); opt.step()
+        ...     _ = ctl.before_step(step); _ = ctl.observe(step); opt.step()
         ...     event = ctl.maybe_allocate(step + 1)
         >>> event.reason, opt.state_bytes() <= 0.5 * event.fp32_state_bytes
         ('warmup', True)
@@ -490,7 +562,7 @@ class BAOCController:
         self.risk_fn: RiskFn = risk_fn or _default_risk_fn
         self.optimizer: BlockwiseAdamW | None = None
         self.sampler: GradientSampler | None = None
-        self.blocks: dict[str, list[str]] = {}
+        self.blocks: dict[str, list[str]] = {}  # block -> the optimizer's names of its parameters
         self.phase: Phase = "warmup"
         self.allocation: dict[str, str] = {}
         self.history: list[dict[str, Any]] = []
@@ -500,8 +572,14 @@ class BAOCController:
         self.wait = 0
         self.ring_samples = 0  # ring samples since the last allocation (fresh statistics)
         self.steps = 0  # optimizer steps seen (adapters without a global step counter use it)
+        self._module: nn.Module | None = None
+        self._model_names: dict[str, str] = {}  # the optimizer's name of a parameter -> the model's
+        self._managed: set[int] = set()  # ids of the parameters in the blocks
+        self._held_frozen: list[torch.Tensor] = []  # held by the optimizer, frozen, in no block
+        self._group_sizes: tuple[int, ...] = ()
         self._shapes: dict[str, list[tuple[int, ...]]] = {}
         self._numel: dict[str, int] = {}
+        self._baseline = 0
         self._device = torch.device("cpu")
         self._mask: dict[str, str] = {}
         self._allowed: list[str] = []
@@ -521,70 +599,223 @@ class BAOCController:
         """fp32 AdamW state bytes of the blocks: 8 bytes per trainable element."""
         return 8 * sum(self._numel.values())
 
+    @property
+    def baseline_state_bytes(self) -> int:
+        """The state the user's own ``torch.optim.AdamW`` would hold on the blocks' parameters.
+
+        torch's AdamW keeps its two moments in each parameter's dtype: 8 bytes per fp32 element
+        (:attr:`fp32_state_bytes`), 4 per bf16 or fp16 element. A fractional memory budget and
+        the fraction saved refer to it.
+        """
+        return self._baseline
+
     def memory_budget_bytes(self) -> int:
-        """The memory budget in bytes (a fraction resolved against :attr:`fp32_state_bytes`)."""
-        return parse_memory_budget(self.config.memory_budget, self.fp32_state_bytes)
+        """The memory budget in bytes (a fraction resolved against :attr:`baseline_state_bytes`)."""
+        return parse_memory_budget(self.config.memory_budget, self.baseline_state_bytes)
 
     # ------------------------------------------------------------------ install
 
     def install(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> BlockwiseAdamW:
-        """Take over ``optimizer`` (fp32, identical behaviour) and attach blocks and sampler.
+        """Take over ``optimizer`` (identical behaviour) and attach blocks and sampler.
 
         Idempotent for the optimizer it returned. Rebinding LR schedulers and swapping the
-        optimizer in the framework is the adapter's job (:func:`rebind_scheduler`).
+        optimizer in the framework is the adapter's job (:func:`rebind_scheduler`). Parameters
+        are matched to the model's blocks by identity, whatever names the optimizer gives them
+        (``BlockwiseAdamW(model.parameters())`` names them ``"0"``, ``"1"``...). During warm-up,
+        bf16/fp16 parameters hold ``bf16`` state (4 bytes per element, as torch's AdamW holds on
+        them), never more than the user's own optimizer would.
 
         Args:
             optimizer: a ``torch.optim.AdamW``/``Adam`` or a ``BlockwiseAdamW``.
-            module: the model whose ``named_parameters()`` name the optimizer's parameters.
+            module: the model whose parameters the optimizer holds.
 
         Raises:
             TypeError: an unsupported optimizer (the message names the supported ones).
-            ValueError: the optimizer holds parameters ``module`` does not have.
+            ValueError: the optimizer holds parameters ``module`` does not have, or no trainable one.
         """
         if self.optimizer is not None and optimizer is self.optimizer:
             return self.optimizer
         cfg = self.config
         new = convert_optimizer(optimizer, module, cfg.min_8bit_numel, cfg.seed)
-        named = new.named_params
-        module_params = {id(p) for p in module.parameters()}
-        foreign = [n for n, p in named.items() if id(p) not in module_params]
+        self._module = module
+        self._managed = set()
+        self._build_blocks(new, module)
+        self._device = _training_device(new)
+        self._refresh_tables(new)
+        self._restart_sampler(module)
+        self.optimizer = new
+        if self._loaded is not None:
+            self._apply_loaded()
+        elif self.phase == "allocated" and self.allocation:
+            # A second fit with the same controller: the fresh optimizer starts in the allocation.
+            new.set_formats(self.allocation, blocks=self.blocks)
+        if self.phase == "warmup":
+            self._warmup_formats()
+        return new
+
+    def _build_blocks(self, opt: BlockwiseAdamW, module: nn.Module) -> None:
+        """Partition the model and keep the parameters ``opt`` holds, by identity, in its names.
+
+        A held parameter is in a block if it is trainable or holds state: one already in a block,
+        or frozen with state loaded from a checkpoint, still takes memory the budget must count.
+        """
+        cfg = self.config
+        model_named = dict(module.named_parameters())
+        model_name = {id(p): n for n, p in model_named.items()}
+        held = opt.named_params
+        foreign = [n for n, p in held.items() if id(p) not in model_name]
         if foreign:
             raise ValueError(
                 f"the optimizer holds {len(foreign)} parameter(s) that are not parameters of the model "
                 f"(e.g. {foreign[:3]}); BAOC partitions the model's parameters into blocks: give the "
                 f"optimizer the model's parameters only"
             )
-        raw = partition(module, cfg.granularity, cfg.blocks)
-        blocks = {b: [n for n in names if n in named] for b, names in raw.items()}
+        opt_name = {id(p): n for n, p in held.items()}
+        unnamed = sum(1 for g in opt.param_groups for p in g["params"] if id(p) not in opt_name)
+        if unnamed:
+            raise ValueError(
+                f"{unnamed} parameter(s) were put into optimizer.param_groups without add_param_group() "
+                f"(param_groups assigned or appended to directly), so the optimizer holds no record of "
+                f"them and cannot step them; add them with add_param_group() on the optimizer BAOC "
+                f"installed ({type(opt).__name__} at {hex(id(opt))})"
+            )
+        keep = {model_name[id(p)] for p in held.values() if id(p) in self._managed or _stepped(opt, p)}
+        trainable = [n for n, p in model_named.items() if id(p) in opt_name and (p.requires_grad or n in keep)]
+        if not trainable:
+            raise ValueError(
+                f"the optimizer holds no trainable parameter of the model ({len(held)} held, all frozen "
+                f"(requires_grad=False)): nothing to allocate; give the optimizer trainable parameters"
+            )
+        raw = partition(module, cfg.granularity, cfg.blocks, keep=keep)
+        chosen = set(trainable)
+        blocks = {b: [opt_name[id(model_named[n])] for n in names if n in chosen] for b, names in raw.items()}
         self.blocks = {b: names for b, names in blocks.items() if names}
-        if not self.blocks:
-            raise ValueError("the optimizer holds no trainable parameter of the model: nothing to allocate")
+        self._model_names = {opt_name[id(model_named[n])]: n for n in trainable}
+        self._managed = {id(held[n]) for names in self.blocks.values() for n in names}
+        self._held_frozen = [p for p in held.values() if id(p) not in self._managed]
+        self._group_sizes = tuple(len(g["params"]) for g in opt.param_groups)
+
+    def _refresh_tables(self, opt: BlockwiseAdamW) -> None:
+        """Shapes, sizes, the user's baseline, the formats offered and the memory table of the blocks."""
+        cfg = self.config
+        named = opt.named_params
         self._shapes = {b: [tuple(named[n].shape) for n in names] for b, names in self.blocks.items()}
         self._numel = {b: sum(named[n].numel() for n in names) for b, names in self.blocks.items()}
-        self._device = next(iter(named.values())).device
+        # torch's AdamW holds exp_avg and exp_avg_sq in the parameter's dtype
+        self._baseline = sum(
+            2 * named[n].numel() * named[n].element_size() for names in self.blocks.values() for n in names
+        )
         wanted = list(cfg.formats) if cfg.formats is not None else list(FORMATS)
-        self._mask = {f: why for f, why in hardware_mask(self._device).items() if f in wanted}
+        self._mask = withheld_formats(self._device, cfg.time_budget is not None, wanted)
         self._allowed = [f for f in wanted if f not in self._mask]
         if not self._allowed:
             raise ValueError(
-                f"formats={wanted} are all masked on {self._device} ({self._mask}); allow other formats"
+                f"formats={wanted} are all withheld on {self._device} ({self._mask}); allow other formats"
             )
-        table = memory_table(self._shapes, self._device, sorted(set(self._allowed) | {"fp32"}), new.min_8bit_numel)
-        self._memory = table
+        self._memory = memory_table(self._shapes, self._device, sorted(set(self._allowed) | {"fp32"}), opt.min_8bit_numel)
         self._time = None
+
+    def _restart_sampler(self, module: nn.Module) -> None:
+        """A new sampler over the blocks' trainable parameters (the model's names); empty ring."""
+        cfg = self.config
+        model_named = dict(module.named_parameters())
+        sampled = {}
+        for b, names in self.blocks.items():
+            trainable = [self._model_names[n] for n in names if model_named[self._model_names[n]].requires_grad]
+            if trainable:
+                sampled[b] = trainable
         if self.sampler is not None:
             self.sampler.close()
-        self.sampler = GradientSampler(
-            module, self.blocks, cfg.sample_every, cfg.capacity, cfg.max_elements, seed=cfg.seed
+        self.sampler = GradientSampler(module, sampled, cfg.sample_every, cfg.capacity, cfg.max_elements, seed=cfg.seed)
+        self.ring_samples = 0
+
+    def _warmup_formats(self) -> None:
+        """Warm-up state no larger than the user's AdamW: ``bf16`` for 2-byte parameters.
+
+        torch's AdamW holds bf16/fp16 moments on such parameters (4 bytes per element); ``fp32``
+        state (8) would double the user's optimizer memory. Only plain ``fp32`` requests change.
+        """
+        assert self.optimizer is not None
+        named = self.optimizer.named_params
+        small = [
+            n
+            for names in self.blocks.values()
+            for n in names
+            if named[n].element_size() < 4 and self.optimizer.requested_format(named[n]) == "fp32"
+        ]
+        if not small:
+            return
+        masked = withheld_formats(self._device, True, ["bf16"])
+        if masked:  # emulated bf16 would be slow: fp32, said aloud
+            warnings.warn(
+                f"BAOC: {len(small)} low-precision parameter tensor(s) warm up with fp32 state (8 bytes per "
+                f"element, twice torch AdamW's): bf16 state is withheld on {self._device} ({masked['bf16']})",
+                UserWarning,
+                stacklevel=3,
+            )
+            return
+        self.optimizer.set_formats({n: "bf16" for n in small})
+
+    # ------------------------------------------------------------------ parameters added later
+
+    def _new_parameters(self) -> bool:
+        """Whether the optimizer now trains or holds state for parameters outside the blocks
+        (``add_param_group``; a held parameter unfrozen, or given state by a checkpoint loaded after
+        install). Cheap when nothing changed: group sizes and the held frozen ones."""
+        opt = self.optimizer
+        assert opt is not None
+        sizes = tuple(len(g["params"]) for g in opt.param_groups)
+        if sizes == self._group_sizes and not any(p.requires_grad or _stepped(opt, p) for p in self._held_frozen):
+            return False
+        self._group_sizes = sizes
+        # a group of frozen parameters added now is watched from now on, in case it is unfrozen
+        self._held_frozen = [p for g in opt.param_groups for p in g["params"] if id(p) not in self._managed]
+        return any(p.requires_grad or _stepped(opt, p) for p in self._held_frozen)
+
+    def _grow(self, broadcast: Broadcast | None, is_global_zero: bool) -> None:
+        """Take parameters added after install into the blocks, tables and sampler.
+
+        After the first allocation a re-allocation of every block is made due at once (reason
+        ``"params"``), within the budget resolved against all parameters now trained; the new
+        parameters have no state yet and get the planner's prior risk until they do. During
+        warm-up the budget is checked again (an absolute one may no longer fit). The sampler is
+        rebuilt over the new blocks: statistics start afresh (a warm-up ends two samples later).
+        """
+        assert self.optimizer is not None and self._module is not None
+        before = len(self._managed)
+        self._build_blocks(self.optimizer, self._module)
+        self._refresh_tables(self.optimizer)
+        self._restart_sampler(self._module)
+        log.info(
+            f"BAOC: {len(self._managed) - before} parameter tensor(s) joined the optimizer after install; "
+            f"{len(self.blocks)} blocks now, AdamW state {format_bytes(self.baseline_state_bytes)}"
         )
-        self.optimizer = new
-        self.ring_samples = 0  # a new sampler starts with an empty ring
-        if self._loaded is not None:
-            self._apply_loaded()
-        elif self.phase == "allocated" and self.allocation:
-            # A second fit with the same controller: the fresh optimizer starts in the allocation.
-            new.set_formats(self.allocation, blocks=self.blocks)
-        return new
+        if self.phase == "allocated":
+            self.pending = "params"
+        else:
+            self._warmup_formats()
+            self.check_feasible(broadcast, is_global_zero)
+
+    def before_step(self, step: int, broadcast: Broadcast | None = None, is_global_zero: bool = True) -> AllocationEvent | None:
+        """Call once per optimizer step, before :meth:`observe` and the step; on every rank.
+
+        Takes parameters added since install into the allocation (``add_param_group``, e.g.
+        ``BackboneFinetuning``), and runs a re-allocation that cannot wait for fresh statistics
+        (new parameters, settings changed at resume): it must act before the step, so no step
+        runs with unmanaged parameters or a format the settings no longer allow.
+
+        Returns:
+            the allocation it ran, if any.
+
+        Raises:
+            BudgetInfeasibleError: the budget cannot be met any more (it names the smallest one).
+        """
+        self._require_installed("before_step")
+        if self._new_parameters():
+            self._grow(broadcast, is_global_zero)
+        if self.phase == "allocated" and self.pending in URGENT_REASONS:
+            return self.allocate(step, self.pending, broadcast, is_global_zero)
+        return None
 
     # ------------------------------------------------------------------ tables and budgets
 
@@ -609,8 +840,10 @@ class BAOCController:
         if cfg.time_budget is not None:
             fp32_time = sum(row["fp32"] for row in self._time_table().values())
             tb_abs = parse_time_budget(cfg.time_budget, fp32_time)
-        if "fp32" in self._allowed:
-            return cfg.memory_budget, cfg.time_budget, mb_bytes, tb_abs  # the solver names fractions
+        if "fp32" in self._allowed and self.baseline_state_bytes == self.fp32_state_bytes:
+            # the solver resolves fractions against the fp32 column: the same reference here,
+            # and its messages then name fractions
+            return cfg.memory_budget, cfg.time_budget, mb_bytes, tb_abs
         return mb_bytes, (None if tb_abs is None else f"{tb_abs!r}s"), mb_bytes, tb_abs
 
     def _solve(self, risk: Mapping[str, Mapping[str, float]]) -> Allocation:
@@ -624,11 +857,18 @@ class BAOCController:
             return solve(risk, mem, mb, tim, tb)
         except BudgetInfeasibleError as err:
             allowed = ", ".join(self._allowed)
-            masked = f"; masked on {self._device}: {sorted(self._mask)}" if self._mask else ""
+            masked = "".join(f"; {f} withheld: {why}" for f, why in self._mask.items())
+            baseline = ""
+            if err.min_memory is not None and self.baseline_state_bytes != self.fp32_state_bytes:
+                baseline = (
+                    f"; as a fraction of the AdamW state on these parameters "
+                    f"({format_bytes(self.baseline_state_bytes)}): memory_budget >= "
+                    f"{math.ceil(1000 * err.min_memory / self.baseline_state_bytes) / 1000:.3f}"
+                )
             raise BudgetInfeasibleError(
                 f"BAOC(memory_budget={self.config.memory_budget!r}, time_budget={self.config.time_budget!r}): "
-                f"{err} (formats allowed: {allowed}{masked}). No format was converted; the optimizer "
-                f"keeps its current formats.",
+                f"{err}{baseline} (formats allowed: {allowed}{masked}). No format was converted; the "
+                f"optimizer keeps its current formats.",
                 memory_budget=err.memory_budget,
                 time_budget=err.time_budget,
                 min_memory=err.min_memory,
@@ -700,7 +940,11 @@ class BAOCController:
 
     def due(self, step: int) -> str | None:
         """The reason an allocation should run now (after ``step`` completed steps), or ``None``."""
-        if not self.installed or self.ring_samples < MIN_SAMPLES:
+        if not self.installed:
+            return None
+        if self.phase == "allocated" and self.pending in URGENT_REASONS:
+            return self.pending  # no fresh statistics needed (see URGENT_REASONS)
+        if self.ring_samples < MIN_SAMPLES:
             return None
         if self.phase == "warmup":
             return "warmup" if step >= self.config.warmup_steps else None
@@ -717,6 +961,8 @@ class BAOCController:
             is_global_zero: whether this is rank zero (default: True).
         """
         self.steps = max(self.steps, step)
+        if self.installed and self._new_parameters():  # adapters that skip before_step
+            self._grow(broadcast, is_global_zero)
         reason = self.due(step)
         if reason is None:
             return None
@@ -728,7 +974,8 @@ class BAOCController:
         """Rank zero: statistics -> risk -> solve -> hysteresis. Primitives only (broadcast)."""
         assert self.sampler is not None and self.optimizer is not None
         stats = {b: {k: float(v) for k, v in s.items()} for b, s in self.sampler.statistics().items()}
-        raw = self.risk_fn(self.optimizer, self.blocks, stats, formats=list(self._allowed), horizon=self.config.horizon)
+        raw = dict(self.risk_fn(self.optimizer, self.blocks, stats, formats=list(self._allowed), horizon=self.config.horizon))
+        raw.update(self._prior_rows())
         risk: dict[str, dict[str, float]] = {}
         for b in self.blocks:
             if b not in raw:
@@ -791,6 +1038,24 @@ class BAOCController:
             "reason": reason,
         }
 
+    def _prior_rows(self) -> dict[str, dict[str, float]]:
+        """The planner's prior risk for the blocks with a parameter that never stepped.
+
+        Without state the risk model sees nothing to lose and would score every format 0 there
+        (parameters added after install, or that got no gradient yet): the prior
+        (:func:`lightning_baoc.planner.prior_risk`, shares over all the blocks) stands in until
+        their state exists.
+        """
+        assert self.optimizer is not None
+        opt = self.optimizer
+        fresh = [b for b, names in self.blocks.items() if any(opt.step_count(n) == 0 for n in names)]
+        if not fresh:
+            return {}
+        module = self._module if self._module is not None else nn.Module()
+        kinds = {b: block_kind(module, b) for b in fresh}
+        table = prior_risk(self._shapes, kinds, list(self._allowed), opt.min_8bit_numel)
+        return {b: table[b] for b in fresh}
+
     def _capped(self, risk: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
         """The solver's options under ``max_block_risk``: formats over the cap dropped per block.
 
@@ -850,7 +1115,7 @@ class BAOCController:
             total_risk=float(sum(risk[b][formats[b]] for b in self.blocks)),
             solver_risk=float(plan["solver_risk"]),
             statistics=plan["statistics"],
-            block_params={b: list(n) for b, n in self.blocks.items()},
+            block_params={b: [self._model_names.get(n, n) for n in names] for b, names in self.blocks.items()},
             block_numel=dict(self._numel),
             block_bytes=self._block_bytes(),
             state_bytes_before=before,
@@ -859,6 +1124,7 @@ class BAOCController:
             memory_budget_bytes=int(plan["memory_budget_bytes"]),
             time_budget=plan["time_budget"],
             time=plan["time"],
+            baseline_state_bytes=self.baseline_state_bytes,
         )
         self.last_event = event
         self.history.append(
@@ -944,7 +1210,8 @@ class BAOCController:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """Phase, allocation, counters and the sampler's ring, as primitives and tensors.
+        """Phase, allocation, counters, the settings that shaped the allocation and the sampler's
+        ring, as primitives and tensors.
 
         The optimizer's own (compact) state is saved by the framework with the optimizer.
         """
@@ -960,17 +1227,34 @@ class BAOCController:
             "steps": self.steps,
             "memory_budget": self.config.memory_budget,
             "time_budget": self.config.time_budget,
+            "settings": self._settings(),
             "history": [dict(h) for h in self.history],
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
         }
+
+    def _settings(self) -> dict[str, Any]:
+        """:data:`ALLOCATION_SETTINGS` as primitives (the menu as a sorted list: order is not a change)."""
+        out = {k: _plain(getattr(self.config, k)) for k in ALLOCATION_SETTINGS}
+        if out["formats"] is not None:
+            out["formats"] = sorted(out["formats"])
+        return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; before :meth:`install` (it is applied there) or after it.
 
         Installing with a saved allocation asks the optimizer for the saved formats, so a fresh
         optimizer is rebuilt heterogeneous; the optimizer's own ``load_state_dict`` then restores
-        the compact states. A budget given now that differs from the saved one schedules a
-        re-evaluation.
+        the compact states. If a setting that shapes the allocation (:data:`ALLOCATION_SETTINGS`:
+        budgets, format menu, partition, ``min_8bit_numel``, ``max_block_risk``) differs from the
+        saved one, a re-allocation runs before the next optimizer step (reason ``"settings"``,
+        see :meth:`before_step`), from the states as they are: no step runs in a format the menu
+        no longer holds. A changed partition maps the saved formats onto the new blocks parameter
+        by parameter; where that is impossible it raises.
+
+        Raises:
+            ValueError: not a controller state; or a changed partition or model that leaves
+                parameters of this run without a saved format (the message names the setting
+                and the fix).
         """
         if not isinstance(state_dict, Mapping) or state_dict.get("version") != STATE_VERSION:
             got = state_dict.get("version") if isinstance(state_dict, Mapping) else type(state_dict).__name__
@@ -988,28 +1272,72 @@ class BAOCController:
         sd, self._loaded = self._loaded, None
         assert sd is not None and self.optimizer is not None and self.sampler is not None
         saved_blocks = {b: list(n) for b, n in sd["blocks"].items()}
-        if saved_blocks and saved_blocks != self.blocks:
-            raise ValueError(
-                f"the checkpoint's BAOC blocks ({list(saved_blocks)[:5]}...) differ from this model's "
-                f"({list(self.blocks)[:5]}...); resume with the same model, granularity and blocks patterns"
-            )
+        current = self._settings()
+        # states written before the settings were saved carry the budgets only
+        saved = sd.get("settings") or {**current, "memory_budget": sd["memory_budget"], "time_budget": sd["time_budget"]}
+        changed = [k for k in ALLOCATION_SETTINGS if k in saved and saved[k] != current[k]]
+        same_blocks = not saved_blocks or saved_blocks == self.blocks
+        per_param = {}
+        if not same_blocks and sd["phase"] == "allocated":
+            per_param = self._map_allocation(saved_blocks, dict(sd["allocation"]), saved, changed)
         self.phase = sd["phase"]
-        self.allocation = dict(sd["allocation"])
         self.pending = sd["pending"]
         self.best = sd["best"]
         self.wait = int(sd["wait"])
-        self.ring_samples = int(sd["ring_samples"])
         self.steps = int(sd["steps"])
         self.history = [dict(h) for h in sd["history"]]
-        if sd["sampler"] is not None:
-            self.sampler.load_state_dict(sd["sampler"])
-        if self.allocation:
-            self.optimizer.set_formats(self.allocation, blocks=self.blocks)
-        if self.phase == "allocated" and (sd["memory_budget"], sd["time_budget"]) != (
-            self.config.memory_budget,
-            self.config.time_budget,
-        ):
-            self.pending = "budget"
+        if same_blocks:
+            self.allocation = dict(sd["allocation"])
+            self.ring_samples = int(sd["ring_samples"])
+            if sd["sampler"] is not None:
+                self.sampler.load_state_dict(sd["sampler"])
+            if self.allocation:
+                self.optimizer.set_formats(self.allocation, blocks=self.blocks)
+        else:
+            # the saved ring holds samples of other blocks: statistics start afresh
+            self.ring_samples = 0
+            if per_param:
+                self.optimizer.set_formats(per_param)
+            self.allocation = {}
+            for b, names in self.blocks.items():
+                held = {per_param[n] for n in names if n in per_param}
+                if len(held) == 1:
+                    self.allocation[b] = held.pop()
+            if self.phase == "warmup":
+                warnings.warn(
+                    f"BAOC: the blocks differ from the checkpoint's ({self._setting_change(saved, changed)}); "
+                    f"the warm-up statistics gathered so far are dropped and sampling starts again.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+        # a format the formats offered here lack (menu changed, or another device: offload
+        # checkpointed on a GPU, resumed on a CPU) must not run a step, whatever the state says
+        unoffered = {f for f in self.allocation.values() if f not in self._allowed}
+        if self.phase == "allocated" and (changed or not same_blocks or unoffered):
+            self.pending = "settings"
+            log.info("BAOC: %s changed since the checkpoint: re-allocating before the next step", changed or "blocks")
+
+    def _map_allocation(
+        self, saved_blocks: Mapping[str, list[str]], allocation: Mapping[str, str], saved: Mapping[str, Any], changed: list[str]
+    ) -> dict[str, str]:
+        """The saved formats per parameter, for this run's parameters; raises if one has none."""
+        per_param = {n: allocation[b] for b, names in saved_blocks.items() if b in allocation for n in names}
+        ours = [n for names in self.blocks.values() for n in names]
+        missing = [n for n in ours if n not in per_param]
+        if missing:
+            raise ValueError(
+                f"BAOC cannot resume this checkpoint's allocation: {len(missing)} of this run's {len(ours)} "
+                f"parameters (e.g. {missing[:3]}) have no format in it ({self._setting_change(saved, changed)}). "
+                f"Resume with the checkpoint's settings and model, or start a new BAOC run from the weights "
+                f"(load them without ckpt_path), which warms up again."
+            )
+        return {n: per_param[n] for n in ours}
+
+    def _setting_change(self, saved: Mapping[str, Any], changed: list[str]) -> str:
+        """The partition settings that changed, as ``name=checkpoint's -> now``, or the model."""
+        now = self._settings()
+        parts = [f"{k}={saved[k]!r} in the checkpoint, {now[k]!r} now" for k in changed if k in ("granularity", "blocks")]
+        return "; ".join(parts) if parts else "the model's trainable parameters differ from the checkpoint's"
 
     # ------------------------------------------------------------------ misc
 
@@ -1025,7 +1353,7 @@ class BAOCController:
         assert self.optimizer is not None
         return (
             f"BAOC: phase {self.phase}, {len(self.blocks)} blocks, optimizer state "
-            f"{format_bytes(self.optimizer.state_bytes())} of {format_bytes(self.fp32_state_bytes)} fp32 "
+            f"{format_bytes(self.optimizer.state_bytes())} of {format_bytes(self.baseline_state_bytes)} AdamW "
             f"(budget {format_bytes(self.memory_budget_bytes())})"
         )
 
@@ -1035,11 +1363,13 @@ class BAOCController:
 
 
 __all__ = [
+    "ALLOCATION_SETTINGS",
     "AllocationEvent",
     "BAOCConfig",
     "BAOCController",
     "MIN_SAMPLES",
     "SUPPORTED_OPTIMIZERS",
+    "URGENT_REASONS",
     "convert_optimizer",
     "decide_on_rank_zero",
     "rebind_scheduler",

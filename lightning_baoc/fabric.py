@@ -8,10 +8,12 @@ needs, without any change to the user's loop:
 
 - at set-up it installs the :class:`~lightning_baoc.BlockwiseAdamW` in place of the user's
   AdamW/Adam (the object ``fabric.setup`` returns wraps the new optimizer) and checks the budgets;
-- at each ``optimizer.step()`` it samples the gradients first (they are final there: the user's
-  loop has run every backward of the accumulation window, under DDP the last one synchronized
-  them; an fp16 loss scale still applied is divided out), lets the step run, and then, between
-  steps, allocates at warm-up end and runs pending re-evaluations.
+- at each ``optimizer.step()`` it first takes parameters added since set-up into the allocation
+  (``add_param_group``: allocated at once, within the budget) and runs a re-allocation due to
+  settings changed at resume, so no step runs outside them; then it samples the gradients (final
+  there: the user's loop has run every backward of the accumulation window, under DDP the last
+  one synchronized them; an fp16 loss scale still applied is divided out), lets the step run,
+  and then, between steps, allocates at warm-up end and runs pending re-evaluations.
 
 Fabric branches on ``isinstance`` of its built-in strategies, so ``BAOCStrategy(...)`` returns an
 instance of a subclass of both ``BAOCStrategy`` and the Fabric strategy it extends
@@ -46,7 +48,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .controller import AllocationEvent, BAOCConfig, BAOCController, rebind_scheduler
-from .report import build_record, scalars, write_reports
+from .report import ReportSetting, announce, build_record, png_enabled, scalars, write_reports
 
 _BASES = ("single_device", "ddp")
 
@@ -60,7 +62,9 @@ class BAOCStrategy:
             ``"single_device"``).
         report_dir: directory for ``baoc_allocation.json``/``.png`` (default: ``None``: the table
             is printed, no files are written).
-        report: print the table and write the files (default: True).
+        report: print the table and write the files: ``True`` (the PNG when matplotlib, optional,
+            is installed), ``"json"`` (no PNG), ``"png"`` (PNG required: raises here without
+            matplotlib) or ``False`` (default: True).
         strategy_kwargs: arguments of the base strategy, e.g. ``{"device": "cuda:0"}`` or
             ``{"start_method": "spawn"}`` (default: ``None``).
         risk_fn: a risk model replacing :func:`lightning_baoc.risk.risk_table` (default: ``None``).
@@ -93,14 +97,16 @@ class BAOCStrategy:
         *,
         base: str = "single_device",
         report_dir: str | os.PathLike[str] | None = None,
-        report: bool = True,
+        report: ReportSetting = True,
         strategy_kwargs: dict[str, Any] | None = None,
         risk_fn: Callable[..., Any] | None = None,
         **settings: Any,
     ) -> None:
         self.baoc = BAOCController(BAOCConfig(memory_budget=memory_budget, **settings), risk_fn)
         self.report_dir = None if report_dir is None else os.fspath(report_dir)
-        self.report = bool(report)
+        self.report = report is not False
+        self.report_png = png_enabled(report, "BAOCStrategy")  # optional dependencies: checked now
+        self._baoc_announced = False
         self.last_record: dict[str, Any] | None = None
         self.last_metrics: dict[str, float] = {}
         self._baoc_module: nn.Module | None = None
@@ -158,7 +164,11 @@ class BAOCStrategy:
     # ------------------------------------------------------------------ the step
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """Sample the gradients, step, then allocate if due (between steps)."""
+        """Take in new parameters (re-allocating before the step if due), sample the gradients,
+        step, then allocate if due (between steps)."""
+        event = self.baoc.before_step(self.baoc.steps, self.broadcast, self.is_global_zero)  # type: ignore[attr-defined]
+        if event is not None:
+            self._baoc_report(event)
         if "closure" not in kwargs:  # with a closure the gradients do not exist yet
             self.baoc.observe(self.baoc.steps, grad_scale=self._baoc_grad_scale(optimizer))
         output = super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
@@ -197,8 +207,10 @@ class BAOCStrategy:
         self.last_metrics = scalars(record)
         if not self.is_global_zero:  # type: ignore[attr-defined]
             return
-        if self.report:
-            write_reports(record, self.report_dir)
+        written = write_reports(record, self.report_dir, png=self.report_png) if self.report else {}
+        if written and not self._baoc_announced:
+            self._baoc_announced = True
+            rank_zero_info(f"BAOC: allocation report written to {announce(written)} (rewritten at each allocation)")
         for logger in self._baoc_loggers:
             logger.log_metrics(self.last_metrics, step=event.step)
 

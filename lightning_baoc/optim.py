@@ -5,11 +5,9 @@ format is stored per parameter (a param group's ``state_format`` key is only the
 param groups stay one-to-one with the user's: LR schedulers, ``LearningRateMonitor`` and code that
 indexes ``param_groups`` keep working.
 
-Memory layout: the states of all parameters sharing a format on a device live in one contiguous
-``uint8`` pool, carved into per-parameter views of the format's dtypes. Views are laid out by
-descending item size (all 4-byte tensors, then 2-byte, then 1-byte), so no alignment padding is
-ever needed and :meth:`BlockwiseAdamW.state_bytes` equals both the sum of the formats' stated bytes
-and the storage really allocated. Pools are rebuilt when formats change (``set_formats``).
+Memory layout (one contiguous pool per format and device, per-parameter views):
+:mod:`lightning_baoc.optim_pools`. Checkpoints, loads, copies and pickles:
+:mod:`lightning_baoc.optim_persist`. torch-compatible arguments: :mod:`lightning_baoc.optim_args`.
 
 The state is kept outside ``optimizer.state`` on purpose: Lightning moves every tensor found there
 to the root device after a restore, which would silently pull host-offloaded states onto the
@@ -20,7 +18,6 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -35,47 +32,19 @@ from lightning_baoc.formats import (
     check_format_name,
     resolve_format,
 )
-from lightning_baoc.formats.base import DEFAULT_CHUNK, TensorSpec
-
-_STATE_DICT_VERSION = 1
-_HOST = torch.device("cpu")
-
-
-@dataclass
-class _Record:
-    """Book-keeping of one parameter (never checkpointed as is: see ``state_dict``)."""
-
-    name: str
-    group: int
-    requested: str | None = None  # explicit request from set_formats; None: the group default
-    format: str | None = None  # the format the state is held in; None: no state yet
-    step: int = 0
-    m_step: int = 0  # steps since the momentum was (re)created: its own bias correction
-    views: dict[str, Tensor] | None = None
-    nonfinite: int = 0
+from lightning_baoc.formats.base import DEFAULT_CHUNK
+from lightning_baoc.optim_args import PERFORMANCE_HINTS, check_torch_options
+from lightning_baoc.optim_args import to_float as _float
+from lightning_baoc.optim_args import validate_hyper as _validate_hyper
+from lightning_baoc.optim_persist import PersistenceMixin
+from lightning_baoc.optim_pools import Pool as _Pool
+from lightning_baoc.optim_pools import PoolsMixin
+from lightning_baoc.optim_pools import Record as _Record
+from lightning_baoc.optim_pools import device_key as _device_key
+from lightning_baoc.optim_pools import storage_device as _storage_device
 
 
-@dataclass
-class _Pool:
-    format: str
-    storage_device: torch.device
-    buffer: Tensor
-    members: list[Tensor] = field(default_factory=list)
-
-
-def _float(value: Any) -> float:
-    return float(value.item()) if isinstance(value, Tensor) else float(value)
-
-
-def _device_key(device: torch.device) -> str:
-    return str(device)
-
-
-def _storage_device(fmt: str, param_device: torch.device) -> torch.device:
-    return _HOST if FORMATS[fmt].offloaded else param_device
-
-
-class BlockwiseAdamW(torch.optim.Optimizer):
+class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction) with a state format per parameter.
 
     With every parameter in ``fp32`` it behaves like ``torch.optim.AdamW`` (tested to 1e-6 over 200
@@ -89,8 +58,15 @@ class BlockwiseAdamW(torch.optim.Optimizer):
         betas: coefficients of the moment averages (default: (0.9, 0.999)).
         eps: added to the denominator (default: 1e-8).
         weight_decay: decoupled weight decay (default: 1e-2).
-        state_format: default format of every group (default: ``"fp32"``).
+        amsgrad: torch's AMSGrad variant; not implemented: only ``False`` is accepted (default: False).
         maximize: maximize the objective (default: False).
+        foreach: a hint choosing torch's kernels, accepted for drop-in compatibility with
+            ``torch.optim.AdamW``; BlockwiseAdamW runs its own per-format kernels, so it changes
+            nothing (default: None).
+        capturable: CUDA-graph capture of the step; not implemented: only ``False`` (default: False).
+        differentiable: autograd through the step; not implemented: only ``False`` (default: False).
+        fused: a hint like ``foreach``, accepted and not needed (default: None).
+        state_format: default format of every group (default: ``"fp32"``).
         decoupled_weight_decay: AdamW's decoupled decay; ``False`` gives Adam's L2 penalty
             (default: True).
         min_8bit_numel: tensors with fewer elements stay out of the 8-bit formats (int8 -> fp32,
@@ -103,6 +79,15 @@ class BlockwiseAdamW(torch.optim.Optimizer):
         chunk_size: elements processed at once by chunked formats (default: 131072).
         param_names: names for plain parameters: a module, or ``(name, parameter)`` pairs
             (default: positional names ``"0"``, ``"1"``, ...).
+
+    Raises:
+        ValueError: an invalid hyperparameter, or ``amsgrad``/``capturable``/``differentiable``
+            set; the inputs ``torch.optim.AdamW`` rejects raise torch's error type (see
+            :mod:`lightning_baoc.optim_args`).
+
+    Copies: ``copy.deepcopy`` gives an independent optimizer (parameters mapped through the memo,
+    as for torch's optimizers) and pickles load in a fresh process; hooks and an LR scheduler's
+    wrapper of ``step`` are not copied, as with torch.
 
     Example:
         >>> model = nn.Linear(64, 64)
@@ -117,12 +102,17 @@ class BlockwiseAdamW(torch.optim.Optimizer):
         self,
         params: Iterable[Any],
         lr: float | Tensor = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
+        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
-        state_format: str = "fp32",
         maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        state_format: str = "fp32",
         decoupled_weight_decay: bool = True,
         min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL,
         skip_nonfinite: bool = True,
@@ -136,6 +126,7 @@ class BlockwiseAdamW(torch.optim.Optimizer):
             raise ValueError(f"Invalid chunk_size: {chunk_size!r}; expected an int >= 32")
         if not isinstance(seed, int):
             raise TypeError(f"Invalid seed: {seed!r}; expected an int")
+        check_torch_options(lr, betas, foreach, fused, capturable, differentiable)
         self._records: dict[Tensor, _Record] = {}
         self._names: dict[str, Tensor] = {}
         self._pools: dict[tuple[str, str], _Pool] = {}
@@ -156,18 +147,30 @@ class BlockwiseAdamW(torch.optim.Optimizer):
             state_format=state_format,
             maximize=maximize,
             decoupled_weight_decay=decoupled_weight_decay,
-            amsgrad=False,
+            amsgrad=amsgrad,
+            capturable=capturable,
+            differentiable=differentiable,
         )
-        _validate_hyper(defaults, "")
+        _validate_hyper(defaults, "")  # refuses amsgrad, capturable, differentiable set to True
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ groups and names
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group (validated); its parameters get positional or given names."""
+        """Add a param group (validated); its parameters get positional or given names.
+
+        A parameter listed twice in the group (torch warns about it) is held once: two records of
+        one tensor would update it twice per step.
+        """
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         group = self.param_groups[index]
+        first = {p: i for i, p in reversed(list(enumerate(group["params"])))}
+        if len(first) != len(group["params"]):
+            keep = sorted(first.values())
+            group["params"] = [group["params"][i] for i in keep]
+            if group.get("param_names"):
+                group["param_names"] = [group["param_names"][i] for i in keep]
         try:
             _validate_hyper(group, f"param_groups[{index}].")
             names = group.get("param_names")
@@ -304,125 +307,9 @@ class BlockwiseAdamW(torch.optim.Optimizer):
         self._rebuild(changes)
         return report
 
-    # ------------------------------------------------------------------ pools
-
-    def _rebuild(
-        self,
-        changes: Mapping[Tensor, str],
-        sources: Mapping[Tensor, Canonical | dict[str, Tensor] | None] | None = None,
-    ) -> None:
-        """Move the parameters of ``changes`` to their new formats and rebuild the pools involved.
-
-        ``sources`` optionally gives a parameter's new state: a :class:`Canonical` to encode, a dict
-        of compact tensors to copy (checkpoint), or ``None`` for a fresh zero state. Without a
-        source a parameter's current state is converted.
-        """
-        sources = sources or {}
-        old_format = {p: self._records[p].format for p in changes}
-        affected: set[tuple[str, str]] = set()
-        for p, fmt in changes.items():
-            dev = _device_key(p.device)
-            affected.add((fmt, dev))
-            if old_format[p] is not None:
-                affected.add((old_format[p], dev))
-        # Sorted: a set of strings iterates in a per-process hash order, and the pools are encoded
-        # (drawing stochastic-rounding offsets from the seeded generator) in this order.
-        members: dict[tuple[str, str], list[Tensor]] = {key: [] for key in sorted(affected)}
-        for p, rec in self._records.items():
-            fmt = changes.get(p, rec.format)
-            if fmt is None:
-                continue
-            key = (fmt, _device_key(p.device))
-            if key in members:
-                members[key].append(p)
-
-        new_pools: dict[tuple[str, str], _Pool] = {}
-        new_views: dict[Tensor, dict[str, Tensor]] = {}
-        for key, params in members.items():
-            fmt, dev = key
-            if not params:
-                continue
-            pool, views = self._allocate_pool(fmt, params)
-            new_pools[key] = pool
-            for p in params:
-                rec = self._records[p]
-                target = views[p]
-                if p in sources:
-                    self._fill_from_source(p, fmt, target, sources[p])
-                elif p not in changes or old_format[p] == fmt:
-                    for k, t in target.items():
-                        t.copy_(rec.views[k])  # unchanged member: keep its bytes
-                else:
-                    self._convert_into(p, old_format[p], fmt, target)
-                new_views[p] = target
-        for key in affected:
-            self._pools.pop(key, None)
-        self._pools.update(new_pools)
-        for p, views in new_views.items():
-            self._records[p].views = views
-            self._records[p].format = changes.get(p, self._records[p].format)
-        for p, fmt in changes.items():
-            if not FORMATS[fmt].has_momentum:
-                self._records[p].m_step = 0
-
-    def _allocate_pool(self, fmt: str, params: list[Tensor]) -> tuple[_Pool, dict[Tensor, dict[str, Tensor]]]:
-        layouts = {p: FORMATS[fmt].layout(p.shape) for p in params}
-        storage = _storage_device(fmt, params[0].device)
-        offsets: dict[Tensor, dict[str, tuple[int, TensorSpec]]] = {p: {} for p in params}
-        total = 0
-        for itemsize in (8, 4, 2, 1):  # descending item size: every offset stays aligned
-            for p in params:
-                for spec in layouts[p]:
-                    if spec.nbytes and torch.empty((), dtype=spec.dtype).element_size() == itemsize:
-                        offsets[p][spec.key] = (total, spec)
-                        total += spec.nbytes
-        pin = storage.type == "cpu" and FORMATS[fmt].offloaded and torch.cuda.is_available()
-        buffer = torch.zeros(total, dtype=torch.uint8, device=storage, pin_memory=pin)
-        views: dict[Tensor, dict[str, Tensor]] = {}
-        for p in params:
-            views[p] = {}
-            for spec in layouts[p]:
-                if spec.key in offsets[p]:
-                    start, _ = offsets[p][spec.key]
-                    views[p][spec.key] = buffer[start : start + spec.nbytes].view(spec.dtype)
-                else:  # zero-size tensor (empty parameter)
-                    views[p][spec.key] = torch.empty(0, dtype=spec.dtype, device=storage)
-        return _Pool(fmt, storage, buffer, list(params)), views
-
     def _hyper_for(self, p: Tensor) -> StepHyper:
         group = self.param_groups[self._records[p].group]
         return self._hyper(group, p.device)
-
-    def _convert_into(self, p: Tensor, old: str, new: str, target: dict[str, Tensor]) -> None:
-        rec = self._records[p]
-        canonical = FORMATS[old].decode(rec.views, p.shape)
-        self._encode(p, new, canonical, target)
-
-    def _encode(self, p: Tensor, fmt: str, canonical: Canonical, target: dict[str, Tensor]) -> None:
-        rec = self._records[p]
-        hyper = self._hyper_for(p)
-        if FORMATS[fmt].has_momentum and canonical.exp_avg is None:
-            grad = p.grad
-            if grad is not None and bool(torch.isfinite(grad).all()):
-                # re-create the momentum as one EMA step of the current gradient; its own bias
-                # correction (m_step = 1) makes m_hat equal that gradient
-                canonical.exp_avg = grad.detach().to(torch.float32).mul(1.0 - hyper.beta1)
-                rec.m_step = 1
-            else:
-                canonical.exp_avg = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                rec.m_step = 0
-        FORMATS[fmt].encode(canonical, target, hyper)
-
-    def _fill_from_source(
-        self, p: Tensor, fmt: str, target: dict[str, Tensor], source: Canonical | dict[str, Tensor] | None
-    ) -> None:
-        if source is None:
-            return  # pools are zero-initialized: a fresh state
-        if isinstance(source, Canonical):
-            self._encode(p, fmt, source, target)
-            return
-        for key, t in target.items():
-            t.copy_(source[key])
 
     # ------------------------------------------------------------------ step
 
@@ -435,7 +322,9 @@ class BlockwiseAdamW(torch.optim.Optimizer):
             self._generators[key] = gen
         return gen
 
-    def _hyper(self, group: dict[str, Any], device: torch.device) -> StepHyper:
+    def _hyper(
+        self, group: Mapping[str, Any], device: torch.device, generator: torch.Generator | None = None
+    ) -> StepHyper:
         beta1, beta2 = group["betas"]
         return StepHyper(
             lr=_float(group["lr"]),
@@ -446,7 +335,7 @@ class BlockwiseAdamW(torch.optim.Optimizer):
             decoupled_weight_decay=bool(group.get("decoupled_weight_decay", True)),
             maximize=bool(group.get("maximize", False)),
             chunk=self.chunk_size,
-            generator=self._generator(device),
+            generator=self._generator(device) if generator is None else generator,
         )
 
     @torch.no_grad()
@@ -460,15 +349,23 @@ class BlockwiseAdamW(torch.optim.Optimizer):
             self._rebuild(fresh, sources={p: None for p in fresh})
 
     def _finite_mask(self, params: list[Tensor]) -> list[bool]:
+        """Whether each parameter's gradient holds only finite values (one host sync per device).
+
+        Tests finiteness, not a norm: the largest absolute value of finite numbers is finite in
+        any dtype, where the 2-norm of a finite gradient can overflow (all 300.0 on 256x256 in
+        fp16: 76,796 > 65,504; 1e19 in fp32) and a finite gradient would be skipped (issue 14).
+        NaN propagates through the maximum, inf is its own maximum.
+        """
         if not self.skip_nonfinite or not params:
             return [True] * len(params)
         by_device: dict[torch.device, list[int]] = defaultdict(list)
         for i, p in enumerate(params):
-            by_device[p.grad.device].append(i)
+            if p.grad.numel():  # an empty gradient holds nothing non-finite (and has no max)
+                by_device[p.grad.device].append(i)
         mask = [True] * len(params)
         for indices in by_device.values():
-            norms = torch._foreach_norm([params[i].grad for i in indices])
-            flags = torch.isfinite(torch.stack(norms)).tolist()
+            max_abs = torch._foreach_norm([params[i].grad for i in indices], ord=float("inf"))
+            flags = torch.isfinite(torch.stack(max_abs)).tolist()
             for i, ok in zip(indices, flags):
                 mask[i] = ok
         return mask
@@ -572,207 +469,6 @@ class BlockwiseAdamW(torch.optim.Optimizer):
         p = self._names[name_or_param] if isinstance(name_or_param, str) else name_or_param
         return self._records[p].step
 
-    # ------------------------------------------------------------------ checkpoints
-
-    def state_dict(self) -> dict[str, Any]:
-        """Compact state keyed by parameter name; loads under ``torch.load(weights_only=True)``.
-
-        Layout::
-
-            {"state": {name: {"format": str, "step": int, "m_step": int,
-                              "tensors": {key: compact tensor}}},
-             "param_groups": [{hyperparameters..., "params": [names]}],
-             "baoc": {"version": 1, "requested": {name: format}, "generators": {...}}}
-
-        8-bit states stay 8-bit. Tensors are copies (views of one pool in several dtypes cannot
-        be serialized together).
-        """
-        state: dict[str, Any] = {}
-        for p, rec in self._records.items():
-            if rec.format is None:
-                continue
-            state[rec.name] = {
-                "format": rec.format,
-                "step": rec.step,
-                "m_step": rec.m_step,
-                "tensors": {k: t.clone() for k, t in rec.views.items()},
-            }
-        groups = []
-        for group in self.param_groups:
-            saved = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-            saved["params"] = [self._records[p].name for p in group["params"]]
-            groups.append(saved)
-        return {
-            "state": state,
-            "param_groups": groups,
-            "baoc": {
-                "version": _STATE_DICT_VERSION,
-                "requested": {r.name: r.requested for r in self._records.values() if r.requested},
-                "generators": {k: g.get_state() for k, g in self._generators.items()},
-                "nonfinite": self.nonfinite_counts,
-            },
-        }
-
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a state dict of this class, or of ``torch.optim.AdamW``/``Adam``.
-
-        torch's own ``Optimizer.load_state_dict`` would cast every state tensor to the parameter's
-        dtype (int8 codes would silently become floats), so this is a full override. A BlockwiseAdamW
-        state is matched by parameter name (order may differ); a torch state by position, and its
-        fp32 moments are converted into each parameter's target format.
-        """
-        if not isinstance(state_dict, Mapping) or "param_groups" not in state_dict or "state" not in state_dict:
-            raise ValueError("state_dict must be an optimizer state dict with 'state' and 'param_groups'")
-        if "baoc" in state_dict:
-            self._load_own(state_dict)
-        else:
-            self._load_torch(state_dict)
-
-    def _load_groups(self, saved_groups: list[dict[str, Any]], params_of: list[list[Tensor]]) -> None:
-        for group, saved, params in zip(self.param_groups, saved_groups, params_of):
-            if set(map(id, params)) != set(map(id, group["params"])):
-                raise ValueError("the saved param groups hold other parameters than this optimizer's groups")
-            for key, value in saved.items():
-                if key not in ("params", "param_names"):
-                    group[key] = value
-
-    def _load_own(self, sd: Mapping[str, Any]) -> None:
-        meta = sd["baoc"]
-        if meta.get("version") != _STATE_DICT_VERSION:
-            raise ValueError(f"unsupported BlockwiseAdamW state dict version {meta.get('version')!r}")
-        saved_groups = sd["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"the state dict has {len(saved_groups)} param groups, this optimizer has "
-                f"{len(self.param_groups)}"
-            )
-        params_of = []
-        for i, saved in enumerate(saved_groups):
-            missing = [n for n in saved["params"] if n not in self._names]
-            if missing:
-                raise ValueError(f"param group {i} of the state dict names unknown parameters {missing[:5]}")
-            params_of.append([self._names[n] for n in saved["params"]])
-        self._load_groups(saved_groups, params_of)
-        for rec in self._records.values():
-            rec.requested = meta.get("requested", {}).get(rec.name)
-        changes: dict[Tensor, str] = {}
-        sources: dict[Tensor, dict[str, Tensor]] = {}
-        for name, entry in sd["state"].items():
-            if name not in self._names:
-                raise ValueError(f"the state dict holds state of unknown parameter {name!r}")
-            p = self._names[name]
-            fmt = check_format_name(entry["format"], f"format of {name!r} in the state dict")
-            tensors = entry["tensors"]
-            for spec in FORMATS[fmt].layout(p.shape):
-                t = tensors.get(spec.key)
-                if t is None or t.dtype != spec.dtype or t.numel() != spec.numel:
-                    raise ValueError(
-                        f"state of {name!r} does not match format {fmt!r} for shape {tuple(p.shape)}: "
-                        f"{spec.key} should be {spec.dtype} x {spec.numel}, got "
-                        f"{None if t is None else (t.dtype, t.numel())}"
-                    )
-            changes[p] = fmt
-            sources[p] = tensors
-        self._drop_state()
-        if changes:
-            self._rebuild(changes, sources)
-        for name, entry in sd["state"].items():
-            rec = self._records[self._names[name]]
-            rec.step = int(entry["step"])
-            rec.m_step = int(entry["m_step"])
-        for rec in self._records.values():
-            rec.nonfinite = int(meta.get("nonfinite", {}).get(rec.name, 0))
-        for key, gen_state in meta.get("generators", {}).items():
-            gen = self._generator(torch.device(key))
-            gen.set_state(gen_state)
-
-    def _drop_state(self) -> None:
-        self._pools.clear()
-        for rec in self._records.values():
-            rec.format = None
-            rec.views = None
-            rec.step = rec.m_step = 0
-
-    def _load_torch(self, sd: Mapping[str, Any]) -> None:
-        saved_groups = sd["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"the state dict has {len(saved_groups)} param groups, this optimizer has "
-                f"{len(self.param_groups)}"
-            )
-        index_to_param: dict[Any, Tensor] = {}
-        params_of = []
-        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(
-                    f"param group {i} of the state dict has {len(saved['params'])} parameters, "
-                    f"this optimizer's has {len(group['params'])}"
-                )
-            index_to_param.update(zip(saved["params"], group["params"]))
-            params_of.append(list(group["params"]))
-        for saved in saved_groups:
-            if saved.get("amsgrad"):
-                raise ValueError("amsgrad state cannot be loaded: BlockwiseAdamW does not implement amsgrad")
-        self._load_groups(saved_groups, params_of)
-        changes: dict[Tensor, str] = {}
-        sources: dict[Tensor, Canonical] = {}
-        steps: dict[Tensor, int] = {}
-        for index, entry in sd["state"].items():
-            p = index_to_param[index]
-            if "exp_avg" not in entry or "exp_avg_sq" not in entry:
-                raise ValueError(f"state {index!r} is not Adam state (keys {sorted(entry)})")
-            canonical = Canonical(
-                tuple(p.shape),
-                exp_avg=entry["exp_avg"].to(p.device, torch.float32).reshape(p.shape),
-                exp_avg_sq=entry["exp_avg_sq"].to(p.device, torch.float32).reshape(p.shape),
-            )
-            changes[p] = self.target_format(p)
-            sources[p] = canonical
-            steps[p] = int(_float(entry["step"]))
-        self._drop_state()
-        for p, step in steps.items():
-            self._records[p].step = step
-            self._records[p].m_step = step
-        if changes:
-            self._rebuild(changes, sources)
-        for p, step in steps.items():  # _encode may not re-create momentum here: keep counts
-            rec = self._records[p]
-            rec.step = step
-            rec.m_step = step if FORMATS[rec.format].has_momentum else 0
-
-    def to_adamw_state_dict(self) -> dict[str, Any]:
-        """Export as a plain ``torch.optim.AdamW`` state dict (fp32, dequantized).
-
-        Factored second moments are expanded; formats without momentum export a zero momentum with
-        their own step count (documented loss: a plain AdamW resumes with a cold momentum there).
-        """
-        state: dict[int, Any] = {}
-        groups = []
-        index = 0
-        for group in self.param_groups:
-            saved = {k: v for k, v in group.items() if k not in ("params", "param_names", "state_format")}
-            saved.update(amsgrad=False, foreach=None, fused=None, capturable=False, differentiable=False)
-            saved.setdefault("maximize", False)
-            ids = []
-            for p in group["params"]:
-                rec = self._records[p]
-                if rec.format is not None:
-                    c = FORMATS[rec.format].decode(rec.views, p.shape)
-                    v = c.dense_v().reshape(p.shape).to(p.device)
-                    m = c.exp_avg.to(p.device) if c.exp_avg is not None else torch.zeros_like(v)
-                    state[index] = {
-                        "step": torch.tensor(float(rec.step)),
-                        "exp_avg": m.to(p.dtype),
-                        "exp_avg_sq": v.to(p.dtype),
-                    }
-                ids.append(index)
-                index += 1
-            saved["params"] = ids
-            saved["param_names"] = [self._records[p].name for p in group["params"]]
-            groups.append(saved)
-        return {"state": state, "param_groups": groups}
-
     # ------------------------------------------------------------------ construction
 
     @classmethod
@@ -805,54 +501,72 @@ class BlockwiseAdamW(torch.optim.Optimizer):
                 f"{type(optimizer).__name__}; build BlockwiseAdamW directly for other cases"
             )
         decoupled = isinstance(optimizer, torch.optim.AdamW)
+        name = type(optimizer).__name__
+        hints: dict[str, None] = {}  # ordered set: each hint named once, however many groups carry it
         groups = []
-        for group in optimizer.param_groups:
-            if group.get("amsgrad"):
-                raise ValueError("amsgrad=True is not supported by BlockwiseAdamW; use amsgrad=False")
-            new = {k: v for k, v in group.items() if k not in ("foreach", "fused", "capturable", "differentiable")}
+        for i, group in enumerate(optimizer.param_groups):
+            for key in ("amsgrad", "capturable", "differentiable"):
+                if group.get(key):
+                    raise ValueError(
+                        f"Invalid {name}({key}=True) (param group {i}): BlockwiseAdamW does not implement "
+                        f"{key}; build the {name} with {key}=False"
+                    )
+            hints.update({f"{key}={group[key]!r}": None for key in PERFORMANCE_HINTS if group.get(key) is not None})
+            new = {k: v for k, v in group.items() if k not in PERFORMANCE_HINTS + ("capturable", "differentiable")}
             new["decoupled_weight_decay"] = decoupled or bool(group.get("decoupled_weight_decay", False))
             if state_format is not None:
                 new["state_format"] = state_format
             new["params"] = list(group["params"])
             groups.append(new)
+        if hints:
+            warnings.warn(
+                f"{name}({', '.join(hints)}): performance hints choosing torch's own AdamW kernels. "
+                f"BlockwiseAdamW runs its own per-format kernels, so they are not needed and not used "
+                f"(the update is the same).",
+                UserWarning,
+                stacklevel=2,
+            )
         new_opt = cls(groups, param_names=named_parameters, **kwargs)
         new_opt.defaults.update({k: v for k, v in optimizer.defaults.items() if k in ("lr", "betas", "eps", "weight_decay")})
         if any(optimizer.state.values()):
             sd = optimizer.state_dict()
-            new_opt._load_torch({"state": sd["state"], "param_groups": [
-                {"params": g["params"]} for g in sd["param_groups"]
-            ]})
+            new_opt.load_state_dict({"state": sd["state"], "param_groups": [{"params": g["params"]} for g in sd["param_groups"]]})
         return new_opt
 
 
-def _validate_hyper(group: Mapping[str, Any], where: str) -> None:
-    lr = group.get("lr")
-    if isinstance(lr, Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"Invalid {where}lr: a Tensor lr must have one element, got shape {tuple(lr.shape)}")
-        lr_value = float(lr.item())
-    elif isinstance(lr, (int, float)) and not isinstance(lr, bool):
-        lr_value = float(lr)
-    else:
-        raise TypeError(f"Invalid {where}lr: {lr!r}; expected a float >= 0")
-    if not lr_value >= 0.0:
-        raise ValueError(f"Invalid {where}lr: {lr_value!r}; expected a float >= 0")
-    betas = group.get("betas")
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"Invalid {where}betas: {betas!r}; expected two floats in [0, 1)")
-    for i, b in enumerate(betas):
-        value = _float(b)
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"Invalid {where}betas[{i}]: {value!r}; expected a float in [0, 1)")
-    eps = group.get("eps")
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0.0:
-        raise ValueError(f"Invalid {where}eps: {eps!r}; expected a float >= 0")
-    wd = group.get("weight_decay")
-    if not isinstance(wd, (int, float)) or isinstance(wd, bool) or not wd >= 0.0:
-        raise ValueError(f"Invalid {where}weight_decay: {wd!r}; expected a float >= 0")
-    check_format_name(group.get("state_format"), f"{where}state_format")
-    if group.get("amsgrad"):
-        raise ValueError(f"Invalid {where}amsgrad: True; BlockwiseAdamW supports amsgrad=False only")
-    for key in ("capturable", "differentiable"):
-        if group.get(key):
-            raise ValueError(f"Invalid {where}{key}: True; BlockwiseAdamW supports {key}=False only")
+# ---------------------------------------------------------------------------- aliases
+
+_ALIAS_PREFIX = "_BlockwiseAs"
+_ALIASES: dict[str, type[BlockwiseAdamW]] = {}
+
+
+def optimizer_alias(name: str) -> type[BlockwiseAdamW]:
+    """A BlockwiseAdamW subclass whose ``__name__`` is ``name`` (the user's optimizer class name).
+
+    ``LearningRateMonitor`` names its metrics ``"lr-" + type(optimizer).__name__`` (``lr-AdamW/pg1``):
+    an optimizer installed in place of the user's keeps the metric names. The class is
+    ``lightning_baoc.optim._BlockwiseAs<name>``, resolved by this module's ``__getattr__``, so
+    instances and the class itself pickle by reference and unpickle in a fresh process.
+
+    Example:
+        >>> optimizer_alias("AdamW").__name__, optimizer_alias("AdamW").__qualname__
+        ('AdamW', '_BlockwiseAsAdamW')
+    """
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"Invalid optimizer class name {name!r}; expected a Python identifier")
+    alias = _ALIASES.get(name)
+    if alias is None:
+        alias = type(
+            name,
+            (BlockwiseAdamW,),
+            {"__module__": __name__, "__qualname__": _ALIAS_PREFIX + name, "__doc__": f"BlockwiseAdamW installed in place of {name}."},
+        )
+        _ALIASES[name] = alias
+    return alias
+
+
+def __getattr__(attr: str) -> Any:
+    """Resolve ``_BlockwiseAs<name>`` aliases on demand (PEP 562), for unpickling in a fresh process."""
+    if attr.startswith(_ALIAS_PREFIX) and attr[len(_ALIAS_PREFIX) :].isidentifier():
+        return optimizer_alias(attr[len(_ALIAS_PREFIX) :])
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")

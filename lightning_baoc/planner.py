@@ -32,10 +32,10 @@ from .calibration import (
     PRIOR_STEP_COST,
     calibrate,
     check_mask,
-    hardware_mask,
     memory_table,
     offload_saves_memory,
     time_table,
+    withheld_formats,
 )
 from .formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, format_state_bytes, numel_of, resolve_format
 from .solver import Allocation, BudgetInfeasibleError, solve
@@ -426,7 +426,8 @@ def plan(
     name = model if isinstance(model, str) else type(model).__name__
     module = build_model(model) if isinstance(model, str) else model
     user_mask = check_mask(mask) if mask else {}
-    masked = {**hardware_mask(device), **user_mask}
+    # the rule the training controller and ``check`` apply too: offload only with a time budget
+    masked = {**withheld_formats(device, time_budget=time_budget is not None), **user_mask}
     names = dict(module.named_parameters())
     groups = partition(module, granularity)
     blocks = {b: [tuple(names[p].shape) for p in params] for b, params in groups.items()}
@@ -469,10 +470,6 @@ def plan(
                 time_source = "prior (PRIOR_STEP_COST, relative to fp32)"
             step = time_table(blocks, costs, [f for f in FORMATS if f in costs], min_8bit_numel)
             risk = {b: {f: v for f, v in row.items() if f in costs} for b, row in risk.items()}
-        elif "offload" not in masked and off_device:
-            # offload trades step time for memory at no risk: without a time budget it would win
-            # every block, so it is only offered when a time budget prices it
-            masked["offload"] = "offload trades step time for memory: give a time budget to consider it"
         for budget in budgets:
             entry = PlannedAllocation(str(budget))
             try:

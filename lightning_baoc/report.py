@@ -7,7 +7,8 @@ same way; they call it on rank zero only.
 The JSON record (``baoc_allocation.json``, schema :data:`ALLOCATION_SCHEMA`)::
 
     {"step": int, "reason": str, "memory_budget_bytes": int, "state_bytes": int,
-     "state_bytes_before": int, "fp32_state_bytes": int, "saved_fraction": float,
+     "state_bytes_before": int, "fp32_state_bytes": int, "baseline_state_bytes": int,
+     "saved_fraction": float,
      "total_risk": float, "time_budget": float | null, "time": float | null, "kept": bool,
      "blocks": [{"name": str, "params": int, "param_names": [str], "format": str,
                  "state_bytes": int, "risk": {format: float}, "format_risk": float,
@@ -16,19 +17,28 @@ The JSON record (``baoc_allocation.json``, schema :data:`ALLOCATION_SCHEMA`)::
                            "noise": float | null, ...}}],
      "history": [{"step", "reason", "kept", "changed", "state_bytes", "total_risk", ...}]}
 
-``params`` is the number of parameter elements of the block. ``risk`` holds the block's risk for
+``fp32_state_bytes`` is fp32 AdamW's state (8 bytes per element); ``baseline_state_bytes`` the
+state the user's own ``torch.optim.AdamW`` would hold (two moments in each parameter's dtype: the
+same for fp32 parameters, half of it for bf16 ones), which ``saved_fraction`` and a fractional
+memory budget refer to. ``params`` is the number of parameter elements of the block. ``risk`` holds the block's risk for
 every format the solver could pick (so ``lightning-baoc plan --stats baoc_allocation.json`` can
 re-plan from a real run), ``format_risk`` the risk of the format chosen. Undefined statistics
 (``nan``) are written as ``null``.
+
+The PNG needs matplotlib, an optional dependency: :func:`png_enabled` decides at construction
+(of the callback or the strategy) whether it is drawn, so a plain install never fails after a
+whole warm-up for want of it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import warnings
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping, Union
 
 from .budget import format_bytes
 from .controller import AllocationEvent
@@ -36,6 +46,14 @@ from .controller import AllocationEvent
 #: File names written into the log directory.
 JSON_NAME = "baoc_allocation.json"
 PNG_NAME = "baoc_allocation.png"
+
+#: Whether matplotlib (optional: the PNG only) can be imported; checked once, at import, as
+#: Lightning's ``RichProgressBar`` checks rich.
+_MATPLOTLIB_AVAILABLE: bool = importlib.util.find_spec("matplotlib") is not None
+
+#: What ``BAOC(report=...)`` accepts: ``True`` (table, JSON, and the PNG when matplotlib is
+#: installed), ``"json"`` (table and JSON), ``"png"`` (all three; matplotlib required), ``False``.
+ReportSetting = Union[bool, Literal["json", "png"]]
 
 #: The logger scalars, one value per allocation.
 SCALAR_NAMES = ("baoc/state_bytes", "baoc/saved_fraction", "baoc/total_risk")
@@ -55,6 +73,7 @@ ALLOCATION_SCHEMA: dict[str, Any] = {
         "state_bytes": {"type": "integer", "minimum": 0},
         "state_bytes_before": {"type": "integer", "minimum": 0},
         "fp32_state_bytes": {"type": "integer", "minimum": 0},
+        "baseline_state_bytes": {"type": "integer", "minimum": 0},
         "saved_fraction": {"type": "number"},
         "total_risk": {"type": "number", "minimum": 0},
         "time_budget": _NUMBER_OR_NULL,
@@ -137,6 +156,7 @@ def build_record(event: AllocationEvent, history: list[Mapping[str, Any]] | None
         "state_bytes": int(event.state_bytes),
         "state_bytes_before": int(event.state_bytes_before),
         "fp32_state_bytes": int(event.fp32_state_bytes),
+        "baseline_state_bytes": int(event.baseline),
         "saved_fraction": float(event.saved_fraction),
         "total_risk": float(event.total_risk),
         "time_budget": _finite(event.time_budget),
@@ -206,17 +226,23 @@ def _check(value: Any, schema: Mapping[str, Any], where: str, problems: list[str
             _check(item, schema["items"], f"{where}[{i}]", problems)
 
 
+def _baseline(record: Mapping[str, Any]) -> int:
+    """The state the user's own AdamW would hold (records of older versions: the fp32 state)."""
+    return int(record.get("baseline_state_bytes") or record["fp32_state_bytes"])
+
+
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:
-    """The logger scalars of a record: ``baoc/state_bytes``, ``baoc/saved_fraction``, ``baoc/total_risk``.
+    """The logger scalars of a record: ``baoc/state_bytes``, ``baoc/saved_fraction`` (of the
+    user's own AdamW state, ``baseline_state_bytes``), ``baoc/total_risk``.
 
     Example:
         >>> scalars({"state_bytes": 300, "fp32_state_bytes": 1000, "total_risk": 0.5})
         {'baoc/state_bytes': 300.0, 'baoc/saved_fraction': 0.7, 'baoc/total_risk': 0.5}
     """
-    fp32 = record["fp32_state_bytes"]
+    baseline = _baseline(record)
     return {
         "baoc/state_bytes": float(record["state_bytes"]),
-        "baoc/saved_fraction": float(1.0 - record["state_bytes"] / fp32) if fp32 else 0.0,
+        "baoc/saved_fraction": float(1.0 - record["state_bytes"] / baseline) if baseline else 0.0,
         "baoc/total_risk": float(record["total_risk"]),
     }
 
@@ -264,13 +290,13 @@ def allocation_table(record: Mapping[str, Any]) -> Any:
             fmt,
             format_bytes(b["state_bytes"]),
         )
-    fp32, after = record["fp32_state_bytes"], record["state_bytes"]
-    before = record.get("state_bytes_before", fp32)
-    saved = 1.0 - after / fp32 if fp32 else 0.0
+    baseline, after = _baseline(record), record["state_bytes"]
+    before = record.get("state_bytes_before", baseline)
+    saved = 1.0 - after / baseline if baseline else 0.0
     table.caption = (
         f"optimizer state {format_bytes(before)} -> {format_bytes(after)} "
-        f"(fp32 AdamW {format_bytes(fp32)}, budget {format_bytes(record['memory_budget_bytes'])}); "
-        f"saved {saved:.1%} of the fp32 state"
+        f"(AdamW {format_bytes(baseline)}, budget {format_bytes(record['memory_budget_bytes'])}); "
+        f"saved {saved:.1%} of AdamW's state"
     )
     return table
 
@@ -353,7 +379,7 @@ def plot_allocation(record: Mapping[str, Any], path: str | os.PathLike[str]) -> 
     saved = record.get("saved_fraction")
     fig.suptitle(
         f"BAOC allocation at step {record['step']}: {format_bytes(record['state_bytes'])} of "
-        f"{format_bytes(record['fp32_state_bytes'])} fp32"
+        f"{format_bytes(_baseline(record))} (AdamW)"
         + (f" ({saved:.0%} saved)" if saved is not None else ""),
         fontsize=10,
     )
@@ -365,10 +391,58 @@ def plot_allocation(record: Mapping[str, Any], path: str | os.PathLike[str]) -> 
     return out
 
 
+def png_enabled(report: object, owner: str = "BAOC") -> bool:
+    """Whether reports under ``report`` (a :data:`ReportSetting`) draw the PNG; call at construction.
+
+    ``True`` draws it when matplotlib is installed and otherwise warns (once per construction)
+    that it is skipped and how to get it; ``"png"`` requires it; ``"json"`` and ``False`` do not
+    draw it.
+
+    Raises:
+        ValueError: ``report`` is not one of ``True``, ``False``, ``"json"``, ``"png"``.
+        ModuleNotFoundError: ``report="png"`` without matplotlib installed.
+
+    Example:
+        >>> png_enabled("json"), png_enabled(False)
+        (False, False)
+    """
+    if not (isinstance(report, bool) or report in ("json", "png")):
+        raise ValueError(
+            f"Invalid {owner}(report={report!r}); allowed: True (table and baoc_allocation.json, and the "
+            f"PNG when matplotlib is installed), 'json' (no PNG), 'png' (PNG required), False (no report)"
+        )
+    if report == "png" and not _MATPLOTLIB_AVAILABLE:
+        raise ModuleNotFoundError(
+            f"{owner}(report='png') draws baoc_allocation.png with matplotlib, which is not installed. "
+            f"Install it (pip install matplotlib), or pass report=True or report='json' for the table and "
+            f"baoc_allocation.json only."
+        )
+    if report is True and not _MATPLOTLIB_AVAILABLE:
+        warnings.warn(
+            f"{owner}(report=True): matplotlib is not installed, so baoc_allocation.png is skipped (the table "
+            f"and baoc_allocation.json are written). Install matplotlib for the figure (pip install "
+            f"matplotlib), or pass report='json' to silence this warning.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return report is True and _MATPLOTLIB_AVAILABLE or report == "png"
+
+
 def write_reports(
-    record: Mapping[str, Any], directory: str | os.PathLike[str] | None, console: Any = None, table: bool = True
+    record: Mapping[str, Any],
+    directory: str | os.PathLike[str] | None,
+    console: Any = None,
+    table: bool = True,
+    png: bool | None = None,
 ) -> dict[str, Path]:
     """Print the table and write the JSON and the PNG into ``directory`` (files skipped if ``None``).
+
+    Args:
+        record: the JSON record (:func:`build_record`).
+        directory: where the files go (``None``: the table only).
+        console: a ``rich`` console for the table (default: a new stdout console).
+        table: print the table (default: True).
+        png: draw the PNG (default: ``None``: when matplotlib is installed).
 
     Returns:
         ``{"json": path, "png": path}`` for the files written.
@@ -377,7 +451,26 @@ def write_reports(
         print_report(record, console)
     if directory is None:
         return {}
-    return {"json": write_json(record, directory), "png": plot_allocation(record, Path(directory) / PNG_NAME)}
+    out = {"json": write_json(record, directory)}
+    if _MATPLOTLIB_AVAILABLE if png is None else png:
+        out["png"] = plot_allocation(record, Path(directory) / PNG_NAME)
+    return out
+
+
+def announce(written: Mapping[str, Path]) -> str:
+    """Where :func:`write_reports` wrote, for a log line: ``dir/baoc_allocation.json`` or
+    ``dir/{baoc_allocation.json, baoc_allocation.png}``.
+
+    Example:
+        >>> announce({"json": Path("logs") / JSON_NAME})
+        'logs/baoc_allocation.json'
+    """
+    paths = list(written.values())
+    if not paths:
+        return "(nothing written)"
+    names = [p.name for p in paths]
+    folder = str(paths[0].parent)
+    return os.path.join(folder, names[0] if len(names) == 1 else "{" + ", ".join(names) + "}")
 
 
 __all__ = [
@@ -387,8 +480,11 @@ __all__ = [
     "PNG_NAME",
     "SCALAR_NAMES",
     "allocation_table",
+    "announce",
+    "ReportSetting",
     "build_record",
     "plot_allocation",
+    "png_enabled",
     "print_report",
     "scalars",
     "validate_record",

@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_baoc import FORMATS, BlockwiseAdamW
 from lightning_baoc.formats import Canonical, StepHyper
+from lightning_baoc.formats import quant
 from lightning_baoc.formats.bf16 import BF16
 from lightning_baoc.formats.quant import bf16_round_nearest
 
@@ -137,3 +138,82 @@ def test_bf16_stochastic_rounding_keeps_v_decaying(monkeypatch: pytest.MonkeyPat
     # round-to-nearest: v * 0.999 rounds back to v and the second moment stagnates
     nearest = _decay_run(monkeypatch)
     assert nearest > 3 * expected, (nearest, expected)
+
+
+# ---------------------------------------------------------------------------- fp32's whole range (issue 14)
+
+FP32 = torch.finfo(torch.float32)
+
+
+def _quant_round_trip(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """Encode flat fp32 ``x`` with the library's 8-bit quantizer of ``kind`` and decode it."""
+    n = x.numel()
+    codes = torch.zeros(n, dtype=torch.int8 if kind == "momentum" else torch.uint8)
+    scales = torch.zeros(quant.num_groups(n), dtype=quant.SCALE_DTYPE)
+    exps = torch.zeros(quant.num_supers(n), dtype=quant.EXP_DTYPE)
+    if kind == "momentum":
+        quant.quantize_momentum(x.clone(), codes, scales, exps)
+        return quant.dequantize_momentum(codes, scales, exps)
+    quant.quantize_sqrt(x.clone(), codes, scales, exps)
+    return quant.dequantize_sqrt(codes, scales, exps)
+
+
+def _range_blocks(nonnegative: bool) -> torch.Tensor:
+    """One 1024-element super-block per binary magnitude 2**-149 .. 2**126 (step 3), then +-max."""
+    gen = torch.Generator().manual_seed(0)
+    blocks = [torch.randn(1024, generator=gen).clamp_(-1.99, 1.99) * 2.0**e for e in range(-149, 127, 3)]
+    blocks.append(torch.full((1024,), FP32.max) * torch.randn(1024, generator=gen).sign())
+    x = torch.cat(blocks)
+    return x.abs() if nonnegative else x
+
+
+@pytest.mark.parametrize("kind", ["momentum", "sqrt"])
+def test_8bit_round_trip_covers_fp32s_range(kind: str) -> None:
+    """Every finite input decodes finite; groups under fp32's normal range flush to exactly 0."""
+    x = _range_blocks(nonnegative=kind == "sqrt")
+    decoded = _quant_round_trip(x, kind)
+    assert torch.isfinite(decoded).all()
+    # encode and decode agree exactly: re-quantizing decoded values reproduces them bit for bit
+    assert torch.equal(_quant_round_trip(decoded, kind), decoded)
+    magnitude = x if kind == "momentum" else x.sqrt()  # what the quantizer groups: m, or sqrt(v)
+    group_max = magnitude.abs().view(-1, 32).amax(dim=1)
+    kept = group_max >= FP32.tiny
+    flushed = group_max < FP32.tiny / 2  # between the two, the fp16 rounding of the scale decides
+    # both regimes exercised: sqrt(v) of a nonzero fp32 v is at least 3.7e-23, never flushed
+    assert kept.sum() > 2000 and (flushed.sum() > 100 if kind == "momentum" else flushed.sum() == 0)
+    assert torch.count_nonzero(decoded[x == 0]) == 0  # zeros (scale 0) decode to exactly 0
+    error = (decoded - x).abs().view(-1, 32).amax(dim=1)
+    bound = group_max if kind == "momentum" else group_max.square()  # per group, relative to its max
+    assert float((error[kept] / bound[kept]).max()) < 0.01
+    assert torch.count_nonzero(decoded.view(-1, 32)[flushed]) == 0
+
+
+@pytest.mark.parametrize("kind", ["momentum", "sqrt"])
+def test_8bit_overflowed_input_saturates(kind: str) -> None:
+    """An inf (an overflowed moment) is stored as the largest finite value, never as inf or NaN."""
+    x = torch.linspace(-1.0, 1.0, 2048) * 1e30
+    x[5], x[700], x[1500] = float("inf"), float("-inf"), FP32.max
+    if kind == "sqrt":
+        x = x.abs()
+    decoded = _quant_round_trip(x, kind)
+    assert torch.isfinite(decoded).all()
+    assert float(decoded[5]) > 3.39e38 and float(decoded[1500]) > 3.39e38  # fp32 max: 3.4028e38
+    # the other groups keep their precision
+    rest = slice(1024, 1400)
+    assert torch.allclose(decoded[rest], x[rest], rtol=0.02, atol=1e-3 * float(x[rest].abs().max()))
+
+
+def test_bf16_stochastic_rounding_saturates_near_fp32_max() -> None:
+    """Above bf16's largest value the added noise carries into the inf exponent: it must saturate."""
+    bf16_max = float(torch.finfo(torch.bfloat16).max)
+    x = torch.tensor([3.39e38, 3.4e38, FP32.max, float("inf"), -3.4e38, -float("inf")]).repeat(512)
+    out = torch.empty_like(x, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):  # every draw of the noise
+        quant.bf16_stochastic(x, out, gen)
+        assert torch.isfinite(out).all()
+        assert torch.equal(out.float().abs()[1::6], torch.full((512,), bf16_max))
+    # values below the top still round without bias
+    y = torch.full((3072,), 1.0 + 2**-9)
+    quant.bf16_stochastic(y, out, gen)
+    assert float(out.float().mean()) == pytest.approx(1.0 + 2**-9, abs=2**-11)

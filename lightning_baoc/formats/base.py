@@ -27,6 +27,7 @@ from torch import Tensor
 #: enough that the fp32 working copies of a chunk stay in cache (measured: 2**17 was ~3x faster than
 #: whole-tensor passes for int8 on a 2-core CPU, see benchmarks/step_time.py).
 DEFAULT_CHUNK = 1 << 17
+_FP32_MAX = torch.finfo(torch.float32).max
 
 Shape = Sequence[int]
 
@@ -99,16 +100,23 @@ class Canonical:
         dims = factor_dims(self.shape)
         if dims is None:
             raise ValueError(f"shape {self.shape} has no factored form")
-        v = self.dense_v().reshape(dims)
-        return v.mean(dim=1), v.mean(dim=0)
+        rows, cols = dims
+        # Means as sums of v / n: a plain sum of moments near fp32's maximum (gradients of 1e19)
+        # overflows; an overflowed (inf) v saturates, as the 8-bit formats store it.
+        v = self.dense_v().reshape(dims).clamp(max=_FP32_MAX)
+        return v.div(cols).sum(dim=1), v.div_(rows).sum(dim=0)
 
 
 def expand_factored(row: Tensor, col: Tensor) -> Tensor:
-    """Adafactor's rank-1 estimate ``v[i, j] = row[i] * col[j] / mean(row)`` (exact for rank-1 v)."""
-    mean = row.mean()
-    if float(mean) == 0.0:
-        return torch.zeros(row.numel(), col.numel(), dtype=torch.float32, device=row.device)
-    return torch.outer(row, col).div_(mean)
+    """Adafactor's rank-1 estimate ``v[i, j] = row[i] * col[j] / mean(row)`` (exact for rank-1 v).
+
+    Computed as ``(row[i] / mean(row)) * col[j]`` so that no product of two moments overflows; a
+    row mean of 0 gives 0 without a division, and an estimate beyond fp32's range (up to ``rows``
+    times the largest moment, for a v far from rank 1) saturates at fp32's maximum.
+    """
+    mean = row.div(row.numel()).sum()  # mean without a sum that can overflow
+    ratio = torch.where(mean > 0, row / mean, torch.zeros_like(row))
+    return torch.outer(ratio, col).clamp_(max=_FP32_MAX)
 
 
 @dataclass

@@ -8,6 +8,7 @@ and the second moment used in the update is the rank-1 estimate ``row[i] * col[j
 
 from __future__ import annotations
 
+import math
 from math import gcd
 from typing import Callable, Iterator
 
@@ -20,6 +21,7 @@ from .quant import SUPER
 
 #: Added to squared gradients so that a row of exact zeros keeps a positive estimate (Adafactor's eps1).
 EPS_SQUARE = 1e-30
+FP32_MAX = torch.finfo(torch.float32).max
 
 LoadM = Callable[[dict[str, Tensor], int, int], Tensor]
 StoreM = Callable[[Tensor, dict[str, Tensor], int, int, StepHyper], None]
@@ -51,23 +53,13 @@ def factored_update(
         g2d = item.grad.reshape(rows, cols)
         row, col = item.views["exp_avg_sq_row"], item.views["exp_avg_sq_col"]
         blocks = list(row_blocks(rows, cols, hyper.chunk))
-
-        row_mean_sq = torch.empty(rows, dtype=torch.float32, device=row.device)
-        col_sum_sq = torch.zeros(cols, dtype=torch.float32, device=col.device)
-        for r0, r1 in blocks:
-            g = effective_grad(g2d[r0:r1], p2d[r0:r1], hyper)
-            sq = g.square().add_(EPS_SQUARE)  # never in place: g may be the gradient itself
-            row_mean_sq[r0:r1] = sq.mean(dim=1)
-            col_sum_sq.add_(sq.sum(dim=0))
-        row.mul_(hyper.beta2).add_(row_mean_sq, alpha=1.0 - hyper.beta2)
-        col.mul_(hyper.beta2).add_(col_sum_sq.div_(rows), alpha=1.0 - hyper.beta2)
-        row_mean = float(row.mean())
-        scale = 1.0 / (row_mean * item.bias_correction2) if row_mean > 0 else 0.0
+        _update_moments(row, col, g2d, p2d, blocks, hyper)
+        row_factor, col_factor = sqrt_factors(row, col, item.bias_correction2)
 
         for r0, r1 in blocks:
             p = p2d[r0:r1]
             g = effective_grad(g2d[r0:r1], p, hyper)
-            denom = torch.outer(row[r0:r1], col).mul_(scale).sqrt_().add_(hyper.eps)
+            denom = torch.outer(row_factor[r0:r1], col_factor).add_(hyper.eps)
             if hyper.weight_decay != 0 and hyper.decoupled_weight_decay:
                 p.mul_(1.0 - hyper.lr * hyper.weight_decay)
             if load_m is not None and store_m is not None:
@@ -80,3 +72,44 @@ def factored_update(
                 p.addcdiv_(g, denom, value=-hyper.lr)
         write_back()
 
+
+def _update_moments(
+    row: Tensor, col: Tensor, g2d: Tensor, p2d: Tensor, blocks: list[tuple[int, int]], hyper: StepHyper
+) -> None:
+    """``row = beta2 row + (1 - beta2)(mean_j g**2 + EPS_SQUARE)``, ``col`` likewise, in place.
+
+    The means are sums of ``(g k)**2`` with ``k**2 = (1 - beta2) / max(rows, cols)``, rescaled
+    once: no partial sum exceeds ``(1 - beta2) * max(g**2)``, so the moments stay finite wherever
+    AdamW's own ``(1 - beta2) * g * g`` does. A plain mean of ``g**2`` overflows first: at
+    ``g = 1e19`` every square is 1e38 and a row of 40 of them sums past fp32's maximum (issue 14).
+    """
+    rows, cols = g2d.shape
+    k = math.sqrt((1.0 - hyper.beta2) / max(rows, cols))
+    row_sum = torch.empty(rows, dtype=torch.float32, device=row.device)
+    col_sum = torch.zeros(cols, dtype=torch.float32, device=col.device)
+    for r0, r1 in blocks:
+        # mul, not mul_: the effective gradient may be the gradient itself
+        sq = effective_grad(g2d[r0:r1], p2d[r0:r1], hyper).mul(k).square_()
+        row_sum[r0:r1] = sq.sum(dim=1)
+        col_sum.add_(sq.sum(dim=0))
+    floor = (1.0 - hyper.beta2) * EPS_SQUARE
+    row.mul_(hyper.beta2).add_(row_sum, alpha=max(rows, cols) / cols).add_(floor)
+    col.mul_(hyper.beta2).add_(col_sum, alpha=max(rows, cols) / rows).add_(floor)
+    # gradients beyond AdamW's own range (where its v is inf) saturate instead of making the
+    # row/mean ratio below inf / inf = NaN; vectors of rows + cols elements, so this is cheap
+    row.clamp_(max=FP32_MAX)
+    col.clamp_(max=FP32_MAX)
+
+
+def sqrt_factors(row: Tensor, col: Tensor, bias_correction2: float) -> tuple[Tensor, Tensor]:
+    """Vectors whose outer product is the square root of the bias-corrected rank-1 estimate.
+
+    ``sqrt(row[i] * col[j] / (mean(row) * bias_correction2))`` is computed as
+    ``sqrt(row[i] / (mean(row) * bias_correction2)) * sqrt(col[j])``: the ratio is at most
+    ``rows / bias_correction2`` and ``sqrt(col)`` at most 2**64, so no intermediate overflows (the
+    product ``row[i] * col[j]`` of two moments near 1e38 would), and nothing is divided by a row
+    mean of 0: an all-zero row factor gives a zero estimate. No host sync.
+    """
+    mean = row.div(row.numel()).sum()  # mean without a sum that can overflow
+    ratio = torch.where(mean > 0, row / mean, torch.zeros_like(row))  # in [0, rows]
+    return ratio.div_(bias_correction2).sqrt_(), col.sqrt()

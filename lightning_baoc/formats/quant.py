@@ -16,6 +16,14 @@ quiet layer's gradient can be 1e-7, which would flush whole groups to zero. So e
 32 groups (1024 elements) also stores one int8 power-of-two exponent: scale = fp16 * 2**exp.
 That costs 1 byte per 1024 elements per moment; quantization normalizes by the stored scale, so
 encode and decode agree exactly.
+
+Range (issue 14: a momentum decaying towards zero turned parameters into NaN): the exponent stays
+in ``[-126, 127]``, where both ``2**exp`` and ``2**-exp`` are finite fp32 numbers. A group whose
+scale falls below fp32's smallest normal number (``absmax < 2**-126``, about 1.2e-38) is flushed
+to zero: its scale is stored as 0 and decodes to exactly 0 without a division; such values are
+far below anything an update can feel next to ``eps``. At the top, scales saturate just below
+fp32's largest finite value (for the second moment: below the largest ``sqrt(v)`` whose square is
+finite), so an infinite or near-overflowing input is stored as a finite value, never as inf.
 """
 
 from __future__ import annotations
@@ -33,6 +41,21 @@ EXP_DTYPE = torch.int8
 # A super-block's largest scale is stored in [2**14, 2**15): below fp16's maximum (65504), and
 # groups down to 2**-28 of it stay normal fp16 numbers.
 _TOP_EXPONENT = 14
+# Exponents whose power and reciprocal are both finite, normal fp32 numbers (2**-127 and below
+# are denormal, and 1 / 2**-128 is inf: the NaN of issue 14's defect 1). Saturated scales need
+# at most 113.
+_EXP_MIN, _EXP_MAX = -126, 126
+#: Groups whose scale is below this (fp32's smallest normal number) are flushed to zero, so that
+#: the reciprocal of every stored scale is finite.
+SCALE_MIN = torch.finfo(torch.float32).tiny
+# Group maxima saturate 2**-10 below a limit, so that the fp16 rounding of a scale (at most 2**-11
+# up) cannot carry a stored scale past it: past fp32's maximum for the momentum, past the largest
+# sqrt(v) whose square is finite (2**64 - 2**40) for the second moment.
+_ROUNDING_MARGIN = 1.0 - 2.0**-10
+#: Largest momentum group maximum stored (larger values and inf saturate to it): ~3.40e38.
+M_SCALE_MAX = torch.finfo(torch.float32).max * _ROUNDING_MARGIN
+#: Largest ``sqrt(v)`` group maximum stored: its decoded square stays finite (~3.39e38).
+V_SCALE_MAX = float(torch.nextafter(torch.tensor(2.0**64), torch.tensor(0.0))) * _ROUNDING_MARGIN
 
 
 def num_groups(numel: int) -> int:
@@ -56,14 +79,12 @@ def _per_group(x: Tensor, scales: Tensor) -> Tensor:
     return x
 
 
-def _per_super(groups: Tensor, values: Tensor, op: str) -> Tensor:
-    """Broadcast one value per super-block over its groups (fp32), padding the tail."""
-    g = groups.numel()
-    pad = (-g) % SUPER_GROUPS
-    padded = torch.nn.functional.pad(groups, (0, pad)).view(-1, SUPER_GROUPS)
-    if op == "max":
-        return padded.amax(dim=1)
-    return padded.mul_(values.unsqueeze(1)).view(-1)[:g]
+def _super_rows(groups: Tensor) -> Tensor:
+    """Per-group values as one row per super-block (the tail row padded with zeros)."""
+    pad = (-groups.numel()) % SUPER_GROUPS
+    if pad:
+        groups = torch.constant_pad_nd(groups, (0, pad))
+    return groups.view(-1, SUPER_GROUPS)
 
 
 def group_absmax(x: Tensor) -> Tensor:
@@ -78,29 +99,38 @@ def group_absmax(x: Tensor) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _store_scales(absmax: Tensor, scales_out: Tensor, exps_out: Tensor) -> Tensor:
+def _store_scales(absmax: Tensor, scales_out: Tensor, exps_out: Tensor, limit: float) -> Tensor:
     """Store fp16 scales with a shared exponent per super-block; return per-group fp32 reciprocals.
 
     Normalizing by the stored (rounded) scale keeps encode and decode in exact agreement; values
-    a rounding pushes past 1 are clamped by the callers.
+    a rounding pushes past 1 are clamped by the callers. Group maxima saturate at ``limit`` (an
+    inf input included) and groups under :data:`SCALE_MIN` are stored as 0 (see the module
+    docstring), so every stored scale is finite and every returned reciprocal too (0 for a zero
+    group: nothing is divided by it).
     """
-    top = _per_super(absmax, absmax, "max")
-    exps = torch.where(top > 0, torch.floor(torch.log2(top)) - _TOP_EXPONENT, torch.zeros_like(top))
-    exps.clamp_(-128, 127)
+    n = absmax.numel()
+    rows = _super_rows(absmax.clamp(max=limit))
+    # log2(0) = -inf: an all-zero super-block gets the smallest exponent (its scales are all 0)
+    exps = torch.log2(rows.amax(dim=1)).floor_().sub_(_TOP_EXPONENT).clamp_(_EXP_MIN, _EXP_MAX)
     exps_out.copy_(exps)
-    unit = torch.exp2(exps)
-    scales_out.copy_(_per_super(absmax.clone(), unit.reciprocal(), "mul"))
-    stored = _per_super(scales_out.to(torch.float32), unit, "mul")
-    return torch.where(stored > 0, stored.reciprocal(), torch.zeros_like(stored))
+    unit = torch.exp2(exps).unsqueeze_(1)  # finite and normal, as is 1 / unit
+    scales = rows.div(unit).to(SCALE_DTYPE)
+    stored = scales.to(torch.float32).mul_(unit)  # exactly what decoding computes
+    flushed = stored < SCALE_MIN
+    scales.masked_fill_(flushed, 0.0)
+    scales_out.copy_(scales.view(-1)[:n])
+    return torch.where(flushed, 0.0, stored.reciprocal()).view(-1)[:n]
 
 
 def _load_scales(scales: Tensor, exps: Tensor) -> Tensor:
-    return _per_super(scales.to(torch.float32), torch.exp2(exps.to(torch.float32)), "mul")
+    """Per-group fp32 scales, fp16 scale * 2**exponent: exact, as the product is normal or 0."""
+    unit = torch.exp2(exps.to(torch.float32)).unsqueeze_(1)
+    return _super_rows(scales.to(torch.float32)).mul_(unit).view(-1)[: scales.numel()]
 
 
 def quantize_momentum(x: Tensor, codes_out: Tensor, scales_out: Tensor, exps_out: Tensor) -> None:
     """Companded int8 quantization of a flat fp32 momentum chunk (``x`` is overwritten)."""
-    inv = _store_scales(group_absmax(x), scales_out, exps_out)
+    inv = _store_scales(group_absmax(x), scales_out, exps_out, M_SCALE_MAX)
     _per_group(x, inv).clamp_(-1.0, 1.0)
     # softsign: y = 2x / (1 + |x|)
     y = x.abs().add_(1.0)
@@ -119,7 +149,7 @@ def dequantize_momentum(codes: Tensor, scales: Tensor, exps: Tensor) -> Tensor:
 def quantize_sqrt(v: Tensor, codes_out: Tensor, scales_out: Tensor, exps_out: Tensor) -> None:
     """sqrt-companded uint8 quantization of a flat fp32 second-moment chunk (``v`` is overwritten)."""
     s = v.clamp_(min=0.0).sqrt_()
-    inv = _store_scales(group_absmax(s), scales_out, exps_out)
+    inv = _store_scales(group_absmax(s), scales_out, exps_out, V_SCALE_MAX)
     _per_group(s, inv).clamp_(0.0, 1.0).mul_(255.0).round_()
     codes_out.copy_(s)
 
@@ -135,7 +165,7 @@ def dequantize_sqrt(codes: Tensor, scales: Tensor, exps: Tensor) -> Tensor:
     """
     s = codes.to(torch.float32).clamp_(min=0.5).div_(255.0)
     _per_group(s, _load_scales(scales, exps))
-    return s.mul_(s)
+    return s.mul_(s)  # finite: s <= V_SCALE_MAX * (1 + 2**-11) < 2**64 - 2**40
 
 
 #: On the CPU, drawing 16 random bits per element (mt19937) costs ~10x the rest of a bf16 store.
@@ -145,6 +175,7 @@ def dequantize_sqrt(codes: Tensor, scales: Tensor, exps: Tensor) -> Tensor:
 #: within 0.3% of one ulp for 2**17 entries) while costing one slice. CUDA draws fresh bits
 #: (Philox is cheap there, and an offset would need a host sync).
 _NOISE_POOLS: dict[tuple[str, int], Tensor] = {}
+_BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 
 
 def _noise_pool(numel: int, device: torch.device) -> Tensor:
@@ -173,10 +204,13 @@ def bf16_stochastic(x: Tensor, out: Tensor, generator: torch.Generator | None) -
     Adding 16 random bits below the bf16 mantissa and truncating rounds up with probability equal
     to the discarded fraction, so the rounding is unbiased: ``E[round(x)] = x``. Round-to-nearest
     would freeze ``v * 0.999`` at ``v`` (``tests/test_quantization.py`` runs both roundings).
+
+    Above bf16's largest finite value (3.3895e38, below fp32's 3.4028e38) rounding up carries
+    into the infinite exponent; such values (and an overflowed inf) saturate at bf16's maximum.
     """
     bits = x.contiguous().view(torch.int32)
     noisy = torch.add(bits, rounding_noise(bits.numel(), x.device, generator).view(bits.shape))
-    out.copy_(noisy.bitwise_and_(-65536).view(torch.float32))
+    out.copy_(noisy.bitwise_and_(-65536).view(torch.float32).clamp_(-_BF16_MAX, _BF16_MAX))
 
 
 def bf16_round_nearest(x: Tensor, out: Tensor, generator: torch.Generator | None = None) -> None:

@@ -1,0 +1,235 @@
+"""Persistence of :class:`~lightning_baoc.optim.BlockwiseAdamW`: state dicts, loads, copies, pickles.
+
+:class:`PersistenceMixin` holds the optimizer's ``state_dict``/``load_state_dict`` (layout and
+checksums: :mod:`lightning_baoc.optim_state`; validation: :mod:`lightning_baoc.optim_validate`)
+and its ``copy.deepcopy``/``pickle`` support. A load validates everything first and then commits
+at once, so a refused dict leaves the optimizer unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import IO, Any, Callable, Mapping
+
+import torch
+from torch import Tensor
+
+from lightning_baoc.formats import FORMATS, Canonical, StepHyper, resolve_format
+from lightning_baoc.optim_pools import Pool, Record, device_key
+from lightning_baoc.optim_state import (
+    STATE_DICT_VERSION,
+    CheckpointError,
+    export_adamw_state_dict,
+    load_checkpoint,
+    make_entry,
+    seal_state_dict,
+)
+from lightning_baoc.optim_validate import LoadPlan, plan_load
+
+#: Attributes that only tie an optimizer to its process (hooks, an LR scheduler's wrapper of
+#: ``step``): not copied or pickled, as torch's own ``Optimizer.__getstate__`` does not.
+_RUNTIME_ONLY = frozenset({
+    "step", "_opt_called", "_zero_grad_profile_name", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
+})
+
+
+class PersistenceMixin:
+    """State dicts, loads and copies of BlockwiseAdamW (see the module docstring)."""
+
+    # provided by the optimizer this is mixed into
+    _records: dict[Tensor, Record]
+    _pools: dict[tuple[str, str], Pool]
+    _generators: dict[str, torch.Generator]
+    param_groups: list[dict[str, Any]]
+    seed: int
+    min_8bit_numel: int
+    nonfinite_counts: dict[str, int]
+    _optimizer_state_dict_pre_hooks: dict[int, Callable[..., Any]]
+    _optimizer_state_dict_post_hooks: dict[int, Callable[..., Any]]
+    _optimizer_load_state_dict_pre_hooks: dict[int, Callable[..., Any]]
+    _optimizer_load_state_dict_post_hooks: dict[int, Callable[..., Any]]
+    _hyper: Callable[..., StepHyper]
+    _fresh_pools: Callable[..., tuple[dict[tuple[str, str], Pool], dict[Tensor, dict[str, Tensor]]]]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """State for ``copy.deepcopy`` and ``pickle``: compact copies of the states, no pool views.
+
+        torch's ``Optimizer.__getstate__`` keeps only ``defaults``, ``state`` and ``param_groups``;
+        here every attribute is kept except those tied to this process (:data:`_RUNTIME_ONLY`) and
+        the parameter ids naming groups added later. Records stay keyed by parameter, so deepcopy
+        maps them through its memo to the copied parameters, as it does torch's ``state``.
+        """
+        state = {k: v for k, v in self.__dict__.items() if k not in _RUNTIME_ONLY}
+        state["_records"] = {p: dataclasses.replace(rec, views=None) for p, rec in self._records.items()}
+        state["_pools"] = {}
+        state["_external_names"] = {}  # ids of this process's tensors mean nothing in a copy
+        state["_generators"] = {key: gen.get_state() for key, gen in self._generators.items()}
+        state["_saved_views"] = {
+            p: {k: t.clone() for k, t in rec.views.items()} for p, rec in self._records.items() if rec.views is not None
+        }
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild the pools from :meth:`__getstate__`'s compact copies (see there)."""
+        saved_views = state.pop("_saved_views", {})
+        generators = state.pop("_generators", {})
+        super().__setstate__(state)  # torch's: hooks, the profiled step
+        self._generators = {}
+        for key, gen_state in generators.items():
+            gen = torch.Generator(device=key)
+            gen.set_state(gen_state)
+            self._generators[key] = gen
+        formats = {p: rec.format for p, rec in self._records.items() if rec.format is not None}
+
+        def fill(p: Tensor, fmt: str, target: dict[str, Tensor]) -> None:
+            for k, t in target.items():
+                t.copy_(saved_views[p][k])
+
+        self._pools, views = self._fresh_pools(formats, fill)
+        for p, v in views.items():
+            self._records[p].views = v
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Compact state keyed by parameter name; loads under ``torch.load(weights_only=True)``.
+
+        Layout and checksums: :mod:`lightning_baoc.optim_state`. 8-bit states stay 8-bit. Tensors
+        are copies (views of one pool in several dtypes cannot be serialized together). Handed to
+        a plain ``torch.optim.AdamW``, the dict fails at load with a message that names BAOC and
+        the fix (resume with the callback, or :func:`~lightning_baoc.export_adamw_state_dict`).
+        Hooks registered with torch's ``register_state_dict_pre_hook``/``post_hook`` run as in torch.
+        """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state: dict[str, Any] = {}
+        for p, rec in self._records.items():
+            if rec.format is None:
+                continue
+            tensors = {k: t.clone() for k, t in rec.views.items()}
+            state[rec.name] = make_entry(rec.format, p.shape, rec.step, rec.m_step, tensors)
+        groups = []
+        for group in self.param_groups:
+            saved = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+            saved["params"] = [self._records[p].name for p in group["params"]]
+            groups.append(saved)
+        meta = {
+            "version": STATE_DICT_VERSION,
+            "requested": {r.name: r.requested for r in self._records.values() if r.requested},
+            "generators": {k: g.get_state() for k, g in self._generators.items()},
+            "nonfinite": self.nonfinite_counts,
+        }
+        state_dict = seal_state_dict({"state": state, "param_groups": groups, "baoc": meta})
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            state_dict = state_dict if result is None else result
+        return state_dict
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state dict of this class (versions 1 and 2), or of ``torch.optim.AdamW``/``Adam``.
+
+        The whole dict is validated first (groups, hyperparameters, every entry's format, counts,
+        shape, tensors and checksum, generator states); only then is anything changed, so a refused
+        dict leaves the optimizer exactly as it was. A BlockwiseAdamW state is matched by parameter
+        name (order may differ); a torch state by position, its fp32 moments encoded into each
+        parameter's target format. torch's own ``Optimizer.load_state_dict`` would cast every state
+        tensor to the parameter's dtype (int8 codes would become floats): this is a full override.
+
+        Generator states of stochastic rounding are restored for the devices this optimizer trains
+        on; one of a device kind it does not train on (a GPU checkpoint resumed on the CPU) is
+        ignored and that device's rounding restarts from ``seed`` (see
+        :func:`~lightning_baoc.optim_validate.plan_generators`). Hooks registered with torch's
+        ``register_load_state_dict_pre_hook``/``post_hook`` run as in torch.
+
+        Raises:
+            CheckpointError: the dict is damaged, invalid or of another model; the message names
+                the parameter and the key.
+        """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            state_dict = state_dict if result is None else result
+        self._apply(plan_load(self, state_dict))
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def load_checkpoint(self, path_or_file: str | os.PathLike[str] | IO[bytes]) -> None:
+        """Load an optimizer state dict saved with ``torch.save`` (damaged files: CheckpointError).
+
+        The file holds this optimizer's ``state_dict()``, or is a Lightning checkpoint with exactly
+        one optimizer state (``"optimizer_states"``).
+
+        Example:
+            >>> opt.load_checkpoint("optimizer.pt")  # doctest: +SKIP
+        """
+        loaded = load_checkpoint(path_or_file)
+        if isinstance(loaded, Mapping) and "optimizer_states" in loaded and "state" not in loaded:
+            states = loaded["optimizer_states"]
+            if not isinstance(states, (list, tuple)) or len(states) != 1:
+                count = len(states) if isinstance(states, (list, tuple)) else type(states).__name__
+                raise CheckpointError(
+                    f"the checkpoint holds {count} optimizer states; load the one of this optimizer "
+                    f"with load_state_dict(load_checkpoint(path)['optimizer_states'][i])"
+                )
+            loaded = states[0]
+        self.load_state_dict(loaded)
+
+    def _apply(self, plan: LoadPlan) -> None:
+        """Commit a validated load: build the new pools first, then swap everything in at once."""
+        merged = [
+            {**{k: v for k, v in group.items() if k != "params"}, **update}
+            for group, update in zip(self.param_groups, plan.groups)
+        ]
+        requested = plan.requested if plan.requested is not None else {p: r.requested for p, r in self._records.items()}
+        generators: dict[str, torch.Generator] = {}
+        for key, gen_state in plan.generators.items():
+            generators[key] = torch.Generator(device=key)
+            generators[key].set_state(gen_state)
+
+        def generator(device: torch.device) -> torch.Generator:
+            if device_key(device) not in generators:  # not in the checkpoint: restart from the seed
+                generators[device_key(device)] = torch.Generator(device=device).manual_seed(self.seed)
+            return generators[device_key(device)]
+
+        formats: dict[Tensor, str] = {}
+        for p, loaded in plan.entries.items():
+            group = merged[self._records[p].group]
+            formats[p] = loaded.format or resolve_format(
+                requested[p] or group["state_format"], p.shape, self.min_8bit_numel
+            )
+
+        def fill(p: Tensor, fmt: str, target: dict[str, Tensor]) -> None:
+            source = plan.entries[p].source
+            if isinstance(source, Canonical):
+                hyper = self._hyper(merged[self._records[p].group], p.device, generator(p.device))
+                FORMATS[fmt].encode(source, target, hyper)
+            else:
+                for k, t in target.items():
+                    t.copy_(source[k])
+
+        pools, views = self._fresh_pools(formats, fill)
+        # commit: nothing below can fail
+        for group, update in zip(self.param_groups, plan.groups):
+            group.update(update)
+        self._pools = pools
+        self._generators = generators
+        for p, rec in self._records.items():
+            loaded = plan.entries.get(p)
+            rec.requested = requested[p]
+            rec.nonfinite = plan.nonfinite.get(p, 0)
+            rec.format = formats.get(p)
+            rec.views = views.get(p)
+            rec.step = loaded.steps if loaded else 0
+            rec.m_step = loaded.m_step if loaded and FORMATS[formats[p]].has_momentum else 0
+
+    def to_adamw_state_dict(self) -> dict[str, Any]:
+        """Export as a plain ``torch.optim.AdamW`` state dict (fp32, dequantized).
+
+        Factored second moments are expanded; formats without momentum export a zero momentum with
+        their own step count (documented loss: a plain AdamW resumes with a cold momentum there).
+        Same as :func:`~lightning_baoc.export_adamw_state_dict` of :meth:`state_dict`.
+        """
+        return export_adamw_state_dict(self.state_dict())

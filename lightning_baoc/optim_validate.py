@@ -1,0 +1,272 @@
+"""Validation of an optimizer state dict before a load (:func:`plan_load`): nothing is changed here.
+
+The whole dict is checked against the optimizer (groups, hyperparameters, every entry's format,
+counts, shape, tensors and checksum, the generator states) and turned into a :class:`LoadPlan`;
+``BlockwiseAdamW.load_state_dict`` commits it only after building the new pools, so every
+problem raises :class:`~lightning_baoc.optim_state.CheckpointError` with the optimizer untouched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+from torch import Tensor
+
+from lightning_baoc.formats import Canonical, check_format_name
+from lightning_baoc.optim_args import PERFORMANCE_HINTS, validate_hyper
+from lightning_baoc.optim_state import (
+    READABLE_VERSIONS,
+    check_entry_fields,
+    check_layout,
+    invalid,
+    meta_checksum,
+    require_count,
+    require_mapping,
+)
+
+if TYPE_CHECKING:
+    from lightning_baoc.optim import BlockwiseAdamW
+
+_TORCH_IMPLEMENTATION_KEYS = PERFORMANCE_HINTS + ("capturable", "differentiable")
+
+
+@dataclass
+class LoadedState:
+    """One parameter's state as validated: compact tensors of ``format``, or fp32 moments to encode."""
+
+    format: str | None  # None: the parameter's target format (a torch state is encoded into it)
+    source: dict[str, Tensor] | Canonical
+    steps: int
+    m_step: int
+
+
+@dataclass
+class LoadPlan:
+    """Everything a load changes, validated; applying it cannot fail on the dict's contents."""
+
+    groups: list[dict[str, Any]]  # per group: the saved keys (params excluded) to set
+    entries: dict[Tensor, LoadedState]
+    requested: dict[Tensor, str | None] | None  # None: keep the requests (torch dicts carry none)
+    nonfinite: dict[Tensor, int]
+    generators: dict[str, Tensor]  # device key -> generator state, for devices trained on
+
+
+
+def plan_load(opt: "BlockwiseAdamW", state_dict: Any) -> LoadPlan:
+    """Validate a whole state dict against ``opt`` and return what loading it changes.
+
+    Raises:
+        CheckpointError: anything wrong, named; ``opt`` is not touched.
+    """
+    sd = require_mapping(state_dict, "state_dict")
+    for key in ("state", "param_groups"):
+        if key not in sd:
+            raise invalid(f"the key {key!r} is missing (expected an optimizer state dict with 'state' and 'param_groups')")
+    if not isinstance(sd["param_groups"], (list, tuple)):
+        raise invalid(f"'param_groups' should be a list, got {type(sd['param_groups']).__name__}")
+    if len(sd["param_groups"]) != len(opt.param_groups):
+        raise invalid(
+            f"the state dict has {len(sd['param_groups'])} param groups, this optimizer has "
+            f"{len(opt.param_groups)}: it was saved from another model or optimizer setup"
+        )
+    require_mapping(sd["state"], "'state'")
+    if "baoc" in sd:
+        return _plan_own(opt, sd)
+    return _plan_torch(opt, sd)
+
+
+def _merged_hyper(opt: "BlockwiseAdamW", index: int, saved: Mapping[str, Any], drop: tuple[str, ...]) -> dict[str, Any]:
+    update = {k: v for k, v in saved.items() if k not in ("params", "param_names") + drop}
+    merged = {k: v for k, v in opt.param_groups[index].items() if k not in ("params", "param_names")}
+    merged.update(update)
+    try:
+        validate_hyper(merged, f"param_groups[{index}].")
+    except (TypeError, ValueError) as err:
+        raise invalid(str(err)) from err
+    return update
+
+
+def _plan_own(opt: "BlockwiseAdamW", sd: Mapping[str, Any]) -> LoadPlan:
+    meta = require_mapping(sd["baoc"], "'baoc'")
+    version = meta.get("version")
+    if version not in READABLE_VERSIONS:
+        raise invalid(
+            f"'baoc'['version'] is {version!r}; this release reads versions {list(READABLE_VERSIONS)}: "
+            f"save it with a matching lightning_baoc release"
+        )
+    if version >= 2:
+        if not isinstance(meta.get("checksum"), int):
+            raise invalid("the field 'checksum' of 'baoc' is missing or not an int")
+        try:
+            actual = meta_checksum(sd)
+        except (TypeError, AttributeError, KeyError) as err:
+            raise invalid(f"the 'baoc' section's checksum cannot be computed: {err!r}") from err
+        if actual != meta["checksum"]:
+            raise invalid(
+                "the checksum of the state dict's metadata (param groups, parameter names, "
+                "requested formats, generators, non-finite counts, entries) does not match: the "
+                "checkpoint is corrupted, or was edited (re-seal a deliberate edit with "
+                "lightning_baoc.optim_state.seal_state_dict)"
+            )
+    names = opt.named_params
+    groups = []
+    for i, saved in enumerate(sd["param_groups"]):
+        saved = require_mapping(saved, f"param_groups[{i}]")
+        listed = saved.get("params")
+        if not isinstance(listed, (list, tuple)) or not all(isinstance(n, str) for n in listed):
+            raise invalid(f"param_groups[{i}]['params'] should be a list of parameter names, got {listed!r:.80}")
+        unknown = [n for n in listed if n not in names]
+        if unknown:
+            raise invalid(f"param group {i} of the state dict names unknown parameters {unknown[:5]}; it was saved from another model")
+        ours = [opt.param_name(p) for p in opt.param_groups[i]["params"]]
+        if sorted(listed) != sorted(ours):
+            raise invalid(
+                f"param group {i} of the state dict holds the parameters {sorted(set(listed) ^ set(ours))[:5]} "
+                f"that this optimizer's group {i} does not (or lacks them): another model or grouping"
+            )
+        for key in ("lr", "betas", "eps", "weight_decay", "state_format"):
+            if key not in saved:
+                raise invalid(f"param_groups[{i}]: the field {key!r} is missing")
+        groups.append(_merged_hyper(opt, i, saved, ()))
+    entries: dict[Tensor, LoadedState] = {}
+    for name, entry in sd["state"].items():
+        if name not in names:
+            raise invalid(f"the state dict holds state of unknown parameter {name!r}; it was saved from another model")
+        entries[names[name]] = _own_entry(name, entry, names[name], version)
+    return LoadPlan(
+        groups=groups,
+        entries=entries,
+        requested=_requested(meta.get("requested", {}), names),
+        nonfinite=_nonfinite(meta.get("nonfinite", {}), names),
+        generators=plan_generators(meta.get("generators", {}), {_device(p) for p in names.values()}),
+    )
+
+def _own_entry(name: str, entry: Any, p: Tensor, version: int) -> LoadedState:
+    fmt, steps, m_step, tensors = check_entry_fields(name, entry, version)
+    if version >= 2 and list(entry["shape"]) != list(p.shape):
+        raise invalid(
+            f"state of {name!r}: saved for shape {list(entry['shape'])}, the parameter has shape "
+            f"{tuple(p.shape)}: the state dict is of another model"
+        )
+    check_layout(name, fmt, tuple(p.shape), tensors, exact_shape=version >= 2)
+    return LoadedState(fmt, tensors, steps, m_step)
+
+
+def _requested(value: Any, names: Mapping[str, Tensor]) -> dict[Tensor, str | None]:
+    requested = require_mapping(value, "'baoc'['requested']")
+    out: dict[Tensor, str | None] = {p: None for p in names.values()}
+    for name, fmt in requested.items():
+        if name not in names:
+            raise invalid(f"'requested' names unknown parameter {name!r}")
+        try:
+            out[names[name]] = check_format_name(fmt, f"requested format of {name!r}")
+        except (TypeError, ValueError) as err:
+            raise invalid(str(err)) from err
+    return out
+
+
+def _nonfinite(value: Any, names: Mapping[str, Tensor]) -> dict[Tensor, int]:
+    counts = require_mapping(value, "'baoc'['nonfinite']")
+    out: dict[Tensor, int] = {}
+    for name in counts:
+        if name not in names:
+            raise invalid(f"'nonfinite' names unknown parameter {name!r}")
+        out[names[name]] = require_count(counts, name, "'baoc'['nonfinite']")
+    return out
+
+
+def _device(p: Tensor) -> str:
+    return str(p.device)
+
+
+def plan_generators(value: Any, devices: set[str]) -> dict[str, Tensor]:
+    """The saved stochastic-rounding generator states that apply to ``devices``, validated.
+
+    A state is restored on the device it was saved for, or on the one device of the same kind this
+    optimizer trains on when the checkpoint has one of that kind (``cuda:0`` -> ``cuda:1``, as
+    ``map_location`` moves tensors). A state of a device kind this optimizer does not train on
+    (a GPU checkpoint resumed on the CPU) cannot seed another kind's generator: it is ignored, and
+    that device's rounding restarts from the optimizer's ``seed``; the rounding is then as unbiased
+    as before, only not the bit-identical continuation of the original run.
+    """
+    saved = require_mapping(value, "'baoc'['generators']")
+    parsed: dict[str, tuple[torch.device, Tensor]] = {}
+    for key, state in saved.items():
+        if not isinstance(key, str):  # torch.device(0) would silently mean cuda:0
+            raise invalid(f"generators: key {key!r} should be a device name (str)")
+        if not isinstance(state, Tensor) or state.dtype != torch.uint8 or state.dim() != 1:
+            raise invalid(f"generators[{key!r}] should be a 1-D uint8 tensor (a generator state), got {state!r:.80}")
+        try:
+            parsed[key] = (torch.device(key), state)
+        except (RuntimeError, TypeError) as err:
+            raise invalid(f"generators: {key!r} is not a device name ({err})") from err
+    out: dict[str, Tensor] = {}
+    for key, (device, state) in parsed.items():
+        target: str | None = key if key in devices else None
+        if target is None:
+            kin = [k for k, (d, _) in parsed.items() if d.type == device.type]
+            ours = [d for d in devices if torch.device(d).type == device.type and d not in parsed]
+            target = ours[0] if len(kin) == 1 and len(ours) == 1 else None
+        if target is None:
+            continue
+        try:
+            torch.Generator(device=target).set_state(state)  # a scratch generator: validate only
+        except (RuntimeError, ValueError, TypeError) as err:
+            raise invalid(f"generators[{key!r}] is not a valid generator state for {target}: {err}") from err
+        out[target] = state
+    return out
+
+
+def _plan_torch(opt: "BlockwiseAdamW", sd: Mapping[str, Any]) -> LoadPlan:
+    index_to_param: dict[Any, Tensor] = {}
+    groups = []
+    for i, (saved, group) in enumerate(zip(sd["param_groups"], opt.param_groups)):
+        saved = require_mapping(saved, f"param_groups[{i}]")
+        listed = saved.get("params")
+        if not isinstance(listed, (list, tuple)):
+            raise invalid(f"param_groups[{i}]['params'] should be a list, got {listed!r:.80}")
+        if len(listed) != len(group["params"]):
+            raise invalid(
+                f"param group {i} of the state dict has {len(listed)} parameters, this optimizer's "
+                f"has {len(group['params'])}: another model or grouping"
+            )
+        if saved.get("amsgrad"):
+            raise invalid(f"param_groups[{i}] has amsgrad=True: BlockwiseAdamW does not implement amsgrad")
+        index_to_param.update(zip(listed, group["params"]))
+        groups.append(_merged_hyper(opt, i, saved, _TORCH_IMPLEMENTATION_KEYS))
+    entries: dict[Tensor, LoadedState] = {}
+    for key, entry in sd["state"].items():
+        if key not in index_to_param:
+            raise invalid(f"state entry {key!r} belongs to no parameter of the state dict's param groups")
+        p = index_to_param[key]
+        entries[p] = _torch_entry(opt.param_name(p), key, entry, p)
+    return LoadPlan(groups=groups, entries=entries, requested=None, nonfinite={}, generators={})
+
+
+def _torch_entry(name: str, key: Any, entry: Any, p: Tensor) -> LoadedState:
+    where = f"state of {name!r} (entry {key!r})"
+    entry = require_mapping(entry, where)
+    if "format" in entry and "tensors" in entry:
+        raise invalid(f"{where} is a BlockwiseAdamW entry, but the dict's 'baoc' section is missing")
+    if "max_exp_avg_sq" in entry:
+        raise invalid(f"{where} holds amsgrad state (max_exp_avg_sq): BlockwiseAdamW does not implement amsgrad")
+    moments = {}
+    for k in ("exp_avg", "exp_avg_sq"):
+        t = entry.get(k)
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise invalid(f"{where}: {k!r} is missing or not a floating-point tensor (keys {sorted(map(str, entry))})")
+        if tuple(t.shape) != tuple(p.shape):
+            raise invalid(f"{where}: {k} has shape {tuple(t.shape)}, the parameter has shape {tuple(p.shape)}: another model")
+        moments[k] = t.to(p.device, torch.float32)
+        if not bool(torch.isfinite(moments[k]).all()) or (k == "exp_avg_sq" and bool((moments[k] < 0).any())):
+            raise invalid(f"{where}: {k} holds {'negative or ' if k == 'exp_avg_sq' else ''}non-finite values")
+    step = entry.get("step")
+    if isinstance(step, Tensor) and step.numel() == 1:
+        step = step.item()
+    if not isinstance(step, (int, float)) or isinstance(step, bool) or not (math.isfinite(step) and step >= 0 and step == int(step)):
+        raise invalid(f"{where}: 'step' is {entry.get('step')!r}; expected a whole number >= 0")
+    canonical = Canonical(tuple(p.shape), exp_avg=moments["exp_avg"], exp_avg_sq=moments["exp_avg_sq"])
+    return LoadedState(None, canonical, int(step), int(step))
