@@ -34,7 +34,7 @@ def bullets(section: str) -> list[str]:
     return items
 
 
-def test_functions(path: Path) -> set[str]:
+def defined_tests(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
     return {
         node.name
@@ -52,7 +52,7 @@ def test_every_guarantee_names_a_test_that_exists() -> None:
         assert cited, f"this guarantee names no test: {item[:120]!r}"
         for file, name in cited:
             path = ROOT / "tests" / file
-            if not path.is_file() or name not in test_functions(path):
+            if not path.is_file() or name not in defined_tests(path):
                 missing.append(f"tests/{file}::{name}")
     assert not missing, f"README's Guarantees cite tests that do not exist: {missing}"
 
@@ -63,6 +63,6 @@ def test_the_checker_rejects_a_missing_test(tmp_path: Path) -> None:
     section = f"- a promise ({real})\n  continued\n- another (tests/test_readme_guarantees.py::test_invented)\n"
     items = bullets(section)
     assert len(items) == 2 and items[0].endswith("continued")
-    names = test_functions(ROOT / "tests" / "test_readme_guarantees.py")
+    names = defined_tests(ROOT / "tests" / "test_readme_guarantees.py")
     cited = [n for item in items for _, n in CITATION.findall(item)]
     assert [n in names for n in cited] == [True, False]
