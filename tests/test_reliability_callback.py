@@ -14,6 +14,8 @@ from typing import Any
 
 import lightning as L
 import pytest
+
+import lightning_baoc.callback as callback_module
 import torch
 from lightning.pytorch.callbacks import BackboneFinetuning, Callback, ModelCheckpoint
 from torch import nn
@@ -194,16 +196,15 @@ class Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def test_report_location_is_printed_once(tmp_path: Path) -> None:
+def test_report_location_is_printed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Read what the callback says, not a logger whose level and handlers other tests may change.
+    said: list[str] = []
+    monkeypatch.setattr(callback_module, "rank_zero_info", lambda message, *a, **k: said.append(str(message)))
     lines = Lines()
-    logger = logging.getLogger("lightning.pytorch")
-    logger.addHandler(lines)
-    try:
-        baoc = _baoc(report=True, reevaluate_every_n_epochs=1, sparse_sampling=1)
-        trainer = make_trainer(tmp_path, max_epochs=5, callbacks=[baoc], limit_val_batches=0)
-        trainer.fit(DigitsModule(schedule="none"), loaders(n_train=N_TRAIN)[0])
-    finally:
-        logger.removeHandler(lines)
+    lines.lines = said
+    baoc = _baoc(report=True, reevaluate_every_n_epochs=1, sparse_sampling=1)
+    trainer = make_trainer(tmp_path, max_epochs=5, callbacks=[baoc], limit_val_batches=0)
+    trainer.fit(DigitsModule(schedule="none"), loaders(n_train=N_TRAIN)[0])
     assert len(baoc.controller.history) >= 2  # reports were written more than once
     where = [line for line in lines.lines if "report written to" in line]
     assert len(where) == 1
