@@ -65,7 +65,7 @@ from .blocks import GRANULARITIES, partition
 from .budget import format_bytes, parse_memory_budget, parse_time_budget
 from .calibration import PRIOR_STEP_COST, calibrate, memory_table, time_table, withheld_formats
 from .formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, format_state_bytes
-from .optim import BlockwiseAdamW
+from .optim import BlockwiseAdamW, optimizer_alias
 from .planner import block_kind, prior_risk
 from .sampler import DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS, GradientSampler
 from .solver import Allocation, BudgetInfeasibleError, solve
@@ -370,9 +370,6 @@ class AllocationEvent:
 
 # ---------------------------------------------------------------------------- optimizer swap
 
-_ALIASES: dict[str, type[BlockwiseAdamW]] = {}
-
-
 def _named_like(name: str) -> type[BlockwiseAdamW]:
     """A BlockwiseAdamW subclass whose ``__name__`` is the user's optimizer class name.
 
@@ -381,8 +378,6 @@ def _named_like(name: str) -> type[BlockwiseAdamW]:
     lives in :mod:`lightning_baoc.optim` (:func:`~lightning_baoc.optim.optimizer_alias`), which
     resolves the class by name in any process, so pickles load in a fresh one.
     """
-    from .optim import optimizer_alias  # (a module-level import belongs with the others above)
-
     return optimizer_alias(name)
 
 
