@@ -75,6 +75,9 @@ def main(args: list[str] | None = None, run: bool = True) -> BAOCLightningCLI:
         subclass_mode_model=True,
         subclass_mode_data=True,
         parser_kwargs={"parser_mode": "omegaconf"},
+        # the templates fix default_root_dir (logger: false, so no version_N folder): a rerun of the
+        # same command replaces the config.yaml saved there, as it replaces the BAOC report beside it
+        save_config_kwargs={"overwrite": True},
         args=args,
         run=run,
     )

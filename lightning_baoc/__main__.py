@@ -20,6 +20,11 @@ from collections.abc import Callable, Sequence
 from .budget import MEMORY_BUDGET_FORMS, TIME_BUDGET_FORMS
 
 
+def _literal(text: str) -> str:
+    """Help text shown as written: argparse %-formats help strings, so a bare ``%`` ("35%") must be doubled."""
+    return text.replace("%", "%%")
+
+
 def _add_plan(parser: argparse.ArgumentParser) -> None:
     from .blocks import GRANULARITIES
     from .formats import FORMATS
@@ -29,7 +34,7 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
     which.add_argument(
         "--preset",
         choices=sorted(PRESETS),
-        help="a built-in model: " + "; ".join(f"{k}: {v[1]}" for k, v in PRESETS.items()) + " (default: llama-7b)",
+        help=_literal("a built-in model: " + "; ".join(f"{k}: {v[1]}" for k, v in PRESETS.items()) + " (default: llama-7b)"),
     )
     which.add_argument("--model", metavar="PACKAGE.MODULE:FACTORY", help="a factory called with no arguments")
     parser.add_argument(
@@ -37,9 +42,13 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="BUDGET",
-        help=f"memory budget, repeatable: {MEMORY_BUDGET_FORMS}",
+        help=_literal(f"memory budget, repeatable: {MEMORY_BUDGET_FORMS}"),
     )
-    parser.add_argument("--time-budget", metavar="MULTIPLE", help=f"time budget: {TIME_BUDGET_FORMS}")
+    parser.add_argument(
+        "--time-budget",
+        metavar="MULTIPLE|TIME",
+        help=_literal(f"time budget: {TIME_BUDGET_FORMS}; an absolute time needs --calibrate"),
+    )
     parser.add_argument(
         "--device", default="cuda", help="the training device planned for (default: cuda); decides the hardware mask"
     )
@@ -58,6 +67,12 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     from .planner import plan, render
 
+    from .budget import absolute_time_with_prior_error, is_absolute_time
+
+    if args.time_budget is not None and not args.calibrate and is_absolute_time(args.time_budget):
+        raise absolute_time_with_prior_error(
+            args.time_budget, "--time-budget", "pass --calibrate to measure the step in seconds on this machine's device."
+        )
     model = args.model or args.preset or "llama-7b"
     result = plan(
         model,
@@ -76,7 +91,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(result.to_dict(), fh, indent=2)
-    return 0
+    failed = [a for a in result.allocations if a.error is not None]
+    for a in failed:
+        print(f"lightning-baoc plan: budget {a.budget} is infeasible: {a.error}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _add_check(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +128,8 @@ def _run_schema(args: argparse.Namespace) -> int:
 #: name -> (help, add arguments, run)
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "plan": (
-        "plan optimizer-state memory of a model built on the meta device: fp32 AdamW, every format, allocations",
+        "plan optimizer-state memory of a model built on the meta device: fp32 AdamW, every format, allocations; "
+        "exit 0 if every budget is feasible, 1 if one is not (the smallest feasible is printed), 2 on bad input",
         _add_plan,
         _run_plan,
     ),
@@ -135,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, add, run) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=_literal(help_text), description=_literal(help_text))
         add(p)
         p.set_defaults(_run=run)
     return parser

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+import warnings
 
 #: Size units accepted in memory budgets: decimal (SI) and binary (IEC) multiples of a byte.
 MEMORY_UNITS: dict[str, int] = {
@@ -33,6 +34,10 @@ TIME_UNITS: dict[str, float] = {"S": 1.0, "MS": 1e-3, "US": 1e-6, "µS": 1e-6, "
 
 _UNIT_NAMES = "B, KB, MB, GB, TB, PB, KiB, MiB, GiB, TiB, PiB"
 
+#: An int memory budget below this many bytes is almost certainly a fraction written without its
+#: decimal point (``memory_budget=1`` for ``1.0``): it is honoured, with a warning.
+SMALL_INT_BUDGET = 1024
+
 _NUMBER = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
 _SIZE_RE = re.compile(rf"^\s*({_NUMBER})\s*([A-Za-z]*)\s*$")
 _PERCENT_RE = re.compile(rf"^\s*({_NUMBER})\s*%\s*$")
@@ -41,7 +46,7 @@ _MULTIPLE_RE = re.compile(rf"^\s*({_NUMBER})\s*[xX]?\s*$")
 
 #: The forms a memory budget may take, as error messages and the CLI help list them.
 MEMORY_BUDGET_FORMS = (
-    "a fraction of the fp32 AdamW state memory in (0, 1] (0.35 or '35%'), "
+    "a fraction in (0, 1] of the optimizer state plain AdamW would hold (0.35 or '35%'), "
     "or an absolute size: an int of bytes or a string with a unit "
     "(B, KB, MB, GB, TB, PB, KiB, MiB, GiB, TiB, PiB; e.g. '6GB', '512MiB')"
 )
@@ -108,6 +113,15 @@ def parse_memory_budget(value: object, fp32_bytes: float | None, argument: str =
             f"allowed: {MEMORY_BUDGET_FORMS}"
         )
     if isinstance(value, numbers.Integral):
+        if 0 < int(value) < SMALL_INT_BUDGET:
+            warnings.warn(
+                f"{argument}={value!r} is an int, read as {int(value)} byte{'s' if int(value) != 1 else ''} of optimizer "
+                f"state; for a fraction write a float in (0, 1] "
+                f"({'1.0 or 100% for the whole state' if int(value) == 1 else 'e.g. 0.35 or 35%'}), for a size a "
+                f"string with a unit ('512MiB')",
+                UserWarning,
+                stacklevel=2,
+            )
         return _absolute_bytes(int(value), argument, value)
     return _fraction_bytes(float(value), fp32_bytes, argument, value)
 
@@ -191,6 +205,41 @@ def parse_time_budget(value: object, fp32_seconds: float | None, argument: str =
     return _multiple_seconds(float(value), fp32_seconds, argument, value)
 
 
+def is_absolute_time(value: object) -> bool:
+    """Whether a valid time budget is an absolute time (a string with a unit) rather than a multiple.
+
+    Example:
+        >>> is_absolute_time("12ms"), is_absolute_time(1.2), is_absolute_time("1.2x"), is_absolute_time(None)
+        (True, False, False, False)
+    """
+    if value is None:
+        return False
+    try:
+        parse_time_budget(value, fp32_seconds=None)  # a multiple needs the fp32 time: it raises
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def absolute_time_with_prior_error(value: object, argument: str, fix: str) -> ValueError:
+    """The error for an absolute time budget where step times are the unitless prior costs.
+
+    The prior costs (:data:`~lightning_baoc.calibration.PRIOR_STEP_COST`) are relative to the fp32
+    AdamW step and carry no unit, so seconds cannot be compared with them: one rule and one message
+    for the callback, ``plan`` and ``check``.
+
+    Args:
+        value: the time budget as given.
+        argument: its name where the user gave it (``"time_budget"``, ``"--time-budget"``).
+        fix: how to measure seconds instead, in the caller's terms (``"calibration='auto'"``).
+    """
+    return ValueError(
+        f"Invalid {argument}={value!r}: it is an absolute time, but step times here are the built-in prior "
+        f"costs, which are relative to fp32 AdamW and have no unit, so an absolute time cannot be compared "
+        f"with them. Give a multiple of the fp32 step instead (e.g. {argument}=1.2), or {fix}"
+    )
+
+
 def _multiple_seconds(multiple: float, fp32_seconds: float | None, argument: str, raw: object) -> float:
     if not math.isfinite(multiple) or multiple <= 0.0:
         raise ValueError(f"{argument}={raw!r} must be positive and finite; allowed: {TIME_BUDGET_FORMS}")
@@ -208,57 +257,104 @@ def _multiple_seconds(multiple: float, fp32_seconds: float | None, argument: str
     return multiple * fp32_seconds
 
 
-def _format_units(n: float, units: tuple[str, ...], base: float) -> str:
+def round_up(value: float, decimals: int = 3) -> str:
+    """``value`` rounded up to ``decimals`` decimals: a budget written with it is never too small.
+
+    Example:
+        >>> round_up(0.25001), round_up(0.25), round_up(1.0000000000000002)
+        ('0.251', '0.250', '1.000')
+    """
+    scale = 10**decimals
+    return f"{math.ceil(value * scale - 1e-9) / scale:.{decimals}f}"
+
+
+def ceil_significant(value: float, digits: int = 3) -> float:
+    """``value`` rounded up (away from zero) to ``digits`` significant digits.
+
+    Example:
+        >>> ceil_significant(0.011801), ceil_significant(1.88)
+        (0.0119, 1.88)
+    """
+    if value == 0.0 or not math.isfinite(value):
+        return value
+    step = 10.0 ** (math.floor(math.log10(abs(value))) - digits + 1)
+    # a value already on the grid (up to float noise) stays there
+    return math.copysign(math.ceil(abs(value) / step - 1e-9) * step, value)
+
+
+def _format_units(n: float, units: tuple[str, ...], base: float, up: bool) -> str:
     if not math.isfinite(n):
         return str(n)
     value = float(n)
-    for unit in units:
+    for i, unit in enumerate(units):
         if abs(value) < base or unit == units[-1]:
             if unit == "B":
-                return f"{int(round(value))} B"
+                return f"{int(math.ceil(value) if up else round(value))} B"
+            if up:
+                rounded = ceil_significant(value)
+                if abs(rounded) >= base and i + 1 < len(units):  # 1023.6 KiB rounds up to 1 MiB
+                    return f"{ceil_significant(value / base):.3g} {units[i + 1]}"
+                value = rounded
             return f"{value:.3g} {unit}"
         value /= base
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def format_bytes(n: float) -> str:
+def format_bytes(n: float, up: bool = False) -> str:
     """Bytes in binary units, three significant digits.
+
+    Args:
+        n: bytes.
+        up: round up, not to the nearest (for a smallest feasible budget: giving the printed
+            value back is never too small) (default: False).
 
     Example:
         >>> format_bytes(1536 * 2**20)
         '1.5 GiB'
         >>> format_bytes(100)
         '100 B'
+        >>> format_bytes(2001, up=True), format_bytes(2001)
+        ('1.96 KiB', '1.95 KiB')
     """
-    return _format_units(n, ("B", "KiB", "MiB", "GiB", "TiB"), 1024.0)
+    return _format_units(n, ("B", "KiB", "MiB", "GiB", "TiB"), 1024.0, up)
 
 
-def format_decimal_bytes(n: float) -> str:
-    """Bytes in decimal units (GB = 1e9), three significant digits.
+def format_decimal_bytes(n: float, up: bool = False) -> str:
+    """Bytes in decimal units (GB = 1e9), three significant digits (``up``: rounded up).
 
     Example:
         >>> format_decimal_bytes(53_907_324_928)
         '53.9 GB'
     """
-    return _format_units(n, ("B", "KB", "MB", "GB", "TB"), 1000.0)
+    return _format_units(n, ("B", "KB", "MB", "GB", "TB"), 1000.0, up)
 
 
-def format_seconds(seconds: float) -> str:
-    """Seconds in s / ms / us, three significant digits.
+def format_seconds(seconds: float, up: bool = False) -> str:
+    """Seconds in s / ms / us, three significant digits (``up``: rounded up).
 
     Example:
         >>> format_seconds(0.0123)
         '12.3 ms'
+        >>> format_seconds(1.8812, up=True), format_seconds(1.8812)
+        ('1.89 s', '1.88 s')
     """
     if not math.isfinite(seconds):
         return str(seconds)
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
         if abs(seconds) >= scale or unit == "us":
-            return f"{seconds / scale:.3g} {unit}"
+            value = seconds / scale
+            if up:
+                rounded = ceil_significant(value)
+                if abs(rounded) >= 1000 and unit != "s":  # 999.6 ms rounds up to 1 s
+                    return f"{ceil_significant(value / 1000):.3g} {'s' if unit == 'ms' else 'ms'}"
+                value = rounded
+            return f"{value:.3g} {unit}"
     raise AssertionError("unreachable")  # pragma: no cover
 
 
 __all__ = [
+    "SMALL_INT_BUDGET",
+    "ceil_significant",
     "MEMORY_BUDGET_FORMS",
     "MEMORY_UNITS",
     "TIME_BUDGET_FORMS",
@@ -266,6 +362,9 @@ __all__ = [
     "format_bytes",
     "format_decimal_bytes",
     "format_seconds",
+    "absolute_time_with_prior_error",
+    "is_absolute_time",
     "parse_memory_budget",
     "parse_time_budget",
+    "round_up",
 ]

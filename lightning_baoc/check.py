@@ -43,7 +43,14 @@ import torch
 from torch import nn
 
 from .blocks import partition_report
-from .budget import format_bytes, parse_memory_budget, parse_time_budget
+from .budget import (
+    absolute_time_with_prior_error,
+    format_bytes,
+    is_absolute_time,
+    parse_memory_budget,
+    parse_time_budget,
+    round_up,
+)
 from .calibration import PRIOR_STEP_COST, calibrate, hardware_mask, memory_table, time_table, withheld_formats
 from .config import Config, ComponentConfig, load_config
 from .formats import FORMATS, numel_of
@@ -238,11 +245,6 @@ def default_device(config: Config) -> str:
 # ---------------------------------------------------------------------------- the checks
 
 
-def _fraction_up(value: float) -> str:
-    """A fraction rounded up to 3 decimals (a budget written with it is never too small)."""
-    return f"{math.ceil(value * 1000 - 1e-9) / 1000:.3f}"
-
-
 def _direction(monitor: str) -> str | None:
     words = re.split(r"[^a-z0-9]+", monitor.lower())
     joined = "_".join(words)
@@ -409,6 +411,15 @@ def _check_budget(
     fp32_time = 0.0
     if b.time_budget is not None:
         if b.calibration.mode == "prior" or not _local(device):
+            if is_absolute_time(b.time_budget):
+                # seconds cannot be compared with the unitless prior costs (the callback's rule too)
+                where = (
+                    "set baoc.calibration.mode: auto"
+                    if b.calibration.mode == "prior"
+                    else f"run check on a machine with the {device} device, where the step is measured in seconds"
+                )
+                err = absolute_time_with_prior_error(b.time_budget, "baoc.time_budget", where + ".")
+                return CheckResult("memory budget", False, str(err), f"baoc.time_budget: 1.2 (a multiple), or {where}")
             costs: Any = PRIOR_STEP_COST
             time_note = "; step time priced with the built-in prior costs"
         else:
@@ -444,7 +455,7 @@ def _check_budget(
         if b.time_budget is not None:
             # the memory needed is the least within the time budget: a looser one may need less
             slower = (
-                f"raise baoc.time_budget to >= {_fraction_up(err.min_time / fp32_time)} (x fp32)"
+                f"raise baoc.time_budget to >= {round_up(err.min_time / fp32_time)} (x fp32)"
                 if err.min_time is not None and fp32_time
                 else "raise baoc.time_budget"
             )
@@ -455,7 +466,7 @@ def _check_budget(
             f"{budget_text} is infeasible for this model: the smallest feasible budget with the allowed formats "
             f"{served} is {format_bytes(need)} ({need / fp32_bytes:.3f} of fp32)"
             f"{' within the time budget' if b.time_budget is not None else ''}{time_note}{withheld_note}",
-            f"set baoc.memory_budget >= {_fraction_up(need / fp32_bytes)} (or an absolute size >= {int(math.ceil(need))} "
+            f"set baoc.memory_budget >= {round_up(need / fp32_bytes)} (or an absolute size >= {int(math.ceil(need))} "
             f"bytes){allow}",
         )
     return CheckResult(

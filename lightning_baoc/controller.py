@@ -62,7 +62,14 @@ import torch
 from torch import nn
 
 from .blocks import GRANULARITIES, partition
-from .budget import format_bytes, parse_memory_budget, parse_time_budget
+from .budget import (
+    absolute_time_with_prior_error,
+    format_bytes,
+    is_absolute_time,
+    parse_memory_budget,
+    parse_time_budget,
+    round_up,
+)
 from .calibration import PRIOR_STEP_COST, calibrate, memory_table, time_table, withheld_formats
 from .formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, format_state_bytes
 from .optim import BlockwiseAdamW, optimizer_alias
@@ -162,17 +169,6 @@ def _check_float(name: str, value: object, minimum: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
         raise ValueError(f"Invalid {name}={value!r}; expected a finite number >= {minimum}")
     return float(value)
-
-
-def _absolute_time(time_budget: object) -> bool:
-    """Whether a (valid) time budget is absolute (a time with a unit) rather than a multiple."""
-    if time_budget is None:
-        return False
-    try:
-        parse_time_budget(time_budget, fp32_seconds=None)  # a multiple needs the fp32 time: it raises
-    except (TypeError, ValueError):
-        return False
-    return True
 
 
 @dataclass
@@ -297,12 +293,9 @@ class BAOCConfig:
         self.min_8bit_numel = _check_int("min_8bit_numel", self.min_8bit_numel, 0)
         if self.calibration not in ("auto", "prior"):
             raise ValueError(f"Invalid calibration={self.calibration!r}; allowed: ['auto', 'prior']")
-        if self.calibration == "prior" and _absolute_time(self.time_budget):
-            raise ValueError(
-                f"Invalid time_budget={self.time_budget!r} with calibration='prior': the prior step costs are "
-                f"relative to fp32 AdamW and have no unit, so an absolute time cannot be compared with them. "
-                f"Give a relative time budget (a multiple of the fp32 step, e.g. time_budget=1.2), or "
-                f"calibration='auto' to measure the step in seconds on the device."
+        if self.calibration == "prior" and is_absolute_time(self.time_budget):
+            raise absolute_time_with_prior_error(
+                self.time_budget, "time_budget", "calibration='auto' to measure the step in seconds on the device."
             )
         self.seed = _check_int("seed", self.seed, 0)
         if self.max_block_risk is not None:
@@ -858,7 +851,7 @@ class BAOCController:
                 baseline = (
                     f"; as a fraction of the AdamW state on these parameters "
                     f"({format_bytes(self.baseline_state_bytes)}): memory_budget >= "
-                    f"{math.ceil(1000 * err.min_memory / self.baseline_state_bytes) / 1000:.3f}"
+                    f"{round_up(err.min_memory / self.baseline_state_bytes)}"
                 )
             raise BudgetInfeasibleError(
                 f"BAOC(memory_budget={self.config.memory_budget!r}, time_budget={self.config.time_budget!r}): "

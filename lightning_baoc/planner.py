@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .blocks import ROOT_BLOCK, partition
-from .budget import format_bytes, format_decimal_bytes
+from .budget import absolute_time_with_prior_error, format_bytes, format_decimal_bytes, is_absolute_time
 from .calibration import (
     PRIOR_STEP_COST,
     calibrate,
@@ -403,7 +403,8 @@ def plan(
     Args:
         model: a preset name, ``"package.module:factory"``, or a module (any device).
         budgets: memory budgets to allocate at (fractions like ``0.35`` or sizes like ``"6GB"``).
-        time_budget: optional time budget (multiple of the fp32 step, e.g. ``1.10``).
+        time_budget: optional time budget: a multiple of the fp32 step (``1.10``), or an absolute
+            time (``"12ms"``) with ``calibrate_time=True`` (the prior costs have no unit).
         device: the training device planned for; decides the hardware mask and whether ``offload``
             saves device memory (default: ``"cuda"``).
         granularity: block granularity of :func:`~lightning_baoc.blocks.partition` (default:
@@ -418,11 +419,19 @@ def plan(
         min_8bit_numel: the optimizer's small-tensor threshold (default: 4096).
         method: the solver's method (default: ``"auto"``).
 
+    Raises:
+        ValueError: a bad model, budget or mask, or an absolute ``time_budget`` without
+            ``calibrate_time`` (the message names both fixes).
+
     Example:
         >>> p = plan("tiny", [0.5], device="cpu")
         >>> p.params, p.fp32_bytes == 8 * p.params
         (166208, True)
     """
+    if time_budget is not None and not calibrate_time and is_absolute_time(time_budget):
+        raise absolute_time_with_prior_error(
+            time_budget, "time_budget", "calibrate_time=True (--calibrate) to measure the step in seconds on the device."
+        )
     name = model if isinstance(model, str) else type(model).__name__
     module = build_model(model) if isinstance(model, str) else model
     user_mask = check_mask(mask) if mask else {}

@@ -44,7 +44,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .budget import format_bytes, format_seconds, parse_memory_budget, parse_time_budget
+from .budget import ceil_significant, format_bytes, format_seconds, parse_memory_budget, parse_time_budget
 
 #: The format names of :data:`lightning_baoc.FORMATS`, in its order (kept here so the solver
 #: imports no torch; a test holds the two equal). Tables may also use other names.
@@ -81,6 +81,12 @@ _METHODS = ("auto", "greedy", "exact")
 # Relative slack on normalized budgets inside the search (budgets are 1.0 there). Pruning is
 # conservative by this much; every accepted allocation is re-checked on the raw numbers.
 _FEAS_EPS = 1e-12
+
+# Relative slack on a time budget: step times are measured (or prior) seconds summed in different
+# orders by different callers, so a budget equal to an allocation's time up to rounding (a multiple
+# of 1.0 of an fp32 step summed by ``sum``, an allocation's time by ``math.fsum``) must admit it.
+# Memory is integer bytes and gets none.
+TIME_BUDGET_RTOL = 1e-9
 
 
 class BudgetInfeasibleError(ValueError):
@@ -1217,36 +1223,49 @@ def _infeasible(p: _Problem, s: _Scaled, mb: float, tb: float | None, node_limit
     exact = exact_m and exact_t
     about = "" if exact else "about "
 
-    def mem_text(v: float) -> str:
-        frac = f" ({v / p.fp32_memory:.3g} of fp32 AdamW)" if p.fp32_memory else ""
-        return f"{format_bytes(v)}{frac}" if p.memory_int else f"{v:.6g}{frac}"
+    # A budget is shown rounded to the nearest, a smallest feasible one rounded up (and exactly where
+    # the two would read the same): giving the printed value back as the budget is never too small.
+    def mem_text(v: float, up: bool = False) -> str:
+        frac = f" ({(ceil_significant(v / p.fp32_memory) if up else v / p.fp32_memory):.3g} of fp32 AdamW)" if p.fp32_memory else ""
+        if not p.memory_int:
+            return f"{v:.6g}{frac}"
+        # exact where the rounding up shows more than it is
+        exact = f" = {int(math.ceil(v)):,} bytes" if up and format_bytes(v, up=True) != format_bytes(v) else ""
+        return f"{format_bytes(v, up=up)}{exact}{frac}"
 
-    def time_text(v: float) -> str:
-        frac = f" ({v / p.fp32_time:.3g}x the fp32 AdamW step)" if p.fp32_time else ""
-        return f"{format_seconds(v)}{frac}"
+    def time_text(v: float, up: bool = False) -> str:
+        frac = f" ({(ceil_significant(v / p.fp32_time) if up else v / p.fp32_time):.3g}x the fp32 AdamW step)" if p.fp32_time else ""
+        text = format_seconds(v, up=up)
+        if up and tb is not None and text == format_seconds(tb_given):
+            text += f" = {v!r} s"
+        return f"{text}{frac}"
 
+    tb_given = None if tb is None else tb / (1.0 + TIME_BUDGET_RTOL)
     parts: list[str] = []
-    within_t = f" within time_budget {time_text(tb)}" if tb is not None else ""
+    within_t = f" within time_budget {time_text(tb_given)}" if tb_given is not None else ""
     if min_memory is None:
         fastest = math.fsum(np.min(p.time, axis=1).tolist()) if p.time is not None else math.nan
-        parts.append(f"time_budget {time_text(tb or math.nan)} cannot be met by any allocation: the fastest is {time_text(fastest)}")
+        parts.append(
+            f"time_budget {time_text(tb_given if tb_given is not None else math.nan)} cannot be met by any allocation: "
+            f"the fastest is {time_text(fastest, up=True)}"
+        )
     elif min_memory > mb:
-        parts.append(f"memory_budget {mem_text(mb)} cannot be met{within_t}: the smallest feasible is {about}{mem_text(min_memory)}")
-    if tb is not None:
+        parts.append(f"memory_budget {mem_text(mb)} cannot be met{within_t}: the smallest feasible is {about}{mem_text(min_memory, up=True)}")
+    if tb is not None and tb_given is not None:
         if min_time is None:
             if min_memory is None or min_memory <= mb:
                 smallest = p.totals(np.argmin(p.memory, axis=1))[1]
-                parts.append(f"memory_budget {mem_text(mb)} cannot be met by any allocation: the smallest is {mem_text(smallest)}")
+                parts.append(f"memory_budget {mem_text(mb)} cannot be met by any allocation: the smallest is {mem_text(smallest, up=True)}")
         elif min_time > tb:
             parts.append(
-                f"time_budget {time_text(tb)} cannot be met within memory_budget {mem_text(mb)}: the smallest "
-                f"feasible is {about}{time_text(min_time)}"
+                f"time_budget {time_text(tb_given)} cannot be met within memory_budget {mem_text(mb)}: the smallest "
+                f"feasible is {about}{time_text(min_time, up=True)}"
             )
     message = "; ".join(parts) + ". Raise a budget, allow more formats, or unmask one" + note
     return BudgetInfeasibleError(
         message,
         memory_budget=mb,
-        time_budget=tb,
+        time_budget=tb_given,
         min_memory=min_memory,
         min_time=min_time,
         exact=exact,
@@ -1267,7 +1286,7 @@ def _parse_budgets(p: _Problem, memory_budget: object, time_budget: object) -> t
                 f"time_budget={time_budget!r} was given without a time table; pass time= "
                 f"(block -> format -> seconds), e.g. from lightning_baoc.calibration.time_table"
             )
-        tb = parse_time_budget(time_budget, p.fp32_time)
+        tb = parse_time_budget(time_budget, p.fp32_time) * (1.0 + TIME_BUDGET_RTOL)
     return mb, tb
 
 
@@ -1415,7 +1434,7 @@ def _solve_problem(p: _Problem, mb: float, tb: float | None, method: str, note: 
         time=time_total,
         risk=risk_total,
         memory_budget=mb,
-        time_budget=tb,
+        time_budget=None if tb is None else tb / (1.0 + TIME_BUDGET_RTOL),
         lower_bound=lower,
         optimal=optimal,
         method=used,

@@ -128,3 +128,21 @@ def test_example_cli_fit_allocates(tmp_path: Path) -> None:
     opt = the_cli.trainer.optimizers[0]
     fp32 = 8 * sum(p.numel() for p in the_cli.model.parameters())
     assert opt.state_bytes() <= 0.35 * fp32
+
+
+def test_documented_template_command_runs_twice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # README's command as written (the template's own default_root_dir, logger: false), run twice in
+    # one directory: the second run must not stop on the config.yaml the first one saved
+    monkeypatch.chdir(tmp_path)
+    steps = 6
+    args = [
+        "fit", "--config", str(ROOT / "configs" / "vision.yaml"), "--baoc.memory_budget=0.25",
+        f"--trainer.max_steps={steps}", f"--model.init_args.max_steps={steps}", "--trainer.val_check_interval=3",
+        "--data.init_args.batch_size=16", "--baoc.warmup_steps=4", "--baoc.sampler.sample_every=2",
+        "--baoc.report=false", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+    ]
+    for _ in range(2):
+        the_cli = cli.main(args)
+        assert the_cli.trainer.global_step == steps
+    saved = tmp_path / "lightning_logs" / "vision" / "config.yaml"
+    assert saved.is_file() and "memory_budget: 0.25" in saved.read_text()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -163,11 +164,20 @@ def test_cli_bad_input_exits_2(capsys, tmp_path) -> None:
     assert "invalid choice: 'fp8'" in capsys.readouterr().err
 
 
-def test_infeasible_budget_is_reported_not_raised(capsys, tmp_path) -> None:
+def test_infeasible_budget_is_reported_and_exits_1(capsys, tmp_path) -> None:
     out_json = tmp_path / "plan.json"
-    assert main(["plan", "--preset", "tiny", "--device", "cpu", "--budget", "0.01", "--json", str(out_json)]) == 0
-    out = capsys.readouterr().out
-    assert "infeasible" in out
+    argv = ["plan", "--preset", "tiny", "--device", "cpu", "--budget", "0.01", "--budget", "0.5", "--json", str(out_json)]
+    assert main(argv) == 1  # the feasible 0.5 is planned, the infeasible 0.01 fails the command
+    captured = capsys.readouterr()
+    assert "infeasible" in captured.out
+    # the smallest feasible budget is printed, rounded up: giving it back is feasible
+    smallest = re.search(
+        r"budget 0\.01 is infeasible: .*smallest feasible is ([\d.]+ \w+)(?: = [\d,]+ bytes)? \((0\.\d+) of fp32", captured.err
+    )
+    assert smallest, captured.err
+    size, fraction = smallest.group(1).replace(" ", ""), smallest.group(2)
+    assert main(["plan", "--preset", "tiny", "--device", "cpu", "--budget", fraction]) == 0
+    assert main(["plan", "--preset", "tiny", "--device", "cpu", "--budget", size]) == 0
     data = json.loads(out_json.read_text())
     assert data["allocations"][0]["error"].startswith("memory_budget")
     assert data["fp32_adamw_state_bytes"] == 8 * data["params"]
