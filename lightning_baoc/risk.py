@@ -186,9 +186,11 @@ def _param_terms(
     else:
         m = None
         bc1 = 1.0
-    v_hat = v / bc2
+    # float64 on the sampled elements (at most max_elements): v / bias_correction2 of a finite v
+    # near fp32's maximum is past it, and so are m * u and the squares below
+    v_hat = v.double() / bc2
     if m is not None:
-        m_hat = m / bc1
+        m_hat = m.double() / bc1
     else:
         # no momentum held: expected signal from the sampled gradients' SNR (see module doc)
         frac = 1.0 if noise_fraction is None or math.isnan(noise_fraction) else noise_fraction
@@ -201,7 +203,8 @@ def _param_terms(
     noise_sq = float(noise) * scale
     damp = (1.0 - beta1) / (1.0 + beta1)
 
-    m_src = m if m is not None else m_hat * bc1  # a re-created momentum estimates the same signal
+    # a re-created momentum estimates the same signal (in fp32, as a format would hold it)
+    m_src = m if m is not None else (m_hat * bc1).float().clamp_(max=torch.finfo(torch.float32).max)
     dims = factor_dims(p.shape)
     factored_v: Tensor | None = None
     bias: dict[str, float] = {}
@@ -218,11 +221,15 @@ def _param_terms(
             if factored_v is None:
                 rows, cols = dims  # type: ignore[misc] - factored formats resolve only for 2-D+
                 v2d = v_full.view(rows, cols)
-                row, col = v2d.mean(dim=1), v2d.mean(dim=0)
+                # means that cannot overflow (divide, then sum: a plain mean of moments near 1e38
+                # sums past fp32's maximum) and the estimate as (row / mean) * col, whose ratio is at
+                # most `rows`: the product row * col of two moments near 1e38 would be inf
+                row, col = v2d.div(cols).sum(dim=1), v2d.div(rows).sum(dim=0)
                 flat = torch.arange(v_full.numel()) if idx is None else idx
                 r_idx, c_idx = flat // cols, flat % cols
-                mean = row.mean()
-                factored_v = row[r_idx] * col[c_idx] / mean if float(mean) > 0 else torch.zeros_like(v)
+                mean = row.div(rows).sum()
+                ratio = torch.where(mean > 0, row / mean, torch.zeros_like(row))
+                factored_v = ratio[r_idx].double() * col[c_idx].double()
             v_f = factored_v
             m_f = _round_trip("int8", m_src, v, generator)[0] if spec.has_momentum else None
             zero = None
@@ -230,8 +237,8 @@ def _param_terms(
             if actual not in cache:
                 cache[actual] = _round_trip(actual, m_src, v, generator)
             m_f, v_f, zero = cache[actual]
-        m_exp = (m_f / bc1) if (spec.has_momentum and m_f is not None) else m_hat
-        u_f = m_exp / ((v_f / bc2).sqrt() + eps)
+        m_exp = (m_f.double() / bc1) if (spec.has_momentum and m_f is not None) else m_hat
+        u_f = m_exp / ((v_f.double() / bc2).sqrt() + eps)
         err = (u_f - u) ** 2
         bias[fmt] = float(err.sum()) * scale
         if zero is not None:

@@ -46,6 +46,8 @@ from .blocks import partition
 #: Format version of :meth:`GradientSampler.state_dict`.
 STATE_VERSION = 1
 
+_FP32_MAX = torch.finfo(torch.float32).max
+
 #: Staging buffers in flight between the hot path and the worker. Two let the hot path fill one
 #: while the worker reduces the other; the hot path waits (a "stall", counted) only if the worker
 #: is a whole sampling interval behind, so no sample is ever dropped and results stay deterministic.
@@ -445,11 +447,10 @@ class GradientSampler:
         """Per block: cosine of ring row ``pos`` with the sample in ``host`` (nan where undefined)."""
         x = self._ring[pos]
         y = host[: self._elements]
-        # One segmented reduction for all blocks (a Python loop over blocks costs ~10x more), in
-        # fp32: sums of at most max_elements products lose ~1e-6 relative, far below the
-        # sampling error of a cosine over a subsample.
+        # One segmented reduction for all blocks (a Python loop over blocks costs ~10x more).
+        # float64 products: the square of a finite gradient of 1e20 is past float32's maximum
+        x, y = x.to(torch.float64), y.to(torch.float64)
         sums = torch.segment_reduce(torch.stack([x * y, x * x, y * y], dim=1), "sum", lengths=self._elem_lengths)
-        sums = sums.to(torch.float64)
         denom = (sums[:, 1] * sums[:, 2]).sqrt()
         ok = valid & self._ring_valid[pos] & (denom > 0)
         return torch.where(ok, sums[:, 0] / denom, torch.full_like(denom, math.nan))
@@ -753,7 +754,15 @@ def _gather(seg: _Segment, grad: Tensor | None, buf: Tensor, device: torch.devic
             elems.copy_(flat.index_select(0, index))
     if with_rows and seg.row_count:
         mat = grad.reshape(grad.shape[0], -1)[seg.row_start :: seg.row_step]
-        torch.linalg.vector_norm(mat, dim=1, dtype=torch.float32, out=rows)
+        # accumulated in float64: in float32 the squares of finite gradients of 1e19 sum past its
+        # maximum and the sample would be dropped as non-finite. At most max_rows rows per tensor,
+        # every sample_every steps. A norm beyond float32 itself saturates (it stays finite).
+        if mat.device.type == "mps":  # no float64 there: scale each row by its largest value
+            amax = mat.abs().amax(dim=1, keepdim=True).float().clamp_(min=torch.finfo(torch.float32).tiny)
+            norms = torch.linalg.vector_norm(mat / amax, dim=1, dtype=torch.float32).mul_(amax.squeeze(1))
+        else:
+            norms = torch.linalg.vector_norm(mat, dim=1, dtype=torch.float64)
+        rows.copy_(norms.clamp_(max=_FP32_MAX))
 
 
 def _worker_loop(ref: weakref.ReferenceType[GradientSampler], work: queue.Queue[Any]) -> None:
