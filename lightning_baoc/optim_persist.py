@@ -41,6 +41,7 @@ class PersistenceMixin:
 
     # provided by the optimizer this is mixed into
     _records: dict[Tensor, Record]
+    _names: dict[str, Tensor]
     _pools: dict[tuple[str, str], Pool]
     _generators: dict[str, torch.Generator]
     param_groups: list[dict[str, Any]]
@@ -152,9 +153,61 @@ class PersistenceMixin:
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             state_dict = state_dict if result is None else result
-        self._apply(plan_load(self, state_dict))
+        undo = self._adopt_assigned(state_dict)
+        try:
+            plan = plan_load(self, state_dict)
+        except BaseException:
+            undo()
+            raise
+        self._apply(plan)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _adopt_assigned(self, state_dict: Any) -> Callable[[], None]:
+        """Take in parameters put into ``param_groups`` directly, named by position from the state dict.
+
+        Lightning's ``BaseFinetuning`` restores the param groups of a resumed run by assigning
+        ``optimizer.param_groups``: the backbone it had added is there, but never passed through
+        :meth:`add_param_group`, so the optimizer has no record (no name) of it. The state dict being
+        loaded names every parameter of every group; where a group holds as many parameters as the
+        saved one, an unrecorded parameter takes the saved name at its position, as torch's own
+        ``load_state_dict`` matches parameters by position. Returns the undo (the load may still
+        be refused: then the optimizer is left exactly as it was).
+        """
+        before = {p: rec.group for p, rec in self._records.items()}
+        adopted: list[Tensor] = []
+
+        def undo() -> None:
+            for p in adopted:
+                rec = self._records.pop(p)
+                self._names.pop(rec.name, None)
+            for p, group in before.items():
+                self._records[p].group = group
+
+        saved_groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) and "baoc" in state_dict else None
+        if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(self.param_groups):
+            return undo
+        for index, group in enumerate(self.param_groups):
+            saved = saved_groups[index]
+            listed = saved.get("params") if isinstance(saved, Mapping) else None
+            if not isinstance(listed, (list, tuple)) or len(listed) != len(group["params"]):
+                continue
+            for p, name in zip(group["params"], listed):
+                rec = self._records.get(p)
+                if rec is not None:
+                    rec.group = index  # the groups may have been re-ordered too
+                elif (
+                    isinstance(p, Tensor)
+                    and isinstance(name, str)
+                    and name not in self._names
+                    and p.is_floating_point()
+                    and not p.is_complex()
+                    and not p.is_sparse
+                ):
+                    self._names[name] = p
+                    self._records[p] = Record(name=name, group=index)
+                    adopted.append(p)
+        return undo
 
     def load_checkpoint(self, path_or_file: str | os.PathLike[str] | IO[bytes]) -> None:
         """Load an optimizer state dict saved with ``torch.save`` (damaged files: CheckpointError).

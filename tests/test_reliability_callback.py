@@ -91,6 +91,59 @@ def test_backbone_unfrozen_after_the_allocation_stays_within_the_budget(tmp_path
     assert fp32 == 8 * sum(p.numel() for p in model.parameters())  # the backbone is trained by the end
 
 
+@pytest.mark.parametrize("baoc_first", [True, False], ids=["baoc-before-finetuning", "baoc-after-finetuning"])
+def test_resume_after_backbone_unfrozen_keeps_its_state_in_either_callback_order(tmp_path: Path, baoc_first: bool) -> None:
+    """BaseFinetuning restores the resumed run's param groups by assigning optimizer.param_groups
+    (after BAOC installed its optimizer when BAOC is listed first): the backbone's state must load."""
+
+    def callbacks(baoc: BAOC) -> list[Callback]:
+        unfreeze = BackboneFinetuning(unfreeze_backbone_at_epoch=3, backbone_initial_lr=1e-3)
+        return [baoc, unfreeze] if baoc_first else [unfreeze, baoc]
+
+    L.seed_everything(0, verbose=False)
+    first = _baoc()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_on_train_epoch_end=True)
+    trainer = make_trainer(tmp_path, max_epochs=5, callbacks=[*callbacks(first), ckpt], enable_checkpointing=True, limit_val_batches=0)
+    trainer.fit(TransferModule(), loaders(n_train=N_TRAIN)[0])
+    saved_steps = {n: trainer.optimizers[0].step_count(n) for n in trainer.optimizers[0].named_params}
+    assert saved_steps["backbone.0.weight"] == 10  # epochs 3 and 4
+
+    L.seed_everything(0, verbose=False)
+    resumed, probe = _baoc(), StateProbe()
+    trainer = make_trainer(tmp_path, max_epochs=7, callbacks=[*callbacks(resumed), probe], limit_val_batches=0)
+    model = TransferModule()
+    trainer.fit(model, loaders(n_train=N_TRAIN)[0], ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    opt = trainer.optimizers[0]
+    assert trainer.global_step == 35 and resumed.phase == "allocated"
+    assert opt.step_count("backbone.0.weight") >= saved_steps["backbone.0.weight"]  # restored, not restarted
+    assert set(opt.named_params) == set(saved_steps)
+    budget = 0.3 * resumed.controller.fp32_state_bytes
+    for step, used, _ in probe.after:
+        assert used <= budget, (step, used, budget)
+
+
+def test_parameters_assigned_to_param_groups_are_named_from_the_state_dict_at_load() -> None:
+    torch.manual_seed(0)
+    head, backbone = nn.Linear(8, 4), nn.Linear(8, 8)
+    model = nn.ModuleDict({"head": head, "bb": backbone})
+    source = BlockwiseAdamW(list(head.parameters()), param_names=model, state_format="int8", min_8bit_numel=0)
+    source.add_param_group({"params": list(backbone.parameters())})
+    for p in [*head.parameters(), *backbone.parameters()]:
+        p.grad = torch.randn_like(p)
+    source.step()
+    saved = source.state_dict()
+
+    target = BlockwiseAdamW(list(head.parameters()), param_names=model, state_format="int8", min_8bit_numel=0)
+    target.param_groups = [target.param_groups[0], {**target.param_groups[0], "params": list(backbone.parameters())}]
+    broken = {**saved, "param_groups": [saved["param_groups"][0], {**saved["param_groups"][1], "lr": float("nan")}]}
+    with pytest.raises(ValueError):
+        target.load_state_dict(broken)
+    assert set(target.named_params) == {"head.weight", "head.bias"}  # a refused load adopts nothing
+    target.load_state_dict(saved)
+    assert set(target.named_params) == {"head.weight", "head.bias", "bb.weight", "bb.bias"}
+    assert target.step_count("bb.weight") == 1 and target.formats()["bb.weight"] == "int8"
+
+
 # ---------------------------------------------------------------------------- 3: changed settings at resume
 
 
