@@ -290,8 +290,9 @@ class BAOCSection:
         sampler: gradient sampling (:class:`SamplerConfig`).
         calibration: step costs for the time budget (:class:`CalibrationConfig`).
         min_8bit_numel: tensors with fewer elements stay out of the 8-bit formats (default: 4096).
-        report: print the allocation table and write ``baoc_allocation.json``/``.png``
-            (default: True).
+        report: print the allocation table and write ``baoc_allocation.json``/``.png``: ``True``
+            (the PNG when matplotlib is installed), ``"json"``, ``"png"`` (the PNG required) or
+            ``False`` (default: True).
         seed: seed of the gradient sampling and of stochastic rounding (default: 0).
 
     Example:
@@ -346,9 +347,13 @@ class BAOCSection:
         default=DEFAULT_MIN_8BIT_NUMEL,
         metadata=_help("Tensors with fewer elements stay out of the 8-bit formats (as bitsandbytes).", minimum=0),
     )
-    report: bool = field(
+    report: Union[bool, Literal["json", "png"]] = field(
         default=True,
-        metadata=_help("Print the allocation table and write baoc_allocation.json / .png into the log directory."),
+        metadata=_help(
+            "Print the allocation table and write baoc_allocation.json / .png into the log directory. true: the "
+            "PNG when matplotlib is installed (else a warning); 'json': no PNG; 'png': the PNG required "
+            "(refused at start without matplotlib); false: no report."
+        ),
     )
     seed: int = field(default=0, metadata=_help("Seed of the gradient sampling and of stochastic rounding.", minimum=0))
 

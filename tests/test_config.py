@@ -330,3 +330,20 @@ def test_hydra_example_trains_from_a_composed_template(tmp_path: Path) -> None:
         bad = compose(config_name="vision", overrides=["baoc.sampler.sample_every=0"])
     with pytest.raises(ConfigError, match="baoc.sampler.sample_every"):
         example.train(bad)
+
+
+@pytest.mark.parametrize("value", [True, False, "json", "png"])
+def test_report_setting_reaches_the_callback_from_a_config(value: object) -> None:
+    from lightning_baoc import BAOC
+
+    if value == "png":
+        pytest.importorskip("matplotlib")
+    config = parse_config({"baoc": {"memory_budget": 0.3, "report": value}})
+    baoc = BAOC.from_config(config)
+    assert baoc.report is (value is not False)
+    assert baoc.report_png is (value in (True, "png"))
+
+
+def test_report_setting_outside_its_values_is_refused_naming_them() -> None:
+    with pytest.raises(ConfigError, match=r"baoc\.report: invalid value 'pdf'.*a boolean or one of \['json', 'png'\]"):
+        parse_config({"baoc": {"memory_budget": 0.3, "report": "pdf"}})
