@@ -48,13 +48,13 @@ from .budget import (
     format_bytes,
     is_absolute_time,
     parse_memory_budget,
-    parse_time_budget,
     round_up,
 )
-from .calibration import PRIOR_STEP_COST, calibrate, hardware_mask, memory_table, time_table, withheld_formats
+from .calibration import hardware_mask, withheld_formats
 from .config import Config, ComponentConfig, load_config
-from .formats import FORMATS, numel_of
-from .solver import BudgetInfeasibleError, solve
+from .costs import AllocationProblem
+from .formats import FORMATS
+from .solver import BudgetInfeasibleError
 
 #: The sampler's design budget: its cost per training step, as a fraction of the step
 #: (``benchmarks/sampler_overhead.py``: sampling at every step costs about 3% on a 1.2M-parameter GPT).
@@ -395,45 +395,49 @@ def _check_budget(
     device: str,
 ) -> CheckResult:
     b = config.baoc
-    served, withheld_note, refused = _offered(config, served, device)
-    if refused is not None:
-        return refused
     params = dict(model.named_parameters())
     shapes = {name: [tuple(params[n].shape) for n in names] for name, names in blocks.items()}
-    fp32_bytes = 8 * sum(numel_of(s) for ss in shapes.values() for s in ss)
-    memory = memory_table(shapes, device, sorted(set(served) | {"fp32"}), b.min_8bit_numel)
+    timed = b.time_budget is not None
+    prior = b.calibration.mode == "prior" or not _local(device)
+    if timed and prior and is_absolute_time(b.time_budget):
+        # seconds cannot be compared with the unitless prior costs (the callback's rule too)
+        where = (
+            "set baoc.calibration.mode: auto"
+            if b.calibration.mode == "prior"
+            else f"run check on a machine with the {device} device, where the step is measured in seconds"
+        )
+        err = absolute_time_with_prior_error(b.time_budget, "baoc.time_budget", where + ".")
+        return CheckResult("memory budget", False, str(err), f"baoc.time_budget: 1.2 (a multiple), or {where}")
+    # the problem the training controller builds: the same offered formats, tables and budget units
+    try:
+        problem = AllocationProblem(
+            shapes,
+            device,
+            served,
+            timed=timed,
+            costs="prior" if prior else "calibrate",
+            min_8bit_numel=b.min_8bit_numel,
+            cache_dir=b.calibration.cache_dir,
+        )
+    except ValueError:
+        note = "".join(f"; {f} withheld ({why})" for f, why in withheld_formats(device, timed, served).items())
+        fix = "set baoc.time_budget, or allow other formats in baoc.allowed_configs"
+        return CheckResult("memory budget", False, f"no allowed format is offered on {device}{note}", fix)
+    served = problem.allowed
+    withheld_note = "".join(f"; {f} withheld ({why})" for f, why in problem.withheld.items())
+    fp32_bytes = problem.fp32_bytes
     budget_bytes = parse_memory_budget(b.memory_budget, fp32_bytes, argument="baoc.memory_budget")
-    risk = {name: {f: 0.0 for f in served} for name in shapes}
-    mem = {name: {f: memory[name][f] for f in served} for name in shapes}
-    tim = None
-    time_budget: Any = None
     time_note = ""
     fp32_time = 0.0
-    if b.time_budget is not None:
-        if b.calibration.mode == "prior" or not _local(device):
-            if is_absolute_time(b.time_budget):
-                # seconds cannot be compared with the unitless prior costs (the callback's rule too)
-                where = (
-                    "set baoc.calibration.mode: auto"
-                    if b.calibration.mode == "prior"
-                    else f"run check on a machine with the {device} device, where the step is measured in seconds"
-                )
-                err = absolute_time_with_prior_error(b.time_budget, "baoc.time_budget", where + ".")
-                return CheckResult("memory budget", False, str(err), f"baoc.time_budget: 1.2 (a multiple), or {where}")
-            costs: Any = PRIOR_STEP_COST
-            time_note = "; step time priced with the built-in prior costs"
-        else:
-            costs = calibrate(device, cache_dir=b.calibration.cache_dir)
-            time_note = f"; step time priced with a calibration of {device}"
-        full = time_table(shapes, costs, sorted(set(served) | {"fp32"}), b.min_8bit_numel)
-        fp32_time = sum(row["fp32"] for row in full.values())
-        time_budget = parse_time_budget(b.time_budget, fp32_time, argument="baoc.time_budget")
-        tim = {name: {f: full[name][f] for f in served} for name in shapes}
-        time_budget = f"{time_budget!r}s"
+    if timed:
+        fp32_time = problem.fp32_time
+        time_note = (
+            "; step time priced with the built-in prior costs" if prior else f"; step time priced with a calibration of {device}"
+        )
     budget_text = f"baoc.memory_budget={b.memory_budget!r} = {format_bytes(budget_bytes)} ({budget_bytes / fp32_bytes:.3f} of fp32 AdamW's {format_bytes(fp32_bytes)})"
-    least = sum(min(row.values()) for row in mem.values())
+    least = sum(min(row.values()) for row in problem.tables(False)[0].values())
     try:
-        solve(risk, mem, budget_bytes, tim, time_budget, method="auto")
+        problem.smallest(b.memory_budget, b.time_budget)
     except BudgetInfeasibleError as err:
         if err.min_memory is None:
             return CheckResult(
@@ -448,7 +452,7 @@ def _check_budget(
                 "memory budget",
                 False,
                 f"{budget_text}: it fits in memory, but not within baoc.time_budget={b.time_budget!r}{time_note}",
-                f"raise baoc.time_budget, or lower the memory pressure (a larger baoc.memory_budget)",
+                "raise baoc.time_budget, or lower the memory pressure (a larger baoc.memory_budget)",
             )
         cheaper = [f for f in ("factored", "nomomentum_int8", "int8_factored") if f not in served and f not in mask]
         allow = f", or allow cheaper formats in baoc.allowed_configs ({', '.join(cheaper)})" if cheaper else ""
@@ -475,19 +479,6 @@ def _check_budget(
         f"{budget_text} is feasible: the cheapest allocation of the allowed formats needs {format_bytes(least)} "
         f"({least / fp32_bytes:.3f} of fp32){time_note}{withheld_note}",
     )
-
-
-def _offered(config: Config, served: list[str], device: str) -> tuple[list[str], str, CheckResult | None]:
-    """The served formats the solver is offered under the training controller's rule
-    (:func:`~lightning_baoc.calibration.withheld_formats`: offload only where a time budget prices
-    it), a note naming those withheld, and the failed check if none is left."""
-    withheld = withheld_formats(device, config.baoc.time_budget is not None, served)
-    offered = [f for f in served if f not in withheld]
-    note = "".join(f"; {f} withheld ({why})" for f, why in withheld.items())
-    if offered:
-        return offered, note, None
-    fix = "set baoc.time_budget, or allow other formats in baoc.allowed_configs"
-    return offered, note, CheckResult("memory budget", False, f"no allowed format is offered on {device}{note}", fix)
 
 
 def _local(device: str) -> bool:

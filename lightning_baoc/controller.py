@@ -68,14 +68,14 @@ from .budget import (
     is_absolute_time,
     parse_memory_budget,
     parse_time_budget,
-    round_up,
 )
-from .calibration import PRIOR_STEP_COST, calibrate, memory_table, time_table, withheld_formats
+from .calibration import withheld_formats
+from .costs import AllocationProblem, with_message
 from .formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, format_state_bytes
 from .optim import BlockwiseAdamW, optimizer_alias
 from .planner import block_kind, prior_risk
 from .sampler import DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS, GradientSampler
-from .solver import Allocation, BudgetInfeasibleError, solve
+from .solver import Allocation, BudgetInfeasibleError
 
 log = logging.getLogger(__name__)
 
@@ -572,7 +572,7 @@ class BAOCController:
         self._mask: dict[str, str] = {}
         self._allowed: list[str] = []
         self._memory: dict[str, dict[str, int]] = {}
-        self._time: dict[str, dict[str, float]] | None = None
+        self._problem: AllocationProblem | None = None
         self._loaded: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ properties
@@ -596,6 +596,13 @@ class BAOCController:
         the fraction saved refer to it.
         """
         return self._baseline
+
+    @property
+    def problem(self) -> AllocationProblem:
+        """The allocation problem of the blocks: tables, offered formats, budget units (after install)."""
+        if self._problem is None:
+            raise RuntimeError("BAOCController.problem: call install() first")
+        return self._problem
 
     def memory_budget_bytes(self) -> int:
         """The memory budget in bytes (a fraction resolved against :attr:`baseline_state_bytes`)."""
@@ -694,14 +701,19 @@ class BAOCController:
             2 * named[n].numel() * named[n].element_size() for names in self.blocks.values() for n in names
         )
         wanted = list(cfg.formats) if cfg.formats is not None else list(FORMATS)
-        self._mask = withheld_formats(self._device, cfg.time_budget is not None, wanted)
-        self._allowed = [f for f in wanted if f not in self._mask]
-        if not self._allowed:
-            raise ValueError(
-                f"formats={wanted} are all withheld on {self._device} ({self._mask}); allow other formats"
-            )
-        self._memory = memory_table(self._shapes, self._device, sorted(set(self._allowed) | {"fp32"}), opt.min_8bit_numel)
-        self._time = None
+        self._problem = AllocationProblem(
+            self._shapes,
+            self._device,
+            wanted,
+            timed=cfg.time_budget is not None,
+            costs="prior" if cfg.calibration == "prior" else "calibrate",
+            min_8bit_numel=opt.min_8bit_numel,
+            baseline_bytes=self._baseline,
+            cache_dir=cfg.calibration_cache_dir,
+        )
+        self._mask = self._problem.withheld
+        self._allowed = self._problem.allowed
+        self._memory = self._problem.memory
 
     def _restart_sampler(self, module: nn.Module) -> None:
         """A new sampler over the blocks' trainable parameters (the model's names); empty ring."""
@@ -808,62 +820,24 @@ class BAOCController:
     # ------------------------------------------------------------------ tables and budgets
 
     def _time_table(self) -> dict[str, dict[str, float]]:
-        if self._time is None:
-            cfg = self.config
-            if cfg.calibration == "prior":
-                costs: Any = PRIOR_STEP_COST
-            else:
-                costs = calibrate(self._device, cache_dir=cfg.calibration_cache_dir)
-            assert self.optimizer is not None
-            self._time = time_table(
-                self._shapes, costs, sorted(set(self._allowed) | {"fp32"}), self.optimizer.min_8bit_numel
-            )
-        return self._time
+        return self.problem.time()
 
     def _budgets(self) -> tuple[Any, Any, int, float | None]:
         """(memory budget, time budget) as passed to ``solve``, and both in absolute units."""
-        cfg = self.config
-        mb_bytes = self.memory_budget_bytes()
-        tb_abs: float | None = None
-        if cfg.time_budget is not None:
-            fp32_time = sum(row["fp32"] for row in self._time_table().values())
-            tb_abs = parse_time_budget(cfg.time_budget, fp32_time)
-        if "fp32" in self._allowed and self.baseline_state_bytes == self.fp32_state_bytes:
-            # the solver resolves fractions against the fp32 column: the same reference here,
-            # and its messages then name fractions
-            return cfg.memory_budget, cfg.time_budget, mb_bytes, tb_abs
-        return mb_bytes, (None if tb_abs is None else f"{tb_abs!r}s"), mb_bytes, tb_abs
+        b = self.problem.budgets(self.config.memory_budget, self.config.time_budget)
+        return b.memory, b.time, b.memory_bytes, b.time_seconds
 
     def _solve(self, risk: Mapping[str, Mapping[str, float]]) -> Allocation:
-        mem = {b: {f: self._memory[b][f] for f in self._allowed} for b in self.blocks}
-        tim = None
-        if self.config.time_budget is not None:
-            full = self._time_table()
-            tim = {b: {f: full[b][f] for f in self._allowed} for b in self.blocks}
-        mb, tb, _, _ = self._budgets()
+        cfg = self.config
         try:
-            return solve(risk, mem, mb, tim, tb)
+            return self.problem.solve(risk, cfg.memory_budget, cfg.time_budget)
         except BudgetInfeasibleError as err:
             allowed = ", ".join(self._allowed)
             masked = "".join(f"; {f} withheld: {why}" for f, why in self._mask.items())
-            baseline = ""
-            if err.min_memory is not None and self.baseline_state_bytes != self.fp32_state_bytes:
-                baseline = (
-                    f"; as a fraction of the AdamW state on these parameters "
-                    f"({format_bytes(self.baseline_state_bytes)}): memory_budget >= "
-                    f"{round_up(err.min_memory / self.baseline_state_bytes)}"
-                )
-            raise BudgetInfeasibleError(
-                f"BAOC(memory_budget={self.config.memory_budget!r}, time_budget={self.config.time_budget!r}): "
-                f"{err}{baseline} (formats allowed: {allowed}{masked}). No format was converted; the "
-                f"optimizer keeps its current formats.",
-                memory_budget=err.memory_budget,
-                time_budget=err.time_budget,
-                min_memory=err.min_memory,
-                min_time=err.min_time,
-                exact=err.exact,
-                fp32_memory=err.fp32_memory,
-                fp32_time=err.fp32_time,
+            raise with_message(
+                err,
+                f"BAOC(memory_budget={cfg.memory_budget!r}, time_budget={cfg.time_budget!r}): {err} (formats "
+                f"allowed: {allowed}{masked}). No format was converted; the optimizer keeps its current formats.",
             ) from None
 
     def check_feasible(self, broadcast: Broadcast | None = None, is_global_zero: bool = True) -> None:

@@ -59,9 +59,9 @@ def check_torch_options(
             )
         if kinds[0] and foreach and not capturable:
             raise ValueError(
-                f"Invalid betas: Tensor betas with foreach=True and capturable=False are refused "
-                f"by torch.optim.AdamW, and so here (betas[0] as a Tensor is not supported); pass "
-                f"floats, or leave foreach=None"
+                "Invalid betas: Tensor betas with foreach=True and capturable=False are refused "
+                "by torch.optim.AdamW, and so here (betas[0] as a Tensor is not supported); pass "
+                "floats, or leave foreach=None"
             )
     if fused and foreach:
         raise RuntimeError(

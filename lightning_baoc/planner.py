@@ -29,16 +29,12 @@ from torch import nn
 from .blocks import ROOT_BLOCK, partition
 from .budget import absolute_time_with_prior_error, format_bytes, format_decimal_bytes, is_absolute_time
 from .calibration import (
-    PRIOR_STEP_COST,
-    calibrate,
     check_mask,
-    memory_table,
     offload_saves_memory,
-    time_table,
-    withheld_formats,
 )
+from .costs import AllocationProblem
 from .formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, format_state_bytes, numel_of, resolve_format
-from .solver import Allocation, BudgetInfeasibleError, solve
+from .solver import Allocation, BudgetInfeasibleError
 
 # ---------------------------------------------------------------------------- presets
 
@@ -334,6 +330,7 @@ class PlannedAllocation:
     allocation: Allocation | None = None
     error: str | None = None
     params_by_format: dict[str, int] = field(default_factory=dict)
+    min_memory: float | None = None  # where infeasible: the smallest feasible memory budget, bytes
 
 
 @dataclass
@@ -435,11 +432,20 @@ def plan(
     name = model if isinstance(model, str) else type(model).__name__
     module = build_model(model) if isinstance(model, str) else model
     user_mask = check_mask(mask) if mask else {}
-    # the rule the training controller and ``check`` apply too: offload only with a time budget
-    masked = {**withheld_formats(device, time_budget=time_budget is not None), **user_mask}
     names = dict(module.named_parameters())
     groups = partition(module, granularity)
     blocks = {b: [tuple(names[p].shape) for p in params] for b, params in groups.items()}
+    # the problem the training controller and ``check`` build: offload only with a time budget
+    problem = AllocationProblem(
+        blocks,
+        device,
+        timed=time_budget is not None,
+        costs="calibrate" if calibrate_time else "prior",
+        min_8bit_numel=min_8bit_numel,
+        mask=user_mask,
+        cache_dir=cache_dir,
+    )
+    masked = problem.withheld
     params = sum(numel_of(s) for shapes in blocks.values() for s in shapes)
     tensors = sum(len(shapes) for shapes in blocks.values())
     fp32_bytes = sum(format_state_bytes("fp32", s, min_8bit_numel) for shapes in blocks.values() for s in shapes)
@@ -458,7 +464,6 @@ def plan(
     risk_source = "prior (PRIOR_RISK x kind weight x size share)"
     time_source: str | None = None
     if budgets:
-        memory = memory_table(blocks, device, min_8bit_numel=min_8bit_numel)
         kinds = {b: block_kind(module, b) for b in blocks}
         risk = prior_risk(blocks, kinds, min_8bit_numel=min_8bit_numel)
         if statistics is not None:
@@ -468,25 +473,12 @@ def plan(
             risk_source = f"statistics file ({len(measured)} blocks" + (
                 f"; prior for {len(missing)} missing)" if missing else ")"
             )
-        step: dict[str, dict[str, float]] | None = None
-        if time_budget is not None:
-            if calibrate_time:
-                cal = calibrate(device, cache_dir=cache_dir)
-                costs: Mapping[str, float] = cal.seconds_per_element
-                time_source = f"calibration of {cal.device} ({cal.device_name}, torch {cal.torch_version})"
-            else:
-                costs = PRIOR_STEP_COST
-                time_source = "prior (PRIOR_STEP_COST, relative to fp32)"
-            step = time_table(blocks, costs, [f for f in FORMATS if f in costs], min_8bit_numel)
-            risk = {b: {f: v for f, v in row.items() if f in costs} for b, row in risk.items()}
         for budget in budgets:
             entry = PlannedAllocation(str(budget))
             try:
-                alloc = solve(
-                    risk, memory, budget, step, time_budget, mask=masked, method=method, max_boundaries=max_boundaries
-                )
+                alloc = problem.solve(risk, budget, time_budget, method=method, max_boundaries=max_boundaries)
             except BudgetInfeasibleError as err:
-                entry.error = str(err)
+                entry.error, entry.min_memory = str(err), err.min_memory
             else:
                 entry.allocation = alloc
                 by_format: dict[str, int] = {}
@@ -494,6 +486,7 @@ def plan(
                     by_format[f] = by_format.get(f, 0) + sum(numel_of(s) for s in blocks[b])
                 entry.params_by_format = by_format
             allocations.append(entry)
+        time_source = problem.time_source
     return Plan(
         model=name,
         device=str(device),

@@ -1,0 +1,247 @@
+"""The allocation problem of one model on one device: the one place it is built.
+
+:class:`AllocationProblem` turns the blocks' parameter shapes, the device, the format menu and the
+budgets into what :func:`~lightning_baoc.solve` needs: the formats offered (the menu less
+:func:`~lightning_baoc.calibration.withheld_formats`, the one rule of what is withheld, and a
+user's mask), the memory table, the time table (priced by a calibration of the device or by the
+prior costs), and the budgets in the units of those tables. The training controller,
+``lightning-baoc check`` and ``lightning-baoc plan`` all build one, so they cannot disagree on
+what is offered or on what a budget means (``tests/test_allocation_problem.py``).
+
+Budgets are passed to :meth:`AllocationProblem.solve` rather than stored: the controller's can
+change mid-run (``set_budget``). A fractional memory budget is a fraction of
+:attr:`AllocationProblem.baseline_bytes`, the state the user's own AdamW would hold (fp32
+AdamW's 8 bytes per element unless told otherwise); an absolute time budget is refused where step
+times are the unitless prior costs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+import torch
+
+from ..budget import (
+    absolute_time_with_prior_error,
+    format_bytes,
+    is_absolute_time,
+    parse_memory_budget,
+    parse_time_budget,
+    round_up,
+)
+from ..calibration import PRIOR_STEP_COST, Calibration, calibrate, memory_table, time_table, withheld_formats
+from ..formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS
+from ..solver import Allocation, BudgetInfeasibleError, solve
+
+Shape = Sequence[int]
+Table = Mapping[str, Mapping[str, float]]
+#: Where step times come from: a calibration of the device here (cached), the built-in prior
+#: (relative to fp32, no unit), or given per-element costs.
+CostSource = Union[Literal["calibrate", "prior"], Calibration, Mapping[str, float]]
+
+
+def with_message(err: BudgetInfeasibleError, message: str) -> BudgetInfeasibleError:
+    """``err`` with another message and the same figures (callers add their context)."""
+    return BudgetInfeasibleError(
+        message,
+        memory_budget=err.memory_budget,
+        time_budget=err.time_budget,
+        min_memory=err.min_memory,
+        min_time=err.min_time,
+        exact=err.exact,
+        fp32_memory=err.fp32_memory,
+        fp32_time=err.fp32_time,
+    )
+
+
+@dataclass
+class Budgets:
+    """A problem's budgets: as handed to :func:`~lightning_baoc.solve`, and in absolute units.
+
+    Attributes:
+        memory: the memory budget for ``solve`` (the user's fraction where ``solve`` resolves it
+            against the same reference, so its messages name fractions; else bytes).
+        time: the time budget for ``solve`` (``None``: no limit).
+        memory_bytes: the memory budget in bytes.
+        time_seconds: the time budget in the time table's unit (``None``: no limit).
+    """
+
+    memory: Any
+    time: Any
+    memory_bytes: int
+    time_seconds: float | None
+
+
+@dataclass
+class AllocationProblem:
+    """Tables, offered formats and budget units of one model on one device.
+
+    Args:
+        shapes: block -> the shapes of its parameters, in block order.
+        device: the training device (its mask and whether ``offload`` saves device memory).
+        menu: the formats asked for (default: all of :data:`~lightning_baoc.FORMATS`).
+        timed: whether a time budget will be set (``offload`` is withheld on an accelerator
+            without one; step times are priced only then) (default: False).
+        costs: where step times come from (default: ``"prior"``); read only when ``timed``.
+        min_8bit_numel: the optimizer's small-tensor threshold (default: 4096).
+        mask: formats the user excludes besides the rule, name -> reason (default: none).
+        baseline_bytes: the state a fractional memory budget refers to (default: fp32 AdamW's
+            bytes of the blocks).
+        cache_dir: calibration cache directory (default: the user cache directory).
+
+    Raises:
+        ValueError: every format of the menu is withheld (the message names why).
+
+    Example:
+        >>> p = AllocationProblem({"fc": [(64, 64)], "out": [(10, 64)]}, "cpu", ["fp32", "int8"])
+        >>> p.allowed, p.fp32_bytes
+        (['fp32', 'int8'], 37888)
+        >>> p.solve({"fc": {"fp32": 0.0, "int8": 0.1}, "out": {"fp32": 0.0, "int8": 0.5}}, 0.9).formats
+        {'fc': 'int8', 'out': 'fp32'}
+    """
+
+    shapes: Mapping[str, Sequence[Shape]]
+    device: str | torch.device
+    menu: Sequence[str] | None = None
+    timed: bool = False
+    costs: CostSource = "prior"
+    min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL
+    mask: Mapping[str, str] = field(default_factory=dict)
+    baseline_bytes: int | None = None
+    cache_dir: str | os.PathLike[str] | None = None
+    withheld: dict[str, str] = field(init=False)
+    allowed: list[str] = field(init=False)
+    memory: dict[str, dict[str, int]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        wanted = list(FORMATS) if self.menu is None else list(self.menu)
+        self.withheld = {
+            **withheld_formats(self.device, self.timed, wanted),
+            **{f: why for f, why in self.mask.items() if f in wanted},
+        }
+        self.allowed = [f for f in wanted if f not in self.withheld]
+        if not self.allowed:
+            raise ValueError(f"formats={wanted} are all withheld on {self.device} ({self.withheld}); allow other formats")
+        tabulated = sorted(set(self.allowed) | {"fp32"})
+        self.memory = memory_table(self.shapes, self.device, tabulated, self.min_8bit_numel)
+        self.fp32_bytes = sum(row["fp32"] for row in self.memory.values())
+        if self.baseline_bytes is None:
+            self.baseline_bytes = self.fp32_bytes
+        self._time: dict[str, dict[str, float]] | None = None
+        self._per_element: Mapping[str, float] | None = None
+        self.time_source: str | None = None
+
+    # ------------------------------------------------------------------ step times
+
+    @property
+    def priced_by_prior(self) -> bool:
+        """Whether step times are the unitless prior costs (an absolute time budget is refused)."""
+        return isinstance(self.costs, str) and self.costs == "prior"
+
+    def _costs(self) -> Mapping[str, float]:
+        if self._per_element is None:
+            if isinstance(self.costs, str) and self.costs == "prior":
+                self._per_element, self.time_source = PRIOR_STEP_COST, "prior (PRIOR_STEP_COST, relative to fp32)"
+            elif isinstance(self.costs, str) and self.costs == "calibrate":
+                cal = calibrate(self.device, cache_dir=self.cache_dir)
+                self._per_element = cal.seconds_per_element
+                self.time_source = f"calibration of {cal.device} ({cal.device_name}, torch {cal.torch_version})"
+            elif isinstance(self.costs, Calibration):
+                self._per_element, self.time_source = self.costs.seconds_per_element, f"calibration of {self.costs.device}"
+            else:
+                self._per_element, self.time_source = dict(self.costs), "given costs"
+        return self._per_element
+
+    def time(self) -> dict[str, dict[str, float]]:
+        """Step time per block and format (the offered ones and ``fp32``), priced once."""
+        if self._time is None:
+            costs = self._costs()
+            priced = sorted(f for f in set(self.allowed) | {"fp32"} if f in costs)
+            self._time = time_table(self.shapes, costs, priced, self.min_8bit_numel)
+        return self._time
+
+    @property
+    def fp32_time(self) -> float:
+        """fp32 AdamW's step time of the blocks (the reference of a time multiple)."""
+        return sum(row["fp32"] for row in self.time().values())
+
+    # ------------------------------------------------------------------ budgets
+
+    def budgets(self, memory_budget: object, time_budget: object = None, argument: str = "time_budget") -> Budgets:
+        """Both budgets in the tables' units, and as ``solve`` is handed them.
+
+        Raises:
+            ValueError: a malformed budget, or an absolute time budget priced with the prior
+                costs (named as ``argument``).
+        """
+        memory_bytes = parse_memory_budget(memory_budget, self.baseline_bytes)
+        time_seconds: float | None = None
+        if time_budget is not None:
+            if self.priced_by_prior and is_absolute_time(time_budget):
+                raise absolute_time_with_prior_error(
+                    time_budget, argument, "price the step with a calibration of the device (seconds)."
+                )
+            time_seconds = parse_time_budget(time_budget, self.fp32_time, argument=argument)
+        if "fp32" in self.allowed and self.baseline_bytes == self.fp32_bytes:
+            # solve resolves fractions against the same fp32 column: its messages then name fractions
+            return Budgets(memory_budget, time_budget, memory_bytes, time_seconds)
+        return Budgets(memory_bytes, None if time_seconds is None else f"{time_seconds!r}s", memory_bytes, time_seconds)
+
+    # ------------------------------------------------------------------ solving
+
+    def tables(self, timed: bool) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, float]] | None]:
+        """The memory and (with ``timed``) time tables restricted to the offered formats."""
+        offered = self.offered(timed)
+        memory = {b: {f: row[f] for f in offered} for b, row in self.memory.items()}
+        if not timed:
+            return memory, None
+        full = self.time()
+        return memory, {b: {f: full[b][f] for f in offered} for b in self.memory}
+
+    def offered(self, timed: bool) -> list[str]:
+        """The formats ``solve`` is offered: the allowed ones, and with a time budget only those
+        with a step cost."""
+        if not timed:
+            return list(self.allowed)
+        costs = self._costs()
+        return [f for f in self.allowed if f in costs]
+
+    def solve(self, risk: Table, memory_budget: object, time_budget: object = None, **options: Any) -> Allocation:
+        """Least total risk within the budgets over the offered formats (``risk`` rows may list
+        more formats: only the offered ones are read).
+
+        Raises:
+            BudgetInfeasibleError: no allocation meets the budgets; it names the smallest
+                feasible ones, with the memory minimum also as a fraction of
+                :attr:`baseline_bytes` where that differs from fp32 AdamW's.
+        """
+        timed = time_budget is not None
+        budgets = self.budgets(memory_budget, time_budget)
+        memory, time = self.tables(timed)
+        rows = {b: {f: float(risk[b][f]) for f in memory[b] if f in risk[b]} for b in memory}
+        try:
+            return solve(rows, memory, budgets.memory, time, budgets.time, **options)
+        except BudgetInfeasibleError as err:
+            if err.min_memory is None or self.baseline_bytes == self.fp32_bytes:
+                raise
+            assert self.baseline_bytes is not None
+            raise with_message(
+                err,
+                f"{err}; as a fraction of the AdamW state on these parameters ({format_bytes(self.baseline_bytes)}): "
+                f"memory_budget >= {round_up(err.min_memory / self.baseline_bytes)}",
+            ) from None
+
+    def smallest(self, memory_budget: object, time_budget: object = None) -> Allocation:
+        """Check feasibility: an allocation meeting the budgets whatever the risk (all risks 0).
+
+        Feasibility depends on the memory and time tables only, so it is known before any
+        gradient is seen.
+        """
+        zero = {b: {f: 0.0 for f in self.allowed} for b in self.memory}
+        return self.solve(zero, memory_budget, time_budget)
+
+
+__all__ = ["AllocationProblem", "Budgets", "CostSource", "with_message"]
