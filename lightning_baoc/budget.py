@@ -34,8 +34,9 @@ TIME_UNITS: dict[str, float] = {"S": 1.0, "MS": 1e-3, "US": 1e-6, "µS": 1e-6, "
 
 _UNIT_NAMES = "B, KB, MB, GB, TB, PB, KiB, MiB, GiB, TiB, PiB"
 
-#: An int memory budget below this many bytes is almost certainly a fraction written without its
-#: decimal point (``memory_budget=1`` for ``1.0``): it is honoured, with a warning.
+#: An int memory budget below this many bytes, where a user wrote it, is almost certainly a fraction
+#: written without its decimal point (``memory_budget=1`` for ``1.0``): it is honoured, with a
+#: warning (``parse_memory_budget(..., warn_small_int=True)``).
 SMALL_INT_BUDGET = 1024
 
 _NUMBER = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
@@ -61,7 +62,9 @@ def _is_real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def parse_memory_budget(value: object, fp32_bytes: float | None, argument: str = "memory_budget") -> int:
+def parse_memory_budget(
+    value: object, fp32_bytes: float | None, argument: str = "memory_budget", warn_small_int: bool = False
+) -> int:
     """Turn a memory budget as users write it into bytes.
 
     Args:
@@ -71,6 +74,8 @@ def parse_memory_budget(value: object, fp32_bytes: float | None, argument: str =
         fp32_bytes: the fp32 AdamW state bytes a fraction refers to (``None`` if unknown: then only
             absolute budgets are accepted).
         argument: the argument name used in error messages (default: ``"memory_budget"``).
+        warn_small_int: warn about an int below :data:`SMALL_INT_BUDGET` bytes (where a user
+            wrote the budget: ``memory_budget=1`` is one byte, not 100%) (default: False).
 
     Returns:
         The budget in bytes, rounded down (a budget is never widened by rounding).
@@ -113,7 +118,7 @@ def parse_memory_budget(value: object, fp32_bytes: float | None, argument: str =
             f"allowed: {MEMORY_BUDGET_FORMS}"
         )
     if isinstance(value, numbers.Integral):
-        if 0 < int(value) < SMALL_INT_BUDGET:
+        if warn_small_int and 0 < int(value) < SMALL_INT_BUDGET:
             warnings.warn(
                 f"{argument}={value!r} is an int, read as {int(value)} byte{'s' if int(value) != 1 else ''} of optimizer "
                 f"state; for a fraction write a float in (0, 1] "

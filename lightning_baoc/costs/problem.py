@@ -177,7 +177,7 @@ class AllocationProblem:
             ValueError: a malformed budget, or an absolute time budget priced with the prior
                 costs (named as ``argument``).
         """
-        memory_bytes = parse_memory_budget(memory_budget, self.baseline_bytes)
+        memory_bytes = parse_memory_budget(memory_budget, self.baseline_bytes, warn_small_int=True)
         time_seconds: float | None = None
         if time_budget is not None:
             if self.priced_by_prior and is_absolute_time(time_budget):
