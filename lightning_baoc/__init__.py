@@ -1,18 +1,64 @@
-"""lightning_baoc: budget-aware, block-wise optimizer-state formats for PyTorch Lightning."""
+"""lightning_baoc: budget-aware, block-wise optimizer-state formats for PyTorch Lightning.
 
-from lightning_baoc.formats import FORMATS
-from lightning_baoc.optim import BlockwiseAdamW
-from lightning_baoc.blocks import partition
-from lightning_baoc.sampler import GradientSampler
-from lightning_baoc.solver import Allocation, BudgetInfeasibleError, parse_memory_budget, parse_time_budget, select_boundaries, solve
+The public names below are imported on first use (PEP 562), so importing a core module
+(``lightning_baoc.solver``, ``lightning_baoc.optim``, ...) never loads Lightning: only the
+integrations (:class:`BAOC`, :class:`BAOCStrategy`) do.
+"""
 
-# public names of the other modules are added below, one import line each
-__all__ = ["FORMATS", "BlockwiseAdamW", "partition", "GradientSampler"]
-__all__ += ["solve", "Allocation", "BudgetInfeasibleError", "parse_memory_budget", "parse_time_budget", "select_boundaries"]
-from lightning_baoc.callback import BAOC
-from lightning_baoc.fabric import BAOCStrategy
-__all__ += ["BAOC", "BAOCStrategy"]
-from lightning_baoc.config import BAOCSection, Config, ConfigError, json_schema, load_config, parse_config
-__all__ += ["BAOCSection", "Config", "ConfigError", "json_schema", "load_config", "parse_config"]
-from lightning_baoc.optim_state import CheckpointError, export_adamw_state_dict, load_checkpoint
-__all__ += ["CheckpointError", "export_adamw_state_dict", "load_checkpoint"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    "FORMATS": "lightning_baoc.formats",
+    "BlockwiseAdamW": "lightning_baoc.optim",
+    "partition": "lightning_baoc.blocks",
+    "GradientSampler": "lightning_baoc.sampler",
+    "solve": "lightning_baoc.solver",
+    "Allocation": "lightning_baoc.solver",
+    "BudgetInfeasibleError": "lightning_baoc.solver",
+    "parse_memory_budget": "lightning_baoc.budget",
+    "parse_time_budget": "lightning_baoc.budget",
+    "select_boundaries": "lightning_baoc.solver",
+    "BAOC": "lightning_baoc.callback",
+    "BAOCStrategy": "lightning_baoc.fabric",
+    "BAOCSection": "lightning_baoc.config",
+    "Config": "lightning_baoc.config",
+    "ConfigError": "lightning_baoc.config",
+    "json_schema": "lightning_baoc.config",
+    "load_config": "lightning_baoc.config",
+    "parse_config": "lightning_baoc.config",
+    "CheckpointError": "lightning_baoc.optim_state",
+    "export_adamw_state_dict": "lightning_baoc.optim_state",
+    "load_checkpoint": "lightning_baoc.optim_state",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_baoc' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # what type checkers and documentation tools see
+    from lightning_baoc.blocks import partition
+    from lightning_baoc.budget import parse_memory_budget, parse_time_budget
+    from lightning_baoc.callback import BAOC
+    from lightning_baoc.config import BAOCSection, Config, ConfigError, json_schema, load_config, parse_config
+    from lightning_baoc.fabric import BAOCStrategy
+    from lightning_baoc.formats import FORMATS
+    from lightning_baoc.optim import BlockwiseAdamW
+    from lightning_baoc.optim_state import CheckpointError, export_adamw_state_dict, load_checkpoint
+    from lightning_baoc.sampler import GradientSampler
+    from lightning_baoc.solver import Allocation, BudgetInfeasibleError, select_boundaries, solve
