@@ -1,5 +1,5 @@
 """Where does 8-bit state's harm come from, one block at a time? The measurement behind the
-8-bit-v term of ``lightning_baoc/risk.py``.
+8-bit-v term of ``lightning_baoc/risk/model.py``.
 
 It uses the same task, shared fp32 warm-up and paired data orders as ``risk_validation.py``, on its
 block-level blocks (the largest 2-D blocks). For each block it reports:

@@ -52,13 +52,13 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and documentation tools see
-    from lightning_baoc.blocks import partition
-    from lightning_baoc.budget import parse_memory_budget, parse_time_budget
-    from lightning_baoc.callback import BAOC
-    from lightning_baoc.config import BAOCSection, Config, ConfigError, json_schema, load_config, parse_config
-    from lightning_baoc.fabric import BAOCStrategy
-    from lightning_baoc.formats import FORMATS
-    from lightning_baoc.optim import BlockwiseAdamW
-    from lightning_baoc.optim_state import CheckpointError, export_adamw_state_dict, load_checkpoint
-    from lightning_baoc.sampler import GradientSampler
-    from lightning_baoc.solver import Allocation, BudgetInfeasibleError, select_boundaries, solve
+    from lightning_baoc.blocks import partition  # noqa: F401
+    from lightning_baoc.budget import parse_memory_budget, parse_time_budget  # noqa: F401
+    from lightning_baoc.callback import BAOC  # noqa: F401
+    from lightning_baoc.config import BAOCSection, Config, ConfigError, json_schema, load_config, parse_config  # noqa: F401
+    from lightning_baoc.fabric import BAOCStrategy  # noqa: F401
+    from lightning_baoc.formats import FORMATS  # noqa: F401
+    from lightning_baoc.optim import BlockwiseAdamW  # noqa: F401
+    from lightning_baoc.optim_state import CheckpointError, export_adamw_state_dict, load_checkpoint  # noqa: F401
+    from lightning_baoc.sampler import GradientSampler  # noqa: F401
+    from lightning_baoc.solver import Allocation, BudgetInfeasibleError, select_boundaries, solve  # noqa: F401

@@ -28,7 +28,7 @@ def _literal(text: str) -> str:
 def _add_plan(parser: argparse.ArgumentParser) -> None:
     from .blocks import GRANULARITIES
     from .formats import FORMATS
-    from .planner import PRESETS
+    from .tools.presets import PRESETS
 
     which = parser.add_mutually_exclusive_group()
     which.add_argument(
@@ -65,7 +65,7 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
 def _run_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .planner import plan, render
+    from .tools.plan import plan, render
 
     from .budget import absolute_time_with_prior_error, is_absolute_time
 
@@ -98,13 +98,13 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _add_check(parser: argparse.ArgumentParser) -> None:
-    from .check import add_arguments
+    from .tools.check import add_arguments
 
     add_arguments(parser)
 
 
 def _run_check(args: argparse.Namespace) -> int:
-    from .check import run
+    from .tools.check import run
 
     return run(args)
 

@@ -73,7 +73,7 @@ from .calibration import withheld_formats
 from .costs import AllocationProblem, with_message
 from .formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, format_state_bytes
 from .optim import BlockwiseAdamW, optimizer_alias
-from .planner import block_kind, prior_risk
+from .risk.prior import block_kind, prior_risk
 from .sampler import DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS, GradientSampler
 from .solver import Allocation, BudgetInfeasibleError
 
@@ -1005,7 +1005,7 @@ class BAOCController:
 
         Without state the risk model sees nothing to lose and would score every format 0 there
         (parameters added after install, or that got no gradient yet): the prior
-        (:func:`lightning_baoc.planner.prior_risk`, shares over all the blocks) stands in until
+        (:func:`lightning_baoc.risk.prior_risk`, shares over all the blocks) stands in until
         their state exists.
         """
         assert self.optimizer is not None

@@ -1,0 +1,23 @@
+"""Risk: how much harm each state format would do to each block.
+
+- :mod:`lightning_baoc.risk.model`: the risk model measured on a block's live Adam state
+  (:func:`risk_details`, :func:`risk_table`); its derivation and validation are in the docs.
+- :mod:`lightning_baoc.risk.prior`: the documented prior for blocks without state (planning a
+  model, parameters that never stepped).
+"""
+
+from .model import DEFAULT_HORIZON, DEFAULT_MAX_ELEMENTS, BlockRisk, risk_details, risk_table
+from .prior import PRIOR_ATTENTION_NO_MOMENTUM, PRIOR_KIND_WEIGHT, PRIOR_RISK, block_kind, prior_risk
+
+__all__ = [
+    "DEFAULT_HORIZON",
+    "DEFAULT_MAX_ELEMENTS",
+    "PRIOR_ATTENTION_NO_MOMENTUM",
+    "PRIOR_KIND_WEIGHT",
+    "PRIOR_RISK",
+    "BlockRisk",
+    "block_kind",
+    "prior_risk",
+    "risk_details",
+    "risk_table",
+]

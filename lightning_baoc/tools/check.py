@@ -1,0 +1,648 @@
+"""The pre-training validation checklist: ``lightning-baoc check``.
+
+Before a long run, check a config against the model and the device it will train on, without
+training anything: the model is built on the ``meta`` device (shapes only). Each check passes or
+fails, and every failure says how to fix it:
+
+1. **formats served**: the formats the config allows (``baoc.allowed_configs``) that the device
+   cannot serve (:func:`~lightning_baoc.calibration.hardware_mask`: ``offload`` on a CPU or MPS,
+   bf16 on CUDA devices without native bf16).
+2. **blocks**: the model partitions into blocks with ``baoc.block_id`` (every pattern matches).
+3. **memory budget**: some allocation of the allowed formats meets the budgets on this model
+   (the same exact solver as the callback's check at install); a failure names the smallest
+   feasible budget.
+4. **sampler overhead**: an estimate of the gradient sampler's cost from ``sample_every`` and
+   ``max_elements`` against the model's size (:func:`sampler_overhead`), against the 3% the sampler
+   is designed for, and its ring-buffer memory.
+5. **warm-up**: enough gradient samples for the statistics, and shorter than the run
+   (``trainer.max_steps``).
+6. **risk thresholds**: ``max_block_risk`` above 0; ``hysteresis`` in the range that lets
+   re-evaluations migrate without flapping.
+7. **re-evaluation trigger**: ``mode`` agrees with the name of ``monitor`` (accuracy goes up, a loss
+   goes down).
+
+Exit code 0 when every check passes, 1 when one fails, 2 on bad input (a config that does not load,
+a model that cannot be built).
+
+Example:
+    lightning-baoc check --config configs/vision.yaml --device cpu
+    lightning-baoc check --config configs/language.yaml baoc.memory_budget=0.2 --model mypkg.models:build
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..blocks import partition_report
+from ..budget import (
+    absolute_time_with_prior_error,
+    format_bytes,
+    is_absolute_time,
+    parse_memory_budget,
+    round_up,
+)
+from ..calibration import hardware_mask, withheld_formats
+from ..config import Config, ComponentConfig, load_config
+from ..costs import AllocationProblem
+from ..formats import FORMATS
+from ..solver import BudgetInfeasibleError
+
+#: The sampler's design budget: its cost per training step, as a fraction of the step
+#: (``benchmarks/sampler_overhead.py``: sampling at every step costs about 3% on a 1.2M-parameter GPT).
+MAX_SAMPLER_OVERHEAD = 0.03
+
+#: Measured anchor of :func:`sampler_overhead` (README, "Gradient sampler overhead"): a 1.2M-parameter
+#: character GPT in 40 blocks, sampled every 10 steps (plus the step after) with
+#: ``max_elements=4096``, reads 9.3% of its gradient elements per sample and 1.86% per step on
+#: average, at a direct cost of 0.66% of the training step. The estimate scales that cost with the
+#: share of the gradient read per step.
+OVERHEAD_PER_GRADIENT_SHARE = 0.0066 / (2 / 10 * 0.0931)
+
+#: Fewest ring samples a warm-up should collect: the signal-to-noise ratio and the cosine are means
+#: over the ring, whose standard error falls like 1/sqrt(samples); 8 keeps it near a third.
+MIN_WARMUP_SAMPLES = 8
+
+#: Hysteresis range that lets re-evaluations migrate without flapping: 0 migrates on any noise in
+#: the statistics; above 0.5 a migration needs the total risk to halve, which re-evaluations
+#: with the same formats essentially never see.
+HYSTERESIS_RANGE = (0.01, 0.5)
+
+_UP_WORDS = ("acc", "f1", "auc", "precision", "recall", "map", "iou", "psnr", "ssim", "bleu", "rouge", "score")
+_DOWN_WORDS = ("loss", "ppl", "perplexity", "error", "err", "mse", "mae", "rmse", "denoise", "fid", "wer", "cer")
+
+
+@dataclass
+class CheckResult:
+    """One line of the checklist.
+
+    Attributes:
+        name: the check (``"formats served"``).
+        passed: whether it passed.
+        detail: what was found, with the figures.
+        fix: how to fix a failure (empty when it passed).
+    """
+
+    name: str
+    passed: bool
+    detail: str
+    fix: str = ""
+
+    @property
+    def status(self) -> str:
+        """``"PASS"`` or ``"FAIL"``."""
+        return "PASS" if self.passed else "FAIL"
+
+
+@dataclass
+class SamplerEstimate:
+    """What :func:`sampler_overhead` estimates.
+
+    Attributes:
+        elements_per_sample: gradient elements read per sampling step (all blocks).
+        share_per_sample: the same, as a share of the model's gradient elements.
+        samples_per_step: sampling steps per optimizer step during warm-up (and after it).
+        overhead: estimated cost as a fraction of a training step, during warm-up.
+        overhead_after: the same after warm-up (``sparse_sampling`` times sparser).
+        ring_bytes: bytes of the ring buffer and the staging buffers.
+    """
+
+    elements_per_sample: int
+    share_per_sample: float
+    samples_per_step: float
+    samples_per_step_after: float
+    overhead: float
+    overhead_after: float
+    ring_bytes: int
+
+
+def sampler_overhead(
+    block_numel: dict[str, int], sample_every: int, max_elements: int, capacity: int, sparse_sampling: int = 1
+) -> SamplerEstimate:
+    """Estimate the gradient sampler's cost on a model from its block sizes.
+
+    The sampler reads ``min(numel, max_elements)`` elements of every block per sampling step, at
+    steps ``0, s, 2s, ...`` and the step after each (``s = sample_every``; just every step when
+    ``s = 1``). Its cost is taken proportional to the share of the gradient it reads per
+    optimizer step, scaled by the measured anchor :data:`OVERHEAD_PER_GRADIENT_SHARE` (a
+    first-order model: the step's forward and backward grow with the parameter count, the
+    sampling does not). Memory: ``capacity * (4 * elements + 17 * blocks + 8)`` bytes of ring
+    buffer and two staging buffers of ``4 * elements`` bytes.
+
+    Example:
+        >>> est = sampler_overhead({"a": 100_000, "b": 100_000}, sample_every=10, max_elements=4096, capacity=32)
+        >>> est.elements_per_sample, round(est.share_per_sample, 4), est.samples_per_step
+        (8192, 0.041, 0.2)
+    """
+    numel = sum(block_numel.values())
+    if numel <= 0:
+        raise ValueError("the model has no trainable elements: nothing to sample")
+    elements = sum(min(n, max_elements) for n in block_numel.values())
+    share = elements / numel
+    per_step = 1.0 if sample_every == 1 else 2.0 / sample_every
+    per_step_after = per_step / max(1, sparse_sampling)
+    ring = capacity * (4 * elements + 17 * len(block_numel) + 8) + 2 * 4 * elements
+    return SamplerEstimate(
+        elements_per_sample=elements,
+        share_per_sample=share,
+        samples_per_step=per_step,
+        samples_per_step_after=per_step_after,
+        overhead=OVERHEAD_PER_GRADIENT_SHARE * per_step * share,
+        overhead_after=OVERHEAD_PER_GRADIENT_SHARE * per_step_after * share,
+        ring_bytes=ring,
+    )
+
+
+# ---------------------------------------------------------------------------- models
+
+
+def build_component(component: ComponentConfig, device: str | torch.device = "meta", section: str = "model") -> Any:
+    """Instantiate a config's ``model`` (or ``data``) section, ``class_path(**init_args)``, on ``device``.
+
+    Args:
+        component: the section.
+        device: the default torch device while it is built (default: ``"meta"``: shapes only).
+        section: the section's name, for error messages (default: ``"model"``).
+
+    Raises:
+        ValueError: the class cannot be imported (the message says how to make it importable),
+            or the call fails.
+
+    Example:
+        >>> build_component(ComponentConfig("torch.nn.Linear", {"in_features": 4, "out_features": 2})).weight.device
+        device(type='meta')
+    """
+    where = f"{section}.class_path={component.class_path!r}"
+    module_name, _, attr = component.class_path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"{where} must be 'package.module.Name'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(
+            f"cannot import {module_name!r} of {where}: {err}. Put its directory on PYTHONPATH (for the "
+            f"example configs: PYTHONPATH=examples), or pass --model"
+        ) from None
+    factory = getattr(module, attr, None)
+    if factory is None or not callable(factory):
+        raise ValueError(f"{where}: {module_name!r} has no callable {attr!r}")
+    try:
+        with torch.device(device):
+            return factory(**component.init_args)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{section} {component.class_path}(**{component.init_args!r}) failed: {err}") from None
+    except (RuntimeError, NotImplementedError) as err:  # e.g. data-dependent code on the meta device
+        raise ValueError(
+            f"{section} {component.class_path}(**{component.init_args!r}) failed on the {device} device: {err}; "
+            f"pass --model with a factory that builds the model without reading parameter values"
+        ) from None
+
+
+def resolve_model(config: Config, model: str | nn.Module | None = None) -> tuple[nn.Module, str]:
+    """The model to check and its name: ``model`` (a module, a preset or ``package.module:factory``)
+    or else the config's ``model`` section, built on the meta device.
+
+    Raises:
+        ValueError: neither is given, or the model cannot be built.
+    """
+    from .presets import build_model
+
+    if isinstance(model, nn.Module):
+        return model, type(model).__name__
+    if model is not None:
+        return build_model(model, "meta"), model
+    if config.model is None:
+        raise ValueError(
+            "no model to check: pass --model (a preset or package.module:factory) or give the config a "
+            "model section (class_path, init_args)"
+        )
+    built = build_component(config.model)
+    if not isinstance(built, nn.Module):
+        raise ValueError(f"model.class_path={config.model.class_path!r} built {type(built).__name__}, not a torch.nn.Module")
+    return built, config.model.class_path
+
+
+def default_device(config: Config) -> str:
+    """The training device a config implies: ``trainer.accelerator`` if set, else CUDA if present."""
+    accelerator = str(config.trainer.get("accelerator", "auto")).lower()
+    if accelerator == "cpu":
+        return "cpu"
+    if accelerator in ("gpu", "cuda"):
+        return "cuda"
+    if accelerator == "mps":
+        return "mps"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ---------------------------------------------------------------------------- the checks
+
+
+def _direction(monitor: str) -> str | None:
+    words = re.split(r"[^a-z0-9]+", monitor.lower())
+    joined = "_".join(words)
+    if any(w in joined for w in _DOWN_WORDS):
+        return "min"
+    if any(w in joined for w in _UP_WORDS):
+        return "max"
+    return None
+
+
+def run_checks(config: Config, model: nn.Module, device: str | torch.device = "cpu") -> list[CheckResult]:
+    """Run the checklist of a config on a model (any device; ``meta`` is enough) for ``device``.
+
+    Args:
+        config: a loaded :class:`~lightning_baoc.config.Config`.
+        model: the model (only parameter names, shapes and ``requires_grad`` are read).
+        device: the training device (decides the hardware mask) (default: ``"cpu"``).
+
+    Returns:
+        One :class:`CheckResult` per check, in the order of the module docstring.
+
+    Example:
+        >>> from lightning_baoc.config import parse_config
+        >>> cfg = parse_config({"baoc": {"memory_budget": 0.3, "allowed_configs": ["fp32", "int8", "offload"]}})
+        >>> [r.status for r in run_checks(cfg, nn.Linear(256, 256, device="meta"), "cpu")][:1]
+        ['FAIL']
+    """
+    b = config.baoc
+    results: list[CheckResult] = []
+    device = str(device)
+
+    # 1. formats served
+    mask = hardware_mask(device)
+    requested = list(b.allowed_configs) if b.allowed_configs is not None else list(FORMATS)
+    unserved = [f for f in requested if f in mask]
+    served = [f for f in requested if f not in mask]
+    if b.allowed_configs is None:
+        note = "; ".join(f"{f} skipped ({why})" for f, why in mask.items())
+        results.append(
+            CheckResult("formats served", True, f"all formats the device serves on {device}: {served}" + (f"; {note}" if note else ""))
+        )
+    elif unserved:
+        reasons = "; ".join(f"{f}: {mask[f]}" for f in unserved)
+        keep = f"[{', '.join(served)}]" if served else "formats it serves"
+        results.append(
+            CheckResult(
+                "formats served",
+                False,
+                f"baoc.allowed_configs asks for {unserved}, which {device} cannot serve ({reasons})",
+                f"remove {', '.join(repr(f) for f in unserved)} from baoc.allowed_configs (e.g. allowed_configs: {keep}), "
+                f"or train on a device that serves {'it' if len(unserved) == 1 else 'them'}",
+            )
+        )
+    else:
+        results.append(CheckResult("formats served", True, f"{device} serves every allowed format: {served}"))
+
+    # 2. blocks
+    try:
+        report = partition_report(model, b.block_id.granularity, b.block_id.patterns)
+    except (TypeError, ValueError) as err:
+        results.append(
+            CheckResult("blocks", False, str(err), "fix baoc.block_id.patterns (globs over model.named_parameters() names)")
+        )
+        report = None
+    else:
+        numel = sum(report.numel.values())
+        named = f", {len(report.pattern_blocks)} from patterns ({', '.join(report.pattern_blocks)})" if report.pattern_blocks else ""
+        frozen = f"; {len(report.frozen)} frozen parameter(s) left out" if report.frozen else ""
+        results.append(
+            CheckResult(
+                "blocks",
+                True,
+                f"{len(report.blocks)} blocks ({b.block_id.granularity} granularity{named}) over {numel:,} trainable "
+                f"parameters{frozen}",
+            )
+        )
+
+    # 3. memory (and time) budget
+    if report is not None and served:
+        results.append(_check_budget(config, model, report.blocks, served, mask, device))
+    elif report is not None:
+        results.append(
+            CheckResult("memory budget", False, "no allowed format is served on this device", "see 'formats served'")
+        )
+
+    # 4. sampler overhead
+    if report is not None:
+        s = b.sampler
+        est = sampler_overhead(report.numel, s.sample_every, s.max_elements, s.capacity, s.sparse_sampling)
+        detail = (
+            f"reads {est.elements_per_sample:,} gradient elements per sample ({est.share_per_sample:.1%} of the "
+            f"gradient), {est.samples_per_step:.2g} samples per step in warm-up: about {est.overhead:.2%} of a "
+            f"training step (after warm-up {est.overhead_after:.2%}); ring buffer {format_bytes(est.ring_bytes)}"
+        )
+        if est.overhead <= MAX_SAMPLER_OVERHEAD:
+            results.append(CheckResult("sampler overhead", True, detail))
+        else:
+            # overhead ~ (2 / sample_every) * share: the sample_every that brings it within budget
+            need = math.ceil(2 * OVERHEAD_PER_GRADIENT_SHARE * est.share_per_sample / MAX_SAMPLER_OVERHEAD)
+            fix = (
+                f"set baoc.sampler.sample_every >= {max(need, s.sample_every + 1)} (keep baoc.warmup_steps >= "
+                f"{MIN_WARMUP_SAMPLES} x sample_every)"
+            )
+            elements = _max_elements_within_budget(report.numel, s)
+            if elements is not None:
+                fix += f", or baoc.sampler.max_elements <= {elements}"
+            results.append(
+                CheckResult(
+                    "sampler overhead",
+                    False,
+                    detail + f", over the {MAX_SAMPLER_OVERHEAD:.0%} the sampler is designed for",
+                    fix,
+                )
+            )
+
+    # 5. warm-up
+    results.append(_check_warmup(config))
+
+    # 6. risk thresholds and hysteresis
+    results.append(_check_risk(config))
+
+    # 7. re-evaluation trigger
+    results.append(_check_trigger(config))
+    return results
+
+
+def _max_elements_within_budget(block_numel: dict[str, int], s: Any) -> int | None:
+    """The largest ``max_elements`` whose estimated overhead is within budget (``None``: none is)."""
+
+    def cost(m: int) -> float:
+        return sampler_overhead(block_numel, s.sample_every, m, s.capacity, s.sparse_sampling).overhead
+
+    lo, hi = 1, s.max_elements  # cost grows with max_elements
+    if cost(lo) > MAX_SAMPLER_OVERHEAD:
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if cost(mid) <= MAX_SAMPLER_OVERHEAD else (lo, mid - 1)
+    return lo
+
+
+def _check_budget(
+    config: Config,
+    model: nn.Module,
+    blocks: dict[str, list[str]],
+    served: list[str],
+    mask: dict[str, str],
+    device: str,
+) -> CheckResult:
+    b = config.baoc
+    params = dict(model.named_parameters())
+    shapes = {name: [tuple(params[n].shape) for n in names] for name, names in blocks.items()}
+    timed = b.time_budget is not None
+    prior = b.calibration.mode == "prior" or not _local(device)
+    if timed and prior and is_absolute_time(b.time_budget):
+        # seconds cannot be compared with the unitless prior costs (the callback's rule too)
+        where = (
+            "set baoc.calibration.mode: auto"
+            if b.calibration.mode == "prior"
+            else f"run check on a machine with the {device} device, where the step is measured in seconds"
+        )
+        err = absolute_time_with_prior_error(b.time_budget, "baoc.time_budget", where + ".")
+        return CheckResult("memory budget", False, str(err), f"baoc.time_budget: 1.2 (a multiple), or {where}")
+    # the problem the training controller builds: the same offered formats, tables and budget units
+    try:
+        problem = AllocationProblem(
+            shapes,
+            device,
+            served,
+            timed=timed,
+            costs="prior" if prior else "calibrate",
+            min_8bit_numel=b.min_8bit_numel,
+            cache_dir=b.calibration.cache_dir,
+        )
+    except ValueError:
+        note = "".join(f"; {f} withheld ({why})" for f, why in withheld_formats(device, timed, served).items())
+        fix = "set baoc.time_budget, or allow other formats in baoc.allowed_configs"
+        return CheckResult("memory budget", False, f"no allowed format is offered on {device}{note}", fix)
+    served = problem.allowed
+    withheld_note = "".join(f"; {f} withheld ({why})" for f, why in problem.withheld.items())
+    fp32_bytes = problem.fp32_bytes
+    budget_bytes = parse_memory_budget(b.memory_budget, fp32_bytes, argument="baoc.memory_budget")
+    time_note = ""
+    fp32_time = 0.0
+    if timed:
+        fp32_time = problem.fp32_time
+        time_note = (
+            "; step time priced with the built-in prior costs" if prior else f"; step time priced with a calibration of {device}"
+        )
+    budget_text = f"baoc.memory_budget={b.memory_budget!r} = {format_bytes(budget_bytes)} ({budget_bytes / fp32_bytes:.3f} of fp32 AdamW's {format_bytes(fp32_bytes)})"
+    least = sum(min(row.values()) for row in problem.tables(False)[0].values())
+    try:
+        problem.smallest(b.memory_budget, b.time_budget)
+    except BudgetInfeasibleError as err:
+        if err.min_memory is None:
+            return CheckResult(
+                "memory budget",
+                False,
+                f"{budget_text}: no allocation of the allowed formats meets baoc.time_budget={b.time_budget!r}{time_note}",
+                "raise baoc.time_budget (or allow faster formats: fp32, bf16_momentum, nomomentum, factored)",
+            )
+        need = float(err.min_memory)
+        if need <= budget_bytes:  # memory fits: the time budget is what fails
+            return CheckResult(
+                "memory budget",
+                False,
+                f"{budget_text}: it fits in memory, but not within baoc.time_budget={b.time_budget!r}{time_note}",
+                "raise baoc.time_budget, or lower the memory pressure (a larger baoc.memory_budget)",
+            )
+        cheaper = [f for f in ("factored", "nomomentum_int8", "int8_factored") if f not in served and f not in mask]
+        allow = f", or allow cheaper formats in baoc.allowed_configs ({', '.join(cheaper)})" if cheaper else ""
+        if b.time_budget is not None:
+            # the memory needed is the least within the time budget: a looser one may need less
+            slower = (
+                f"raise baoc.time_budget to >= {round_up(err.min_time / fp32_time)} (x fp32)"
+                if err.min_time is not None and fp32_time
+                else "raise baoc.time_budget"
+            )
+            allow += f", or {slower}"
+        return CheckResult(
+            "memory budget",
+            False,
+            f"{budget_text} is infeasible for this model: the smallest feasible budget with the allowed formats "
+            f"{served} is {format_bytes(need)} ({need / fp32_bytes:.3f} of fp32)"
+            f"{' within the time budget' if b.time_budget is not None else ''}{time_note}{withheld_note}",
+            f"set baoc.memory_budget >= {round_up(need / fp32_bytes)} (or an absolute size >= {int(math.ceil(need))} "
+            f"bytes){allow}",
+        )
+    return CheckResult(
+        "memory budget",
+        True,
+        f"{budget_text} is feasible: the cheapest allocation of the allowed formats needs {format_bytes(least)} "
+        f"({least / fp32_bytes:.3f} of fp32){time_note}{withheld_note}",
+    )
+
+
+def _local(device: str) -> bool:
+    kind = torch.device(device).type
+    return kind == "cpu" or (kind == "cuda" and torch.cuda.is_available())
+
+
+def _check_warmup(config: Config) -> CheckResult:
+    b = config.baoc
+    every = b.sampler.sample_every
+    samples = (b.warmup_steps - 1) // every + 1
+    max_steps = config.trainer.get("max_steps")
+    if isinstance(max_steps, int) and max_steps > 0 and b.warmup_steps >= max_steps:
+        return CheckResult(
+            "warm-up",
+            False,
+            f"baoc.warmup_steps={b.warmup_steps} >= trainer.max_steps={max_steps}: warm-up never ends and the "
+            f"optimizer states stay fp32",
+            f"set baoc.warmup_steps to about a fifth of the run (e.g. {max(every + 2, max_steps // 5)})",
+        )
+    detail = f"{b.warmup_steps} fp32 steps, {samples} gradient samples (every {every} steps)"
+    if samples < MIN_WARMUP_SAMPLES:
+        return CheckResult(
+            "warm-up",
+            False,
+            detail + f": fewer than {MIN_WARMUP_SAMPLES}, the statistics would be noisy",
+            f"set baoc.warmup_steps >= {MIN_WARMUP_SAMPLES * every} or baoc.sampler.sample_every <= "
+            f"{max(1, b.warmup_steps // MIN_WARMUP_SAMPLES)}",
+        )
+    if samples > b.sampler.capacity:
+        detail += f"; the ring keeps the last {b.sampler.capacity}"
+    if isinstance(max_steps, int) and max_steps > 0:
+        detail += f"; {b.warmup_steps / max_steps:.0%} of trainer.max_steps={max_steps}"
+    return CheckResult("warm-up", True, detail)
+
+
+def _check_risk(config: Config) -> CheckResult:
+    r = config.baoc.risk_thresholds
+    t = config.baoc.re_evaluation_trigger
+    if r.max_block_risk is not None and r.max_block_risk <= 0:
+        return CheckResult(
+            "risk thresholds",
+            False,
+            "baoc.risk_thresholds.max_block_risk=0 admits only the formats of zero risk (fp32, offload), so a "
+            "budget below fp32 can only be met by lifting the cap",
+            "set baoc.risk_thresholds.max_block_risk to null (no cap) or a positive cap, e.g. 0.05",
+        )
+    cap = "no per-block cap" if r.max_block_risk is None else f"per-block risk cap {r.max_block_risk:g}"
+    triggers = t.every_n_epochs is not None or t.monitor is not None
+    if not triggers:
+        return CheckResult(
+            "risk thresholds", True, f"{cap}; hysteresis {r.hysteresis:g} unused (no re-evaluation trigger)"
+        )
+    low, high = HYSTERESIS_RANGE
+    if not low <= r.hysteresis <= high:
+        why = (
+            "every re-evaluation would migrate on noise in the statistics (allocations flap)"
+            if r.hysteresis < low
+            else "a re-evaluation would migrate only if the total risk dropped by that much: practically never"
+        )
+        return CheckResult(
+            "risk thresholds",
+            False,
+            f"{cap}; baoc.risk_thresholds.hysteresis={r.hysteresis:g}: {why}",
+            f"set baoc.risk_thresholds.hysteresis in [{low}, {high}] (default 0.1)",
+        )
+    return CheckResult("risk thresholds", True, f"{cap}; hysteresis {r.hysteresis:g}")
+
+
+def _check_trigger(config: Config) -> CheckResult:
+    t = config.baoc.re_evaluation_trigger
+    parts = []
+    if t.every_n_epochs is not None:
+        parts.append(f"every {t.every_n_epochs} epoch(s)")
+    if t.monitor is not None:
+        expected = _direction(t.monitor)
+        if expected is not None and expected != t.mode:
+            return CheckResult(
+                "re-evaluation trigger",
+                False,
+                f"baoc.re_evaluation_trigger.monitor={t.monitor!r} reads like a metric that improves "
+                f"{'upwards' if expected == 'max' else 'downwards'}, but mode={t.mode!r}: improvements would "
+                f"count as a plateau",
+                f"set baoc.re_evaluation_trigger.mode: {expected}",
+            )
+        parts.append(f"plateau of {t.monitor!r} ({t.mode}, patience {t.patience}, min_delta {t.min_delta:g})")
+    if not parts:
+        return CheckResult("re-evaluation trigger", True, "none: the allocation is decided once, at warm-up end")
+    return CheckResult("re-evaluation trigger", True, "; ".join(parts))
+
+
+def render(results: Sequence[CheckResult], console: Any = None, title: str = "lightning-baoc check") -> None:
+    """Print the checklist as a rich table (to ``console``, default: stdout)."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = console or Console()
+    table = Table(title=Text(title), show_lines=True)
+    table.add_column("check", style="bold")
+    table.add_column("result")
+    table.add_column("found")
+    table.add_column("fix")
+    for r in results:
+        # Text, not markup: details hold brackets ("allowed_configs: [fp32, int8]")
+        status = Text(r.status, style="green" if r.passed else "bold red")
+        table.add_row(Text(r.name), status, Text(r.detail), Text(r.fix))
+    console.print(table)
+    failed = [r.name for r in results if not r.passed]
+    summary = f"{len(results) - len(failed)} passed, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else "")
+    console.print(Text(summary))
+
+
+# ---------------------------------------------------------------------------- the subcommand
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``lightning-baoc check``."""
+    parser.add_argument("--config", required=True, metavar="FILE", help="a YAML config with a baoc section (configs/*.yaml)")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="OmegaConf dotlist overrides, e.g. baoc.memory_budget=0.25",
+    )
+    parser.add_argument(
+        "--model",
+        metavar="PRESET|PACKAGE.MODULE:FACTORY",
+        help="the model (default: the config's model section); built on the meta device",
+    )
+    parser.add_argument(
+        "--device",
+        help="the training device checked for, e.g. cpu, cuda (default: the config's trainer.accelerator, else cuda if present, else cpu)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``lightning-baoc check``; 0 when every check passes, 1 when one fails.
+
+    Bad input (``ValueError``/``TypeError``: a config that does not load, a model that cannot be
+    built) propagates; the command line turns it into exit code 2.
+    """
+    from rich.console import Console
+
+    config = load_config(args.config, args.overrides)
+    model, name = resolve_model(config, args.model)
+    device = args.device or default_device(config)
+    results = run_checks(config, model, device)
+    render(results, Console(width=max(Console().width, 140)), title=f"lightning-baoc check: {args.config}, {name} on {device}")
+    return 0 if all(r.passed for r in results) else 1
+
+
+__all__ = [
+    "CheckResult",
+    "HYSTERESIS_RANGE",
+    "MAX_SAMPLER_OVERHEAD",
+    "MIN_WARMUP_SAMPLES",
+    "OVERHEAD_PER_GRADIENT_SHARE",
+    "SamplerEstimate",
+    "build_component",
+    "default_device",
+    "render",
+    "resolve_model",
+    "run",
+    "run_checks",
+    "sampler_overhead",
+]

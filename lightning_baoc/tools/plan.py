@@ -1,0 +1,332 @@
+"""Plan optimizer-state memory for a large model without allocating it: ``lightning-baoc plan``.
+
+The model is built on the ``meta`` device (shapes only, no memory): a preset (a LLaMA-7B-shaped
+decoder, a ViT-B/16, a tiny decoder for tests; :mod:`lightning_baoc.tools.presets`) or any
+``package.module:factory``. Its parameters are partitioned into blocks
+(:func:`lightning_baoc.blocks.partition`), and the plan reports the parameter count, the fp32 AdamW
+state (8 bytes per parameter), every uniform format's exact bytes (fallbacks for 1-D and small
+tensors included, as the optimizer allocates them), and allocations of the
+:class:`~lightning_baoc.costs.AllocationProblem` the training controller builds, at the budgets given.
+
+Risk comes from a statistics file saved by a real run (JSON ``{"blocks": [{"name": ..., "risk":
+{format: value}}]}``, the shape of ``baoc_allocation.json``'s blocks) or, without one, from the
+documented prior (:func:`lightning_baoc.risk.prior_risk`). Step time comes from a calibration of the
+local device (``calibrate=True``) or the prior :data:`~lightning_baoc.calibration.PRIOR_STEP_COST`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from ..blocks import partition
+from ..budget import absolute_time_with_prior_error, format_bytes, format_decimal_bytes, is_absolute_time
+from ..calibration import check_mask, offload_saves_memory
+from ..costs import AllocationProblem
+from ..formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, format_state_bytes, numel_of, resolve_format
+from ..risk.prior import block_kind, prior_risk
+from ..solver import Allocation, BudgetInfeasibleError
+from .presets import build_model
+
+def load_statistics(path: str | os.PathLike[str], blocks: Sequence[str]) -> tuple[dict[str, dict[str, float]], list[str]]:
+    """Per-format risks from a statistics file; returns (risk of the blocks found, blocks missing).
+
+    The file is JSON ``{"blocks": [{"name": ..., "risk": {format: value}}, ...]}``. Blocks of the
+    file that the model does not have are an error (a different model or granularity).
+    """
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot read statistics file {os.fspath(path)!r}: {err}") from None
+    if not isinstance(data, Mapping) or not isinstance(data.get("blocks"), list):
+        raise ValueError(
+            f"statistics file {os.fspath(path)!r} must hold {{\"blocks\": [{{\"name\": ..., \"risk\": "
+            f"{{format: value}}}}, ...]}}"
+        )
+    known = set(blocks)
+    risk: dict[str, dict[str, float]] = {}
+    for i, entry in enumerate(data["blocks"]):
+        if not isinstance(entry, Mapping) or "name" not in entry or "risk" not in entry:
+            raise ValueError(f"statistics blocks[{i}] needs 'name' and 'risk', got {entry!r}")
+        name, values = entry["name"], entry["risk"]
+        if name not in known:
+            raise ValueError(
+                f"statistics block {name!r} is not a block of this model (blocks like "
+                f"{list(blocks)[:3]}); was the file saved with another model or granularity?"
+            )
+        if not isinstance(values, Mapping):
+            raise ValueError(
+                f"statistics block {name!r} has risk {values!r}: planning needs a risk per format "
+                f"({{format: value}}), not the risk of one chosen format"
+            )
+        for f in values:
+            if f not in FORMATS:
+                raise ValueError(f"statistics block {name!r} names unknown format {f!r}; allowed: {list(FORMATS)}")
+        risk[name] = {f: float(v) for f, v in values.items()}
+    missing = [b for b in blocks if b not in risk]
+    return risk, missing
+
+
+# ---------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class FormatFigure:
+    """One uniform format over the whole model."""
+
+    name: str
+    device_bytes: int
+    host_bytes: int
+    fallback_params: int  # parameters that really get another format (1-D, small tensors)
+
+
+@dataclass
+class PlannedAllocation:
+    """An allocation at one budget, or why there is none."""
+
+    budget: str
+    allocation: Allocation | None = None
+    error: str | None = None
+    params_by_format: dict[str, int] = field(default_factory=dict)
+    min_memory: float | None = None  # where infeasible: the smallest feasible memory budget, bytes
+
+
+@dataclass
+class Plan:
+    """What :func:`plan` found; :func:`render` prints it, :meth:`to_dict` is JSON-ready."""
+
+    model: str
+    device: str
+    granularity: str
+    params: int
+    tensors: int
+    blocks: dict[str, list[tuple[int, ...]]]
+    fp32_bytes: int
+    formats: list[FormatFigure]
+    masked: dict[str, str]
+    risk_source: str
+    time_source: str | None
+    time_budget: str | None
+    allocations: list[PlannedAllocation]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "device": self.device,
+            "granularity": self.granularity,
+            "params": self.params,
+            "tensors": self.tensors,
+            "blocks": len(self.blocks),
+            "fp32_adamw_state_bytes": self.fp32_bytes,
+            "formats": {
+                f.name: {"device_bytes": f.device_bytes, "host_bytes": f.host_bytes, "fallback_params": f.fallback_params}
+                for f in self.formats
+            },
+            "masked": dict(self.masked),
+            "risk_source": self.risk_source,
+            "time_source": self.time_source,
+            "time_budget": self.time_budget,
+            "allocations": [
+                {
+                    "budget": a.budget,
+                    "error": a.error,
+                    "params_by_format": a.params_by_format,
+                    **({"allocation": a.allocation.to_dict()} if a.allocation is not None else {}),
+                }
+                for a in self.allocations
+            ],
+        }
+
+
+def plan(
+    model: str | nn.Module,
+    budgets: Sequence[float | int | str] = (),
+    *,
+    time_budget: float | str | None = None,
+    device: str = "cuda",
+    granularity: str = "module",
+    statistics: str | os.PathLike[str] | None = None,
+    mask: Sequence[str] | None = None,
+    max_boundaries: int | None = None,
+    calibrate_time: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None,
+    min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL,
+    method: str = "auto",
+) -> Plan:
+    """Plan the optimizer-state memory of ``model`` on ``device``.
+
+    Args:
+        model: a preset name, ``"package.module:factory"``, or a module (any device).
+        budgets: memory budgets to allocate at (fractions like ``0.35`` or sizes like ``"6GB"``).
+        time_budget: optional time budget: a multiple of the fp32 step (``1.10``), or an absolute
+            time (``"12ms"``) with ``calibrate_time=True`` (the prior costs have no unit).
+        device: the training device planned for; decides the hardware mask and whether ``offload``
+            saves device memory (default: ``"cuda"``).
+        granularity: block granularity of :func:`~lightning_baoc.blocks.partition` (default:
+            ``"module"``).
+        statistics: a statistics file with per-format risks (default: the prior).
+        mask: formats to exclude besides the hardware mask (default: none).
+        max_boundaries: boundary selection: the format changes at most this many times along the
+            blocks (default: no limit).
+        calibrate_time: time costs from a calibration of ``device`` here (cached) instead of the
+            prior (default: False).
+        cache_dir: calibration cache directory (default: the user cache directory).
+        min_8bit_numel: the optimizer's small-tensor threshold (default: 4096).
+        method: the solver's method (default: ``"auto"``).
+
+    Raises:
+        ValueError: a bad model, budget or mask, or an absolute ``time_budget`` without
+            ``calibrate_time`` (the message names both fixes).
+
+    Example:
+        >>> p = plan("tiny", [0.5], device="cpu")
+        >>> p.params, p.fp32_bytes == 8 * p.params
+        (166208, True)
+    """
+    if time_budget is not None and not calibrate_time and is_absolute_time(time_budget):
+        raise absolute_time_with_prior_error(
+            time_budget, "time_budget", "calibrate_time=True (--calibrate) to measure the step in seconds on the device."
+        )
+    name = model if isinstance(model, str) else type(model).__name__
+    module = build_model(model) if isinstance(model, str) else model
+    user_mask = check_mask(mask) if mask else {}
+    names = dict(module.named_parameters())
+    groups = partition(module, granularity)
+    blocks = {b: [tuple(names[p].shape) for p in params] for b, params in groups.items()}
+    # the problem the training controller and ``check`` build: offload only with a time budget
+    problem = AllocationProblem(
+        blocks,
+        device,
+        timed=time_budget is not None,
+        costs="calibrate" if calibrate_time else "prior",
+        min_8bit_numel=min_8bit_numel,
+        mask=user_mask,
+        cache_dir=cache_dir,
+    )
+    masked = problem.withheld
+    params = sum(numel_of(s) for shapes in blocks.values() for s in shapes)
+    tensors = sum(len(shapes) for shapes in blocks.values())
+    fp32_bytes = sum(format_state_bytes("fp32", s, min_8bit_numel) for shapes in blocks.values() for s in shapes)
+
+    off_device = offload_saves_memory(device)
+    figures = []
+    for f in FORMATS:
+        total = sum(format_state_bytes(f, s, min_8bit_numel) for shapes in blocks.values() for s in shapes)
+        fallback = sum(
+            numel_of(s) for shapes in blocks.values() for s in shapes if resolve_format(f, s, min_8bit_numel) != f
+        )
+        on_host = f == "offload" and off_device
+        figures.append(FormatFigure(f, 0 if on_host else total, total if on_host else 0, fallback))
+
+    allocations: list[PlannedAllocation] = []
+    risk_source = "prior (PRIOR_RISK x kind weight x size share)"
+    time_source: str | None = None
+    if budgets:
+        kinds = {b: block_kind(module, b) for b in blocks}
+        risk = prior_risk(blocks, kinds, min_8bit_numel=min_8bit_numel)
+        if statistics is not None:
+            measured, missing = load_statistics(statistics, list(blocks))
+            for b, row in measured.items():
+                risk[b] = {f: row[f] for f in row}
+            risk_source = f"statistics file ({len(measured)} blocks" + (
+                f"; prior for {len(missing)} missing)" if missing else ")"
+            )
+        for budget in budgets:
+            entry = PlannedAllocation(str(budget))
+            try:
+                alloc = problem.solve(risk, budget, time_budget, method=method, max_boundaries=max_boundaries)
+            except BudgetInfeasibleError as err:
+                entry.error, entry.min_memory = str(err), err.min_memory
+            else:
+                entry.allocation = alloc
+                by_format: dict[str, int] = {}
+                for b, f in alloc.formats.items():
+                    by_format[f] = by_format.get(f, 0) + sum(numel_of(s) for s in blocks[b])
+                entry.params_by_format = by_format
+            allocations.append(entry)
+        time_source = problem.time_source
+    return Plan(
+        model=name,
+        device=str(device),
+        granularity=granularity,
+        params=params,
+        tensors=tensors,
+        blocks=blocks,
+        fp32_bytes=fp32_bytes,
+        formats=figures,
+        masked=masked,
+        risk_source=risk_source,
+        time_source=time_source,
+        time_budget=None if time_budget is None else str(time_budget),
+        allocations=allocations,
+    )
+
+
+def _bytes(n: float) -> str:
+    return f"{format_decimal_bytes(n)} ({format_bytes(n)})"
+
+
+def render(p: Plan, console: Any = None) -> None:
+    """Print a plan as rich tables (to ``console``, default: stdout)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    head = Table(title=f"lightning-baoc plan: {p.model} on {p.device}", show_header=False)
+    head.add_column("", style="bold")
+    head.add_column("")
+    head.add_row("parameters", f"{p.params:,} ({p.params / 1e9:.3g}B)" if p.params >= 1e8 else f"{p.params:,}")
+    head.add_row("tensors / blocks", f"{p.tensors:,} / {len(p.blocks):,} ({p.granularity} granularity)")
+    head.add_row("fp32 AdamW state", f"{_bytes(p.fp32_bytes)} = 8 bytes x {p.params:,} parameters")
+    console.print(head)
+
+    table = Table(title="Uniform formats (exact bytes as allocated, fallbacks included)")
+    for col in ("format", "device bytes", "of fp32", "bytes/param", "note"):
+        table.add_column(col, justify="right" if col not in ("format", "note") else "left")
+    for f in p.formats:
+        notes = []
+        if f.host_bytes:
+            notes.append(f"+ {_bytes(f.host_bytes)} in host memory")
+        if f.fallback_params:
+            notes.append(f"{f.fallback_params:,} params fall back (1-D or < 8-bit threshold)")
+        if f.name in p.masked:
+            notes.append("masked (see below)")
+        table.add_row(
+            f.name,
+            _bytes(f.device_bytes),
+            f"{f.device_bytes / p.fp32_bytes:.3f}" if p.fp32_bytes else "-",
+            f"{f.device_bytes / p.params:.3f}" if p.params else "-",
+            "; ".join(notes),
+        )
+    console.print(table)
+
+    if p.allocations:
+        title = f"Allocations (risk: {p.risk_source}"
+        title += f"; time: {p.time_source}, budget {p.time_budget}x)" if p.time_source else ")"
+        alloc_table = Table(title=title)
+        for col in ("budget", "state memory", "of fp32", "step time", "risk", "parameters by format", "solver"):
+            alloc_table.add_column(col, justify="left" if col in ("parameters by format", "budget") else "right")
+        for entry in p.allocations:
+            a = entry.allocation
+            if a is None:
+                alloc_table.add_row(entry.budget, "infeasible", "", "", "", entry.error or "", "")
+                continue
+            shares = sorted(entry.params_by_format.items(), key=lambda kv: -kv[1])
+            mix = ", ".join(f"{f} {n / p.params:.0%}" if n >= 0.005 * p.params else f"{f} <1%" for f, n in shares)
+            step = f"{a.time / a.fp32_time:.3f}x" if (a.time is not None and a.fp32_time) else "-"
+            solver = "optimal" if a.optimal else f"gap <= {a.gap:.1e}"
+            alloc_table.add_row(
+                entry.budget, _bytes(a.memory), f"{a.memory / p.fp32_bytes:.3f}", step, f"{a.risk:.4g}", mix, solver
+            )
+        console.print(alloc_table)
+    if p.masked:
+        console.print("Masked: " + "; ".join(f"{k}: {v}" for k, v in p.masked.items()))
+
+
+__all__ = ["FormatFigure", "Plan", "PlannedAllocation", "load_statistics", "plan", "render"]
