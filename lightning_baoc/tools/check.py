@@ -32,7 +32,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
 import re
 from collections.abc import Sequence
@@ -51,10 +50,11 @@ from ..budget import (
     round_up,
 )
 from ..calibration import hardware_mask, withheld_formats
-from ..config import Config, ComponentConfig, load_config
+from ..config import Config, load_config
 from ..costs import AllocationProblem
 from ..formats import FORMATS
 from ..solver import BudgetInfeasibleError
+from .models import build_component, default_device, resolve_model
 
 #: The sampler's design budget: its cost per training step, as a fraction of the step
 #: (``benchmarks/sampler_overhead.py``: sampling at every step costs about 3% on a 1.2M-parameter GPT).
@@ -161,87 +161,6 @@ def sampler_overhead(
     )
 
 
-# ---------------------------------------------------------------------------- models
-
-
-def build_component(component: ComponentConfig, device: str | torch.device = "meta", section: str = "model") -> Any:
-    """Instantiate a config's ``model`` (or ``data``) section, ``class_path(**init_args)``, on ``device``.
-
-    Args:
-        component: the section.
-        device: the default torch device while it is built (default: ``"meta"``: shapes only).
-        section: the section's name, for error messages (default: ``"model"``).
-
-    Raises:
-        ValueError: the class cannot be imported (the message says how to make it importable),
-            or the call fails.
-
-    Example:
-        >>> build_component(ComponentConfig("torch.nn.Linear", {"in_features": 4, "out_features": 2})).weight.device
-        device(type='meta')
-    """
-    where = f"{section}.class_path={component.class_path!r}"
-    module_name, _, attr = component.class_path.rpartition(".")
-    if not module_name:
-        raise ValueError(f"{where} must be 'package.module.Name'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(
-            f"cannot import {module_name!r} of {where}: {err}. Put its directory on PYTHONPATH (for the "
-            f"example configs: PYTHONPATH=examples), or pass --model"
-        ) from None
-    factory = getattr(module, attr, None)
-    if factory is None or not callable(factory):
-        raise ValueError(f"{where}: {module_name!r} has no callable {attr!r}")
-    try:
-        with torch.device(device):
-            return factory(**component.init_args)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{section} {component.class_path}(**{component.init_args!r}) failed: {err}") from None
-    except (RuntimeError, NotImplementedError) as err:  # e.g. data-dependent code on the meta device
-        raise ValueError(
-            f"{section} {component.class_path}(**{component.init_args!r}) failed on the {device} device: {err}; "
-            f"pass --model with a factory that builds the model without reading parameter values"
-        ) from None
-
-
-def resolve_model(config: Config, model: str | nn.Module | None = None) -> tuple[nn.Module, str]:
-    """The model to check and its name: ``model`` (a module, a preset or ``package.module:factory``)
-    or else the config's ``model`` section, built on the meta device.
-
-    Raises:
-        ValueError: neither is given, or the model cannot be built.
-    """
-    from .presets import build_model
-
-    if isinstance(model, nn.Module):
-        return model, type(model).__name__
-    if model is not None:
-        return build_model(model, "meta"), model
-    if config.model is None:
-        raise ValueError(
-            "no model to check: pass --model (a preset or package.module:factory) or give the config a "
-            "model section (class_path, init_args)"
-        )
-    built = build_component(config.model)
-    if not isinstance(built, nn.Module):
-        raise ValueError(f"model.class_path={config.model.class_path!r} built {type(built).__name__}, not a torch.nn.Module")
-    return built, config.model.class_path
-
-
-def default_device(config: Config) -> str:
-    """The training device a config implies: ``trainer.accelerator`` if set, else CUDA if present."""
-    accelerator = str(config.trainer.get("accelerator", "auto")).lower()
-    if accelerator == "cpu":
-        return "cpu"
-    if accelerator in ("gpu", "cuda"):
-        return "cuda"
-    if accelerator == "mps":
-        return "mps"
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 # ---------------------------------------------------------------------------- the checks
 
 
@@ -272,103 +191,91 @@ def run_checks(config: Config, model: nn.Module, device: str | torch.device = "c
         >>> [r.status for r in run_checks(cfg, nn.Linear(256, 256, device="meta"), "cpu")][:1]
         ['FAIL']
     """
-    b = config.baoc
-    results: list[CheckResult] = []
     device = str(device)
-
-    # 1. formats served
-    mask = hardware_mask(device)
-    requested = list(b.allowed_configs) if b.allowed_configs is not None else list(FORMATS)
-    unserved = [f for f in requested if f in mask]
-    served = [f for f in requested if f not in mask]
-    if b.allowed_configs is None:
-        note = "; ".join(f"{f} skipped ({why})" for f, why in mask.items())
-        results.append(
-            CheckResult("formats served", True, f"all formats the device serves on {device}: {served}" + (f"; {note}" if note else ""))
-        )
-    elif unserved:
-        reasons = "; ".join(f"{f}: {mask[f]}" for f in unserved)
-        keep = f"[{', '.join(served)}]" if served else "formats it serves"
-        results.append(
-            CheckResult(
-                "formats served",
-                False,
-                f"baoc.allowed_configs asks for {unserved}, which {device} cannot serve ({reasons})",
-                f"remove {', '.join(repr(f) for f in unserved)} from baoc.allowed_configs (e.g. allowed_configs: {keep}), "
-                f"or train on a device that serves {'it' if len(unserved) == 1 else 'them'}",
-            )
-        )
-    else:
-        results.append(CheckResult("formats served", True, f"{device} serves every allowed format: {served}"))
-
-    # 2. blocks
-    try:
-        report = partition_report(model, b.block_id.granularity, b.block_id.patterns)
-    except (TypeError, ValueError) as err:
-        results.append(
-            CheckResult("blocks", False, str(err), "fix baoc.block_id.patterns (globs over model.named_parameters() names)")
-        )
-        report = None
-    else:
-        numel = sum(report.numel.values())
-        named = f", {len(report.pattern_blocks)} from patterns ({', '.join(report.pattern_blocks)})" if report.pattern_blocks else ""
-        frozen = f"; {len(report.frozen)} frozen parameter(s) left out" if report.frozen else ""
-        results.append(
-            CheckResult(
-                "blocks",
-                True,
-                f"{len(report.blocks)} blocks ({b.block_id.granularity} granularity{named}) over {numel:,} trainable "
-                f"parameters{frozen}",
-            )
-        )
-
-    # 3. memory (and time) budget
+    served_result, served, mask = _check_served(config, device)
+    results = [served_result]
+    blocks_result, report = _check_blocks(config, model)
+    results.append(blocks_result)
     if report is not None and served:
         results.append(_check_budget(config, model, report.blocks, served, mask, device))
     elif report is not None:
         results.append(
             CheckResult("memory budget", False, "no allowed format is served on this device", "see 'formats served'")
         )
-
-    # 4. sampler overhead
     if report is not None:
-        s = b.sampler
-        est = sampler_overhead(report.numel, s.sample_every, s.max_elements, s.capacity, s.sparse_sampling)
-        detail = (
-            f"reads {est.elements_per_sample:,} gradient elements per sample ({est.share_per_sample:.1%} of the "
-            f"gradient), {est.samples_per_step:.2g} samples per step in warm-up: about {est.overhead:.2%} of a "
-            f"training step (after warm-up {est.overhead_after:.2%}); ring buffer {format_bytes(est.ring_bytes)}"
-        )
-        if est.overhead <= MAX_SAMPLER_OVERHEAD:
-            results.append(CheckResult("sampler overhead", True, detail))
-        else:
-            # overhead ~ (2 / sample_every) * share: the sample_every that brings it within budget
-            need = math.ceil(2 * OVERHEAD_PER_GRADIENT_SHARE * est.share_per_sample / MAX_SAMPLER_OVERHEAD)
-            fix = (
-                f"set baoc.sampler.sample_every >= {max(need, s.sample_every + 1)} (keep baoc.warmup_steps >= "
-                f"{MIN_WARMUP_SAMPLES} x sample_every)"
-            )
-            elements = _max_elements_within_budget(report.numel, s)
-            if elements is not None:
-                fix += f", or baoc.sampler.max_elements <= {elements}"
-            results.append(
-                CheckResult(
-                    "sampler overhead",
-                    False,
-                    detail + f", over the {MAX_SAMPLER_OVERHEAD:.0%} the sampler is designed for",
-                    fix,
-                )
-            )
-
-    # 5. warm-up
+        results.append(_check_sampler(config, report.numel))
     results.append(_check_warmup(config))
-
-    # 6. risk thresholds and hysteresis
     results.append(_check_risk(config))
-
-    # 7. re-evaluation trigger
     results.append(_check_trigger(config))
     return results
+
+
+def _check_served(config: Config, device: str) -> tuple[CheckResult, list[str], dict[str, str]]:
+    """1. formats served: the allowed formats the device cannot serve; the served ones and the mask."""
+    b = config.baoc
+    mask = hardware_mask(device)
+    requested = list(b.allowed_configs) if b.allowed_configs is not None else list(FORMATS)
+    unserved = [f for f in requested if f in mask]
+    served = [f for f in requested if f not in mask]
+    if b.allowed_configs is None:
+        note = "; ".join(f"{f} skipped ({why})" for f, why in mask.items())
+        detail = f"all formats the device serves on {device}: {served}" + (f"; {note}" if note else "")
+        return CheckResult("formats served", True, detail), served, mask
+    if not unserved:
+        return CheckResult("formats served", True, f"{device} serves every allowed format: {served}"), served, mask
+    reasons = "; ".join(f"{f}: {mask[f]}" for f in unserved)
+    keep = f"[{', '.join(served)}]" if served else "formats it serves"
+    result = CheckResult(
+        "formats served",
+        False,
+        f"baoc.allowed_configs asks for {unserved}, which {device} cannot serve ({reasons})",
+        f"remove {', '.join(repr(f) for f in unserved)} from baoc.allowed_configs (e.g. allowed_configs: {keep}), "
+        f"or train on a device that serves {'it' if len(unserved) == 1 else 'them'}",
+    )
+    return result, served, mask
+
+
+def _check_blocks(config: Config, model: nn.Module) -> tuple[CheckResult, Any]:
+    """2. blocks: the model partitions with ``baoc.block_id``; the partition report (``None`` if not)."""
+    b = config.baoc
+    try:
+        report = partition_report(model, b.block_id.granularity, b.block_id.patterns)
+    except (TypeError, ValueError) as err:
+        fix = "fix baoc.block_id.patterns (globs over model.named_parameters() names)"
+        return CheckResult("blocks", False, str(err), fix), None
+    numel = sum(report.numel.values())
+    named = f", {len(report.pattern_blocks)} from patterns ({', '.join(report.pattern_blocks)})" if report.pattern_blocks else ""
+    frozen = f"; {len(report.frozen)} frozen parameter(s) left out" if report.frozen else ""
+    detail = (
+        f"{len(report.blocks)} blocks ({b.block_id.granularity} granularity{named}) over {numel:,} trainable "
+        f"parameters{frozen}"
+    )
+    return CheckResult("blocks", True, detail), report
+
+
+def _check_sampler(config: Config, block_numel: dict[str, int]) -> CheckResult:
+    """4. sampler overhead: the estimated cost against :data:`MAX_SAMPLER_OVERHEAD`."""
+    s = config.baoc.sampler
+    est = sampler_overhead(block_numel, s.sample_every, s.max_elements, s.capacity, s.sparse_sampling)
+    detail = (
+        f"reads {est.elements_per_sample:,} gradient elements per sample ({est.share_per_sample:.1%} of the "
+        f"gradient), {est.samples_per_step:.2g} samples per step in warm-up: about {est.overhead:.2%} of a "
+        f"training step (after warm-up {est.overhead_after:.2%}); ring buffer {format_bytes(est.ring_bytes)}"
+    )
+    if est.overhead <= MAX_SAMPLER_OVERHEAD:
+        return CheckResult("sampler overhead", True, detail)
+    # overhead ~ (2 / sample_every) * share: the sample_every that brings it within budget
+    need = math.ceil(2 * OVERHEAD_PER_GRADIENT_SHARE * est.share_per_sample / MAX_SAMPLER_OVERHEAD)
+    fix = (
+        f"set baoc.sampler.sample_every >= {max(need, s.sample_every + 1)} (keep baoc.warmup_steps >= "
+        f"{MIN_WARMUP_SAMPLES} x sample_every)"
+    )
+    elements = _max_elements_within_budget(block_numel, s)
+    if elements is not None:
+        fix += f", or baoc.sampler.max_elements <= {elements}"
+    return CheckResult(
+        "sampler overhead", False, detail + f", over the {MAX_SAMPLER_OVERHEAD:.0%} the sampler is designed for", fix
+    )
 
 
 def _max_elements_within_budget(block_numel: dict[str, int], s: Any) -> int | None:
@@ -436,48 +343,72 @@ def _check_budget(
         )
     budget_text = f"baoc.memory_budget={b.memory_budget!r} = {format_bytes(budget_bytes)} ({budget_bytes / fp32_bytes:.3f} of fp32 AdamW's {format_bytes(fp32_bytes)})"
     least = sum(min(row.values()) for row in problem.tables(False)[0].values())
+    context = _BudgetContext(config, budget_text, budget_bytes, fp32_bytes, fp32_time, time_note, withheld_note, served, mask)
     try:
         problem.smallest(b.memory_budget, b.time_budget)
     except BudgetInfeasibleError as err:
-        if err.min_memory is None:
-            return CheckResult(
-                "memory budget",
-                False,
-                f"{budget_text}: no allocation of the allowed formats meets baoc.time_budget={b.time_budget!r}{time_note}",
-                "raise baoc.time_budget (or allow faster formats: fp32, bf16_momentum, nomomentum, factored)",
-            )
-        need = float(err.min_memory)
-        if need <= budget_bytes:  # memory fits: the time budget is what fails
-            return CheckResult(
-                "memory budget",
-                False,
-                f"{budget_text}: it fits in memory, but not within baoc.time_budget={b.time_budget!r}{time_note}",
-                "raise baoc.time_budget, or lower the memory pressure (a larger baoc.memory_budget)",
-            )
-        cheaper = [f for f in ("factored", "nomomentum_int8", "int8_factored") if f not in served and f not in mask]
-        allow = f", or allow cheaper formats in baoc.allowed_configs ({', '.join(cheaper)})" if cheaper else ""
-        if b.time_budget is not None:
-            # the memory needed is the least within the time budget: a looser one may need less
-            slower = (
-                f"raise baoc.time_budget to >= {round_up(err.min_time / fp32_time)} (x fp32)"
-                if err.min_time is not None and fp32_time
-                else "raise baoc.time_budget"
-            )
-            allow += f", or {slower}"
-        return CheckResult(
-            "memory budget",
-            False,
-            f"{budget_text} is infeasible for this model: the smallest feasible budget with the allowed formats "
-            f"{served} is {format_bytes(need)} ({need / fp32_bytes:.3f} of fp32)"
-            f"{' within the time budget' if b.time_budget is not None else ''}{time_note}{withheld_note}",
-            f"set baoc.memory_budget >= {round_up(need / fp32_bytes)} (or an absolute size >= {int(math.ceil(need))} "
-            f"bytes){allow}",
-        )
+        return _infeasible(err, context)
     return CheckResult(
         "memory budget",
         True,
         f"{budget_text} is feasible: the cheapest allocation of the allowed formats needs {format_bytes(least)} "
         f"({least / fp32_bytes:.3f} of fp32){time_note}{withheld_note}",
+    )
+
+
+@dataclass
+class _BudgetContext:
+    """What the memory-budget check found, for the message of an infeasible budget."""
+
+    config: Config
+    budget_text: str
+    budget_bytes: int
+    fp32_bytes: int
+    fp32_time: float
+    time_note: str
+    withheld_note: str
+    served: list[str]
+    mask: dict[str, str]
+
+
+def _infeasible(err: BudgetInfeasibleError, c: _BudgetContext) -> CheckResult:
+    """The failed memory-budget check of an infeasible budget, with the smallest feasible one."""
+    b = c.config.baoc
+    budget_text, budget_bytes, fp32_bytes, fp32_time = c.budget_text, c.budget_bytes, c.fp32_bytes, c.fp32_time
+    time_note, withheld_note, served, mask = c.time_note, c.withheld_note, c.served, c.mask
+    if err.min_memory is None:
+        return CheckResult(
+            "memory budget",
+            False,
+            f"{budget_text}: no allocation of the allowed formats meets baoc.time_budget={b.time_budget!r}{time_note}",
+            "raise baoc.time_budget (or allow faster formats: fp32, bf16_momentum, nomomentum, factored)",
+        )
+    need = float(err.min_memory)
+    if need <= budget_bytes:  # memory fits: the time budget is what fails
+        return CheckResult(
+            "memory budget",
+            False,
+            f"{budget_text}: it fits in memory, but not within baoc.time_budget={b.time_budget!r}{time_note}",
+            "raise baoc.time_budget, or lower the memory pressure (a larger baoc.memory_budget)",
+        )
+    cheaper = [f for f in ("factored", "nomomentum_int8", "int8_factored") if f not in served and f not in mask]
+    allow = f", or allow cheaper formats in baoc.allowed_configs ({', '.join(cheaper)})" if cheaper else ""
+    if b.time_budget is not None:
+        # the memory needed is the least within the time budget: a looser one may need less
+        slower = (
+            f"raise baoc.time_budget to >= {round_up(err.min_time / fp32_time)} (x fp32)"
+            if err.min_time is not None and fp32_time
+            else "raise baoc.time_budget"
+        )
+        allow += f", or {slower}"
+    return CheckResult(
+        "memory budget",
+        False,
+        f"{budget_text} is infeasible for this model: the smallest feasible budget with the allowed formats "
+        f"{served} is {format_bytes(need)} ({need / fp32_bytes:.3f} of fp32)"
+        f"{' within the time budget' if b.time_budget is not None else ''}{time_note}{withheld_note}",
+        f"set baoc.memory_budget >= {round_up(need / fp32_bytes)} (or an absolute size >= {int(math.ceil(need))} "
+        f"bytes){allow}",
     )
 
 

@@ -190,30 +190,66 @@ def plan(
         (166208, True)
     """
     if time_budget is not None and not calibrate_time and is_absolute_time(time_budget):
-        raise absolute_time_with_prior_error(
-            time_budget, "time_budget", "calibrate_time=True (--calibrate) to measure the step in seconds on the device."
-        )
-    name = model if isinstance(model, str) else type(model).__name__
+        fix = "calibrate_time=True (--calibrate) to measure the step in seconds on the device."
+        raise absolute_time_with_prior_error(time_budget, "time_budget", fix)
     module = build_model(model) if isinstance(model, str) else model
-    user_mask = check_mask(mask) if mask else {}
-    names = dict(module.named_parameters())
-    groups = partition(module, granularity)
-    blocks = {b: [tuple(names[p].shape) for p in params] for b, params in groups.items()}
+    blocks = _block_shapes(module, granularity)
     # the problem the training controller and ``check`` build: offload only with a time budget
+    costs = "calibrate" if calibrate_time else "prior"
     problem = AllocationProblem(
-        blocks,
-        device,
-        timed=time_budget is not None,
-        costs="calibrate" if calibrate_time else "prior",
-        min_8bit_numel=min_8bit_numel,
-        mask=user_mask,
-        cache_dir=cache_dir,
-    )
-    masked = problem.withheld
-    params = sum(numel_of(s) for shapes in blocks.values() for s in shapes)
-    tensors = sum(len(shapes) for shapes in blocks.values())
-    fp32_bytes = sum(format_state_bytes("fp32", s, min_8bit_numel) for shapes in blocks.values() for s in shapes)
+        blocks, device, timed=time_budget is not None, costs=costs, min_8bit_numel=min_8bit_numel,
+        mask=check_mask(mask) if mask else {}, cache_dir=cache_dir,
+    )  # fmt: skip
 
+    figures = _format_figures(blocks, device, min_8bit_numel)
+    allocations: list[PlannedAllocation] = []
+    risk_source, time_source = _PRIOR_SOURCE, None
+    if budgets:
+        risk, risk_source = _risk(module, blocks, statistics, min_8bit_numel)
+        options = {"method": method, "max_boundaries": max_boundaries}
+        allocations = [_allocate(problem, risk, blocks, budget, time_budget, options) for budget in budgets]
+        time_source = problem.time_source
+    return Plan(
+        model=model if isinstance(model, str) else type(model).__name__,
+        device=str(device),
+        granularity=granularity,
+        params=sum(numel_of(s) for shapes in blocks.values() for s in shapes),
+        tensors=sum(len(shapes) for shapes in blocks.values()),
+        blocks=blocks,
+        fp32_bytes=problem.fp32_bytes,
+        formats=figures,
+        masked=problem.withheld,
+        risk_source=risk_source,
+        time_source=time_source,
+        time_budget=None if time_budget is None else str(time_budget),
+        allocations=allocations,
+    )
+
+
+def _block_shapes(module: nn.Module, granularity: str) -> dict[str, list[tuple[int, ...]]]:
+    names = dict(module.named_parameters())
+    return {b: [tuple(names[p].shape) for p in params] for b, params in partition(module, granularity).items()}
+
+
+_PRIOR_SOURCE = "prior (PRIOR_RISK x kind weight x size share)"
+
+
+def _risk(
+    module: nn.Module, blocks: Mapping[str, list[tuple[int, ...]]], statistics: Any, min_8bit_numel: int
+) -> tuple[dict[str, dict[str, float]], str]:
+    """The prior risk of every block, replaced by a statistics file's where it has the block; and its source."""
+    kinds = {b: block_kind(module, b) for b in blocks}
+    risk = prior_risk(blocks, kinds, min_8bit_numel=min_8bit_numel)
+    if statistics is None:
+        return risk, _PRIOR_SOURCE
+    measured, missing = load_statistics(statistics, list(blocks))
+    for b, row in measured.items():
+        risk[b] = {f: row[f] for f in row}
+    return risk, f"statistics file ({len(measured)} blocks" + (f"; prior for {len(missing)} missing)" if missing else ")")
+
+
+def _format_figures(blocks: Mapping[str, list[tuple[int, ...]]], device: str, min_8bit_numel: int) -> list[FormatFigure]:
+    """Every format uniformly over the model: device and host bytes, elements that fall back."""
     off_device = offload_saves_memory(device)
     figures = []
     for f in FORMATS:
@@ -223,49 +259,28 @@ def plan(
         )
         on_host = f == "offload" and off_device
         figures.append(FormatFigure(f, 0 if on_host else total, total if on_host else 0, fallback))
+    return figures
 
-    allocations: list[PlannedAllocation] = []
-    risk_source = "prior (PRIOR_RISK x kind weight x size share)"
-    time_source: str | None = None
-    if budgets:
-        kinds = {b: block_kind(module, b) for b in blocks}
-        risk = prior_risk(blocks, kinds, min_8bit_numel=min_8bit_numel)
-        if statistics is not None:
-            measured, missing = load_statistics(statistics, list(blocks))
-            for b, row in measured.items():
-                risk[b] = {f: row[f] for f in row}
-            risk_source = f"statistics file ({len(measured)} blocks" + (
-                f"; prior for {len(missing)} missing)" if missing else ")"
-            )
-        for budget in budgets:
-            entry = PlannedAllocation(str(budget))
-            try:
-                alloc = problem.solve(risk, budget, time_budget, method=method, max_boundaries=max_boundaries)
-            except BudgetInfeasibleError as err:
-                entry.error, entry.min_memory = str(err), err.min_memory
-            else:
-                entry.allocation = alloc
-                by_format: dict[str, int] = {}
-                for b, f in alloc.formats.items():
-                    by_format[f] = by_format.get(f, 0) + sum(numel_of(s) for s in blocks[b])
-                entry.params_by_format = by_format
-            allocations.append(entry)
-        time_source = problem.time_source
-    return Plan(
-        model=name,
-        device=str(device),
-        granularity=granularity,
-        params=params,
-        tensors=tensors,
-        blocks=blocks,
-        fp32_bytes=fp32_bytes,
-        formats=figures,
-        masked=masked,
-        risk_source=risk_source,
-        time_source=time_source,
-        time_budget=None if time_budget is None else str(time_budget),
-        allocations=allocations,
-    )
+
+def _allocate(
+    problem: AllocationProblem,
+    risk: Mapping[str, Mapping[str, float]],
+    blocks: Mapping[str, list[tuple[int, ...]]],
+    budget: float | int | str,
+    time_budget: float | str | None,
+    options: Mapping[str, Any],
+) -> PlannedAllocation:
+    """The allocation at one budget, or why there is none (with the smallest feasible budget)."""
+    entry = PlannedAllocation(str(budget))
+    try:
+        alloc = problem.solve(risk, budget, time_budget, **options)
+    except BudgetInfeasibleError as err:
+        entry.error, entry.min_memory = str(err), err.min_memory
+        return entry
+    entry.allocation = alloc
+    for b, f in alloc.formats.items():
+        entry.params_by_format[f] = entry.params_by_format.get(f, 0) + sum(numel_of(s) for s in blocks[b])
+    return entry
 
 
 def _bytes(n: float) -> str:
