@@ -149,24 +149,7 @@ def partition_report(
         )
 
     # Patterns first: each trainable parameter goes to at most one pattern block.
-    owner: dict[str, str] = {}
-    for block, block_globs in globs.items():
-        hits = [n for n, _ in trainable if any(fnmatchcase(n, g) for g in block_globs)]
-        if not hits:
-            frozen_hits = [n for n in frozen if any(fnmatchcase(n, g) for g in block_globs)]
-            why = f"only frozen parameters ({', '.join(frozen_hits[:5])})" if frozen_hits else "no parameter"
-            raise ValueError(
-                f"patterns[{block!r}] = {list(block_globs)!r} matches {why}; patterns are fnmatch globs "
-                f"over trainable parameter names such as {[n for n, _ in trainable[:3]]}: fix or remove it"
-            )
-        for n in hits:
-            if n in owner:
-                raise ValueError(
-                    f"Parameter {n!r} is claimed by two pattern blocks, {owner[n]!r} and {block!r}; "
-                    "a parameter belongs to one block: make the patterns disjoint"
-                )
-            owner[n] = block
-
+    owner = _pattern_owners(globs, [n for n, _ in trainable], frozen)
     layer_roots = _repeated_layers(model) if granularity == "layer" else []
     key_of: dict[str, str] = {}
     for name, _ in trainable:
@@ -194,6 +177,29 @@ def partition_report(
         granularity=granularity,
         pattern_blocks=[b for b in blocks if b in globs],
     )
+
+
+def _pattern_owners(globs: Mapping[str, tuple[str, ...]], trainable: list[str], frozen: list[str]) -> dict[str, str]:
+    """Parameter name -> its pattern block; every pattern must match a trainable parameter and no
+    parameter may match two blocks (the errors name the pattern and the fix)."""
+    owner: dict[str, str] = {}
+    for block, block_globs in globs.items():
+        hits = [n for n in trainable if any(fnmatchcase(n, g) for g in block_globs)]
+        if not hits:
+            frozen_hits = [n for n in frozen if any(fnmatchcase(n, g) for g in block_globs)]
+            why = f"only frozen parameters ({', '.join(frozen_hits[:5])})" if frozen_hits else "no parameter"
+            raise ValueError(
+                f"patterns[{block!r}] = {list(block_globs)!r} matches {why}; patterns are fnmatch globs "
+                f"over trainable parameter names such as {trainable[:3]}: fix or remove it"
+            )
+        for n in hits:
+            if n in owner:
+                raise ValueError(
+                    f"Parameter {n!r} is claimed by two pattern blocks, {owner[n]!r} and {block!r}; "
+                    "a parameter belongs to one block: make the patterns disjoint"
+                )
+            owner[n] = block
+    return owner
 
 
 def _check_patterns(patterns: Patterns | None) -> dict[str, tuple[str, ...]]:

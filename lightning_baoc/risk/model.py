@@ -147,6 +147,31 @@ def _round_trip(
     return out.exp_avg, out.exp_avg_sq, zero
 
 
+def _update_terms(m_hat: Tensor, v_hat: Tensor, eps: float, scale: float) -> tuple[Tensor, float, float, float]:
+    """AdamW's update ``u`` of the sampled elements, and the block's progress ``sum(m * u)``,
+    ``||u||^2`` and update noise ``sum((v - m^2)^+ / denom^2)``, scaled to the whole tensor."""
+    denom = v_hat.sqrt() + eps
+    u = m_hat / denom
+    noise = ((v_hat - m_hat * m_hat).clamp_min(0.0) / (denom * denom)).sum()
+    return u, float((m_hat * u).sum()) * scale, float((u * u).sum()) * scale, float(noise) * scale
+
+
+def _factored_estimate(v_full: Tensor, dims: tuple[int, int], idx: Tensor | None) -> Tensor:
+    """The factored formats' rank-1 estimate of ``v`` at the sampled elements, in float64.
+
+    Means that cannot overflow (divide, then sum: a plain mean of moments near 1e38 sums past
+    fp32's maximum), and the estimate as ``(row / mean(row)) * col``, whose ratio is at most
+    ``rows``: the product ``row * col`` of two moments near 1e38 would be inf.
+    """
+    rows, cols = dims
+    v2d = v_full.view(rows, cols)
+    row, col = v2d.div(cols).sum(dim=1), v2d.div(rows).sum(dim=0)
+    flat = torch.arange(v_full.numel()) if idx is None else idx
+    mean = row.div(rows).sum()
+    ratio = torch.where(mean > 0, row / mean, torch.zeros_like(row))
+    return ratio[flat // cols].double() * col[flat % cols].double()
+
+
 def _raw_state(opt: BlockwiseAdamW, name: str) -> tuple[Canonical, int, int, Mapping] | None:
     p = opt.named_params[name]
     state = opt.param_state(name)
@@ -195,12 +220,7 @@ def _param_terms(
         # no momentum held: expected signal from the sampled gradients' SNR (see module doc)
         frac = 1.0 if noise_fraction is None or math.isnan(noise_fraction) else noise_fraction
         m_hat = (v_hat * (1.0 - frac)).sqrt()
-    denom = v_hat.sqrt() + eps
-    u = m_hat / denom
-    progress = float((m_hat * u).sum()) * scale
-    update_sq = float((u * u).sum()) * scale
-    noise = ((v_hat - m_hat * m_hat).clamp_min(0.0) / (denom * denom)).sum()
-    noise_sq = float(noise) * scale
+    u, progress, update_sq, noise_sq = _update_terms(m_hat, v_hat, eps, scale)
     damp = (1.0 - beta1) / (1.0 + beta1)
 
     # a re-created momentum estimates the same signal (in fp32, as a format would hold it)
@@ -219,17 +239,8 @@ def _param_terms(
             continue
         if spec.factored:
             if factored_v is None:
-                rows, cols = dims  # type: ignore[misc] - factored formats resolve only for 2-D+
-                v2d = v_full.view(rows, cols)
-                # means that cannot overflow (divide, then sum: a plain mean of moments near 1e38
-                # sums past fp32's maximum) and the estimate as (row / mean) * col, whose ratio is at
-                # most `rows`: the product row * col of two moments near 1e38 would be inf
-                row, col = v2d.div(cols).sum(dim=1), v2d.div(rows).sum(dim=0)
-                flat = torch.arange(v_full.numel()) if idx is None else idx
-                r_idx, c_idx = flat // cols, flat % cols
-                mean = row.div(rows).sum()
-                ratio = torch.where(mean > 0, row / mean, torch.zeros_like(row))
-                factored_v = ratio[r_idx].double() * col[c_idx].double()
+                assert dims is not None  # factored formats resolve only for 2-D and larger shapes
+                factored_v = _factored_estimate(v_full, dims, idx)
             v_f = factored_v
             m_f = _round_trip("int8", m_src, v, generator)[0] if spec.has_momentum else None
             zero = None
