@@ -469,6 +469,17 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
         p = self._names[name_or_param] if isinstance(name_or_param, str) else name_or_param
         return self._records[p].step
 
+    def momentum_step_count(self, name_or_param: str | Tensor) -> int:
+        """Steps since a parameter's momentum was (re)created: its own bias-correction count
+        (equal to :meth:`step_count` unless a format without momentum was held in between)."""
+        p = self._names[name_or_param] if isinstance(name_or_param, str) else name_or_param
+        return self._records[p].m_step
+
+    def param_group_of(self, name_or_param: str | Tensor) -> dict[str, Any]:
+        """The param group holding a parameter (its hyperparameters)."""
+        p = self._names[name_or_param] if isinstance(name_or_param, str) else name_or_param
+        return self.param_groups[self._records[p].group]
+
     # ------------------------------------------------------------------ construction
 
     @classmethod

@@ -173,12 +173,10 @@ def _factored_estimate(v_full: Tensor, dims: tuple[int, int], idx: Tensor | None
 
 
 def _raw_state(opt: BlockwiseAdamW, name: str) -> tuple[Canonical, int, int, Mapping] | None:
-    p = opt.named_params[name]
     state = opt.param_state(name)
     if state is None:
         return None
-    rec = opt._records[p]  # noqa: SLF001 - same package: step counts live there
-    return state, rec.step, rec.m_step, opt.param_groups[rec.group]
+    return state, opt.step_count(name), opt.momentum_step_count(name), opt.param_group_of(name)
 
 
 def _param_terms(
