@@ -160,5 +160,6 @@ def test_baoc_flag_fails_clearly_without_the_callback(monkeypatch: pytest.Monkey
     import vit_digits
 
     monkeypatch.delattr(lightning_baoc, "BAOC", raising=False)
+    monkeypatch.delitem(lightning_baoc._EXPORTS, "BAOC")  # the top level imports it lazily
     with pytest.raises(SystemExit, match="lightning_baoc.BAOC"):
         vit_digits.main(["--steps", "2", "--baoc-budget", "0.35", "--no-progress"])
