@@ -168,62 +168,51 @@ def build_record(event: AllocationEvent, history: list[Mapping[str, Any]] | None
 
 
 def validate_record(record: Mapping[str, Any]) -> None:
-    """Check a record against :data:`ALLOCATION_SCHEMA` (a dependency-free subset of JSON Schema).
+    """Check a record against :data:`ALLOCATION_SCHEMA` (with ``jsonschema``), and that every number
+    in it is finite (JSON Schema's ``number`` admits NaN and infinities; the record must not).
 
     Raises:
-        ValueError: naming every violation found.
+        ValueError: naming every violation found (at most 10), with its JSON path.
 
     Example:
         >>> validate_record({"step": 0, "memory_budget_bytes": 1, "state_bytes": 1,
         ...                  "fp32_state_bytes": 8, "blocks": []})
     """
-    problems: list[str] = []
-    _check(record, ALLOCATION_SCHEMA, "$", problems)
+    from jsonschema import Draft202012Validator
+
+    problems = [_problem(e) for e in sorted(Draft202012Validator(ALLOCATION_SCHEMA).iter_errors(record), key=str)]
+    _nonfinite(record, "$", problems)
     if problems:
         raise ValueError("baoc_allocation.json does not match its schema: " + "; ".join(problems[:10]))
 
 
-_TYPES: dict[str, tuple[type, ...]] = {
-    "object": (dict,),
-    "array": (list,),
-    "string": (str,),
-    "integer": (int,),
-    "number": (int, float),
-    "boolean": (bool,),
-    "null": (type(None),),
-}
+def _path(parts: Any) -> str:
+    return "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts)
 
 
-def _check(value: Any, schema: Mapping[str, Any], where: str, problems: list[str]) -> None:
-    types = schema.get("type")
-    if types is not None:
-        names = [types] if isinstance(types, str) else list(types)
-        ok = any(
-            isinstance(value, _TYPES[t]) and not (t in ("integer", "number") and isinstance(value, bool))
-            for t in names
-        )
-        if not ok:
-            problems.append(f"{where} should be {' or '.join(names)}, got {type(value).__name__}")
-            return
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if isinstance(value, float) and not math.isfinite(value):
-            problems.append(f"{where} is not finite ({value!r})")
-        if "minimum" in schema and value < schema["minimum"]:
-            problems.append(f"{where} = {value!r} is below {schema['minimum']}")
-    if isinstance(value, dict):
-        for key in schema.get("required", ()):
-            if key not in value:
-                problems.append(f"{where} misses {key!r}")
-        props = schema.get("properties", {})
-        extra = schema.get("additionalProperties")
+def _problem(error: Any) -> str:
+    """A schema violation in the words of the record: where, and what was expected."""
+    where = _path(error.absolute_path)
+    if error.validator == "required":
+        missing = [k for k in error.validator_value if k not in error.instance]
+        return f"{where} misses {missing[0]!r}" if missing else f"{where}: {error.message}"
+    if error.validator == "type":
+        expected = error.validator_value if isinstance(error.validator_value, str) else " or ".join(error.validator_value)
+        return f"{where} should be {expected}, got {type(error.instance).__name__}"
+    if error.validator == "minimum":
+        return f"{where} = {error.instance!r} is below {error.validator_value}"
+    return f"{where}: {error.message}"
+
+
+def _nonfinite(value: Any, where: str, problems: list[str]) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        problems.append(f"{where} is not finite ({value!r})")
+    elif isinstance(value, Mapping):
         for key, item in value.items():
-            if key in props:
-                _check(item, props[key], f"{where}.{key}", problems)
-            elif isinstance(extra, Mapping):
-                _check(item, extra, f"{where}.{key}", problems)
-    if isinstance(value, list) and "items" in schema:
+            _nonfinite(item, f"{where}.{key}", problems)
+    elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            _check(item, schema["items"], f"{where}[{i}]", problems)
+            _nonfinite(item, f"{where}[{i}]", problems)
 
 
 def _baseline(record: Mapping[str, Any]) -> int:
