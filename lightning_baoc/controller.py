@@ -50,11 +50,9 @@ current one no longer meets the (possibly changed) budgets.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import warnings
-import weakref
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Literal, Mapping, Sequence
 
@@ -70,9 +68,12 @@ from .budget import (
     parse_time_budget,
 )
 from .calibration import withheld_formats
+from .control.events import AllocationEvent
+from .control.protocol import Broadcast, decide_on_rank_zero
 from .costs import AllocationProblem, with_message
+from .integrations.swap import SUPPORTED_OPTIMIZERS, convert_optimizer, rebind_scheduler
 from .formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, format_state_bytes
-from .optim import BlockwiseAdamW, optimizer_alias
+from .optim import BlockwiseAdamW
 from .risk.prior import block_kind, prior_risk
 from .sampler import DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS, GradientSampler
 from .solver import Allocation, BudgetInfeasibleError
@@ -85,9 +86,6 @@ STATE_VERSION = 1
 #: Ring samples the statistics need before an allocation: a signal-to-noise ratio and a cosine
 #: between consecutive samples are undefined with fewer than two.
 MIN_SAMPLES = 2
-
-#: Optimizers BAOC can take over (named in the error for any other).
-SUPPORTED_OPTIMIZERS = ("torch.optim.AdamW", "torch.optim.Adam (amsgrad=False)", "lightning_baoc.BlockwiseAdamW")
 
 #: Re-allocations that run before the next optimizer step, without waiting for fresh statistics:
 #: parameters joined the optimizer (they would train unmanaged), and settings that shape the
@@ -108,8 +106,6 @@ ALLOCATION_SETTINGS = (
 Phase = Literal["warmup", "allocated"]
 #: ``risk_fn(optimizer, blocks, statistics, formats=..., horizon=...) -> block -> format -> risk``
 RiskFn = Callable[..., Mapping[str, Mapping[str, float]]]
-#: ``broadcast(obj) -> obj`` from rank zero (``strategy.broadcast``); identity on one process.
-Broadcast = Callable[[Any], Any]
 
 
 def _default_risk_fn(
@@ -300,221 +296,6 @@ class BAOCConfig:
         self.seed = _check_int("seed", self.seed, 0)
         if self.max_block_risk is not None:
             self.max_block_risk = _check_float("max_block_risk", self.max_block_risk, 0.0)
-
-
-@dataclass
-class AllocationEvent:
-    """What one allocation decided and did (handed to the reports; primitives only).
-
-    Attributes:
-        step: optimizer steps completed when it ran.
-        reason: ``"warmup"``, ``"epoch"``, ``"plateau"``, ``"budget"`` (a budget changed
-            mid-training), ``"settings"`` (settings that shape the allocation changed at resume) or
-            ``"params"`` (parameters joined the optimizer after install).
-        formats: block -> format now in force.
-        changed: block -> (old format, new format) of the blocks converted.
-        migrated: parameter name -> (old, new) held formats, as ``set_formats`` reported them.
-        kept: whether hysteresis kept the current allocation.
-        risk: block -> format -> risk (the fresh risk table).
-        total_risk: total risk of ``formats`` under ``risk``.
-        solver_risk: total risk of the solver's answer (before hysteresis).
-        statistics: block -> sampler statistics.
-        block_params: block -> parameter names (the model's); ``block_numel``: block -> elements.
-        block_bytes: block -> state bytes in its format; ``state_bytes_before`` / ``state_bytes``:
-            the optimizer's state bytes before and after; ``fp32_state_bytes``: 8 x the elements.
-        memory_budget_bytes: the memory budget in bytes; ``time_budget``: seconds (or ``None``).
-        time: step time of ``formats`` in the time table's unit, or ``None``.
-        baseline_state_bytes: the state the user's own ``torch.optim.AdamW`` would hold (two
-            moments in each parameter's dtype; ``None``: the fp32 state), what
-            :attr:`saved_fraction` and a fractional budget refer to.
-    """
-
-    step: int
-    reason: str
-    formats: dict[str, str]
-    changed: dict[str, tuple[str, str]]
-    migrated: dict[str, tuple[str, str]]
-    kept: bool
-    risk: dict[str, dict[str, float]]
-    total_risk: float
-    solver_risk: float
-    statistics: dict[str, dict[str, float]]
-    block_params: dict[str, list[str]]
-    block_numel: dict[str, int]
-    block_bytes: dict[str, int]
-    state_bytes_before: int
-    state_bytes: int
-    fp32_state_bytes: int
-    memory_budget_bytes: int
-    time_budget: float | None = None
-    time: float | None = None
-    baseline_state_bytes: int | None = None
-
-    @property
-    def baseline(self) -> int:
-        """The user's own AdamW state bytes (:attr:`baseline_state_bytes`, else the fp32 state)."""
-        return int(self.baseline_state_bytes if self.baseline_state_bytes is not None else self.fp32_state_bytes)
-
-    @property
-    def saved_fraction(self) -> float:
-        """Fraction of the user's own AdamW state memory saved: ``1 - state_bytes / baseline``."""
-        return 1.0 - self.state_bytes / self.baseline if self.baseline else 0.0
-
-
-# ---------------------------------------------------------------------------- optimizer swap
-
-def _named_like(name: str) -> type[BlockwiseAdamW]:
-    """A BlockwiseAdamW subclass whose ``__name__`` is the user's optimizer class name.
-
-    ``LearningRateMonitor`` names its metrics ``"lr-" + type(optimizer).__name__`` (``lr-AdamW/pg1``);
-    keeping the name keeps the user's dashboards and monitors working after the swap. The registry
-    lives in :mod:`lightning_baoc.optim` (:func:`~lightning_baoc.optim.optimizer_alias`), which
-    resolves the class by name in any process, so pickles load in a fresh one.
-    """
-    return optimizer_alias(name)
-
-
-def convert_optimizer(
-    optimizer: torch.optim.Optimizer, module: nn.Module, min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL, seed: int = 0
-) -> BlockwiseAdamW:
-    """The user's optimizer as a fp32 :class:`BlockwiseAdamW` (same groups, hyperparameters, state).
-
-    A BlockwiseAdamW is returned as is. The new optimizer's class carries the old one's name
-    (``type(new).__name__ == "AdamW"``) so that LR-monitor metric names do not change.
-
-    Raises:
-        TypeError: any optimizer other than those of :data:`SUPPORTED_OPTIMIZERS`.
-
-    Example:
-        >>> model = nn.Linear(4, 2)
-        >>> opt = convert_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
-        >>> isinstance(opt, BlockwiseAdamW), type(opt).__name__, opt.param_groups[0]["lr"]
-        (True, 'AdamW', 0.001)
-    """
-    if isinstance(optimizer, BlockwiseAdamW):
-        return optimizer
-    if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
-        raise TypeError(
-            f"BAOC cannot take over {type(optimizer).__name__} ({type(optimizer).__module__}): it converts "
-            f"Adam-family optimizer states; supported: {list(SUPPORTED_OPTIMIZERS)}. Return one of them "
-            f"from configure_optimizers, or remove the BAOC callback."
-        )
-    if any(group.get("amsgrad") for group in optimizer.param_groups):
-        raise ValueError(
-            f"BAOC cannot take over {type(optimizer).__name__}(amsgrad=True): BlockwiseAdamW implements "
-            f"amsgrad=False only; supported: {list(SUPPORTED_OPTIMIZERS)}"
-        )
-    if _overrides_step(optimizer):
-        warnings.warn(
-            f"{type(optimizer).__name__} overrides step(); BAOC replaces it by BlockwiseAdamW, which "
-            f"implements torch's Adam/AdamW update, so that override no longer runs",
-            UserWarning,
-            stacklevel=2,
-        )
-    cls = _named_like(type(optimizer).__name__)
-    new = cls.from_optimizer(optimizer, module, min_8bit_numel=min_8bit_numel, seed=seed)
-    if getattr(optimizer, "_opt_called", False):
-        new._opt_called = True  # type: ignore[attr-defined]
-    return new
-
-
-def _overrides_step(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether a subclass of torch's AdamW/Adam defines its own ``step`` (torch's profiling hook,
-    which wraps ``step`` on the class, is seen through)."""
-    base = torch.optim.AdamW if isinstance(optimizer, torch.optim.AdamW) else torch.optim.Adam
-    reference = getattr(base.step, "__wrapped__", base.step)
-    for klass in type(optimizer).__mro__:
-        if klass is base:
-            return False
-        fn = vars(klass).get("step")
-        if fn is not None and getattr(fn, "__wrapped__", fn) is not reference:
-            return True
-    return False
-
-
-def _track_step_called(optimizer: torch.optim.Optimizer) -> None:
-    """Mark ``optimizer.step`` the way torch's LR schedulers do when they are built on it.
-
-    A scheduler rebound to another optimizer would otherwise warn on its first ``step()`` that
-    "optimizer.step() has been overridden after learning rate scheduler initialization".
-    """
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return
-    ref = weakref.ref(optimizer)
-    func = type(optimizer).step
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        opt = ref()
-        opt._opt_called = True  # type: ignore[union-attr]
-        return func(opt, *args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = wrapper  # type: ignore[method-assign]
-
-
-def rebind_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
-    """Point an LR scheduler (and the schedulers it chains) at ``optimizer``.
-
-    Param groups are one-to-one with the old optimizer's, so ``base_lrs``, ``LambdaLR``'s lambdas
-    and ``ReduceLROnPlateau``'s ``min_lrs`` stay valid; the scheduler's own state is untouched.
-
-    Example:
-        >>> model = nn.Linear(4, 2)
-        >>> old = torch.optim.AdamW(model.parameters(), lr=1.0)
-        >>> sched = torch.optim.lr_scheduler.LambdaLR(old, lambda step: 0.5)
-        >>> new = convert_optimizer(old, model)
-        >>> rebind_scheduler(sched, new)
-        >>> sched.optimizer is new, new.param_groups[0]["lr"]
-        (True, 0.5)
-    """
-    for sub in getattr(scheduler, "_schedulers", None) or ():  # SequentialLR, ChainedScheduler
-        rebind_scheduler(sub, optimizer)
-    if hasattr(scheduler, "optimizer"):
-        scheduler.optimizer = optimizer
-        _track_step_called(optimizer)
-
-
-# ---------------------------------------------------------------------------- rank-zero decisions
-
-
-def _error_payload(err: BaseException) -> dict[str, Any]:
-    if isinstance(err, BudgetInfeasibleError):
-        attrs = {k: getattr(err, k) for k in ("memory_budget", "time_budget", "min_memory", "min_time", "exact", "fp32_memory", "fp32_time")}
-        return {"infeasible": str(err), "attrs": attrs}
-    return {"error": f"{type(err).__name__}: {err}"}
-
-
-def decide_on_rank_zero(fn: Callable[[], Any], broadcast: Broadcast | None, is_global_zero: bool) -> Any:
-    """Run ``fn`` on rank zero, broadcast its result (or its error) and return it on every rank.
-
-    Every rank must call this at the same point. An error raised on rank zero is raised on every
-    rank (a :class:`BudgetInfeasibleError` with its attributes; anything else as a
-    ``RuntimeError`` naming it), so no rank waits forever on a broadcast that never comes.
-
-    Example:
-        >>> decide_on_rank_zero(lambda: {"a": "int8"}, broadcast=None, is_global_zero=True)
-        {'a': 'int8'}
-    """
-    payload: dict[str, Any] | None = None
-    local: BaseException | None = None
-    if is_global_zero:
-        try:
-            payload = {"ok": fn()}
-        except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
-            local = err
-            payload = _error_payload(err)
-    if broadcast is not None:
-        payload = broadcast(payload)
-    if payload is None:  # pragma: no cover - a broadcast that returned nothing
-        raise RuntimeError("BAOC: rank zero's decision did not arrive (broadcast returned None)")
-    if "ok" in payload:
-        return payload["ok"]
-    if local is not None:
-        raise local
-    if "infeasible" in payload:
-        raise BudgetInfeasibleError(payload["infeasible"], **payload["attrs"])
-    raise RuntimeError(f"BAOC: the allocation failed on rank zero: {payload['error']}")
 
 
 # ---------------------------------------------------------------------------- the controller

@@ -1,0 +1,137 @@
+"""The optimizer swap: the user's AdamW becomes a :class:`~lightning_baoc.BlockwiseAdamW` over the
+same param groups, and LR schedulers follow it.
+
+Torch plumbing, no training framework: the Lightning callback and the Fabric strategy call it at
+install (through :meth:`~lightning_baoc.controller.BAOCController.install`), and so can any loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..formats import DEFAULT_MIN_8BIT_NUMEL
+from ..optim import BlockwiseAdamW, optimizer_alias
+
+#: Optimizers BAOC can take over (named in the error for any other).
+SUPPORTED_OPTIMIZERS = ("torch.optim.AdamW", "torch.optim.Adam (amsgrad=False)", "lightning_baoc.BlockwiseAdamW")
+
+
+def _named_like(name: str) -> type[BlockwiseAdamW]:
+    """A BlockwiseAdamW subclass whose ``__name__`` is the user's optimizer class name.
+
+    ``LearningRateMonitor`` names its metrics ``"lr-" + type(optimizer).__name__`` (``lr-AdamW/pg1``);
+    keeping the name keeps the user's dashboards and monitors working after the swap. The registry
+    lives in :mod:`lightning_baoc.optim` (:func:`~lightning_baoc.optim.optimizer_alias`), which
+    resolves the class by name in any process, so pickles load in a fresh one.
+    """
+    return optimizer_alias(name)
+
+
+def convert_optimizer(
+    optimizer: torch.optim.Optimizer, module: nn.Module, min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL, seed: int = 0
+) -> BlockwiseAdamW:
+    """The user's optimizer as a fp32 :class:`BlockwiseAdamW` (same groups, hyperparameters, state).
+
+    A BlockwiseAdamW is returned as is. The new optimizer's class carries the old one's name
+    (``type(new).__name__ == "AdamW"``) so that LR-monitor metric names do not change.
+
+    Raises:
+        TypeError: any optimizer other than those of :data:`SUPPORTED_OPTIMIZERS`.
+
+    Example:
+        >>> model = nn.Linear(4, 2)
+        >>> opt = convert_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
+        >>> isinstance(opt, BlockwiseAdamW), type(opt).__name__, opt.param_groups[0]["lr"]
+        (True, 'AdamW', 0.001)
+    """
+    if isinstance(optimizer, BlockwiseAdamW):
+        return optimizer
+    if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
+        raise TypeError(
+            f"BAOC cannot take over {type(optimizer).__name__} ({type(optimizer).__module__}): it converts "
+            f"Adam-family optimizer states; supported: {list(SUPPORTED_OPTIMIZERS)}. Return one of them "
+            f"from configure_optimizers, or remove the BAOC callback."
+        )
+    if any(group.get("amsgrad") for group in optimizer.param_groups):
+        raise ValueError(
+            f"BAOC cannot take over {type(optimizer).__name__}(amsgrad=True): BlockwiseAdamW implements "
+            f"amsgrad=False only; supported: {list(SUPPORTED_OPTIMIZERS)}"
+        )
+    if _overrides_step(optimizer):
+        warnings.warn(
+            f"{type(optimizer).__name__} overrides step(); BAOC replaces it by BlockwiseAdamW, which "
+            f"implements torch's Adam/AdamW update, so that override no longer runs",
+            UserWarning,
+            stacklevel=2,
+        )
+    cls = _named_like(type(optimizer).__name__)
+    new = cls.from_optimizer(optimizer, module, min_8bit_numel=min_8bit_numel, seed=seed)
+    if getattr(optimizer, "_opt_called", False):
+        new._opt_called = True  # type: ignore[attr-defined]
+    return new
+
+
+def _overrides_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a subclass of torch's AdamW/Adam defines its own ``step`` (torch's profiling hook,
+    which wraps ``step`` on the class, is seen through)."""
+    base = torch.optim.AdamW if isinstance(optimizer, torch.optim.AdamW) else torch.optim.Adam
+    reference = getattr(base.step, "__wrapped__", base.step)
+    for klass in type(optimizer).__mro__:
+        if klass is base:
+            return False
+        fn = vars(klass).get("step")
+        if fn is not None and getattr(fn, "__wrapped__", fn) is not reference:
+            return True
+    return False
+
+
+def _track_step_called(optimizer: torch.optim.Optimizer) -> None:
+    """Mark ``optimizer.step`` the way torch's LR schedulers do when they are built on it.
+
+    A scheduler rebound to another optimizer would otherwise warn on its first ``step()`` that
+    "optimizer.step() has been overridden after learning rate scheduler initialization".
+    """
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    ref = weakref.ref(optimizer)
+    func = type(optimizer).step
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = ref()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return func(opt, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
+
+
+def rebind_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Point an LR scheduler (and the schedulers it chains) at ``optimizer``.
+
+    Param groups are one-to-one with the old optimizer's, so ``base_lrs``, ``LambdaLR``'s lambdas
+    and ``ReduceLROnPlateau``'s ``min_lrs`` stay valid; the scheduler's own state is untouched.
+
+    Example:
+        >>> model = nn.Linear(4, 2)
+        >>> old = torch.optim.AdamW(model.parameters(), lr=1.0)
+        >>> sched = torch.optim.lr_scheduler.LambdaLR(old, lambda step: 0.5)
+        >>> new = convert_optimizer(old, model)
+        >>> rebind_scheduler(sched, new)
+        >>> sched.optimizer is new, new.param_groups[0]["lr"]
+        (True, 0.5)
+    """
+    for sub in getattr(scheduler, "_schedulers", None) or ():  # SequentialLR, ChainedScheduler
+        rebind_scheduler(sub, optimizer)
+    if hasattr(scheduler, "optimizer"):
+        scheduler.optimizer = optimizer
+        _track_step_called(optimizer)
+
+
+__all__ = ["SUPPORTED_OPTIMIZERS", "convert_optimizer", "rebind_scheduler"]
