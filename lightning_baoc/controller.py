@@ -70,6 +70,7 @@ from .budget import (
 from .calibration import withheld_formats
 from .control.checkpoint import ALLOCATION_SETTINGS, CheckpointMixin
 from .control.checkpoint import plain as _plain
+from .control.decision import capped, checked_risk, keeps_current
 from .control.events import AllocationEvent
 from .control.protocol import Broadcast, decide_on_rank_zero
 from .costs import AllocationProblem, with_message
@@ -691,21 +692,8 @@ class BAOCController(CheckpointMixin):
         stats = {b: {k: float(v) for k, v in s.items()} for b, s in self.sampler.statistics().items()}
         raw = dict(self.risk_fn(self.optimizer, self.blocks, stats, formats=list(self._allowed), horizon=self.config.horizon))
         raw.update(self._prior_rows())
-        risk: dict[str, dict[str, float]] = {}
-        for b in self.blocks:
-            if b not in raw:
-                raise ValueError(f"the risk model returned no row for block {b!r}")
-            row = {}
-            for f in self._allowed:
-                value = raw[b].get(f)
-                if value is None or not math.isfinite(float(value)) or float(value) < 0:
-                    raise ValueError(
-                        f"the risk model gave block {b!r} format {f!r} the risk {value!r}; expected a "
-                        f"finite number >= 0"
-                    )
-                row[f] = float(value)
-            risk[b] = row
-        options = self._capped(risk)
+        risk = checked_risk(raw, list(self.blocks), self._allowed)
+        options = capped(risk, self.config.max_block_risk)
         if options is risk:
             alloc = self._solve(risk)
         else:
@@ -724,19 +712,10 @@ class BAOCController(CheckpointMixin):
                 )
                 options = risk
                 alloc = self._solve(risk)
-        formats = dict(alloc.formats)
-        kept = False
-        if self.phase == "allocated" and self.allocation:
-            current = self.allocation
-            if all(current.get(b) in options[b] for b in self.blocks):
-                current_risk = sum(risk[b][current[b]] for b in self.blocks)
-                mb, _, mb_bytes, tb_abs = self._budgets()
-                fits = sum(self._memory[b][current[b]] for b in self.blocks) <= mb_bytes
-                if fits and tb_abs is not None:
-                    fits = sum(self._time_table()[b][current[b]] for b in self.blocks) <= tb_abs
-                better = current_risk - alloc.risk > self.config.hysteresis * current_risk
-                if fits and not better:
-                    formats, kept = dict(current), True
+        formats, kept = dict(alloc.formats), False
+        if self.phase == "allocated" and self.allocation and self._current_fits():
+            if keeps_current(self.allocation, alloc.risk, risk, options, self.config.hysteresis):
+                formats, kept = dict(self.allocation), True
         time = None
         if self.config.time_budget is not None:
             time = float(sum(self._time_table()[b][formats[b]] for b in self.blocks))
@@ -771,26 +750,16 @@ class BAOCController(CheckpointMixin):
         table = prior_risk(self._shapes, kinds, list(self._allowed), opt.min_8bit_numel)
         return {b: table[b] for b in fresh}
 
-    def _capped(self, risk: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
-        """The solver's options under ``max_block_risk``: formats over the cap dropped per block.
-
-        A block keeps its least risky format(s) even when all are over the cap (only possible
-        when neither ``fp32`` nor ``offload``, both of risk 0, is allowed). Returns ``risk``
-        itself when there is no cap or it removes nothing.
-        """
-        cap = self.config.max_block_risk
-        if cap is None:
-            return risk
-        out: dict[str, dict[str, float]] = {}
-        changed = False
-        for b, row in risk.items():
-            kept = {f: r for f, r in row.items() if r <= cap}
-            if not kept:
-                least = min(row.values())
-                kept = {f: r for f, r in row.items() if r == least}
-            changed = changed or len(kept) != len(row)
-            out[b] = kept
-        return out if changed else risk
+    def _current_fits(self) -> bool:
+        """Whether the allocation in force still meets the (possibly changed) budgets."""
+        _, _, mb_bytes, tb_abs = self._budgets()
+        current = self.allocation
+        if any(current.get(b) not in self._memory[b] for b in self.blocks):
+            return False  # a block without a format in force (added since), or one no longer offered
+        fits = sum(self._memory[b][current[b]] for b in self.blocks) <= mb_bytes
+        if fits and tb_abs is not None:
+            fits = sum(self._time_table()[b][current[b]] for b in self.blocks) <= tb_abs
+        return fits
 
     def allocate(
         self, step: int, reason: str = "manual", broadcast: Broadcast | None = None, is_global_zero: bool = True
