@@ -28,26 +28,12 @@ For a block ``b`` with bias-corrected moments ``m, v`` (per element ``i``) and A
   ``sqrt(H)`` and progress like ``H``: the relative squared error of the accumulated update is
   ``V_f = (1 - a) * sum_i noise_i / (H * ||u||^2)``.
 
-- **8-bit v, re-quantized** (``int8``, ``nomomentum_int8``): one round trip sees the error at
-  allocation time, but ``v`` is re-encoded at every step. With ``beta2 = 0.999``, ``sqrt(v)`` moves
-  by 0.05% a step, below half a code (1/510 of the group's largest entry). So a code does not follow
-  its own average; it follows the group's scale, which follows the group's largest element. The
-  error of a non-zero code later in training is not the one the round trip sees. Measured on the
-  DDPM of ``benchmarks/int8_mechanism.py`` over 600 steps:
-  - the update's distortion grows from 1e-5..8e-5 of ``||u||^2`` after one round trip of ``v`` to
-    1.7-4.3% averaged along training;
-  - neither figure ranks blocks by harm: Spearman -0.66 and -0.83 against the measured harm, while
-    the block's share of progress ranks it at +0.43;
-  - the harm is ``v``'s: re-encoding ``v`` alone after every step reproduces ``int8``'s harm within
-    2e-6 on every block;
-  - it is not a step-size change: 7% larger steps on a block move the loss by at most 2e-5, in
-    either direction, while ``int8`` costs up to 7e-5.
-  What carries over is the order of magnitude of the rounding, a property of the format on the
-  model. So the error of non-zero codes enters at the model-wide level, ``sum_b err_b / sum_b ||u_b||^2``,
-  times the block's ``||u||^2`` held in 8 bits, and blocks are ranked by their share of progress.
-  Elements coded 0 are the exception. Their ``v`` sits below the group's resolution and stays there,
-  so their update shrinks at every step, block by block (a group of one large and many tiny entries).
-  That error stays the block's own.
+- **8-bit v, re-quantized** (``int8``, ``nomomentum_int8``): ``v`` is re-encoded at every step and
+  its codes follow the group's scale, not their own average, so one round trip at allocation time
+  does not see the error later in training; what carries over is its order of magnitude, a property
+  of the format on the model. The error of non-zero codes therefore enters at the model-wide level
+  (``sum_b err_b / sum_b ||u_b||^2``, times the block's ``||u||^2`` held in 8 bits); elements coded 0
+  (below their group's resolution, their update shrinking at every step) stay the block's own.
 
 The risk is ``risk[b][f] = (p_b / P) * (B_f + V_f)``, zero for ``fp32`` and ``offload`` (the
 same fp32 math; ``offload`` costs time, which the time budget prices). The gradient statistics of
@@ -60,17 +46,10 @@ Cost is bounded per tensor: above ``max_elements`` elements, the scores are comp
 is exactly the one the format performs), with factored ``v`` built from the full tensor's row and
 column means.
 
-Validation (does it predict measured harm?) is ``benchmarks/risk_validation.py``; its tables are
-in the README. What it found, and why the no-momentum term is priced per block although its harm is
-not per block: one block at a time, dropping momentum often *lowers* the held-out loss (a character
-GPT and a small DDPM at constant learning rates: gains in 9/10 and 6/10 blocks), while dropping it
-from many blocks at once is the largest harm measured. On groups of blocks the score ranks that
-collective harm (Spearman +0.82 on both tasks over 7 groups, 6 data orders; the half it ranks
-safest gains), which is what the solver needs; single-block gains are not modelled. Single-block
-harms at the end of the run, over those above noise: ``int8`` on the DDPM +0.86 (also on data orders
-held out from the 8-bit-v term's design), ``int8_factored`` +0.66 on the DDPM (15 orders) and +1.00 on
-the GPT (32 orders; its harms are small next to the run-to-run noise). Along the run, the DDPM's
-``int8_factored`` harms are not ranked (+0.20): for its riskiest blocks the harm grows over the run.
+Validation (does it predict measured harm?) is ``benchmarks/risk_validation.py``, and the measurements
+behind the 8-bit-v term are ``benchmarks/int8_mechanism.py``; their tables and what they found (why
+the no-momentum term is priced per block, the rank correlations per format and task) are in the
+documentation's risk pages.
 """
 
 from __future__ import annotations
