@@ -59,7 +59,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import torch
 from torch import nn
 
-from .blocks import GRANULARITIES, partition
+from .blocks import GRANULARITIES
 from .budget import (
     absolute_time_with_prior_error,
     format_bytes,
@@ -67,7 +67,7 @@ from .budget import (
     parse_memory_budget,
     parse_time_budget,
 )
-from .calibration import withheld_formats
+from .control.blocks import BlocksMixin
 from .control.checkpoint import ALLOCATION_SETTINGS, CheckpointMixin
 from .control.checkpoint import plain as _plain
 from .control.decision import capped, checked_risk, keeps_current
@@ -115,14 +115,6 @@ def _training_device(optimizer: BlockwiseAdamW) -> torch.device:
     """The device the optimizer's parameters train on: it decides the formats withheld and what
     ``offload`` costs there."""
     return next(iter(optimizer.named_params.values())).device
-
-
-def _stepped(optimizer: BlockwiseAdamW, param: torch.Tensor) -> bool:
-    """Whether ``param`` holds optimizer state (it has stepped, or state was loaded for it)."""
-    try:
-        return optimizer.step_count(param) > 0
-    except KeyError:  # in a param group but never registered (param_groups assigned directly)
-        return False
 
 
 def _check_int(name: str, value: object, minimum: int, allow_none: bool = False) -> int | None:
@@ -274,7 +266,7 @@ class BAOCConfig:
 # ---------------------------------------------------------------------------- the controller
 
 
-class BAOCController(CheckpointMixin):
+class BAOCController(BlocksMixin, CheckpointMixin):
     """The framework-free BAOC lifecycle (see the module docstring for the calls and their order).
 
     Args:
@@ -401,154 +393,6 @@ class BAOCController(CheckpointMixin):
         if self.phase == "warmup":
             self._warmup_formats()
         return new
-
-    def _build_blocks(self, opt: BlockwiseAdamW, module: nn.Module) -> None:
-        """Partition the model and keep the parameters ``opt`` holds, by identity, in its names.
-
-        A held parameter is in a block if it is trainable or holds state: one already in a block,
-        or frozen with state loaded from a checkpoint, still takes memory the budget must count.
-        """
-        cfg = self.config
-        model_named = dict(module.named_parameters())
-        model_name = {id(p): n for n, p in model_named.items()}
-        held = opt.named_params
-        foreign = [n for n, p in held.items() if id(p) not in model_name]
-        if foreign:
-            raise ValueError(
-                f"the optimizer holds {len(foreign)} parameter(s) that are not parameters of the model "
-                f"(e.g. {foreign[:3]}); BAOC partitions the model's parameters into blocks: give the "
-                f"optimizer the model's parameters only"
-            )
-        opt_name = {id(p): n for n, p in held.items()}
-        unnamed = sum(1 for g in opt.param_groups for p in g["params"] if id(p) not in opt_name)
-        if unnamed:
-            raise ValueError(
-                f"{unnamed} parameter(s) were put into optimizer.param_groups without add_param_group() "
-                f"(param_groups assigned or appended to directly), so the optimizer holds no record of "
-                f"them and cannot step them; add them with add_param_group() on the optimizer BAOC "
-                f"installed ({type(opt).__name__} at {hex(id(opt))})"
-            )
-        keep = {model_name[id(p)] for p in held.values() if id(p) in self._managed or _stepped(opt, p)}
-        trainable = [n for n, p in model_named.items() if id(p) in opt_name and (p.requires_grad or n in keep)]
-        if not trainable:
-            raise ValueError(
-                f"the optimizer holds no trainable parameter of the model ({len(held)} held, all frozen "
-                f"(requires_grad=False)): nothing to allocate; give the optimizer trainable parameters"
-            )
-        raw = partition(module, cfg.granularity, cfg.blocks, keep=keep)
-        chosen = set(trainable)
-        blocks = {b: [opt_name[id(model_named[n])] for n in names if n in chosen] for b, names in raw.items()}
-        self.blocks = {b: names for b, names in blocks.items() if names}
-        self._model_names = {opt_name[id(model_named[n])]: n for n in trainable}
-        self._managed = {id(held[n]) for names in self.blocks.values() for n in names}
-        self._held_frozen = [p for p in held.values() if id(p) not in self._managed]
-        self._group_sizes = tuple(len(g["params"]) for g in opt.param_groups)
-
-    def _refresh_tables(self, opt: BlockwiseAdamW) -> None:
-        """Shapes, sizes, the user's baseline, the formats offered and the memory table of the blocks."""
-        cfg = self.config
-        named = opt.named_params
-        self._shapes = {b: [tuple(named[n].shape) for n in names] for b, names in self.blocks.items()}
-        self._numel = {b: sum(named[n].numel() for n in names) for b, names in self.blocks.items()}
-        # torch's AdamW holds exp_avg and exp_avg_sq in the parameter's dtype
-        self._baseline = sum(
-            2 * named[n].numel() * named[n].element_size() for names in self.blocks.values() for n in names
-        )
-        wanted = list(cfg.formats) if cfg.formats is not None else list(FORMATS)
-        self._problem = AllocationProblem(
-            self._shapes,
-            self._device,
-            wanted,
-            timed=cfg.time_budget is not None,
-            costs="prior" if cfg.calibration == "prior" else "calibrate",
-            min_8bit_numel=opt.min_8bit_numel,
-            baseline_bytes=self._baseline,
-            cache_dir=cfg.calibration_cache_dir,
-        )
-        self._mask = self._problem.withheld
-        self._allowed = self._problem.allowed
-        self._memory = self._problem.memory
-
-    def _restart_sampler(self, module: nn.Module) -> None:
-        """A new sampler over the blocks' trainable parameters (the model's names); empty ring."""
-        cfg = self.config
-        model_named = dict(module.named_parameters())
-        sampled = {}
-        for b, names in self.blocks.items():
-            trainable = [self._model_names[n] for n in names if model_named[self._model_names[n]].requires_grad]
-            if trainable:
-                sampled[b] = trainable
-        if self.sampler is not None:
-            self.sampler.close()
-        self.sampler = GradientSampler(module, sampled, cfg.sample_every, cfg.capacity, cfg.max_elements, seed=cfg.seed)
-        self.ring_samples = 0
-
-    def _warmup_formats(self) -> None:
-        """Warm-up state no larger than the user's AdamW: ``bf16`` for 2-byte parameters.
-
-        torch's AdamW holds bf16/fp16 moments on such parameters (4 bytes per element); ``fp32``
-        state (8) would double the user's optimizer memory. Only plain ``fp32`` requests change.
-        """
-        assert self.optimizer is not None
-        named = self.optimizer.named_params
-        small = [
-            n
-            for names in self.blocks.values()
-            for n in names
-            if named[n].element_size() < 4 and self.optimizer.requested_format(named[n]) == "fp32"
-        ]
-        if not small:
-            return
-        masked = withheld_formats(self._device, True, ["bf16"])
-        if masked:  # emulated bf16 would be slow: fp32, said aloud
-            warnings.warn(
-                f"BAOC: {len(small)} low-precision parameter tensor(s) warm up with fp32 state (8 bytes per "
-                f"element, twice torch AdamW's): bf16 state is withheld on {self._device} ({masked['bf16']})",
-                UserWarning,
-                stacklevel=3,
-            )
-            return
-        self.optimizer.set_formats({n: "bf16" for n in small})
-
-    # ------------------------------------------------------------------ parameters added later
-
-    def _new_parameters(self) -> bool:
-        """Whether the optimizer now trains or holds state for parameters outside the blocks
-        (``add_param_group``; a held parameter unfrozen, or given state by a checkpoint loaded after
-        install). Cheap when nothing changed: group sizes and the held frozen ones."""
-        opt = self.optimizer
-        assert opt is not None
-        sizes = tuple(len(g["params"]) for g in opt.param_groups)
-        if sizes == self._group_sizes and not any(p.requires_grad or _stepped(opt, p) for p in self._held_frozen):
-            return False
-        self._group_sizes = sizes
-        # a group of frozen parameters added now is watched from now on, in case it is unfrozen
-        self._held_frozen = [p for g in opt.param_groups for p in g["params"] if id(p) not in self._managed]
-        return any(p.requires_grad or _stepped(opt, p) for p in self._held_frozen)
-
-    def _grow(self, broadcast: Broadcast | None, is_global_zero: bool) -> None:
-        """Take parameters added after install into the blocks, tables and sampler.
-
-        After the first allocation a re-allocation of every block is made due at once (reason
-        ``"params"``), within the budget resolved against all parameters now trained; the new
-        parameters have no state yet and get the planner's prior risk until they do. During
-        warm-up the budget is checked again (an absolute one may no longer fit). The sampler is
-        rebuilt over the new blocks: statistics start afresh (a warm-up ends two samples later).
-        """
-        assert self.optimizer is not None and self._module is not None
-        before = len(self._managed)
-        self._build_blocks(self.optimizer, self._module)
-        self._refresh_tables(self.optimizer)
-        self._restart_sampler(self._module)
-        log.info(
-            f"BAOC: {len(self._managed) - before} parameter tensor(s) joined the optimizer after install; "
-            f"{len(self.blocks)} blocks now, AdamW state {format_bytes(self.baseline_state_bytes)}"
-        )
-        if self.phase == "allocated":
-            self.pending = "params"
-        else:
-            self._warmup_formats()
-            self.check_feasible(broadcast, is_global_zero)
 
     def before_step(self, step: int, broadcast: Broadcast | None = None, is_global_zero: bool = True) -> AllocationEvent | None:
         """Call once per optimizer step, before :meth:`observe` and the step; on every rank.

@@ -64,10 +64,7 @@ class CheckpointMixin:
     optimizer: Any
     _loaded: dict[str, Any] | None
     _allowed: list[str]
-
-    @property
-    def installed(self) -> bool:  # pragma: no cover - defined by the controller
-        raise NotImplementedError
+    installed: bool
 
     def state_dict(self) -> dict[str, Any]:
         """Phase, allocation, counters, the settings that shaped the allocation and the sampler's
