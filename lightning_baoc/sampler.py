@@ -38,17 +38,5 @@ from .sampling.sampler import (
     GradientSampler,
 )
 
-__all__ = [
-    "DEFAULT_CAPACITY",
-    "DEFAULT_MAX_ELEMENTS",
-    "DEFAULT_MAX_ROWS",
-    "DEFAULT_SAMPLE_EVERY",
-    "STAGING_SLOTS",
-    "STATE_VERSION",
-    "BlockHistory",
-    "GradientSampler",
-    "draw_indices",
-]
-
 # ``doctest.testmod`` of this module runs the examples of the names it re-exports, as before.
 __test__ = {"GradientSampler": GradientSampler, "draw_indices": draw_indices}
