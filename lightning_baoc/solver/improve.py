@@ -15,6 +15,7 @@ import numpy as np
 from .problem import _Accept, _Problem, _raw_ok, _Scaled, _zero_inf
 from .search import _branch_and_bound
 
+
 def _improve(p: _Problem, s: _Scaled, x: np.ndarray, mb: float, tb: float | None, rounds: int = 64) -> np.ndarray:
     """Local search from a feasible ``x``: the best single move that lowers risk within the slack,
     repeated; when none is left, the best pair move (one block to a lower-risk format, another to

@@ -64,7 +64,10 @@ def _min_resource(
     _, mem, tim = p.totals(search.x)
     return (mem if which == "memory" else tim), search.complete
 
+
 def _infeasible(p: _Problem, s: _Scaled, mb: float, tb: float | None, node_limit: int | None, note: str = "") -> BudgetInfeasibleError:
+    """The error for budgets no allocation meets, with the smallest feasible ones (``note`` is
+    appended to the message)."""
     min_memory, exact_m = _min_resource(p, s, "memory", mb, tb, node_limit)
     min_time: float | None = None
     exact_t = True

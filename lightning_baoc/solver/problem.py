@@ -428,6 +428,10 @@ def _dominated(R: np.ndarray, M: np.ndarray, T: np.ndarray | None) -> np.ndarray
     np.einsum("bii->bi", dom)[...] = False
     return dom.any(axis=1)
 
+
+# ---------------------------------------------------------------------------- what the search works on
+
+
 @dataclass
 class _Scaled:
     """Normalized arrays for the search: budgets are 1.0, risks scaled to at most 1."""
@@ -443,23 +447,30 @@ def _zero_inf(a: np.ndarray) -> np.ndarray:
     0 (``0 * inf`` is NaN); the risk term keeps those entries infinite."""
     return np.where(np.isfinite(a), a, 0.0)
 
+
 def _raw_memory(p: _Problem, x: np.ndarray) -> float:
+    """Exact total memory of choice ``x`` (an int sum for integer bytes)."""
     vals = p.memory[np.arange(len(x)), x]
     return float(vals.sum()) if p.memory_int else math.fsum(vals.tolist())
 
 
 def _raw_time(p: _Problem, x: np.ndarray) -> float:
+    """Exact total time of choice ``x`` (there must be a time table)."""
     assert p.time is not None
     return math.fsum(p.time[np.arange(len(x)), x].tolist())
 
+
 def _raw_ok(p: _Problem, x: np.ndarray, mb: float, tb: float | None) -> bool:
+    """Whether choice ``x`` meets both budgets on the raw numbers."""
     if _raw_memory(p, x) > mb:
         return False
     if tb is not None and p.time is not None and _raw_time(p, x) > tb:
         return False
     return True
 
+
 def _parse_budgets(p: _Problem, memory_budget: object, time_budget: object) -> tuple[float, float | None]:
+    """The absolute budgets: bytes, and seconds with :data:`TIME_BUDGET_RTOL` of slack (or ``None``)."""
     mb = float(parse_memory_budget(memory_budget, p.fp32_memory))
     tb: float | None = None
     if time_budget is not None:
@@ -471,7 +482,9 @@ def _parse_budgets(p: _Problem, memory_budget: object, time_budget: object) -> t
         tb = parse_time_budget(time_budget, p.fp32_time) * (1.0 + TIME_BUDGET_RTOL)
     return mb, tb
 
+
 def _scaled(p: _Problem, mb: float, tb: float | None, keep: np.ndarray) -> _Scaled:
+    """The problem normalized by the budgets and the largest risk; options not in ``keep`` get ``inf``."""
     finite = np.where(keep, p.risk, 0.0)
     scale = float(finite.max()) if finite.size else 0.0
     scale = scale if scale > 0 else 1.0

@@ -12,6 +12,7 @@ import numpy as np
 
 from .problem import Allocation, BudgetInfeasibleError, Table, _build, _parse_budgets
 
+
 def reference_solve(
     risk: Table,
     memory: Table,

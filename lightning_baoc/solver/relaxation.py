@@ -160,6 +160,10 @@ def _extra(front: _Frontier, counts: np.ndarray) -> np.ndarray | None:
     out[b] += 1
     return out
 
+
+# ---------------------------------------------------------------------------- the greedy and the multipliers
+
+
 def _dual(s: _Scaled, lam: float, mu: float) -> float:
     """Lagrangian dual value: a lower bound on the optimal scaled risk for any lam, mu >= 0."""
     red = s.r + lam * _zero_inf(s.m)
@@ -180,6 +184,7 @@ def _memory_greedy(p: _Problem, s: _Scaled, cost: np.ndarray, memory_budget: flo
     """Frontier greedy for memory with ``cost`` per option: the choice and its multiplier."""
     x, lam = _frontier_choice(cost, s.m, lambda x: _raw_memory(p, x) <= memory_budget)
     return x, (lam if x is not None else math.inf)
+
 
 def _greedy(p: _Problem, s: _Scaled, mb: float, tb: float | None) -> _Greedy:
     """Lagrangian greedy over the frontier; bisection on the time multiplier ``mu``."""
@@ -354,6 +359,7 @@ def _blend(p: _Problem, s: _Scaled, over: np.ndarray, within: np.ndarray, mb: fl
     if used_t > 1.0 - margin or not _raw_ok(p, x, mb, tb):
         return None
     return x
+
 
 def _frontier_choice(cost: np.ndarray, use: np.ndarray, accept: _Accept) -> tuple[np.ndarray | None, float]:
     """Frontier greedy on (``use``, ``cost``) down to total use 1; ``accept`` checks the raw total

@@ -21,6 +21,7 @@ import numpy as np
 from .problem import _FEAS_EPS, _Accept, _zero_inf
 from .relaxation import _frontier
 
+
 @dataclass
 class _Search:
     value: float  # best objective found (scaled), inf if none

@@ -17,6 +17,7 @@ import numpy as np
 from .pipeline import _solve_problem
 from .problem import Allocation, Table, _build, _parse_budgets, _Problem
 
+
 def select_boundaries(
     features: Sequence[Sequence[float]] | np.ndarray,
     max_boundaries: int,
