@@ -15,7 +15,7 @@ _EXPORTS: dict[str, str] = {
     "FORMATS": "lightning_baoc.formats",
     "BlockwiseAdamW": "lightning_baoc.optim",
     "partition": "lightning_baoc.blocks",
-    "GradientSampler": "lightning_baoc.sampler",
+    "GradientSampler": "lightning_baoc.sampling",
     "solve": "lightning_baoc.solver",
     "Allocation": "lightning_baoc.solver",
     "BudgetInfeasibleError": "lightning_baoc.solver",
@@ -60,5 +60,5 @@ if TYPE_CHECKING:  # what type checkers and documentation tools see
     from lightning_baoc.formats import FORMATS  # noqa: F401
     from lightning_baoc.optim import BlockwiseAdamW  # noqa: F401
     from lightning_baoc.optim_state import CheckpointError, export_adamw_state_dict, load_checkpoint  # noqa: F401
-    from lightning_baoc.sampler import GradientSampler  # noqa: F401
+    from lightning_baoc.sampling import GradientSampler  # noqa: F401
     from lightning_baoc.solver import Allocation, BudgetInfeasibleError, select_boundaries, solve  # noqa: F401

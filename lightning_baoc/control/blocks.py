@@ -21,7 +21,7 @@ from ..calibration import withheld_formats
 from ..costs import AllocationProblem
 from ..formats import FORMATS
 from ..optim import BlockwiseAdamW
-from ..sampler import GradientSampler
+from ..sampling import GradientSampler
 from .protocol import Broadcast
 
 log = logging.getLogger("lightning_baoc.controller")
