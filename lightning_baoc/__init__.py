@@ -30,9 +30,9 @@ _EXPORTS: dict[str, str] = {
     "json_schema": "lightning_baoc.config",
     "load_config": "lightning_baoc.config",
     "parse_config": "lightning_baoc.config",
-    "CheckpointError": "lightning_baoc.optim_state",
-    "export_adamw_state_dict": "lightning_baoc.optim_state",
-    "load_checkpoint": "lightning_baoc.optim_state",
+    "CheckpointError": "lightning_baoc.optim",
+    "export_adamw_state_dict": "lightning_baoc.optim",
+    "load_checkpoint": "lightning_baoc.optim",
 }
 
 __all__ = list(_EXPORTS)
@@ -59,6 +59,6 @@ if TYPE_CHECKING:  # what type checkers and documentation tools see
     from lightning_baoc.fabric import BAOCStrategy  # noqa: F401
     from lightning_baoc.formats import FORMATS  # noqa: F401
     from lightning_baoc.optim import BlockwiseAdamW  # noqa: F401
-    from lightning_baoc.optim_state import CheckpointError, export_adamw_state_dict, load_checkpoint  # noqa: F401
+    from lightning_baoc.optim import CheckpointError, export_adamw_state_dict, load_checkpoint  # noqa: F401
     from lightning_baoc.sampling import GradientSampler  # noqa: F401
     from lightning_baoc.solver import Allocation, BudgetInfeasibleError, select_boundaries, solve  # noqa: F401

@@ -3,7 +3,7 @@
 The whole dict is checked against the optimizer (groups, hyperparameters, every entry's format,
 counts, shape, tensors and checksum, the generator states) and turned into a :class:`LoadPlan`;
 ``BlockwiseAdamW.load_state_dict`` commits it only after building the new pools, so every
-problem raises :class:`~lightning_baoc.optim_state.CheckpointError` with the optimizer untouched.
+problem raises :class:`~lightning_baoc.optim.state.CheckpointError` with the optimizer untouched.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from lightning_baoc.formats import Canonical, check_format_name
-from lightning_baoc.optim_args import PERFORMANCE_HINTS, validate_hyper
-from lightning_baoc.optim_state import (
+from lightning_baoc.optim.args import PERFORMANCE_HINTS, validate_hyper
+from lightning_baoc.optim.state import (
     READABLE_VERSIONS,
     check_entry_fields,
     check_layout,
@@ -28,7 +28,7 @@ from lightning_baoc.optim_state import (
 )
 
 if TYPE_CHECKING:
-    from lightning_baoc.optim import BlockwiseAdamW
+    from lightning_baoc.optim.optimizer import BlockwiseAdamW
 
 _TORCH_IMPLEMENTATION_KEYS = PERFORMANCE_HINTS + ("capturable", "differentiable")
 
@@ -109,7 +109,7 @@ def _plan_own(opt: "BlockwiseAdamW", sd: Mapping[str, Any]) -> LoadPlan:
                 "the checksum of the state dict's metadata (param groups, parameter names, "
                 "requested formats, generators, non-finite counts, entries) does not match: the "
                 "checkpoint is corrupted, or was edited (re-seal a deliberate edit with "
-                "lightning_baoc.optim_state.seal_state_dict)"
+                "lightning_baoc.optim.state.seal_state_dict)"
             )
     names = opt.named_params
     groups = []

@@ -6,8 +6,8 @@ param groups stay one-to-one with the user's: LR schedulers, ``LearningRateMonit
 indexes ``param_groups`` keep working.
 
 Memory layout (one contiguous pool per format and device, per-parameter views):
-:mod:`lightning_baoc.optim_pools`. Checkpoints, loads, copies and pickles:
-:mod:`lightning_baoc.optim_persist`. torch-compatible arguments: :mod:`lightning_baoc.optim_args`.
+:mod:`lightning_baoc.optim.pools`. Checkpoints, loads, copies and pickles:
+:mod:`lightning_baoc.optim.persist`. torch-compatible arguments: :mod:`lightning_baoc.optim.args`.
 
 The state is kept outside ``optimizer.state`` on purpose: Lightning moves every tensor found there
 to the root device after a restore, which would silently pull host-offloaded states onto the
@@ -33,15 +33,15 @@ from lightning_baoc.formats import (
     resolve_format,
 )
 from lightning_baoc.formats.base import DEFAULT_CHUNK
-from lightning_baoc.optim_args import PERFORMANCE_HINTS, check_torch_options
-from lightning_baoc.optim_args import to_float as _float
-from lightning_baoc.optim_args import validate_hyper as _validate_hyper
-from lightning_baoc.optim_persist import PersistenceMixin
-from lightning_baoc.optim_pools import Pool as _Pool
-from lightning_baoc.optim_pools import PoolsMixin
-from lightning_baoc.optim_pools import Record as _Record
-from lightning_baoc.optim_pools import device_key as _device_key
-from lightning_baoc.optim_pools import storage_device as _storage_device
+from lightning_baoc.optim.args import PERFORMANCE_HINTS, check_torch_options
+from lightning_baoc.optim.args import to_float as _float
+from lightning_baoc.optim.args import validate_hyper as _validate_hyper
+from lightning_baoc.optim.persist import PersistenceMixin
+from lightning_baoc.optim.pools import Pool as _Pool
+from lightning_baoc.optim.pools import PoolsMixin
+from lightning_baoc.optim.pools import Record as _Record
+from lightning_baoc.optim.pools import device_key as _device_key
+from lightning_baoc.optim.pools import storage_device as _storage_device
 
 
 class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
@@ -83,7 +83,7 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
     Raises:
         ValueError: an invalid hyperparameter, or ``amsgrad``/``capturable``/``differentiable``
             set; the inputs ``torch.optim.AdamW`` rejects raise torch's error type (see
-            :mod:`lightning_baoc.optim_args`).
+            :mod:`lightning_baoc.optim.args`).
 
     Copies: ``copy.deepcopy`` gives an independent optimizer (parameters mapped through the memo,
     as for torch's optimizers) and pickles load in a fresh process; hooks and an LR scheduler's
@@ -548,6 +548,10 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
 # ---------------------------------------------------------------------------- aliases
 
 _ALIAS_PREFIX = "_BlockwiseAs"
+#: Where pickles find the optimizer and its aliases: the public path, not this file's, so a
+#: pickle survives a move of the implementation.
+PUBLIC_MODULE = "lightning_baoc.optim"
+BlockwiseAdamW.__module__ = PUBLIC_MODULE
 _ALIASES: dict[str, type[BlockwiseAdamW]] = {}
 
 
@@ -570,14 +574,18 @@ def optimizer_alias(name: str) -> type[BlockwiseAdamW]:
         alias = type(
             name,
             (BlockwiseAdamW,),
-            {"__module__": __name__, "__qualname__": _ALIAS_PREFIX + name, "__doc__": f"BlockwiseAdamW installed in place of {name}."},
+            {"__module__": PUBLIC_MODULE, "__qualname__": _ALIAS_PREFIX + name, "__doc__": f"BlockwiseAdamW installed in place of {name}."},
         )
         _ALIASES[name] = alias
     return alias
 
 
-def __getattr__(attr: str) -> Any:
-    """Resolve ``_BlockwiseAs<name>`` aliases on demand (PEP 562), for unpickling in a fresh process."""
+def resolve_alias(attr: str) -> type[BlockwiseAdamW]:
+    """The ``_BlockwiseAs<name>`` alias class named ``attr`` (for unpickling in a fresh process).
+
+    Raises:
+        AttributeError: ``attr`` names no alias.
+    """
     if attr.startswith(_ALIAS_PREFIX) and attr[len(_ALIAS_PREFIX) :].isidentifier():
         return optimizer_alias(attr[len(_ALIAS_PREFIX) :])
-    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+    raise AttributeError(f"module {PUBLIC_MODULE!r} has no attribute {attr!r}")

@@ -1,7 +1,7 @@
 """Persistence of :class:`~lightning_baoc.optim.BlockwiseAdamW`: state dicts, loads, copies, pickles.
 
 :class:`PersistenceMixin` holds the optimizer's ``state_dict``/``load_state_dict`` (layout and
-checksums: :mod:`lightning_baoc.optim_state`; validation: :mod:`lightning_baoc.optim_validate`)
+checksums: :mod:`lightning_baoc.optim.state`; validation: :mod:`lightning_baoc.optim.validate`)
 and its ``copy.deepcopy``/``pickle`` support. A load validates everything first and then commits
 at once, so a refused dict leaves the optimizer unchanged.
 """
@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from lightning_baoc.formats import FORMATS, Canonical, StepHyper, resolve_format
-from lightning_baoc.optim_pools import Pool, Record, device_key
-from lightning_baoc.optim_state import (
+from lightning_baoc.optim.pools import Pool, Record, device_key
+from lightning_baoc.optim.state import (
     STATE_DICT_VERSION,
     CheckpointError,
     export_adamw_state_dict,
@@ -25,7 +25,7 @@ from lightning_baoc.optim_state import (
     make_entry,
     seal_state_dict,
 )
-from lightning_baoc.optim_validate import LoadPlan, plan_load
+from lightning_baoc.optim.validate import LoadPlan, plan_load
 
 #: Attributes that only tie an optimizer to its process (hooks, an LR scheduler's wrapper of
 #: ``step``): not copied or pickled, as torch's own ``Optimizer.__getstate__`` does not.
@@ -98,7 +98,7 @@ class PersistenceMixin:
     def state_dict(self) -> dict[str, Any]:
         """Compact state keyed by parameter name; loads under ``torch.load(weights_only=True)``.
 
-        Layout and checksums: :mod:`lightning_baoc.optim_state`. 8-bit states stay 8-bit. Tensors
+        Layout and checksums: :mod:`lightning_baoc.optim.state`. 8-bit states stay 8-bit. Tensors
         are copies (views of one pool in several dtypes cannot be serialized together). Handed to
         a plain ``torch.optim.AdamW``, the dict fails at load with a message that names BAOC and
         the fix (resume with the callback, or :func:`~lightning_baoc.export_adamw_state_dict`).
@@ -143,7 +143,7 @@ class PersistenceMixin:
         Generator states of stochastic rounding are restored for the devices this optimizer trains
         on; one of a device kind it does not train on (a GPU checkpoint resumed on the CPU) is
         ignored and that device's rounding restarts from ``seed`` (see
-        :func:`~lightning_baoc.optim_validate.plan_generators`). Hooks registered with torch's
+        :func:`~lightning_baoc.optim.validate.plan_generators`). Hooks registered with torch's
         ``register_load_state_dict_pre_hook``/``post_hook`` run as in torch.
 
         Raises:

@@ -20,7 +20,7 @@ A state dict (version 2) is::
   :func:`digest_bytes`). A dict edited on purpose is re-sealed with :func:`seal_state_dict`.
 
 Loading validates the whole dict before anything is changed
-(:func:`lightning_baoc.optim_validate.plan_load`); every problem raises :class:`CheckpointError`
+(:func:`lightning_baoc.optim.validate.plan_load`); every problem raises :class:`CheckpointError`
 naming the parameter and the key. Version-1 dicts (no shapes, no
 checksums) and ``torch.optim.AdamW``/``Adam`` state dicts (no checksums: torch writes none) load
 with every check but the checksums.

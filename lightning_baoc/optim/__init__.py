@@ -1,0 +1,31 @@
+"""BlockwiseAdamW: AdamW with a state format per parameter.
+
+- :mod:`.optimizer`: the optimizer (:class:`BlockwiseAdamW`) and its class aliases;
+- :mod:`.pools`: per-format contiguous state pools and parameter records;
+- :mod:`.persist`: state dicts, atomic validated loads, copies and pickling;
+- :mod:`.state`: the state-dict layout, checksums, plain-AdamW export, :class:`CheckpointError`;
+- :mod:`.validate`: a whole state dict validated before anything changes;
+- :mod:`.args`: ``torch.optim.AdamW``'s constructor arguments, checked as torch does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .optimizer import BlockwiseAdamW, optimizer_alias, resolve_alias
+from .state import CheckpointError, export_adamw_state_dict, load_checkpoint, seal_state_dict
+
+
+def __getattr__(attr: str) -> Any:
+    """Resolve ``_BlockwiseAs<name>`` aliases on demand (PEP 562): pickles name them here."""
+    return resolve_alias(attr)
+
+
+__all__ = [
+    "BlockwiseAdamW",
+    "CheckpointError",
+    "export_adamw_state_dict",
+    "load_checkpoint",
+    "optimizer_alias",
+    "seal_state_dict",
+]
