@@ -16,3 +16,5 @@ from lightning_baoc.config import BAOCSection, Config, ConfigError, json_schema,
 __all__ += ["BAOCSection", "Config", "ConfigError", "json_schema", "load_config", "parse_config"]
 from lightning_baoc.optim_state import CheckpointError, export_adamw_state_dict, load_checkpoint
 __all__ += ["CheckpointError", "export_adamw_state_dict", "load_checkpoint"]
+from lightning_baoc.settings import BAOCConfig, SettingError
+__all__ += ["BAOCConfig", "SettingError"]
