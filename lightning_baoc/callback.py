@@ -50,9 +50,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from .controller import AllocationEvent, BAOCConfig, BAOCController, rebind_scheduler
+from .controller import AllocationEvent, BAOCController, rebind_scheduler
 from .optim import BlockwiseAdamW
-from .report import ReportSetting, announce, build_record, png_enabled, scalars, write_reports
+from .report import announce, build_record, png_enabled, scalars, write_reports
+from .settings import settings_init, split_settings
 
 
 def _refused_strategy(strategy: Any) -> str | None:
@@ -83,42 +84,10 @@ class BAOC(Callback):
     allocation of least total risk within the budgets and converts the optimizer's states in
     place. Re-evaluates every ``reevaluate_every_n_epochs`` epochs and when ``monitor`` plateaus.
 
-    Args:
-        memory_budget: optimizer-state memory allowed: a fraction in (0, 1] of the state your own
-            ``torch.optim.AdamW`` would hold on the parameters trained (8 bytes per fp32
-            parameter, 4 per bf16 one; parameters added later, e.g. by ``BackboneFinetuning``,
-            included) (``0.3``, ``"30%"``), or absolute (``"6GB"``, ``"512MiB"``, an int of bytes).
-        time_budget: optimizer-step time allowed, a multiple >= 1 of the fp32 AdamW step
-            (``1.2``) or absolute (``"12ms"``, with ``calibration="auto"`` only) (default:
-            ``None``: no limit).
-        warmup_steps: fp32 optimizer steps before the first allocation (default: 200).
-        sample_every: sample the gradients every N optimizer steps during warm-up (default: 10).
-        granularity: ``"module"``, ``"layer"`` or ``"param"`` blocks (default: ``"module"``).
-        blocks: named glob patterns over parameter names, matched first (default: ``None``).
-        formats: formats the solver may pick (default: ``None``: all the device serves).
-        reevaluate_every_n_epochs: re-evaluate every N epochs (default: ``None``: never).
-        monitor: validation metric whose plateau triggers a re-evaluation (default: ``None``).
-        mode: ``"min"`` or ``"max"`` for ``monitor`` (default: ``"min"``).
-        patience: validation checks without improvement before re-evaluating (default: 3).
-        min_delta: smallest change of ``monitor`` counted as an improvement (default: 0.0).
-        hysteresis: re-allocate only when the total risk drops by more than this fraction, or
-            the current allocation breaks a budget (default: 0.1).
-        horizon: steps over which the risk model lets update noise average out (default: 200).
-        sparse_sampling: after warm-up, sample N times less often (default: 4).
-        capacity: ring-buffer samples kept by the sampler (default: 32).
-        max_elements: gradient elements sampled per block (default: 4096).
-        min_8bit_numel: tensors with fewer elements stay out of the 8-bit formats (default: 4096).
-        calibration: step costs for ``time_budget``: ``"auto"`` (measured once on the device,
-            cached) or ``"prior"`` (default: ``"auto"``).
-        calibration_cache_dir: cache directory of ``"auto"`` (default: ``None``: user cache).
-        report: print the table and write ``baoc_allocation.json`` into ``trainer.log_dir``, and
-            ``baoc_allocation.png`` when matplotlib (optional) is installed; ``"json"``: never the
-            PNG; ``"png"``: the PNG required (raises here without matplotlib); ``False``: no report
-            (default: True).
-        seed: seed of the gradient sampling and of stochastic rounding (default: 0).
-        max_block_risk: formats whose risk on a block exceeds this are never chosen for it;
-            lifted, with a warning, when the memory budget cannot be met otherwise
-            (default: ``None``: no cap).
+    The arguments are the settings of :data:`lightning_baoc.settings.SETTINGS`, in its order
+    (``memory_budget`` first, the only one required): ``__init__``'s signature, annotations and
+    docstring are generated from it, so ``help(BAOC.__init__)`` and LightningCLI's
+    ``--trainer.callbacks.help lightning_baoc.BAOC`` list each with its type, default and help.
 
     A YAML template (``configs/*.yaml``) builds one with :meth:`from_config`.
 
@@ -129,57 +98,10 @@ class BAOC(Callback):
         >>> trainer.optimizers[0].state_bytes()  # doctest: +SKIP
     """
 
-    def __init__(
-        self,
-        memory_budget: int | float | str,
-        time_budget: float | str | None = None,
-        warmup_steps: int = 200,
-        sample_every: int = 10,
-        granularity: str = "module",
-        blocks: dict[str, str | list[str]] | None = None,
-        formats: list[str] | None = None,
-        reevaluate_every_n_epochs: int | None = None,
-        monitor: str | None = None,
-        mode: str = "min",
-        patience: int = 3,
-        min_delta: float = 0.0,
-        hysteresis: float = 0.1,
-        horizon: int = 200,
-        sparse_sampling: int = 4,
-        capacity: int = 32,
-        max_elements: int = 4096,
-        min_8bit_numel: int = 4096,
-        calibration: str = "auto",
-        calibration_cache_dir: str | None = None,
-        report: ReportSetting = True,
-        seed: int = 0,
-        max_block_risk: float | None = None,
-    ) -> None:
+    def _init(self, settings: dict[str, Any]) -> None:
         super().__init__()
-        self.config = BAOCConfig(
-            memory_budget=memory_budget,
-            time_budget=time_budget,
-            warmup_steps=warmup_steps,
-            sample_every=sample_every,
-            granularity=granularity,
-            blocks=blocks,
-            formats=formats,
-            reevaluate_every_n_epochs=reevaluate_every_n_epochs,
-            monitor=monitor,
-            mode=mode,
-            patience=patience,
-            min_delta=min_delta,
-            hysteresis=hysteresis,
-            horizon=horizon,
-            sparse_sampling=sparse_sampling,
-            capacity=capacity,
-            max_elements=max_elements,
-            min_8bit_numel=min_8bit_numel,
-            calibration=calibration,
-            calibration_cache_dir=calibration_cache_dir,
-            seed=seed,
-            max_block_risk=max_block_risk,
-        )
+        self.config, own = split_settings(settings)
+        report = own["report"]
         self.report = report is not False
         # optional dependencies are checked now, not after a whole warm-up
         self.report_png = png_enabled(report, "BAOC")
@@ -190,6 +112,8 @@ class BAOC(Callback):
         self._warned_missing_monitor = False
         self._warned_short_run = False
         self._announced_reports = False
+
+    __init__ = settings_init("BAOC", _init)
 
     # ------------------------------------------------------------------ public
 

@@ -18,35 +18,19 @@ so one file serves :func:`load_config`, ``examples/cli.py`` (LightningCLI), ``ex
       re_evaluation_trigger: {every_n_epochs: null, monitor: val_loss, mode: min, patience: 3, min_delta: 0.0}
       sampler: {sample_every: 10, sparse_sampling: 4, capacity: 32, max_elements: 4096}
 
-The field names map onto :class:`~lightning_baoc.BAOC`'s arguments (:func:`baoc_kwargs`;
-:meth:`BAOC.from_config <lightning_baoc.BAOC.from_config>` builds the callback):
-
-================================================  ==============================
-config key                                        ``BAOC`` argument
-================================================  ==============================
-``memory_budget``, ``time_budget``                the same
-``warmup_steps``, ``min_8bit_numel``, ``seed``,   the same
-``report``
-``allowed_configs``                               ``formats``
-``block_id.granularity`` / ``block_id.patterns``  ``granularity`` / ``blocks``
-``risk_thresholds.max_block_risk``                ``max_block_risk``
-``risk_thresholds.hysteresis`` / ``.horizon``     ``hysteresis`` / ``horizon``
-``re_evaluation_trigger.every_n_epochs``          ``reevaluate_every_n_epochs``
-``re_evaluation_trigger.monitor`` (``mode``,      ``monitor`` (``mode``, ``patience``,
-``patience``, ``min_delta``)                      ``min_delta``)
-``sampler.sample_every`` (``sparse_sampling``,    the same
-``capacity``, ``max_elements``)
-``calibration.mode`` / ``calibration.cache_dir``  ``calibration`` / ``calibration_cache_dir``
-================================================  ==============================
+The section is derived from :data:`lightning_baoc.settings.SETTINGS`, where each setting is declared
+once with its argument name and its key here: :class:`BAOCSection` and one dataclass per section of
+keys (:class:`SamplerConfig` for ``sampler.*``...), :data:`BAOC_ARGUMENTS` (argument -> key:
+``formats`` <- ``allowed_configs``, ``blocks`` <- ``block_id.patterns``, ``calibration`` <-
+``calibration.mode``...), the checks of the values (:func:`lightning_baoc.settings.check_settings`,
+the callback's own validator) and the JSON Schema (:func:`json_schema`). :func:`baoc_kwargs` and
+:meth:`BAOC.from_config <lightning_baoc.BAOC.from_config>` turn a section into the callback.
 
 Loading is strict: an unknown key anywhere (also in ``trainer``, checked against
 ``lightning.Trainer``'s arguments) and a value of the wrong type or out of range raise
 :class:`ConfigError`, whose message names the key (``baoc.sampler.sample_every``) and where it
 came from (the file, or the dotlist override that set it). Overrides are OmegaConf dotlists
-(``baoc.memory_budget=0.25``); Hydra is not needed.
-
-The JSON Schema (:func:`json_schema`) is generated from the same dataclasses (types, ranges,
-allowed values, defaults and descriptions); the committed ``configs/baoc.schema.json`` is
+(``baoc.memory_budget=0.25``); Hydra is not needed. The committed ``configs/baoc.schema.json`` is
 regenerated with ``python -m lightning_baoc schema > configs/baoc.schema.json``.
 """
 
@@ -54,25 +38,21 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import inspect
-import math
 import os
-import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-from .budget import parse_memory_budget, parse_time_budget
-from .formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS
-from .sampler import DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS
+from .settings import (
+    SECTIONS, SETTINGS, Mismatch, Setting, SettingError, arg_doc, check_settings, conform, plain, type_name,
+)
 
 #: ``$id``-less draft of the generated schema.
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
-
-#: Top-level keys a LightningCLI ``fit`` config may hold besides ``baoc``.
-_LIGHTNING_CLI_KEYS = ("seed_everything", "trainer", "model", "data", "ckpt_path")
 
 
 class ConfigError(ValueError):
@@ -81,6 +61,7 @@ class ConfigError(ValueError):
     Attributes:
         key: the dotted key (``"baoc.sampler.sample_every"``), or ``""`` for the whole config.
         source: where the value came from: a file name, ``"override 'k=v'"`` or ``"<dict>"``.
+        setting: the ``BAOC`` argument of a ``baoc`` key (``"sample_every"``), else ``""``.
 
     Example:
         >>> try:
@@ -90,272 +71,78 @@ class ConfigError(ValueError):
         baoc.warmup
     """
 
-    def __init__(self, message: str, key: str = "", source: str = "") -> None:
+    def __init__(self, message: str, key: str = "", source: str = "", setting: str = "") -> None:
         super().__init__(message)
         self.key = key
         self.source = source
+        self.setting = setting
 
 
-def _help(text: str, **constraints: Any) -> dict[str, Any]:
-    """Field metadata: the description (schema, docs) and range constraints (schema, loader)."""
-    return {"help": text, **constraints}
+def _help(text: str) -> dict[str, Any]:
+    """Field metadata: the description (schema, docs)."""
+    return {"help": text}
 
 
-# ---------------------------------------------------------------------------- the dataclasses
+# ---------------------------------------------------------------------------- the baoc section
 
 
-@dataclass
-class BlockIdConfig:
-    """How parameters are grouped into blocks, the unit that gets one state format.
-
-    Args:
-        granularity: ``"module"`` (one block per module owning parameters, weight and bias
-            together), ``"layer"`` (one block per repeated layer, e.g. a transformer block) or
-            ``"param"`` (one per tensor) (default: ``"module"``).
-        patterns: named blocks by glob patterns over parameter names (``fnmatch``), block name ->
-            glob or list of globs, matched before ``granularity`` (default: ``None``).
-
-    Example:
-        >>> BlockIdConfig(granularity="layer", patterns={"embeddings": ["wte.*", "wpe.*"]}).granularity
-        'layer'
-    """
-
-    granularity: Literal["module", "layer", "param"] = field(
-        default="module",
-        metadata=_help(
-            "Block granularity: 'module' (one block per module that owns parameters), 'layer' (one block "
-            "per repeated layer, e.g. a transformer block) or 'param' (one block per tensor)."
-        ),
-    )
-    patterns: dict[str, Union[str, list[str]]] | None = field(
-        default=None,
-        metadata=_help(
-            "Named blocks: block name -> glob or list of globs over parameter names (fnmatch, "
-            "case-sensitive), matched before 'granularity'. Every glob must match a trainable parameter."
-        ),
-    )
+def _dataclass(name: str, doc: str, fields: list[tuple[str, Any, Any]], module: str | None) -> type:
+    """A dataclass whose docstring's ``Args:`` (jsonargparse's help) are the fields' help texts."""
+    args = [arg_doc(n, f.metadata["setting"].help if "setting" in f.metadata else f.metadata["help"], f.default) for n, _, f in fields]
+    cls = dataclasses.make_dataclass(name, fields, namespace={"__doc__": "\n".join([doc, "", "Args:", *args, ""])})
+    if module is not None:
+        cls.__module__ = module  # pickles, and jsonargparse finds it, as a class written out
+    return cls
 
 
-@dataclass
-class RiskThresholdsConfig:
-    """Limits on risk, and how much better a re-allocation must be to happen.
+def section_dataclass(settings: Sequence[Setting] = SETTINGS, module: str | None = None) -> type:
+    """The ``baoc`` section's dataclass from ``settings``: a field per setting under its key, a
+    nested dataclass per dotted prefix (``sampler`` -> ``SamplerConfig``), in first-appearance order.
 
-    Args:
-        max_block_risk: a format whose risk on a block exceeds this is never chosen for that
-            block (the risk table's scale: share-weighted, the block risks add up to the total);
-            lifted with a warning when the memory budget cannot be met otherwise
-            (default: ``None``: no cap).
-        hysteresis: a re-evaluation migrates only if the total risk drops by more than this
-            fraction, or the current allocation breaks a budget (default: 0.1).
-        horizon: optimizer steps over which the risk model lets update noise average out
-            (default: 200).
+    Fields carry ``{"setting": s}`` as metadata; nothing here is validated (see :func:`parse_section`).
 
     Example:
-        >>> RiskThresholdsConfig(max_block_risk=0.05).hysteresis
-        0.1
+        >>> [f.name for f in dataclasses.fields(section_dataclass())][:4]
+        ['memory_budget', 'time_budget', 'warmup_steps', 'sampler']
     """
+    layout: dict[str, Any] = {}
+    for s in settings:
+        head, _, leaf = s.key.partition(".")
+        if leaf:
+            layout.setdefault(head, {})[leaf] = s
+        else:
+            layout[head] = s
 
-    max_block_risk: float | None = field(
-        default=None,
-        metadata=_help(
-            "Cap on the risk of one block: a format whose risk on a block exceeds it is never chosen for "
-            "that block (risks are share-weighted: the block risks add up to the total risk). Lifted, with "
-            "a warning, when the memory budget cannot be met otherwise. null: no cap.",
-            minimum=0.0,
-        ),
-    )
-    hysteresis: float = field(
-        default=0.1,
-        metadata=_help(
-            "A re-evaluation migrates only if the new allocation lowers the total risk by more than this "
-            "fraction (or the current one breaks a budget); keeps allocations from flapping.",
-            minimum=0.0,
-        ),
-    )
-    horizon: int = field(
-        default=200,
-        metadata=_help("Optimizer steps over which the risk model lets zero-mean update noise average out.", minimum=1),
-    )
+    def leaf_field(s: Setting) -> Any:
+        if s.required:
+            return field(metadata={"setting": s})
+        return field(default=s.default, metadata={"setting": s})
 
-
-@dataclass
-class ReEvaluationTriggerConfig:
-    """When the allocation is decided again, with fresh statistics, after the first one.
-
-    Args:
-        every_n_epochs: re-evaluate every N epochs (default: ``None``: never on a schedule).
-        monitor: a logged validation metric; its plateau triggers a re-evaluation
-            (default: ``None``).
-        mode: ``"min"`` or ``"max"``: the direction in which ``monitor`` improves (default: ``"min"``).
-        patience: validation checks without improvement before re-evaluating (default: 3).
-        min_delta: smallest change of ``monitor`` counted as an improvement (default: 0.0).
-
-    Example:
-        >>> ReEvaluationTriggerConfig(monitor="val_acc", mode="max").patience
-        3
-    """
-
-    every_n_epochs: int | None = field(
-        default=None, metadata=_help("Re-evaluate the allocation every N epochs. null: never on a schedule.", minimum=1)
-    )
-    monitor: str | None = field(
-        default=None,
-        metadata=_help("A validation metric (as logged with self.log); a plateau of it triggers a re-evaluation."),
-    )
-    mode: Literal["min", "max"] = field(
-        default="min", metadata=_help("'min' if 'monitor' improves downwards (loss, perplexity), 'max' if upwards.")
-    )
-    patience: int = field(
-        default=3, metadata=_help("Validation checks without improvement of 'monitor' before a re-evaluation.", minimum=1)
-    )
-    min_delta: float = field(
-        default=0.0, metadata=_help("Smallest change of 'monitor' counted as an improvement.", minimum=0.0)
-    )
+    fields: list[tuple[str, Any, Any]] = []
+    for name, item in layout.items():
+        if isinstance(item, Setting):
+            fields.append((name, item.type, leaf_field(item)))
+            continue
+        doc = SECTIONS.get(name, f"The ``{name}`` settings.")
+        cls_name = "".join(part.capitalize() for part in name.split("_")) + "Config"
+        nested = _dataclass(cls_name, doc, [(k, s.type, leaf_field(s)) for k, s in item.items()], module)
+        fields.append((name, nested, field(default_factory=nested, metadata=_help(doc))))
+    doc = "The ``baoc`` section of a config: every setting of the BAOC callback."
+    return _dataclass("BAOCSection", doc, fields, module)
 
 
-@dataclass
-class SamplerConfig:
-    """The gradient sampler: how often and how much of each block's gradient is sampled.
+#: The ``baoc`` section (:func:`section_dataclass` of :data:`~lightning_baoc.settings.SETTINGS`).
+BAOCSection = section_dataclass(module=__name__)
+_NESTED = {f.type.__name__: f.type for f in dataclasses.fields(BAOCSection) if dataclasses.is_dataclass(f.type)}
+globals().update(_NESTED)  # each nested dataclass is a name of this module, for pickle and jsonargparse
+BlockIdConfig: type = _NESTED["BlockIdConfig"]
+RiskThresholdsConfig: type = _NESTED["RiskThresholdsConfig"]
+ReEvaluationTriggerConfig: type = _NESTED["ReEvaluationTriggerConfig"]
+SamplerConfig: type = _NESTED["SamplerConfig"]
+CalibrationConfig: type = _NESTED["CalibrationConfig"]
 
-    Args:
-        sample_every: sample every N optimizer steps during warm-up (default: 10).
-        sparse_sampling: after warm-up, sample N times less often (default: 4).
-        capacity: sampling steps kept in the ring buffer (default: 32).
-        max_elements: gradient elements sampled per block (default: 4096).
-
-    Example:
-        >>> SamplerConfig(sample_every=5).max_elements
-        4096
-    """
-
-    sample_every: int = field(
-        default=10,
-        metadata=_help(
-            "Sample the gradients every N optimizer steps during warm-up (and the step after, for the "
-            "lag-1 cosine).",
-            minimum=1,
-        ),
-    )
-    sparse_sampling: int = field(
-        default=4, metadata=_help("After warm-up, sample N times less often.", minimum=1)
-    )
-    capacity: int = field(
-        default=DEFAULT_CAPACITY,
-        metadata=_help("Sampling steps kept in the ring buffer (the statistics' window).", minimum=2),
-    )
-    max_elements: int = field(
-        default=DEFAULT_MAX_ELEMENTS,
-        metadata=_help("Gradient elements sampled per block (a fixed random subset).", minimum=1),
-    )
-
-
-@dataclass
-class CalibrationConfig:
-    """Where the per-format step costs of a time budget come from.
-
-    Args:
-        mode: ``"auto"`` (measured once on the device, cached) or ``"prior"`` (built-in relative
-            costs) (default: ``"auto"``).
-        cache_dir: cache directory of ``"auto"`` (default: ``None``: the user cache directory).
-
-    Example:
-        >>> CalibrationConfig().mode
-        'auto'
-    """
-
-    mode: Literal["auto", "prior"] = field(
-        default="auto",
-        metadata=_help("'auto': measure each format's step cost on the device once (cached); 'prior': built-in costs."),
-    )
-    cache_dir: str | None = field(
-        default=None, metadata=_help("Cache directory of 'auto'. null: the user cache directory.")
-    )
-
-
-@dataclass
-class BAOCSection:
-    """The ``baoc`` section of a config: every setting of the BAOC callback.
-
-    Args:
-        memory_budget: optimizer-state memory allowed: a fraction in (0, 1] of the fp32 AdamW
-            state (``0.35``, ``"35%"``) or absolute (``"6GB"``, ``"512MiB"``, an int of bytes).
-        time_budget: optimizer-step time allowed: a multiple >= 1 of the fp32 AdamW step
-            (``1.2``) or absolute (``"12ms"``) (default: ``None``: no limit).
-        warmup_steps: fp32 optimizer steps, sampled, before the first allocation (default: 200).
-        allowed_configs: the formats the solver may pick (default: ``None``: every format the
-            device serves).
-        block_id: how parameters form blocks (:class:`BlockIdConfig`).
-        risk_thresholds: risk cap and hysteresis (:class:`RiskThresholdsConfig`).
-        re_evaluation_trigger: when to re-allocate (:class:`ReEvaluationTriggerConfig`).
-        sampler: gradient sampling (:class:`SamplerConfig`).
-        calibration: step costs for the time budget (:class:`CalibrationConfig`).
-        min_8bit_numel: tensors with fewer elements stay out of the 8-bit formats (default: 4096).
-        report: print the allocation table and write ``baoc_allocation.json``/``.png``: ``True``
-            (the PNG when matplotlib is installed), ``"json"``, ``"png"`` (the PNG required) or
-            ``False`` (default: True).
-        seed: seed of the gradient sampling and of stochastic rounding (default: 0).
-
-    Example:
-        >>> BAOCSection(memory_budget=0.35).sampler.sample_every
-        10
-    """
-
-    memory_budget: Union[float, int, str] = field(
-        metadata=_help(
-            "Optimizer-state memory allowed: a fraction in (0, 1] of the fp32 AdamW state (0.35 or '35%'), "
-            "or an absolute size: an int of bytes or a string with a unit ('6GB', '512MiB').",
-            exclusive_minimum=0,
-            float_maximum=1.0,
-        ),
-    )
-    time_budget: Union[float, str, None] = field(
-        default=None,
-        metadata=_help(
-            "Optimizer-step time allowed: a multiple >= 1 of the fp32 AdamW step (1.2 or '1.2x') or an "
-            "absolute time ('12ms'). null: no limit.",
-            minimum=1.0,
-        ),
-    )
-    warmup_steps: int = field(
-        default=200,
-        metadata=_help(
-            "Optimizer steps in fp32 AdamW, sampled, before the first allocation; at least sample_every + 2.",
-            minimum=1,
-        ),
-    )
-    allowed_configs: list[str] | None = field(
-        default=None,
-        metadata=_help(
-            "The optimizer-state formats the solver may pick. null: every format the device serves.",
-            item_enum=tuple(FORMATS),
-            min_items=1,
-        ),
-    )
-    block_id: BlockIdConfig = field(default_factory=BlockIdConfig, metadata=_help("How parameters form blocks."))
-    risk_thresholds: RiskThresholdsConfig = field(
-        default_factory=RiskThresholdsConfig, metadata=_help("Risk cap and hysteresis.")
-    )
-    re_evaluation_trigger: ReEvaluationTriggerConfig = field(
-        default_factory=ReEvaluationTriggerConfig,
-        metadata=_help("When the allocation is decided again with fresh statistics."),
-    )
-    sampler: SamplerConfig = field(default_factory=SamplerConfig, metadata=_help("Gradient sampling."))
-    calibration: CalibrationConfig = field(
-        default_factory=CalibrationConfig, metadata=_help("Step costs for the time budget.")
-    )
-    min_8bit_numel: int = field(
-        default=DEFAULT_MIN_8BIT_NUMEL,
-        metadata=_help("Tensors with fewer elements stay out of the 8-bit formats (as bitsandbytes).", minimum=0),
-    )
-    report: Union[bool, Literal["json", "png"]] = field(
-        default=True,
-        metadata=_help(
-            "Print the allocation table and write baoc_allocation.json / .png into the log directory. true: the "
-            "PNG when matplotlib is installed (else a warning); 'json': no PNG; 'png': the PNG required "
-            "(refused at start without matplotlib); false: no report."
-        ),
-    )
-    seed: int = field(default=0, metadata=_help("Seed of the gradient sampling and of stochastic rounding.", minimum=0))
+#: ``BAOC`` argument -> the config key it comes from (under ``baoc``).
+BAOC_ARGUMENTS: dict[str, str] = {s.name: s.key for s in SETTINGS}
 
 
 @dataclass
@@ -371,9 +158,7 @@ class ComponentConfig:
         'workloads.ViTDigits'
     """
 
-    class_path: str = field(
-        metadata=_help("The class (or factory) to build, importable as package.module.Name.")
-    )
+    class_path: str = field(metadata=_help("The class (or factory) to build, importable as package.module.Name."))
     init_args: dict[str, Any] = field(default_factory=dict, metadata=_help("Keyword arguments of the call."))
 
 
@@ -414,26 +199,7 @@ class Config:
     ckpt_path: str | None = field(default=None, metadata=_help("A checkpoint to resume from."))
 
 
-# ---------------------------------------------------------------------------- type conversion
-
-
-def _type_name(hint: Any) -> str:
-    origin = typing.get_origin(hint)
-    if hint is type(None):
-        return "null"
-    if hint is Any:
-        return "any value"
-    if dataclasses.is_dataclass(hint):
-        return "a mapping"
-    if origin is Literal:
-        return "one of " + str(list(typing.get_args(hint)))
-    if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(hint))
-    if origin is list:
-        return f"a list of {_type_name(typing.get_args(hint)[0])}"
-    if origin is dict:
-        return "a mapping"
-    return {int: "an int", float: "a number", str: "a string", bool: "a boolean"}.get(hint, str(hint))
+# ---------------------------------------------------------------------------- loading
 
 
 class _Source:
@@ -450,125 +216,13 @@ class _Source:
         return self.name
 
 
-def _fail(source: _Source, key: str, message: str) -> ConfigError:
+def _fail(source: _Source, key: str, message: str, setting: str = "") -> ConfigError:
     where = source.of(key)
-    return ConfigError(f"{where}: {key}: {message}", key=key, source=where)
+    return ConfigError(f"{where}: {key}: {message}", key=key, source=where, setting=setting)
 
 
-def _check_range(value: float, meta: Mapping[str, Any], key: str, source: _Source) -> None:
-    low = meta.get("minimum")
-    if low is not None and value < low:
-        raise _fail(source, key, f"invalid value {value!r}; expected >= {low}")
-    xlow = meta.get("exclusive_minimum")
-    if xlow is not None and value <= xlow:
-        raise _fail(source, key, f"invalid value {value!r}; expected > {xlow}")
-
-
-def _convert(value: Any, hint: Any, key: str, source: _Source, meta: Mapping[str, Any]) -> Any:
-    """``value`` checked against the type ``hint`` (ints are accepted as floats, never bools)."""
-    origin = typing.get_origin(hint)
-    if hint is Any:
-        return value
-    if hint is type(None):
-        if value is None:
-            return None
-    elif dataclasses.is_dataclass(hint):
-        if isinstance(value, Mapping):
-            return _build(hint, value, key, source)
-    elif origin is Literal:
-        allowed = list(typing.get_args(hint))
-        if value in allowed and isinstance(value, str):
-            return value
-        raise _fail(source, key, f"invalid value {value!r}; allowed: {allowed}")
-    elif origin in (Union, types.UnionType):
-        # An exact type first: an int stays an int where int is allowed (a memory budget of bytes),
-        # and is read as a float only where it is not.
-        options = sorted(typing.get_args(hint), key=lambda o: o is not type(value))
-        for option in options:
-            if _matches(value, option):
-                return _convert(value, option, key, source, meta)
-    elif origin is list:
-        if isinstance(value, (list, tuple)):
-            (item,) = typing.get_args(hint)
-            out = [_convert(v, item, f"{key}[{i}]", source, {}) for i, v in enumerate(value)]
-            if meta.get("min_items") and len(out) < meta["min_items"]:
-                raise _fail(source, key, f"invalid value {value!r}; expected at least {meta['min_items']} item(s)")
-            enum = meta.get("item_enum")
-            if enum is not None:
-                unknown = [v for v in out if v not in enum]
-                if unknown:
-                    raise _fail(source, key, f"unknown {unknown}; allowed: {list(enum)}")
-                duplicated = sorted({v for v in out if out.count(v) > 1})
-                if duplicated:
-                    raise _fail(source, key, f"{duplicated} listed twice; list each once")
-            return out
-    elif origin is dict:
-        if isinstance(value, Mapping):
-            _, item = typing.get_args(hint)
-            out_map = {}
-            for k, v in value.items():
-                if not isinstance(k, str):
-                    raise _fail(source, f"{key}.{k}", f"keys must be strings, got {k!r}")
-                out_map[k] = _convert(v, item, f"{key}.{k}", source, {})
-            return out_map
-    elif hint is bool:
-        if isinstance(value, bool):
-            return value
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            _check_range(value, meta, key, source)
-            return int(value)
-    elif hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if not math.isfinite(value):
-                raise _fail(source, key, f"invalid value {value!r}; expected a finite number")
-            _check_range(value, meta, key, source)
-            if meta.get("float_maximum") is not None and value > meta["float_maximum"]:
-                raise _fail(
-                    source,
-                    key,
-                    f"invalid value {value!r}; a fraction must be <= {meta['float_maximum']} (an absolute size is an "
-                    f"int of bytes or a string with a unit, e.g. '6GB')",
-                )
-            return float(value)
-    elif hint is str:
-        if isinstance(value, str):
-            return value
-    got = f"{value!r} ({type(value).__name__})"
-    raise _fail(source, key, f"invalid value {got}; expected {_type_name(hint)}")
-
-
-def _matches(value: Any, hint: Any) -> bool:
-    """Whether ``value`` has the shape of ``hint`` (the member of a Union to convert it with)."""
-    origin = typing.get_origin(hint)
-    if hint is Any:
-        return True
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if origin is list:
-        return isinstance(value, (list, tuple))
-    if origin is dict or dataclasses.is_dataclass(hint):
-        return isinstance(value, Mapping)
-    if origin is Literal:
-        return value in typing.get_args(hint)
-    return False
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _build(cls: type, data: Mapping[str, Any], prefix: str, source: _Source) -> Any:
-    """An instance of dataclass ``cls`` from a mapping; unknown and missing keys are errors."""
-    hints = _hints(cls)
+def _check_keys(cls: type, data: Mapping[str, Any], prefix: str, source: _Source) -> dict[str, Any]:
+    """``cls``'s fields by name; a key of ``data`` that is none of them is an error."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     dot = f"{prefix}." if prefix else ""
     for k in data:
@@ -577,99 +231,90 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str, source: _Source) -> 
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             where = f"in {prefix!r}" if prefix else "at the top level"
             raise _fail(source, f"{dot}{k}", f"unknown key{hint}; allowed keys {where}: {list(fields)}")
-    kwargs = {}
-    for name, f in fields.items():
-        key = f"{dot}{name}"
+    return fields
+
+
+def _raw_settings(cls: type, data: Any, prefix: str, source: _Source) -> dict[str, Any]:
+    """Argument name -> value of the settings a section mapping holds (unchecked)."""
+    if not isinstance(data, Mapping):
+        raise _fail(source, prefix, f"invalid value {data!r}; expected a mapping")
+    out: dict[str, Any] = {}
+    for name, f in _check_keys(cls, data, prefix, source).items():
+        s = f.metadata.get("setting")
         if name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise _fail(source, key, f"missing; expected {_type_name(hints[name])}: {f.metadata.get('help', '')}")
-            continue
-        kwargs[name] = _convert(data[name], hints[name], key, source, f.metadata)
-    return cls(**kwargs)
-
-
-# ---------------------------------------------------------------------------- semantics
-
-
-#: ``BAOC`` argument -> the config key it comes from (under ``baoc``).
-BAOC_ARGUMENTS: dict[str, str] = {
-    "memory_budget": "memory_budget",
-    "time_budget": "time_budget",
-    "warmup_steps": "warmup_steps",
-    "sample_every": "sampler.sample_every",
-    "granularity": "block_id.granularity",
-    "blocks": "block_id.patterns",
-    "formats": "allowed_configs",
-    "reevaluate_every_n_epochs": "re_evaluation_trigger.every_n_epochs",
-    "monitor": "re_evaluation_trigger.monitor",
-    "mode": "re_evaluation_trigger.mode",
-    "patience": "re_evaluation_trigger.patience",
-    "min_delta": "re_evaluation_trigger.min_delta",
-    "hysteresis": "risk_thresholds.hysteresis",
-    "horizon": "risk_thresholds.horizon",
-    "sparse_sampling": "sampler.sparse_sampling",
-    "capacity": "sampler.capacity",
-    "max_elements": "sampler.max_elements",
-    "min_8bit_numel": "min_8bit_numel",
-    "calibration": "calibration.mode",
-    "calibration_cache_dir": "calibration.cache_dir",
-    "report": "report",
-    "seed": "seed",
-    "max_block_risk": "risk_thresholds.max_block_risk",
-}
-
-
-def _get(section: BAOCSection, path: str) -> Any:
-    value: Any = section
-    for part in path.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def _kwargs(section: BAOCSection) -> dict[str, Any]:
-    out = {arg: _get(section, path) for arg, path in BAOC_ARGUMENTS.items()}
-    out["formats"] = None if out["formats"] is None else list(out["formats"])
-    if out["blocks"] is not None:
-        out["blocks"] = {k: (list(v) if isinstance(v, list) else v) for k, v in out["blocks"].items()}
+            if s is not None and s.required:
+                raise _fail(source, f"{prefix}.{name}", f"missing; expected {type_name(s.type, s)}: {s.help}", s.name)
+        elif s is not None:
+            out[s.name] = data[name]
+        else:
+            out.update(_raw_settings(f.type, data[name], f"{prefix}.{name}", source))
     return out
 
 
-def _check_semantics(section: BAOCSection, prefix: str, source: _Source) -> None:
-    """Budgets' syntax and the cross-field rules, by the same code the callback runs."""
-    from .controller import BAOCConfig
+def _settings_of(cls: type) -> list[Setting]:
+    out: list[Setting] = []
+    for f in dataclasses.fields(cls):
+        out += [f.metadata["setting"]] if "setting" in f.metadata else _settings_of(f.type)
+    return out
 
+
+def _instance(cls: type, values: Mapping[str, Any]) -> Any:
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        s = f.metadata.get("setting")
+        if s is None:
+            kwargs[f.name] = _instance(f.type, values)
+        elif s.name in values:
+            kwargs[f.name] = values[s.name]
+    return cls(**kwargs)
+
+
+def _section(cls: type, data: Any, prefix: str, source: _Source) -> Any:
+    """A section instance from a mapping, every value checked by the settings' own validator."""
+    settings = _settings_of(cls)
     try:
-        parse_memory_budget(section.memory_budget, fp32_bytes=float(1 << 62), argument=f"{prefix}memory_budget")
-    except (TypeError, ValueError) as err:
-        raise _fail(source, f"{prefix}memory_budget", str(err)) from None
-    if section.time_budget is not None:
-        try:
-            parse_time_budget(section.time_budget, fp32_seconds=1.0, argument=f"{prefix}time_budget")
-        except (TypeError, ValueError) as err:
-            raise _fail(source, f"{prefix}time_budget", str(err)) from None
-    kwargs = _kwargs(section)
-    kwargs.pop("report")
-    try:
-        BAOCConfig(**kwargs)
-    except (TypeError, ValueError) as err:
-        text = str(err)
-        # the argument named first in the message is the one it is about
-        found = [(m.start(), arg) for arg in BAOC_ARGUMENTS if (m := re.search(rf"\b{arg}\b", text))]
-        key = prefix + BAOC_ARGUMENTS[min(found)[1]] if found else prefix.rstrip(".")
-        raise _fail(source, key, text) from None
+        values = check_settings(_raw_settings(cls, data, prefix, source), settings)
+    except SettingError as err:
+        key = {s.name: s.key for s in settings}[err.setting]
+        raise _fail(source, f"{prefix}.{key}", err.config_message, err.setting) from None
+    return _instance(cls, values)
 
 
-_TRAINER_ARGUMENTS: tuple[str, ...] | None = None
+def _component(hint: Any) -> type | None:
+    """The dataclass a field holds (``ComponentConfig | None`` -> ``ComponentConfig``), if any."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
+    return next((o for o in options if dataclasses.is_dataclass(o)), None)
 
 
+def _build(cls: type, data: Mapping[str, Any], prefix: str, source: _Source) -> Any:
+    """An instance of dataclass ``cls`` from a mapping; unknown and missing keys are errors."""
+    hints = typing.get_type_hints(cls)
+    dot = f"{prefix}." if prefix else ""
+    kwargs = {}
+    for name, f in _check_keys(cls, data, prefix, source).items():
+        key, hint = f"{dot}{name}", hints[name]
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise _fail(source, key, f"missing; expected {type_name(hint)}: {f.metadata.get('help', '')}")
+            continue
+        value, component = data[name], _component(hint)
+        if component is BAOCSection:
+            kwargs[name] = _section(component, value, key, source)
+        elif component is not None and isinstance(value, Mapping):
+            kwargs[name] = _build(component, value, key, source)
+        else:
+            try:
+                kwargs[name] = conform(value, hint)
+            except Mismatch as bad:
+                raise _fail(source, key, f"invalid value {value!r} ({type(value).__name__}); {bad.detail}") from None
+    return cls(**kwargs)
+
+
+@functools.lru_cache(maxsize=1)
 def _trainer_arguments() -> tuple[str, ...]:
-    global _TRAINER_ARGUMENTS
-    if _TRAINER_ARGUMENTS is None:
-        from lightning.pytorch import Trainer
+    from lightning.pytorch import Trainer
 
-        params = inspect.signature(Trainer.__init__).parameters
-        _TRAINER_ARGUMENTS = tuple(p for p in params if p != "self")
-    return _TRAINER_ARGUMENTS
+    return tuple(p for p in inspect.signature(Trainer.__init__).parameters if p != "self")
 
 
 def _parse(data: Any, source: _Source) -> Config:
@@ -680,7 +325,6 @@ def _parse(data: Any, source: _Source) -> Config:
     if "baoc" not in data:
         raise _fail(source, "baoc", "missing: the config needs a 'baoc' section (at least baoc.memory_budget)")
     config: Config = _build(Config, data, "", source)
-    _check_semantics(config.baoc, "baoc.", source)
     if config.trainer:
         allowed = _trainer_arguments()
         for k in config.trainer:
@@ -689,17 +333,6 @@ def _parse(data: Any, source: _Source) -> Config:
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise _fail(source, f"trainer.{k}", f"unknown key{hint}: not an argument of lightning.Trainer")
     return config
-
-
-def _plain(data: Any) -> Any:
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(data, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(data, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        pass
-    return data
 
 
 def parse_config(data: Mapping[str, Any] | Any, source: str = "<dict>") -> Config:
@@ -717,7 +350,7 @@ def parse_config(data: Mapping[str, Any] | Any, source: str = "<dict>") -> Confi
         >>> parse_config({"baoc": {"memory_budget": "35%", "sampler": {"sample_every": 5}}}).baoc.sampler
         SamplerConfig(sample_every=5, sparse_sampling=4, capacity=32, max_elements=4096)
     """
-    return _parse(_plain(data), _Source(source))
+    return _parse(plain(data), _Source(source))
 
 
 def parse_section(data: Mapping[str, Any] | Any, source: str = "<dict>") -> BAOCSection:
@@ -727,7 +360,7 @@ def parse_section(data: Mapping[str, Any] | Any, source: str = "<dict>") -> BAOC
         >>> parse_section({"memory_budget": 0.3, "allowed_configs": ["fp32", "int8"]}).allowed_configs
         ['fp32', 'int8']
     """
-    return _parse({"baoc": _plain(data)}, _Source(source)).baoc
+    return _parse({"baoc": plain(data)}, _Source(source)).baoc
 
 
 def _parse_overrides(overrides: Sequence[str]) -> tuple[Any, dict[str, str]]:
@@ -795,6 +428,16 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
     return _parse(data, source)
 
 
+def _kwargs(section: Any) -> dict[str, Any]:
+    out = {}
+    for s in _settings_of(type(section)):
+        value = section
+        for part in s.key.split("."):
+            value = getattr(value, part)
+        out[s.name] = value
+    return out
+
+
 def baoc_kwargs(config: Config | BAOCSection | Mapping[str, Any] | Any) -> dict[str, Any]:
     """The keyword arguments of :class:`~lightning_baoc.BAOC` that a config asks for.
 
@@ -808,20 +451,17 @@ def baoc_kwargs(config: Config | BAOCSection | Mapping[str, Any] | Any) -> dict[
         (0.3, 5, 50, None)
     """
     if isinstance(config, Config):
-        section = config.baoc
-    elif isinstance(config, BAOCSection):
-        section = config
-    else:
-        data = _plain(config)
-        if not isinstance(data, Mapping):
-            raise TypeError(
-                f"config must be a Config, a BAOCSection or a mapping, got {type(config).__name__}; "
-                f"load a file with load_config(path)"
-            )
-        section = parse_config(data).baoc if "baoc" in data else parse_section(data)
-        return _kwargs(section)
-    # dataclass instances (possibly built by LightningCLI / by hand) go through the same checks
-    return _kwargs(parse_section(dataclasses.asdict(section), source=type(section).__name__))
+        config = config.baoc
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        # instances (possibly built by LightningCLI / by hand) go through the same checks
+        return _kwargs(parse_section(dataclasses.asdict(config), source=type(config).__name__))
+    data = plain(config)
+    if not isinstance(data, Mapping):
+        raise TypeError(
+            f"config must be a Config, a BAOCSection or a mapping, got {type(config).__name__}; "
+            f"load a file with load_config(path)"
+        )
+    return _kwargs(parse_config(data).baoc if "baoc" in data else parse_section(data))
 
 
 # ---------------------------------------------------------------------------- JSON Schema
@@ -833,7 +473,18 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _schema_of(hint: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
+def _number_schema(hint: Any, s: Setting | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "integer" if hint is int else "number"}
+    if s is not None and s.minimum is not None:
+        out["minimum"] = s.minimum
+    if s is not None and s.exclusive_minimum is not None:
+        out["exclusiveMinimum"] = s.exclusive_minimum
+    if hint is float and s is not None and s.fraction_maximum is not None:
+        out["maximum"] = s.fraction_maximum
+    return out
+
+
+def _schema_of(hint: Any, s: Setting | None) -> dict[str, Any]:
     origin = typing.get_origin(hint)
     if hint is Any:
         return {}
@@ -844,45 +495,37 @@ def _schema_of(hint: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
     if origin is Literal:
         return {"enum": list(typing.get_args(hint))}
     if origin in (Union, types.UnionType):
-        return {"anyOf": [_schema_of(a, meta) for a in typing.get_args(hint)]}
+        return {"anyOf": [_schema_of(a, s) for a in typing.get_args(hint)]}
     if origin is list:
         (item,) = typing.get_args(hint)
-        items = _schema_of(item, {})
-        if meta.get("item_enum") is not None:
-            items = {"enum": list(meta["item_enum"])}
-        out: dict[str, Any] = {"type": "array", "items": items}
-        if meta.get("min_items"):
-            out["minItems"] = meta["min_items"]
-        if meta.get("item_enum") is not None:
+        out: dict[str, Any] = {"type": "array", "items": _schema_of(item, None)}
+        if s is not None and s.min_items:
+            out["minItems"] = s.min_items
+        if typing.get_origin(item) is Literal:  # a list of choices takes each once
             out["uniqueItems"] = True
         return out
     if origin is dict:
         _, item = typing.get_args(hint)
-        return {"type": "object", "additionalProperties": _schema_of(item, {})}
+        return {"type": "object", "additionalProperties": _schema_of(item, None)}
     if hint is bool:
         return {"type": "boolean"}
     if hint in (int, float):
-        out = {"type": "integer" if hint is int else "number"}
-        if meta.get("minimum") is not None:
-            out["minimum"] = meta["minimum"]
-        if meta.get("exclusive_minimum") is not None:
-            out["exclusiveMinimum"] = meta["exclusive_minimum"]
-        if hint is float and meta.get("float_maximum") is not None:
-            out["maximum"] = meta["float_maximum"]
-        return out
+        return _number_schema(hint, s)
     if hint is str:
         return {"type": "string"}
     raise TypeError(f"no JSON Schema for the type {hint!r}")  # pragma: no cover - tested over all fields
 
 
 def _dataclass_schema(cls: type) -> dict[str, Any]:
-    hints = _hints(cls)
+    hints = typing.get_type_hints(cls)
     properties: dict[str, Any] = {}
     required: list[str] = []
     for f in dataclasses.fields(cls):
-        prop = _schema_of(hints[f.name], f.metadata)
-        if "help" in f.metadata:
-            prop = {"description": f.metadata["help"], **prop}
+        s = f.metadata.get("setting")
+        prop = _schema_of(hints[f.name], s)
+        text = s.help if s is not None else f.metadata.get("help")
+        if text:
+            prop = {"description": text, **prop}
         if f.default is not dataclasses.MISSING:
             prop["default"] = _jsonable(f.default)
         elif f.default_factory is not dataclasses.MISSING:
@@ -898,13 +541,18 @@ def _dataclass_schema(cls: type) -> dict[str, Any]:
     return out
 
 
-def json_schema() -> dict[str, Any]:
+def json_schema(section: type | None = None) -> dict[str, Any]:
     """The JSON Schema of a config file, generated from :class:`Config` and its dataclasses.
 
     Types, allowed values (format names from :data:`~lightning_baoc.FORMATS`), ranges, defaults
-    and descriptions all come from the dataclass fields. Budget strings are checked for their
-    syntax by :func:`load_config`, not by the schema. Regenerate the committed copy with
+    and descriptions of the ``baoc`` section all come from
+    :data:`~lightning_baoc.settings.SETTINGS`. Budget strings are checked for their syntax by
+    :func:`load_config`, not by the schema. Regenerate the committed copy with
     ``python -m lightning_baoc schema > configs/baoc.schema.json``.
+
+    Args:
+        section: the ``baoc`` section's dataclass (default: :class:`BAOCSection`; another one
+            from :func:`section_dataclass`).
 
     Example:
         >>> schema = json_schema()
@@ -912,9 +560,13 @@ def json_schema() -> dict[str, Any]:
         (['baoc'], 'fp32')
     """
     schema = _dataclass_schema(Config)
+    if section is not None:
+        schema["properties"]["baoc"] = {
+            "description": Config.__dataclass_fields__["baoc"].metadata["help"], **_dataclass_schema(section)
+        }
     return {
         "$schema": SCHEMA_DIALECT,
-        "$comment": "Generated by `python -m lightning_baoc schema` from lightning_baoc/config.py; do not edit.",
+        "$comment": "Generated by `python -m lightning_baoc schema` from lightning_baoc/settings.py; do not edit.",
         **schema,
         "title": "lightning_baoc config",
     }
@@ -944,4 +596,5 @@ __all__ = [
     "parse_config",
     "parse_section",
     "schema_text",
+    "section_dataclass",
 ]

@@ -53,17 +53,13 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from dataclasses import dataclass, fields
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from .blocks import GRANULARITIES
 from .budget import (
-    absolute_time_with_prior_error,
     format_bytes,
-    is_absolute_time,
     parse_memory_budget,
     parse_time_budget,
 )
@@ -75,10 +71,11 @@ from .control.events import AllocationEvent
 from .control.protocol import Broadcast, decide_on_rank_zero
 from .costs import AllocationProblem, with_message
 from .integrations.swap import SUPPORTED_OPTIMIZERS, convert_optimizer, rebind_scheduler
-from .formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, format_state_bytes
+from .formats import format_state_bytes
 from .optim import BlockwiseAdamW
 from .risk.prior import block_kind, prior_risk
-from .sampler import DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS, GradientSampler
+from .sampler import GradientSampler
+from .settings import BAOCConfig
 from .solver import Allocation, BudgetInfeasibleError
 
 log = logging.getLogger(__name__)
@@ -115,152 +112,6 @@ def _training_device(optimizer: BlockwiseAdamW) -> torch.device:
     """The device the optimizer's parameters train on: it decides the formats withheld and what
     ``offload`` costs there."""
     return next(iter(optimizer.named_params.values())).device
-
-
-def _check_int(name: str, value: object, minimum: int, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        none = " or None" if allow_none else ""
-        raise ValueError(f"Invalid {name}={value!r}; expected an int >= {minimum}{none}")
-    return int(value)
-
-
-def _check_float(name: str, value: object, minimum: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
-        raise ValueError(f"Invalid {name}={value!r}; expected a finite number >= {minimum}")
-    return float(value)
-
-
-@dataclass
-class BAOCConfig:
-    """Every setting of the BAOC lifecycle, validated (the callback's and the strategy's arguments).
-
-    Args:
-        memory_budget: optimizer-state memory allowed: a fraction in (0, 1] of the state the
-            user's own ``torch.optim.AdamW`` would hold on the parameters trained (two moments in
-            each parameter's dtype: 8 bytes per fp32 parameter, 4 per bf16 one), taken over all
-            parameters trained, including those added later (``0.3``, ``"30%"``), or absolute
-            (``"6GB"``, ``"512MiB"``, an int of bytes).
-        time_budget: optimizer-step time allowed, a multiple >= 1 of the fp32 AdamW step
-            (``1.2``) or absolute (``"12ms"``, only with ``calibration="auto"``: the prior costs
-            have no unit); priced by a calibration on the device (default: ``None``: no limit).
-        warmup_steps: optimizer steps in fp32 before the first allocation (default: 200).
-        sample_every: sample the gradients every N optimizer steps during warm-up (default: 10).
-        granularity: blocks: ``"module"``, ``"layer"`` or ``"param"`` (default: ``"module"``).
-        blocks: named glob patterns over parameter names, block name -> glob or list of globs,
-            matched before ``granularity`` (default: ``None``).
-        formats: the formats the solver may pick (default: ``None``: all of
-            :data:`~lightning_baoc.FORMATS` the device serves).
-        reevaluate_every_n_epochs: re-evaluate the allocation every N epochs (default: ``None``:
-            never on a schedule).
-        monitor: a validation metric; a re-evaluation is triggered when it has not improved for
-            ``patience`` checks (default: ``None``).
-        mode: ``"min"`` or ``"max"``: whether ``monitor`` improves downwards (default: ``"min"``).
-        patience: validation checks without improvement before a re-evaluation (default: 3).
-        min_delta: smallest change of ``monitor`` counted as an improvement (default: 0.0).
-        hysteresis: a re-evaluation migrates only if the new allocation lowers the total risk by
-            more than this fraction (or the current one breaks a budget) (default: 0.1).
-        horizon: optimizer steps over which the risk model lets update noise average out
-            (default: 200).
-        sparse_sampling: after warm-up, sample ``sparse_sampling`` times less often (default: 4).
-        capacity: ring-buffer samples kept by the sampler (default: 32).
-        max_elements: gradient elements sampled per block (default: 4096).
-        min_8bit_numel: tensors with fewer elements stay out of the 8-bit formats (default: 4096).
-        calibration: step costs for a time budget: ``"auto"`` (measure on the device once, cached)
-            or ``"prior"`` (:data:`~lightning_baoc.calibration.PRIOR_STEP_COST`, relative costs
-            without a unit: a time budget must then be relative) (default: ``"auto"``).
-        calibration_cache_dir: where ``"auto"`` caches its measurement (default: ``None``: the
-            user cache directory).
-        seed: seed of the gradient sampling indices and of stochastic rounding (default: 0).
-        max_block_risk: a cap on the risk of any one block: a format whose risk on a block
-            exceeds it is not offered to the solver for that block (on the scale of the risk
-            table, where a block's risk is weighted by its share of the update, so the block
-            risks add up to the total risk). If the memory budget cannot be met under the cap,
-            the budget wins: the cap is lifted for that allocation, with a warning naming the
-            memory the cap would need (default: ``None``: no cap).
-
-    Example:
-        >>> BAOCConfig(memory_budget=0.3, warmup_steps=100).sample_every
-        10
-    """
-
-    memory_budget: float | int | str
-    time_budget: float | str | None = None
-    warmup_steps: int = 200
-    sample_every: int = 10
-    granularity: str = "module"
-    blocks: dict[str, str | list[str]] | None = None
-    formats: list[str] | None = None
-    reevaluate_every_n_epochs: int | None = None
-    monitor: str | None = None
-    mode: str = "min"
-    patience: int = 3
-    min_delta: float = 0.0
-    hysteresis: float = 0.1
-    horizon: int = 200
-    sparse_sampling: int = 4
-    capacity: int = DEFAULT_CAPACITY
-    max_elements: int = DEFAULT_MAX_ELEMENTS
-    min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL
-    calibration: str = "auto"
-    calibration_cache_dir: str | None = None
-    seed: int = 0
-    max_block_risk: float | None = None
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            setattr(self, f.name, _plain(getattr(self, f.name)))
-        # Budgets: the syntax is checked now (a fraction is resolved against the model later).
-        parse_memory_budget(self.memory_budget, fp32_bytes=float(1 << 62))
-        if self.time_budget is not None:
-            parse_time_budget(self.time_budget, fp32_seconds=1.0)
-        self.warmup_steps = _check_int("warmup_steps", self.warmup_steps, 1)
-        self.sample_every = _check_int("sample_every", self.sample_every, 1)
-        # Two ring samples (steps 0 and sample_every) and the follower of the second (lag-1 cosine).
-        least = self.sample_every + (2 if self.sample_every > 1 else 1)
-        if self.warmup_steps < least:
-            raise ValueError(
-                f"Invalid warmup_steps={self.warmup_steps} for sample_every={self.sample_every}: the "
-                f"statistics need {MIN_SAMPLES} gradient samples, taken at steps 0 and {self.sample_every}; "
-                f"use warmup_steps >= {least} or a smaller sample_every"
-            )
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"Invalid granularity={self.granularity!r}; allowed: {list(GRANULARITIES)}")
-        if self.blocks is not None and not isinstance(self.blocks, dict):
-            raise TypeError(
-                f"Invalid blocks={self.blocks!r}; expected a mapping block name -> glob or list of globs"
-            )
-        if self.formats is not None:
-            if isinstance(self.formats, str) or not isinstance(self.formats, list) or not self.formats:
-                raise ValueError(f"Invalid formats={self.formats!r}; expected a non-empty list of {list(FORMATS)}")
-            unknown = [f for f in self.formats if f not in FORMATS]
-            if unknown:
-                raise ValueError(f"Invalid formats: unknown {unknown}; allowed: {list(FORMATS)}")
-        self.reevaluate_every_n_epochs = _check_int(
-            "reevaluate_every_n_epochs", self.reevaluate_every_n_epochs, 1, allow_none=True
-        )
-        if self.monitor is not None and not isinstance(self.monitor, str):
-            raise TypeError(f"Invalid monitor={self.monitor!r}; expected a metric name (str) or None")
-        if self.mode not in ("min", "max"):
-            raise ValueError(f"Invalid mode={self.mode!r}; allowed: ['min', 'max']")
-        self.patience = _check_int("patience", self.patience, 1)
-        self.min_delta = _check_float("min_delta", self.min_delta, 0.0)
-        self.hysteresis = _check_float("hysteresis", self.hysteresis, 0.0)
-        self.horizon = _check_int("horizon", self.horizon, 1)
-        self.sparse_sampling = _check_int("sparse_sampling", self.sparse_sampling, 1)
-        self.capacity = _check_int("capacity", self.capacity, MIN_SAMPLES)
-        self.max_elements = _check_int("max_elements", self.max_elements, 1)
-        self.min_8bit_numel = _check_int("min_8bit_numel", self.min_8bit_numel, 0)
-        if self.calibration not in ("auto", "prior"):
-            raise ValueError(f"Invalid calibration={self.calibration!r}; allowed: ['auto', 'prior']")
-        if self.calibration == "prior" and is_absolute_time(self.time_budget):
-            raise absolute_time_with_prior_error(
-                self.time_budget, "time_budget", "calibration='auto' to measure the step in seconds on the device."
-            )
-        self.seed = _check_int("seed", self.seed, 0)
-        if self.max_block_risk is not None:
-            self.max_block_risk = _check_float("max_block_risk", self.max_block_risk, 0.0)
 
 
 # ---------------------------------------------------------------------------- the controller

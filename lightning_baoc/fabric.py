@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
@@ -47,8 +47,9 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
 
-from .controller import AllocationEvent, BAOCConfig, BAOCController, rebind_scheduler
-from .report import ReportSetting, announce, build_record, png_enabled, scalars, write_reports
+from .controller import AllocationEvent, BAOCController, rebind_scheduler
+from .report import announce, build_record, png_enabled, scalars, write_reports
+from .settings import settings_init, split_settings
 
 _BASES = ("single_device", "ddp")
 
@@ -56,20 +57,19 @@ _BASES = ("single_device", "ddp")
 class BAOCStrategy:
     """A Fabric strategy that runs the BAOC lifecycle (see the module docstring).
 
+    The arguments are ``memory_budget`` and, keyword-only, the other settings of
+    :data:`lightning_baoc.settings.SETTINGS` (``__init__`` is generated from it, as
+    :class:`~lightning_baoc.BAOC`'s is; ``report`` prints the table and, with ``report_dir``,
+    writes the files), then the strategy's own:
+
     Args:
-        memory_budget: optimizer-state memory allowed (see :class:`~lightning_baoc.BAOC`).
         base: the Fabric strategy extended: ``"single_device"`` or ``"ddp"`` (default:
             ``"single_device"``).
         report_dir: directory for ``baoc_allocation.json``/``.png`` (default: ``None``: the table
             is printed, no files are written).
-        report: print the table and write the files: ``True`` (the PNG when matplotlib, optional,
-            is installed), ``"json"`` (no PNG), ``"png"`` (PNG required: raises here without
-            matplotlib) or ``False`` (default: True).
         strategy_kwargs: arguments of the base strategy, e.g. ``{"device": "cuda:0"}`` or
             ``{"start_method": "spawn"}`` (default: ``None``).
         risk_fn: a risk model replacing :func:`lightning_baoc.risk.risk_table` (default: ``None``).
-        **settings: the other settings of :class:`~lightning_baoc.controller.BAOCConfig`
-            (``time_budget``, ``warmup_steps``, ``sample_every``, ``granularity``, ``monitor``...).
 
     Attributes:
         baoc: the :class:`~lightning_baoc.controller.BAOCController` (checkpoint it).
@@ -91,18 +91,18 @@ class BAOCStrategy:
         target = _BAOCSingleDeviceStrategy if base == "single_device" else _BAOCDDPStrategy
         return super().__new__(target)
 
-    def __init__(
+    def _init(
         self,
-        memory_budget: int | float | str,
+        settings: dict[str, Any],
         *,
-        base: str = "single_device",
+        base: Literal["single_device", "ddp"] = "single_device",
         report_dir: str | os.PathLike[str] | None = None,
-        report: ReportSetting = True,
         strategy_kwargs: dict[str, Any] | None = None,
         risk_fn: Callable[..., Any] | None = None,
-        **settings: Any,
     ) -> None:
-        self.baoc = BAOCController(BAOCConfig(memory_budget=memory_budget, **settings), risk_fn)
+        config, own = split_settings(settings)
+        report = own["report"]
+        self.baoc = BAOCController(config, risk_fn)
         self.report_dir = None if report_dir is None else os.fspath(report_dir)
         self.report = report is not False
         self.report_png = png_enabled(report, "BAOCStrategy")  # optional dependencies: checked now
@@ -113,6 +113,8 @@ class BAOCStrategy:
         self._baoc_replaced: weakref.ReferenceType[Optimizer] | None = None
         self._baoc_loggers: list[Any] = []
         super().__init__(**(strategy_kwargs or {}))  # the Fabric strategy next in the MRO
+
+    __init__ = settings_init("BAOCStrategy", _init, keyword_only=True)
 
     # ------------------------------------------------------------------ set-up
 

@@ -38,10 +38,11 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Literal, Mapping, Union
+from typing import Any, Mapping
 
 from .budget import format_bytes
 from .controller import AllocationEvent
+from .settings import ReportSetting
 
 #: File names written into the log directory.
 JSON_NAME = "baoc_allocation.json"
@@ -50,10 +51,6 @@ PNG_NAME = "baoc_allocation.png"
 #: Whether matplotlib (optional: the PNG only) can be imported; checked once, at import, as
 #: Lightning's ``RichProgressBar`` checks rich.
 _MATPLOTLIB_AVAILABLE: bool = importlib.util.find_spec("matplotlib") is not None
-
-#: What ``BAOC(report=...)`` accepts: ``True`` (table, JSON, and the PNG when matplotlib is
-#: installed), ``"json"`` (table and JSON), ``"png"`` (all three; matplotlib required), ``False``.
-ReportSetting = Union[bool, Literal["json", "png"]]
 
 #: The logger scalars, one value per allocation.
 SCALAR_NAMES = ("baoc/state_bytes", "baoc/saved_fraction", "baoc/total_risk")

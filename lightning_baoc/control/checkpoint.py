@@ -12,6 +12,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from ..settings import plain
+
 log = logging.getLogger("lightning_baoc.controller")
 
 #: Format version of :meth:`BAOCController.state_dict`.
@@ -27,23 +29,6 @@ ALLOCATION_SETTINGS = (
     "min_8bit_numel",
     "max_block_risk",
 )
-
-
-def plain(value: Any) -> Any:
-    """Containers as plain dicts/lists of primitives (OmegaConf's DictConfig/ListConfig included):
-    ``torch.load(weights_only=True)`` rejects anything else in a checkpoint."""
-    try:  # omegaconf is a dependency, but keep the lifecycle usable without it
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(value, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(value, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf is installed with the package
-        pass
-    if isinstance(value, Mapping):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    return value
 
 
 class CheckpointMixin:

@@ -1,0 +1,185 @@
+"""Each setting is declared once (``lightning_baoc.settings.SETTINGS``): the callback's and the
+Fabric strategy's signatures, ``BAOCConfig``, the config loader and the JSON Schema derive from it,
+and one validator refuses a bad value with the same error from Python and from a config file."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_baoc import BAOC, BAOCStrategy
+from lightning_baoc.config import BAOC_ARGUMENTS, ConfigError, baoc_kwargs, json_schema, parse_config, parse_section
+from lightning_baoc.controller import MIN_SAMPLES, BAOCConfig
+from lightning_baoc.settings import CONTROLLER_SETTINGS, REQUIRED, SETTING, SETTINGS, SettingError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _nest(key: str, value: Any) -> dict[str, Any]:
+    """``{"a": {"b": value}}`` for the key ``"a.b"``."""
+    head, _, rest = key.partition(".")
+    return {head: _nest(rest, value) if rest else value}
+
+
+def _at(tree: Any, key: str, attribute: bool = False) -> Any:
+    for part in key.split("."):
+        tree = getattr(tree, part) if attribute else tree["properties"][part]
+    return tree
+
+
+def _params(cls: type) -> dict[str, inspect.Parameter]:
+    return dict(list(inspect.signature(cls.__init__).parameters.items())[1:])
+
+
+# ---------------------------------------------------------------------------- every consumer, every setting
+
+
+@pytest.mark.parametrize("s", SETTINGS, ids=lambda s: s.name)
+def test_every_setting_is_in_every_consumer_with_the_same_default(s: Any) -> None:
+    default = inspect.Parameter.empty if s.default is REQUIRED else s.default
+    for cls in (BAOC, BAOCStrategy):
+        p = _params(cls)[s.name]
+        assert p.default == default and type(p.default) is type(default) and p.annotation == s.type, cls
+    schema = _at(json_schema()["properties"]["baoc"], s.key)
+    assert schema["description"] == s.help
+    assert BAOC_ARGUMENTS[s.name] == s.key
+    if s.default is REQUIRED:
+        assert s.key in json_schema()["properties"]["baoc"]["required"]
+        return
+    assert schema["default"] == json.loads(json.dumps(s.default))
+    section = parse_section({"memory_budget": 0.3})
+    assert _at(section, s.key, attribute=True) == s.default
+    assert baoc_kwargs(section)[s.name] == s.default
+    if s.controller:
+        assert getattr(BAOCConfig(memory_budget=0.3), s.name) == s.default
+
+
+def test_the_signatures_keep_their_order_and_memory_budget_first() -> None:
+    assert list(_params(BAOC)) == [s.name for s in SETTINGS]
+    assert list(_params(BAOCStrategy))[: len(SETTINGS)] == [s.name for s in SETTINGS]
+    assert list(BAOCConfig.__dataclass_fields__) == [s.name for s in CONTROLLER_SETTINGS]
+    baoc = BAOC(0.3, None, 50)  # positionally, as before
+    assert (baoc.config.memory_budget, baoc.config.warmup_steps) == (0.3, 50)
+    with pytest.raises(TypeError, match="memory_budget"):
+        BAOC()  # type: ignore[call-arg]
+    doc = " ".join(BAOC.__init__.__doc__.split())
+    assert all(" ".join(s.help.split()) in doc for s in SETTINGS)  # LightningCLI's help
+    assert MIN_SAMPLES == SETTING["capacity"].minimum
+
+
+# ---------------------------------------------------------------------------- one validator, one error
+
+BAD = {
+    "memory_budget": 1.5, "time_budget": 0.5, "warmup_steps": 0, "sample_every": 0, "granularity": "row",
+    "blocks": ["net.*"], "formats": ["fp32", "int4"], "reevaluate_every_n_epochs": 0, "monitor": 3,
+    "mode": "up", "patience": 0, "min_delta": -1.0, "hysteresis": -0.1, "horizon": 0, "sparse_sampling": 0,
+    "capacity": 1, "max_elements": 0, "min_8bit_numel": -1, "calibration": "fast",
+    "calibration_cache_dir": 3, "report": "pdf", "seed": -1, "max_block_risk": -1,
+}
+
+
+def test_every_setting_has_a_bad_value_below() -> None:
+    assert set(BAD) == set(SETTING)
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_a_bad_value_is_the_same_error_from_python_and_from_yaml(name: str) -> None:
+    value, key = BAD[name], SETTING[name].key
+    kwargs = {"memory_budget": 0.3, name: value}
+    with pytest.raises(SettingError) as python:
+        BAOC(**kwargs)
+    assert python.value.setting == name and f"Invalid {name}={value!r}" in str(python.value)
+    with pytest.raises(SettingError) as fabric:
+        BAOCStrategy(**kwargs)
+    assert str(fabric.value) == str(python.value)
+    with pytest.raises(ConfigError) as yaml:
+        parse_config({"baoc": {"memory_budget": 0.3, **_nest(key, value)}}, source="vision.yaml")
+    assert yaml.value.key == f"baoc.{key}" and yaml.value.setting == name
+    assert str(yaml.value) == f"vision.yaml: baoc.{key}: {python.value.config_message}"
+    assert python.value.config_message == f"invalid value {value!r}; " + str(python.value).split("; ", 1)[1]
+
+
+def test_a_rule_between_settings_is_the_same_error_too() -> None:
+    with pytest.raises(SettingError) as python:
+        BAOC(memory_budget=0.3, warmup_steps=5)
+    with pytest.raises(ConfigError) as yaml:
+        parse_config({"baoc": {"memory_budget": 0.3, "warmup_steps": 5}})
+    assert python.value.setting == yaml.value.setting == "warmup_steps"
+    assert str(yaml.value) == f"<dict>: baoc.warmup_steps: {python.value}"
+
+
+def test_a_setting_error_is_a_value_error_and_a_type_error() -> None:
+    with pytest.raises(ValueError):
+        BAOCConfig(memory_budget=0.3, patience=0)
+    with pytest.raises(TypeError):
+        BAOCConfig(memory_budget=0.3, monitor=3)
+
+
+# ---------------------------------------------------------------------------- a new setting: one edit
+
+NEW_SETTINGS = '''\
+    Setting("quantile", "sampler.quantile", float, "A made-up knob of the sampler.", default=0.5, minimum=0.0),
+    Setting("style", "style", Optional[Literal["plain", "fancy"]], "A made-up top-level choice.", default=None),
+    Setting("floor", "noise.floor", int, "A made-up knob in a new section.", default=2, minimum=1),
+'''
+
+CHECKS = '''
+import inspect
+from lightning_baoc import BAOC, BAOCStrategy
+from lightning_baoc.config import BAOC_ARGUMENTS, ConfigError, json_schema, parse_config
+from lightning_baoc.settings import SettingError
+
+for cls in (BAOC, BAOCStrategy):
+    params = inspect.signature(cls.__init__).parameters
+    assert params["quantile"].default == 0.5 and params["quantile"].annotation is float, cls
+    assert params["style"].default is None and params["floor"].default == 2, cls
+assert "A made-up knob of the sampler. (default: 0.5)" in BAOC.__init__.__doc__
+baoc = BAOC(memory_budget=0.3, quantile=0.25, style="fancy")
+assert (baoc.config.quantile, baoc.config.style, baoc.config.floor) == (0.25, "fancy", 2)
+assert BAOC_ARGUMENTS["quantile"] == "sampler.quantile"
+
+schema = json_schema()["properties"]["baoc"]["properties"]
+assert schema["sampler"]["properties"]["quantile"] == {
+    "description": "A made-up knob of the sampler.", "type": "number", "minimum": 0.0, "default": 0.5}
+assert schema["style"]["anyOf"][0] == {"enum": ["plain", "fancy"]}
+assert schema["noise"]["title"] == "NoiseConfig" and schema["noise"]["properties"]["floor"]["minimum"] == 1
+
+config = {"baoc": {"memory_budget": 0.3, "sampler": {"quantile": 0.75}, "style": "plain", "noise": {"floor": 3}}}
+cfg = parse_config(config)
+assert (cfg.baoc.sampler.quantile, cfg.baoc.style, cfg.baoc.noise.floor) == (0.75, "plain", 3)
+built = BAOC.from_config(cfg)
+assert (built.config.quantile, built.config.style, built.config.floor) == (0.75, "plain", 3)
+
+try:
+    BAOC(memory_budget=0.3, quantile=-1.0)
+except SettingError as err:
+    python = err
+try:
+    parse_config({"baoc": {"memory_budget": 0.3, "sampler": {"quantile": -1.0}}})
+except ConfigError as err:
+    yaml = err
+assert python.setting == yaml.setting == "quantile" and yaml.key == "baoc.sampler.quantile", (python, yaml)
+assert str(yaml).endswith(python.config_message)
+print("picked up")
+'''
+
+
+def test_a_new_setting_reaches_every_consumer_with_no_other_edit(tmp_path: Path) -> None:
+    """A copy of the package whose only change is three more entries in ``SETTINGS``."""
+    shutil.copytree(ROOT / "lightning_baoc", tmp_path / "lightning_baoc", ignore=shutil.ignore_patterns("__pycache__"))
+    path = tmp_path / "lightning_baoc" / "settings.py"
+    text = path.read_text()
+    end = "\n)\n\n#: Config sections"
+    assert text.count(end) == 1, "the declaration's end moved: update this test's marker"
+    path.write_text(text.replace(end, f"\n{NEW_SETTINGS})\n\n#: Config sections"))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", CHECKS], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "picked up" in run.stdout, run.stderr[-3000:]
