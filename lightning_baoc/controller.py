@@ -51,7 +51,6 @@ current one no longer meets the (possibly changed) budgets.
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from typing import Any, Callable, Literal, Mapping, Sequence
 
@@ -68,6 +67,7 @@ from .control.checkpoint import ALLOCATION_SETTINGS, CheckpointMixin
 from .control.checkpoint import plain as _plain
 from .control.decision import capped, checked_risk, keeps_current
 from .control.events import AllocationEvent
+from .control.triggers import TriggersMixin
 from .control.protocol import Broadcast, decide_on_rank_zero
 from .costs import AllocationProblem, with_message
 from .integrations.swap import SUPPORTED_OPTIMIZERS, convert_optimizer, rebind_scheduler
@@ -117,7 +117,7 @@ def _training_device(optimizer: BlockwiseAdamW) -> torch.device:
 # ---------------------------------------------------------------------------- the controller
 
 
-class BAOCController(BlocksMixin, CheckpointMixin):
+class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
     """The framework-free BAOC lifecycle (see the module docstring for the calls and their order).
 
     Args:
@@ -540,53 +540,6 @@ class BAOCController(BlocksMixin, CheckpointMixin):
                 total += format_state_bytes(held[n], shape, self.optimizer.min_8bit_numel)
             out[b] = int(total)
         return out
-
-    # ------------------------------------------------------------------ triggers
-
-    def epoch_end(self, epoch: int) -> bool:
-        """Schedule a re-evaluation at the end of every ``reevaluate_every_n_epochs``-th epoch.
-
-        Args:
-            epoch: the 0-based index of the epoch that ended.
-
-        Returns:
-            whether a re-evaluation is now pending because of it.
-        """
-        n = self.config.reevaluate_every_n_epochs
-        if self.phase != "allocated" or n is None or (epoch + 1) % n:
-            return False
-        self.pending = self.pending or "epoch"
-        return True
-
-    def validation_end(self, value: float | None) -> bool:
-        """Track ``monitor``; schedule a re-evaluation after ``patience`` checks without improvement.
-
-        Call it on every rank with the same value (broadcast rank zero's). Values before the first
-        allocation are ignored; the count restarts after each allocation.
-
-        Returns:
-            whether a re-evaluation is now pending because of a plateau.
-        """
-        if self.phase != "allocated" or value is None or not math.isfinite(value):
-            return False
-        cfg = self.config
-        improved = (
-            self.best is None
-            or (cfg.mode == "min" and value < self.best - cfg.min_delta)
-            or (cfg.mode == "max" and value > self.best + cfg.min_delta)
-        )
-        if improved:
-            self.best = float(value)
-            self.wait = 0
-            return False
-        self.wait += 1
-        if self.wait >= cfg.patience:
-            self.wait = 0
-            self.pending = self.pending or "plateau"
-            return True
-        return False
-
-    # ------------------------------------------------------------------ checkpoints
 
     # ------------------------------------------------------------------ misc
 
