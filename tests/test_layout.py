@@ -1,0 +1,54 @@
+"""The package layout diagram of ``docs/architecture.md`` is in step with the package tree, and the
+size limits hold (modules under 600 lines, functions at most 80)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "lightning_baoc"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+
+
+def _layout_block() -> str:
+    blocks = re.findall(r"```mermaid\n(.*?)```", ARCHITECTURE.read_text(), re.S)
+    (layout,) = [b for b in blocks if "%% package layout" in b]
+    return layout
+
+
+def _tree() -> set[str]:
+    """Top-level modules (``budget``) and packages (``solver/``) of the package."""
+    out = set()
+    for path in PACKAGE.iterdir():
+        if path.is_dir() and (path / "__init__.py").exists():
+            out.add(path.name + "/")
+        elif path.suffix == ".py" and path.name != "__init__.py":
+            out.add(path.stem)
+    return out
+
+
+def test_layout_diagram_names_every_module_and_package_and_nothing_else() -> None:
+    nodes = [line for line in _layout_block().splitlines() if not line.strip().startswith("subgraph")]
+    labels = set(re.findall(r'\w+\["(\w+/?)(?:<br/>[^"]*)?"\]', "\n".join(nodes)))
+    tree = _tree()
+    assert tree - labels == set(), f"in the package, not in the diagram: {sorted(tree - labels)}"
+    assert labels - tree == set(), f"in the diagram, not in the package: {sorted(labels - tree)}"
+
+
+def test_modules_and_functions_stay_within_the_size_limits() -> None:
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text()
+        name = path.relative_to(ROOT).as_posix()
+        if source.count("\n") > MAX_MODULE_LINES:
+            too_long.append(f"{name}: {source.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{name}:{node.lineno} {node.name}: {length} lines")
+    assert not too_long, too_long
