@@ -22,8 +22,8 @@ _EXPORTS: dict[str, str] = {
     "parse_memory_budget": "lightning_baoc.budget",
     "parse_time_budget": "lightning_baoc.budget",
     "select_boundaries": "lightning_baoc.solver",
-    "BAOC": "lightning_baoc.callback",
-    "BAOCStrategy": "lightning_baoc.fabric",
+    "BAOC": "lightning_baoc.integrations.callback",
+    "BAOCStrategy": "lightning_baoc.integrations.fabric",
     "BAOCSection": "lightning_baoc.config",
     "Config": "lightning_baoc.config",
     "ConfigError": "lightning_baoc.config",
@@ -56,9 +56,9 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and documentation tools see
     from lightning_baoc.blocks import partition  # noqa: F401
     from lightning_baoc.budget import parse_memory_budget, parse_time_budget  # noqa: F401
-    from lightning_baoc.callback import BAOC  # noqa: F401
+    from lightning_baoc.integrations.callback import BAOC  # noqa: F401
     from lightning_baoc.config import BAOCSection, Config, ConfigError, json_schema, load_config, parse_config  # noqa: F401
-    from lightning_baoc.fabric import BAOCStrategy  # noqa: F401
+    from lightning_baoc.integrations.fabric import BAOCStrategy  # noqa: F401
     from lightning_baoc.formats import FORMATS  # noqa: F401
     from lightning_baoc.optim import BlockwiseAdamW  # noqa: F401
     from lightning_baoc.optim import CheckpointError, export_adamw_state_dict, load_checkpoint  # noqa: F401

@@ -75,14 +75,10 @@ from .formats import format_state_bytes
 from .optim import BlockwiseAdamW
 from .risk.prior import block_kind, prior_risk
 from .sampler import GradientSampler
-from .settings import BAOCConfig
+from .settings import MIN_SAMPLES, BAOCConfig
 from .solver import Allocation, BudgetInfeasibleError
 
 log = logging.getLogger(__name__)
-
-#: Ring samples the statistics need before an allocation: a signal-to-noise ratio and a cosine
-#: between consecutive samples are undefined with fewer than two.
-MIN_SAMPLES = 2
 
 #: Re-allocations that run before the next optimizer step, without waiting for fresh statistics:
 #: parameters joined the optimizer (they would train unmanaged), and settings that shape the

@@ -43,7 +43,7 @@ class _Required:
 REQUIRED: Any = _Required()
 
 #: Ring samples the statistics need: a signal-to-noise ratio and a cosine between consecutive
-#: samples are undefined with fewer than two (the controller's ``MIN_SAMPLES``).
+#: samples are undefined with fewer than two (the controller reads it from here).
 MIN_SAMPLES = 2
 
 #: A state format's name (:data:`~lightning_baoc.FORMATS`).

@@ -15,7 +15,7 @@ from typing import Any
 import lightning as L
 import pytest
 
-import lightning_baoc.callback as callback_module
+import lightning_baoc.integrations.callback as callback_module
 import torch
 from lightning.pytorch.callbacks import BackboneFinetuning, Callback, ModelCheckpoint
 from torch import nn

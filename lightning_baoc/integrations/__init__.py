@@ -1,8 +1,9 @@
-"""Integrations with training frameworks and with torch's training utilities.
+"""Adapters: the training frameworks' hooks translated into the lifecycle's calls.
 
+- :mod:`lightning_baoc.integrations.callback`: :class:`~lightning_baoc.BAOC`, the Lightning callback;
+- :mod:`lightning_baoc.integrations.fabric`: :class:`~lightning_baoc.BAOCStrategy`, for Fabric loops;
 - :mod:`lightning_baoc.integrations.swap`: the optimizer swap and LR-scheduler rebinding (torch only).
 
-The Lightning callback (:mod:`lightning_baoc.callback`) and the Fabric strategy
-(:mod:`lightning_baoc.fabric`) are the only modules that import Lightning; nothing here imports
-them eagerly, so the core never loads Lightning.
+The callback and the strategy are the only modules that import Lightning; this package imports
+none of them eagerly, so the core (which uses the swap) never loads Lightning.
 """

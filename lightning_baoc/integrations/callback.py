@@ -1,0 +1,356 @@
+"""BAOC: the Lightning callback, a thin adapter over :class:`~lightning_baoc.controller.BAOCController`.
+
+Hook by hook (Lightning 2.6; README.md, "The BAOC callback", has the whole lifecycle):
+
+- ``setup``: refuses strategies that own or shard the optimizer (DeepSpeed, FSDP, ModelParallel).
+- ``on_fit_start``: installs once: the optimizer ``configure_optimizers`` returned becomes a fp32
+  :class:`~lightning_baoc.BlockwiseAdamW` over the same param groups (``strategy.optimizers``
+  and every LR scheduler are rebound, so Lightning, the schedulers, ``LearningRateMonitor`` and
+  checkpoints hold that one object from then on); an infeasible budget fails here, before
+  training. On resume the callback state is already loaded (Lightning loads callback state
+  before ``configure_optimizers``), so the saved allocation is requested here and the optimizer
+  state, which Lightning loads after this hook, lands in the saved formats.
+- ``on_before_optimizer_step``: first takes parameters added since install into the allocation
+  (``BackboneFinetuning`` and any ``add_param_group``: allocated at once, within the budget) and
+  runs a re-allocation due to settings changed at resume, both before the step; then samples the
+  gradients. Here, not in ``on_after_backward``:
+  Lightning calls it once per optimizer step, after the closure has run the backward of the
+  micro-batch that completes the accumulation window, so the gradients are accumulated over the
+  whole window, all-reduced under DDP (every rank samples the same gradient), unscaled under
+  fp16 AMP and not yet clipped. ``on_after_backward`` fires on every micro-batch, with partial
+  sums, unsynchronized gradients and the loss scale still applied.
+- ``on_train_batch_end``, after a batch whose optimizer step completed (``global_step`` moved):
+  the allocation at warm-up end and pending re-evaluations run here, between batches, never
+  inside the step in flight (a conversion inside ``on_before_optimizer_step`` would act on the
+  step that is running).
+- ``on_validation_end`` (plateau of ``monitor``) and ``on_train_epoch_end`` (every N epochs)
+  schedule re-evaluations; they run at once when the last batch completed a step, else at the
+  next step boundary.
+- ``state_dict`` / ``load_state_dict``: the controller's state (allocation, counters, the
+  settings that shaped the allocation, sampler ring); the compact optimizer state is saved by
+  Lightning with the optimizer. A resume with other settings (budgets, menu, even the partition
+  that the state key names) finds its state and re-evaluates, or refuses, instead of silently
+  starting over.
+
+Reports (rank zero, at each allocation): a rich table, ``baoc_allocation.json`` and, when
+matplotlib is installed, ``baoc_allocation.png`` in ``trainer.log_dir`` (its path is printed once),
+and the scalars ``baoc/state_bytes``, ``baoc/saved_fraction``, ``baoc/total_risk`` to every logger.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from ..controller import AllocationEvent, BAOCController, rebind_scheduler
+from ..optim import BlockwiseAdamW
+from ..report import announce, build_record, png_enabled, scalars, write_reports
+from ..settings import settings_init, split_settings
+
+
+def _refused_strategy(strategy: Any) -> str | None:
+    """Why BAOC cannot run under ``strategy`` (None if it can)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+    name = type(strategy).__name__
+    if isinstance(strategy, DeepSpeedStrategy):
+        return (
+            f"BAOC cannot run under {name}: DeepSpeed owns the optimizer and its states (ZeRO partitions "
+            f"them), so their formats cannot be converted per block. Use strategy='ddp' (or a single "
+            f"device) with BAOC, or DeepSpeed without BAOC."
+        )
+    if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
+        return (
+            f"BAOC cannot run under {name}: sharded optimizer-state checkpoints need one state dtype and "
+            f"parameter-shaped states per flat parameter, which heterogeneous formats do not have. Use "
+            f"strategy='ddp' (or a single device) with BAOC."
+        )
+    return None
+
+
+class BAOC(Callback):
+    """Budget-aware optimizer-state formats per block, chosen from gradient statistics.
+
+    Trains ``warmup_steps`` optimizer steps in fp32 (AdamW, exactly), sampling per-block gradient
+    statistics; then scores the risk of every cheaper state format per block, solves for the
+    allocation of least total risk within the budgets and converts the optimizer's states in
+    place. Re-evaluates every ``reevaluate_every_n_epochs`` epochs and when ``monitor`` plateaus.
+
+    The arguments are the settings of :data:`lightning_baoc.settings.SETTINGS`, in its order
+    (``memory_budget`` first, the only one required): ``__init__``'s signature, annotations and
+    docstring are generated from it, so ``help(BAOC.__init__)`` and LightningCLI's
+    ``--trainer.callbacks.help lightning_baoc.BAOC`` list each with its type, default and help.
+
+    A YAML template (``configs/*.yaml``) builds one with :meth:`from_config`.
+
+    Example:
+        >>> from lightning import Trainer
+        >>> trainer = Trainer(callbacks=[BAOC(memory_budget=0.35, warmup_steps=200)])  # doctest: +SKIP
+        >>> trainer.fit(model)  # configure_optimizers returns torch.optim.AdamW  # doctest: +SKIP
+        >>> trainer.optimizers[0].state_bytes()  # doctest: +SKIP
+    """
+
+    def _init(self, settings: dict[str, Any]) -> None:
+        super().__init__()
+        self.config, own = split_settings(settings)
+        report = own["report"]
+        self.report = report is not False
+        # optional dependencies are checked now, not after a whole warm-up
+        self.report_png = png_enabled(report, "BAOC")
+        self.controller = BAOCController(self.config)
+        self.last_record: dict[str, Any] | None = None
+        self._step_at_batch_start = -1
+        self._at_boundary = True
+        self._warned_missing_monitor = False
+        self._warned_short_run = False
+        self._announced_reports = False
+
+    __init__ = settings_init("BAOC", _init)
+
+    # ------------------------------------------------------------------ public
+
+    @classmethod
+    def from_config(cls, config: Any, overrides: Sequence[str] = ()) -> BAOC:
+        """A BAOC callback from a config: a YAML file, its ``baoc`` section, or a loaded config.
+
+        Args:
+            config: a path to a YAML template (``configs/vision.yaml``), a
+                :class:`~lightning_baoc.config.Config` or
+                :class:`~lightning_baoc.config.BAOCSection`, or a mapping / OmegaConf
+                ``DictConfig`` holding either a whole config (with a ``baoc`` key) or the
+                ``baoc`` section alone.
+            overrides: OmegaConf dotlist overrides, applied to a file only
+                (``["baoc.memory_budget=0.25"]``) (default: none).
+
+        Raises:
+            ConfigError: an unknown key or a bad value; the message names the key and the source.
+
+        Example:
+            >>> baoc = BAOC.from_config("configs/vision.yaml", ["baoc.memory_budget=0.25"])  # doctest: +SKIP
+            >>> baoc.config.memory_budget  # doctest: +SKIP
+            0.25
+        """
+        from ..config import baoc_kwargs, load_config
+
+        if isinstance(config, (str, os.PathLike)):
+            config = load_config(config, overrides)
+        elif overrides:
+            raise TypeError(
+                f"BAOC.from_config(overrides={list(overrides)!r}) applies to a config file; pass a path, "
+                f"or apply the overrides to the config before"
+            )
+        return cls(**baoc_kwargs(config))
+
+    @property
+    @override
+    def state_key(self) -> str:
+        # Structural arguments only: a budget changed between runs must not orphan the state (a
+        # changed partition is found by on_load_checkpoint).
+        return self._generate_state_key(granularity=self.config.granularity, blocks=self.config.blocks)
+
+    @property
+    def optimizer(self) -> BlockwiseAdamW | None:
+        """The installed optimizer (``None`` before ``fit``)."""
+        return self.controller.optimizer
+
+    @property
+    def allocation(self) -> dict[str, str]:
+        """Block -> format in force (empty during warm-up)."""
+        return dict(self.controller.allocation)
+
+    @property
+    def phase(self) -> str:
+        """``"warmup"`` or ``"allocated"``."""
+        return self.controller.phase
+
+    def set_budget(self, memory_budget: int | float | str | None = None, time_budget: float | str | None = None) -> None:
+        """Change a budget mid-training (on every rank); the next step boundary re-evaluates.
+
+        Example:
+            >>> baoc.set_budget(memory_budget=0.25)  # e.g. from a LightningModule hook  # doctest: +SKIP
+        """
+        self.controller.set_budget(memory_budget, time_budget)
+
+    # ------------------------------------------------------------------ hooks
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        why = _refused_strategy(trainer.strategy)
+        if why is not None:
+            raise RuntimeError(why)
+        others = [cb for cb in trainer.callbacks if isinstance(cb, BAOC) and cb is not self]
+        if others:
+            raise RuntimeError(
+                f"Trainer(callbacks=...) holds {len(others) + 1} BAOC callbacks; one optimizer has one "
+                f"allocation: keep a single BAOC"
+            )
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        optimizers = trainer.strategy.optimizers
+        if len(optimizers) != 1:
+            raise RuntimeError(
+                f"BAOC manages exactly one optimizer; configure_optimizers returned {len(optimizers)}. "
+                f"Return a single torch.optim.AdamW/Adam (several param groups are fine)."
+            )
+        old = optimizers[0]
+        new = self.controller.install(old, pl_module)
+        if new is not old:
+            trainer.strategy.optimizers = [new]  # also rebuilds strategy._lightning_optimizers
+            for config in trainer.lr_scheduler_configs:
+                rebind_scheduler(config.scheduler, new)
+        self.controller.check_feasible(trainer.strategy.broadcast, trainer.is_global_zero)
+        if not pl_module.automatic_optimization:
+            rank_zero_info(
+                "BAOC: manual optimization: fetch the optimizer with self.optimizers() in training_step "
+                "(it is a BlockwiseAdamW now); gradients are sampled when optimizer.step() runs"
+            )
+        rank_zero_info(self.controller.summary())
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.controller.phase != "warmup":
+            return
+        try:
+            total = trainer.estimated_stepping_batches
+        except Exception:  # noqa: BLE001 - an estimate only; unknown lengths just skip the warning
+            return
+        if math.isfinite(total) and total < self.config.warmup_steps:
+            self._warned_short_run = True
+            rank_zero_warn(
+                f"BAOC(warmup_steps={self.config.warmup_steps}) is longer than this run "
+                f"({int(total)} optimizer steps): warm-up will not end and the optimizer states stay fp32. "
+                f"Lower warmup_steps to convert formats in this run."
+            )
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._step_at_batch_start = trainer.global_step
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        # Before the step: new parameters would otherwise take fp32 state outside the budget, and
+        # a format dropped from the menu at resume must not run a single step.
+        event = self.controller.before_step(trainer.global_step, trainer.strategy.broadcast, trainer.is_global_zero)
+        if event is not None:
+            self._report(trainer, event)
+        # Gradients here are final for the step: accumulated, all-reduced, unscaled, not clipped.
+        self.controller.observe(trainer.global_step)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._at_boundary = trainer.global_step != self._step_at_batch_start
+        if self._at_boundary:
+            self._maybe_allocate(trainer)
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking or not trainer.state.fn == "fit":
+            return
+        monitor = self.config.monitor
+        if monitor is not None:
+            value: float | None = None
+            metric = trainer.callback_metrics.get(monitor)
+            if metric is not None:
+                value = float(metric.item() if isinstance(metric, torch.Tensor) else metric)
+            elif not self._warned_missing_monitor:
+                self._warned_missing_monitor = True
+                rank_zero_warn(
+                    f"BAOC(monitor={monitor!r}) found no such metric after validation; logged metrics: "
+                    f"{sorted(trainer.callback_metrics)[:10]}. Log it with self.log({monitor!r}, ...) "
+                    f"or fix monitor; plateau re-evaluation is off until it appears."
+                )
+            value = trainer.strategy.broadcast(value)  # every rank counts rank zero's value
+            self.controller.validation_end(value)
+        if self._at_boundary:
+            self._maybe_allocate(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.controller.epoch_end(trainer.current_epoch)
+        if self._at_boundary:
+            self._maybe_allocate(trainer)
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.controller.phase == "warmup" and self.controller.installed and not self._warned_short_run:
+            rank_zero_warn(
+                f"BAOC: training ended after {trainer.global_step} optimizer steps, before warm-up ended "
+                f"(warmup_steps={self.config.warmup_steps}); the optimizer states stayed fp32."
+            )
+        self.controller.close()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self.controller.close()
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.controller.close()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.controller.state_dict()
+
+    @override
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # The state key holds the partition settings: resumed with another granularity or other
+        # blocks patterns, Lightning would not find the state and the run would silently warm up
+        # again over compact states. Take the one BAOC state under its old key; the controller
+        # then maps the saved allocation onto the new blocks and re-evaluates, or refuses.
+        states = checkpoint.get("callbacks") or {}
+        if self.state_key in states:
+            return
+        found = [k for k in states if isinstance(k, str) and k.startswith(type(self).__qualname__ + "{")]
+        if len(found) == 1:
+            self.load_state_dict(states[found[0]])
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.controller.load_state_dict(state_dict)
+
+    # ------------------------------------------------------------------ internals
+
+    def _maybe_allocate(self, trainer: Trainer) -> AllocationEvent | None:
+        event = self.controller.maybe_allocate(trainer.global_step, trainer.strategy.broadcast, trainer.is_global_zero)
+        if event is not None:
+            self._report(trainer, event)
+        return event
+
+    def _report(self, trainer: Trainer, event: AllocationEvent) -> None:
+        # trainer.log_dir broadcasts: every rank must ask for it.
+        directory = trainer.log_dir if self.report else None
+        record = build_record(event, self.controller.history)
+        self.last_record = record
+        if not trainer.is_global_zero:
+            return
+        written = write_reports(record, directory, png=self.report_png) if self.report else {}
+        values = scalars(record)
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=trainer.global_step)
+        what = "kept" if event.kept else f"{len(event.changed)} block(s) converted"
+        rank_zero_info(
+            f"BAOC: {event.reason} allocation at step {event.step}: {what}; optimizer state "
+            f"{event.state_bytes_before:,} -> {event.state_bytes:,} bytes "
+            f"({event.saved_fraction:.1%} of AdamW's state saved), total risk {event.total_risk:.4g}"
+        )
+        if written and not self._announced_reports:
+            self._announced_reports = True
+            rank_zero_info(f"BAOC: allocation report written to {announce(written)} (rewritten at each allocation)")
+
+
+__all__ = ["BAOC"]

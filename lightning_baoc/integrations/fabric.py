@@ -1,0 +1,256 @@
+"""BAOCStrategy: the BAOC lifecycle in a Lightning Fabric training loop.
+
+Fabric has no loop of its own to hook into, but every optimizer step of a Fabric loop goes
+through ``strategy.optimizer_step`` and every model/optimizer pair through
+``strategy.setup_module_and_optimizers`` (``fabric.setup``) or ``strategy.setup_optimizer``
+(``fabric.setup_optimizers``). A strategy therefore sees exactly the two moments the lifecycle
+needs, without any change to the user's loop:
+
+- at set-up it installs the :class:`~lightning_baoc.BlockwiseAdamW` in place of the user's
+  AdamW/Adam (the object ``fabric.setup`` returns wraps the new optimizer) and checks the budgets;
+- at each ``optimizer.step()`` it first takes parameters added since set-up into the allocation
+  (``add_param_group``: allocated at once, within the budget) and runs a re-allocation due to
+  settings changed at resume, so no step runs outside them; then it samples the gradients (final
+  there: the user's loop has run every backward of the accumulation window, under DDP the last
+  one synchronized them; an fp16 loss scale still applied is divided out), lets the step run,
+  and then, between steps, allocates at warm-up end and runs pending re-evaluations.
+
+Fabric branches on ``isinstance`` of its built-in strategies, so ``BAOCStrategy(...)`` returns an
+instance of a subclass of both ``BAOCStrategy`` and the Fabric strategy it extends
+(``SingleDeviceStrategy``, or ``DDPStrategy`` with ``base="ddp"``).
+
+Epochs and validation are the loop's own: call ``strategy.on_train_epoch_end(epoch)`` and
+``strategy.on_validation_end(value)`` between optimizer steps (or register the strategy as a
+Fabric callback, ``Fabric(strategy=s, callbacks=[s])``, and use ``fabric.call``; the strategy then
+also finds ``fabric.loggers`` for its scalars). Checkpoints: put ``strategy.baoc`` (the
+controller, which has ``state_dict``/``load_state_dict``) into the state given to
+``fabric.save``/``fabric.load``.
+
+Example:
+    >>> strategy = BAOCStrategy(memory_budget=0.3, warmup_steps=100)  # doctest: +SKIP
+    >>> fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)  # doctest: +SKIP
+    >>> model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters()))  # doctest: +SKIP
+    >>> ...  # the usual loop: fabric.backward(loss); optimizer.step()  # doctest: +SKIP
+    >>> fabric.save("ckpt.pt", {"model": model, "optimizer": optimizer, "baoc": strategy.baoc})  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from typing import Any, Callable, Literal
+
+import torch
+from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.optim import Optimizer
+
+from ..controller import AllocationEvent, BAOCController, rebind_scheduler
+from ..report import announce, build_record, png_enabled, scalars, write_reports
+from ..settings import settings_init, split_settings
+
+_BASES = ("single_device", "ddp")
+
+
+class BAOCStrategy:
+    """A Fabric strategy that runs the BAOC lifecycle (see the module docstring).
+
+    The arguments are ``memory_budget`` and, keyword-only, the other settings of
+    :data:`lightning_baoc.settings.SETTINGS` (``__init__`` is generated from it, as
+    :class:`~lightning_baoc.BAOC`'s is; ``report`` prints the table and, with ``report_dir``,
+    writes the files), then the strategy's own:
+
+    Args:
+        base: the Fabric strategy extended: ``"single_device"`` or ``"ddp"`` (default:
+            ``"single_device"``).
+        report_dir: directory for ``baoc_allocation.json``/``.png`` (default: ``None``: the table
+            is printed, no files are written).
+        strategy_kwargs: arguments of the base strategy, e.g. ``{"device": "cuda:0"}`` or
+            ``{"start_method": "spawn"}`` (default: ``None``).
+        risk_fn: a risk model replacing :func:`lightning_baoc.risk.risk_table` (default: ``None``).
+
+    Attributes:
+        baoc: the :class:`~lightning_baoc.controller.BAOCController` (checkpoint it).
+        last_record: the JSON record of the last allocation (``None`` before the first).
+        last_metrics: its logger scalars (``{}`` before the first).
+
+    Example:
+        >>> s = BAOCStrategy(memory_budget=0.3, warmup_steps=40)
+        >>> from lightning.fabric.strategies import SingleDeviceStrategy
+        >>> isinstance(s, SingleDeviceStrategy), s.baoc.config.warmup_steps
+        (True, 40)
+    """
+
+    def __new__(cls, *args: Any, base: str = "single_device", **kwargs: Any) -> BAOCStrategy:
+        if cls is not BAOCStrategy:  # a concrete class (or unpickling): build it as is
+            return super().__new__(cls)
+        if base not in _BASES:
+            raise ValueError(f"Invalid base={base!r}; allowed: {list(_BASES)} (the Fabric strategy BAOC extends)")
+        target = _BAOCSingleDeviceStrategy if base == "single_device" else _BAOCDDPStrategy
+        return super().__new__(target)
+
+    def _init(
+        self,
+        settings: dict[str, Any],
+        *,
+        base: Literal["single_device", "ddp"] = "single_device",
+        report_dir: str | os.PathLike[str] | None = None,
+        strategy_kwargs: dict[str, Any] | None = None,
+        risk_fn: Callable[..., Any] | None = None,
+    ) -> None:
+        config, own = split_settings(settings)
+        report = own["report"]
+        self.baoc = BAOCController(config, risk_fn)
+        self.report_dir = None if report_dir is None else os.fspath(report_dir)
+        self.report = report is not False
+        self.report_png = png_enabled(report, "BAOCStrategy")  # optional dependencies: checked now
+        self._baoc_announced = False
+        self.last_record: dict[str, Any] | None = None
+        self.last_metrics: dict[str, float] = {}
+        self._baoc_module: nn.Module | None = None
+        self._baoc_replaced: weakref.ReferenceType[Optimizer] | None = None
+        self._baoc_loggers: list[Any] = []
+        super().__init__(**(strategy_kwargs or {}))  # the Fabric strategy next in the MRO
+
+    __init__ = settings_init("BAOCStrategy", _init, keyword_only=True)
+
+    # ------------------------------------------------------------------ set-up
+
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None) -> Any:
+        """Install BAOC on the optimizer, then let the base strategy set both up."""
+        self._baoc_module = module
+        optimizers = [self._baoc_install(optimizers, scheduler)]
+        return super().setup_module_and_optimizers(module, optimizers, scheduler)  # type: ignore[misc]
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Remember the (unwrapped) module, for ``fabric.setup_optimizers`` later."""
+        if self._baoc_module is None:
+            self._baoc_module = module
+        return super().setup_module(module)  # type: ignore[misc]
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """``fabric.setup_optimizers`` path: install on the module set up before."""
+        if not self.baoc.installed or optimizer is not self.baoc.optimizer:
+            if self._baoc_module is None:
+                raise RuntimeError(
+                    "BAOCStrategy: set the model up before its optimizer (fabric.setup(model, optimizer) "
+                    "or fabric.setup_module(model) then fabric.setup_optimizers(optimizer))"
+                )
+            optimizer = self._baoc_install([optimizer], None)
+        return super().setup_optimizer(optimizer)  # type: ignore[misc]
+
+    def _baoc_install(self, optimizers: list[Optimizer], scheduler: Any) -> Optimizer:
+        if len(optimizers) != 1:
+            raise ValueError(
+                f"BAOCStrategy manages exactly one optimizer; got {len(optimizers)}. Set up a single "
+                f"torch.optim.AdamW/Adam (several param groups are fine)."
+            )
+        old = optimizers[0]
+        if self.baoc.installed and old is self.baoc.optimizer:
+            return old
+        assert self._baoc_module is not None
+        new = self.baoc.install(old, self._baoc_module)
+        if new is not old:
+            if scheduler is not None:
+                rebind_scheduler(scheduler, new)
+            # A scheduler built on the old optimizer and not passed to fabric.setup still drives
+            # the learning rate: both optimizers now share the same param-group dicts.
+            old.param_groups = new.param_groups
+            self._baoc_replaced = weakref.ref(old)
+        self.baoc.check_feasible(self.broadcast, self.is_global_zero)  # type: ignore[attr-defined]
+        rank_zero_info(self.baoc.summary())
+        return new
+
+    # ------------------------------------------------------------------ the step
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Take in new parameters (re-allocating before the step if due), sample the gradients,
+        step, then allocate if due (between steps)."""
+        event = self.baoc.before_step(self.baoc.steps, self.broadcast, self.is_global_zero)  # type: ignore[attr-defined]
+        if event is not None:
+            self._baoc_report(event)
+        if "closure" not in kwargs:  # with a closure the gradients do not exist yet
+            self.baoc.observe(self.baoc.steps, grad_scale=self._baoc_grad_scale(optimizer))
+        output = super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
+        old = self._baoc_replaced() if self._baoc_replaced is not None else None
+        if old is not None:
+            old._opt_called = True  # type: ignore[attr-defined]  # for a scheduler left on it
+        self.baoc.steps += 1
+        self._baoc_maybe_allocate()
+        return output
+
+    def _baoc_grad_scale(self, optimizer: Any) -> float | None:
+        """The fp16 loss scale the gradients still carry (``None`` if unscaled or no scaler)."""
+        scaler = getattr(self.precision, "scaler", None)  # type: ignore[attr-defined]
+        if scaler is None or not scaler.is_enabled():
+            return None
+        try:
+            from torch.amp.grad_scaler import OptState
+
+            state = scaler._per_optimizer_states.get(id(optimizer))
+            if state is not None and state.get("stage") is OptState.UNSCALED:
+                return None  # fabric.clip_gradients unscaled them already
+        except (ImportError, AttributeError):  # pragma: no cover - torch internals moved
+            pass
+        scale = float(scaler.get_scale())
+        return scale if math.isfinite(scale) and scale > 0 else None
+
+    def _baoc_maybe_allocate(self) -> AllocationEvent | None:
+        event = self.baoc.maybe_allocate(self.baoc.steps, self.broadcast, self.is_global_zero)  # type: ignore[attr-defined]
+        if event is not None:
+            self._baoc_report(event)
+        return event
+
+    def _baoc_report(self, event: AllocationEvent) -> None:
+        record = build_record(event, self.baoc.history)
+        self.last_record = record
+        self.last_metrics = scalars(record)
+        if not self.is_global_zero:  # type: ignore[attr-defined]
+            return
+        written = write_reports(record, self.report_dir, png=self.report_png) if self.report else {}
+        if written and not self._baoc_announced:
+            self._baoc_announced = True
+            rank_zero_info(f"BAOC: allocation report written to {announce(written)} (rewritten at each allocation)")
+        for logger in self._baoc_loggers:
+            logger.log_metrics(self.last_metrics, step=event.step)
+
+    # ------------------------------------------------------------------ triggers (call between steps)
+
+    def on_train_epoch_end(self, epoch: int, **_: Any) -> None:
+        """Count an epoch for ``reevaluate_every_n_epochs``; re-evaluates at once if due."""
+        self.baoc.epoch_end(int(epoch))
+        self._baoc_maybe_allocate()
+
+    def on_validation_end(self, value: float | torch.Tensor | None = None, **_: Any) -> None:
+        """Report the monitored metric (rank zero's counts); re-evaluates at once on a plateau."""
+        if isinstance(value, torch.Tensor):
+            value = float(value.item())
+        value = self.broadcast(value)  # type: ignore[attr-defined]
+        self.baoc.validation_end(value)
+        self._baoc_maybe_allocate()
+
+    def set_budget(self, memory_budget: int | float | str | None = None, time_budget: float | str | None = None) -> None:
+        """Change a budget mid-training (on every rank); the next step re-evaluates against it."""
+        self.baoc.set_budget(memory_budget, time_budget)
+
+    def on_after_setup(self, fabric: Any, module: Any = None, **_: Any) -> None:
+        """Fabric callback hook (when the strategy is also a callback): pick up ``fabric.loggers``."""
+        self._baoc_loggers = list(getattr(fabric, "loggers", []))
+
+    def teardown(self) -> None:
+        """Stop the sampler's worker, then the base strategy's teardown."""
+        self.baoc.close()
+        super().teardown()  # type: ignore[misc]
+
+
+class _BAOCSingleDeviceStrategy(BAOCStrategy, SingleDeviceStrategy):
+    """BAOCStrategy on one device (``SingleDeviceStrategy``)."""
+
+
+class _BAOCDDPStrategy(BAOCStrategy, DDPStrategy):
+    """BAOCStrategy under DDP (``DDPStrategy``): rank zero decides, the allocation is broadcast."""
+
+
+__all__ = ["BAOCStrategy"]
