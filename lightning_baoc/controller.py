@@ -357,6 +357,12 @@ class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
             return "warmup" if step >= self.config.warmup_steps else None
         return self.pending
 
+    def step_completed(self) -> int:
+        """Count one optimizer step, for adapters without a step counter of their own (Fabric);
+        returns the steps completed, the ``step`` to pass to the other calls."""
+        self.steps += 1
+        return self.steps
+
     def maybe_allocate(
         self, step: int, broadcast: Broadcast | None = None, is_global_zero: bool = True
     ) -> AllocationEvent | None:

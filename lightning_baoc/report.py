@@ -38,10 +38,10 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from .budget import format_bytes
-from .controller import AllocationEvent
+from .control.events import AllocationEvent
 from .settings import ReportSetting
 
 #: File names written into the log directory.
@@ -459,7 +459,58 @@ def announce(written: Mapping[str, Path]) -> str:
     return os.path.join(folder, names[0] if len(names) == 1 else "{" + ", ".join(names) + "}")
 
 
+class AllocationReporter:
+    """The reports of each allocation, as both adapters (the callback and the Fabric strategy) give
+    them: the record built on every rank, and on rank zero the files (``report``), the logger
+    scalars and one line saying what the allocation did; where the files are is said once.
+
+    Args:
+        report: the :data:`ReportSetting` (optional dependencies are checked here, at construction).
+        owner: the adapter's name, for the warning about a missing optional dependency.
+
+    Attributes:
+        last_record: the JSON record of the last allocation (``None`` before the first).
+        last_metrics: its logger scalars (``{}`` before the first).
+    """
+
+    def __init__(self, report: ReportSetting = True, owner: str = "BAOC") -> None:
+        self.enabled = report is not False
+        self.png = png_enabled(report, owner)
+        self.last_record: dict[str, Any] | None = None
+        self.last_metrics: dict[str, float] = {}
+        self._announced = False
+
+    def __call__(
+        self,
+        event: AllocationEvent,
+        history: list[Mapping[str, Any]],
+        directory: str | os.PathLike[str] | None,
+        is_global_zero: bool,
+        loggers: Iterable[Any] = (),
+        info: Callable[[str], Any] = print,
+    ) -> dict[str, Path]:
+        """Report ``event``; returns the files written (none off rank zero or with reports off)."""
+        record = build_record(event, history)
+        self.last_record, self.last_metrics = record, scalars(record)
+        if not is_global_zero:
+            return {}
+        written = write_reports(record, directory, png=self.png) if self.enabled else {}
+        for logger in loggers:
+            logger.log_metrics(self.last_metrics, step=event.step)
+        what = "kept" if event.kept else f"{len(event.changed)} block(s) converted"
+        info(
+            f"BAOC: {event.reason} allocation at step {event.step}: {what}; optimizer state "
+            f"{event.state_bytes_before:,} -> {event.state_bytes:,} bytes "
+            f"({event.saved_fraction:.1%} of AdamW's state saved), total risk {event.total_risk:.4g}"
+        )
+        if written and not self._announced:
+            self._announced = True
+            info(f"BAOC: allocation report written to {announce(written)} (rewritten at each allocation)")
+        return written
+
+
 __all__ = [
+    "AllocationReporter",
     "ALLOCATION_SCHEMA",
     "FORMAT_COLORS",
     "JSON_NAME",

@@ -52,7 +52,7 @@ from typing_extensions import override
 
 from ..controller import AllocationEvent, BAOCController, rebind_scheduler
 from ..optim import BlockwiseAdamW
-from ..report import announce, build_record, png_enabled, scalars, write_reports
+from ..report import AllocationReporter
 from ..settings import settings_init, split_settings
 
 
@@ -101,17 +101,13 @@ class BAOC(Callback):
     def _init(self, settings: dict[str, Any]) -> None:
         super().__init__()
         self.config, own = split_settings(settings)
-        report = own["report"]
-        self.report = report is not False
         # optional dependencies are checked now, not after a whole warm-up
-        self.report_png = png_enabled(report, "BAOC")
+        self.reporter = AllocationReporter(own["report"], "BAOC")
         self.controller = BAOCController(self.config)
-        self.last_record: dict[str, Any] | None = None
         self._step_at_batch_start = -1
         self._at_boundary = True
         self._warned_missing_monitor = False
         self._warned_short_run = False
-        self._announced_reports = False
 
     __init__ = settings_init("BAOC", _init)
 
@@ -333,24 +329,23 @@ class BAOC(Callback):
 
     def _report(self, trainer: Trainer, event: AllocationEvent) -> None:
         # trainer.log_dir broadcasts: every rank must ask for it.
-        directory = trainer.log_dir if self.report else None
-        record = build_record(event, self.controller.history)
-        self.last_record = record
-        if not trainer.is_global_zero:
-            return
-        written = write_reports(record, directory, png=self.report_png) if self.report else {}
-        values = scalars(record)
-        for logger in trainer.loggers:
-            logger.log_metrics(values, step=trainer.global_step)
-        what = "kept" if event.kept else f"{len(event.changed)} block(s) converted"
-        rank_zero_info(
-            f"BAOC: {event.reason} allocation at step {event.step}: {what}; optimizer state "
-            f"{event.state_bytes_before:,} -> {event.state_bytes:,} bytes "
-            f"({event.saved_fraction:.1%} of AdamW's state saved), total risk {event.total_risk:.4g}"
-        )
-        if written and not self._announced_reports:
-            self._announced_reports = True
-            rank_zero_info(f"BAOC: allocation report written to {announce(written)} (rewritten at each allocation)")
+        directory = trainer.log_dir if self.reporter.enabled else None
+        self.reporter(event, self.controller.history, directory, trainer.is_global_zero, trainer.loggers, rank_zero_info)
+
+    @property
+    def report(self) -> bool:
+        """Whether allocation reports are written."""
+        return self.reporter.enabled
+
+    @property
+    def report_png(self) -> bool:
+        """Whether the reports draw the PNG (decided at construction)."""
+        return self.reporter.png
+
+    @property
+    def last_record(self) -> dict[str, Any] | None:
+        """The JSON record of the last allocation (``None`` before the first)."""
+        return self.reporter.last_record
 
 
 __all__ = ["BAOC"]

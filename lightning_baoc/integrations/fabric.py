@@ -48,7 +48,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..controller import AllocationEvent, BAOCController, rebind_scheduler
-from ..report import announce, build_record, png_enabled, scalars, write_reports
+from ..report import AllocationReporter
 from ..settings import settings_init, split_settings
 
 _BASES = ("single_device", "ddp")
@@ -101,14 +101,9 @@ class BAOCStrategy:
         risk_fn: Callable[..., Any] | None = None,
     ) -> None:
         config, own = split_settings(settings)
-        report = own["report"]
         self.baoc = BAOCController(config, risk_fn)
         self.report_dir = None if report_dir is None else os.fspath(report_dir)
-        self.report = report is not False
-        self.report_png = png_enabled(report, "BAOCStrategy")  # optional dependencies: checked now
-        self._baoc_announced = False
-        self.last_record: dict[str, Any] | None = None
-        self.last_metrics: dict[str, float] = {}
+        self.reporter = AllocationReporter(own["report"], "BAOCStrategy")  # optional dependencies: checked now
         self._baoc_module: nn.Module | None = None
         self._baoc_replaced: weakref.ReferenceType[Optimizer] | None = None
         self._baoc_loggers: list[Any] = []
@@ -177,7 +172,7 @@ class BAOCStrategy:
         old = self._baoc_replaced() if self._baoc_replaced is not None else None
         if old is not None:
             old._opt_called = True  # type: ignore[attr-defined]  # for a scheduler left on it
-        self.baoc.steps += 1
+        self.baoc.step_completed()
         self._baoc_maybe_allocate()
         return output
 
@@ -204,17 +199,28 @@ class BAOCStrategy:
         return event
 
     def _baoc_report(self, event: AllocationEvent) -> None:
-        record = build_record(event, self.baoc.history)
-        self.last_record = record
-        self.last_metrics = scalars(record)
-        if not self.is_global_zero:  # type: ignore[attr-defined]
-            return
-        written = write_reports(record, self.report_dir, png=self.report_png) if self.report else {}
-        if written and not self._baoc_announced:
-            self._baoc_announced = True
-            rank_zero_info(f"BAOC: allocation report written to {announce(written)} (rewritten at each allocation)")
-        for logger in self._baoc_loggers:
-            logger.log_metrics(self.last_metrics, step=event.step)
+        is_zero = bool(self.is_global_zero)  # type: ignore[attr-defined]
+        self.reporter(event, self.baoc.history, self.report_dir, is_zero, self._baoc_loggers, rank_zero_info)
+
+    @property
+    def report(self) -> bool:
+        """Whether allocation reports are written."""
+        return self.reporter.enabled
+
+    @property
+    def report_png(self) -> bool:
+        """Whether the reports draw the PNG (decided at construction)."""
+        return self.reporter.png
+
+    @property
+    def last_record(self) -> dict[str, Any] | None:
+        """The JSON record of the last allocation (``None`` before the first)."""
+        return self.reporter.last_record
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        """Its logger scalars (``{}`` before the first)."""
+        return self.reporter.last_metrics
 
     # ------------------------------------------------------------------ triggers (call between steps)
 
