@@ -1,8 +1,9 @@
-"""Shared by the benchmarks: the machine they ran on, and writing a table into the README.
+"""Shared by the benchmarks: the machine they ran on, and writing a table into its docs page.
 
-Each benchmark owns one README section between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``;
-:func:`write_readme_section` replaces what is between the markers (and adds them at the end of the
-file if they are missing).
+Each benchmark owns one section of a page under ``docs/`` (the documentation site), between
+``<!-- NAME:start -->`` and ``<!-- NAME:end -->``; :func:`write_docs_section` replaces what is between
+the markers (and adds them at the end of the page if they are missing). ``--docs`` is the flag that
+writes; ``--readme`` is its former name, kept so that the commands recorded on the pages still run.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
 
 
 def machine() -> str:
@@ -43,19 +45,28 @@ def machine() -> str:
 
 def command() -> str:
     """The command that ran this benchmark, as typed from the repository root."""
-    return "python " + " ".join([os.path.relpath(sys.argv[0], README.parent)] + sys.argv[1:])
+    return "python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
 
 
-def write_readme_section(name: str, body: str) -> None:
-    """Replace the README section ``name`` with ``body``."""
+def write_docs_section(page: str, name: str, body: str) -> Path:
+    """Replace the section ``name`` of the docs page ``page`` (a path under ``docs/``) with ``body``.
+
+    Returns the page's path. The page must exist: every page is in the site's navigation.
+    """
+    path = DOCS / page
+    if not path.is_file():
+        pages = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
+        raise FileNotFoundError(f"page={page!r}: no such docs page ({path}); the pages are {pages}")
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    text = README.read_text()
+    text = path.read_text()
     block = f"{start}\n{body.strip()}\n{end}"
     if start in text and end in text:
         text = re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S)
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
-    README.write_text(text)
+    path.write_text(text)
+    print(f"{path.relative_to(ROOT)} updated (section {name})")
+    return path
 
 
 def markdown_table(headers: list[str], rows: list[list[object]]) -> str:

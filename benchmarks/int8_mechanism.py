@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from _report import command, machine, markdown_table, write_readme_section
+from _report import command, machine, markdown_table, write_docs_section
 from risk_validation import (
     EVAL_POINTS,
     Runs,
@@ -101,7 +101,8 @@ def main() -> None:
     parser.add_argument("--embd", type=int, default=64, help="chargpt: embedding width (default: 64)")
     parser.add_argument("--eval-seqs", type=int, default=128, help="chargpt: held-out sequences (default: 128)")
     parser.add_argument("--results-dir", type=Path, default=Path(__file__).parent / "runs")
-    parser.add_argument("--no-readme", action="store_true", help="print the table only")
+    parser.add_argument("--no-docs", "--no-readme", dest="no_docs", action="store_true",
+                        help="print the table only (--no-readme: former name)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     task = chargpt_task(args.layers, args.embd, args.eval_seqs) if args.task == "chargpt" else ddpm_task()
@@ -219,8 +220,9 @@ def main() -> None:
         f"on every block; {1 + args.bump:.2f}x larger steps move the loss by at most {bump_max:.1e}."
     )
     print(summary)
-    if not args.no_readme:
-        write_readme_section(f"int8_mechanism_{task.name}", f"Machine: {machine()}. Command: `{command()}`\n\n{summary}")
+    if not args.no_docs:
+        write_docs_section("benchmarks/int8-mechanism.md", f"int8_mechanism_{task.name}",
+                           f"Machine: {machine()}. Command: `{command()}`\n\n{summary}")
 
 
 if __name__ == "__main__":

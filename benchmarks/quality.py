@@ -18,16 +18,16 @@ fp16-state AdamW without momentum (:class:`NaiveFP16AdamW`, defined here); the p
 pick (bitsandbytes ``AdamW8bit``, torchao ``AdamW8bit``, Adam-mini), each ``unavailable: <reason>``
 when it does not import or run on this machine; and the ``BAOC`` callback at budgets 0.5, 0.35 and
 0.25 (``pending`` while ``lightning_baoc.BAOC`` does not import). Every run is cached as JSON under
-``--results-dir`` (default ``benchmarks/runs/quality/``, tracked: the README's table is rebuilt
-from it), so an interrupted run resumes and a finished one is never trained again. Below each
+``--results-dir`` (default ``benchmarks/runs/quality/``, tracked: the tables of ``docs/benchmarks/quality.md`` are
+rebuilt from it), so an interrupted run resumes and a finished one is never trained again. Below each
 workload's table the issue's targets are judged on the same runs (:func:`targets_table`).
 
 Run from the repository root:
 
-    python benchmarks/quality.py --readme                     # everything, 3 seeds (~5 hours on 2 CPUs)
+    python benchmarks/quality.py --docs                       # everything, 3 seeds (~5 hours on 2 CPUs)
     python benchmarks/quality.py --workloads vit_digits --recipes stress --seeds 3 4 5 6 7
     python benchmarks/quality.py --workloads vit_digits --rows fp32 int8 bf16 --steps 300 --results-dir /tmp/q
-    python benchmarks/quality.py --report-only --readme       # tables from the cached runs only
+    python benchmarks/quality.py --report-only --docs         # tables from the cached runs only
     python benchmarks/quality.py --quick                      # smoke run: 1 workload, 2 rows, 6 steps
 """
 
@@ -55,11 +55,12 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
-from _report import command, machine, markdown_table, write_readme_section  # noqa: E402
+from _report import DOCS, command, machine, markdown_table, write_docs_section  # noqa: E402
 from lightning_baoc import BlockwiseAdamW  # noqa: E402
 from workloads import RECIPES, WORKLOADS, Workload, build  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+PAGE = "benchmarks/quality.md"  # the docs page (under docs/) the tables go to
 # Steps per run: long enough for the differences between rows to outgrow the seed spread on these
 # small models (at 200-300 steps they did not); 12 rows x 2 recipes x 3 seeds take about 5 hours of
 # 2 CPU cores, most of it the char GPT.
@@ -792,17 +793,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"N for all workloads or WORKLOAD=N (default: {DEFAULT_STEPS})")
     parser.add_argument("--results-dir", type=Path, default=HERE / "runs" / "quality",
                         help="cache of the runs' JSON results (default: benchmarks/runs/quality)")
-    parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: docs/SECTION.png with --readme, else RESULTS_DIR/SECTION.png)")
-    parser.add_argument("--readme", action="store_true", help="write the tables into README.md (section --section)")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: docs/SECTION.png with --docs, else RESULTS_DIR/SECTION.png)")
+    parser.add_argument("--docs", "--readme", dest="docs", action="store_true",
+                        help=f"write the tables into docs/{PAGE} (section --section; --readme: former name)")
     parser.add_argument("--section", default="quality",
-                        help="README section the tables go to (default: quality)")
+                        help=f"section of docs/{PAGE} the tables go to (default: quality)")
     parser.add_argument("--report-only", action="store_true", help="no training: tables from the cached runs")
     parser.add_argument("--rerun", action="store_true", help="ignore cached results and train again")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default: 1: on a shared CPU, threads of models this small wait more "
                         "for each other than they gain)")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: vit_digits, rows fp32 and int8, realistic recipe, seed 0, 6 steps, no README")
+                        help="smoke run: vit_digits, rows fp32 and int8, realistic recipe, seed 0, 6 steps, writes no docs page")
     args = parser.parse_args(argv)
     if args.quick:
         explicit = set(a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]))
@@ -816,7 +818,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.seeds = [0]
         if "--steps" not in explicit:
             args.steps = ["6"]
-        args.readme = False
+        args.docs = False
     if "fp32" not in args.rows:
         args.rows = ["fp32", *args.rows]  # the reference of "steps to fp32's final"
     return args
@@ -853,7 +855,7 @@ def main(argv: list[str] | None = None) -> str:
         body += (f"\n\nBAOC rows {', '.join(f'`{n}`' for n in left_out)}: "
                  + (reason if reason else "not in this measurement; add them with `--rows " + " ".join(left_out) + "`")
                  + ".")
-    plot_path = args.plot or (HERE.parent / "docs" if args.readme else args.results_dir) / f"{args.section}.png"
+    plot_path = args.plot or (DOCS if args.docs else args.results_dir) / f"{args.section}.png"
     plot_path.parent.mkdir(parents=True, exist_ok=True)
     save_plot(plot, args.workloads, args.recipes, plot_path)
     versions = ", ".join(f"{m} {_version(m)}" for m in ("bitsandbytes", "torchao", "adam_mini") if any(r.module == m for r in rows))
@@ -877,13 +879,13 @@ def main(argv: list[str] | None = None) -> str:
            if max(steps[w] for w in args.workloads) < 500 else "A difference")
         + " smaller than the seed spread is no evidence either way.\n\n"
         f"{body}\n\n"
-        + (f"![state bytes against quality]({os.path.relpath(plot_path, HERE.parent)})\n\n"
+        + (f"![state bytes against quality]({Path(os.path.relpath(plot_path, (DOCS / PAGE).parent)).as_posix()})\n\n"
            f"Plot: `{os.path.relpath(plot_path, HERE.parent)}` (state bytes against quality, written by the command)."
-           if args.readme else f"Plot: `{plot_path}` (state bytes against quality).")
+           if args.docs else f"Plot: `{plot_path}` (state bytes against quality).")
     )
     print(report)
-    if args.readme:
-        write_readme_section(args.section, report)
+    if args.docs:
+        write_docs_section(PAGE, args.section, report)
     return report
 
 

@@ -23,7 +23,7 @@ Run from the repository root:
     python benchmarks/risk_validation.py --task digits            # ~10 min on 2 cores
     python benchmarks/risk_validation.py --task chargpt           # ~1-2 h on 2 cores
     python benchmarks/risk_validation.py --task ddpm --warmup 300 # ~1 h on 2 cores
-    python benchmarks/risk_validation.py --task digits --quick    # smoke run, no README update
+    python benchmarks/risk_validation.py --task digits --quick    # smoke run, writes no docs page
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from _models import CharGPT
-from _report import command, machine, markdown_table, write_readme_section
+from _report import command, machine, markdown_table, write_docs_section
 from lightning_baoc import BlockwiseAdamW, partition
 from lightning_baoc.formats import format_state_bytes
 from lightning_baoc.risk import risk_details
@@ -354,7 +354,7 @@ def main() -> None:
     parser.add_argument("--eval-seqs", type=int, default=64, help="chargpt: held-out sequences of 64 tokens (default: 64)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     parser.add_argument("--results-dir", type=Path, default=Path(__file__).parent / "runs",
-                        help="cache of finished runs, kept in the repository so the README tables can be "
+                        help="cache of finished runs, kept in the repository so the tables of docs/benchmarks/risk-validation.md can be "
                         "regenerated and extended (default: benchmarks/runs)")
     parser.add_argument("--merge", type=Path, nargs="*", default=[],
                         help="other cache files of the same configuration whose finished runs are used too")
@@ -511,14 +511,15 @@ def main() -> None:
         + markdown_table(["harm", "formats", "Spearman", "pairs", "harms above noise", "gains", "Spearman over harms above noise"],
                          corr_rows)
         + replicate_text
-        + "\n\n<details><summary>block-level runs</summary>\n\n"
+        + "\n\n<details markdown=\"1\"><summary>block-level runs</summary>\n\n"
         + markdown_table(["block", "format", "predicted risk", "harm (end)", "sem", "harm (path)", "sem"], block_rows)
         + "\n\n</details>"
         + group_text
     )
     print(summary)
     if not args.quick:
-        write_readme_section(
+        write_docs_section(
+            "benchmarks/risk-validation.md",
             f"risk_validation_{task.name}",
             f"Machine: {machine()}. Command: `{command()}`\n\n{summary}",
         )

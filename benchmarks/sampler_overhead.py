@@ -13,9 +13,10 @@ noisy) machine hit all of them alike. Two measures of the overhead, as a share o
 
 The ring buffer's memory is reported from ``GradientSampler.buffer_bytes()``.
 
-Exact command (writes the table between the statistics markers of README.md)::
+Exact command (writes the tables between the sampler_overhead markers of
+docs/benchmarks/sampler-overhead.md)::
 
-    python benchmarks/sampler_overhead.py --readme
+    python benchmarks/sampler_overhead.py --docs
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _models import CharGPT, batches, char_corpus  # noqa: E402
+from _report import write_docs_section  # noqa: E402
 
 from lightning_baoc import GradientSampler, partition  # noqa: E402
 from lightning_baoc.sampler import (  # noqa: E402
@@ -46,9 +48,7 @@ from lightning_baoc.sampler import (  # noqa: E402
     DEFAULT_SAMPLE_EVERY,
 )
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-START, END = "<!-- statistics:start -->", "<!-- statistics:end -->"
-HEADING = "### Gradient sampler overhead"
+PAGE, SECTION = "benchmarks/sampler-overhead.md", "sampler_overhead"  # where --docs writes (under docs/)
 
 
 def machine() -> str:
@@ -190,16 +190,16 @@ def stats_table(statistics: dict[str, dict[str, float | int]], names: list[str])
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=150, help="training steps per setting (default: 150)")
-    parser.add_argument("--readme", action="store_true", help="write the tables into README.md")
+    parser.add_argument("--docs", "--readme", dest="docs", action="store_true",
+                        help=f"write the tables into docs/{PAGE} (--readme: former name)")
     args = parser.parse_args()
 
     result = measure(rounds=args.rounds)
-    command = "python benchmarks/sampler_overhead.py" + (" --readme" if args.readme else "")
+    command = "python benchmarks/sampler_overhead.py" + (" --docs" if args.docs else "")
     if args.rounds != 150:
         command += f" --rounds {args.rounds}"
     shown = ["wte", "h.0.attn.qkv", "h.0.mlp.fc", "h.5.attn.proj", "h.5.ln_2", "lm_head"]
     text = (
-        f"{HEADING}\n\n"
         f"Character GPT, {result['params']:,} parameters in {result['blocks']} blocks (`partition(model)`), "
         f"batch 16 x 64, AdamW; {result['rounds']} steps per setting, the settings taking turns step by step "
         f"in a random order. Defaults `max_elements={DEFAULT_MAX_ELEMENTS}`, `capacity={DEFAULT_CAPACITY}`, "
@@ -216,16 +216,8 @@ def main() -> None:
         f"{stats_table(result['statistics'], shown)}\n"
     )
     print(text)
-    if args.readme:
-        readme = README.read_text()
-        if START not in readme or END not in readme:
-            raise SystemExit(f"README.md has no {START} ... {END} markers to write between")
-        head, rest = readme.split(START, 1)
-        section, tail = rest.split(END, 1)
-        # Keep the hand-written part of the section, replace this benchmark's part.
-        keep = section.split(HEADING, 1)[0] if HEADING in section else "\n"
-        README.write_text(f"{head}{START}{keep}{text}{END}{tail}")
-        print("README.md updated")
+    if args.docs:
+        write_docs_section(PAGE, SECTION, text)
 
 
 if __name__ == "__main__":

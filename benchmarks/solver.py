@@ -14,9 +14,9 @@ Three parts:
 3. Planner instances: the LLaMA-7B and ViT-B/16 presets with the documented risk prior and prior
    step costs (on an accelerator, offload allowed under the time budget).
 
-Exact command (writes the tables between the solver_bench markers of README.md)::
+Exact command (writes the tables between the solver_bench markers of docs/benchmarks/solver.md)::
 
-    python benchmarks/solver.py --readme
+    python benchmarks/solver.py --docs
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import command, machine, markdown_table, write_readme_section  # noqa: E402
+from _report import command, machine, markdown_table, write_docs_section  # noqa: E402
 
 from lightning_baoc.blocks import partition  # noqa: E402
 from lightning_baoc.calibration import PRIOR_STEP_COST, memory_table, time_table  # noqa: E402
@@ -193,7 +193,8 @@ def planner_rows() -> list[list[object]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--readme", action="store_true", help="write the tables into README.md")
+    parser.add_argument("--docs", "--readme", dest="docs", action="store_true",
+                        help="write the tables into docs/benchmarks/solver.md (--readme: former name)")
     parser.add_argument("--quick", action="store_true", help="skip the 10,000-block instances")
     parser.add_argument("--instances", type=int, default=500, help="random instances of part 1 (default: 500)")
     args = parser.parse_args()
@@ -224,8 +225,8 @@ def main() -> None:
             part3,
         ]
     )
-    if args.readme:
-        write_readme_section("solver_bench", body)
+    if args.docs:
+        write_docs_section("benchmarks/solver.md", "solver_bench", body)
 
 
 if __name__ == "__main__":

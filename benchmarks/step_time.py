@@ -2,12 +2,13 @@
 
 A 21M-parameter model of 20 square 1024x1024 linear layers (with biases) gets random gradients;
 each optimizer takes warm-up steps, then the median of the timed steps is reported, with the
-state bytes per parameter it holds. Results go into the README section ``step_time``.
+state bytes per parameter it holds. Results go into the section ``step_time`` of
+``docs/benchmarks/step-time.md``.
 
 Run from the repository root:
 
     python benchmarks/step_time.py            # 21M parameters, 5 warm-up + 25 timed steps
-    python benchmarks/step_time.py --quick    # a 2M-parameter smoke run (no README update)
+    python benchmarks/step_time.py --quick    # a 2M-parameter smoke run (writes no docs page)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 import torch
 from torch import nn
 
-from _report import command, machine, markdown_table, write_readme_section
+from _report import command, machine, markdown_table, write_docs_section
 from lightning_baoc import FORMATS, BlockwiseAdamW
 
 
@@ -48,7 +49,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=25)
-    parser.add_argument("--quick", action="store_true", help="small model, no README update")
+    parser.add_argument("--quick", action="store_true", help="small model, no docs update")
     args = parser.parse_args()
     if args.quick:
         args.layers, args.width, args.warmup, args.steps = 8, 512, 2, 5
@@ -81,7 +82,7 @@ def main() -> None:
             f"median of {args.steps} steps after {args.warmup} warm-up steps.\n\n"
             f"Machine: {machine()}. Command: `{command()}`\n\n{table}"
         )
-        write_readme_section("step_time", body)
+        write_docs_section("benchmarks/step-time.md", "step_time", body)
 
 
 if __name__ == "__main__":

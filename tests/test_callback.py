@@ -3,8 +3,8 @@
 AdamW with two param groups, a per-step cosine ``LambdaLR``, gradient clipping and gradient
 accumulation 2, on digits (640 training images, 10 optimizer steps per epoch, 12 epochs), with
 ``BAOC(memory_budget=0.3)`` against the same run without BAOC, in fp32 and in ``"bf16-mixed"``.
-``python -m pytest tests/test_callback.py -s`` prints the measured figures (README, "The BAOC
-callback").
+``python -m pytest tests/test_callback.py -s`` prints the measured figures (``docs/callback.md``,
+"Measured").
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def test_sampler_overhead_says_the_figure_and_fails_above_the_design_budget() ->
 
 
 def test_sampler_overhead_estimate_reproduces_its_measured_anchor() -> None:
-    # README "Gradient sampler overhead": 1.2M-parameter GPT, 40 blocks, sample_every=10: 0.66% direct
+    # docs/benchmarks/sampler-overhead.md: 1.2M-parameter GPT, 40 blocks, sample_every=10: 0.66% direct
     import sys
 
     sys.path.insert(0, str(ROOT / "benchmarks"))

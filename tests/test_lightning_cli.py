@@ -131,7 +131,7 @@ def test_example_cli_fit_allocates(tmp_path: Path) -> None:
 
 
 def test_documented_template_command_runs_twice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # README's command as written (the template's own default_root_dir, logger: false), run twice in
+    # docs/configuration.md's command as written (the template's own default_root_dir, logger: false), run twice in
     # one directory: the second run must not stop on the config.yaml the first one saved
     monkeypatch.chdir(tmp_path)
     steps = 6

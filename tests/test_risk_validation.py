@@ -6,7 +6,7 @@ fp32 AdamW state). The risk-minimizing allocation must end with a lower held-out
 risk-maximizing one and than the median of random allocations of the same memory, in every data
 order and on average by more than the noise floor (twice the standard error of the paired
 differences). The full benchmark (more steps, orders, a block-level Spearman test, a digits task)
-writes its tables into the README.
+writes its tables into ``docs/benchmarks/risk-validation.md``.
 """
 
 from __future__ import annotations
