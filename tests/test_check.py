@@ -103,7 +103,6 @@ def test_sampler_overhead_estimate_reproduces_its_measured_anchor() -> None:
     # docs/benchmarks/sampler-overhead.md: 1.2M-parameter GPT, 40 blocks, sample_every=10: 0.66% direct
     import sys
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         from _models import CharGPT
     finally:

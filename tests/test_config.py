@@ -297,7 +297,6 @@ def _hydra_example() -> Any:
     import importlib
     import sys
 
-    sys.path.insert(0, str(ROOT / "examples"))
     try:
         return importlib.import_module("hydra_baoc")
     finally:

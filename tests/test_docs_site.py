@@ -168,7 +168,6 @@ def test_benchmark_section_is_on_the_page_it_writes_to(script: str, page: str, n
 
 
 def test_write_docs_section_replaces_between_the_markers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import _report
     finally:

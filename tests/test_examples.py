@@ -7,14 +7,12 @@ better than at initialization. The whole file runs in well under a minute.
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import workloads as W  # noqa: E402
 

@@ -11,7 +11,6 @@ from torch import nn
 from lightning_baoc import FORMATS, BlockwiseAdamW
 from lightning_baoc.formats import Canonical
 
-from conftest import mlp
 from test_training import train
 
 # relative error (norm of difference / norm) a conversion may add, by target format

@@ -3,17 +3,12 @@ continuation is BlockwiseAdamW's fp32 one, so its harms pair with ``risk_validat
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import int8_mechanism as M  # noqa: E402
-from lightning_baoc import FORMATS, BlockwiseAdamW  # noqa: E402
-from lightning_baoc.formats import Canonical, StepHyper  # noqa: E402
+import int8_mechanism as M
+from lightning_baoc import FORMATS, BlockwiseAdamW
+from lightning_baoc.formats import Canonical, StepHyper
 
 
 def test_round_trip_is_the_int8_formats_own() -> None:

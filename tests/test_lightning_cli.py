@@ -14,7 +14,6 @@ from lightning.pytorch.cli import LightningCLI
 from lightning_baoc import BAOC
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
 
 import cli  # noqa: E402  (examples/cli.py)
 import workloads  # noqa: E402

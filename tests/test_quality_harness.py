@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,6 @@ import torch
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import quality as Q  # noqa: E402
 from lightning_baoc import BlockwiseAdamW  # noqa: E402

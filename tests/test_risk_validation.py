@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import risk_validation as rv  # noqa: E402
 
