@@ -21,7 +21,7 @@ from lightning_baoc.controller import (
     rebind_scheduler,
 )
 
-from test_callback_helpers import one_thread  # noqa: F401  (one intra-op thread: see there)
+from support import one_thread  # noqa: F401  (one intra-op thread: see there)
 
 CPU_FORMATS = [f for f in FORMATS if f != "offload"]  # offload is masked on the CPU
 

@@ -52,3 +52,29 @@ def test_modules_and_functions_stay_within_the_size_limits() -> None:
                 if length > MAX_FUNCTION_LINES:
                     too_long.append(f"{name}:{node.lineno} {node.name}: {length} lines")
     assert not too_long, too_long
+
+
+# folders of tests that are not packages of the library: the repository's other parts
+NON_PACKAGE_TEST_FOLDERS = {"docs", "examples", "benchmarks"}
+# top-level test modules about the package as a whole
+PACKAGE_WIDE_TESTS = {"test_imports.py", "test_layout.py"}
+
+
+def test_tests_mirror_the_package_tree() -> None:
+    """``tests/solver/`` tests ``lightning_baoc/solver/``; ``tests/test_budget.py`` tests ``budget.py``."""
+    tests = ROOT / "tests"
+    packages = {name.rstrip("/") for name in _tree() if name.endswith("/")}
+    modules = {name for name in _tree() if not name.endswith("/")}
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    stray = folders - packages - NON_PACKAGE_TEST_FOLDERS
+    assert not stray, f"test folders that name no package of lightning_baoc: {sorted(stray)}"
+    unowned = []
+    for path in tests.glob("test_*.py"):
+        subject = path.stem.removeprefix("test_")
+        if path.name in PACKAGE_WIDE_TESTS:
+            continue
+        if not any(subject == m or subject.startswith(m + "_") for m in modules):
+            unowned.append(path.name)
+    assert not unowned, f"top-level test modules that name no top-level module: {sorted(unowned)}"
+    for folder in folders:
+        assert list((tests / folder).glob("test_*.py")), f"tests/{folder}/ holds no tests"

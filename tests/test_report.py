@@ -1,4 +1,4 @@
-"""Issue 5, done-when 5: the allocation reports (table, JSON, PNG, scalars), rank zero only."""
+"""The allocation reports (table, JSON, PNG, scalars), rank zero only."""
 
 from __future__ import annotations
 

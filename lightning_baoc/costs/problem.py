@@ -6,7 +6,7 @@ budgets into what :func:`~lightning_baoc.solve` needs: the formats offered (the 
 user's mask), the memory table, the time table (priced by a calibration of the device or by the
 prior costs), and the budgets in the units of those tables. The training controller,
 ``lightning-baoc check`` and ``lightning-baoc plan`` all build one, so they cannot disagree on
-what is offered or on what a budget means (``tests/test_allocation_problem.py``).
+what is offered or on what a budget means (``tests/costs/test_allocation_problem.py``).
 
 Budgets are passed to :meth:`AllocationProblem.solve` rather than stored: the controller's can
 change mid-run (``set_budget``). A fractional memory budget is a fraction of

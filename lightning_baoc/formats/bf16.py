@@ -2,7 +2,7 @@
 
 Stochastic rounding keeps the second moment decaying: with beta2 = 0.999, ``v * 0.999`` rounds
 back to ``v`` under round-to-nearest bf16 (8 mantissa bits), so a nearest-rounded v would stop
-tracking a shrinking gradient (tested in ``tests/test_quantization.py``).
+tracking a shrinking gradient (tested in ``tests/formats/test_quantization.py``).
 """
 
 from __future__ import annotations

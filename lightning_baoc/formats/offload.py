@@ -6,7 +6,7 @@ math runs there, and the new parameter values are copied back.
 
 When training runs on the CPU, host memory *is* the device's memory: the states are then counted
 in full by ``BlockwiseAdamW.state_bytes()`` (8 bytes per element), so ``offload`` can never make a
-budget look met there (``tests/test_accounting.py``).
+budget look met there (``tests/optim/test_accounting.py``).
 """
 
 from __future__ import annotations

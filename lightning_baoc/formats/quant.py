@@ -203,7 +203,7 @@ def bf16_stochastic(x: Tensor, out: Tensor, generator: torch.Generator | None) -
 
     Adding 16 random bits below the bf16 mantissa and truncating rounds up with probability equal
     to the discarded fraction, so the rounding is unbiased: ``E[round(x)] = x``. Round-to-nearest
-    would freeze ``v * 0.999`` at ``v`` (``tests/test_quantization.py`` runs both roundings).
+    would freeze ``v * 0.999`` at ``v`` (``tests/formats/test_quantization.py`` runs both roundings).
 
     Above bf16's largest finite value (3.3895e38, below fp32's 3.4028e38) rounding up carries
     into the infinite exponent; such values (and an overflowed inf) saturate at bf16's maximum.

@@ -1,0 +1,78 @@
+"""Shared test helpers with no Lightning: seeded models, scikit-learn's embedded digits, one thread.
+
+Importable from any test module (``tests`` is on the test ``pythonpath``): ``from support import mlp``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+
+def digits_tensors(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """scikit-learn's 8x8 digits (1797 images, shipped with the package): train/test split, scaled."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.long)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    x, y = x[order], y[order]
+    return x[:1400], y[:1400], x[1400:], y[1400:]
+
+
+def mlp(widths: tuple[int, ...] = (64, 256, 256, 10), seed: int = 0) -> nn.Sequential:
+    """A plain MLP with LayerNorm, seeded."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        layers.append(nn.Linear(a, b))
+        if i < len(widths) - 2:
+            layers += [nn.LayerNorm(b), nn.GELU()]
+    return nn.Sequential(*layers)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Any:
+    """Run a test module's trainings on one intra-op thread (import it into the module to apply).
+
+    The test machines are 2-core and shared: with two threads a tiny model's step waits on the
+    other thread and runs 5-8x slower than with one. Results are compared within a module only.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def train_digits(fmt: str, digits, steps: int = 600, seed: int = 0, switch_at: int | None = None) -> tuple[float, list[float]]:
+    """Train the digits MLP with one state format (or fp32 switched to it at ``switch_at``): test loss, losses."""
+    from lightning_baoc import BlockwiseAdamW
+
+    xtr, ytr, xte, yte = digits
+    model = mlp((64, 256, 256, 10), seed=seed)
+    opt = BlockwiseAdamW(
+        model.named_parameters(), lr=2e-3, weight_decay=1e-2,
+        state_format="fp32" if switch_at else fmt, min_8bit_numel=0,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    order = torch.randperm(len(xtr), generator=gen)
+    for step in range(steps):
+        if switch_at is not None and step == switch_at:
+            opt.set_formats({name: fmt for name in opt.named_params})
+        start = (step * 64) % (len(xtr) - 64)
+        if start < 64:
+            order = torch.randperm(len(xtr), generator=gen)
+        idx = order[start : start + 64]
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(xtr[idx]), ytr[idx])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    with torch.no_grad():
+        test_loss = nn.functional.cross_entropy(model(xte), yte).item()
+    return test_loss, losses

@@ -1,0 +1,191 @@
+"""``lightning-baoc check`` (``lightning_baoc.check``): the pre-training checklist of a config for a
+model and a device, its PASS/FAIL lines with their fixes, and its exit codes."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_baoc.__main__ import main
+from lightning_baoc.check import (
+    MAX_SAMPLER_OVERHEAD,
+    CheckResult,
+    run_checks,
+    sampler_overhead,
+)
+from lightning_baoc.config import load_config, parse_config, schema_text
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "configs"
+
+
+@pytest.fixture(autouse=True)
+def examples_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The templates' model sections name ``workloads.*`` (examples/workloads.py)."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+
+
+def _check(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    code = main(["check", *args])
+    return code, capsys.readouterr().out
+
+
+def _by_name(results: list[CheckResult]) -> dict[str, CheckResult]:
+    return {r.name: r for r in results}
+
+
+@pytest.mark.parametrize("template", ["vision", "language", "diffusion"])
+def test_check_passes_on_the_example_configs(capsys: pytest.CaptureFixture[str], template: str) -> None:
+    code, out = _check(capsys, "--config", str(CONFIGS / f"{template}.yaml"), "--device", "cpu")
+    assert code == 0, out
+    assert "FAIL" not in out and out.count("PASS") == 7 and "7 passed, 0 failed" in out
+
+
+def test_an_infeasible_budget_fails_naming_the_smallest_feasible_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    config = str(CONFIGS / "vision.yaml")
+    narrow = ["baoc.allowed_configs=[fp32,int8]", "baoc.memory_budget=0.1"]
+    code, out = _check(capsys, "--config", config, "--device", "cpu", *narrow)
+    assert code == 1 and "memory budget" in out and "FAIL" in out
+    cfg = load_config(config, narrow)
+    from lightning_baoc.check import resolve_model
+
+    model, _ = resolve_model(cfg)
+    result = _by_name(run_checks(cfg, model, "cpu"))["memory budget"]
+    assert not result.passed and "infeasible" in result.detail
+    assert "set baoc.memory_budget >= " in result.fix and "factored" in result.fix  # cheaper formats named
+    smallest = result.fix.split(">= ")[1].split(" ")[0]
+    # the named budget is feasible, and 0.01 less is not
+    ok = _by_name(run_checks(load_config(config, [narrow[0], f"baoc.memory_budget={smallest}"]), model, "cpu"))
+    assert ok["memory budget"].passed, ok["memory budget"]
+    below = f"{float(smallest) - 0.01:.3f}"
+    low = _by_name(run_checks(load_config(config, [narrow[0], f"baoc.memory_budget={below}"]), model, "cpu"))
+    assert not low["memory budget"].passed
+
+
+def test_a_format_the_device_cannot_serve_fails_naming_the_format_and_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = _check(
+        capsys, "--config", str(CONFIGS / "diffusion.yaml"), "--device", "cpu", "baoc.allowed_configs=[fp32,int8,offload]"
+    )
+    assert code == 1
+    cfg = load_config(CONFIGS / "diffusion.yaml", ["baoc.allowed_configs=[fp32,int8,offload]"])
+    result = _by_name(run_checks(cfg, nn.Linear(128, 128, device="meta"), "cpu"))["formats served"]
+    assert not result.passed and "offload" in result.detail and "host memory" in result.detail
+    assert "remove 'offload' from baoc.allowed_configs" in result.fix and "[fp32, int8]" in result.fix
+    assert "offload" in out and "FAIL" in out
+    # without allowed_configs, the formats the device cannot serve are skipped, and it passes
+    auto = _by_name(run_checks(parse_config({"baoc": {"memory_budget": 0.3}}), nn.Linear(128, 128, device="meta"), "cpu"))
+    assert auto["formats served"].passed and "offload skipped" in auto["formats served"].detail
+
+
+def test_sampler_overhead_says_the_figure_and_fails_above_the_design_budget() -> None:
+    model = nn.Sequential(*[nn.Linear(512, 512, device="meta") for _ in range(4)])
+    fine = _by_name(run_checks(parse_config({"baoc": {"memory_budget": 0.5}}), model, "cpu"))["sampler overhead"]
+    assert fine.passed and "(1.6% of the gradient)" in fine.detail and "ring buffer" in fine.detail, fine
+    # a small model is read almost whole at every sample: the same settings cost it too much
+    small = nn.Sequential(*[nn.Linear(64, 64, device="meta") for _ in range(4)])
+    busy = _by_name(run_checks(parse_config({"baoc": {"memory_budget": 0.5}}), small, "cpu"))["sampler overhead"]
+    assert not busy.passed and "(98.5% of the gradient)" in busy.detail
+    assert "baoc.sampler.sample_every >= " in busy.fix and "baoc.sampler.max_elements <= " in busy.fix
+    # either suggestion brings the estimate under the budget
+    suggested = int(busy.fix.split("sample_every >= ")[1].split(" ")[0])
+    elements = int(busy.fix.split("max_elements <= ")[1].split(" ")[0])
+    numel = {str(i): 64 * 65 for i in range(4)}
+    assert sampler_overhead(numel, 10, 4096, 32).overhead > MAX_SAMPLER_OVERHEAD
+    assert sampler_overhead(numel, suggested, 4096, 32).overhead <= MAX_SAMPLER_OVERHEAD
+    assert sampler_overhead(numel, 10, elements, 32).overhead <= MAX_SAMPLER_OVERHEAD
+
+
+def test_sampler_overhead_estimate_reproduces_its_measured_anchor() -> None:
+    # docs/benchmarks/sampler-overhead.md: 1.2M-parameter GPT, 40 blocks, sample_every=10: 0.66% direct
+    import sys
+
+    try:
+        from _models import CharGPT
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from lightning_baoc.blocks import partition_report
+
+    with torch.device("meta"):
+        model = CharGPT(vocab_size=100, block_size=64, n_layer=6, n_head=4, n_embd=128)
+    report = partition_report(model)
+    est = sampler_overhead(report.numel, 10, 4096, 32)
+    assert len(report.blocks) == 40 and math.isclose(est.overhead, 0.0066, rel_tol=0.02)
+    assert sampler_overhead(report.numel, 1, 4096, 32).overhead == pytest.approx(5 * est.overhead)
+
+
+@pytest.mark.parametrize(
+    "baoc, check, words",
+    [
+        ({"warmup_steps": 40, "sampler": {"sample_every": 10}}, "warm-up", "baoc.warmup_steps >= 80"),
+        ({"warmup_steps": 500}, "warm-up", "about a fifth of the run (e.g. 60)"),
+        ({"risk_thresholds": {"hysteresis": 0.0}, "re_evaluation_trigger": {"every_n_epochs": 1}}, "risk thresholds", "[0.01, 0.5]"),
+        ({"risk_thresholds": {"hysteresis": 0.9}, "re_evaluation_trigger": {"monitor": "val_loss"}}, "risk thresholds", "[0.01, 0.5]"),
+        ({"risk_thresholds": {"max_block_risk": 0.0}}, "risk thresholds", "max_block_risk to null"),
+        ({"re_evaluation_trigger": {"monitor": "val_acc", "mode": "min"}}, "re-evaluation trigger", "mode: max"),
+        ({"re_evaluation_trigger": {"monitor": "val_ppl", "mode": "max"}}, "re-evaluation trigger", "mode: min"),
+        ({"block_id": {"patterns": {"head": "decoder.*"}}}, "blocks", "baoc.block_id.patterns"),
+    ],
+)
+def test_insane_settings_fail_with_a_fix(baoc: dict, check: str, words: str) -> None:
+    cfg = parse_config({"baoc": {"memory_budget": 0.5, **baoc}, "trainer": {"max_steps": 300}})
+    results = _by_name(run_checks(cfg, nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 8)).to("meta"), "cpu"))
+    assert not results[check].passed and words in results[check].fix, results[check]
+    assert sum(not r.passed for r in results.values()) == 1, [r for r in results.values() if not r.passed]
+
+
+def test_a_time_budget_is_priced_and_checked() -> None:
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512)).to("meta")
+    base = {"memory_budget": 0.3, "allowed_configs": ["fp32", "int8", "factored"], "calibration": {"mode": "prior"}}
+    ok = _by_name(run_checks(parse_config({"baoc": {**base, "time_budget": 3.0}}), model, "cpu"))["memory budget"]
+    assert ok.passed and "prior costs" in ok.detail
+    # int8 steps cost 2.4x fp32 (the prior): within a 1.0x time budget only fp32 is fast enough
+    slow = _by_name(
+        run_checks(parse_config({"baoc": {**base, "allowed_configs": ["fp32", "int8"], "time_budget": 1.0}}), model, "cpu")
+    )["memory budget"]
+    assert not slow.passed and "within the time budget" in slow.detail
+    assert "raise baoc.time_budget to >= 2.39" in slow.fix  # int8 everywhere but the small biases
+
+
+def test_sane_thresholds_pass() -> None:
+    cfg = parse_config(
+        {
+            "baoc": {
+                "memory_budget": 0.5,
+                "risk_thresholds": {"max_block_risk": 0.05, "hysteresis": 0.2},
+                "re_evaluation_trigger": {"monitor": "val_acc", "mode": "max"},
+            }
+        }
+    )
+    results = run_checks(cfg, nn.Linear(512, 512, device="meta"), "cpu")
+    assert all(r.passed for r in results), [r for r in results if not r.passed]
+
+
+def test_bad_input_exits_with_code_2(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--config", str(CONFIGS / "vision.yaml"), "baoc.memroy_budget=0.2"])
+    assert info.value.code == 2 and "baoc.memroy_budget" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--config", str(CONFIGS / "vision.yaml"), "model.class_path=nowhere.Model"])
+    assert info.value.code == 2 and "PYTHONPATH" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--config", str(CONFIGS / "vision.yaml"), "--model", "no-such-preset"])
+    assert info.value.code == 2
+
+
+def test_model_option_takes_a_preset_over_the_config(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = _check(capsys, "--config", str(CONFIGS / "language.yaml"), "--model", "tiny", "--device", "cpu")
+    # the template's patterns name the example GPT's parameters: the preset has none of them
+    assert code == 1 and "blocks" in out and "FAIL" in out
+    code, out = _check(
+        capsys, "--config", str(CONFIGS / "language.yaml"), "--model", "tiny", "--device", "cpu", "baoc.block_id.patterns=null"
+    )
+    assert code == 0, out
+
+
+def test_schema_subcommand_prints_the_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["schema"]) == 0
+    assert capsys.readouterr().out == schema_text()

@@ -1,0 +1,183 @@
+"""The planner and the ``lightning-baoc plan`` command."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_baoc import FORMATS, BlockwiseAdamW
+from lightning_baoc.__main__ import main
+from lightning_baoc.blocks import partition
+from lightning_baoc.formats import format_state_bytes
+from lightning_baoc.planner import block_kind, build_model, plan
+
+LLAMA_7B_PARAMS = 6_738_415_616  # 32000*4096*2 + 32*(4*4096^2 + 3*4096*11008 + 2*4096) + 4096
+
+
+def test_llama_7b_plan_arithmetic() -> None:
+    p = plan("llama-7b")
+    assert p.params == LLAMA_7B_PARAMS
+    assert p.fp32_bytes == 8 * LLAMA_7B_PARAMS  # 53.9 GB
+    assert len(p.blocks) == 32 * 9 + 3
+    model = build_model("llama-7b")
+    shapes = [tuple(t.shape) for t in model.parameters()]
+    for fig in p.formats:
+        exact = sum(format_state_bytes(fig.name, s) for s in shapes)
+        if fig.name == "offload":
+            assert fig.device_bytes == 0 and fig.host_bytes == 8 * LLAMA_7B_PARAMS  # on an accelerator
+        else:
+            assert fig.device_bytes == exact and fig.host_bytes == 0
+    by_name = {f.name: f.device_bytes for f in p.formats}
+    assert by_name["bf16"] == 4 * LLAMA_7B_PARAMS
+    assert 2.12 < by_name["int8"] / LLAMA_7B_PARAMS < 2.13
+
+
+def test_cli_prints_the_llama_7b_figures(capsys) -> None:
+    assert main(["plan", "--preset", "llama-7b", "--budget", "0.35", "--budget", "0.25"]) == 0
+    out = capsys.readouterr().out
+    assert "6,738,415,616" in out
+    assert "53.9 GB (50.2 GiB) = 8 bytes x 6,738,415,616 parameters" in out
+    for name in FORMATS:
+        assert name in out
+    assert "27 GB (25.1 GiB)" in out  # bf16 / nomomentum: 4 bytes per parameter
+    assert "0.350" in out and "0.250" in out  # both allocations at their budgets
+
+
+def test_python_dash_m_entry_point() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_baoc", "plan", "--preset", "tiny", "--device", "cpu", "--budget", "0.5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "166,208" in done.stdout and "fp32 AdamW state" in done.stdout
+
+
+def test_tiny_plan_equals_real_allocation() -> None:
+    """The planner's numbers equal what BlockwiseAdamW really allocates (CPU)."""
+    p = plan("tiny", [0.4, 0.25], device="cpu")
+    torch.manual_seed(0)
+    model = build_model("tiny", device="cpu")
+    assert sum(t.numel() for t in model.parameters()) == p.params
+    for fig in p.formats:
+        opt = BlockwiseAdamW(model.named_parameters(), state_format=fig.name)
+        for t in model.parameters():
+            t.grad = torch.randn_like(t)
+        opt.step()
+        # on a CPU, offload states are device memory: counted in full (host == device)
+        assert opt.state_bytes() == fig.device_bytes + fig.host_bytes, fig.name
+    blocks = partition(model)
+    for entry in p.allocations:
+        alloc = entry.allocation
+        assert alloc is not None and alloc.memory <= alloc.memory_budget
+        opt = BlockwiseAdamW(model.named_parameters())
+        for t in model.parameters():
+            t.grad = torch.randn_like(t)
+        opt.step()
+        opt.set_formats(alloc.formats, blocks)
+        assert opt.state_bytes() == alloc.memory
+        assert "offload" not in alloc.formats.values()  # masked on the CPU
+    assert "offload" in p.masked
+
+
+def test_vit_preset_and_factory_models() -> None:
+    vit = plan("vit-b16")
+    assert 86_000_000 < vit.params < 87_000_000
+    same = plan("lightning_baoc.planner:ViT")
+    assert same.params == vit.params and same.model == "lightning_baoc.planner:ViT"
+    with pytest.raises(ValueError, match=r"Unknown model 'gpt5'; allowed: a preset \['llama-7b', 'tiny', 'vit-b16'\]"):
+        plan("gpt5")
+    with pytest.raises(ValueError, match="has no attribute 'nothing'"):
+        plan("lightning_baoc.planner:nothing")
+    with pytest.raises(ValueError, match="cannot import 'no_such_pkg.mod'"):
+        plan("no_such_pkg.mod:build")
+
+
+def test_block_kinds() -> None:
+    model = build_model("tiny")
+    kinds = {b: block_kind(model, b) for b in partition(model)}
+    assert kinds["embed_tokens"] == "embedding"
+    assert kinds["lm_head"] == "head"
+    assert kinds["layers.0.self_attn.q_proj"] == "attention"
+    assert kinds["layers.0.input_layernorm"] == "norm"
+    assert kinds["layers.1.mlp.down_proj"] == "other"
+    vit = build_model("vit-b16")
+    assert block_kind(vit, "<root>") == "embedding" and block_kind(vit, "blocks.0.attn.qkv") == "attention"
+
+
+def test_time_budget_offload_and_boundaries() -> None:
+    p = plan("tiny", [0.2], time_budget=1.5, device="cuda", max_boundaries=2)
+    alloc = p.allocations[0].allocation
+    assert alloc is not None
+    assert alloc.time <= 1.5 * alloc.fp32_time * (1 + 1e-12)
+    assert alloc.boundaries <= 2
+    assert "offload" not in p.masked  # priced by the time budget on an accelerator
+    no_time = plan("tiny", [0.2], device="cuda")
+    assert "offload" in no_time.masked  # without a time budget it would win everywhere at no risk
+
+
+def test_statistics_file(tmp_path) -> None:
+    model = build_model("tiny")
+    names = list(partition(model))
+    stats = {"blocks": [{"name": b, "risk": {"fp32": 0.0, "int8": 0.001, "bf16": 0.5}} for b in names]}
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps(stats))
+    p = plan("tiny", [0.3], device="cpu", statistics=path)
+    alloc = p.allocations[0].allocation
+    assert alloc is not None and set(alloc.formats.values()) <= {"fp32", "int8", "bf16"}
+    assert "statistics file" in p.risk_source
+
+    path.write_text(json.dumps({"blocks": [{"name": "encoder.0", "risk": {"fp32": 0.0}}]}))
+    with pytest.raises(ValueError, match="statistics block 'encoder.0' is not a block of this model"):
+        plan("tiny", [0.3], device="cpu", statistics=path)
+    path.write_text(json.dumps({"blocks": [{"name": names[0], "risk": 0.3}]}))
+    with pytest.raises(ValueError, match="planning needs a risk per format"):
+        plan("tiny", [0.3], device="cpu", statistics=path)
+    path.write_text(json.dumps({"blocks": [{"name": names[0], "risk": {"fp4": 0.1}}]}))
+    with pytest.raises(ValueError, match="unknown format 'fp4'"):
+        plan("tiny", [0.3], device="cpu", statistics=path)
+    path.write_text("[]")
+    with pytest.raises(ValueError, match='must hold {"blocks"'):
+        plan("tiny", [0.3], device="cpu", statistics=path)
+
+
+def test_cli_bad_input_exits_2(capsys, tmp_path) -> None:
+    for argv, message in [
+        (["plan", "--preset", "tiny", "--budget", "1.5"], "is a fraction above 1"),
+        (["plan", "--preset", "tiny", "--budget=-2GB"], "must be positive"),
+        (["plan", "--preset", "tiny", "--budget", "12 parsecs"], "Unknown unit 'parsecs'"),
+        (["plan", "--preset", "tiny", "--budget", "0.3", "--time-budget", "0.9"], "must be >= 1.0"),
+        (["plan", "--model", "nowhere:build"], "cannot import 'nowhere'"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--mask", "fp8"])  # argparse lists the choices
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+def test_infeasible_budget_is_reported_and_exits_1(capsys, tmp_path) -> None:
+    out_json = tmp_path / "plan.json"
+    argv = ["plan", "--preset", "tiny", "--device", "cpu", "--budget", "0.01", "--budget", "0.5", "--json", str(out_json)]
+    assert main(argv) == 1  # the feasible 0.5 is planned, the infeasible 0.01 fails the command
+    captured = capsys.readouterr()
+    assert "infeasible" in captured.out
+    # the smallest feasible budget is printed, rounded up: giving it back is feasible
+    smallest = re.search(
+        r"budget 0\.01 is infeasible: .*smallest feasible is ([\d.]+ \w+)(?: = [\d,]+ bytes)? \((0\.\d+) of fp32", captured.err
+    )
+    assert smallest, captured.err
+    size, fraction = smallest.group(1).replace(" ", ""), smallest.group(2)
+    assert main(["plan", "--preset", "tiny", "--device", "cpu", "--budget", fraction]) == 0
+    assert main(["plan", "--preset", "tiny", "--device", "cpu", "--budget", size]) == 0
+    data = json.loads(out_json.read_text())
+    assert data["allocations"][0]["error"].startswith("memory_budget")
+    assert data["fp32_adamw_state_bytes"] == 8 * data["params"]
