@@ -145,6 +145,13 @@ class StepHyper:
     generator: torch.Generator | None = field(default=None, repr=False)
 
 
+def _fp32_view(fmt: "StateFormat", views: dict[str, Tensor], key: str) -> Tensor:
+    tensor = views.get(key)
+    if tensor is None or tensor.dtype != torch.float32:
+        raise NotImplementedError(f"format {fmt.name!r} holds no fp32 {key!r}")
+    return tensor.view(-1)
+
+
 class StateFormat(ABC):
     """Base class of the optimizer-state formats (one subclass per file)."""
 
@@ -186,6 +193,26 @@ class StateFormat(ABC):
     @abstractmethod
     def decode(self, views: dict[str, Tensor], shape: Shape) -> Canonical:
         """Read the compact tensors back into fp32 (a new :class:`Canonical`)."""
+
+    # Slice accessors: what a conversion streams through (:mod:`lightning_baoc.optim.convert`). The
+    # defaults read and write moments stored as plain fp32 tensors ``exp_avg`` / ``exp_avg_sq``;
+    # formats storing them otherwise override them (the element-wise 8-bit and bf16 formats).
+
+    def load_m(self, views: dict[str, Tensor], start: int, stop: int) -> Tensor:
+        """A new flat fp32 tensor of the momentum elements ``[start, stop)`` (formats with momentum)."""
+        return _fp32_view(self, views, "exp_avg")[start:stop].clone()
+
+    def store_m(self, m: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
+        """Store flat fp32 ``m`` (may be overwritten) as the momentum elements ``[start, stop)``."""
+        _fp32_view(self, views, "exp_avg")[start:stop].copy_(m)
+
+    def load_v(self, views: dict[str, Tensor], start: int, stop: int) -> Tensor:
+        """A flat fp32 tensor of the second-moment elements ``[start, stop)`` (element-wise ``v``)."""
+        return _fp32_view(self, views, "exp_avg_sq")[start:stop]
+
+    def store_v(self, v: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
+        """Store flat fp32 ``v`` (may be overwritten) as the second-moment elements ``[start, stop)``."""
+        _fp32_view(self, views, "exp_avg_sq")[start:stop].copy_(v)
 
     @abstractmethod
     def update(self, items: list[StepItem], hyper: StepHyper) -> None:

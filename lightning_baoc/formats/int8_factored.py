@@ -64,5 +64,11 @@ class Int8Factored(StateFormat):
             col=views["exp_avg_sq_col"].clone(),
         )
 
+    def load_m(self, views: dict[str, Tensor], start: int, stop: int) -> Tensor:
+        return _load_m(views, start, stop)
+
+    def store_m(self, m: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
+        _store_m(m, views, start, stop, hyper)
+
     def update(self, items: list[StepItem], hyper: StepHyper) -> None:
         factored_update(items, hyper, _load_m, _store_m)

@@ -266,8 +266,10 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
         State is inherited, never reset: quantize / dequantize, factor (row and column means of
         v) / expand (outer product), drop momentum / re-create it from the current gradient (as
         one EMA step, ``m = (1 - beta1) g``, with its own bias-correction count), move to / from
-        host memory. Step counts are kept. Pools of the formats involved are rebuilt; at the peak
-        the old and new pools of those formats coexist with one parameter's fp32 state.
+        host memory. Step counts are kept. Parameters convert one at a time, in slices, those whose
+        device state shrinks first: at the peak the device holds the larger of the states before and
+        after, plus the smaller of one parameter's old and new states, plus a few fp32 slices of
+        scratch (see :mod:`lightning_baoc.optim.pools`).
 
         Args:
             formats: name -> format, where a name is a parameter name, a block of ``blocks`` or a
@@ -453,8 +455,8 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
         return [t for rec in self._records.values() if rec.views for t in rec.views.values()]
 
     def pool_bytes(self) -> dict[tuple[str, str], int]:
-        """(format, parameter device) -> bytes of that pool's storage."""
-        return {key: pool.buffer.untyped_storage().nbytes() for key, pool in self._pools.items()}
+        """(format, parameter device) -> bytes of that pool's storage (its segments, one per parameter)."""
+        return {key: pool.nbytes for key, pool in self._pools.items()}
 
     def param_state(self, name_or_param: str | Tensor) -> Canonical | None:
         """A parameter's state decoded to fp32 (``None`` before its first step)."""

@@ -1,10 +1,18 @@
 """Memory layout of :class:`~lightning_baoc.optim.BlockwiseAdamW`: per-parameter records and pools.
 
-The states of all parameters sharing a format on a device live in one contiguous ``uint8`` pool,
-carved into per-parameter views of the format's dtypes. Views are laid out by descending item
-size (all 8-byte tensors, then 4-, 2- and 1-byte ones), so no alignment padding is ever needed and
-``BlockwiseAdamW.state_bytes`` equals both the sum of the formats' stated bytes and the storage
-really allocated. Pools are rebuilt when formats change (``set_formats``) and on a load.
+The states of all parameters sharing a format on a device form one pool, made of one segment per
+parameter: a ``uint8`` buffer carved into the views of the format's dtypes. Views are laid out by
+descending item size (all 8-byte tensors, then 4-, 2- and 1-byte ones), so no alignment padding is
+ever needed and ``BlockwiseAdamW.state_bytes`` equals both the sum of the formats' stated bytes and
+the storage really allocated.
+
+Conversions (``set_formats``) move one parameter at a time: its new segment is allocated and filled
+from the old one in slices of ``chunk_size`` elements (:func:`~lightning_baoc.optim.convert.convert_state`),
+then the old segment is freed. Parameters whose state shrinks on the device go first. So at any moment
+of a conversion the state on the device is at most ``max(before, after) + min(old, new)`` of the one
+parameter being converted, plus the slice's fp32 scratch (a few MiB): the transient above the steady
+state is at most one parameter's old state (tests/optim/test_conversion_memory.py measures it on the
+allocator).
 
 :class:`PoolsMixin` holds the optimizer's pool methods: it expects ``_records`` (parameter ->
 :class:`Record`), ``_pools`` and ``_hyper_for`` of the optimizer it is mixed into.
@@ -20,7 +28,7 @@ import torch
 from torch import Tensor
 
 from lightning_baoc.formats import FORMATS, Canonical, StepHyper
-from lightning_baoc.formats.base import TensorSpec
+from lightning_baoc.optim.convert import convert_state
 
 HOST = torch.device("cpu")
 
@@ -41,12 +49,16 @@ class Record:
 
 @dataclass
 class Pool:
-    """One contiguous buffer holding the states of ``members`` in ``format``."""
+    """The states held in ``format`` on one device: one ``uint8`` segment per member parameter."""
 
     format: str
     storage_device: torch.device
-    buffer: Tensor
-    members: list[Tensor] = field(default_factory=list)
+    segments: dict[Tensor, Tensor] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of storage the segments hold."""
+        return sum(seg.untyped_storage().nbytes() for seg in self.segments.values())
 
 
 def device_key(device: torch.device) -> str:
@@ -71,59 +83,58 @@ class PoolsMixin:
         changes: Mapping[Tensor, str],
         sources: Mapping[Tensor, Canonical | dict[str, Tensor] | None] | None = None,
     ) -> None:
-        """Move the parameters of ``changes`` to their new formats and rebuild the pools involved.
+        """Move the parameters of ``changes`` to their new formats, one parameter at a time.
 
         ``sources`` optionally gives a parameter's new state: a :class:`Canonical` to encode, a dict
         of compact tensors to copy (checkpoint), or ``None`` for a fresh zero state. Without a
-        source a parameter's current state is converted.
+        source a parameter's current state is converted, in slices. Parameters whose device state
+        shrinks go first, then the optimizer's order (which fixes the draws of stochastic rounding).
+        Each parameter is committed when its new segment is filled: if a conversion fails, every
+        parameter holds a complete state, in its old format or its new one.
         """
         sources = sources or {}
-        old_format = {p: self._records[p].format for p in changes}
-        affected: set[tuple[str, str]] = set()
-        for p, fmt in changes.items():
-            dev = device_key(p.device)
-            affected.add((fmt, dev))
-            if old_format[p] is not None:
-                affected.add((old_format[p], dev))
-        # Sorted: a set of strings iterates in a per-process hash order, and the pools are encoded
-        # (drawing stochastic-rounding offsets from the seeded generator) in this order.
-        members: dict[tuple[str, str], list[Tensor]] = {key: [] for key in sorted(affected)}
-        for p, rec in self._records.items():
-            fmt = changes.get(p, rec.format)
-            if fmt is None:
-                continue
-            key = (fmt, device_key(p.device))
-            if key in members:
-                members[key].append(p)
-
-        new_pools: dict[tuple[str, str], Pool] = {}
-        new_views: dict[Tensor, dict[str, Tensor]] = {}
-        for key, params in members.items():
-            fmt, dev = key
-            if not params:
-                continue
-            pool, views = self._allocate_pool(fmt, params)
-            new_pools[key] = pool
-            for p in params:
-                rec = self._records[p]
-                target = views[p]
-                if p in sources:
-                    self._fill_from_source(p, fmt, target, sources[p])
-                elif p not in changes or old_format[p] == fmt:
-                    for k, t in target.items():
-                        t.copy_(rec.views[k])  # unchanged member: keep its bytes
-                else:
-                    self._convert_into(p, old_format[p], fmt, target)
-                new_views[p] = target
-        for key in affected:
-            self._pools.pop(key, None)
-        self._pools.update(new_pools)
-        for p, views in new_views.items():
-            self._records[p].views = views
-            self._records[p].format = changes.get(p, self._records[p].format)
-        for p, fmt in changes.items():
+        position = {p: i for i, p in enumerate(self._records)}
+        order = sorted(changes, key=lambda p: (self._device_growth(p, changes[p]) > 0, position[p]))
+        for p in order:
+            fmt, rec = changes[p], self._records[p]
+            old = rec.format
+            views = self._allocate_segment(fmt, p)
+            if p in sources:
+                self._fill_from_source(p, fmt, views, sources[p])
+            elif old == fmt:
+                for k, t in views.items():
+                    t.copy_(rec.views[k])
+            elif old is not None:
+                self._convert_into(p, old, fmt, views)
+            self._commit_segment(p, fmt, views)
             if not FORMATS[fmt].has_momentum:
-                self._records[p].m_step = 0
+                rec.m_step = 0
+
+    def _device_growth(self, p: Tensor, fmt: str) -> int:
+        """Bytes on ``p``'s device that moving ``p`` to ``fmt`` adds (negative: frees)."""
+        old = self._records[p].format
+
+        def on_device(f: str | None) -> int:
+            if f is None or storage_device(f, p.device) != p.device:
+                return 0
+            return FORMATS[f].state_bytes(p.shape)
+
+        return on_device(fmt) - on_device(old)
+
+    def _commit_segment(self, p: Tensor, fmt: str, views: dict[str, Tensor]) -> None:
+        """Make ``views`` (one new segment) ``p``'s state; its old segment is released."""
+        rec, dev = self._records[p], device_key(p.device)
+        if rec.format is not None:
+            old_key = (rec.format, dev)
+            pool = self._pools.get(old_key)
+            if pool is not None:
+                pool.segments.pop(p, None)
+                if not pool.segments:
+                    del self._pools[old_key]
+        pool = self._pools.setdefault((fmt, dev), Pool(fmt, storage_device(fmt, p.device)))
+        pool.segments[p] = _segment_of(views)
+        rec.views = views
+        rec.format = fmt
 
     def _fresh_pools(
         self, formats: Mapping[Tensor, str], fill: Callable[[Tensor, str, dict[str, Tensor]], None]
@@ -140,40 +151,40 @@ class PoolsMixin:
         pools: dict[tuple[str, str], Pool] = {}
         views: dict[Tensor, dict[str, Tensor]] = {}
         for key in sorted(members):  # sorted: encoding order draws rounding offsets deterministically
-            pools[key], pool_views = self._allocate_pool(key[0], members[key])
+            pools[key] = Pool(key[0], storage_device(key[0], members[key][0].device))
             for p in members[key]:
-                fill(p, key[0], pool_views[p])
-                views[p] = pool_views[p]
+                views[p] = self._allocate_segment(key[0], p)
+                fill(p, key[0], views[p])
+                pools[key].segments[p] = _segment_of(views[p])
         return pools, views
 
-    def _allocate_pool(self, fmt: str, params: list[Tensor]) -> tuple[Pool, dict[Tensor, dict[str, Tensor]]]:
-        layouts = {p: FORMATS[fmt].layout(p.shape) for p in params}
-        storage = storage_device(fmt, params[0].device)
-        offsets: dict[Tensor, dict[str, tuple[int, TensorSpec]]] = {p: {} for p in params}
+    def _allocate_segment(self, fmt: str, p: Tensor) -> dict[str, Tensor]:
+        """Zeroed views of ``p``'s state in ``fmt``, carved from one new ``uint8`` buffer."""
+        layout = FORMATS[fmt].layout(p.shape)
+        storage = storage_device(fmt, p.device)
+        offsets: dict[str, int] = {}
         total = 0
         for itemsize in (8, 4, 2, 1):  # descending item size: every offset stays aligned
-            for p in params:
-                for spec in layouts[p]:
-                    if spec.nbytes and torch.empty((), dtype=spec.dtype).element_size() == itemsize:
-                        offsets[p][spec.key] = (total, spec)
-                        total += spec.nbytes
+            for spec in layout:
+                if spec.nbytes and torch.empty((), dtype=spec.dtype).element_size() == itemsize:
+                    offsets[spec.key] = total
+                    total += spec.nbytes
         pin = storage.type == "cpu" and FORMATS[fmt].offloaded and torch.cuda.is_available()
         buffer = torch.zeros(total, dtype=torch.uint8, device=storage, pin_memory=pin)
-        views: dict[Tensor, dict[str, Tensor]] = {}
-        for p in params:
-            views[p] = {}
-            for spec in layouts[p]:
-                if spec.key in offsets[p]:
-                    start, _ = offsets[p][spec.key]
-                    views[p][spec.key] = buffer[start : start + spec.nbytes].view(spec.dtype)
-                else:  # zero-size tensor (empty parameter)
-                    views[p][spec.key] = torch.empty(0, dtype=spec.dtype, device=storage)
-        return Pool(fmt, storage, buffer, list(params)), views
+        views: dict[str, Tensor] = {}
+        for spec in layout:
+            if spec.key in offsets:
+                start = offsets[spec.key]
+                views[spec.key] = buffer[start : start + spec.nbytes].view(spec.dtype)
+            else:  # zero-size tensor (empty parameter)
+                views[spec.key] = torch.empty(0, dtype=spec.dtype, device=storage)
+        return views
 
     def _convert_into(self, p: Tensor, old: str, new: str, target: dict[str, Tensor]) -> None:
         rec = self._records[p]
-        canonical = FORMATS[old].decode(rec.views, p.shape)
-        self._encode(p, new, canonical, target)
+        rec.m_step = convert_state(
+            FORMATS[old], rec.views, FORMATS[new], target, tuple(p.shape), self._hyper_for(p), p.grad, rec.m_step
+        )
 
     def _encode(self, p: Tensor, fmt: str, canonical: Canonical, target: dict[str, Tensor]) -> None:
         rec = self._records[p]
@@ -200,3 +211,11 @@ class PoolsMixin:
             return
         for key, t in target.items():
             t.copy_(source[key])
+
+
+def _segment_of(views: Mapping[str, Tensor]) -> Tensor:
+    """A view of the buffer a parameter's views were carved from (its storage is the segment)."""
+    for t in views.values():
+        if t.numel():
+            return t
+    return torch.empty(0, dtype=torch.uint8)

@@ -57,7 +57,7 @@ def test_bytes_per_param_and_storage(big_model: nn.Module, fmt: str, low: float,
     per_param = opt.state_bytes() / n
     assert low <= per_param <= high, (fmt, per_param)
     assert opt.state_bytes() == _allocated(opt) == sum(opt.pool_bytes().values())
-    assert len(opt.pool_bytes()) == 1  # one contiguous pool per (format, device)
+    assert len(opt.pool_bytes()) == 1  # one pool per (format, device), one segment per parameter
     expected = sum(format_state_bytes(fmt, p.shape) for p in big_model.parameters())
     assert opt.state_bytes() == expected
 

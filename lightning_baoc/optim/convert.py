@@ -1,0 +1,121 @@
+"""One parameter's optimizer state converted between formats in bounded slices.
+
+A conversion never decodes a whole parameter to fp32: it walks the flat elements in slices of
+``hyper.chunk`` (aligned to the 8-bit formats' super-blocks), loads each slice's ``m`` and ``v`` from
+the old format in fp32, and stores it through the new one. The scratch is a few fp32 slices (about
+``16 * chunk`` bytes: 2 MiB at the default chunk), whatever the size of the parameter. Factored second
+moments are read by expanding their rows and columns slice by slice (Adafactor's rank-1 estimate,
+the same products as :func:`~lightning_baoc.formats.base.expand_factored`) and written by summing
+row and column means over the slices.
+
+Semantics are those of decode -> encode: state is inherited (quantize / dequantize, factor / expand),
+a momentum dropped is gone, and a momentum created is one EMA step of the current gradient
+(``m = (1 - beta1) g``, bias-corrected on its own: ``m_step = 1``), or zero when the gradient is
+missing or not finite.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from lightning_baoc.formats import FORMATS, StepHyper, factor_dims
+from lightning_baoc.formats.adam_math import chunk_ranges
+from lightning_baoc.formats.base import StateFormat, numel_of
+
+_FP32_MAX = torch.finfo(torch.float32).max
+_ROW, _COL = "exp_avg_sq_row", "exp_avg_sq_col"
+
+Slice = Callable[[int, int], Tensor]
+
+
+def convert_state(
+    src: StateFormat,
+    src_views: dict[str, Tensor],
+    dst: StateFormat,
+    dst_views: dict[str, Tensor],
+    shape: tuple[int, ...],
+    hyper: StepHyper,
+    grad: Tensor | None,
+    m_step: int,
+) -> int:
+    """Fill ``dst_views`` (zeroed, format ``dst``) from ``src_views`` (format ``src``), slice by slice.
+
+    Returns the momentum's bias-correction count after the conversion (``m_step`` kept when both
+    formats hold a momentum, 1 for a momentum created from a finite gradient, else 0).
+    """
+    n = numel_of(shape)
+    device = next((t.device for t in dst_views.values()), None)
+    load_v = _v_reader(src, src_views, shape)
+    load_m: Slice | None = (lambda a, b: src.load_m(src_views, a, b)) if src.has_momentum else None
+    if dst.has_momentum and load_m is None:
+        load_m, m_step = _momentum_from_gradient(grad, n, hyper)
+    elif not dst.has_momentum:
+        m_step = 0
+    if dst.factored:
+        sums = _FactoredSums(shape, device)
+        for a, b in chunk_ranges(n, hyper.chunk):
+            sums.add(a, load_v(a, b).to(device))
+            if dst.has_momentum:
+                dst.store_m(load_m(a, b).to(device), dst_views, a, b, hyper)
+        dst_views[_ROW].copy_(sums.row)
+        dst_views[_COL].copy_(sums.col)
+        return m_step
+    for a, b in chunk_ranges(n, hyper.chunk):
+        if dst.has_momentum:
+            dst.store_m(load_m(a, b).to(device), dst_views, a, b, hyper)
+        dst.store_v(load_v(a, b).to(device), dst_views, a, b, hyper)
+    return m_step
+
+
+def _v_reader(fmt: StateFormat, views: dict[str, Tensor], shape: tuple[int, ...]) -> Slice:
+    """fp32 ``v`` of the flat elements ``[a, b)``, a new tensor (the store may overwrite it)."""
+    if not fmt.factored:
+        return lambda a, b: fmt.load_v(views, a, b).clone()
+    rows, cols = factor_dims(shape)  # type: ignore[misc]
+    row, col = views[_ROW], views[_COL]
+    mean = row.div(row.numel()).sum()  # as expand_factored: no sum that can overflow
+    ratio = torch.where(mean > 0, row / mean, torch.zeros_like(row))
+
+    def load(a: int, b: int) -> Tensor:
+        index = torch.arange(a, b, device=row.device)
+        return (ratio[index // cols] * col[index % cols]).clamp_(max=_FP32_MAX)
+
+    return load
+
+
+def _momentum_from_gradient(grad: Tensor | None, n: int, hyper: StepHyper) -> tuple[Slice, int]:
+    """A reader of the re-created momentum ``(1 - beta1) g`` and its bias-correction count."""
+    flat = grad.detach().reshape(-1) if grad is not None else None
+    finite = flat is not None and all(bool(torch.isfinite(flat[a:b]).all()) for a, b in _ranges(n, hyper))
+    if not finite:
+        return (lambda a, b: torch.zeros(b - a, dtype=torch.float32)), 0
+    return (lambda a, b: flat[a:b].to(torch.float32).mul(1.0 - hyper.beta1)), 1
+
+
+def _ranges(n: int, hyper: StepHyper) -> Iterator[tuple[int, int]]:
+    return chunk_ranges(n, hyper.chunk)
+
+
+class _FactoredSums:
+    """Row and column means of a dense ``v`` streamed in flat slices (as ``Canonical.factored_v``)."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device | None) -> None:
+        self.rows, self.cols = factor_dims(shape)  # type: ignore[misc]
+        self.row = torch.zeros(self.rows, dtype=torch.float32, device=device)
+        self.col = torch.zeros(self.cols, dtype=torch.float32, device=device)
+
+    def add(self, start: int, v: Tensor) -> None:
+        # means as sums of v / n: a plain sum of moments near fp32's maximum overflows
+        v = v.clamp(max=_FP32_MAX)
+        stop = start + v.numel()
+        if start % self.cols == 0 and stop % self.cols == 0:  # whole rows: sum them directly
+            block = v.view(-1, self.cols)
+            self.row[start // self.cols : stop // self.cols] += block.div(self.cols).sum(dim=1)
+            self.col += block.div_(self.rows).sum(dim=0)
+            return
+        index = torch.arange(start, stop, device=v.device)
+        self.row.index_add_(0, index // self.cols, v.div(self.cols))
+        self.col.index_add_(0, index % self.cols, v.div_(self.rows))
