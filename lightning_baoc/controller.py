@@ -121,6 +121,10 @@ class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
         risk_fn: the risk model, ``risk_fn(optimizer, blocks, statistics, formats=, horizon=)``
             (default: :func:`lightning_baoc.risk.risk_table`).
 
+    Attributes:
+        block_params: the partition, block -> the optimizer's names of its parameters (set at
+            :meth:`install`; the setting ``config.blocks`` holds the glob patterns that shape it).
+
     Example:
         >>> model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
         >>> ctl = BAOCController(BAOCConfig(memory_budget=0.5, warmup_steps=12, sample_every=5))
@@ -143,9 +147,7 @@ class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
         self.risk_fn: RiskFn = risk_fn or _default_risk_fn
         self.optimizer: BlockwiseAdamW | None = None
         self.sampler: GradientSampler | None = None
-        # the partition: block -> the optimizer's names of its parameters (``config.blocks``, the
-        # setting, holds glob patterns that shape it)
-        self.block_params: dict[str, list[str]] = {}
+        self.block_params: dict[str, list[str]] = {}  # the partition (see Attributes)
         self.phase: Phase = "warmup"
         self.allocation: dict[str, str] = {}
         self.history: list[dict[str, Any]] = []
