@@ -175,14 +175,14 @@ def table(result: dict[str, Any]) -> str:
 def stats_table(statistics: dict[str, dict[str, float | int]], names: list[str]) -> str:
     """A few blocks' statistics, to show what the sampler reports."""
     lines = [
-        "| block | samples | stability (lag 1) | persistence | anisotropy | noise (SNR) |",
+        "| block | samples | stability (lag 1) | persistence | anisotropy | SNR |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for name in names:
         s = statistics[name]
         lines.append(
             f"| `{name}` | {s['samples']} | {s['stability']:.3f} | {s['persistence']:.3f} | "
-            f"{s['anisotropy']:.3f} | {s['noise']:.4f} |"
+            f"{s['anisotropy']:.3f} | {s['snr']:.4f} |"
         )
     return "\n".join(lines)
 
@@ -212,7 +212,7 @@ def main() -> None:
         f"Machine: {machine()}. Command: `{command}`\n\n"
         f"{table(result)}\n\n"
         f"What the `sample_every={result['statistics_interval']}` sampler reports at the end (stability: "
-        f"lag 1; persistence: lag {result['statistics_interval']}; noise: SNR over the ring):\n\n"
+        f"lag 1; persistence: lag {result['statistics_interval']}; SNR: gradient signal-to-noise ratio over the ring):\n\n"
         f"{stats_table(result['statistics'], shown)}\n"
     )
     print(text)

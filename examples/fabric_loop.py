@@ -93,19 +93,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             val = nn.functional.cross_entropy(model(xte), yte).item()
         fabric.call("on_validation_end", value=val)  # plateau trigger
         fabric.call("on_train_epoch_end", epoch=epoch)  # every-N-epochs trigger
-        fabric.print(f"epoch {epoch}: val loss {val:.4f}, lr {scheduler.get_last_lr()[0]:.2e}, {strategy.baoc.summary()}")
+        fabric.print(f"epoch {epoch}: val loss {val:.4f}, lr {scheduler.get_last_lr()[0]:.2e}, {strategy.controller.summary()}")
 
     ckpt = out / "checkpoint.pt"
-    fabric.save(ckpt, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "baoc": strategy.baoc})
+    fabric.save(ckpt, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "baoc": strategy.controller})
 
     # Resume into fresh objects: formats and state bytes come back as saved.
     strategy2 = BAOCStrategy(memory_budget=budget, warmup_steps=args.warmup, sample_every=10, report=False)
     fabric2 = Fabric(accelerator="cpu", devices=1, strategy=strategy2)
     model2, optimizer2, scheduler2 = build(lr=3e-3, total_steps=total)
     model2, optimizer2, scheduler2 = fabric2.setup(model2, optimizer2, scheduler=scheduler2)
-    fabric2.load(ckpt, {"model": model2, "optimizer": optimizer2, "scheduler": scheduler2, "baoc": strategy2.baoc})
+    fabric2.load(ckpt, {"model": model2, "optimizer": optimizer2, "scheduler": scheduler2, "baoc": strategy2.controller})
     same = optimizer2.formats() == optimizer.formats() and optimizer2.state_bytes() == optimizer.state_bytes()
-    fp32 = strategy.baoc.fp32_state_bytes
+    fp32 = strategy.controller.fp32_state_bytes
     fabric.print(
         f"optimizer state {optimizer.state_bytes():,} of {fp32:,} fp32 bytes ({optimizer.state_bytes() / fp32:.3f}); "
         f"final val loss {val:.4f}; resumed in the same formats: {same}; reports in {out}"

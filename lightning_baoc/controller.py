@@ -121,6 +121,10 @@ class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
         risk_fn: the risk model, ``risk_fn(optimizer, blocks, statistics, formats=, horizon=)``
             (default: :func:`lightning_baoc.risk.risk_table`).
 
+    Attributes:
+        block_params: the partition, block -> the optimizer's names of its parameters (set at
+            :meth:`install`; the setting ``config.blocks`` holds the glob patterns that shape it).
+
     Example:
         >>> model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
         >>> ctl = BAOCController(BAOCConfig(memory_budget=0.5, warmup_steps=12, sample_every=5))
@@ -143,7 +147,7 @@ class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
         self.risk_fn: RiskFn = risk_fn or _default_risk_fn
         self.optimizer: BlockwiseAdamW | None = None
         self.sampler: GradientSampler | None = None
-        self.blocks: dict[str, list[str]] = {}  # block -> the optimizer's names of its parameters
+        self.block_params: dict[str, list[str]] = {}  # the partition (see Attributes)
         self.phase: Phase = "warmup"
         self.allocation: dict[str, str] = {}
         self.history: list[dict[str, Any]] = []
@@ -162,8 +166,8 @@ class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
         self._numel: dict[str, int] = {}
         self._baseline = 0
         self._device = torch.device("cpu")
-        self._mask: dict[str, str] = {}
-        self._allowed: list[str] = []
+        self._withheld: dict[str, str] = {}  # format -> why it is not offered (the problem's ``withheld``)
+        self._offered: list[str] = []  # the menu less the withheld formats (the problem's ``allowed``)
         self._memory: dict[str, dict[str, int]] = {}
         self._problem: AllocationProblem | None = None
         self._loaded: dict[str, Any] | None = None
@@ -236,7 +240,7 @@ class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
             self._apply_loaded()
         elif self.phase == "allocated" and self.allocation:
             # A second fit with the same controller: the fresh optimizer starts in the allocation.
-            new.set_formats(self.allocation, blocks=self.blocks)
+            new.set_formats(self.allocation, blocks=self.block_params)
         if self.phase == "warmup":
             self._warmup_formats()
         return new
@@ -277,12 +281,12 @@ class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
         try:
             return self.problem.solve(risk, cfg.memory_budget, cfg.time_budget)
         except BudgetInfeasibleError as err:
-            allowed = ", ".join(self._allowed)
-            masked = "".join(f"; {f} withheld: {why}" for f, why in self._mask.items())
+            offered = ", ".join(self._offered)
+            withheld = "".join(f"; {f} withheld: {why}" for f, why in self._withheld.items())
             raise with_message(
                 err,
                 f"BAOC(memory_budget={cfg.memory_budget!r}, time_budget={cfg.time_budget!r}): {err} (formats "
-                f"allowed: {allowed}{masked}). No format was converted; the optimizer keeps its current formats.",
+                f"allowed: {offered}{withheld}). No format was converted; the optimizer keeps its current formats.",
             ) from None
 
     def check_feasible(self, broadcast: Broadcast | None = None, is_global_zero: bool = True) -> None:
@@ -294,7 +298,7 @@ class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
         self._require_installed("check_feasible")
 
         def check() -> bool:
-            self._solve({b: {f: 0.0 for f in self._allowed} for b in self.blocks})
+            self._solve({b: {f: 0.0 for f in self._offered} for b in self.block_params})
             return True
 
         decide_on_rank_zero(check, broadcast, is_global_zero)
@@ -383,13 +387,13 @@ class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
 
     # ------------------------------------------------------------------ allocation
 
-    def _plan(self, reason: str) -> dict[str, Any]:
+    def _decide(self, reason: str) -> dict[str, Any]:
         """Rank zero: statistics -> risk -> solve -> hysteresis. Primitives only (broadcast)."""
         assert self.sampler is not None and self.optimizer is not None
         stats = {b: {k: float(v) for k, v in s.items()} for b, s in self.sampler.statistics().items()}
-        raw = dict(self.risk_fn(self.optimizer, self.blocks, stats, formats=list(self._allowed), horizon=self.config.horizon))
+        raw = dict(self.risk_fn(self.optimizer, self.block_params, stats, formats=list(self._offered), horizon=self.config.horizon))
         raw.update(self._prior_rows())
-        risk = checked_risk(raw, list(self.blocks), self._allowed)
+        risk = checked_risk(raw, list(self.block_params), self._offered)
         options = capped(risk, self.config.max_block_risk)
         if options is risk:
             alloc = self._solve(risk)
@@ -415,7 +419,7 @@ class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
                 formats, kept = dict(self.allocation), True
         time = None
         if self.config.time_budget is not None:
-            time = float(sum(self._time_table()[b][formats[b]] for b in self.blocks))
+            time = float(sum(self._time_table()[b][formats[b]] for b in self.block_params))
         _, _, mb_bytes, tb_abs = self._budgets()
         return {
             "formats": formats,
@@ -439,23 +443,23 @@ class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
         """
         assert self.optimizer is not None
         opt = self.optimizer
-        fresh = [b for b, names in self.blocks.items() if any(opt.step_count(n) == 0 for n in names)]
+        fresh = [b for b, names in self.block_params.items() if any(opt.step_count(n) == 0 for n in names)]
         if not fresh:
             return {}
         module = self._module if self._module is not None else nn.Module()
         kinds = {b: block_kind(module, b) for b in fresh}
-        table = prior_risk(self._shapes, kinds, list(self._allowed), opt.min_8bit_numel)
+        table = prior_risk(self._shapes, kinds, list(self._offered), opt.min_8bit_numel)
         return {b: table[b] for b in fresh}
 
     def _current_fits(self) -> bool:
         """Whether the allocation in force still meets the (possibly changed) budgets."""
         _, _, mb_bytes, tb_abs = self._budgets()
         current = self.allocation
-        if any(current.get(b) not in self._memory[b] for b in self.blocks):
+        if any(current.get(b) not in self._memory[b] for b in self.block_params):
             return False  # a block without a format in force (added since), or one no longer offered
-        fits = sum(self._memory[b][current[b]] for b in self.blocks) <= mb_bytes
+        fits = sum(self._memory[b][current[b]] for b in self.block_params) <= mb_bytes
         if fits and tb_abs is not None:
-            fits = sum(self._time_table()[b][current[b]] for b in self.blocks) <= tb_abs
+            fits = sum(self._time_table()[b][current[b]] for b in self.block_params) <= tb_abs
         return fits
 
     def allocate(
@@ -468,43 +472,43 @@ class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
         """
         self._require_installed("allocate")
         assert self.optimizer is not None and self.sampler is not None
-        plan = decide_on_rank_zero(lambda: self._plan(reason), broadcast, is_global_zero)
+        decision = decide_on_rank_zero(lambda: self._decide(reason), broadcast, is_global_zero)
         opt = self.optimizer
         before = int(opt.state_bytes())
         current = self._current_formats()
-        changed = {b: (current[b], f) for b, f in plan["formats"].items() if current.get(b) != f}
+        changed = {b: (current[b], f) for b, f in decision["formats"].items() if current.get(b) != f}
         migrated: dict[str, tuple[str, str]] = {}
         if changed:
-            migrated = opt.set_formats({b: new for b, (_, new) in changed.items()}, blocks=self.blocks)
+            migrated = opt.set_formats({b: new for b, (_, new) in changed.items()}, blocks=self.block_params)
         after = int(opt.state_bytes())
-        self.allocation = dict(plan["formats"])
+        self.allocation = dict(decision["formats"])
         self.phase = "allocated"
         self.pending = None
         self.wait = 0
         self.sampler.reset()  # the next re-evaluation sees fresh statistics only
         self.ring_samples = 0
         formats = self.allocation
-        risk = plan["risk"]
+        risk = decision["risk"]
         event = AllocationEvent(
             step=int(step),
             reason=reason,
             formats=dict(formats),
             changed=changed,
             migrated={k: (v[0], v[1]) for k, v in migrated.items()},
-            kept=bool(plan["kept"]),
+            kept=bool(decision["kept"]),
             risk=risk,
-            total_risk=float(sum(risk[b][formats[b]] for b in self.blocks)),
-            solver_risk=float(plan["solver_risk"]),
-            statistics=plan["statistics"],
-            block_params={b: [self._model_names.get(n, n) for n in names] for b, names in self.blocks.items()},
+            total_risk=float(sum(risk[b][formats[b]] for b in self.block_params)),
+            solver_risk=float(decision["solver_risk"]),
+            statistics=decision["statistics"],
+            block_params={b: [self._model_names.get(n, n) for n in names] for b, names in self.block_params.items()},
             block_numel=dict(self._numel),
             block_bytes=self._block_bytes(),
             state_bytes_before=before,
             state_bytes=after,
             fp32_state_bytes=self.fp32_state_bytes,
-            memory_budget_bytes=int(plan["memory_budget_bytes"]),
-            time_budget=plan["time_budget"],
-            time=plan["time"],
+            memory_budget_bytes=int(decision["memory_budget_bytes"]),
+            time_budget=decision["time_budget"],
+            time=decision["time"],
             baseline_state_bytes=self.baseline_state_bytes,
         )
         self.last_event = event
@@ -526,7 +530,7 @@ class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
         assert self.optimizer is not None
         named = self.optimizer.named_params
         out = {}
-        for b, names in self.blocks.items():
+        for b, names in self.block_params.items():
             requested = {self.optimizer.requested_format(named[n]) for n in names}
             out[b] = requested.pop() if len(requested) == 1 else "mixed"
         return out
@@ -536,7 +540,7 @@ class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
         assert self.optimizer is not None
         held = self.optimizer.formats()
         out = {}
-        for b, names in self.blocks.items():
+        for b, names in self.block_params.items():
             total = 0
             for n, shape in zip(names, self._shapes[b]):
                 total += format_state_bytes(held[n], shape, self.optimizer.min_8bit_numel)
@@ -556,7 +560,7 @@ class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
             return f"BAOC: not installed (phase {self.phase})"
         assert self.optimizer is not None
         return (
-            f"BAOC: phase {self.phase}, {len(self.blocks)} blocks, optimizer state "
+            f"BAOC: phase {self.phase}, {len(self.block_params)} blocks, optimizer state "
             f"{format_bytes(self.optimizer.state_bytes())} of {format_bytes(self.baseline_state_bytes)} AdamW "
             f"(budget {format_bytes(self.memory_budget_bytes())})"
         )

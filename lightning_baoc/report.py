@@ -14,7 +14,7 @@ The JSON record (``baoc_allocation.json``, schema :data:`ALLOCATION_SCHEMA`)::
                  "state_bytes": int, "risk": {format: float}, "format_risk": float,
                  "changed": bool,
                  "stats": {"stability": float | null, "anisotropy": float | null,
-                           "noise": float | null, ...}}],
+                           "snr": float | null, ...}}],
      "history": [{"step", "reason", "kept", "changed", "state_bytes", "total_risk", ...}]}
 
 ``fp32_state_bytes`` is fp32 AdamW's state (8 bytes per element); ``baseline_state_bytes`` the
@@ -23,7 +23,9 @@ same for fp32 parameters, half of it for bf16 ones), which ``saved_fraction`` an
 memory budget refer to. ``params`` is the number of parameter elements of the block. ``risk`` holds the block's risk for
 every format the solver could pick (so ``lightning-baoc plan --stats baoc_allocation.json`` can
 re-plan from a real run), ``format_risk`` the risk of the format chosen. Undefined statistics
-(``nan``) are written as ``null``.
+(``nan``) are written as ``null``. ``snr`` is the gradient signal-to-noise ratio; records written
+before it was renamed call it ``noise`` (:data:`RENAMED_STATS`), and the schema, the table and the
+figure read those too.
 
 The PNG needs matplotlib, an optional dependency: :func:`png_enabled` decides at construction
 (of the callback or the strategy) whether it is drawn, so a plain install never fails after a
@@ -56,6 +58,10 @@ _MATPLOTLIB_AVAILABLE: bool = importlib.util.find_spec("matplotlib") is not None
 SCALAR_NAMES = ("baoc/state_bytes", "baoc/saved_fraction", "baoc/total_risk")
 
 _NUMBER_OR_NULL = {"type": ["number", "null"]}
+
+#: Statistics renamed since older records were written: former name -> name. A record that
+#: holds a former name still validates and is shown (:func:`block_stat`).
+RENAMED_STATS: dict[str, str] = {"noise": "snr"}
 
 #: JSON Schema (draft 2020-12) of ``baoc_allocation.json``.
 ALLOCATION_SCHEMA: dict[str, Any] = {
@@ -92,11 +98,14 @@ ALLOCATION_SCHEMA: dict[str, Any] = {
                     "changed": {"type": "boolean"},
                     "stats": {
                         "type": "object",
-                        "required": ["stability", "anisotropy", "noise"],
+                        "required": ["stability", "anisotropy"],
+                        # the SNR, under its name or (older records) its former one
+                        "anyOf": [{"required": ["snr"]}, {"required": ["noise"]}],
                         "properties": {
                             "stability": _NUMBER_OR_NULL,
                             "anisotropy": _NUMBER_OR_NULL,
-                            "noise": _NUMBER_OR_NULL,
+                            "snr": _NUMBER_OR_NULL,
+                            "noise": {**_NUMBER_OR_NULL, "description": "former name of snr, in older records"},
                         },
                         "additionalProperties": _NUMBER_OR_NULL,
                     },
@@ -130,7 +139,7 @@ def build_record(event: AllocationEvent, history: list[Mapping[str, Any]] | None
     blocks = []
     for name, fmt in event.formats.items():
         stats = {k: _finite(v) for k, v in event.statistics.get(name, {}).items()}
-        for key in ("stability", "anisotropy", "noise"):
+        for key in ("stability", "anisotropy", "snr"):
             stats.setdefault(key, None)
         risk = {f: float(r) for f, r in event.risk.get(name, {}).items()}
         blocks.append(
@@ -193,6 +202,8 @@ def _problem(error: Any) -> str:
     if error.validator == "required":
         missing = [k for k in error.validator_value if k not in error.instance]
         return f"{where} misses {missing[0]!r}" if missing else f"{where}: {error.message}"
+    if error.validator == "anyOf" and all(set(s) == {"required"} for s in error.validator_value):
+        return f"{where} misses {error.validator_value[0]['required'][0]!r}"  # a key or its former name
     if error.validator == "type":
         expected = error.validator_value if isinstance(error.validator_value, str) else " or ".join(error.validator_value)
         return f"{where} should be {expected}, got {type(error.instance).__name__}"
@@ -233,6 +244,22 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
     }
 
 
+def block_stat(stats: Mapping[str, Any], key: str) -> Any:
+    """A block's statistic ``key`` from a record's ``stats``, found under its former name
+    (:data:`RENAMED_STATS`) in records written by older versions; ``None`` if absent.
+
+    Example:
+        >>> block_stat({"snr": 0.5}, "snr"), block_stat({"noise": 0.5}, "snr"), block_stat({}, "snr")
+        (0.5, 0.5, None)
+    """
+    if key in stats:
+        return stats[key]
+    for old, new in RENAMED_STATS.items():
+        if new == key and old in stats:
+            return stats[old]
+    return None
+
+
 def _num(value: Any, digits: int = 3) -> str:
     if value is None:
         return "-"
@@ -245,7 +272,7 @@ def _num(value: Any, digits: int = 3) -> str:
 
 
 def allocation_table(record: Mapping[str, Any]) -> Any:
-    """A ``rich.table.Table``: block, parameters, stability, anisotropy, noise, risk, format, bytes,
+    """A ``rich.table.Table``: block, parameters, stability, anisotropy, SNR, risk, format, bytes,
     with the totals (state bytes before and after, fraction saved) in the footer and caption."""
     from rich.table import Table
 
@@ -259,7 +286,7 @@ def allocation_table(record: Mapping[str, Any]) -> Any:
     table.add_column("parameters", justify="right", footer=f"{total_params:,}")
     table.add_column("stability", justify="right")
     table.add_column("anisotropy", justify="right")
-    table.add_column("noise (SNR)", justify="right")
+    table.add_column("SNR", justify="right")
     table.add_column("risk", justify="right", footer=_num(total_risk, 4))
     table.add_column("format")
     table.add_column("bytes", justify="right", footer=format_bytes(record["state_bytes"]))
@@ -271,7 +298,7 @@ def allocation_table(record: Mapping[str, Any]) -> Any:
             f"{b['params']:,}",
             _num(stats.get("stability")),
             _num(stats.get("anisotropy")),
-            _num(stats.get("noise"), 4),
+            _num(block_stat(stats, "snr"), 4),
             _num(b.get("format_risk"), 4),
             fmt,
             format_bytes(b["state_bytes"]),
@@ -324,7 +351,7 @@ FORMAT_COLORS: dict[str, str] = {
 
 
 def plot_allocation(record: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
-    """A PNG of the per-block statistics (stability, anisotropy, noise), risk and state bytes, the
+    """A PNG of the per-block statistics (stability, anisotropy, SNR), risk and state bytes, the
     bars coloured by the chosen format; returns the path."""
     import matplotlib
 
@@ -338,7 +365,7 @@ def plot_allocation(record: Mapping[str, Any], path: str | os.PathLike[str]) -> 
     panels = [
         ("stability (lag-1 cosine)", [b["stats"].get("stability") for b in blocks], False),
         ("anisotropy (CV of row norms)", [b["stats"].get("anisotropy") for b in blocks], False),
-        ("noise: gradient SNR", [b["stats"].get("noise") for b in blocks], True),
+        ("gradient SNR", [block_stat(b["stats"], "snr") for b in blocks], True),
         ("risk of the chosen format", [b.get("format_risk", 0.0) for b in blocks], True),
         ("state bytes", [b["state_bytes"] for b in blocks], True),
     ]
@@ -515,9 +542,11 @@ __all__ = [
     "FORMAT_COLORS",
     "JSON_NAME",
     "PNG_NAME",
+    "RENAMED_STATS",
     "SCALAR_NAMES",
     "allocation_table",
     "announce",
+    "block_stat",
     "ReportSetting",
     "build_record",
     "plot_allocation",

@@ -119,7 +119,7 @@ def test_install_keeps_groups_hyperparameters_and_adamw_behaviour() -> None:
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert [len(g["params"]) for g in opt.param_groups] == [3, 3]
     assert ctl.install(opt, model) is opt  # idempotent
-    assert list(ctl.blocks) == ["0", "2", "4"]
+    assert list(ctl.block_params) == ["0", "2", "4"]
     assert ctl.fp32_state_bytes == 8 * sum(p.numel() for p in model.parameters())
     for step in range(20):
         for m, o in ((model, opt), (twin, ref)):
@@ -280,7 +280,7 @@ def test_reevaluation_migrates_only_changed_blocks_and_inherits_their_state() ->
     event = ctl.maybe_allocate(17)
     assert event is not None and not event.kept
     assert set(event.changed) == {b for b in first if ctl.allocation[b] != first[b]} and big in event.changed
-    moved = {n for b in event.changed for n in ctl.blocks[b]}
+    moved = {n for b in event.changed for n in ctl.block_params[b]}
     assert event.migrated and set(event.migrated) <= moved
     # the reference: the same state, converted by BlockwiseAdamW directly
     twin = _model()
@@ -288,7 +288,7 @@ def test_reevaluation_migrates_only_changed_blocks_and_inherits_their_state() ->
     ref.load_state_dict(snapshot)
     for n, p in ref.named_params.items():
         p.grad = grads[n].clone()
-    ref.set_formats({b: f for b, (_, f) in event.changed.items()}, blocks=ctl.blocks)
+    ref.set_formats({b: f for b, (_, f) in event.changed.items()}, blocks=ctl.block_params)
     for n in opt.named_params:
         got, want, old = opt.param_state(n), ref.param_state(n), before[n]
         for key in ("exp_avg", "exp_avg_sq", "row", "col"):
@@ -372,7 +372,7 @@ def test_state_dict_loads_weights_only_and_rebuilds_the_allocation() -> None:
     assert fresh.phase == "allocated" and fresh.allocation == ctl.allocation and fresh.pending == "epoch"
     named = new_opt.named_params
     for b, f in ctl.allocation.items():
-        assert all(new_opt.requested_format(named[n]) == f for n in ctl.blocks[b])
+        assert all(new_opt.requested_format(named[n]) == f for n in ctl.block_params[b])
     new_opt.load_state_dict(loaded["optimizer"])
     assert new_opt.formats() == opt.formats() and new_opt.state_bytes() == opt.state_bytes()
     assert fresh.sampler.statistics().keys() == ctl.sampler.statistics().keys()

@@ -80,7 +80,7 @@ def test_param_group_added_after_allocation_is_allocated_at_once_within_the_budg
     ctl = BAOCController(memory_budget=0.3, warmup_steps=WARMUP, sample_every=EVERY)
     opt = ctl.install(opt, model)
     (first,) = _train(ctl, model, opt, 0, WARMUP)
-    assert first.reason == "warmup" and set(ctl.blocks) == {"2", "4"}
+    assert first.reason == "warmup" and set(ctl.block_params) == {"2", "4"}
     opt.add_param_group({"params": list(model[0].parameters()), "lr": 1e-3})
     checked: list[int] = []
 
@@ -91,12 +91,12 @@ def test_param_group_added_after_allocation_is_allocated_at_once_within_the_budg
 
     events = _train(ctl, model, opt, WARMUP, 6, within_budget)
     assert [e.reason for e in events] == ["params"] and events[0].step == WARMUP
-    assert set(ctl.blocks) == {"0", "2", "4"} and ctl.blocks["0"] == ["0.weight", "0.bias"]
+    assert set(ctl.block_params) == {"0", "2", "4"} and ctl.block_params["0"] == ["0.weight", "0.bias"]
     assert ctl.fp32_state_bytes == 8 * sum(p.numel() for p in model.parameters())
     assert events[0].memory_budget_bytes == int(0.3 * ctl.fp32_state_bytes)
-    assert len(checked) == 6 and all(opt.step_count(n) == 6 for n in ctl.blocks["0"])
+    assert len(checked) == 6 and all(opt.step_count(n) == 6 for n in ctl.block_params["0"])
     # the new block had no state to score: its risks are the planner's prior
-    shapes = {b: [tuple(p.shape) for p in model[int(b)].parameters()] for b in ctl.blocks}
+    shapes = {b: [tuple(p.shape) for p in model[int(b)].parameters()] for b in ctl.block_params}
     prior = prior_risk(shapes, {b: block_kind(model, b) for b in shapes}, list(events[0].risk["0"]))
     assert events[0].risk["0"] == pytest.approx(prior["0"])
     assert ctl.sampler is not None and set(ctl.sampler.statistics()) == {"0", "2", "4"}
@@ -120,11 +120,11 @@ def test_unfrozen_parameter_already_held_is_taken_into_the_allocation() -> None:
     model[0].requires_grad_(False)  # held by the optimizer, frozen: no state, no block
     ctl = BAOCController(memory_budget=0.3, warmup_steps=WARMUP, sample_every=EVERY)
     opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=2e-3), model)
-    assert "0" not in ctl.blocks
+    assert "0" not in ctl.block_params
     _train(ctl, model, opt, 0, WARMUP)
     model[0].requires_grad_(True)
     events = _train(ctl, model, opt, WARMUP, 3)
-    assert [e.reason for e in events] == ["params"] and "0" in ctl.blocks
+    assert [e.reason for e in events] == ["params"] and "0" in ctl.block_params
     assert opt.state_bytes() <= 0.3 * 8 * sum(p.numel() for p in model.parameters())
     ctl.close()
 
@@ -136,10 +136,10 @@ def test_frozen_group_added_then_unfrozen_is_taken_into_the_allocation() -> None
     _train(ctl, model, opt, 0, WARMUP)
     model[0].requires_grad_(False)
     opt.add_param_group({"params": list(model[0].parameters())})  # frozen when added: nothing to manage
-    assert _train(ctl, model, opt, WARMUP, 1) == [] and "0" not in ctl.blocks
+    assert _train(ctl, model, opt, WARMUP, 1) == [] and "0" not in ctl.block_params
     model[0].requires_grad_(True)
     (event,) = _train(ctl, model, opt, WARMUP + 1, 1)
-    assert event.reason == "params" and "0" in ctl.blocks
+    assert event.reason == "params" and "0" in ctl.block_params
     assert opt.state_bytes() <= 0.3 * 8 * _trained_numel(opt)
     ctl.close()
 
@@ -185,7 +185,7 @@ def test_controller_on_an_accelerator_withholds_offload_without_a_time_budget(cu
     ctl = BAOCController(memory_budget=0.3, warmup_steps=WARMUP, sample_every=EVERY)
     opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=2e-3), model)
     assert ctl._device.type == "cuda" and hardware_mask(ctl._device) == {}  # CUDA's mask: offload is served
-    assert ctl._mask == {"offload": OFFLOAD_NEEDS_TIME_BUDGET} and "offload" not in ctl._allowed
+    assert ctl._withheld == {"offload": OFFLOAD_NEEDS_TIME_BUDGET} and "offload" not in ctl._offered
     (event,) = _train(ctl, model, opt, 0, WARMUP)
     assert "offload" not in event.formats.values() and "offload" not in opt.formats().values()
     assert opt.state_bytes() <= 0.3 * ctl.fp32_state_bytes
@@ -199,7 +199,7 @@ def test_controller_on_an_accelerator_offers_offload_with_a_time_budget(cuda_sha
         memory_budget=0.004, time_budget=30, calibration="prior", warmup_steps=WARMUP, sample_every=EVERY
     )
     opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=2e-3), model)
-    assert "offload" in ctl._allowed and ctl._mask == {}
+    assert "offload" in ctl._offered and ctl._withheld == {}
     (event,) = _train(ctl, model, opt, 0, WARMUP)
     assert "offload" in event.formats.values()
     ctl.close()
@@ -250,7 +250,7 @@ def test_blocks_match_parameters_by_identity_not_by_the_optimizers_names(form: s
         opt = torch.optim.AdamW(holder.net.named_parameters(), lr=2e-3)  # names without "net."
     ctl = BAOCController(memory_budget=0.3, warmup_steps=WARMUP, sample_every=EVERY)
     opt = ctl.install(opt, holder)
-    assert list(ctl.blocks) == ["net.0", "net.2", "net.4"]
+    assert list(ctl.block_params) == ["net.0", "net.2", "net.4"]
     (event,) = _train(ctl, holder.net, opt, 0, WARMUP)
     assert opt.state_bytes() <= 0.3 * ctl.fp32_state_bytes and event.reason == "warmup"
     assert event.block_params["net.0"] == ["net.0.weight", "net.0.bias"]  # reported in the model's names
@@ -378,9 +378,9 @@ def test_frozen_parameter_given_state_by_the_checkpoint_stays_counted_in_the_bud
     model = _model()
     model[0].requires_grad_(False)  # frozen in this run, yet the checkpoint holds its state
     ctl, opt, model = _resume(saved, model)
-    assert "0" not in ctl.blocks and opt.step_count("0.weight") == WARMUP  # state loaded after install
+    assert "0" not in ctl.block_params and opt.step_count("0.weight") == WARMUP  # state loaded after install
     (event,) = _train(ctl, model, opt, WARMUP, 1)
-    assert event.reason == "params" and "0" in ctl.blocks
+    assert event.reason == "params" and "0" in ctl.block_params
     assert ctl.fp32_state_bytes == 8 * sum(p.numel() for p in model.parameters())
     assert opt.state_bytes() <= 0.3 * ctl.fp32_state_bytes
     ctl.close()

@@ -18,7 +18,9 @@ from lightning_baoc.report import (
     ALLOCATION_SCHEMA,
     JSON_NAME,
     PNG_NAME,
+    RENAMED_STATS,
     allocation_table,
+    block_stat,
     build_record,
     plot_allocation,
     scalars,
@@ -30,9 +32,9 @@ from lightning_baoc.report import (
 
 def _event() -> AllocationEvent:
     stats = {
-        "emb": {"stability": 0.12, "anisotropy": 1.8, "noise": 0.001, "noise_fraction": 0.999, "samples": 8.0},
-        "attn": {"stability": math.nan, "anisotropy": 0.9, "noise": 0.02, "noise_fraction": 0.98, "samples": 1.0},
-        "head": {"stability": -0.05, "anisotropy": 1.1, "noise": 0.03, "noise_fraction": 0.97, "samples": 8.0},
+        "emb": {"stability": 0.12, "anisotropy": 1.8, "snr": 0.001, "noise_fraction": 0.999, "samples": 8.0},
+        "attn": {"stability": math.nan, "anisotropy": 0.9, "snr": 0.02, "noise_fraction": 0.98, "samples": 1.0},
+        "head": {"stability": -0.05, "anisotropy": 1.1, "snr": 0.03, "noise_fraction": 0.97, "samples": 8.0},
     }
     risk = {
         b: {"fp32": 0.0, "bf16": 0.01 * (i + 1), "int8": 0.02 * (i + 1), "factored": 0.1}
@@ -75,7 +77,7 @@ def test_record_follows_the_schema_and_is_strict_json(tmp_path: Path) -> None:
         "risk": {"fp32": 0.0, "bf16": 0.02, "int8": 0.04, "factored": 0.1},
         "format_risk": 0.04,
         "changed": True,
-        "stats": {"stability": None, "anisotropy": 0.9, "noise": 0.02, "noise_fraction": 0.98, "samples": 1.0},
+        "stats": {"stability": None, "anisotropy": 0.9, "snr": 0.02, "noise_fraction": 0.98, "samples": 1.0},
     }
     path = write_json(record, tmp_path)
     assert path.name == JSON_NAME
@@ -88,7 +90,8 @@ def test_record_follows_the_schema_and_is_strict_json(tmp_path: Path) -> None:
         (lambda r: r.pop("fp32_state_bytes"), "misses 'fp32_state_bytes'"),
         (lambda r: r.update(step="200"), "$.step should be integer"),
         (lambda r: r["blocks"][0].pop("format"), "misses 'format'"),
-        (lambda r: r["blocks"][0]["stats"].update(noise=float("nan")), "not finite"),
+        (lambda r: r["blocks"][0]["stats"].update(snr=float("nan")), "not finite"),
+        (lambda r: r["blocks"][0]["stats"].pop("snr"), "stats misses 'snr'"),
         (lambda r: r["blocks"][0]["risk"].update(int8=-1.0), "below 0"),
         (lambda r: r["blocks"][0].update(params=True), "should be integer"),
     ],
@@ -105,7 +108,7 @@ def test_table_lists_every_block_with_totals() -> None:
     console = Console(record=True, width=160)
     console.print(allocation_table(record))
     text = console.export_text()
-    for column in ("block", "parameters", "stability", "anisotropy", "noise", "risk", "format", "bytes"):
+    for column in ("block", "parameters", "stability", "anisotropy", "SNR", "risk", "format", "bytes"):
         assert column in text
     for name, fmt in (("emb", "bf16"), ("attn", "int8"), ("head", "fp32")):
         assert any(name in line and fmt in line for line in text.splitlines())
@@ -127,6 +130,40 @@ def test_the_planner_replans_from_the_json(tmp_path: Path) -> None:
     path = write_json(build_record(_event()), tmp_path)
     risk, missing = load_statistics(path, ["emb", "attn", "head"])
     assert missing == [] and risk["attn"]["int8"] == 0.04
+
+
+def _older(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` as earlier versions wrote it: the SNR under its former name, ``noise``."""
+    old = json.loads(json.dumps(record))
+    for block in old["blocks"]:
+        block["stats"]["noise"] = block["stats"].pop("snr")
+    return old
+
+
+def _table_text(record: dict[str, Any]) -> str:
+    console = Console(record=True, width=160)
+    console.print(allocation_table(record))
+    return console.export_text()
+
+
+def test_a_record_of_an_earlier_version_with_noise_still_loads_with_the_same_values(tmp_path: Path) -> None:
+    assert RENAMED_STATS == {"noise": "snr"}
+    record = build_record(_event())
+    old = _older(record)
+    assert all("snr" not in b["stats"] and "noise" in b["stats"] for b in old["blocks"])
+    validate_record(old)
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(old, ALLOCATION_SCHEMA)
+    snr = [block_stat(b["stats"], "snr") for b in record["blocks"]]
+    assert snr == [0.001, 0.02, 0.03] and [block_stat(b["stats"], "snr") for b in old["blocks"]] == snr
+    assert _table_text(old) == _table_text(record) and "0.0200" in _table_text(old)
+    assert plot_allocation(old, tmp_path / PNG_NAME).stat().st_size > 5000
+    (tmp_path / "old").mkdir()
+    old_path = tmp_path / "old" / JSON_NAME
+    old_path.write_text(json.dumps(old))  # as an earlier version left it
+    new_path = write_json(record, tmp_path / "new")
+    names = ["emb", "attn", "head"]
+    assert load_statistics(old_path, names) == load_statistics(new_path, names)
 
 
 class _Logger:

@@ -2,7 +2,7 @@
 
 The package's docstrings head their doctests ``Example:``, which griffe's Google parser reads as an
 admonition titled "Example" and renders as Markdown, so ``>>>`` lines become block quotes and
-``stats["0"]["noise"]`` a broken reference link. Renamed ``Examples:``, the section is parsed as
+``stats["0"]["snr"]`` a broken reference link. Renamed ``Examples:``, the section is parsed as
 examples and the doctests are rendered as Python code.
 """
 

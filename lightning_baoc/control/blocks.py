@@ -42,7 +42,7 @@ class BlocksMixin:
     config: Any
     phase: str
     pending: str | None
-    blocks: dict[str, list[str]]
+    block_params: dict[str, list[str]]
     sampler: GradientSampler | None
     optimizer: BlockwiseAdamW | None
     ring_samples: int
@@ -56,8 +56,8 @@ class BlocksMixin:
     _baseline: int
     _device: torch.device
     _problem: AllocationProblem | None
-    _mask: dict[str, str]
-    _allowed: list[str]
+    _withheld: dict[str, str]
+    _offered: list[str]
     _memory: dict[str, dict[str, int]]
     baseline_state_bytes: int
     check_feasible: Callable[..., None]
@@ -98,9 +98,9 @@ class BlocksMixin:
         raw = partition(module, cfg.granularity, cfg.blocks, keep=keep)
         chosen = set(trainable)
         blocks = {b: [opt_name[id(model_named[n])] for n in names if n in chosen] for b, names in raw.items()}
-        self.blocks = {b: names for b, names in blocks.items() if names}
+        self.block_params = {b: names for b, names in blocks.items() if names}
         self._model_names = {opt_name[id(model_named[n])]: n for n in trainable}
-        self._managed = {id(held[n]) for names in self.blocks.values() for n in names}
+        self._managed = {id(held[n]) for names in self.block_params.values() for n in names}
         self._held_frozen = [p for p in held.values() if id(p) not in self._managed]
         self._group_sizes = tuple(len(g["params"]) for g in opt.param_groups)
 
@@ -108,11 +108,11 @@ class BlocksMixin:
         """Shapes, sizes, the user's baseline, the formats offered and the memory table of the blocks."""
         cfg = self.config
         named = opt.named_params
-        self._shapes = {b: [tuple(named[n].shape) for n in names] for b, names in self.blocks.items()}
-        self._numel = {b: sum(named[n].numel() for n in names) for b, names in self.blocks.items()}
+        self._shapes = {b: [tuple(named[n].shape) for n in names] for b, names in self.block_params.items()}
+        self._numel = {b: sum(named[n].numel() for n in names) for b, names in self.block_params.items()}
         # torch's AdamW holds exp_avg and exp_avg_sq in the parameter's dtype
         self._baseline = sum(
-            2 * named[n].numel() * named[n].element_size() for names in self.blocks.values() for n in names
+            2 * named[n].numel() * named[n].element_size() for names in self.block_params.values() for n in names
         )
         wanted = list(cfg.formats) if cfg.formats is not None else list(FORMATS)
         self._problem = AllocationProblem(
@@ -125,8 +125,8 @@ class BlocksMixin:
             baseline_bytes=self._baseline,
             cache_dir=cfg.calibration_cache_dir,
         )
-        self._mask = self._problem.withheld
-        self._allowed = self._problem.allowed
+        self._withheld = self._problem.withheld
+        self._offered = self._problem.allowed
         self._memory = self._problem.memory
 
     def _restart_sampler(self, module: nn.Module) -> None:
@@ -134,7 +134,7 @@ class BlocksMixin:
         cfg = self.config
         model_named = dict(module.named_parameters())
         sampled = {}
-        for b, names in self.blocks.items():
+        for b, names in self.block_params.items():
             trainable = [self._model_names[n] for n in names if model_named[self._model_names[n]].requires_grad]
             if trainable:
                 sampled[b] = trainable
@@ -153,7 +153,7 @@ class BlocksMixin:
         named = self.optimizer.named_params
         small = [
             n
-            for names in self.blocks.values()
+            for names in self.block_params.values()
             for n in names
             if named[n].element_size() < 4 and self.optimizer.requested_format(named[n]) == "fp32"
         ]
@@ -200,7 +200,7 @@ class BlocksMixin:
         self._restart_sampler(self._module)
         log.info(
             f"BAOC: {len(self._managed) - before} parameter tensor(s) joined the optimizer after install; "
-            f"{len(self.blocks)} blocks now, AdamW state {format_bytes(self.baseline_state_bytes)}"
+            f"{len(self.block_params)} blocks now, AdamW state {format_bytes(self.baseline_state_bytes)}"
         )
         if self.phase == "allocated":
             self.pending = "params"

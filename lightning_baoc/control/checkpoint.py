@@ -38,7 +38,7 @@ class CheckpointMixin:
     config: Any
     phase: str
     allocation: dict[str, str]
-    blocks: dict[str, list[str]]
+    block_params: dict[str, list[str]]
     pending: str | None
     best: float | None
     wait: int
@@ -48,7 +48,7 @@ class CheckpointMixin:
     sampler: Any
     optimizer: Any
     _loaded: dict[str, Any] | None
-    _allowed: list[str]
+    _offered: list[str]
     installed: bool
 
     def state_dict(self) -> dict[str, Any]:
@@ -61,7 +61,7 @@ class CheckpointMixin:
             "version": STATE_VERSION,
             "phase": self.phase,
             "allocation": dict(self.allocation),
-            "blocks": {b: list(n) for b, n in self.blocks.items()},
+            "blocks": {b: list(n) for b, n in self.block_params.items()},
             "pending": self.pending,
             "best": self.best,
             "wait": self.wait,
@@ -118,7 +118,7 @@ class CheckpointMixin:
         # states written before the settings were saved carry the budgets only
         saved = sd.get("settings") or {**current, "memory_budget": sd["memory_budget"], "time_budget": sd["time_budget"]}
         changed = [k for k in ALLOCATION_SETTINGS if k in saved and saved[k] != current[k]]
-        same_blocks = not saved_blocks or saved_blocks == self.blocks
+        same_blocks = not saved_blocks or saved_blocks == self.block_params
         per_param = {}
         if not same_blocks and sd["phase"] == "allocated":
             per_param = self._map_allocation(saved_blocks, dict(sd["allocation"]), saved, changed)
@@ -134,14 +134,14 @@ class CheckpointMixin:
             if sd["sampler"] is not None:
                 self.sampler.load_state_dict(sd["sampler"])
             if self.allocation:
-                self.optimizer.set_formats(self.allocation, blocks=self.blocks)
+                self.optimizer.set_formats(self.allocation, blocks=self.block_params)
         else:
             # the saved ring holds samples of other blocks: statistics start afresh
             self.ring_samples = 0
             if per_param:
                 self.optimizer.set_formats(per_param)
             self.allocation = {}
-            for b, names in self.blocks.items():
+            for b, names in self.block_params.items():
                 held = {per_param[n] for n in names if n in per_param}
                 if len(held) == 1:
                     self.allocation[b] = held.pop()
@@ -154,7 +154,7 @@ class CheckpointMixin:
                 )
         # a format the formats offered here lack (menu changed, or another device: offload
         # checkpointed on a GPU, resumed on a CPU) must not run a step, whatever the state says
-        unoffered = {f for f in self.allocation.values() if f not in self._allowed}
+        unoffered = {f for f in self.allocation.values() if f not in self._offered}
         if self.phase == "allocated" and (changed or not same_blocks or unoffered):
             self.pending = "settings"
             log.info("BAOC: %s changed since the checkpoint: re-allocating before the next step", changed or "blocks")
@@ -164,7 +164,7 @@ class CheckpointMixin:
     ) -> dict[str, str]:
         """The saved formats per parameter, for this run's parameters; raises if one has none."""
         per_param = {n: allocation[b] for b, names in saved_blocks.items() if b in allocation for n in names}
-        ours = [n for names in self.blocks.values() for n in names]
+        ours = [n for names in self.block_params.values() for n in names]
         missing = [n for n in ours if n not in per_param]
         if missing:
             raise ValueError(

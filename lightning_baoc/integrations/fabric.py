@@ -22,16 +22,16 @@ instance of a subclass of both ``BAOCStrategy`` and the Fabric strategy it exten
 Epochs and validation are the loop's own: call ``strategy.on_train_epoch_end(epoch)`` and
 ``strategy.on_validation_end(value)`` between optimizer steps (or register the strategy as a
 Fabric callback, ``Fabric(strategy=s, callbacks=[s])``, and use ``fabric.call``; the strategy then
-also finds ``fabric.loggers`` for its scalars). Checkpoints: put ``strategy.baoc`` (the
-controller, which has ``state_dict``/``load_state_dict``) into the state given to
-``fabric.save``/``fabric.load``.
+also finds ``fabric.loggers`` for its scalars). Checkpoints: put ``strategy.controller`` (the
+:class:`~lightning_baoc.controller.BAOCController`, which has ``state_dict``/``load_state_dict``),
+under a key of your choice, into the state given to ``fabric.save``/``fabric.load``.
 
 Example:
     >>> strategy = BAOCStrategy(memory_budget=0.3, warmup_steps=100)  # doctest: +SKIP
     >>> fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)  # doctest: +SKIP
     >>> model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters()))  # doctest: +SKIP
     >>> ...  # the usual loop: fabric.backward(loss); optimizer.step()  # doctest: +SKIP
-    >>> fabric.save("ckpt.pt", {"model": model, "optimizer": optimizer, "baoc": strategy.baoc})  # doctest: +SKIP
+    >>> fabric.save("ckpt.pt", {"model": model, "optimizer": optimizer, "baoc": strategy.controller})  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -72,14 +72,16 @@ class BAOCStrategy:
         risk_fn: a risk model replacing :func:`lightning_baoc.risk.risk_table` (default: ``None``).
 
     Attributes:
-        baoc: the :class:`~lightning_baoc.controller.BAOCController` (checkpoint it).
+        controller: the :class:`~lightning_baoc.controller.BAOCController` (checkpoint it) (the
+            name :class:`~lightning_baoc.BAOC` gives it too).
+        baoc: the same object, read-only (its former name, kept).
         last_record: the JSON record of the last allocation (``None`` before the first).
         last_metrics: its logger scalars (``{}`` before the first).
 
     Example:
         >>> s = BAOCStrategy(memory_budget=0.3, warmup_steps=40)
         >>> from lightning.fabric.strategies import SingleDeviceStrategy
-        >>> isinstance(s, SingleDeviceStrategy), s.baoc.config.warmup_steps
+        >>> isinstance(s, SingleDeviceStrategy), s.controller.config.warmup_steps
         (True, 40)
     """
 
@@ -101,7 +103,7 @@ class BAOCStrategy:
         risk_fn: Callable[..., Any] | None = None,
     ) -> None:
         config, own = split_settings(settings)
-        self.baoc = BAOCController(config, risk_fn)
+        self.controller = BAOCController(config, risk_fn)
         self.report_dir = None if report_dir is None else os.fspath(report_dir)
         self.reporter = AllocationReporter(own["report"], "BAOCStrategy")  # optional dependencies: checked now
         self._baoc_module: nn.Module | None = None
@@ -127,7 +129,7 @@ class BAOCStrategy:
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """``fabric.setup_optimizers`` path: install on the module set up before."""
-        if not self.baoc.installed or optimizer is not self.baoc.optimizer:
+        if not self.controller.installed or optimizer is not self.controller.optimizer:
             if self._baoc_module is None:
                 raise RuntimeError(
                     "BAOCStrategy: set the model up before its optimizer (fabric.setup(model, optimizer) "
@@ -143,10 +145,10 @@ class BAOCStrategy:
                 f"torch.optim.AdamW/Adam (several param groups are fine)."
             )
         old = optimizers[0]
-        if self.baoc.installed and old is self.baoc.optimizer:
+        if self.controller.installed and old is self.controller.optimizer:
             return old
         assert self._baoc_module is not None
-        new = self.baoc.install(old, self._baoc_module)
+        new = self.controller.install(old, self._baoc_module)
         if new is not old:
             if scheduler is not None:
                 rebind_scheduler(scheduler, new)
@@ -154,8 +156,8 @@ class BAOCStrategy:
             # the learning rate: both optimizers now share the same param-group dicts.
             old.param_groups = new.param_groups
             self._baoc_replaced = weakref.ref(old)
-        self.baoc.check_feasible(self.broadcast, self.is_global_zero)  # type: ignore[attr-defined]
-        rank_zero_info(self.baoc.summary())
+        self.controller.check_feasible(self.broadcast, self.is_global_zero)  # type: ignore[attr-defined]
+        rank_zero_info(self.controller.summary())
         return new
 
     # ------------------------------------------------------------------ the step
@@ -163,16 +165,16 @@ class BAOCStrategy:
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Take in new parameters (re-allocating before the step if due), sample the gradients,
         step, then allocate if due (between steps)."""
-        event = self.baoc.before_step(self.baoc.steps, self.broadcast, self.is_global_zero)  # type: ignore[attr-defined]
+        event = self.controller.before_step(self.controller.steps, self.broadcast, self.is_global_zero)  # type: ignore[attr-defined]
         if event is not None:
             self._baoc_report(event)
         if "closure" not in kwargs:  # with a closure the gradients do not exist yet
-            self.baoc.observe(self.baoc.steps, grad_scale=self._baoc_grad_scale(optimizer))
+            self.controller.observe(self.controller.steps, grad_scale=self._baoc_grad_scale(optimizer))
         output = super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
         old = self._baoc_replaced() if self._baoc_replaced is not None else None
         if old is not None:
             old._opt_called = True  # type: ignore[attr-defined]  # for a scheduler left on it
-        self.baoc.step_completed()
+        self.controller.step_completed()
         self._baoc_maybe_allocate()
         return output
 
@@ -193,14 +195,19 @@ class BAOCStrategy:
         return scale if math.isfinite(scale) and scale > 0 else None
 
     def _baoc_maybe_allocate(self) -> AllocationEvent | None:
-        event = self.baoc.maybe_allocate(self.baoc.steps, self.broadcast, self.is_global_zero)  # type: ignore[attr-defined]
+        event = self.controller.maybe_allocate(self.controller.steps, self.broadcast, self.is_global_zero)  # type: ignore[attr-defined]
         if event is not None:
             self._baoc_report(event)
         return event
 
     def _baoc_report(self, event: AllocationEvent) -> None:
         is_zero = bool(self.is_global_zero)  # type: ignore[attr-defined]
-        self.reporter(event, self.baoc.history, self.report_dir, is_zero, self._baoc_loggers, rank_zero_info)
+        self.reporter(event, self.controller.history, self.report_dir, is_zero, self._baoc_loggers, rank_zero_info)
+
+    @property
+    def baoc(self) -> BAOCController:
+        """The controller, :attr:`controller` (its former name, kept; read-only)."""
+        return self.controller
 
     @property
     def report(self) -> bool:
@@ -226,7 +233,7 @@ class BAOCStrategy:
 
     def on_train_epoch_end(self, epoch: int, **_: Any) -> None:
         """Count an epoch for ``reevaluate_every_n_epochs``; re-evaluates at once if due."""
-        self.baoc.epoch_end(int(epoch))
+        self.controller.epoch_end(int(epoch))
         self._baoc_maybe_allocate()
 
     def on_validation_end(self, value: float | torch.Tensor | None = None, **_: Any) -> None:
@@ -234,12 +241,12 @@ class BAOCStrategy:
         if isinstance(value, torch.Tensor):
             value = float(value.item())
         value = self.broadcast(value)  # type: ignore[attr-defined]
-        self.baoc.validation_end(value)
+        self.controller.validation_end(value)
         self._baoc_maybe_allocate()
 
     def set_budget(self, memory_budget: int | float | str | None = None, time_budget: float | str | None = None) -> None:
         """Change a budget mid-training (on every rank); the next step re-evaluates against it."""
-        self.baoc.set_budget(memory_budget, time_budget)
+        self.controller.set_budget(memory_budget, time_budget)
 
     def on_after_setup(self, fabric: Any, module: Any = None, **_: Any) -> None:
         """Fabric callback hook (when the strategy is also a callback): pick up ``fabric.loggers``."""
@@ -247,7 +254,7 @@ class BAOCStrategy:
 
     def teardown(self) -> None:
         """Stop the sampler's worker, then the base strategy's teardown."""
-        self.baoc.close()
+        self.controller.close()
         super().teardown()  # type: ignore[misc]
 
 

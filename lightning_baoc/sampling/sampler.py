@@ -394,9 +394,11 @@ class GradientSampler:
           :func:`~lightning_baoc.statistics.directional_stability` of consecutive ring samples;
         - ``anisotropy``: :func:`~lightning_baoc.statistics.scale_anisotropy`, the mean over
           samples of the CV of row norms (numel-weighted over the block's matrices);
-        - ``noise``: :func:`~lightning_baoc.statistics.gradient_snr`, the gradient
-          **signal-to-noise ratio** over the ring (higher = less noise), and
-          ``noise_fraction = 1 / (1 + noise)`` in ``[0, 1]``;
+        - ``snr``: :func:`~lightning_baoc.statistics.gradient_snr`, the gradient
+          **signal-to-noise ratio** over the ring (higher = less noise; its former name ``noise``
+          is still read from older reports, see :data:`lightning_baoc.report.RENAMED_STATS`), and
+          ``noise_fraction = 1 / (1 + snr)`` in ``[0, 1]``, the share of the gradient's power
+          that is noise;
         - ``nonfinite``, ``missing``: sampling steps skipped for non-finite values / absent
           gradients (since the last reset);
         - ``first_step``, ``last_step``: steps of the oldest and newest valid sample (-1 if none).
@@ -415,7 +417,7 @@ class GradientSampler:
                     "stability": float(cos.mean()) if cos.numel() else math.nan,
                     "persistence": S.directional_stability(x),
                     "anisotropy": float(cv.mean()) if cv.numel() else math.nan,
-                    "noise": snr,
+                    "snr": snr,
                     "noise_fraction": S.noise_fraction(snr),
                     "nonfinite": b.nonfinite,
                     "missing": b.missing,

@@ -399,7 +399,7 @@ def test_fabric_param_group_added_after_the_allocation_stays_within_the_budget()
         opt.step()
         opt.zero_grad()
         used.append((inner.state_bytes(), 8 * _trained_numel(inner)))
-    history = [(h["reason"], h["step"]) for h in strategy.baoc.history]
+    history = [(h["reason"], h["step"]) for h in strategy.controller.history]
     assert history == [("warmup", WARMUP), ("params", WARMUP + 1)]
     assert all(state <= 0.3 * fp32 for state, fp32 in used[WARMUP:]) and used[-1][1] > used[WARMUP][1]
     strategy.teardown()

@@ -115,7 +115,7 @@ def test_plateau_reevaluation_migrates_only_changed_blocks(tmp_path: Path) -> No
     # set_formats was asked for the changed blocks only
     assert set(call["formats"]) == set(event.changed)
     assert call["formats"] == {b: new for b, (_, new) in event.changed.items()}
-    moved = {n for b in event.changed for n in baoc.controller.blocks[b]}
+    moved = {n for b in event.changed for n in baoc.controller.block_params[b]}
     assert call["result"] and set(call["result"]) <= moved
     # reference: the same states converted by a fresh BlockwiseAdamW
     twin = PlateauModule()

@@ -99,7 +99,8 @@ def test_fabric_lifecycle_budget_schedule_and_loss(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # e.g. the scheduler's "optimizer.step() overridden"
         _loop(fabric, model, opt, sched, on_step=lambda s: lrs.append([g["lr"] for g in inner.param_groups]))
-    ctl = strategy.baoc
+    ctl = strategy.controller
+    assert strategy.baoc is ctl  # the former name, kept as a read-only alias
     assert ctl.phase == "allocated" and ctl.history[0]["step"] == 12
     assert inner.state_bytes() <= 0.3 * ctl.fp32_state_bytes
     assert (tmp_path / JSON_NAME).exists() and strategy.last_record["step"] == 12
@@ -139,7 +140,7 @@ def test_fabric_checkpoint_resume_is_bit_equal(save_at: int, tmp_path: Path) -> 
         fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
         model, opt, sched = _objects()
         model, opt, sched = fabric.setup(model, opt, scheduler=sched)
-        state = {"model": model, "optimizer": opt, "scheduler": sched, "baoc": strategy.baoc}
+        state = {"model": model, "optimizer": opt, "scheduler": sched, "baoc": strategy.controller}
         if load is not None:
             fabric.load(load, state)
         # an "epoch" ends every 10 steps: a re-evaluation becomes due at step 20 (fresh samples)
@@ -155,7 +156,7 @@ def test_fabric_checkpoint_resume_is_bit_equal(save_at: int, tmp_path: Path) -> 
     assert ckpt["baoc"]["phase"] == ("warmup" if save_at < 12 else "allocated")
     (model, opt, strategy), losses = run(STEPS, load=path, start=save_at)
     assert losses == {s: v for s, v in ref_losses.items() if s >= save_at}
-    assert strategy.baoc.history == ref_strategy.baoc.history and len(ref_strategy.baoc.history) >= 2
+    assert strategy.controller.history == ref_strategy.controller.history and len(ref_strategy.controller.history) >= 2
     assert opt.formats() == ref_opt.formats() and opt.state_bytes() == ref_opt.state_bytes()
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(p, q)
@@ -170,12 +171,12 @@ def test_triggers_through_fabric_call_and_loggers(tmp_path: Path) -> None:
     model, opt, sched = _objects()
     model, opt, sched = fabric.setup(model, opt, scheduler=sched)
     _loop(fabric, model, opt, sched, stop=14)
-    assert strategy.baoc.phase == "allocated"
+    assert strategy.controller.phase == "allocated"
     for _ in range(3):
         fabric.call("on_validation_end", value=torch.tensor(1.0))  # never improves
-    assert strategy.baoc.pending == "plateau"
+    assert strategy.controller.pending == "plateau"
     _loop(fabric, model, opt, sched, start=14, stop=22)
-    assert [h["reason"] for h in strategy.baoc.history] == ["warmup", "plateau"]
+    assert [h["reason"] for h in strategy.controller.history] == ["warmup", "plateau"]
     logger.finalize("success")
     text = (Path(logger.log_dir) / "metrics.csv").read_text()
     assert "baoc/state_bytes" in text and "baoc/total_risk" in text

@@ -82,7 +82,7 @@ def test_independent_noise_gives_stability_zero(closing: list[GradientSampler]) 
     stats = sampler.statistics()["0"]
     assert stats["elements"] == 4096  # 10100 elements subsampled
     assert abs(stats["stability"]) < 0.02
-    assert stats["noise"] < 0.01 and stats["noise_fraction"] > 0.99
+    assert stats["snr"] < 0.01 and stats["noise_fraction"] > 0.99
 
 
 @pytest.mark.parametrize("snr", [0.2, 1.0, 5.0])
@@ -97,7 +97,7 @@ def test_known_snr_is_recovered_within_ten_percent(snr: float, closing: list[Gra
     closing.append(sampler)
     feed(sampler, model, lambda t, n, p: mean[n] + torch.randn(p.shape, generator=g), range(32))
     stats = sampler.statistics()["0"]
-    assert stats["noise"] == pytest.approx(snr, rel=0.10)
+    assert stats["snr"] == pytest.approx(snr, rel=0.10)
     assert stats["stability"] == pytest.approx(snr / (1 + snr), abs=0.05)
 
 
@@ -184,7 +184,7 @@ def test_sampler_matches_the_pure_reducers_on_full_gradients(closing: list[Gradi
             cvs.append(weighted / sum(weights))
         assert stats[block]["stability"] == pytest.approx(float(torch.stack(pairs).mean()), rel=1e-6)
         assert stats[block]["persistence"] == pytest.approx(S.directional_stability(samples), rel=1e-6)
-        assert stats[block]["noise"] == pytest.approx(S.gradient_snr(samples), rel=1e-6, abs=1e-12)
+        assert stats[block]["snr"] == pytest.approx(S.gradient_snr(samples), rel=1e-6, abs=1e-12)
         assert stats[block]["anisotropy"] == pytest.approx(sum(cvs) / len(cvs), rel=1e-6)
         assert stats[block]["first_step"] == main[0] and stats[block]["last_step"] == main[-1]
 
@@ -243,7 +243,7 @@ def test_non_finite_gradients_are_skipped_and_counted(closing: list[GradientSamp
     assert sampler.nonfinite_count == {"0": 1, "2": 1}
     stats = sampler.statistics()
     assert stats["0"]["samples"] == 7 and stats["2"]["samples"] == 7
-    assert all(math.isfinite(s[k]) for s in stats.values() for k in ("stability", "anisotropy", "noise"))
+    assert all(math.isfinite(s[k]) for s in stats.values() for k in ("stability", "anisotropy", "snr"))
     assert 3 not in sampler.history("2").steps.tolist()
     assert 3 in sampler.history("0").steps.tolist()
 
@@ -272,7 +272,7 @@ def test_grad_scale_is_divided_out(closing: list[GradientSampler]) -> None:
     torch.testing.assert_close(scaled.history("0").samples, plain.history("0").samples)
     a, b = plain.statistics(), scaled.statistics()
     for block in a:
-        for key in ("stability", "anisotropy", "noise"):
+        for key in ("stability", "anisotropy", "snr"):
             assert b[block][key] == pytest.approx(a[block][key], rel=1e-5)
     with pytest.raises(ValueError, match="grad_scale must be a finite number > 0"):
         plain.sample(6, grad_scale=0.0)
