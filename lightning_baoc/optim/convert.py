@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
-from lightning_baoc.formats import FORMATS, StepHyper, factor_dims
+from lightning_baoc.formats import StepHyper, factor_dims
 from lightning_baoc.formats.adam_math import chunk_ranges
 from lightning_baoc.formats.base import StateFormat, numel_of
 

@@ -41,7 +41,6 @@ from lightning_baoc.optim.pools import Pool as _Pool
 from lightning_baoc.optim.pools import PoolsMixin
 from lightning_baoc.optim.pools import Record as _Record
 from lightning_baoc.optim.pools import device_key as _device_key
-from lightning_baoc.optim.pools import storage_device as _storage_device
 
 
 class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
@@ -130,6 +129,8 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
         self._records: dict[Tensor, _Record] = {}
         self._names: dict[str, Tensor] = {}
         self._pools: dict[tuple[str, str], _Pool] = {}
+        self._live_bytes = 0
+        self._peak_bytes = 0
         self._generators: dict[str, torch.Generator] = {}
         self._external_names: dict[int, str] = {}
         if param_names is not None:
@@ -420,43 +421,6 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
     def nonfinite_counts(self) -> dict[str, int]:
         """Parameter name -> number of steps skipped because its gradient was not finite."""
         return {rec.name: rec.nonfinite for rec in self._records.values() if rec.nonfinite}
-
-    # ------------------------------------------------------------------ accounting
-
-    def state_bytes(self, by_group: bool = False) -> int | list[int]:
-        """Bytes of optimizer state held on the training devices.
-
-        Equal to the storage really allocated (every pool counted once, codes, scales and factors
-        included). Host-offloaded state of accelerator parameters is not device memory and is
-        reported by :meth:`host_state_bytes`; when training runs on the CPU, ``offload`` states are
-        on the training device and counted here in full.
-
-        Args:
-            by_group: return a list with the bytes of each param group instead of the total.
-        """
-        return self._bytes(host=False, by_group=by_group)
-
-    def host_state_bytes(self, by_group: bool = False) -> int | list[int]:
-        """Bytes of state offloaded to host memory for parameters that train on an accelerator."""
-        return self._bytes(host=True, by_group=by_group)
-
-    def _bytes(self, host: bool, by_group: bool) -> int | list[int]:
-        per_group = [0] * len(self.param_groups)
-        for p, rec in self._records.items():
-            if rec.format is None:
-                continue
-            on_host = _storage_device(rec.format, p.device) != p.device
-            if on_host == host:
-                per_group[rec.group] += FORMATS[rec.format].state_bytes(p.shape)
-        return per_group if by_group else sum(per_group)
-
-    def state_tensors(self) -> list[Tensor]:
-        """Every tensor of optimizer state (views into the pools), for inspection and tests."""
-        return [t for rec in self._records.values() if rec.views for t in rec.views.values()]
-
-    def pool_bytes(self) -> dict[tuple[str, str], int]:
-        """(format, parameter device) -> bytes of that pool's storage (its segments, one per parameter)."""
-        return {key: pool.nbytes for key, pool in self._pools.items()}
 
     def param_state(self, name_or_param: str | Tensor) -> Canonical | None:
         """A parameter's state decoded to fp32 (``None`` before its first step)."""

@@ -89,6 +89,7 @@ class PersistenceMixin:
             for k, t in target.items():
                 t.copy_(saved_views[p][k])
 
+        self._live_bytes = 0  # the copy holds no state until its pools are built
         self._pools, views = self._fresh_pools(formats, fill)
         for p, v in views.items():
             self._records[p].views = v
@@ -268,6 +269,7 @@ class PersistenceMixin:
         for group, update in zip(self.param_groups, plan.groups):
             group.update(update)
         self._pools = pools
+        self._live_bytes = 0  # recounted below, once the records point at the new pools
         self._generators = generators
         for p, rec in self._records.items():
             loaded = plan.entries.get(p)
@@ -277,6 +279,7 @@ class PersistenceMixin:
             rec.views = views.get(p)
             rec.step = loaded.steps if loaded else 0
             rec.m_step = loaded.m_step if loaded and FORMATS[formats[p]].has_momentum else 0
+        self._live_bytes = int(self.state_bytes())  # type: ignore[attr-defined]
 
     def to_adamw_state_dict(self) -> dict[str, Any]:
         """Export as a plain ``torch.optim.AdamW`` state dict (fp32, dequantized).

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -77,6 +77,66 @@ class PoolsMixin:
     _records: dict[Tensor, Record]
     _pools: dict[tuple[str, str], Pool]
     _hyper_for: Callable[[Tensor], StepHyper]  # the optimizer's: a parameter's group hyperparameters
+    param_groups: list[dict[str, Any]]
+    _live_bytes: int  # state bytes allocated on the training devices, transient segments included
+    _peak_bytes: int  # the high-water mark of _live_bytes
+
+    def _count_allocated(self, nbytes: int) -> None:
+        self._live_bytes += nbytes
+        self._peak_bytes = max(self._peak_bytes, self._live_bytes)
+
+    # ------------------------------------------------------------------ accounting
+
+    def state_bytes(self, by_group: bool = False) -> int | list[int]:
+        """Bytes of optimizer state held on the training devices.
+
+        Equal to the storage really allocated (every pool counted once, codes, scales and factors
+        included). Host-offloaded state of accelerator parameters is not device memory and is
+        reported by :meth:`host_state_bytes`; when training runs on the CPU, ``offload`` states are
+        on the training device and counted here in full.
+
+        Args:
+            by_group: return a list with the bytes of each param group instead of the total.
+        """
+        return self._bytes(host=False, by_group=by_group)
+
+    def host_state_bytes(self, by_group: bool = False) -> int | list[int]:
+        """Bytes of state offloaded to host memory for parameters that train on an accelerator."""
+        return self._bytes(host=True, by_group=by_group)
+
+    def _bytes(self, host: bool, by_group: bool) -> int | list[int]:
+        per_group = [0] * len(self.param_groups)
+        for p, rec in self._records.items():
+            if rec.format is None:
+                continue
+            on_host = storage_device(rec.format, p.device) != p.device
+            if on_host == host:
+                per_group[rec.group] += FORMATS[rec.format].state_bytes(p.shape)
+        return per_group if by_group else sum(per_group)
+
+    @property
+    def peak_state_bytes(self) -> int:
+        """The most state bytes held on the training devices at any moment since construction or
+        :meth:`reset_peak_state_bytes`, the transients of conversions and loads included.
+
+        Counted where segments are allocated and released, so it is exact for the state itself;
+        the fp32 scratch of a conversion (a few slices of ``chunk_size`` elements) is not state.
+        """
+        return self._peak_bytes
+
+    def reset_peak_state_bytes(self) -> None:
+        """Start :attr:`peak_state_bytes` again from the state held now."""
+        self._peak_bytes = self._live_bytes
+
+    def state_tensors(self) -> list[Tensor]:
+        """Every tensor of optimizer state (views into the pools), for inspection and tests."""
+        return [t for rec in self._records.values() if rec.views for t in rec.views.values()]
+
+    def pool_bytes(self) -> dict[tuple[str, str], int]:
+        """(format, parameter device) -> bytes of that pool's storage (its segments, one per parameter)."""
+        return {key: pool.nbytes for key, pool in self._pools.items()}
+
+    # ------------------------------------------------------------------ conversion
 
     def _rebuild(
         self,
@@ -128,7 +188,9 @@ class PoolsMixin:
             old_key = (rec.format, dev)
             pool = self._pools.get(old_key)
             if pool is not None:
-                pool.segments.pop(p, None)
+                released = pool.segments.pop(p, None)
+                if released is not None and pool.storage_device == p.device:
+                    self._live_bytes -= released.untyped_storage().nbytes()
                 if not pool.segments:
                     del self._pools[old_key]
         pool = self._pools.setdefault((fmt, dev), Pool(fmt, storage_device(fmt, p.device)))
@@ -171,6 +233,8 @@ class PoolsMixin:
                     total += spec.nbytes
         pin = storage.type == "cpu" and FORMATS[fmt].offloaded and torch.cuda.is_available()
         buffer = torch.zeros(total, dtype=torch.uint8, device=storage, pin_memory=pin)
+        if storage == p.device:  # host memory of an accelerator's parameter is not device state
+            self._count_allocated(total)
         views: dict[str, Tensor] = {}
         for spec in layout:
             if spec.key in offsets:

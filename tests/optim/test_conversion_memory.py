@@ -1,0 +1,148 @@
+"""A conversion holds at most one parameter's old state above the steady state, measured on the allocator.
+
+``set_formats`` converts one parameter at a time (those whose state shrinks first), streaming each
+in slices of ``chunk_size`` elements (``lightning_baoc.optim.convert``). The bound documented in
+``lightning_baoc.optim.pools``: at any moment the state allocated is at most
+``max(before, after) + min(old, new)`` of the one parameter being converted, plus a few fp32 slices
+of scratch. Here the allocator's own record of every allocation and free during the conversion
+(torch's profiler with ``profile_memory=True`` on the CPU; ``torch.cuda.max_memory_allocated`` on
+CUDA) gives the peak, whatever allocated it: pools, scratch, index tensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from lightning_baoc import BlockwiseAdamW
+
+CHUNK = 4096  # slices of 4096 elements: scratch of a few hundred KiB, far below one block's state
+
+
+def _model(seed: int = 0) -> nn.Sequential:
+    """46 parameters of mixed sizes; the largest weight is 384 x 384 (1.2 MB of fp32 AdamW state)."""
+    torch.manual_seed(seed)
+    widths = [64, 128, 192, 256, 320, 384] * 4
+    layers: list[nn.Module] = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        layers += [nn.Linear(a, b), nn.LayerNorm(b)]
+    return nn.Sequential(*layers)
+
+
+def _stepped(model: nn.Module, fmt: str = "fp32") -> BlockwiseAdamW:
+    opt = BlockwiseAdamW(model.named_parameters(), lr=1e-3, state_format=fmt, min_8bit_numel=0, chunk_size=CHUNK)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(8, 64)).square().mean().backward()
+        opt.step()
+    return opt
+
+
+_MARK = 12_345  # bytes of the marker allocations around the measured region (an unlikely size)
+
+
+def _peak_above_start(setup, fn):  # type: ignore[no-untyped-def]
+    """Run ``setup()`` then ``fn(setup's result)`` under the allocator's profiler; the largest
+    (allocated - freed) bytes at any moment of ``fn`` above what was live when it began, and the
+    result of ``setup``.
+
+    Everything is allocated inside the profiled region (the profiler reports the size of a free
+    only for blocks it saw allocated), and no ``record_function`` scope is opened (frees in a
+    scope are booked at its start): the region is marked by two allocations of ``_MARK`` bytes.
+    """
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        made = setup()
+        first = torch.empty(_MARK, dtype=torch.uint8)  # held: its free would fall inside the region
+        fn(made)
+        last = torch.empty(_MARK, dtype=torch.uint8)
+        del first, last
+    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
+    marks = [i for i, e in enumerate(events) if e.name == "aten::empty" and e.self_cpu_memory_usage == _MARK]
+    assert len(marks) == 2, "the profiler did not record the markers"
+    base = sum(e.self_cpu_memory_usage for e in events[: marks[0]])
+    live = peak = base
+    for event in events[marks[0] + 1 : marks[1]]:
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak - base, made
+
+
+def _mixed_allocation(opt: BlockwiseAdamW) -> dict[str, str]:
+    """A mix of shrinking and growing conversions (depending on where each parameter starts)."""
+    cycle = ["int8", "factored", "bf16", "nomomentum_int8", "int8_factored", "fp32", "nomomentum"]
+    out = {}
+    for i, (name, p) in enumerate(opt.named_params.items()):
+        fmt = cycle[i % len(cycle)]
+        out[name] = fmt if (p.dim() == 2 or "factored" not in fmt) else "nomomentum"
+    return out
+
+
+@pytest.mark.parametrize("start", ["fp32", "int8", "mixed"])
+def test_conversion_transient_is_at_most_the_largest_old_state(start: str) -> None:
+    figures: dict[str, int] = {}
+
+    def setup() -> tuple[BlockwiseAdamW, dict[str, str]]:
+        model = _model()
+        opt = _stepped(model, "fp32" if start == "mixed" else start)
+        if start == "mixed":
+            opt.set_formats(_mixed_allocation(opt))
+            targets = {n: "fp32" if f != "fp32" else "int8" for n, f in opt.formats().items()}
+        elif start == "fp32":
+            targets = _mixed_allocation(opt)
+        else:
+            targets = {n: "fp32" for n in opt.named_params}  # every state grows
+        figures["before"] = opt.state_bytes()
+        opt.reset_peak_state_bytes()
+        figures["largest_old"] = max(
+            sum(t.untyped_storage().nbytes() for t in opt._records[p].views.values())
+            for p in opt.named_params.values()
+        )
+        return opt, targets
+
+    peak, (opt, targets) = _peak_above_start(setup, lambda made: made[0].set_formats(made[1]))
+    before, after, largest_old = figures["before"], opt.state_bytes(), figures["largest_old"]
+    transient = before + peak - max(before, after)
+    print(f"{start}: before {before:,} B, after {after:,} B, peak {before + peak:,} B, "
+          f"transient {transient:,} B, largest old state {largest_old:,} B")
+    assert opt.formats() == targets and before != after  # the conversion really moved state
+    assert 0 < transient <= largest_old
+    # the optimizer's own high-water mark: at least the steady states, at most what the allocator saw
+    assert max(before, after) < opt.peak_state_bytes <= before + peak
+    assert opt._live_bytes == after
+
+
+def test_the_allocator_measure_sees_a_copy_of_every_state() -> None:
+    """The measure itself: building every new state before freeing the old ones (what a one-shot
+    conversion does) shows up as a transient of the whole state, many times one parameter's."""
+
+    def copy_all(opt: BlockwiseAdamW) -> None:
+        copies = [{k: t.clone() for k, t in rec.views.items()} for rec in opt._records.values()]
+        del copies
+
+    peak, opt = _peak_above_start(lambda: _stepped(_model()), copy_all)
+    assert opt.state_bytes() <= peak < 1.01 * opt.state_bytes()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_conversion_transient_on_cuda() -> None:
+    torch.manual_seed(0)
+    model = _model().cuda()
+    opt = BlockwiseAdamW(model.named_parameters(), lr=1e-3, min_8bit_numel=0, chunk_size=CHUNK)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(8, 64, device="cuda")).square().mean().backward()
+        opt.step()
+    targets = _mixed_allocation(opt)
+    torch.cuda.synchronize()
+    before = opt.state_bytes()
+    largest_old = max(8 * p.numel() for p in opt.named_params.values())
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    opt.set_formats(targets)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    after = opt.state_bytes()
+    transient = before + peak - max(before, after)
+    assert 0 < transient <= largest_old
