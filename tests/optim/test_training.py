@@ -8,7 +8,6 @@ loss plus a margin, so a regression in any format fails here.
 from __future__ import annotations
 
 import pytest
-from torch import nn
 
 from lightning_baoc import FORMATS
 
