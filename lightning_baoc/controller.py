@@ -69,6 +69,7 @@ from .control.decision import capped, checked_risk, keeps_current
 from .control.events import AllocationEvent
 from .control.triggers import TriggersMixin
 from .control.protocol import Broadcast, decide_on_rank_zero
+from .control.start import StartMixin
 from .costs import AllocationProblem, with_message
 from .integrations.swap import SUPPORTED_OPTIMIZERS, convert_optimizer, rebind_scheduler
 from .formats import format_state_bytes
@@ -113,7 +114,7 @@ def _training_device(optimizer: BlockwiseAdamW) -> torch.device:
 # ---------------------------------------------------------------------------- the controller
 
 
-class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
+class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin):
     """The framework-free BAOC lifecycle (see the module docstring for the calls and their order).
 
     Args:
@@ -171,6 +172,7 @@ class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
         self._memory: dict[str, dict[str, int]] = {}
         self._problem: AllocationProblem | None = None
         self._loaded: dict[str, Any] | None = None
+        self.start_allocation: dict[str, str] | None = None  # block -> format the warm-up started in
 
     # ------------------------------------------------------------------ properties
 
@@ -243,6 +245,7 @@ class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
             new.set_formats(self.allocation, blocks=self.block_params)
         if self.phase == "warmup":
             self._warmup_formats()
+            self._start_within_budget()
         return new
 
     def before_step(self, step: int, broadcast: Broadcast | None = None, is_global_zero: bool = True) -> AllocationEvent | None:
@@ -304,10 +307,13 @@ class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
         decide_on_rank_zero(check, broadcast, is_global_zero)
 
     def set_budget(self, memory_budget: float | int | str | None = None, time_budget: float | str | None = None) -> None:
-        """Change a budget mid-training; the next step boundary re-evaluates against it.
+        """Change a budget mid-training; call it between steps, on every rank.
 
-        Call it on every rank. A budget that can no longer be met raises at that re-evaluation,
-        before any conversion. ``None`` keeps a budget as it is.
+        After the first allocation the next step boundary re-evaluates against it; a budget that can
+        no longer be met raises there, before any conversion. During warm-up the start allocation is
+        solved again at once (from the prior, or ``initial``), so the new cap holds from the next
+        step; a budget it cannot meet raises here and the budgets stay as they were. ``None`` keeps a
+        budget as it is.
 
         Example:
             >>> ctl = BAOCController(memory_budget=0.5, warmup_steps=20)
@@ -316,6 +322,7 @@ class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
             '30%'
         """
         cfg = self.config
+        before = (cfg.memory_budget, cfg.time_budget)
         if memory_budget is not None:
             parse_memory_budget(_plain(memory_budget), fp32_bytes=float(1 << 62))
             cfg.memory_budget = _plain(memory_budget)
@@ -324,6 +331,14 @@ class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
             cfg.time_budget = _plain(time_budget)
         if self.phase == "allocated":
             self.pending = "budget"
+        elif self.installed:
+            # during warm-up the start allocation follows the budget at once: the cap holds from the
+            # next step; a budget it cannot meet is refused here, with the budgets as they were
+            try:
+                self._start_within_budget()
+            except Exception:
+                cfg.memory_budget, cfg.time_budget = before
+                raise
 
     # ------------------------------------------------------------------ hot path
 
@@ -510,6 +525,7 @@ class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
             time_budget=decision["time_budget"],
             time=decision["time"],
             baseline_state_bytes=self.baseline_state_bytes,
+            peak_state_bytes=int(opt.peak_state_bytes),
         )
         self.last_event = event
         self.history.append(
@@ -519,6 +535,7 @@ class BAOCController(BlocksMixin, TriggersMixin, CheckpointMixin):
                 "kept": event.kept,
                 "changed": len(changed),
                 "state_bytes": after,
+                "peak_state_bytes": event.peak_state_bytes,
                 "total_risk": event.total_risk,
                 "memory_budget_bytes": event.memory_budget_bytes,
             }

@@ -7,7 +7,7 @@ same way; they call it on rank zero only.
 The JSON record (``baoc_allocation.json``, schema :data:`ALLOCATION_SCHEMA`)::
 
     {"step": int, "reason": str, "memory_budget_bytes": int, "state_bytes": int,
-     "state_bytes_before": int, "fp32_state_bytes": int, "baseline_state_bytes": int,
+     "state_bytes_before": int, "peak_state_bytes": int, "fp32_state_bytes": int, "baseline_state_bytes": int,
      "saved_fraction": float,
      "total_risk": float, "time_budget": float | null, "time": float | null, "kept": bool,
      "blocks": [{"name": str, "params": int, "param_names": [str], "format": str,
@@ -55,7 +55,7 @@ PNG_NAME = "baoc_allocation.png"
 _MATPLOTLIB_AVAILABLE: bool = importlib.util.find_spec("matplotlib") is not None
 
 #: The logger scalars, one value per allocation.
-SCALAR_NAMES = ("baoc/state_bytes", "baoc/saved_fraction", "baoc/total_risk")
+SCALAR_NAMES = ("baoc/state_bytes", "baoc/peak_state_bytes", "baoc/saved_fraction", "baoc/total_risk")
 
 _NUMBER_OR_NULL = {"type": ["number", "null"]}
 
@@ -75,6 +75,7 @@ ALLOCATION_SCHEMA: dict[str, Any] = {
         "memory_budget_bytes": {"type": "integer", "minimum": 0},
         "state_bytes": {"type": "integer", "minimum": 0},
         "state_bytes_before": {"type": "integer", "minimum": 0},
+        "peak_state_bytes": {"type": "integer", "minimum": 0},
         "fp32_state_bytes": {"type": "integer", "minimum": 0},
         "baseline_state_bytes": {"type": "integer", "minimum": 0},
         "saved_fraction": {"type": "number"},
@@ -161,6 +162,8 @@ def build_record(event: AllocationEvent, history: list[Mapping[str, Any]] | None
         "memory_budget_bytes": int(event.memory_budget_bytes),
         "state_bytes": int(event.state_bytes),
         "state_bytes_before": int(event.state_bytes_before),
+        "peak_state_bytes": int(event.peak_state_bytes if event.peak_state_bytes is not None else
+                                max(event.state_bytes, event.state_bytes_before)),
         "fp32_state_bytes": int(event.fp32_state_bytes),
         "baseline_state_bytes": int(event.baseline),
         "saved_fraction": float(event.saved_fraction),
@@ -229,16 +232,19 @@ def _baseline(record: Mapping[str, Any]) -> int:
 
 
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:
-    """The logger scalars of a record: ``baoc/state_bytes``, ``baoc/saved_fraction`` (of the
-    user's own AdamW state, ``baseline_state_bytes``), ``baoc/total_risk``.
+    """The logger scalars of a record: ``baoc/state_bytes``, ``baoc/peak_state_bytes`` (the
+    high-water mark so far, transients included; the state bytes in records without it),
+    ``baoc/saved_fraction`` (of the user's own AdamW state, ``baseline_state_bytes``),
+    ``baoc/total_risk``.
 
     Example:
         >>> scalars({"state_bytes": 300, "fp32_state_bytes": 1000, "total_risk": 0.5})
-        {'baoc/state_bytes': 300.0, 'baoc/saved_fraction': 0.7, 'baoc/total_risk': 0.5}
+        {'baoc/state_bytes': 300.0, 'baoc/peak_state_bytes': 300.0, 'baoc/saved_fraction': 0.7, 'baoc/total_risk': 0.5}
     """
     baseline = _baseline(record)
     return {
         "baoc/state_bytes": float(record["state_bytes"]),
+        "baoc/peak_state_bytes": float(record.get("peak_state_bytes", record["state_bytes"])),
         "baoc/saved_fraction": float(1.0 - record["state_bytes"] / baseline) if baseline else 0.0,
         "baoc/total_risk": float(record["total_risk"]),
     }
@@ -528,7 +534,8 @@ class AllocationReporter:
         info(
             f"BAOC: {event.reason} allocation at step {event.step}: {what}; optimizer state "
             f"{event.state_bytes_before:,} -> {event.state_bytes:,} bytes "
-            f"({event.saved_fraction:.1%} of AdamW's state saved), total risk {event.total_risk:.4g}"
+            f"({event.saved_fraction:.1%} of AdamW's state saved; peak so far {event.peak_state_bytes or 0:,}), "
+            f"total risk {event.total_risk:.4g}"
         )
         if written and not self._announced:
             self._announced = True

@@ -144,7 +144,8 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "warmup_steps", "warmup_steps", int,
-        "Optimizer steps in fp32 AdamW, sampled, before the first allocation; at least sample_every + 2.",
+        "Optimizer steps, sampled, before the first allocation from measured statistics (>= sample_every + "
+        "2); they run in the start allocation, within the budgets (see 'initial').",
         default=200, minimum=1,
     ),
     Setting(
@@ -255,6 +256,13 @@ SETTINGS: tuple[Setting, ...] = (
         "block (risks are share-weighted: the block risks add up to the total risk). Lifted, with a "
         "warning, when the memory budget cannot be met otherwise. null: no cap.",
         default=None, minimum=0.0,
+    ),
+    Setting(
+        "initial", "initial", Optional[Union[str, dict[str, str]]],
+        "The allocation the warm-up starts in: a previous run's baoc_allocation.json (its measured risks "
+        "replace the prior) or a mapping block -> format (kept wherever the budgets allow). null: the "
+        "allocation of least prior risk within the budgets.",
+        default=None,
     ),
 )
 

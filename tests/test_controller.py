@@ -113,8 +113,9 @@ def test_config_turns_omegaconf_containers_into_plain_ones() -> None:
 def test_install_keeps_groups_hyperparameters_and_adamw_behaviour() -> None:
     model, twin = _model(), _model()
     ref = _adamw(twin)
-    ctl = BAOCController(memory_budget=0.5, warmup_steps=1000)
+    ctl = BAOCController(memory_budget=1.0, warmup_steps=1000)  # fp32 fits: the start is all fp32
     opt = ctl.install(_adamw(model), model)
+    assert set((ctl.start_allocation or {}).values()) == {"fp32"}
     assert isinstance(opt, BlockwiseAdamW) and type(opt).__name__ == "AdamW"
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert [len(g["params"]) for g in opt.param_groups] == [3, 3]
@@ -170,19 +171,30 @@ def test_rebound_schedulers_drive_the_new_optimizer_without_warnings() -> None:
 # ---------------------------------------------------------------------------- lifecycle
 
 
+def _largest_state(opt: BlockwiseAdamW) -> int:
+    """The most state bytes one parameter can hold (fp32 AdamW: 8 per element)."""
+    return max(8 * p.numel() for p in opt.named_params.values())
+
+
 def test_warmup_then_allocation_within_budget_then_sparse_sampling() -> None:
     model = _model()
     ctl = BAOCController(memory_budget=0.3, warmup_steps=20, sample_every=5)
     opt = ctl.install(_adamw(model), model)
+    budget = int(0.3 * ctl.fp32_state_bytes)
+    start = dict(ctl.start_allocation or {})
+    assert set(start) == set(ctl.block_params) and set(start.values()) - {"fp32"}  # within the budget
     assert _train(ctl, model, opt, 0, 19) == []
-    assert set(opt.formats().values()) == {"fp32"} and ctl.phase == "warmup"
+    assert ctl.phase == "warmup" and opt.state_bytes() <= budget and opt.peak_state_bytes <= budget
+    warm = opt.state_bytes()
     (event,) = _train(ctl, model, opt, 19, 1)
     assert event.reason == "warmup" and event.step == 20 and ctl.phase == "allocated"
-    assert opt.state_bytes() == event.state_bytes <= 0.3 * ctl.fp32_state_bytes
-    assert event.state_bytes_before == ctl.fp32_state_bytes
-    assert event.memory_budget_bytes == int(0.3 * ctl.fp32_state_bytes)
+    assert opt.state_bytes() == event.state_bytes <= budget
+    assert event.state_bytes_before == warm
+    # the conversion's transient: at most one parameter's state above the budget
+    assert max(warm, event.state_bytes) <= event.peak_state_bytes <= budget + _largest_state(opt)
+    assert event.memory_budget_bytes == budget
     assert sum(event.block_bytes.values()) == event.state_bytes
-    assert set(event.changed) == {b for b, f in event.formats.items() if f != "fp32"}
+    assert set(event.changed) == {b for b, f in event.formats.items() if f != start[b]}
     assert event.total_risk == pytest.approx(sum(event.risk[b][f] for b, f in event.formats.items()))
     # after the allocation the sampler starts afresh, 4x sparser: steps 20, 21 (ring row), then 40, 41
     calls = ctl.sampler.timings()["sample_calls"]
@@ -195,28 +207,31 @@ def test_warmup_then_allocation_within_budget_then_sparse_sampling() -> None:
 def test_infeasible_budget_fails_at_install_naming_the_smallest_feasible() -> None:
     model = _model()
     ctl = BAOCController(memory_budget=0.01, warmup_steps=20, sample_every=5, formats=["fp32", "bf16", "int8"])
-    opt = ctl.install(_adamw(model), model)
+    user = _adamw(model)
     with pytest.raises(BudgetInfeasibleError, match="smallest feasible") as info:
-        ctl.check_feasible()
+        ctl.install(user, model)  # the start allocation cannot meet the budget
     err = info.value
     assert err.min_memory is not None and err.min_memory > 0.01 * ctl.fp32_state_bytes
     assert "memory_budget=0.01" in str(err) and "No format was converted" in str(err)
-    assert set(opt.formats().values()) == {"fp32"}
+    assert not user.state  # the user's optimizer is untouched
     ctl.close()
 
 
-def test_budget_made_infeasible_raises_at_warmup_end_before_any_conversion() -> None:
+def test_budget_lowered_during_warmup_caps_the_next_step_or_is_refused() -> None:
     model = _model()
     ctl = BAOCController(memory_budget=0.5, warmup_steps=20, sample_every=5, formats=["fp32", "bf16", "int8"])
     opt = ctl.install(_adamw(model), model)
-    ctl.check_feasible()
     _train(ctl, model, opt, 0, 10)
-    ctl.set_budget(memory_budget=0.05)  # below anything bf16/int8 can reach
+    held = dict(opt.formats())
     with pytest.raises(BudgetInfeasibleError, match="smallest feasible") as info:
-        _train(ctl, model, opt, 10, 10)
+        ctl.set_budget(memory_budget=0.05)  # below anything bf16/int8 can reach
     assert info.value.min_memory is not None
-    assert set(opt.formats().values()) == {"fp32"} and ctl.phase == "warmup"
-    assert opt.state_bytes() == ctl.fp32_state_bytes
+    assert opt.formats() == held and ctl.config.memory_budget == 0.5 and ctl.phase == "warmup"
+    ctl.set_budget(memory_budget=0.3)  # feasible: the start allocation follows at once
+    assert opt.state_bytes() <= 0.3 * ctl.fp32_state_bytes
+    opt.reset_peak_state_bytes()
+    (event,) = _train(ctl, model, opt, 10, 10)
+    assert event.reason == "warmup" and opt.peak_state_bytes <= int(0.3 * ctl.fp32_state_bytes) + _largest_state(opt)
     ctl.close()
 
 

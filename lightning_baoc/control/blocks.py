@@ -61,6 +61,7 @@ class BlocksMixin:
     _memory: dict[str, dict[str, int]]
     baseline_state_bytes: int
     check_feasible: Callable[..., None]
+    _start_within_budget: Callable[[], None]
 
     def _build_blocks(self, opt: BlockwiseAdamW, module: nn.Module) -> None:
         """Partition the model and keep the parameters ``opt`` holds, by identity, in its names.
@@ -206,6 +207,7 @@ class BlocksMixin:
             self.pending = "params"
         else:
             self._warmup_formats()
+            self._start_within_budget()  # the new blocks start within the budget too
             self.check_feasible(broadcast, is_global_zero)
 
 

@@ -30,6 +30,9 @@ class AllocationEvent:
         baseline_state_bytes: the state the user's own ``torch.optim.AdamW`` would hold (two
             moments in each parameter's dtype; ``None``: the fp32 state), what
             :attr:`saved_fraction` and a fractional budget refer to.
+        peak_state_bytes: the most optimizer state held on the training devices at any moment of
+            the run so far, conversion transients included (``BlockwiseAdamW.peak_state_bytes``;
+            ``None``: not known).
     """
 
     step: int
@@ -52,6 +55,7 @@ class AllocationEvent:
     time_budget: float | None = None
     time: float | None = None
     baseline_state_bytes: int | None = None
+    peak_state_bytes: int | None = None
 
     @property
     def baseline(self) -> int:

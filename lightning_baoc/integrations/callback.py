@@ -225,8 +225,9 @@ class BAOC(Callback):
             self._warned_short_run = True
             rank_zero_warn(
                 f"BAOC(warmup_steps={self.config.warmup_steps}) is longer than this run "
-                f"({int(total)} optimizer steps): warm-up will not end and the optimizer states stay fp32. "
-                f"Lower warmup_steps to convert formats in this run."
+                f"({int(total)} optimizer steps): warm-up will not end, and the states stay in the start "
+                f"allocation (chosen from the prior risk, not from measured statistics). Lower warmup_steps "
+                f"to allocate from this run's statistics."
             )
 
     @override

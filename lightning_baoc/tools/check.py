@@ -427,10 +427,10 @@ def _check_warmup(config: Config) -> CheckResult:
             "warm-up",
             False,
             f"baoc.warmup_steps={b.warmup_steps} >= trainer.max_steps={max_steps}: warm-up never ends and the "
-            f"optimizer states stay fp32",
+            f"optimizer states stay in the start allocation (from the prior risk, not measured)",
             f"set baoc.warmup_steps to about a fifth of the run (e.g. {max(every + 2, max_steps // 5)})",
         )
-    detail = f"{b.warmup_steps} fp32 steps, {samples} gradient samples (every {every} steps)"
+    detail = f"{b.warmup_steps} steps in the start allocation, {samples} gradient samples (every {every} steps)"
     if samples < MIN_WARMUP_SAMPLES:
         return CheckResult(
             "warm-up",

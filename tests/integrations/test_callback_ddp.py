@@ -24,11 +24,12 @@ from support import digits_tensors
 from support_lightning import DigitsModule, make_trainer, one_thread  # noqa: F401
 
 STEPS = 24
-# Measured (CPU, torch 2.13): max |weight difference| DDP vs one process 6.3e-05 after 24 steps,
-# max |loss difference| per step 5.1e-07. The all-reduce sums in another order than one process
-# does, and after the allocation the quantized and stochastically rounded states can round such
-# last-bit differences apart; the bounds leave 10x room for that.
-WEIGHT_TOLERANCE = 1e-3
+# Measured (CPU, torch 2.13): max |weight difference| DDP vs one process 3.1e-03 after 24 steps,
+# max |loss difference| per step 1.9e-05. The all-reduce sums in another order than one process
+# does; the warm-up runs in the start allocation (8-bit and stochastically rounded states from the
+# first step), where such a last-bit difference can flip one element's code and move that element
+# by up to one step (lr = 3e-3). The weight bound is about 3x the measure, the loss bound 50x.
+WEIGHT_TOLERANCE = 1e-2
 LOSS_TOLERANCE = 1e-3
 
 

@@ -1,0 +1,119 @@
+"""The start allocation: the budgets hold from the first optimizer step, before any gradient is seen.
+
+At install, during warm-up, every block is put in the allocation of least *prior* risk that meets the
+budgets (:func:`lightning_baoc.risk.prior_risk`: block kinds and sizes, the formats offered on the
+device), or in the allocation a previous run found (``initial``: its ``baoc_allocation.json``, whose
+measured risks replace the prior, or a mapping block -> format). The optimizer holds no state yet,
+so the warm-up's states are created in those formats: no fp32 state ever exists beyond the budget.
+The warm-up then samples the gradients, and the allocation at its end starts from the states as they
+are (decoded from their formats; blocks held without momentum take their signal from the sampled
+gradients, as at a re-evaluation).
+
+:class:`StartMixin` expects the controller's tables (``_shapes``, ``_offered``, ``block_params``),
+``_module``, ``optimizer``, ``config`` and ``_solve``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Mapping
+
+from torch import nn
+
+from lightning_baoc.formats import FORMATS
+from lightning_baoc.optim import BlockwiseAdamW
+from lightning_baoc.risk.prior import block_kind, prior_risk
+from lightning_baoc.solver import Allocation
+
+#: Added to the prior risk of every format but the one ``initial`` names for a block, so that the
+#: solver keeps the named format wherever the budgets allow (prior risks are shares, below 1).
+INITIAL_PREFERENCE = 1.0
+
+
+class StartMixin:
+    """The start allocation of the controller (see the module docstring)."""
+
+    # provided by the controller
+    config: Any
+    optimizer: BlockwiseAdamW | None
+    block_params: dict[str, list[str]]
+    _module: nn.Module | None
+    _shapes: dict[str, list[tuple[int, ...]]]
+    _offered: list[str]
+    _solve: Callable[[Mapping[str, Mapping[str, float]]], Allocation]
+    start_allocation: dict[str, str] | None
+
+    def _start_within_budget(self) -> None:
+        """Put every block in its start allocation (warm-up only; the optimizer may hold no state yet).
+
+        Raises:
+            BudgetInfeasibleError: no allocation meets the budgets (it names the smallest one).
+            ValueError: ``initial`` names an unknown block or a format not offered here.
+        """
+        assert self.optimizer is not None
+        formats = dict(self._solve(self._start_risk()).formats)
+        self.optimizer.set_formats(formats, blocks=self.block_params)
+        self.start_allocation = formats
+
+    def _start_risk(self) -> dict[str, dict[str, float]]:
+        """The risk table the start allocation minimizes: the prior, or what ``initial`` gives."""
+        assert self.optimizer is not None
+        module = self._module if self._module is not None else nn.Module()
+        kinds = {b: block_kind(module, b) for b in self.block_params}
+        risk = prior_risk(self._shapes, kinds, list(self._offered), self.optimizer.min_8bit_numel)
+        initial = self.config.initial
+        if initial is None:
+            return risk
+        if isinstance(initial, Mapping):
+            for block, fmt in self._initial_formats(initial).items():
+                risk[block] = {f: (0.0 if f == fmt else r + INITIAL_PREFERENCE) for f, r in risk[block].items()}
+            return risk
+        for block, measured in self._initial_record(os.fspath(initial)).items():
+            risk[block] = {f: float(measured[f]) if f in measured else r + INITIAL_PREFERENCE
+                           for f, r in risk[block].items()}
+        return risk
+
+    def _initial_formats(self, initial: Mapping[str, str]) -> dict[str, str]:
+        unknown = [b for b in initial if b not in self.block_params]
+        if unknown:
+            raise ValueError(
+                f"BAOC(initial=...): {unknown[:3]} are not blocks of this model (blocks like "
+                f"{list(self.block_params)[:3]}); use the block names of baoc_allocation.json"
+            )
+        refused = {b: f for b, f in initial.items() if f not in self._offered}
+        if refused:
+            b, f = next(iter(refused.items()))
+            known = "a format" if f in FORMATS else "not a format"
+            raise ValueError(
+                f"BAOC(initial=...): block {b!r} asks for {f!r}, {known} not offered here; offered: {self._offered}"
+            )
+        return dict(initial)
+
+    def _initial_record(self, path: str) -> dict[str, dict[str, float]]:
+        """Block -> measured risk per format, from a previous run's ``baoc_allocation.json``."""
+        try:
+            with open(path, encoding="utf-8") as fh:
+                record = json.load(fh)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"BAOC(initial={path!r}): cannot read the allocation record: {err}") from None
+        blocks = record.get("blocks") if isinstance(record, Mapping) else None
+        if not isinstance(blocks, list):
+            raise ValueError(f"BAOC(initial={path!r}): not a baoc_allocation.json (no 'blocks' list)")
+        out: dict[str, dict[str, float]] = {}
+        for entry in blocks:
+            if not isinstance(entry, Mapping) or not isinstance(entry.get("risk"), Mapping):
+                raise ValueError(f"BAOC(initial={path!r}): a block without its 'risk' per format: {entry!r}")
+            out[str(entry.get("name"))] = {
+                str(f): float(r) for f, r in entry["risk"].items() if isinstance(r, (int, float)) and r == r
+            }
+        unknown = [b for b in out if b not in self.block_params]
+        if unknown:
+            raise ValueError(
+                f"BAOC(initial={path!r}): blocks {unknown[:3]} are not blocks of this model (blocks like "
+                f"{list(self.block_params)[:3]}); was the record written for another model or granularity?"
+            )
+        return out
+
+
+__all__ = ["INITIAL_PREFERENCE", "StartMixin"]
