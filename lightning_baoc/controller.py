@@ -309,11 +309,10 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin):
     def set_budget(self, memory_budget: float | int | str | None = None, time_budget: float | str | None = None) -> None:
         """Change a budget mid-training; call it between steps, on every rank.
 
-        After the first allocation the next step boundary re-evaluates against it; a budget that can
-        no longer be met raises there, before any conversion. During warm-up the start allocation is
-        solved again at once (from the prior, or ``initial``), so the new cap holds from the next
-        step; a budget it cannot meet raises here and the budgets stay as they were. ``None`` keeps a
-        budget as it is.
+        After the first allocation the next step boundary re-evaluates against it (a budget that can
+        no longer be met raises there, before any conversion). During warm-up the start allocation is
+        solved again at once, so the cap holds from the next step; a budget it cannot meet raises
+        here and the budgets stay as they were. ``None`` keeps a budget as it is.
 
         Example:
             >>> ctl = BAOCController(memory_budget=0.5, warmup_steps=20)

@@ -121,9 +121,10 @@ def test_png_and_scalars(tmp_path: Path) -> None:
     png = plot_allocation(record, tmp_path / PNG_NAME)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     values = scalars(record)
-    assert set(values) == {"baoc/state_bytes", "baoc/saved_fraction", "baoc/total_risk"}
+    assert set(values) == {"baoc/state_bytes", "baoc/peak_state_bytes", "baoc/saved_fraction", "baoc/total_risk"}
     assert values["baoc/state_bytes"] == 317576 and values["baoc/saved_fraction"] == pytest.approx(0.5304, abs=1e-4)
     assert values["baoc/total_risk"] == pytest.approx(0.05)
+    assert values["baoc/peak_state_bytes"] == record["peak_state_bytes"] >= record["state_bytes"]
 
 
 def test_the_planner_replans_from_the_json(tmp_path: Path) -> None:

@@ -104,7 +104,7 @@ def test_fabric_lifecycle_budget_schedule_and_loss(tmp_path: Path) -> None:
     assert ctl.phase == "allocated" and ctl.history[0]["step"] == 12
     assert inner.state_bytes() <= 0.3 * ctl.fp32_state_bytes
     assert (tmp_path / JSON_NAME).exists() and strategy.last_record["step"] == 12
-    assert set(strategy.last_metrics) == {"baoc/state_bytes", "baoc/saved_fraction", "baoc/total_risk"}
+    assert set(strategy.last_metrics) == {"baoc/state_bytes", "baoc/peak_state_bytes", "baoc/saved_fraction", "baoc/total_risk"}
 
     plain = Fabric(accelerator="cpu", devices=1)
     pmodel, popt, psched = _objects()
