@@ -57,14 +57,9 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import torch
 from torch import nn
 
-from .budget import (
-    format_bytes,
-    parse_memory_budget,
-    parse_time_budget,
-)
+from .budget import format_bytes, parse_memory_budget
 from .control.blocks import BlocksMixin
 from .control.checkpoint import ALLOCATION_SETTINGS, CheckpointMixin
-from .control.checkpoint import plain as _plain
 from .control.decision import capped, checked_risk, keeps_current
 from .control.events import AllocationEvent
 from .control.triggers import TriggersMixin
@@ -75,6 +70,7 @@ from .integrations.swap import SUPPORTED_OPTIMIZERS, convert_optimizer, rebind_s
 from .formats import format_state_bytes
 from .optim import BlockwiseAdamW
 from .risk.prior import block_kind, prior_risk
+from .risk.shadow import ShadowMoments
 from .sampler import GradientSampler
 from .settings import MIN_SAMPLES, BAOCConfig
 from .solver import Allocation, BudgetInfeasibleError
@@ -98,11 +94,12 @@ def _default_risk_fn(
     statistics: Mapping[str, Mapping[str, float]] | None,
     formats: Sequence[str] | None = None,
     horizon: int = 200,
+    shadow: ShadowMoments | None = None,
 ) -> Mapping[str, Mapping[str, float]]:
     # Imported at call time so that the lifecycle does not pin the risk model's module at import.
     from .risk import risk_table
 
-    return risk_table(optimizer, blocks, statistics, formats=formats, horizon=horizon)
+    return risk_table(optimizer, blocks, statistics, formats=formats, horizon=horizon, shadow=shadow)
 
 
 def _training_device(optimizer: BlockwiseAdamW) -> torch.device:
@@ -173,6 +170,8 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin):
         self._problem: AllocationProblem | None = None
         self._loaded: dict[str, Any] | None = None
         self.start_allocation: dict[str, str] | None = None  # block -> format the warm-up started in
+        self.shadow: ShadowMoments | None = None  # fp32 moments on a sample of each tensor (risk)
+        self._peak = 0  # peak state bytes of earlier optimizers of this run (see peak_state_bytes)
 
     # ------------------------------------------------------------------ properties
 
@@ -202,6 +201,14 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin):
         if self._problem is None:
             raise RuntimeError("BAOCController.problem: call install() first")
         return self._problem
+
+    @property
+    def peak_state_bytes(self) -> int:
+        """The most optimizer state held on the training devices at any moment of the run (resumes
+        included: the figure is checkpointed), conversion transients included."""
+        held = self.optimizer.peak_state_bytes if self.optimizer is not None else 0
+        self._peak = max(self._peak, int(held))
+        return self._peak
 
     def memory_budget_bytes(self) -> int:
         """The memory budget in bytes (a fraction resolved against :attr:`baseline_state_bytes`)."""
@@ -238,6 +245,7 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin):
         self._refresh_tables(new)
         self._restart_sampler(module)
         self.optimizer = new
+        self._restart_shadow()
         if self._loaded is not None:
             self._apply_loaded()
         elif self.phase == "allocated" and self.allocation:
@@ -306,39 +314,6 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin):
 
         decide_on_rank_zero(check, broadcast, is_global_zero)
 
-    def set_budget(self, memory_budget: float | int | str | None = None, time_budget: float | str | None = None) -> None:
-        """Change a budget mid-training; call it between steps, on every rank.
-
-        After the first allocation the next step boundary re-evaluates against it (a budget that can
-        no longer be met raises there, before any conversion). During warm-up the start allocation is
-        solved again at once, so the cap holds from the next step; a budget it cannot meet raises
-        here and the budgets stay as they were. ``None`` keeps a budget as it is.
-
-        Example:
-            >>> ctl = BAOCController(memory_budget=0.5, warmup_steps=20)
-            >>> ctl.set_budget(memory_budget="30%")
-            >>> ctl.config.memory_budget
-            '30%'
-        """
-        cfg = self.config
-        before = (cfg.memory_budget, cfg.time_budget)
-        if memory_budget is not None:
-            parse_memory_budget(_plain(memory_budget), fp32_bytes=float(1 << 62))
-            cfg.memory_budget = _plain(memory_budget)
-        if time_budget is not None:
-            parse_time_budget(_plain(time_budget), fp32_seconds=1.0)
-            cfg.time_budget = _plain(time_budget)
-        if self.phase == "allocated":
-            self.pending = "budget"
-        elif self.installed:
-            # during warm-up the start allocation follows the budget at once: the cap holds from the
-            # next step; a budget it cannot meet is refused here, with the budgets as they were
-            try:
-                self._start_within_budget()
-            except Exception:
-                cfg.memory_budget, cfg.time_budget = before
-                raise
-
     # ------------------------------------------------------------------ hot path
 
     def observe(self, step: int, grad_scale: float | None = None) -> bool:
@@ -351,6 +326,8 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin):
         Returns:
             whether a sample was taken.
         """
+        if self.shadow is not None and self.optimizer is not None:
+            self.shadow.update(self.optimizer.named_params, self._betas(), grad_scale)
         if self.sampler is None:
             return False
         every = self.config.sample_every
@@ -405,7 +382,10 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin):
         """Rank zero: statistics -> risk -> solve -> hysteresis. Primitives only (broadcast)."""
         assert self.sampler is not None and self.optimizer is not None
         stats = {b: {k: float(v) for k, v in s.items()} for b, s in self.sampler.statistics().items()}
-        raw = dict(self.risk_fn(self.optimizer, self.block_params, stats, formats=list(self._offered), horizon=self.config.horizon))
+        extra = {"shadow": self.shadow} if self.risk_fn is _default_risk_fn else {}  # a user's risk_fn: as before
+        raw = dict(self.risk_fn(
+            self.optimizer, self.block_params, stats, formats=list(self._offered), horizon=self.config.horizon, **extra
+        ))
         raw.update(self._prior_rows())
         risk = checked_risk(raw, list(self.block_params), self._offered)
         options = capped(risk, self.config.max_block_risk)
@@ -524,7 +504,7 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin):
             time_budget=decision["time_budget"],
             time=decision["time"],
             baseline_state_bytes=self.baseline_state_bytes,
-            peak_state_bytes=int(opt.peak_state_bytes),
+            peak_state_bytes=self.peak_state_bytes,
         )
         self.last_event = event
         self.history.append(

@@ -140,3 +140,44 @@ def test_parameters_joining_during_warmup_start_within_the_budget() -> None:
     assert set(ctl.start_allocation or {}) == set(ctl.block_params) and "4" in ctl.block_params
     assert opt.state_bytes() <= int(0.3 * ctl.baseline_state_bytes)
     ctl.close()
+
+
+@pytest.mark.parametrize("budget", [0.2, 0.25, 0.3, 0.45, 0.6])
+def test_the_allocation_after_a_capped_warmup_is_the_one_an_fp32_warmup_measures(budget: float) -> None:
+    """The shadow moments (lightning_baoc.risk.shadow) score every format against fp32 AdamW's own
+    moments: a warm-up held in 8-bit or factored states decides what an fp32 warm-up decides (the
+    format in force does not look free because re-encoding it changes nothing)."""
+    model = _model()
+    capped = BAOCController(memory_budget=budget, warmup_steps=12, sample_every=4)
+    opt = capped.install(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
+    (event,), most = _run(capped, model, opt, 0, 12)
+    assert most <= int(budget * capped.baseline_state_bytes)
+    capped.close()
+
+    twin = _model()
+    free = BAOCController(memory_budget=1.0, warmup_steps=12, sample_every=4)  # fp32 fits: fp32 warm-up
+    opt2 = free.install(torch.optim.AdamW(twin.parameters(), lr=1e-3), twin)
+    _run(free, twin, opt2, 0, 11)
+    assert set(opt2.formats().values()) == {"fp32"}
+    free.config.memory_budget = budget  # decide under the same budget, from the fp32 warm-up's state
+    assert free._decide("warmup")["formats"] == event.formats
+    free.close()
+
+
+def test_shadow_moments_are_fp32_adamws_on_their_sample() -> None:
+    torch.manual_seed(0)  # a 256 x 128 weight (32,768 elements): shadowed on a sample of 16,384
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 128), nn.GELU(), nn.Linear(128, 10))
+    ctl = BAOCController(memory_budget=1.0, warmup_steps=50, sample_every=4)
+    opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.8, 0.99)), model)
+    _run(ctl, model, opt, 0, 7)
+    assert ctl.shadow is not None
+    for name, entry in ctl.shadow.entries.items():
+        state = opt.param_state(name)
+        take = (lambda t: t.reshape(-1)) if entry.index is None else (lambda t: t.reshape(-1)[entry.index])
+        assert entry.steps == opt.step_count(name) == 7
+        torch.testing.assert_close(entry.exp_avg, take(state.exp_avg), rtol=1e-6, atol=0)
+        torch.testing.assert_close(entry.exp_avg_sq, take(state.exp_avg_sq), rtol=1e-6, atol=0)
+    sampled = [e for e in ctl.shadow.entries.values() if e.index is not None]
+    assert len(sampled) == 1 and sampled[0].index.numel() == ctl.shadow.max_elements == 16384
+    assert ctl.shadow.nbytes() < 8 * sum(p.numel() for p in model.parameters())
+    ctl.close()

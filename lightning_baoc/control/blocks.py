@@ -21,6 +21,7 @@ from ..calibration import withheld_formats
 from ..costs import AllocationProblem
 from ..formats import FORMATS
 from ..optim import BlockwiseAdamW
+from ..risk.shadow import ShadowMoments
 from ..sampling import GradientSampler
 from .protocol import Broadcast
 
@@ -61,6 +62,7 @@ class BlocksMixin:
     _memory: dict[str, dict[str, int]]
     baseline_state_bytes: int
     check_feasible: Callable[..., None]
+    shadow: ShadowMoments | None
     _start_within_budget: Callable[[], None]
 
     def _build_blocks(self, opt: BlockwiseAdamW, module: nn.Module) -> None:
@@ -144,6 +146,26 @@ class BlocksMixin:
         self.sampler = GradientSampler(module, sampled, cfg.sample_every, cfg.capacity, cfg.max_elements, seed=cfg.seed)
         self.ring_samples = 0
 
+    def _restart_shadow(self) -> None:
+        """Shadow moments over the blocks' parameters (:mod:`lightning_baoc.risk.shadow`); tensors
+        already shadowed keep theirs."""
+        assert self.optimizer is not None
+        named = self.optimizer.named_params
+        old = self.shadow
+        self.shadow = ShadowMoments({n: named[n] for names in self.block_params.values() for n in names}, seed=self.config.seed)
+        if old is not None:
+            self.shadow.load_state_dict(old.state_dict())
+
+    def _betas(self) -> dict[str, tuple[float, float]]:
+        """Parameter name -> its group's betas (as floats)."""
+        assert self.optimizer is not None
+        out = {}
+        for group in self.optimizer.param_groups:
+            betas = (float(group["betas"][0]), float(group["betas"][1]))
+            for p in group["params"]:
+                out[self.optimizer.param_name(p)] = betas
+        return out
+
     def _warmup_formats(self) -> None:
         """Warm-up state no larger than the user's AdamW: ``bf16`` for 2-byte parameters.
 
@@ -199,6 +221,7 @@ class BlocksMixin:
         self._build_blocks(self.optimizer, self._module)
         self._refresh_tables(self.optimizer)
         self._restart_sampler(self._module)
+        self._restart_shadow()
         log.info(
             f"BAOC: {len(self._managed) - before} parameter tensor(s) joined the optimizer after install; "
             f"{len(self.block_params)} blocks now, AdamW state {format_bytes(self.baseline_state_bytes)}"

@@ -46,6 +46,9 @@ class CheckpointMixin:
     steps: int
     history: list[dict[str, Any]]
     sampler: Any
+    shadow: Any
+    peak_state_bytes: int
+    _peak: int
     optimizer: Any
     _loaded: dict[str, Any] | None
     _offered: list[str]
@@ -72,6 +75,8 @@ class CheckpointMixin:
             "settings": self._settings(),
             "history": [dict(h) for h in self.history],
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+            "shadow": self.shadow.state_dict() if self.shadow is not None else None,
+            "peak_state_bytes": self.peak_state_bytes,
         }
 
     def _settings(self) -> dict[str, Any]:
@@ -128,11 +133,14 @@ class CheckpointMixin:
         self.wait = int(sd["wait"])
         self.steps = int(sd["steps"])
         self.history = [dict(h) for h in sd["history"]]
+        self._peak = max(self._peak, int(sd.get("peak_state_bytes", 0)))  # absent from older states
         if same_blocks:
             self.allocation = dict(sd["allocation"])
             self.ring_samples = int(sd["ring_samples"])
             if sd["sampler"] is not None:
                 self.sampler.load_state_dict(sd["sampler"])
+            if sd.get("shadow") is not None and self.shadow is not None:  # absent from older states
+                self.shadow.load_state_dict(sd["shadow"])
             if self.allocation:
                 self.optimizer.set_formats(self.allocation, blocks=self.block_params)
         else:

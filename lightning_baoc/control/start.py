@@ -21,6 +21,8 @@ from typing import Any, Callable, Mapping
 
 from torch import nn
 
+from lightning_baoc.budget import parse_memory_budget, parse_time_budget
+from lightning_baoc.control.checkpoint import plain as _plain
 from lightning_baoc.formats import FORMATS
 from lightning_baoc.optim import BlockwiseAdamW
 from lightning_baoc.risk.prior import block_kind, prior_risk
@@ -43,6 +45,42 @@ class StartMixin:
     _offered: list[str]
     _solve: Callable[[Mapping[str, Mapping[str, float]]], Allocation]
     start_allocation: dict[str, str] | None
+    phase: str
+    pending: str | None
+    installed: bool
+
+    def set_budget(self, memory_budget: float | int | str | None = None, time_budget: float | str | None = None) -> None:
+        """Change a budget mid-training; call it between steps, on every rank.
+
+        After the first allocation the next step boundary re-evaluates against it (a budget that can
+        no longer be met raises there, before any conversion). During warm-up the start allocation is
+        solved again at once, so the cap holds from the next step; a budget it cannot meet raises
+        here and the budgets stay as they were. ``None`` keeps a budget as it is.
+
+        Example:
+            >>> ctl = BAOCController(memory_budget=0.5, warmup_steps=20)
+            >>> ctl.set_budget(memory_budget="30%")
+            >>> ctl.config.memory_budget
+            '30%'
+        """
+        cfg = self.config
+        before = (cfg.memory_budget, cfg.time_budget)
+        if memory_budget is not None:
+            parse_memory_budget(_plain(memory_budget), fp32_bytes=float(1 << 62))
+            cfg.memory_budget = _plain(memory_budget)
+        if time_budget is not None:
+            parse_time_budget(_plain(time_budget), fp32_seconds=1.0)
+            cfg.time_budget = _plain(time_budget)
+        if self.phase == "allocated":
+            self.pending = "budget"
+        elif self.installed:
+            # during warm-up the start allocation follows the budget at once: the cap holds from the
+            # next step; a budget it cannot meet is refused here, with the budgets as they were
+            try:
+                self._start_within_budget()
+            except Exception:
+                cfg.memory_budget, cfg.time_budget = before
+                raise
 
     def _start_within_budget(self) -> None:
         """Put every block in its start allocation (warm-up only; the optimizer may hold no state yet).

@@ -62,8 +62,9 @@ import torch
 from torch import Tensor
 
 from lightning_baoc.formats import FORMATS, Canonical, StepHyper, factor_dims, resolve_format
-from lightning_baoc.formats.quant import SUPER
 from lightning_baoc.optim import BlockwiseAdamW
+from lightning_baoc.risk.shadow import ShadowEntry, ShadowMoments
+from lightning_baoc.risk.shadow import sample_segments as _segments
 
 #: Default horizon (optimizer steps) over which zero-mean update noise averages out.
 DEFAULT_HORIZON = 200
@@ -88,16 +89,6 @@ class BlockRisk:
     def noise_ratio(self) -> float:
         """Per-step update noise over update signal (the 20-30x of the module docstring's caution)."""
         return self.noise_sq / self.update_sq if self.update_sq > 0 else math.nan
-
-
-def _segments(numel: int, max_elements: int, generator: torch.Generator) -> Tensor | None:
-    """Indices of random super-block-aligned segments covering <= max_elements, or None for all."""
-    if numel <= max_elements:
-        return None
-    n_super = numel // SUPER  # whole super-blocks only: the tail is left out of the sample
-    k = max(1, max_elements // SUPER)
-    chosen = torch.randperm(n_super, generator=generator)[:k].sort().values
-    return (chosen.unsqueeze(1) * SUPER + torch.arange(SUPER)).reshape(-1)
 
 
 def _requantized_v(fmt: str) -> bool:
@@ -165,6 +156,7 @@ def _param_terms(
     noise_fraction: float | None,
     generator: torch.Generator,
     max_elements: int,
+    shadow: ShadowEntry | None = None,
 ) -> tuple[float, float, float, dict[str, float], dict[str, float], dict[str, tuple[float, float]]] | None:
     """progress, ||u||^2, noise^2, per-format ||E[u_f] - u||^2 and added noise^2 of one tensor, and
     for the formats that hold this tensor's v in 8-bit codes, (the part of ``||E[u_f] - u||^2``
@@ -176,18 +168,19 @@ def _param_terms(
     p = opt.named_params[name]
     beta1, beta2 = (float(b) for b in group["betas"])
     eps = float(group["eps"])
-    bc2 = 1.0 - beta2**step if step else 1.0
     v_full = state.dense_v().reshape(-1).to(torch.float32)
-    idx = _segments(v_full.numel(), max_elements, generator)
-    scale = 1.0 if idx is None else v_full.numel() / idx.numel()
-    take = (lambda t: t) if idx is None else (lambda t: t[idx])
-    v = take(v_full)
-    if state.exp_avg is not None and m_step:
-        m = take(state.exp_avg.reshape(-1).to(torch.float32))
-        bc1 = 1.0 - beta1**m_step
+    if shadow is not None and shadow.steps > 0:
+        # fp32 AdamW's own moments on the shadow's sample, whatever format holds the state
+        idx, v, m = shadow.index, shadow.exp_avg_sq, shadow.exp_avg
+        step = m_step = shadow.steps
     else:
-        m = None
-        bc1 = 1.0
+        idx = _segments(v_full.numel(), max_elements, generator)
+        take = (lambda t: t) if idx is None else (lambda t: t[idx])
+        v = take(v_full)
+        m = take(state.exp_avg.reshape(-1).to(torch.float32)) if state.exp_avg is not None and m_step else None
+    scale = 1.0 if idx is None else v_full.numel() / idx.numel()
+    bc2 = 1.0 - beta2**step if step else 1.0
+    bc1 = 1.0 - beta1**m_step if m is not None else 1.0
     # float64 on the sampled elements (at most max_elements): v / bias_correction2 of a finite v
     # near fp32's maximum is past it, and so are m * u and the squares below
     v_hat = v.double() / bc2
@@ -244,6 +237,7 @@ def risk_details(
     horizon: int = DEFAULT_HORIZON,
     max_elements: int = DEFAULT_MAX_ELEMENTS,
     seed: int = 0,
+    shadow: ShadowMoments | None = None,
 ) -> dict[str, BlockRisk]:
     """The risk scores with the terms behind them (see the module docstring for the formula).
 
@@ -256,6 +250,9 @@ def risk_details(
         horizon: steps over which update noise averages out (default: 200).
         max_elements: elements per tensor the scores are computed on (default: 65536).
         seed: seed of the segment sampling and of stochastic rounding (default: 0).
+        shadow: fp32 AdamW moments on a sample of each tensor (:class:`ShadowMoments`); where a
+            tensor has them, the scores are measured against them instead of the decoded state,
+            so the format holding the state does not look free (default: none).
     """
     if not isinstance(horizon, int) or horizon < 1:
         raise ValueError(f"Invalid horizon: {horizon!r}; expected an int >= 1 (optimizer steps)")
@@ -277,7 +274,8 @@ def risk_details(
             added_noise = noise_added.setdefault(block, {f: 0.0 for f in formats})
             pooled = rounding.setdefault(block, {})
             for name in names:
-                terms = _param_terms(optimizer, name, formats, noise_fraction, generator, max_elements)
+                entry = shadow.entries.get(name) if shadow is not None else None
+                terms = _param_terms(optimizer, name, formats, noise_fraction, generator, max_elements, entry)
                 if terms is None:
                     continue
                 progress, update_sq, noise_sq, bias, added, rounded = terms
@@ -332,6 +330,7 @@ def risk_table(
     horizon: int = DEFAULT_HORIZON,
     max_elements: int = DEFAULT_MAX_ELEMENTS,
     seed: int = 0,
+    shadow: ShadowMoments | None = None,
 ) -> dict[str, dict[str, float]]:
     """Block -> format -> risk (non-negative; 0 for ``fp32`` and ``offload``).
 
@@ -345,5 +344,5 @@ def risk_table(
         >>> risk["0"]["fp32"], risk["0"]["int8"] > 0
         (0.0, True)
     """
-    details = risk_details(optimizer, blocks, statistics, formats, horizon, max_elements, seed)
+    details = risk_details(optimizer, blocks, statistics, formats, horizon, max_elements, seed, shadow)
     return {block: dict(br.risk) for block, br in details.items()}

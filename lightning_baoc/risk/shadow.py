@@ -1,0 +1,152 @@
+"""Shadow moments: exact fp32 AdamW moments of a fixed sample of each tensor's elements.
+
+The risk model compares what a format would do with what fp32 AdamW does. When a block's state is
+already held in a cheaper format (the warm-up runs in the start allocation; a re-evaluation finds
+the allocation in force), its decoded state is not fp32 AdamW's: round-tripping an 8-bit state
+through 8 bits again changes nothing, so the format in force would look free. The shadow keeps, for
+every tensor, ``m`` and ``v`` of fp32 AdamW on a fixed random sample of its elements (1024-element
+segments aligned to the 8-bit formats' super-blocks, at most ``max_elements`` per tensor), updated
+from the same gradients at every optimizer step, with the optimizer's betas, skipping the steps the
+optimizer skips (a non-finite gradient). The risk model then measures every format against these
+moments, whatever format holds the state.
+
+Memory: 8 bytes per shadowed element, at most ``8 * max_elements`` per tensor (128 KiB at the
+default 16384) plus the sampled super-blocks' numbers, on the parameter's device. Cost per step: one gather of the sampled gradient
+elements and two fused updates per tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+from lightning_baoc.formats.quant import SUPER
+
+#: Elements of each tensor shadowed (16 segments of 1024); smaller tensors are shadowed whole.
+DEFAULT_SHADOW_ELEMENTS = 1 << 14
+
+
+def choose_segments(numel: int, max_elements: int, generator: torch.Generator) -> Tensor | None:
+    """Sorted random super-blocks (``SUPER`` elements each) covering <= max_elements, or None for all."""
+    if numel <= max_elements:
+        return None
+    n_super = numel // SUPER  # whole super-blocks only: the tail is left out of the sample
+    k = max(1, max_elements // SUPER)
+    return torch.randperm(n_super, generator=generator)[:k].sort().values
+
+
+def segment_index(segments: Tensor) -> Tensor:
+    """The flat element indices of super-blocks ``segments``."""
+    return (segments.unsqueeze(1) * SUPER + torch.arange(SUPER, device=segments.device)).reshape(-1)
+
+
+def sample_segments(numel: int, max_elements: int, generator: torch.Generator) -> Tensor | None:
+    """Indices of random super-block-aligned segments covering <= max_elements, or None for all."""
+    segments = choose_segments(numel, max_elements, generator)
+    return None if segments is None else segment_index(segments)
+
+
+@dataclass
+class ShadowEntry:
+    """One tensor's shadow: the sampled super-blocks (None: every element), fp32 ``m`` and ``v``
+    of the sampled elements, steps taken."""
+
+    segments: Tensor | None
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    steps: int = 0
+
+    @property
+    def index(self) -> Tensor | None:
+        """Flat indices of the sampled elements (None: every element)."""
+        return None if self.segments is None else segment_index(self.segments)
+
+    def gather(self, flat: Tensor) -> Tensor:
+        """The sampled elements of a flat tensor of the parameter's size."""
+        if self.segments is None:
+            return flat
+        whole = flat.numel() // SUPER * SUPER
+        return flat[:whole].view(-1, SUPER).index_select(0, self.segments).reshape(-1)
+
+
+class ShadowMoments:
+    """fp32 AdamW moments of a fixed sample of each parameter's elements (see the module docstring).
+
+    Args:
+        params: parameter name -> parameter (the optimizer's names).
+        max_elements: elements shadowed per tensor (default: :data:`DEFAULT_SHADOW_ELEMENTS`).
+        seed: seed of the sample.
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.zeros(3)); p.grad = torch.ones(3)
+        >>> shadow = ShadowMoments({"w": p})
+        >>> shadow.update({"w": p}, {"w": (0.9, 0.999)})
+        >>> shadow.entries["w"].exp_avg
+        tensor([0.1000, 0.1000, 0.1000])
+    """
+
+    def __init__(self, params: Mapping[str, Tensor], max_elements: int = DEFAULT_SHADOW_ELEMENTS, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.max_elements = int(max_elements)
+        self.entries: dict[str, ShadowEntry] = {}
+        for name, p in params.items():
+            segments = choose_segments(p.numel(), self.max_elements, generator)
+            n = p.numel() if segments is None else segments.numel() * SUPER
+            if segments is not None:
+                segments = segments.to(p.device)
+            zeros = torch.zeros(n, dtype=torch.float32, device=p.device)
+            self.entries[name] = ShadowEntry(segments, zeros, zeros.clone())
+
+    @torch.no_grad()
+    def update(
+        self, params: Mapping[str, Tensor], betas: Mapping[str, tuple[float, float]], grad_scale: float | None = None
+    ) -> None:
+        """One optimizer step's moments from the parameters' gradients (call before the step)."""
+        for name, entry in self.entries.items():
+            p = params.get(name)
+            if p is None or p.grad is None:
+                continue
+            g = entry.gather(p.grad.detach().reshape(-1)).to(torch.float32)
+            if grad_scale is not None:
+                g = g / grad_scale
+            if not bool(torch.isfinite(g).all()):
+                continue  # the optimizer skips a non-finite gradient (its sample is a part of it)
+            beta1, beta2 = betas[name]
+            entry.exp_avg.lerp_(g, 1.0 - beta1)
+            entry.exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+            entry.steps += 1
+
+    def nbytes(self) -> int:
+        """Bytes the shadow holds (moments and indices)."""
+        out = 0
+        for e in self.entries.values():
+            out += e.exp_avg.nbytes + e.exp_avg_sq.nbytes + (e.segments.nbytes if e.segments is not None else 0)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Moments, step counts and samples, as tensors and ints (for checkpoints)."""
+        return {
+            "max_elements": self.max_elements,
+            "entries": {
+                name: {"segments": e.segments, "exp_avg": e.exp_avg, "exp_avg_sq": e.exp_avg_sq, "steps": e.steps}
+                for name, e in self.entries.items()
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` for the tensors of both (others keep their fresh shadow)."""
+        for name, saved in state["entries"].items():
+            entry = self.entries.get(name)
+            if entry is None or saved["exp_avg"].shape != entry.exp_avg.shape:
+                continue
+            device = entry.exp_avg.device
+            entry.segments = saved["segments"].to(device) if saved["segments"] is not None else None
+            entry.exp_avg = saved["exp_avg"].to(device, torch.float32).clone()
+            entry.exp_avg_sq = saved["exp_avg_sq"].to(device, torch.float32).clone()
+            entry.steps = int(saved["steps"])
+
+
+__all__ = ["DEFAULT_SHADOW_ELEMENTS", "ShadowEntry", "ShadowMoments", "choose_segments", "sample_segments", "segment_index"]
