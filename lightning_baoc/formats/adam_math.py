@@ -146,20 +146,55 @@ def foreach_dense_fp32(
         _foreach_items([it.param for it in direct], direct, hyper, m_key, v_key)
 
 
+#: Elements one foreach call updates at most. Bounds the call's temporaries (the denominators, a
+#: maximized or L2-decayed gradient: 4 bytes per element each) to a few MiB whatever the number and
+#: size of the tensors: one call over every fp32 tensor would hold half their state again.
+FOREACH_ELEMENTS = 1 << 21
+
+
 def _foreach_items(
     params: list[Tensor], items: list[StepItem], hyper: StepHyper, m_key: str | None, v_key: str
 ) -> None:
-    grads = [it.grad if it.grad.dtype == torch.float32 else it.grad.float() for it in items]
-    exp_avgs = None
-    if m_key is not None:
-        exp_avgs = [it.views[m_key].view_as(p) for it, p in zip(items, params)]
-    exp_avg_sqs = [it.views[v_key].view_as(p) for it, p in zip(items, params)]
+    """:func:`foreach_adamw` over the items in batches of at most :data:`FOREACH_ELEMENTS`
+    elements (a large tensor is cut into flat slices: the math is element-wise)."""
+    batch: list[tuple[Tensor, Tensor, Tensor | None, Tensor, float, float]] = []
+    size = 0
+    for it, p in zip(items, params):
+        m = it.views[m_key].view_as(p) if m_key is not None else None
+        v = it.views[v_key].view_as(p)
+        for piece in _pieces(p, it.grad, m, v):
+            if batch and size + piece[0].numel() > FOREACH_ELEMENTS:
+                _foreach_batch(batch, hyper)
+                batch, size = [], 0
+            batch.append((*piece, it.bias_correction1, it.bias_correction2))
+            size += piece[0].numel()
+    if batch:
+        _foreach_batch(batch, hyper)
+
+
+def _pieces(p: Tensor, g: Tensor, m: Tensor | None, v: Tensor) -> Iterator[tuple[Tensor, Tensor, Tensor | None, Tensor]]:
+    """Flat slices of at most :data:`FOREACH_ELEMENTS` of a parameter and its tensors (the whole
+    tensors where one is not contiguous)."""
+    n = p.numel()
+    if n <= FOREACH_ELEMENTS or not all(t.is_contiguous() for t in (p, g, v) + ((m,) if m is not None else ())):
+        yield p, (g if g.dtype == torch.float32 else g.float()), m, v
+        return
+    flat_p, flat_g, flat_v = p.view(-1), g.view(-1), v.view(-1)
+    flat_m = m.view(-1) if m is not None else None
+    for a in range(0, n, FOREACH_ELEMENTS):
+        b = min(n, a + FOREACH_ELEMENTS)
+        gs = flat_g[a:b]
+        yield flat_p[a:b], (gs if gs.dtype == torch.float32 else gs.float()), (flat_m[a:b] if flat_m is not None else None), flat_v[a:b]
+
+
+def _foreach_batch(batch: list[tuple[Tensor, Tensor, Tensor | None, Tensor, float, float]], hyper: StepHyper) -> None:
+    has_m = batch[0][2] is not None
     foreach_adamw(
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
+        [b[0] for b in batch],
+        [b[1] for b in batch],
+        [b[2] for b in batch] if has_m else None,  # type: ignore[misc]
+        [b[3] for b in batch],
         hyper,
-        [it.bias_correction1 for it in items],
-        [it.bias_correction2 for it in items],
+        [b[4] for b in batch],
+        [b[5] for b in batch],
     )

@@ -1,8 +1,9 @@
 """The risk model: how much harm would each state format do to each block?
 
 The score is a prediction of harm to training progress over a horizon of ``H`` optimizer steps,
-measured on the block's real Adam state at allocation time (warm-up runs all-fp32, so the exact
-``m`` and ``v`` are at hand). A caution shapes it: one step's update perturbation is
+measured against fp32 AdamW's own moments: the controller keeps them on a fixed sample of each
+tensor from the first step, whatever format holds the state (:mod:`lightning_baoc.risk.shadow`);
+without them, the block's decoded state stands in. A caution shapes it: one step's update perturbation is
 a poor predictor (dropping momentum perturbs a single update by 20-30x its norm yet moves the loss
 by ~1e-2, either way), because zero-mean noise in the update averages out over steps while a bias
 does not. So the risk separates what persists from what averages out.

@@ -1,0 +1,196 @@
+"""Peak resident memory of a whole training run: BAOC against fp32 AdamW and a stateless optimizer.
+
+Each run is its own process (a Lightning ``Trainer`` on the CPU, the same model, data and steps), and
+its peak resident set size is read from the kernel when it exits (``os.wait4``: the child's
+``ru_maxrss``). Runs:
+
+- ``sgd``: plain SGD without momentum, the baseline: weights, gradients, activations, the libraries;
+- ``adamw``: ``torch.optim.AdamW``, the reference: the baseline plus fp32 AdamW's state;
+- ``baoc:B``: the same AdamW under ``BAOC(memory_budget=B)``: a warm-up, the allocation at its end
+  (a conversion), and re-evaluations every epoch.
+
+Every run imports the same modules (``lightning_baoc`` included), so the libraries' memory is in
+the baseline. The claim measured: BAOC's peak above the baseline is at most ``B`` times AdamW's peak
+above the baseline, plus a bound: the transient of one tensor (the largest tensor's fp32 state, 8
+bytes per element: decoded by the risk model at an allocation, or converted), the sampler's ring and
+the shadow moments (a few MiB, fixed by their settings, not by the model's size).
+
+Example::
+
+    python benchmarks/peak_memory.py --docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from _report import ROOT, command, machine, markdown_table, write_docs_section
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model of ``layers`` square linear layers of ``width`` (with biases) trained ``steps`` steps."""
+
+    layers: int = 40
+    width: int = 1024
+    batch: int = 16
+    steps: int = 24
+    epoch_steps: int = 8
+    warmup: int = 6
+    threads: int = 1
+
+    @property
+    def params(self) -> int:
+        return self.layers * (self.width * self.width + self.width)
+
+
+def child(run: str, workload: Workload) -> dict[str, Any]:
+    """Train one run in this process; what it held (called in the child process)."""
+    import torch
+    import lightning as L
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_baoc  # noqa: F401  (imported by every run: the libraries are in the baseline)
+    from lightning_baoc import BAOC
+
+    torch.set_num_threads(workload.threads)
+    torch.manual_seed(0)
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(*[nn.Linear(workload.width, workload.width) for _ in range(workload.layers)])
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (x,) = batch
+            return self.net(x).square().mean()
+
+        def configure_optimizers(self) -> Any:
+            if run == "sgd":
+                return torch.optim.SGD(self.parameters(), lr=1e-3)
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    data = torch.randn(workload.epoch_steps * workload.batch, workload.width)
+    loader = DataLoader(TensorDataset(data), batch_size=workload.batch)
+    callbacks = []
+    baoc = None
+    if run.startswith("baoc:"):
+        baoc = BAOC(
+            memory_budget=float(run.split(":")[1]), warmup_steps=workload.warmup, sample_every=2,
+            reevaluate_every_n_epochs=1, hysteresis=0.0, report=False,
+        )
+        callbacks.append(baoc)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=workload.steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+    )
+    trainer.fit(Net(), loader)
+    out: dict[str, Any] = {"run": run, "steps": trainer.global_step}
+    if baoc is not None:
+        opt = trainer.optimizers[0]
+        ctl = baoc.controller
+        out.update(
+            state_bytes=int(opt.state_bytes()), peak_state_bytes=int(ctl.peak_state_bytes),
+            budget_bytes=int(ctl.memory_budget_bytes()), baseline_state_bytes=int(ctl.baseline_state_bytes),
+            allocations=[(h["step"], h["reason"]) for h in ctl.history],
+            shadow_bytes=int(ctl.shadow.nbytes()) if ctl.shadow is not None else 0,
+        )
+    return out
+
+
+def measure(run: str, workload: Workload) -> dict[str, Any]:
+    """Run ``run`` in a fresh process; its report and its peak RSS in bytes (``os.wait4``'s usage)."""
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import peak_memory as pm; "
+        "w = pm.Workload(**json.loads(sys.argv[3])); print('RESULT ' + json.dumps(pm.child(sys.argv[2], w)))"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # glibc raises its mmap threshold as tensors are freed, after which freed tensors linger in the
+    # heap and the resident size stops following live memory; a fixed threshold keeps every tensor
+    # of 64 KiB or more in its own mapping, returned when freed (the same for every run)
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, str(Path(__file__).parent), run, json.dumps(workload.__dict__)],
+            stdout=out, stderr=err, text=True, env=env, cwd=str(ROOT),
+        )
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own resource usage
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"run {run!r} failed (exit {proc.returncode}):\n{stderr[-3000:]}")
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        raise RuntimeError(f"run {run!r} printed no result:\n{stderr[-3000:]}")
+    result = json.loads(lines[-1][len("RESULT "):])
+    result["peak_rss"] = int(usage.ru_maxrss) * 1024  # KiB on Linux
+    return result
+
+
+def bound_bytes(workload: Workload, result: dict[str, Any]) -> int:
+    """The documented allowance above ``B x`` AdamW's peak: one tensor's transient (8 bytes per
+    element of the largest tensor: decoded by the risk model, or converted, one at a time), the
+    shadow moments and the sampler's ring (as the run reports them), and 2% of AdamW's fp32 state
+    for the allocator's and the step's own rounding (slices of ``FOREACH_ELEMENTS`` and
+    ``chunk_size`` elements)."""
+    largest = workload.width * workload.width
+    sampler = 4 * 32 * 4096 * workload.layers  # capacity x max_elements x blocks, fp32
+    return 8 * largest + int(result.get("shadow_bytes", 0)) + sampler + int(0.02 * 8 * workload.params)
+
+
+def run_all(workload: Workload, budgets: list[float]) -> dict[str, dict[str, Any]]:
+    """Every run, one after the other (never side by side: they would share the memory)."""
+    return {run: measure(run, workload) for run in ["sgd", "adamw", *[f"baoc:{b}" for b in budgets]]}
+
+
+def table(workload: Workload, results: dict[str, dict[str, Any]], budgets: list[float]) -> str:
+    base = results["sgd"]["peak_rss"]
+    adamw = results["adamw"]["peak_rss"] - base
+    mib = 2**20
+    rows = [["SGD (baseline)", f"{base / mib:,.1f}", "-", "-", "-", "-"],
+            ["AdamW (reference)", f"{results['adamw']['peak_rss'] / mib:,.1f}", f"{adamw / mib:,.1f}", "1.000", "-", "-"]]
+    for b in budgets:
+        r = results[f"baoc:{b}"]
+        above = r["peak_rss"] - base
+        allowed = b * adamw + bound_bytes(workload, r)
+        rows.append([f"BAOC, budget {b}", f"{r['peak_rss'] / mib:,.1f}", f"{above / mib:,.1f}", f"{above / adamw:.3f}",
+                     f"{allowed / mib:,.1f}", "yes" if above <= allowed else "**no**"])
+    return markdown_table(["run", "peak RSS (MiB)", "above baseline (MiB)", "of AdamW's", "allowed (MiB)", "within"], rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=Workload.layers)
+    parser.add_argument("--width", type=int, default=Workload.width)
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5])
+    parser.add_argument("--docs", action="store_true", help="write the table into docs/benchmarks/peak-memory.md")
+    args = parser.parse_args()
+    workload = Workload(layers=args.layers, width=args.width)
+    results = run_all(workload, args.budgets)
+    body = "\n\n".join([
+        f"Machine: {machine()}. Command: `{command()}`",
+        f"{workload.layers} x Linear({workload.width}, {workload.width}) ({workload.params:,} parameters), batch "
+        f"{workload.batch}, {workload.steps} steps, epochs of {workload.epoch_steps}; BAOC warm-up {workload.warmup} "
+        f"steps, re-evaluation every epoch. Allowed: budget x AdamW's peak above the baseline + the bound "
+        f"(`bound_bytes`: the largest tensor's fp32 state, the shadow and the sampler's ring, 2% of the fp32 state).",
+        table(workload, results, args.budgets),
+        "Allocations: " + "; ".join(f"{run}: {r.get('allocations')}" for run, r in results.items() if run.startswith("baoc")),
+    ])
+    print(body)
+    if args.docs:
+        write_docs_section("benchmarks/peak-memory.md", "peak_memory", body)
+
+
+if __name__ == "__main__":
+    main()
