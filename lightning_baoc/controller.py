@@ -57,11 +57,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import torch
 from torch import nn
 
-from .budget import (
-    format_bytes,
-    parse_memory_budget,
-    parse_time_budget,
-)
+from .budget import format_bytes, parse_memory_budget, parse_time_budget
 from .control.blocks import BlocksMixin
 from .control.checkpoint import ALLOCATION_SETTINGS, CheckpointMixin
 from .control.checkpoint import plain as _plain
