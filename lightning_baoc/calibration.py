@@ -178,16 +178,25 @@ def memory_table(
     """
     names = list(FORMATS) if formats is None else [_check_name(f) for f in formats]
     off_device = offload_saves_memory(device)
-    out: dict[str, dict[str, int]] = {}
-    for block, shapes in blocks.items():
-        row: dict[str, int] = {}
-        for f in names:
-            if f == "offload" and off_device:
-                row[f] = 0
-            else:
-                row[f] = sum(format_state_bytes(f, tuple(s), min_8bit_numel) for s in shapes)
-        out[block] = row
-    return out
+    return {
+        block: {f: sum(device_state_bytes(f, s, off_device, min_8bit_numel) for s in shapes) for f in names}
+        for block, shapes in blocks.items()
+    }
+
+
+def device_state_bytes(
+    name: str, shape: Sequence[int], off_device: bool, min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL
+) -> int:
+    """Device bytes of one tensor's state in format ``name`` (its fallbacks applied): the rule of
+    :func:`memory_table`, per tensor. ``off_device`` is :func:`offload_saves_memory` of the device.
+
+    Example:
+        >>> device_state_bytes("offload", (64, 64), off_device=True), device_state_bytes("int8", (64,), False)
+        (0, 512)
+    """
+    if name == "offload" and off_device:
+        return 0
+    return format_state_bytes(name, tuple(shape), min_8bit_numel)
 
 
 def _check_name(name: str) -> str:
@@ -445,6 +454,7 @@ __all__ = [
     "check_mask",
     "default_cache_dir",
     "device_name",
+    "device_state_bytes",
     "hardware_mask",
     "measure_step_seconds",
     "memory_table",

@@ -9,28 +9,26 @@ The warm-up then samples the gradients, and the allocation at its end starts fro
 are (decoded from their formats; blocks held without momentum take their signal from the sampled
 gradients, as at a re-evaluation).
 
+The risk table is built by :func:`lightning_baoc.risk.start.start_risk`, which ``lightning-baoc
+plan`` and ``lightning-baoc check`` call too (:meth:`lightning_baoc.costs.AllocationProblem.phases`),
+so the start they report is this one.
+
 :class:`StartMixin` expects the controller's tables (``_shapes``, ``_offered``, ``block_params``),
 ``_module``, ``optimizer``, ``config`` and ``_solve``.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any, Callable, Mapping
 
 from torch import nn
 
 from lightning_baoc.budget import parse_memory_budget, parse_time_budget
 from lightning_baoc.control.checkpoint import plain as _plain
-from lightning_baoc.formats import FORMATS
 from lightning_baoc.optim import BlockwiseAdamW
-from lightning_baoc.risk.prior import block_kind, prior_risk
+from lightning_baoc.risk.prior import block_kind
+from lightning_baoc.risk.start import INITIAL_PREFERENCE, start_risk
 from lightning_baoc.solver import Allocation
-
-#: Added to the prior risk of every format but the one ``initial`` names for a block, so that the
-#: solver keeps the named format wherever the budgets allow (prior risks are shares, below 1).
-INITIAL_PREFERENCE = 1.0
 
 
 class StartMixin:
@@ -99,59 +97,7 @@ class StartMixin:
         assert self.optimizer is not None
         module = self._module if self._module is not None else nn.Module()
         kinds = {b: block_kind(module, b) for b in self.block_params}
-        risk = prior_risk(self._shapes, kinds, list(self._offered), self.optimizer.min_8bit_numel)
-        initial = self.config.initial
-        if initial is None:
-            return risk
-        if isinstance(initial, Mapping):
-            for block, fmt in self._initial_formats(initial).items():
-                risk[block] = {f: (0.0 if f == fmt else r + INITIAL_PREFERENCE) for f, r in risk[block].items()}
-            return risk
-        for block, measured in self._initial_record(os.fspath(initial)).items():
-            risk[block] = {f: float(measured[f]) if f in measured else r + INITIAL_PREFERENCE
-                           for f, r in risk[block].items()}
-        return risk
-
-    def _initial_formats(self, initial: Mapping[str, str]) -> dict[str, str]:
-        unknown = [b for b in initial if b not in self.block_params]
-        if unknown:
-            raise ValueError(
-                f"BAOC(initial=...): {unknown[:3]} are not blocks of this model (blocks like "
-                f"{list(self.block_params)[:3]}); use the block names of baoc_allocation.json"
-            )
-        refused = {b: f for b, f in initial.items() if f not in self._offered}
-        if refused:
-            b, f = next(iter(refused.items()))
-            known = "a format" if f in FORMATS else "not a format"
-            raise ValueError(
-                f"BAOC(initial=...): block {b!r} asks for {f!r}, {known} not offered here; offered: {self._offered}"
-            )
-        return dict(initial)
-
-    def _initial_record(self, path: str) -> dict[str, dict[str, float]]:
-        """Block -> measured risk per format, from a previous run's ``baoc_allocation.json``."""
-        try:
-            with open(path, encoding="utf-8") as fh:
-                record = json.load(fh)
-        except (OSError, ValueError) as err:
-            raise ValueError(f"BAOC(initial={path!r}): cannot read the allocation record: {err}") from None
-        blocks = record.get("blocks") if isinstance(record, Mapping) else None
-        if not isinstance(blocks, list):
-            raise ValueError(f"BAOC(initial={path!r}): not a baoc_allocation.json (no 'blocks' list)")
-        out: dict[str, dict[str, float]] = {}
-        for entry in blocks:
-            if not isinstance(entry, Mapping) or not isinstance(entry.get("risk"), Mapping):
-                raise ValueError(f"BAOC(initial={path!r}): a block without its 'risk' per format: {entry!r}")
-            out[str(entry.get("name"))] = {
-                str(f): float(r) for f, r in entry["risk"].items() if isinstance(r, (int, float)) and r == r
-            }
-        unknown = [b for b in out if b not in self.block_params]
-        if unknown:
-            raise ValueError(
-                f"BAOC(initial={path!r}): blocks {unknown[:3]} are not blocks of this model (blocks like "
-                f"{list(self.block_params)[:3]}); was the record written for another model or granularity?"
-            )
-        return out
+        return start_risk(self._shapes, kinds, self._offered, self.optimizer.min_8bit_numel, self.config.initial)
 
 
 __all__ = ["INITIAL_PREFERENCE", "StartMixin"]

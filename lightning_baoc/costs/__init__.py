@@ -1,9 +1,21 @@
 """What an allocation costs and the problem it solves: memory and time tables, calibration, the
 hardware mask and the one rule of withheld formats (:mod:`lightning_baoc.calibration`), and
 :class:`AllocationProblem`, the one builder of the solver's problem used by the training
-controller, ``lightning-baoc check`` and ``lightning-baoc plan``.
+controller, ``lightning-baoc check`` and ``lightning-baoc plan``, and the optimizer state of a
+run's phases (start, warm-up, conversion, steady: :mod:`lightning_baoc.costs.phases`).
 """
 
+from .phases import CONVERSION_BOUND, PHASES, PhaseFigure, StatePhases, state_phases
 from .problem import AllocationProblem, Budgets, CostSource, with_message
 
-__all__ = ["AllocationProblem", "Budgets", "CostSource", "with_message"]
+__all__ = [
+    "CONVERSION_BOUND",
+    "PHASES",
+    "AllocationProblem",
+    "Budgets",
+    "CostSource",
+    "PhaseFigure",
+    "StatePhases",
+    "state_phases",
+    "with_message",
+]

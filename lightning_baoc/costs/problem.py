@@ -34,7 +34,9 @@ from ..budget import (
 )
 from ..calibration import PRIOR_STEP_COST, Calibration, calibrate, memory_table, time_table, withheld_formats
 from ..formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS
+from ..risk.start import Initial, start_risk
 from ..solver import Allocation, BudgetInfeasibleError, solve
+from .phases import StatePhases, state_phases
 
 Shape = Sequence[int]
 Table = Mapping[str, Mapping[str, float]]
@@ -233,6 +235,44 @@ class AllocationProblem:
                 f"{err}; as a fraction of the AdamW state on these parameters ({format_bytes(self.baseline_bytes)}): "
                 f"memory_budget >= {round_up(err.min_memory / self.baseline_bytes)}",
             ) from None
+
+    def phases(
+        self,
+        kinds: Mapping[str, str],
+        memory_budget: object,
+        time_budget: object = None,
+        *,
+        initial: Initial = None,
+        steady_risk: Table | None = None,
+        owner: str = "BAOC",
+        **options: Any,
+    ) -> StatePhases:
+        """The device state of a run's phases at these budgets: start, warm-up, conversion, steady
+        (:mod:`lightning_baoc.costs.phases`).
+
+        The start allocation is solved as the training controller solves it at install: least
+        :func:`~lightning_baoc.risk.start.start_risk` (the prior, or ``initial``), no solver options.
+        The steady one is least ``steady_risk`` (default: the start's risk, so without measured
+        risk the run is expected to stay where it started) with ``options`` (``method``,
+        ``max_boundaries``).
+
+        Args:
+            kinds: block -> kind (:func:`~lightning_baoc.risk.prior.block_kind`).
+            memory_budget, time_budget: the budgets, as for :meth:`solve`.
+            initial: as ``BAOC(initial=...)``: a ``baoc_allocation.json`` path, a mapping block ->
+                format, or ``None``.
+            steady_risk: the risk the steady allocation minimizes (a statistics file's).
+            owner: who was given ``initial``, for error messages.
+
+        Raises:
+            BudgetInfeasibleError: no allocation meets the budgets.
+            ValueError: a bad budget, or an ``initial`` that does not fit this model.
+        """
+        risk = start_risk(self.shapes, kinds, self.allowed, self.min_8bit_numel, initial, owner)
+        start = self.solve(risk, memory_budget, time_budget)
+        steady = self.solve(risk if steady_risk is None else steady_risk, memory_budget, time_budget, **options)
+        budget_bytes = self.budgets(memory_budget, time_budget).memory_bytes
+        return state_phases(self.shapes, self.device, start, steady, budget_bytes, self.min_8bit_numel)
 
     def smallest(self, memory_budget: object, time_budget: object = None) -> Allocation:
         """Check feasibility: an allocation meeting the budgets whatever the risk (all risks 0).

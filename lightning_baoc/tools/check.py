@@ -10,7 +10,9 @@ fails, and every failure says how to fix it:
 2. **blocks**: the model partitions into blocks with ``baoc.block_id`` (every pattern matches).
 3. **memory budget**: some allocation of the allowed formats meets the budgets on this model
    (the same exact solver as the callback's check at install); a failure names the smallest
-   feasible budget.
+   feasible budget. The line reports the state on the device in every phase of the run (start,
+   warm-up, conversion, steady: :meth:`~lightning_baoc.costs.AllocationProblem.phases`) and fails
+   when one exceeds its limit (:mod:`lightning_baoc.tools.budget_check`).
 4. **sampler overhead**: an estimate of the gradient sampler's cost from ``sample_every`` and
    ``max_elements`` against the model's size (:func:`sampler_overhead`), against the 3% the sampler
    is designed for, and its ring-buffer memory.
@@ -42,19 +44,13 @@ import torch
 from torch import nn
 
 from ..blocks import partition_report
-from ..budget import (
-    absolute_time_with_prior_error,
-    format_bytes,
-    is_absolute_time,
-    parse_memory_budget,
-    round_up,
-)
-from ..calibration import hardware_mask, withheld_formats
+from ..budget import format_bytes
+from ..calibration import hardware_mask
 from ..config import Config, load_config
-from ..costs import AllocationProblem
 from ..formats import FORMATS
-from ..solver import BudgetInfeasibleError
+from .budget_check import check_budget
 from .models import build_component, default_device, resolve_model
+from .result import CheckResult
 
 #: The sampler's design budget: its cost per training step, as a fraction of the step
 #: (``benchmarks/sampler_overhead.py``: sampling at every step costs about 3% on a 1.2M-parameter GPT).
@@ -78,28 +74,6 @@ HYSTERESIS_RANGE = (0.01, 0.5)
 
 _UP_WORDS = ("acc", "f1", "auc", "precision", "recall", "map", "iou", "psnr", "ssim", "bleu", "rouge", "score")
 _DOWN_WORDS = ("loss", "ppl", "perplexity", "error", "err", "mse", "mae", "rmse", "denoise", "fid", "wer", "cer")
-
-
-@dataclass
-class CheckResult:
-    """One line of the checklist.
-
-    Attributes:
-        name: the check (``"formats served"``).
-        passed: whether it passed.
-        detail: what was found, with the figures.
-        fix: how to fix a failure (empty when it passed).
-    """
-
-    name: str
-    passed: bool
-    detail: str
-    fix: str = ""
-
-    @property
-    def status(self) -> str:
-        """``"PASS"`` or ``"FAIL"``."""
-        return "PASS" if self.passed else "FAIL"
 
 
 @dataclass
@@ -197,7 +171,7 @@ def run_checks(config: Config, model: nn.Module, device: str | torch.device = "c
     blocks_result, report = _check_blocks(config, model)
     results.append(blocks_result)
     if report is not None and served:
-        results.append(_check_budget(config, model, report.blocks, served, mask, device))
+        results.append(check_budget(config, model, report.blocks, served, mask, device))
     elif report is not None:
         results.append(
             CheckResult("memory budget", False, "no allowed format is served on this device", "see 'formats served'")
@@ -291,130 +265,6 @@ def _max_elements_within_budget(block_numel: dict[str, int], s: Any) -> int | No
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if cost(mid) <= MAX_SAMPLER_OVERHEAD else (lo, mid - 1)
     return lo
-
-
-def _check_budget(
-    config: Config,
-    model: nn.Module,
-    blocks: dict[str, list[str]],
-    served: list[str],
-    mask: dict[str, str],
-    device: str,
-) -> CheckResult:
-    b = config.baoc
-    params = dict(model.named_parameters())
-    shapes = {name: [tuple(params[n].shape) for n in names] for name, names in blocks.items()}
-    timed = b.time_budget is not None
-    prior = b.calibration.mode == "prior" or not _local(device)
-    if timed and prior and is_absolute_time(b.time_budget):
-        # seconds cannot be compared with the unitless prior costs (the callback's rule too)
-        where = (
-            "set baoc.calibration.mode: auto"
-            if b.calibration.mode == "prior"
-            else f"run check on a machine with the {device} device, where the step is measured in seconds"
-        )
-        err = absolute_time_with_prior_error(b.time_budget, "baoc.time_budget", where + ".")
-        return CheckResult("memory budget", False, str(err), f"baoc.time_budget: 1.2 (a multiple), or {where}")
-    # the problem the training controller builds: the same offered formats, tables and budget units
-    try:
-        problem = AllocationProblem(
-            shapes,
-            device,
-            served,
-            timed=timed,
-            costs="prior" if prior else "calibrate",
-            min_8bit_numel=b.min_8bit_numel,
-            cache_dir=b.calibration.cache_dir,
-        )
-    except ValueError:
-        note = "".join(f"; {f} withheld ({why})" for f, why in withheld_formats(device, timed, served).items())
-        fix = "set baoc.time_budget, or allow other formats in baoc.allowed_configs"
-        return CheckResult("memory budget", False, f"no allowed format is offered on {device}{note}", fix)
-    served = problem.allowed
-    withheld_note = "".join(f"; {f} withheld ({why})" for f, why in problem.withheld.items())
-    fp32_bytes = problem.fp32_bytes
-    budget_bytes = parse_memory_budget(b.memory_budget, fp32_bytes, argument="baoc.memory_budget")
-    time_note = ""
-    fp32_time = 0.0
-    if timed:
-        fp32_time = problem.fp32_time
-        time_note = (
-            "; step time priced with the built-in prior costs" if prior else f"; step time priced with a calibration of {device}"
-        )
-    budget_text = f"baoc.memory_budget={b.memory_budget!r} = {format_bytes(budget_bytes)} ({budget_bytes / fp32_bytes:.3f} of fp32 AdamW's {format_bytes(fp32_bytes)})"
-    least = sum(min(row.values()) for row in problem.tables(False)[0].values())
-    context = _BudgetContext(config, budget_text, budget_bytes, fp32_bytes, fp32_time, time_note, withheld_note, served, mask)
-    try:
-        problem.smallest(b.memory_budget, b.time_budget)
-    except BudgetInfeasibleError as err:
-        return _infeasible(err, context)
-    return CheckResult(
-        "memory budget",
-        True,
-        f"{budget_text} is feasible: the cheapest allocation of the allowed formats needs {format_bytes(least)} "
-        f"({least / fp32_bytes:.3f} of fp32){time_note}{withheld_note}",
-    )
-
-
-@dataclass
-class _BudgetContext:
-    """What the memory-budget check found, for the message of an infeasible budget."""
-
-    config: Config
-    budget_text: str
-    budget_bytes: int
-    fp32_bytes: int
-    fp32_time: float
-    time_note: str
-    withheld_note: str
-    served: list[str]
-    mask: dict[str, str]
-
-
-def _infeasible(err: BudgetInfeasibleError, c: _BudgetContext) -> CheckResult:
-    """The failed memory-budget check of an infeasible budget, with the smallest feasible one."""
-    b = c.config.baoc
-    budget_text, budget_bytes, fp32_bytes, fp32_time = c.budget_text, c.budget_bytes, c.fp32_bytes, c.fp32_time
-    time_note, withheld_note, served, mask = c.time_note, c.withheld_note, c.served, c.mask
-    if err.min_memory is None:
-        return CheckResult(
-            "memory budget",
-            False,
-            f"{budget_text}: no allocation of the allowed formats meets baoc.time_budget={b.time_budget!r}{time_note}",
-            "raise baoc.time_budget (or allow faster formats: fp32, bf16_momentum, nomomentum, factored)",
-        )
-    need = float(err.min_memory)
-    if need <= budget_bytes:  # memory fits: the time budget is what fails
-        return CheckResult(
-            "memory budget",
-            False,
-            f"{budget_text}: it fits in memory, but not within baoc.time_budget={b.time_budget!r}{time_note}",
-            "raise baoc.time_budget, or lower the memory pressure (a larger baoc.memory_budget)",
-        )
-    cheaper = [f for f in ("factored", "nomomentum_int8", "int8_factored") if f not in served and f not in mask]
-    allow = f", or allow cheaper formats in baoc.allowed_configs ({', '.join(cheaper)})" if cheaper else ""
-    if b.time_budget is not None:
-        # the memory needed is the least within the time budget: a looser one may need less
-        slower = (
-            f"raise baoc.time_budget to >= {round_up(err.min_time / fp32_time)} (x fp32)"
-            if err.min_time is not None and fp32_time
-            else "raise baoc.time_budget"
-        )
-        allow += f", or {slower}"
-    return CheckResult(
-        "memory budget",
-        False,
-        f"{budget_text} is infeasible for this model: the smallest feasible budget with the allowed formats "
-        f"{served} is {format_bytes(need)} ({need / fp32_bytes:.3f} of fp32)"
-        f"{' within the time budget' if b.time_budget is not None else ''}{time_note}{withheld_note}",
-        f"set baoc.memory_budget >= {round_up(need / fp32_bytes)} (or an absolute size >= {int(math.ceil(need))} "
-        f"bytes){allow}",
-    )
-
-
-def _local(device: str) -> bool:
-    kind = torch.device(device).type
-    return kind == "cpu" or (kind == "cuda" and torch.cuda.is_available())
 
 
 def _check_warmup(config: Config) -> CheckResult:

@@ -8,10 +8,16 @@ state (8 bytes per parameter), every uniform format's exact bytes (fallbacks for
 tensors included, as the optimizer allocates them), and allocations of the
 :class:`~lightning_baoc.costs.AllocationProblem` the training controller builds, at the budgets given.
 
-Risk comes from a statistics file saved by a real run (JSON ``{"blocks": [{"name": ..., "risk":
-{format: value}}]}``, the shape of ``baoc_allocation.json``'s blocks) or, without one, from the
-documented prior (:func:`lightning_baoc.risk.prior_risk`). Step time comes from a calibration of the
-local device (``calibrate=True``) or the prior :data:`~lightning_baoc.calibration.PRIOR_STEP_COST`.
+Every budget is planned as a run goes through it (:meth:`~lightning_baoc.costs.AllocationProblem.phases`):
+the **start** allocation the controller sets at install (least prior risk, or ``initial`` as
+``BAOC(initial=...)``: a previous run's ``baoc_allocation.json``), the **warm-up** in it, the
+**conversion** at warm-up end (bounded by ``max(start, steady)`` plus one parameter's state) and the
+**steady** allocation. The steady allocation's risk comes from a statistics file saved by a real run
+(JSON ``{"blocks": [{"name": ..., "risk": {format: value}}]}``, the shape of
+``baoc_allocation.json``'s blocks) or, without one, is the start's (the documented prior,
+:func:`lightning_baoc.risk.prior_risk`, or ``initial``'s): the run is then expected to stay where it
+started. Step time comes from a calibration of the local device (``calibrate=True``) or the prior
+:data:`~lightning_baoc.calibration.PRIOR_STEP_COST`.
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ from torch import nn
 from ..blocks import partition
 from ..budget import absolute_time_with_prior_error, format_bytes, format_decimal_bytes, is_absolute_time
 from ..calibration import check_mask, offload_saves_memory
-from ..costs import AllocationProblem
+from ..costs import CONVERSION_BOUND, AllocationProblem, StatePhases
 from ..formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, format_state_bytes, numel_of, resolve_format
 from ..risk.prior import block_kind, prior_risk
+from ..risk.start import INITIAL_PREFERENCE, Initial
 from ..solver import Allocation, BudgetInfeasibleError
 from .presets import build_model
 
@@ -88,13 +95,18 @@ class FormatFigure:
 
 @dataclass
 class PlannedAllocation:
-    """An allocation at one budget, or why there is none."""
+    """An allocation at one budget, or why there is none.
+
+    ``allocation`` is the steady allocation (``phases.steady``); ``phases`` holds the device state
+    of every phase of the run at this budget (start, warm-up, conversion, steady).
+    """
 
     budget: str
     allocation: Allocation | None = None
     error: str | None = None
     params_by_format: dict[str, int] = field(default_factory=dict)
     min_memory: float | None = None  # where infeasible: the smallest feasible memory budget, bytes
+    phases: StatePhases | None = None
 
 
 @dataclass
@@ -114,6 +126,7 @@ class Plan:
     time_source: str | None
     time_budget: str | None
     allocations: list[PlannedAllocation]
+    start_source: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -130,6 +143,7 @@ class Plan:
             },
             "masked": dict(self.masked),
             "risk_source": self.risk_source,
+            "start_source": self.start_source,
             "time_source": self.time_source,
             "time_budget": self.time_budget,
             "allocations": [
@@ -138,6 +152,7 @@ class Plan:
                     "error": a.error,
                     "params_by_format": a.params_by_format,
                     **({"allocation": a.allocation.to_dict()} if a.allocation is not None else {}),
+                    **({"phases": a.phases.to_dict()} if a.phases is not None else {}),
                 }
                 for a in self.allocations
             ],
@@ -152,6 +167,7 @@ def plan(
     device: str = "cuda",
     granularity: str = "module",
     statistics: str | os.PathLike[str] | None = None,
+    initial: Initial = None,
     mask: Sequence[str] | None = None,
     max_boundaries: int | None = None,
     calibrate_time: bool = False,
@@ -170,7 +186,9 @@ def plan(
             saves device memory (default: ``"cuda"``).
         granularity: block granularity of :func:`~lightning_baoc.blocks.partition` (default:
             ``"module"``).
-        statistics: a statistics file with per-format risks (default: the prior).
+        statistics: a statistics file: the steady allocation's risk (default: the start's).
+        initial: the start as ``BAOC(initial=...)``: a ``baoc_allocation.json`` or a mapping
+            block -> format (default: the prior).
         mask: formats to exclude besides the hardware mask (default: none).
         max_boundaries: boundary selection: the format changes at most this many times along the
             blocks (default: no limit).
@@ -181,13 +199,16 @@ def plan(
         method: the solver's method (default: ``"auto"``).
 
     Raises:
-        ValueError: a bad model, budget or mask, or an absolute ``time_budget`` without
-            ``calibrate_time`` (the message names both fixes).
+        ValueError: a bad model, budget, mask or ``initial``, or an absolute ``time_budget``
+            without ``calibrate_time`` (the message names both fixes).
 
     Example:
         >>> p = plan("tiny", [0.5], device="cpu")
         >>> p.params, p.fp32_bytes == 8 * p.params
         (166208, True)
+        >>> phases = p.allocations[0].phases
+        >>> phases.warmup_bytes == phases.start_bytes <= 0.5 * p.fp32_bytes
+        True
     """
     if time_budget is not None and not calibrate_time and is_absolute_time(time_budget):
         fix = "calibrate_time=True (--calibrate) to measure the step in seconds on the device."
@@ -201,29 +222,23 @@ def plan(
         mask=check_mask(mask) if mask else {}, cache_dir=cache_dir,
     )  # fmt: skip
 
-    figures = _format_figures(blocks, device, min_8bit_numel)
-    allocations: list[PlannedAllocation] = []
-    risk_source, time_source = _PRIOR_SOURCE, None
+    figures, allocations = _format_figures(blocks, device, min_8bit_numel), []
+    start_source = _PRIOR_SOURCE if initial is None else _initial_source(initial)
+    risk_source, time_source = start_source, None
     if budgets:
-        risk, risk_source = _risk(module, blocks, statistics, min_8bit_numel)
-        options = {"method": method, "max_boundaries": max_boundaries}
-        allocations = [_allocate(problem, risk, blocks, budget, time_budget, options) for budget in budgets]
+        kinds = {b: block_kind(module, b) for b in blocks}
+        steady_risk, risk_source = _steady_risk(kinds, blocks, statistics, min_8bit_numel, start_source)
+        options = {"method": method, "max_boundaries": max_boundaries, "initial": initial, "steady_risk": steady_risk}
+        allocations = [_allocate(problem, kinds, blocks, budget, time_budget, options) for budget in budgets]
         time_source = problem.time_source
     return Plan(
-        model=model if isinstance(model, str) else type(model).__name__,
-        device=str(device),
-        granularity=granularity,
+        model=model if isinstance(model, str) else type(model).__name__, device=str(device), granularity=granularity,
         params=sum(numel_of(s) for shapes in blocks.values() for s in shapes),
-        tensors=sum(len(shapes) for shapes in blocks.values()),
-        blocks=blocks,
-        fp32_bytes=problem.fp32_bytes,
-        formats=figures,
-        masked=problem.withheld,
-        risk_source=risk_source,
-        time_source=time_source,
-        time_budget=None if time_budget is None else str(time_budget),
-        allocations=allocations,
-    )
+        tensors=sum(len(shapes) for shapes in blocks.values()), blocks=blocks, fp32_bytes=problem.fp32_bytes,
+        formats=figures, masked=problem.withheld, risk_source=risk_source, time_source=time_source,
+        time_budget=None if time_budget is None else str(time_budget), allocations=allocations,
+        start_source=start_source,
+    )  # fmt: skip
 
 
 def _block_shapes(module: nn.Module, granularity: str) -> dict[str, list[tuple[int, ...]]]:
@@ -234,14 +249,24 @@ def _block_shapes(module: nn.Module, granularity: str) -> dict[str, list[tuple[i
 _PRIOR_SOURCE = "prior (PRIOR_RISK x kind weight x size share)"
 
 
-def _risk(
-    module: nn.Module, blocks: Mapping[str, list[tuple[int, ...]]], statistics: Any, min_8bit_numel: int
-) -> tuple[dict[str, dict[str, float]], str]:
-    """The prior risk of every block, replaced by a statistics file's where it has the block; and its source."""
-    kinds = {b: block_kind(module, b) for b in blocks}
-    risk = prior_risk(blocks, kinds, min_8bit_numel=min_8bit_numel)
+def _initial_source(initial: Initial) -> str:
+    if isinstance(initial, Mapping):
+        return f"initial formats of {len(initial)} blocks (prior + {INITIAL_PREFERENCE:g} for other formats)"
+    return f"initial {os.fspath(initial)!r} (its measured risks; prior for the rest)"  # type: ignore[arg-type]
+
+
+def _steady_risk(
+    kinds: Mapping[str, str],
+    blocks: Mapping[str, list[tuple[int, ...]]],
+    statistics: Any,
+    min_8bit_numel: int,
+    start_source: str,
+) -> tuple[dict[str, dict[str, float]] | None, str]:
+    """The steady allocation's risk and its source: a statistics file's, the prior for the blocks it
+    lacks; without one ``None`` (the start's risk)."""
     if statistics is None:
-        return risk, _PRIOR_SOURCE
+        return None, start_source
+    risk = prior_risk(blocks, kinds, min_8bit_numel=min_8bit_numel)
     measured, missing = load_statistics(statistics, list(blocks))
     for b, row in measured.items():
         risk[b] = {f: row[f] for f in row}
@@ -264,20 +289,21 @@ def _format_figures(blocks: Mapping[str, list[tuple[int, ...]]], device: str, mi
 
 def _allocate(
     problem: AllocationProblem,
-    risk: Mapping[str, Mapping[str, float]],
+    kinds: Mapping[str, str],
     blocks: Mapping[str, list[tuple[int, ...]]],
     budget: float | int | str,
     time_budget: float | str | None,
     options: Mapping[str, Any],
 ) -> PlannedAllocation:
-    """The allocation at one budget, or why there is none (with the smallest feasible budget)."""
+    """The phases at one budget, or why there is none (with the smallest feasible budget)."""
     entry = PlannedAllocation(str(budget))
     try:
-        alloc = problem.solve(risk, budget, time_budget, **options)
+        phases = problem.phases(kinds, budget, time_budget, owner="plan", **options)
     except BudgetInfeasibleError as err:
         entry.error, entry.min_memory = str(err), err.min_memory
         return entry
-    entry.allocation = alloc
+    entry.phases = phases
+    alloc = entry.allocation = phases.steady
     for b, f in alloc.formats.items():
         entry.params_by_format[f] = entry.params_by_format.get(f, 0) + sum(numel_of(s) for s in blocks[b])
     return entry
@@ -340,8 +366,48 @@ def render(p: Plan, console: Any = None) -> None:
                 entry.budget, _bytes(a.memory), f"{a.memory / p.fp32_bytes:.3f}", step, f"{a.risk:.4g}", mix, solver
             )
         console.print(alloc_table)
+        _render_phases(p, console)
     if p.masked:
         console.print("Masked: " + "; ".join(f"{k}: {v}" for k, v in p.masked.items()))
+
+
+def _render_phases(p: Plan, console: Any) -> None:
+    """For each feasible budget, the device state of every phase of the run, against its limit."""
+    from rich.table import Table
+
+    shown = False
+    for entry in p.allocations:
+        phases = entry.phases
+        if phases is None:
+            continue
+        budget = phases.budget_bytes
+        title = f"Optimizer state on the device by phase at budget {entry.budget} = {_bytes(budget)}"
+        if p.start_source != p.risk_source:
+            title += f" (start risk: {p.start_source})"
+        caption = f"an fp32 warm-up would hold {_bytes(p.fp32_bytes)}" + (
+            f", {p.fp32_bytes / budget:.2f}x the budget" if budget else ""
+        )
+        table = Table(title=title, caption=caption)
+        for col in ("phase", "state bytes", "of budget", "within budget", "what"):
+            table.add_column(col, justify="right" if col in ("state bytes", "of budget") else "left")
+        for f in phases.figures():
+            if f.phase == "conversion":
+                size = f"<= {_bytes(f.state_bytes)}"
+                extra = f.limit_bytes - budget
+                verdict = f"{'yes' if f.within else 'NO'}: <= budget + one parameter's state ({format_bytes(extra)})"
+                what = (
+                    f"{phases.converted_tensors:,} tensor(s) in {len(phases.converted_blocks):,} block(s) convert; "
+                    f"+ {format_bytes(phases.transient_bytes)} transient"
+                    if phases.converted_tensors
+                    else "nothing converts: steady = start"
+                )
+            else:
+                size, verdict, what = _bytes(f.state_bytes), "yes" if f.within else "NO", f.note
+            table.add_row(f.phase, size, f"{f.state_bytes / budget:.3f}" if budget else "-", verdict, what)
+        console.print(table)
+        shown = True
+    if shown:
+        console.print(CONVERSION_BOUND)
 
 
 __all__ = ["FormatFigure", "Plan", "PlannedAllocation", "load_statistics", "plan", "render"]

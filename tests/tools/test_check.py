@@ -3,6 +3,7 @@ model and a device, its PASS/FAIL lines with their fixes, and its exit codes."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -189,3 +190,84 @@ def test_model_option_takes_a_preset_over_the_config(capsys: pytest.CaptureFixtu
 def test_schema_subcommand_prints_the_schema(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["schema"]) == 0
     assert capsys.readouterr().out == schema_text()
+
+
+# ---------------------------------------------------------------------------- the state by phase
+
+
+def test_the_memory_line_reports_every_phase_and_the_warm_up_holds_the_budget() -> None:
+    """The warm-up figure is what the run really holds after install and a step: within 0.25 of the
+    baseline, where the fp32 warm-up of before (8 bytes per element) held all of it."""
+    from lightning_baoc import BlockwiseAdamW
+    from lightning_baoc.controller import BAOCController
+    from lightning_baoc.planner import build_model
+
+    cfg = parse_config({"baoc": {"memory_budget": 0.25}})
+    result = _by_name(run_checks(cfg, build_model("tiny"), "cpu"))["memory budget"]
+    assert result.passed, result
+    for phase in ("start", "warm-up", "conversion <=", "steady"):
+        assert f"{phase} " in result.detail
+    figures = result.figures
+    budget = figures["budget_bytes"]
+    assert budget == int(0.25 * figures["fp32_bytes"])
+
+    torch.manual_seed(0)
+    model = build_model("tiny", device="cpu")
+    numel = sum(p.numel() for p in model.parameters())
+    ctl = BAOCController(memory_budget=0.25, warmup_steps=50, sample_every=5)
+    opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
+    fp32 = BlockwiseAdamW(model.named_parameters(), lr=1e-3)  # the old warm-up: fp32 state
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    fp32.step()
+    assert figures["warm-up"] == figures["start"] == opt.state_bytes() == opt.peak_state_bytes
+    assert figures["warm-up"] <= budget == ctl.memory_budget_bytes()
+    assert fp32.state_bytes() == 8 * numel == figures["fp32_bytes"] > budget  # the old warm-up exceeds it
+    assert figures["conversion"] == figures["steady"] == figures["start"]  # nothing measured: nothing converts
+    assert f"{fp32.state_bytes() / budget:.2f}x the budget" in result.detail
+    ctl.close()
+
+
+def test_a_warm_up_above_the_budget_fails_the_check(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The old behaviour (the warm-up in fp32 whatever the budget) fails the check; the start
+    allocation within the budget passes it."""
+    from lightning_baoc.costs import AllocationProblem, state_phases
+
+    args = ["--config", str(CONFIGS / "language.yaml"), "--device", "cpu", "baoc.memory_budget=0.25"]
+    code, out = _check(capsys, *args)
+    assert code == 0 and "7 passed" in out and "warm-up" in out
+
+    solved = AllocationProblem.phases
+
+    def fp32_warmup(self: AllocationProblem, *a: object, **kw: object):  # type: ignore[no-untyped-def]
+        phases = solved(self, *a, **kw)
+        fp32 = dataclasses.replace(phases.start, formats={b: "fp32" for b in phases.start.formats})
+        return state_phases(self.shapes, self.device, fp32, phases.steady, phases.budget_bytes, self.min_8bit_numel)
+
+    monkeypatch.setattr(AllocationProblem, "phases", fp32_warmup)
+    code, out = _check(capsys, *args)
+    assert code == 1 and "1 failed: memory budget" in out
+    cfg = load_config(args[1], args[-1:])
+    from lightning_baoc.check import resolve_model
+
+    result = _by_name(run_checks(cfg, resolve_model(cfg)[0], "cpu"))["memory budget"]
+    assert not result.passed
+    assert "over the limit: start" in result.detail and "warm-up" in result.detail and "conversion" in result.detail
+    assert result.figures["warm-up"] == result.figures["fp32_bytes"] > result.figures["budget_bytes"]
+    assert "set baoc.memory_budget >= 1" in result.fix
+
+
+def test_an_initial_that_does_not_fit_fails_naming_baoc_initial(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512)).to("meta")
+    good = _by_name(run_checks(parse_config({"baoc": {"memory_budget": 0.4, "initial": {"0": "int8"}}}), model, "cpu"))
+    assert good["memory budget"].passed, good["memory budget"]
+    bad = parse_config({"baoc": {"memory_budget": 0.4, "initial": {"encoder": "int8"}}})
+    result = _by_name(run_checks(bad, model, "cpu"))["memory budget"]
+    assert not result.passed and "baoc.initial" in result.detail and "not blocks of this model" in result.detail
+    assert "baoc.initial" in result.fix
+    missing = parse_config({"baoc": {"memory_budget": 0.4, "initial": str(tmp_path / "nothing.json")}})
+    result = _by_name(run_checks(missing, model, "cpu"))["memory budget"]
+    assert not result.passed and "cannot read the allocation record" in result.detail

@@ -13,7 +13,7 @@ import torch
 from lightning_baoc import FORMATS, BlockwiseAdamW
 from lightning_baoc.__main__ import main
 from lightning_baoc.blocks import partition
-from lightning_baoc.formats import format_state_bytes
+from lightning_baoc.formats import format_state_bytes, resolve_format
 from lightning_baoc.planner import block_kind, build_model, plan
 
 LLAMA_7B_PARAMS = 6_738_415_616  # 32000*4096*2 + 32*(4*4096^2 + 3*4096*11008 + 2*4096) + 4096
@@ -181,3 +181,115 @@ def test_infeasible_budget_is_reported_and_exits_1(capsys, tmp_path) -> None:
     data = json.loads(out_json.read_text())
     assert data["allocations"][0]["error"].startswith("memory_budget")
     assert data["fp32_adamw_state_bytes"] == 8 * data["params"]
+
+
+# ---------------------------------------------------------------------------- the state by phase
+
+
+def _one_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    for t in model.parameters():
+        t.grad = torch.randn_like(t)
+    opt.step()
+
+
+def test_the_planned_start_is_the_controllers_as_measured() -> None:
+    """The start (and warm-up) phase is what a run holds after install and a real step, format by format."""
+    from lightning_baoc.controller import BAOCController
+
+    budget = 0.3
+    p = plan("tiny", [budget], device="cpu")
+    phases = p.allocations[0].phases
+    assert phases is not None
+    torch.manual_seed(0)
+    model = build_model("tiny", device="cpu")
+    ctl = BAOCController(memory_budget=budget, warmup_steps=50, sample_every=5)
+    opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
+    _one_step(model, opt)
+    assert phases.start.formats == ctl.start_allocation
+    assert phases.start_bytes == phases.warmup_bytes == opt.state_bytes() <= phases.budget_bytes
+    assert phases.budget_bytes == ctl.memory_budget_bytes()
+    # without statistics the planner's allocation is the start allocation: nothing converts
+    assert p.allocations[0].allocation is phases.steady and phases.steady.formats == phases.start.formats
+    assert phases.conversion_bytes == phases.steady_bytes == phases.start_bytes
+    ctl.close()
+
+
+def test_statistics_move_the_steady_allocation_and_a_real_conversion_stays_within_the_bound(tmp_path) -> None:
+    model = build_model("tiny")
+    names = list(partition(model))
+    stats = {"blocks": [{"name": b, "risk": {"fp32": 0.0, "factored": 0.001, "int8": 0.5}} for b in names]}
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps(stats))
+    p = plan("tiny", [0.3], device="cpu", statistics=path)
+    phases = p.allocations[0].phases
+    assert phases is not None and phases.start.formats == plan("tiny", [0.3], device="cpu").allocations[0].phases.start.formats
+    start, steady = dict(phases.start.formats), dict(phases.steady.formats)
+    assert steady != start
+
+    # the bound by hand: max(start, steady) + the largest min(old, new) of a tensor that changes format
+    before = after = transient = changed = 0
+    for b, shapes in p.blocks.items():
+        for s in shapes:
+            old, new = format_state_bytes(start[b], s), format_state_bytes(steady[b], s)
+            before, after = before + old, after + new
+            if resolve_format(start[b], s) != resolve_format(steady[b], s):
+                changed, transient = changed + 1, max(transient, min(old, new))
+    assert (phases.start_bytes, phases.steady_bytes, phases.converted_tensors) == (before, after, changed)
+    assert phases.conversion_bytes == max(before, after) + transient and transient > 0
+
+    torch.manual_seed(0)
+    real = build_model("tiny", device="cpu")
+    blocks = partition(real)
+    opt = BlockwiseAdamW(real.named_parameters(), lr=1e-3)
+    opt.set_formats(start, blocks)
+    _one_step(real, opt)
+    assert opt.state_bytes() == phases.start_bytes
+    opt.reset_peak_state_bytes()
+    opt.set_formats(steady, blocks)
+    assert opt.state_bytes() == phases.steady_bytes
+    assert opt.peak_state_bytes <= phases.conversion_bytes
+
+    data = p.to_dict()["allocations"][0]["phases"]
+    assert data["phases"]["conversion"]["state_bytes"] == phases.conversion_bytes
+    assert data["converted_tensors"] == changed and data["steady_formats"] == steady
+
+
+def test_cli_prints_every_phase_of_llama_7b_at_a_quarter(capsys, tmp_path) -> None:
+    out_json = tmp_path / "plan.json"
+    argv = ["plan", "--preset", "llama-7b", "--budget", "0.25", "--device", "cuda", "--json", str(out_json)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "by phase at budget 0.25" in out
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") >= 5}
+    for phase in ("start", "warm-up", "conversion", "steady"):
+        assert phase in rows, out
+        assert "yes" in rows[phase]
+    assert "max(start, steady) + min(old_p, new_p)" in " ".join(out.split())  # the bound's footnote
+    data = json.loads(out_json.read_text())["allocations"][0]["phases"]
+    assert list(data["phases"]) == ["start", "warm-up", "conversion", "steady"]
+    budget = data["budget_bytes"]
+    assert data["phases"]["warm-up"]["state_bytes"] <= budget < 8 * LLAMA_7B_PARAMS  # no fp32 warm-up
+    assert all(row["within"] for row in data["phases"].values())
+
+
+def test_initial_record_starts_the_plan_where_the_run_starts(tmp_path) -> None:
+    """``plan(initial=...)`` / ``--initial`` mirror ``BAOC(initial=...)``."""
+    from lightning_baoc.controller import BAOCController
+
+    names = list(partition(build_model("tiny")))
+    record = {"blocks": [{"name": b, "risk": {"fp32": 0.0, "factored": 0.001}} for b in names]}
+    path = tmp_path / "baoc_allocation.json"
+    path.write_text(json.dumps(record))
+    p = plan("tiny", [0.3], device="cpu", initial=path)
+    phases = p.allocations[0].phases
+    assert phases is not None and set(phases.start.formats.values()) <= {"fp32", "factored"}
+    assert "initial" in p.start_source and p.risk_source == p.start_source
+    model = build_model("tiny", device="cpu")
+    ctl = BAOCController(memory_budget=0.3, warmup_steps=50, sample_every=5, initial=str(path))
+    ctl.install(torch.optim.AdamW(model.parameters()), model)
+    assert ctl.start_allocation == phases.start.formats
+    ctl.close()
+    assert main(["plan", "--preset", "tiny", "--device", "cpu", "--budget", "0.3", "--initial", str(path)]) == 0
+    path.write_text(json.dumps({"blocks": [{"name": "nowhere", "risk": {"fp32": 0.0}}]}))
+    with pytest.raises(ValueError, match=r"plan\(initial=.*not blocks of this model"):
+        plan("tiny", [0.3], device="cpu", initial=path)

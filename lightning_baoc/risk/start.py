@@ -1,0 +1,122 @@
+"""The risk the start allocation minimizes: the prior, or what a previous run gives (``initial``).
+
+A run starts its warm-up in the allocation of least risk within the budgets before any gradient is
+seen. That risk is the documented prior (:func:`~lightning_baoc.risk.prior.prior_risk`), or, with
+``initial``:
+
+- a path to a previous run's ``baoc_allocation.json``: its measured risk per format replaces the
+  prior on the blocks it names (a format it did not measure gets the prior plus
+  :data:`INITIAL_PREFERENCE`);
+- a mapping block -> format: the named format costs 0 and every other the prior plus
+  :data:`INITIAL_PREFERENCE`, so the named one is kept wherever the budgets allow.
+
+The training controller (:mod:`lightning_baoc.control.start`) and the planner
+(``lightning-baoc plan --initial``, ``lightning-baoc check`` with ``baoc.initial``) build it here,
+so the start they report is the start the run takes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Union
+
+from ..formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS
+from .prior import prior_risk
+
+#: Added to the prior risk of every format but the one ``initial`` names for a block, so that the
+#: solver keeps the named format wherever the budgets allow (prior risks are shares, below 1).
+INITIAL_PREFERENCE = 1.0
+
+#: What ``initial`` may be: a path to a ``baoc_allocation.json``, a mapping block -> format, or none.
+Initial = Union[str, "os.PathLike[str]", Mapping[str, str], None]
+
+
+def start_risk(
+    shapes: Mapping[str, Sequence[Sequence[int]]],
+    kinds: Mapping[str, str],
+    offered: Sequence[str],
+    min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL,
+    initial: Initial = None,
+    owner: str = "BAOC",
+) -> dict[str, dict[str, float]]:
+    """The risk table the start allocation minimizes (see the module docstring).
+
+    Args:
+        shapes: block -> the shapes of its parameters.
+        kinds: block -> its kind (:func:`~lightning_baoc.risk.prior.block_kind`).
+        offered: the formats offered on the device.
+        min_8bit_numel: the optimizer's small-tensor threshold (default: 4096).
+        initial: a ``baoc_allocation.json`` path, a mapping block -> format, or ``None`` (the prior).
+        owner: who was given ``initial``, for error messages (``"BAOC"``: ``BAOC(initial=...)``).
+
+    Raises:
+        ValueError: ``initial`` names blocks the model does not have, a format not offered, or a
+            file that is not a readable ``baoc_allocation.json``.
+
+    Example:
+        >>> start_risk({"fc": [(64, 64)]}, {"fc": "other"}, ["fp32", "int8"], initial={"fc": "int8"})
+        {'fc': {'fp32': 1.0, 'int8': 0.0}}
+    """
+    risk = prior_risk(shapes, kinds, list(offered), min_8bit_numel)
+    if initial is None:
+        return risk
+    if isinstance(initial, Mapping):
+        for block, fmt in initial_formats(initial, list(shapes), offered, owner).items():
+            risk[block] = {f: (0.0 if f == fmt else r + INITIAL_PREFERENCE) for f, r in risk[block].items()}
+        return risk
+    for block, measured in initial_record(os.fspath(initial), list(shapes), owner).items():
+        risk[block] = {f: float(measured[f]) if f in measured else r + INITIAL_PREFERENCE for f, r in risk[block].items()}
+    return risk
+
+
+def initial_formats(
+    initial: Mapping[str, str], blocks: Sequence[str], offered: Sequence[str], owner: str = "BAOC"
+) -> dict[str, str]:
+    """``initial`` as a mapping block -> format, checked against the blocks and the formats offered."""
+    known = set(blocks)
+    unknown = [b for b in initial if b not in known]
+    if unknown:
+        raise ValueError(
+            f"{owner}(initial=...): {unknown[:3]} are not blocks of this model (blocks like "
+            f"{list(blocks)[:3]}); use the block names of baoc_allocation.json"
+        )
+    refused = {b: f for b, f in initial.items() if f not in offered}
+    if refused:
+        b, f = next(iter(refused.items()))
+        known = "a format" if f in FORMATS else "not a format"
+        raise ValueError(
+            f"{owner}(initial=...): block {b!r} asks for {f!r}, {known} not offered here; offered: {list(offered)}"
+        )
+    return dict(initial)
+
+
+def initial_record(path: str, blocks: Sequence[str], owner: str = "BAOC") -> dict[str, dict[str, float]]:
+    """Block -> measured risk per format, from a previous run's ``baoc_allocation.json``."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            record = json.load(fh)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{owner}(initial={path!r}): cannot read the allocation record: {err}") from None
+    entries = record.get("blocks") if isinstance(record, Mapping) else None
+    if not isinstance(entries, list):
+        raise ValueError(f"{owner}(initial={path!r}): not a baoc_allocation.json (no 'blocks' list)")
+    out: dict[str, dict[str, float]] = {}
+    for entry in entries:
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("risk"), Mapping):
+            raise ValueError(f"{owner}(initial={path!r}): a block without its 'risk' per format: {entry!r}")
+        out[str(entry.get("name"))] = {
+            str(f): float(r) for f, r in entry["risk"].items() if isinstance(r, (int, float)) and r == r
+        }
+    known = set(blocks)
+    unknown = [b for b in out if b not in known]
+    if unknown:
+        raise ValueError(
+            f"{owner}(initial={path!r}): blocks {unknown[:3]} are not blocks of this model (blocks like "
+            f"{list(blocks)[:3]}); was the record written for another model or granularity?"
+        )
+    return out
+
+
+__all__ = ["INITIAL_PREFERENCE", "Initial", "initial_formats", "initial_record", "start_risk"]

@@ -1,0 +1,205 @@
+"""The memory-budget line of ``lightning-baoc check``: feasibility and the state of every phase.
+
+The check builds the :class:`~lightning_baoc.costs.AllocationProblem` the training controller
+builds (the same offered formats, tables and budget units) and plans the run through it
+(:meth:`~lightning_baoc.costs.AllocationProblem.phases`): the **start** allocation the controller
+sets at install (least prior risk, or ``baoc.initial``), the **warm-up** in it (the states are
+created in the start formats), the **conversion** at warm-up end (at most ``max(start, steady)``
+plus one parameter's ``min(old, new)`` state) and the **steady** allocation (the start's, as no
+gradient has been measured). It fails when no allocation meets the budgets (naming the smallest
+feasible one), when ``baoc.initial`` does not fit the model, when start, warm-up or steady hold more
+than the budget, or when the conversion bound exceeds the budget plus the largest one-parameter
+state (the documented transient: only a bug can get there).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..budget import absolute_time_with_prior_error, format_bytes, is_absolute_time, parse_memory_budget, round_up
+from ..calibration import withheld_formats
+from ..config import Config
+from ..costs import AllocationProblem, StatePhases
+from ..risk.prior import block_kind
+from ..solver import BudgetInfeasibleError
+from .result import CheckResult
+
+NAME = "memory budget"
+
+
+def check_budget(
+    config: Config,
+    model: nn.Module,
+    blocks: dict[str, list[str]],
+    served: list[str],
+    mask: dict[str, str],
+    device: str,
+) -> CheckResult:
+    """3. memory budget: feasible, and every phase of the run within it (see the module docstring)."""
+    b = config.baoc
+    params = dict(model.named_parameters())
+    shapes = {name: [tuple(params[n].shape) for n in names] for name, names in blocks.items()}
+    prior = b.calibration.mode == "prior" or not _local(device)
+    problem = _problem(config, shapes, served, device, prior)
+    if isinstance(problem, CheckResult):
+        return problem
+    withheld_note = "".join(f"; {f} withheld ({why})" for f, why in problem.withheld.items())
+    fp32_bytes = problem.fp32_bytes
+    budget_bytes = parse_memory_budget(b.memory_budget, fp32_bytes, argument="baoc.memory_budget")
+    time_note = ""
+    fp32_time = 0.0
+    if b.time_budget is not None:
+        fp32_time = problem.fp32_time
+        time_note = (
+            "; step time priced with the built-in prior costs" if prior else f"; step time priced with a calibration of {device}"
+        )
+    budget_text = f"baoc.memory_budget={b.memory_budget!r} = {format_bytes(budget_bytes)} ({budget_bytes / fp32_bytes:.3f} of fp32 AdamW's {format_bytes(fp32_bytes)})"
+    context = _BudgetContext(
+        config, budget_text, budget_bytes, fp32_bytes, fp32_time, time_note, withheld_note, problem.allowed, mask
+    )
+    problem.budgets(b.memory_budget, b.time_budget)  # a malformed budget is bad input (exit 2), not a FAIL
+    kinds = {name: block_kind(model, name) for name in shapes}
+    try:
+        phases = problem.phases(kinds, b.memory_budget, b.time_budget, initial=b.initial)
+    except BudgetInfeasibleError as err:
+        return _infeasible(err, context)
+    except ValueError as err:  # the budgets parsed above: only baoc.initial is left to refuse
+        fix = (
+            "set baoc.initial to a baoc_allocation.json written for this model and granularity, or to a "
+            "mapping of its block names to allowed formats, or to null (start from the prior)"
+        )
+        return CheckResult(NAME, False, f"baoc.initial={b.initial!r} does not fit this model: {err}", fix)
+    least = sum(min(row.values()) for row in problem.tables(False)[0].values())
+    return _phases_result(phases, context, least)
+
+
+def _problem(
+    config: Config, shapes: dict[str, list[tuple[int, ...]]], served: list[str], device: str, prior: bool
+) -> AllocationProblem | CheckResult:
+    """The problem the training controller builds, or the failed check when there is none."""
+    b = config.baoc
+    timed = b.time_budget is not None
+    if timed and prior and is_absolute_time(b.time_budget):
+        # seconds cannot be compared with the unitless prior costs (the callback's rule too)
+        where = (
+            "set baoc.calibration.mode: auto"
+            if b.calibration.mode == "prior"
+            else f"run check on a machine with the {device} device, where the step is measured in seconds"
+        )
+        err = absolute_time_with_prior_error(b.time_budget, "baoc.time_budget", where + ".")
+        return CheckResult(NAME, False, str(err), f"baoc.time_budget: 1.2 (a multiple), or {where}")
+    try:
+        return AllocationProblem(
+            shapes,
+            device,
+            served,
+            timed=timed,
+            costs="prior" if prior else "calibrate",
+            min_8bit_numel=b.min_8bit_numel,
+            cache_dir=b.calibration.cache_dir,
+        )
+    except ValueError:
+        note = "".join(f"; {f} withheld ({why})" for f, why in withheld_formats(device, timed, served).items())
+        fix = "set baoc.time_budget, or allow other formats in baoc.allowed_configs"
+        return CheckResult(NAME, False, f"no allowed format is offered on {device}{note}", fix)
+
+
+def _phases_result(phases: StatePhases, c: _BudgetContext, least: int) -> CheckResult:
+    """The check of a feasible budget: every phase's state against its limit."""
+    fp32_bytes, budget_bytes = c.fp32_bytes, c.budget_bytes
+    fp32_warmup = f"an fp32 warm-up would hold {format_bytes(fp32_bytes)}"
+    if budget_bytes:
+        fp32_warmup += f", {fp32_bytes / budget_bytes:.2f}x the budget"
+    detail = (
+        f"{c.budget_text} is feasible: the cheapest allocation of the allowed formats needs {format_bytes(least)} "
+        f"({least / fp32_bytes:.3f} of fp32){c.time_note}{c.withheld_note}; state by phase: {phases.summary()}; "
+        f"the warm-up's states are created in the start formats ({fp32_warmup})"
+    )
+    figures = {"budget_bytes": budget_bytes, "fp32_bytes": fp32_bytes, **{f.phase: f.state_bytes for f in phases.figures()}}
+    over = phases.exceeded()
+    if not over:
+        return CheckResult(NAME, True, detail, figures=figures)
+    named = "; ".join(f"{f.phase} {format_bytes(f.state_bytes)} > {format_bytes(f.limit_bytes)}" for f in over)
+    steady = [f for f in over if f.phase != "conversion"]
+    if steady:
+        worst = max(f.state_bytes for f in steady)
+        fix = (
+            f"set baoc.memory_budget >= {round_up(worst / fp32_bytes)} (or an absolute size >= {int(math.ceil(worst))} "
+            f"bytes) to hold the {'/'.join(f.phase for f in steady)} state; an allocation above its budget is a bug: "
+            f"please report it"
+        )
+    else:
+        room = budget_bytes - (phases.conversion_bytes - over[0].limit_bytes)
+        fix = (
+            f"set baoc.memory_budget <= {max(room, 0) / fp32_bytes:.3f} to leave the device room for the conversion; "
+            f"a conversion above the budget plus one parameter's state is a bug: please report it"
+        )
+    return CheckResult(NAME, False, f"{detail}; over the limit: {named}", fix, figures)
+
+
+@dataclass
+class _BudgetContext:
+    """What the memory-budget check found, for the message of an infeasible budget."""
+
+    config: Config
+    budget_text: str
+    budget_bytes: int
+    fp32_bytes: int
+    fp32_time: float
+    time_note: str
+    withheld_note: str
+    served: list[str]
+    mask: dict[str, str]
+
+
+def _infeasible(err: BudgetInfeasibleError, c: _BudgetContext) -> CheckResult:
+    """The failed memory-budget check of an infeasible budget, with the smallest feasible one."""
+    b = c.config.baoc
+    budget_text, budget_bytes, fp32_bytes, fp32_time = c.budget_text, c.budget_bytes, c.fp32_bytes, c.fp32_time
+    time_note, withheld_note, served, mask = c.time_note, c.withheld_note, c.served, c.mask
+    if err.min_memory is None:
+        return CheckResult(
+            NAME,
+            False,
+            f"{budget_text}: no allocation of the allowed formats meets baoc.time_budget={b.time_budget!r}{time_note}",
+            "raise baoc.time_budget (or allow faster formats: fp32, bf16_momentum, nomomentum, factored)",
+        )
+    need = float(err.min_memory)
+    if need <= budget_bytes:  # memory fits: the time budget is what fails
+        return CheckResult(
+            NAME,
+            False,
+            f"{budget_text}: it fits in memory, but not within baoc.time_budget={b.time_budget!r}{time_note}",
+            "raise baoc.time_budget, or lower the memory pressure (a larger baoc.memory_budget)",
+        )
+    cheaper = [f for f in ("factored", "nomomentum_int8", "int8_factored") if f not in served and f not in mask]
+    allow = f", or allow cheaper formats in baoc.allowed_configs ({', '.join(cheaper)})" if cheaper else ""
+    if b.time_budget is not None:
+        # the memory needed is the least within the time budget: a looser one may need less
+        slower = (
+            f"raise baoc.time_budget to >= {round_up(err.min_time / fp32_time)} (x fp32)"
+            if err.min_time is not None and fp32_time
+            else "raise baoc.time_budget"
+        )
+        allow += f", or {slower}"
+    return CheckResult(
+        NAME,
+        False,
+        f"{budget_text} is infeasible for this model: the smallest feasible budget with the allowed formats "
+        f"{served} is {format_bytes(need)} ({need / fp32_bytes:.3f} of fp32)"
+        f"{' within the time budget' if b.time_budget is not None else ''}{time_note}{withheld_note}",
+        f"set baoc.memory_budget >= {round_up(need / fp32_bytes)} (or an absolute size >= {int(math.ceil(need))} "
+        f"bytes){allow}",
+    )
+
+
+def _local(device: str) -> bool:
+    kind = torch.device(device).type
+    return kind == "cpu" or (kind == "cuda" and torch.cuda.is_available())
+
+
+__all__ = ["check_budget"]
