@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from typing import Union
+from typing import Iterable, Union
 
 from ..formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS
 from .prior import prior_risk
@@ -75,13 +75,7 @@ def initial_formats(
     initial: Mapping[str, str], blocks: Sequence[str], offered: Sequence[str], owner: str = "BAOC"
 ) -> dict[str, str]:
     """``initial`` as a mapping block -> format, checked against the blocks and the formats offered."""
-    known = set(blocks)
-    unknown = [b for b in initial if b not in known]
-    if unknown:
-        raise ValueError(
-            f"{owner}(initial=...): {unknown[:3]} are not blocks of this model (blocks like "
-            f"{list(blocks)[:3]}); use the block names of baoc_allocation.json"
-        )
+    _refuse_unknown(initial, blocks, f"{owner}(initial=...): {{}} are not blocks", "use the block names of baoc_allocation.json")
     refused = {b: f for b, f in initial.items() if f not in offered}
     if refused:
         b, f = next(iter(refused.items()))
@@ -109,14 +103,17 @@ def initial_record(path: str, blocks: Sequence[str], owner: str = "BAOC") -> dic
         out[str(entry.get("name"))] = {
             str(f): float(r) for f, r in entry["risk"].items() if isinstance(r, (int, float)) and r == r
         }
-    known = set(blocks)
-    unknown = [b for b in out if b not in known]
-    if unknown:
-        raise ValueError(
-            f"{owner}(initial={path!r}): blocks {unknown[:3]} are not blocks of this model (blocks like "
-            f"{list(blocks)[:3]}); was the record written for another model or granularity?"
-        )
+    _refuse_unknown(out, blocks, f"{owner}(initial={path!r}): blocks {{}} are not blocks",
+                    "was the record written for another model or granularity?")
     return out
+
+
+def _refuse_unknown(named: Iterable[str], blocks: Sequence[str], what: str, fix: str) -> None:
+    """Raise naming the first few of ``named`` that are not ``blocks`` (``what`` has a ``{}`` for them)."""
+    known = set(blocks)
+    unknown = [b for b in named if b not in known]
+    if unknown:
+        raise ValueError(f"{what.format(unknown[:3])} of this model (blocks like {list(blocks)[:3]}); {fix}")
 
 
 __all__ = ["INITIAL_PREFERENCE", "Initial", "initial_formats", "initial_record", "start_risk"]
