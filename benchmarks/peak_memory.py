@@ -46,6 +46,8 @@ class Workload:
     epoch_steps: int = 8
     warmup: int = 6
     threads: int = 1
+    capacity: int = 32  # BAOC's sampler ring (its defaults)
+    max_elements: int = 4096
 
     @property
     def params(self) -> int:
@@ -86,7 +88,8 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
     if run.startswith("baoc:"):
         baoc = BAOC(
             memory_budget=float(run.split(":")[1]), warmup_steps=workload.warmup, sample_every=2,
-            reevaluate_every_n_epochs=1, hysteresis=0.0, report=False,
+            reevaluate_every_n_epochs=1, hysteresis=0.0, report=False, capacity=workload.capacity,
+            max_elements=workload.max_elements,
         )
         callbacks.append(baoc)
     trainer = L.Trainer(
@@ -145,7 +148,7 @@ def bound_bytes(workload: Workload, result: dict[str, Any]) -> int:
     for the allocator's and the step's own rounding (slices of ``FOREACH_ELEMENTS`` and
     ``chunk_size`` elements)."""
     largest = workload.width * workload.width
-    sampler = 4 * 32 * 4096 * workload.layers  # capacity x max_elements x blocks, fp32
+    sampler = 4 * workload.capacity * workload.max_elements * workload.layers  # the ring: fp32 per block
     return 8 * largest + int(result.get("shadow_bytes", 0)) + sampler + int(0.02 * 8 * workload.params)
 
 
