@@ -1,6 +1,8 @@
 """Does the risk model predict measured harm? Two tests on real tasks, paired runs.
 
-Every run starts from one shared fp32 warm-up (model and BlockwiseAdamW state), switches some
+Every run starts from one shared warm-up (model and BlockwiseAdamW state; fp32, or with ``--start prior`` in
+the training controller's start allocation within ``--budget``, the risks then measured against the shadow
+moments the controller keeps), switches some
 blocks to cheaper formats, trains ``--steps`` more steps on a data order shared by all runs of that
 order, and reports the held-out loss. Harm = held-out loss minus that of the fp32 continuation with
 the same data order (paired), averaged over ``--orders`` data orders; the noise floor is the
@@ -29,7 +31,6 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
-import copy
 import io
 import json
 import math
@@ -43,9 +44,10 @@ from torch import nn
 
 from _models import CharGPT
 from _report import command, machine, markdown_table, write_docs_section
-from lightning_baoc import BlockwiseAdamW, partition
+from lightning_baoc import FORMATS, BlockwiseAdamW, partition
 from lightning_baoc.formats import format_state_bytes
-from lightning_baoc.risk import risk_details
+from lightning_baoc.risk import block_kind, prior_risk, risk_details
+from lightning_baoc.risk.shadow import ShadowMoments
 from lightning_baoc.solver import solve
 
 CHEAP = ["nomomentum", "int8", "factored", "nomomentum_int8", "int8_factored", "bf16"]
@@ -163,7 +165,8 @@ def ddpm_task(channels: int = 32, eval_pairs: int = 8, lr: float = 6e-3) -> Task
 
 
 def _train(
-    task: Task, model: nn.Module, opt: BlockwiseAdamW, steps: int, gen: torch.Generator, eval_points: int = 0
+    task: Task, model: nn.Module, opt: BlockwiseAdamW, steps: int, gen: torch.Generator, eval_points: int = 0,
+    shadow: ShadowMoments | None = None,
 ) -> tuple[float, float]:
     """Train ``steps`` steps; return (end, path): ``end`` is the mean held-out loss at
     ``eval_points`` evenly spaced points of the last fifth of training (averaging damps the
@@ -177,6 +180,8 @@ def _train(
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         task.loss(model, step, gen).backward()
+        if shadow is not None:  # fp32 AdamW's moments on a sample, as the controller keeps them
+            shadow.update(opt.named_params, {n: tuple(map(float, opt.param_group_of(n)["betas"])) for n in opt.named_params})
         opt.step()
         if step in at_end or step in at_path:
             value = task.heldout(model)
@@ -188,13 +193,37 @@ def _train(
 
 
 def warm_up(task: Task, steps: int) -> tuple[bytes, bytes]:
+    """The shared fp32 warm-up: model and optimizer state as bytes."""
+    warm, _ = warm_up_in(task, steps)
+    return warm
+
+
+def warm_up_in(
+    task: Task, steps: int, start: dict[str, str] | None = None, blocks: dict[str, list[str]] | None = None
+) -> tuple[tuple[bytes, bytes], ShadowMoments | None]:
+    """The shared warm-up: fp32, or in the ``start`` allocation (block -> format) with shadow moments
+    kept as the training controller keeps them; model and optimizer state as bytes, and the shadow."""
     model = task.make_model()
     opt = BlockwiseAdamW(model.named_parameters(), lr=task.lr, weight_decay=0.0, min_8bit_numel=0)
-    _train(task, model, opt, steps, torch.Generator().manual_seed(999))
+    shadow = None
+    if start is not None:
+        opt.set_formats(start, blocks=blocks)
+        shadow = ShadowMoments(opt.named_params)
+    _train(task, model, opt, steps, torch.Generator().manual_seed(999), shadow=shadow)
     mbuf, obuf = io.BytesIO(), io.BytesIO()
     torch.save(model.state_dict(), mbuf)
     torch.save(opt.state_dict(), obuf)
-    return mbuf.getvalue(), obuf.getvalue()
+    return (mbuf.getvalue(), obuf.getvalue()), shadow
+
+
+def start_allocation(model: nn.Module, blocks: dict[str, list[str]], budget: float) -> dict[str, str]:
+    """The training controller's start: least prior risk within ``budget`` of fp32 AdamW state (CPU menu)."""
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    menu = [f for f in FORMATS if f != "offload"]
+    kinds = {b: block_kind(model, b) for b in blocks}
+    prior = prior_risk({b: [tuple(shapes[n]) for n in names] for b, names in blocks.items()}, kinds, menu, 0)
+    memory = {b: {f: sum(format_state_bytes(f, shapes[n], 0) for n in names) for f in menu} for b, names in blocks.items()}
+    return dict(solve(prior, memory, budget).formats)
 
 
 def restore(task: Task, warm: tuple[bytes, bytes]) -> tuple[nn.Module, BlockwiseAdamW]:
@@ -215,6 +244,7 @@ class Runs:
 
     def __init__(self, task: Task, warm: tuple[bytes, bytes], blocks: dict, steps: int, path: Path, config: dict) -> None:
         self.task, self.warm, self.blocks, self.steps, self.path = task, warm, blocks, steps, path
+        self.capped = config.get("start", "fp32") != "fp32"
         self.key = json.dumps(config, sort_keys=True)
         data = json.loads(path.read_text()) if path.exists() else {}
         self.data = data
@@ -224,7 +254,9 @@ class Runs:
         key = json.dumps([sorted(formats.items()), order])
         if key not in self.cache:
             model, opt = restore(self.task, self.warm)
-            if formats:
+            if self.capped:  # the warm-up held other formats: the blocks not under test continue in fp32
+                opt.set_formats({**{b: "fp32" for b in self.blocks}, **formats}, blocks=self.blocks)
+            elif formats:
                 opt.set_formats(formats, blocks=self.blocks)
             self.cache[key] = _train(self.task, model, opt, self.steps, torch.Generator().manual_seed(order), EVAL_POINTS)
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -246,6 +278,8 @@ def run_config(args: argparse.Namespace, quick: bool = False) -> dict:
     if args.task == "chargpt":
         config.update(layers=args.layers, embd=args.embd, eval_seqs=args.eval_seqs)
     config.update(torch=torch.__version__, quick=quick)
+    if getattr(args, "start", "fp32") != "fp32":  # only then: the fp32 caches keep their keys
+        config.update(start=args.start, start_budget=args.budget)
     return config
 
 
@@ -370,6 +404,10 @@ def main() -> None:
     parser.add_argument("--more-orders", nargs="*", default=[], metavar="FORMAT=N",
                         help="(ii) only: measure these formats' single-block harms on N data orders instead of "
                         "--orders, where they sit close to the noise floor ((i) and (iii) keep --orders)")
+    parser.add_argument("--start", choices=["fp32", "prior"], default="fp32",
+                        help="the shared warm-up: fp32 (as recorded before the warm-up was capped) or in the training "
+                        "controller's start allocation at --budget (least prior risk), with shadow moments for the "
+                        "risk model (default: fp32)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -383,9 +421,10 @@ def main() -> None:
         task = ddpm_task()
     model = task.make_model()
     blocks = partition(model)
-    warm = warm_up(task, args.warmup)
+    start = start_allocation(model, blocks, args.budget) if args.start == "prior" else None
+    warm, shadow = warm_up_in(task, args.warmup, start, blocks)
     _, opt = restore(task, warm)
-    details = risk_details(opt, blocks, horizon=args.steps)
+    details = risk_details(opt, blocks, horizon=args.steps, shadow=shadow)
     risk = {b: {f: d.risk[f] for f in ["fp32"] + CHEAP} for b, d in details.items()}
     shapes = {n: p.shape for n, p in model.named_parameters()}
     memory = {b: {f: sum(format_state_bytes(f, shapes[n], 0) for n in names) for f in risk[b]} for b, names in blocks.items()}
@@ -492,8 +531,12 @@ def main() -> None:
         if args.task == "ddpm"
         else f"an 8-layer MLP ({sum(p.numel() for p in model.parameters()):,} parameters)"
     )
+    warm_text = "fp32 warm-up" if start is None else (
+        f"warm-up in the start allocation (least prior risk at budget {args.budget}: "
+        + ", ".join(f"{f} {n}" for f, n in sorted(_count(start.values()).items())) + "; risks against shadow moments)"
+    )
     summary = (
-        f"Task `{task.name}`, {model_text}: fp32 warm-up {args.warmup} steps, then {args.steps} steps at constant lr "
+        f"Task `{task.name}`, {model_text}: {warm_text} {args.warmup} steps, then {args.steps} steps at constant lr "
         f"{task.lr}, {args.orders} data orders (paired). Harm = held-out loss minus the fp32 continuation's "
         f"on the same order, mean and standard error (the noise floor) over orders; 'end' is the mean of "
         f"{EVAL_POINTS} evaluations over the last fifth, 'path' the mean of {2 * EVAL_POINTS} evaluations spread "
@@ -520,7 +563,7 @@ def main() -> None:
     if not args.quick:
         write_docs_section(
             "benchmarks/risk-validation.md",
-            f"risk_validation_{task.name}",
+            f"risk_validation_{task.name}" + ("" if start is None else "_capped"),
             f"Machine: {machine()}. Command: `{command()}`\n\n{summary}",
         )
 
