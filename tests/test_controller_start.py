@@ -181,3 +181,30 @@ def test_shadow_moments_are_fp32_adamws_on_their_sample() -> None:
     assert len(sampled) == 1 and sampled[0].index.numel() == ctl.shadow.max_elements == 16384
     assert ctl.shadow.nbytes() < 8 * sum(p.numel() for p in model.parameters())
     ctl.close()
+
+
+def test_a_resume_holds_the_budget_from_its_first_step() -> None:
+    """A run resumed from a checkpoint (controller state first, then the optimizer's compact state, as
+    Lightning restores them) never holds more than the budget: the fresh optimizer is asked for the
+    saved formats before any state exists, and the load builds the states in them."""
+    model = _model()
+    ctl = BAOCController(memory_budget=0.3, warmup_steps=8, sample_every=4)
+    opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
+    (event,), _ = _run(ctl, model, opt, 0, 8)
+    _run(ctl, model, opt, 8, 4)
+    saved_ctl, saved_opt, saved_model = ctl.state_dict(), opt.state_dict(), model.state_dict()
+    cap = int(0.3 * ctl.baseline_state_bytes)
+    ctl.close()
+
+    again = _model(seed=1)
+    again.load_state_dict(saved_model)
+    resumed = BAOCController(memory_budget=0.3, warmup_steps=8, sample_every=4)
+    resumed.load_state_dict(saved_ctl)
+    opt2 = resumed.install(torch.optim.AdamW(again.parameters(), lr=1e-3), again)
+    # the saved formats are asked for before any state exists: nothing is allocated yet
+    assert opt2.state_bytes() == 0 and opt2.formats() == opt.formats()
+    opt2.load_state_dict(saved_opt)
+    assert opt2.formats() == opt.formats() and opt2.peak_state_bytes == opt2.state_bytes() <= cap
+    _, most = _run(resumed, again, opt2, 12, 4)
+    assert most <= cap and resumed.peak_state_bytes == max(event.peak_state_bytes, opt2.peak_state_bytes)
+    resumed.close()
