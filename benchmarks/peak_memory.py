@@ -106,6 +106,7 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
             budget_bytes=int(ctl.memory_budget_bytes()), baseline_state_bytes=int(ctl.baseline_state_bytes),
             allocations=[(h["step"], h["reason"]) for h in ctl.history],
             shadow_bytes=int(ctl.shadow.nbytes()) if ctl.shadow is not None else 0,
+            sampler_bytes=int(ctl.sampler.buffer_bytes()) if ctl.sampler is not None else 0,
         )
     return out
 
@@ -144,12 +145,12 @@ def measure(run: str, workload: Workload) -> dict[str, Any]:
 def bound_bytes(workload: Workload, result: dict[str, Any]) -> int:
     """The documented allowance above ``B x`` AdamW's peak: one tensor's transient (8 bytes per
     element of the largest tensor: decoded by the risk model, or converted, one at a time), the
-    shadow moments and the sampler's ring (as the run reports them), and 2% of AdamW's fp32 state
-    for the allocator's and the step's own rounding (slices of ``FOREACH_ELEMENTS`` and
-    ``chunk_size`` elements)."""
+    shadow moments and the sampler's buffers (``GradientSampler.buffer_bytes``, as the run reports
+    them), and 2% of AdamW's fp32 state for the allocator's and the step's own rounding (slices of
+    ``FOREACH_ELEMENTS`` and ``chunk_size`` elements)."""
     largest = workload.width * workload.width
-    sampler = 4 * workload.capacity * workload.max_elements * workload.layers  # the ring: fp32 per block
-    return 8 * largest + int(result.get("shadow_bytes", 0)) + sampler + int(0.02 * 8 * workload.params)
+    held = int(result.get("shadow_bytes", 0)) + int(result.get("sampler_bytes", 0))
+    return 8 * largest + held + int(0.02 * 8 * workload.params)
 
 
 def run_all(workload: Workload, budgets: list[float]) -> dict[str, dict[str, Any]]:
