@@ -173,14 +173,62 @@ def table(workload: Workload, results: dict[str, dict[str, Any]], budgets: list[
     return markdown_table(["run", "peak RSS (MiB)", "above baseline (MiB)", "of AdamW's", "allowed (MiB)", "within"], rows)
 
 
+def trace(workload: Workload, budget: float = 0.25, steps: int = 8) -> dict[str, float]:
+    """What is live at the peak of a warm-up through the controller, from torch's profiler (MiB).
+
+    The model and its weights are made before the trace, so the live bytes counted are what the
+    steps allocate: gradients, the optimizer state, the sampler's buffers and the shadow moments.
+    """
+    import torch
+    from torch import nn
+    from torch.profiler import ProfilerActivity, profile
+
+    from lightning_baoc.controller import BAOCController
+
+    torch.manual_seed(0)
+    torch.set_num_threads(workload.threads)
+    model = nn.Sequential(*[nn.Linear(workload.width, workload.width) for _ in range(workload.layers)])
+    data = torch.randn(workload.batch, workload.width)
+    ctl = BAOCController(memory_budget=budget, warmup_steps=steps + 100, sample_every=2,
+                         capacity=workload.capacity, max_elements=workload.max_elements)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-4), model)
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            model(data).square().mean().backward()
+            ctl.observe(step)
+            opt.step()
+    mib = 2.0**20
+    out = {
+        "state": opt.state_bytes() / mib,
+        "gradients": 4 * workload.params / mib,
+        "sampler buffers": ctl.sampler.buffer_bytes() / mib,
+        "shadow moments": ctl.shadow.nbytes() / mib,
+    }
+    ctl.close()
+    live = peak = 0
+    for event in sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    out["live at the peak"] = peak / mib
+    out["of which not the above"] = out["live at the peak"] - sum(v for k, v in out.items() if k != "live at the peak")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=Workload.layers)
     parser.add_argument("--width", type=int, default=Workload.width)
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5])
     parser.add_argument("--docs", action="store_true", help="write the table into docs/benchmarks/peak-memory.md")
+    parser.add_argument("--trace", action="store_true",
+                        help="only print what is live at the peak of a warm-up, from torch's profiler (no runs)")
     args = parser.parse_args()
     workload = Workload(layers=args.layers, width=args.width)
+    if args.trace:
+        for name, value in trace(workload, args.budgets[0]).items():
+            print(f"{name:>24}: {value:8.1f} MiB")
+        return
     results = run_all(workload, args.budgets)
     body = "\n\n".join([
         f"Machine: {machine()}. Command: `{command()}`",
