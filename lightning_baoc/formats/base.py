@@ -107,6 +107,13 @@ class Canonical:
         return v.div(cols).sum(dim=1), v.div_(rows).sum(dim=0)
 
 
+def factored_ratio(row: Tensor) -> Tensor:
+    """``row / mean(row)`` (in ``[0, rows]``), 0 where the mean is 0: the row factor of Adafactor's
+    rank-1 estimate, with a mean taken without a sum that can overflow."""
+    mean = row.div(row.numel()).sum()
+    return torch.where(mean > 0, row / mean, torch.zeros_like(row))
+
+
 def expand_factored(row: Tensor, col: Tensor) -> Tensor:
     """Adafactor's rank-1 estimate ``v[i, j] = row[i] * col[j] / mean(row)`` (exact for rank-1 v).
 
@@ -114,8 +121,7 @@ def expand_factored(row: Tensor, col: Tensor) -> Tensor:
     row mean of 0 gives 0 without a division, and an estimate beyond fp32's range (up to ``rows``
     times the largest moment, for a v far from rank 1) saturates at fp32's maximum.
     """
-    mean = row.div(row.numel()).sum()  # mean without a sum that can overflow
-    ratio = torch.where(mean > 0, row / mean, torch.zeros_like(row))
+    ratio = factored_ratio(row)
     return torch.outer(ratio, col).clamp_(max=_FP32_MAX)
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .adam_math import effective_grad, param_flat
-from .base import StepHyper, StepItem, factor_dims
+from .base import StepHyper, StepItem, factor_dims, factored_ratio
 from .quant import SUPER
 
 #: Added to squared gradients so that a row of exact zeros keeps a positive estimate (Adafactor's eps1).
@@ -110,6 +110,5 @@ def sqrt_factors(row: Tensor, col: Tensor, bias_correction2: float) -> tuple[Ten
     product ``row[i] * col[j]`` of two moments near 1e38 would), and nothing is divided by a row
     mean of 0: an all-zero row factor gives a zero estimate. No host sync.
     """
-    mean = row.div(row.numel()).sum()  # mean without a sum that can overflow
-    ratio = torch.where(mean > 0, row / mean, torch.zeros_like(row))  # in [0, rows]
+    ratio = factored_ratio(row)  # in [0, rows]
     return ratio.div_(bias_correction2).sqrt_(), col.sqrt()

@@ -16,14 +16,14 @@ missing or not finite.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from lightning_baoc.formats import StepHyper, factor_dims
 from lightning_baoc.formats.adam_math import chunk_ranges
-from lightning_baoc.formats.base import StateFormat, numel_of
+from lightning_baoc.formats.base import StateFormat, factored_ratio, numel_of
 
 _FP32_MAX = torch.finfo(torch.float32).max
 _ROW, _COL = "exp_avg_sq_row", "exp_avg_sq_col"
@@ -76,8 +76,7 @@ def _v_reader(fmt: StateFormat, views: dict[str, Tensor], shape: tuple[int, ...]
         return lambda a, b: fmt.load_v(views, a, b).clone()
     rows, cols = factor_dims(shape)  # type: ignore[misc]
     row, col = views[_ROW], views[_COL]
-    mean = row.div(row.numel()).sum()  # as expand_factored: no sum that can overflow
-    ratio = torch.where(mean > 0, row / mean, torch.zeros_like(row))
+    ratio = factored_ratio(row)  # the products expand_factored computes
 
     def load(a: int, b: int) -> Tensor:
         index = torch.arange(a, b, device=row.device)
@@ -89,14 +88,10 @@ def _v_reader(fmt: StateFormat, views: dict[str, Tensor], shape: tuple[int, ...]
 def _momentum_from_gradient(grad: Tensor | None, n: int, hyper: StepHyper) -> tuple[Slice, int]:
     """A reader of the re-created momentum ``(1 - beta1) g`` and its bias-correction count."""
     flat = grad.detach().reshape(-1) if grad is not None else None
-    finite = flat is not None and all(bool(torch.isfinite(flat[a:b]).all()) for a, b in _ranges(n, hyper))
+    finite = flat is not None and all(bool(torch.isfinite(flat[a:b]).all()) for a, b in chunk_ranges(n, hyper.chunk))
     if not finite:
         return (lambda a, b: torch.zeros(b - a, dtype=torch.float32)), 0
     return (lambda a, b: flat[a:b].to(torch.float32).mul(1.0 - hyper.beta1)), 1
-
-
-def _ranges(n: int, hyper: StepHyper) -> Iterator[tuple[int, int]]:
-    return chunk_ranges(n, hyper.chunk)
 
 
 class _FactoredSums:

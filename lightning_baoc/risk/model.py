@@ -63,6 +63,7 @@ import torch
 from torch import Tensor
 
 from lightning_baoc.formats import FORMATS, Canonical, StepHyper, factor_dims, resolve_format
+from lightning_baoc.formats.base import factored_ratio
 from lightning_baoc.optim import BlockwiseAdamW
 from lightning_baoc.risk.shadow import ShadowEntry, ShadowMoments
 from lightning_baoc.risk.shadow import sample_segments as _segments
@@ -138,8 +139,7 @@ def _factored_estimate(v_full: Tensor, dims: tuple[int, int], idx: Tensor | None
     v2d = v_full.view(rows, cols)
     row, col = v2d.div(cols).sum(dim=1), v2d.div(rows).sum(dim=0)
     flat = torch.arange(v_full.numel()) if idx is None else idx
-    mean = row.div(rows).sum()
-    ratio = torch.where(mean > 0, row / mean, torch.zeros_like(row))
+    ratio = factored_ratio(row)
     return ratio[flat // cols].double() * col[flat % cols].double()
 
 
