@@ -91,13 +91,41 @@ def _valid_blocks(
     return valid, hit_list
 
 
+#: Sampled elements reduced at once by :func:`_cosines` (whole blocks; a larger block alone): its
+#: float64 working copies then take ~1.3 MiB whatever the number of blocks, not 64 bytes per
+#: sampled element of the model.
+COSINE_SLICE = 1 << 15
+
+
+def _block_slices(elem_lengths: list[int], limit: int) -> list[tuple[int, int, int, int]]:
+    """Consecutive runs of blocks of at most ``limit`` sampled elements together (a larger block
+    alone): ``(first block, stop block, first element, stop element)`` of each run."""
+    out: list[tuple[int, int, int, int]] = []
+    b0 = e0 = e = 0
+    for bi, n in enumerate(elem_lengths):
+        if e + n - e0 > limit and bi > b0:
+            out.append((b0, bi, e0, e))
+            b0, e0 = bi, e
+        e += n
+    if elem_lengths:
+        out.append((b0, len(elem_lengths), e0, e))
+    return out
+
+
 def _cosines(x: Tensor, y: Tensor, valid: Tensor, elem_lengths: Tensor) -> Tensor:
     """Per block: cosine of the samples ``x`` and ``y`` (all blocks side by side; nan where a block
     is not ``valid`` or a sample is zero)."""
-    # One segmented reduction for all blocks (a Python loop over blocks costs ~10x more).
+    # One segmented reduction per run of blocks (a Python loop over blocks costs ~10x more), in
+    # slices of COSINE_SLICE elements so the working copies stay small (the same sums: each block
+    # is reduced whole, in the same order).
     # float64 products: the square of a finite gradient of 1e20 is past float32's maximum
-    x, y = x.to(torch.float64), y.to(torch.float64)
-    sums = torch.segment_reduce(torch.stack([x * y, x * x, y * y], dim=1), "sum", lengths=elem_lengths)
+    lengths = elem_lengths.tolist()
+    parts = []
+    for b0, b1, e0, e1 in _block_slices(lengths, COSINE_SLICE):
+        xs, ys = x[e0:e1].to(torch.float64), y[e0:e1].to(torch.float64)
+        parts.append(torch.segment_reduce(torch.stack([xs * ys, xs * xs, ys * ys], dim=1), "sum",
+                                          lengths=elem_lengths[b0:b1]))
+    sums = torch.cat(parts) if parts else torch.zeros(0, 3, dtype=torch.float64)
     denom = (sums[:, 1] * sums[:, 2]).sqrt()
     ok = valid & (denom > 0)
     return torch.where(ok, sums[:, 0] / denom, torch.full_like(denom, math.nan))
