@@ -107,6 +107,8 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
             allocations=[(h["step"], h["reason"]) for h in ctl.history],
             shadow_bytes=int(ctl.shadow.nbytes()) if ctl.shadow is not None else 0,
             sampler_bytes=int(ctl.sampler.buffer_bytes()) if ctl.sampler is not None else 0,
+            instrument_allowance=int(ctl.instruments.allowance), sampled_elements=int(ctl.instruments.max_elements),
+            shadow_elements=int(ctl.instruments.shadow_elements),
         )
     return out
 

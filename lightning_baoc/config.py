@@ -16,7 +16,7 @@ so one file serves :func:`load_config`, ``examples/cli.py`` (LightningCLI), ``ex
       block_id: {granularity: layer, patterns: {embeddings: ["wte.*", "wpe.*"]}}
       risk_thresholds: {max_block_risk: null, hysteresis: 0.1, horizon: 200}
       re_evaluation_trigger: {every_n_epochs: null, monitor: val_loss, mode: min, patience: 3, min_delta: 0.0}
-      sampler: {sample_every: 10, sparse_sampling: 4, capacity: 32, max_elements: 4096}
+      sampler: {sample_every: 10, sparse_sampling: 4, capacity: 32, max_elements: 4096, instrument_share: 0.02}
 
 The section is derived from :data:`lightning_baoc.settings.SETTINGS`, where each setting is declared
 once with its argument name and its key here: :class:`BAOCSection` and one dataclass per section of
@@ -348,7 +348,7 @@ def parse_config(data: Mapping[str, Any] | Any, source: str = "<dict>") -> Confi
 
     Example:
         >>> parse_config({"baoc": {"memory_budget": "35%", "sampler": {"sample_every": 5}}}).baoc.sampler
-        SamplerConfig(sample_every=5, sparse_sampling=4, capacity=32, max_elements=4096)
+        SamplerConfig(sample_every=5, sparse_sampling=4, capacity=32, max_elements=4096, instrument_share=0.02)
     """
     return _parse(plain(data), _Source(source))
 

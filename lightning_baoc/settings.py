@@ -223,6 +223,11 @@ SETTINGS: tuple[Setting, ...] = (
         default=DEFAULT_MAX_ELEMENTS, minimum=1,
     ),
     Setting(
+        "instrument_share", "sampler.instrument_share", float,
+        "Share of the user's AdamW state (or 16 MiB if more) the sampler's ring and the risk model's shadow "
+        "may hold, outside the budget: above it max_elements and the shadow shrink.", default=0.02, minimum=0.0,
+    ),
+    Setting(
         "min_8bit_numel", "min_8bit_numel", int,
         "Tensors with fewer elements stay out of the 8-bit formats (as bitsandbytes).",
         default=DEFAULT_MIN_8BIT_NUMEL, minimum=0,
@@ -580,21 +585,7 @@ def split_settings(values: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
 
 
 __all__ = [
-    "BAOCConfig",
-    "CONTROLLER_SETTINGS",
-    "FormatName",
-    "MIN_SAMPLES",
-    "REQUIRED",
-    "ReportSetting",
-    "SECTIONS",
-    "SETTING",
-    "SETTINGS",
-    "Setting",
-    "SettingError",
-    "arg_doc",
-    "args_section",
-    "check_setting",
-    "check_settings",
-    "settings_init",
-    "split_settings",
+    "BAOCConfig", "CONTROLLER_SETTINGS", "FormatName", "MIN_SAMPLES", "REQUIRED", "ReportSetting",
+    "SECTIONS", "SETTING", "SETTINGS", "Setting", "SettingError", "arg_doc", "args_section",
+    "check_setting", "check_settings", "settings_init", "split_settings",
 ]

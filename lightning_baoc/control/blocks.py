@@ -21,8 +21,9 @@ from ..calibration import withheld_formats
 from ..costs import AllocationProblem
 from ..formats import FORMATS
 from ..optim import BlockwiseAdamW
-from ..risk.shadow import ShadowMoments
+from ..risk.shadow import DEFAULT_SHADOW_ELEMENTS, ShadowMoments
 from ..sampling import GradientSampler
+from .instruments import InstrumentSizes, instrument_allowance, size_instruments
 from .protocol import Broadcast
 
 log = logging.getLogger("lightning_baoc.controller")
@@ -45,6 +46,8 @@ class BlocksMixin:
     pending: str | None
     block_params: dict[str, list[str]]
     sampler: GradientSampler | None
+    shadow: ShadowMoments | None
+    instruments: InstrumentSizes
     optimizer: BlockwiseAdamW | None
     ring_samples: int
     _module: nn.Module | None
@@ -143,8 +146,23 @@ class BlocksMixin:
                 sampled[b] = trainable
         if self.sampler is not None:
             self.sampler.close()
-        self.sampler = GradientSampler(module, sampled, cfg.sample_every, cfg.capacity, cfg.max_elements, seed=cfg.seed)
+        sizes = self.instruments = self._size_instruments()
+        self.sampler = GradientSampler(module, sampled, cfg.sample_every, cfg.capacity, sizes.max_elements, seed=cfg.seed)
         self.ring_samples = 0
+
+    def _size_instruments(self) -> InstrumentSizes:
+        """The sampler's and the shadow's sizes within the instruments' allowance
+        (:mod:`lightning_baoc.control.instruments`)."""
+        cfg = self.config
+        allowance = instrument_allowance(self._baseline, cfg.instrument_share)
+        return size_instruments(self._shapes, cfg.capacity, cfg.max_elements, DEFAULT_SHADOW_ELEMENTS, allowance,
+                                accelerator=self._device.type != "cpu")
+
+    @property
+    def instrument_bytes(self) -> int:
+        """Bytes the sampler's buffers and the shadow moments hold now (outside the state budget)."""
+        held = self.sampler.buffer_bytes() if self.sampler is not None else 0
+        return held + (self.shadow.nbytes() if self.shadow is not None else 0)
 
     def _restart_shadow(self) -> None:
         """Shadow moments over the blocks' parameters (:mod:`lightning_baoc.risk.shadow`); tensors
@@ -152,7 +170,8 @@ class BlocksMixin:
         assert self.optimizer is not None
         named = self.optimizer.named_params
         old = self.shadow
-        self.shadow = ShadowMoments({n: named[n] for names in self.block_params.values() for n in names}, seed=self.config.seed)
+        params = {n: named[n] for names in self.block_params.values() for n in names}
+        self.shadow = ShadowMoments(params, self.instruments.shadow_elements, seed=self.config.seed)
         if old is not None:
             self.shadow.load_state_dict(old.state_dict())
 
