@@ -1,7 +1,7 @@
-"""The memory budget is a cap on the whole run: peak resident memory of a 42M-parameter model trained
-through Lightning (``benchmarks/peak_memory.py``: each run in its own process, peak RSS from the
-kernel), BAOC at budgets 0.25 and 0.5 against plain SGD (the baseline) and fp32 AdamW (the
-reference), over a warm-up, the allocation's conversion and re-evaluations."""
+"""The memory budget is a cap on the whole run: peak resident memory of 42M- and 105M-parameter
+models trained through Lightning (``benchmarks/peak_memory.py``: each run in its own process, peak
+RSS from the kernel), BAOC at budgets 0.25 and 0.5 against plain SGD (the baseline) and fp32 AdamW
+(the reference), over a warm-up, the allocation's conversion and re-evaluations."""
 
 from __future__ import annotations
 
@@ -15,15 +15,12 @@ BUDGETS = [0.25, 0.5]
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="measured (docs/benchmarks/peak-memory.md): 0.407 of AdamW's peak above the baseline at budget 0.25 and "
-    "0.652 at 0.5, 8.9 MiB and 7.2 MiB over the bound: BAOC's own memory beyond the state (sampler buffers 22.6 MiB, "
-    "shadow 5.3 MiB, about 10 MiB outside torch's allocator) is still to be brought down to a few percent",
-)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss in KiB and glibc's malloc: Linux")
-def test_peak_rss_above_the_baseline_is_the_budget_of_adamws() -> None:
-    workload = Workload()
+@pytest.mark.parametrize("layers,bound_share", [(40, 0.10), (100, 0.055)])
+def test_peak_rss_above_the_baseline_is_the_budget_of_adamws(layers: int, bound_share: float) -> None:
+    """Within ``B x`` AdamW's peak above the baseline plus the documented bound, which is under 10%
+    of AdamW's at 42M parameters (the instruments' 16 MiB floor) and under 5.5% at 105M."""
+    workload = Workload(layers=layers)
     assert workload.params >= 40_000_000
     results = run_all(workload, BUDGETS)
     print("\n" + table(workload, results, BUDGETS))
@@ -34,4 +31,7 @@ def test_peak_rss_above_the_baseline_is_the_budget_of_adamws() -> None:
         r = results[f"baoc:{b}"]
         assert [reason for _, reason in r["allocations"]][:2] == ["warmup", "epoch"]  # conversion, re-evaluation
         assert r["peak_state_bytes"] <= r["budget_bytes"] + 8 * workload.width**2
-        assert r["peak_rss"] - base <= b * adamw + bound_bytes(workload, r)
+        assert r["sampler_bytes"] + r["shadow_bytes"] <= r["instrument_allowance"]
+        bound = bound_bytes(workload, r)
+        assert bound <= bound_share * adamw
+        assert r["peak_rss"] - base <= b * adamw + bound
