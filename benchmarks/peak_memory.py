@@ -9,11 +9,12 @@ its peak resident set size is read from the kernel when it exits (``os.wait4``: 
 - ``baoc:B``: the same AdamW under ``BAOC(memory_budget=B)``: a warm-up, the allocation at its end
   (a conversion), and re-evaluations every epoch.
 
-Every run imports the same modules (``lightning_baoc`` included), so the libraries' memory is in
-the baseline. The claim measured: BAOC's peak above the baseline is at most ``B`` times AdamW's peak
-above the baseline, plus a bound: the transient of one tensor (the largest tensor's fp32 state, 8
-bytes per element: decoded by the risk model at an allocation, or converted), the sampler's ring and
-the shadow moments (a few MiB, fixed by their settings, not by the model's size).
+Every run first loads the same code (:func:`load_the_code`: a tiny model through BAOC), so the
+libraries' memory is in the baseline. The claim measured: BAOC's peak above the baseline is at most
+``B`` times AdamW's peak above the baseline, plus a bound (:func:`bound_bytes`): the transient of one
+tensor (the largest tensor's fp32 state, 8 bytes per element: decoded by the risk model at an
+allocation, or converted), the instruments' allowance (the sampler's ring and the shadow moments:
+``max(2%`` of AdamW's state, 16 MiB ``)``) and 2% of the fp32 state.
 
 Example::
 

@@ -320,11 +320,17 @@ def test_budget_change_forces_a_migration_even_without_risk_gain() -> None:
     risk = TableRisk(_prior_table(["0", "2", "4"]))
     ctl, model, opt = _allocated(risk, memory_budget=0.5)
     assert opt.state_bytes() <= 0.5 * ctl.fp32_state_bytes
+    held = opt.state_bytes()
     ctl.set_budget(memory_budget=0.2)
     assert ctl.pending == "budget"
+    opt.reset_peak_state_bytes()
     (event,) = _train(ctl, model, opt, 12, 8)
     assert event.reason == "budget" and not event.kept and event.changed
     assert opt.state_bytes() <= 0.2 * ctl.fp32_state_bytes and event.memory_budget_bytes == int(0.2 * ctl.fp32_state_bytes)
+    # lowering the budget: the old state until the conversion, never more than it plus one parameter's
+    largest = max(8 * p.numel() for p in model.parameters())
+    assert held <= opt.peak_state_bytes <= held + largest
+    assert held > 0.2 * ctl.fp32_state_bytes  # the old state was over the new budget until then
     ctl.close()
 
 

@@ -55,6 +55,10 @@ class StartMixin:
         solved again at once, so the cap holds from the next step; a budget it cannot meet raises
         here and the budgets stay as they were. ``None`` keeps a budget as it is.
 
+        A lowered budget after the first allocation holds from the end of that re-evaluation's
+        conversion: until then the state chosen for the old budget stays on the device (and during
+        the conversion, shrinking parameters first, at most that plus one parameter's state).
+
         Example:
             >>> ctl = BAOCController(memory_budget=0.5, warmup_steps=20)
             >>> ctl.set_budget(memory_budget="30%")
