@@ -37,7 +37,7 @@ import math
 import statistics as stats
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -408,6 +408,9 @@ def main() -> None:
                         help="the shared warm-up: fp32 (as recorded before the warm-up was capped) or in the training "
                         "controller's start allocation at --budget (least prior risk), with shadow moments for the "
                         "risk model (default: fp32)")
+    parser.add_argument("--allocations-only", action="store_true",
+                        help="(i) alone: the allocation-level test, on --orders data orders; its own docs section "
+                        "(risk_validation_<task>[_capped]_allocations)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -434,7 +437,8 @@ def main() -> None:
     run = Runs(task, warm, blocks, args.steps, args.results_dir / f"risk_validation_{args.task}.json", config)
     for other in args.merge:
         run.cache.update({k: v for k, v in json.loads(other.read_text()).get(run.key, {}).items() if k not in run.cache})
-    base = {o: run({}, o) for o in range(max([args.orders, *map(len, orders_of.values())]))}
+    n_base = args.orders if args.allocations_only else max([args.orders, *map(len, orders_of.values())])
+    base = {o: run({}, o) for o in range(n_base)}
     chosen = largest_blocks(model, blocks, args.blocks)
     if args.blocks_first_reversed:
         for b in reversed(chosen):
@@ -466,6 +470,23 @@ def main() -> None:
         print(alloc_rows[-1], flush=True)
     random_means = [stats.mean(harms_of[k]) for k in harms_of if k.startswith("random")]
     median_random = stats.median(random_means) if random_means else math.nan
+
+    model_text = (
+        f"a {args.layers}-layer character GPT (width {args.embd}, {sum(p.numel() for p in model.parameters()):,} "
+        f"parameters), held-out set {args.eval_seqs} x 64 tokens"
+        if args.task == "chargpt"
+        else f"a small DDPM UNet on digits ({sum(p.numel() for p in model.parameters()):,} parameters), held-out "
+        f"denoising MSE on 397 images x 8 fixed (t, noise) draws"
+        if args.task == "ddpm"
+        else f"an 8-layer MLP ({sum(p.numel() for p in model.parameters()):,} parameters)"
+    )
+    warm_text = "fp32 warm-up" if start is None else (
+        f"warm-up in the start allocation (least prior risk at budget {args.budget}: "
+        + ", ".join(f"{f} {n}" for f, n in sorted(_count(start.values()).items())) + "; risks against shadow moments)"
+    )
+    if args.allocations_only:
+        allocation_report(args, task, start, base_end, model_text, warm_text, median_random, harms_of, alloc_rows)
+        return
 
     # (ii) block level: the largest 2-D blocks; harm at the end and along the whole continuation
     block_rows = []
@@ -522,19 +543,6 @@ def main() -> None:
         "orders."
         if more else ""
     )
-    model_text = (
-        f"a {args.layers}-layer character GPT (width {args.embd}, {sum(p.numel() for p in model.parameters()):,} "
-        f"parameters), held-out set {args.eval_seqs} x 64 tokens"
-        if args.task == "chargpt"
-        else f"a small DDPM UNet on digits ({sum(p.numel() for p in model.parameters()):,} parameters), held-out "
-        f"denoising MSE on 397 images x 8 fixed (t, noise) draws"
-        if args.task == "ddpm"
-        else f"an 8-layer MLP ({sum(p.numel() for p in model.parameters()):,} parameters)"
-    )
-    warm_text = "fp32 warm-up" if start is None else (
-        f"warm-up in the start allocation (least prior risk at budget {args.budget}: "
-        + ", ".join(f"{f} {n}" for f, n in sorted(_count(start.values()).items())) + "; risks against shadow moments)"
-    )
     summary = (
         f"Task `{task.name}`, {model_text}: {warm_text} {args.warmup} steps, then {args.steps} steps at constant lr "
         f"{task.lr}, {args.orders} data orders (paired). Harm = held-out loss minus the fp32 continuation's "
@@ -566,6 +574,31 @@ def main() -> None:
             f"risk_validation_{task.name}" + ("" if start is None else "_capped"),
             f"Machine: {machine()}. Command: `{command()}`\n\n{summary}",
         )
+
+
+def allocation_report(args: argparse.Namespace, task: Any, start: Any, base_end: list[float], model_text: str,
+                      warm_text: str, median_random: float, harms_of: dict[str, list[float]], alloc_rows: list) -> None:
+    """Print (i) alone and write it into its docs section (``--allocations-only``)."""
+    n = len(base_end)
+    pm, ps = mean_sem([harms_of["risk-max"][i] - harms_of["risk-min"][i] for i in range(n)])
+    randoms = [k for k in harms_of if k.startswith("random")]
+    rm, rs = mean_sem([stats.median(harms_of[k][i] for k in randoms) - harms_of["risk-min"][i] for i in range(n)])
+    summary = (
+        f"Task `{task.name}`, {model_text}: {warm_text} {args.warmup} steps, then {args.steps} steps at constant lr "
+        f"{task.lr}, {args.orders} data orders (paired). Harm = held-out loss minus the fp32 continuation's "
+        f"on the same order at the end (the mean of {EVAL_POINTS} evaluations over the last fifth), mean and "
+        f"standard error (the noise floor) over orders. Budget {args.budget} of fp32 AdamW state. fp32 "
+        f"continuation held-out loss (end): {stats.mean(base_end):.4f} (spread over orders "
+        f"{max(base_end) - min(base_end):.4f}).\n\n"
+        f"(i) allocations (median of the random ones: {median_random:+.4f}); paired by order, risk-max minus "
+        f"risk-min {pm:+.4f} +- {ps:.4f} (sem), median random minus risk-min {rm:+.4f} +- {rs:.4f}:\n\n"
+        + markdown_table(["allocation", "memory / fp32", "predicted risk", "harm", "sem", "blocks per format"], alloc_rows)
+    )
+    print(summary)
+    if not args.quick:
+        section = f"risk_validation_{task.name}" + ("" if start is None else "_capped") + "_allocations"
+        write_docs_section("benchmarks/risk-validation.md", section,
+                           f"Machine: {machine()}. Command: `{command()}`\n\n{summary}")
 
 
 def momentum_groups(run: "Runs", base: dict, orders: list[int], chosen: list[str], risk: dict, shapes: dict,

@@ -178,11 +178,17 @@ class BlocksMixin:
     def _betas(self) -> dict[str, tuple[float, float]]:
         """Parameter name -> its group's betas (as floats)."""
         assert self.optimizer is not None
+        groups = self.optimizer.param_groups
+        key = tuple((float(g["betas"][0]), float(g["betas"][1]), len(g["params"]), id(g)) for g in groups)
+        cached = getattr(self, "_betas_cache", None)
+        if cached is not None and cached[0] == key:  # rebuilt only when a group or its betas change
+            return cached[1]
         out = {}
-        for group in self.optimizer.param_groups:
+        for group in groups:
             betas = (float(group["betas"][0]), float(group["betas"][1]))
             for p in group["params"]:
                 out[self.optimizer.param_name(p)] = betas
+        self._betas_cache = (key, out)
         return out
 
     def _warmup_formats(self) -> None:

@@ -100,11 +100,36 @@ class Canonical:
         dims = factor_dims(self.shape)
         if dims is None:
             raise ValueError(f"shape {self.shape} has no factored form")
-        rows, cols = dims
         # Means as sums of v / n: a plain sum of moments near fp32's maximum (gradients of 1e19)
         # overflows; an overflowed (inf) v saturates, as the 8-bit formats store it.
-        v = self.dense_v().reshape(dims).clamp(max=_FP32_MAX)
-        return v.div(cols).sum(dim=1), v.div_(rows).sum(dim=0)
+        v = self.dense_v().reshape(-1)
+        means = FactoredMeans(self.shape, v.device)
+        means.add(0, v)
+        return means.row, means.col
+
+
+class FactoredMeans:
+    """Row and column means of a dense ``v`` streamed in flat slices (whole rows at once, or any
+    range): :meth:`Canonical.factored_v` adds the whole tensor, a streamed conversion one slice at a time."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device | None) -> None:
+        self.rows, self.cols = factor_dims(shape)  # type: ignore[misc]
+        self.row = torch.zeros(self.rows, dtype=torch.float32, device=device)
+        self.col = torch.zeros(self.cols, dtype=torch.float32, device=device)
+
+    def add(self, start: int, v: Tensor) -> None:
+        """Add the flat elements ``[start, start + v.numel())`` of ``v``."""
+        # means as sums of v / n: a plain sum of moments near fp32's maximum overflows
+        v = v.clamp(max=_FP32_MAX)
+        stop = start + v.numel()
+        if start % self.cols == 0 and stop % self.cols == 0:  # whole rows: sum them directly
+            block = v.view(-1, self.cols)
+            self.row[start // self.cols : stop // self.cols] += block.div(self.cols).sum(dim=1)
+            self.col += block.div_(self.rows).sum(dim=0)
+            return
+        index = torch.arange(start, stop, device=v.device)
+        self.row.index_add_(0, index // self.cols, v.div(self.cols))
+        self.col.index_add_(0, index % self.cols, v.div_(self.rows))
 
 
 def factored_ratio(row: Tensor) -> Tensor:

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from lightning_baoc.formats import StepHyper, factor_dims
 from lightning_baoc.formats.adam_math import chunk_ranges
-from lightning_baoc.formats.base import StateFormat, factored_ratio, numel_of
+from lightning_baoc.formats.base import FactoredMeans, StateFormat, factored_ratio, numel_of
 
 _FP32_MAX = torch.finfo(torch.float32).max
 _ROW, _COL = "exp_avg_sq_row", "exp_avg_sq_col"
@@ -55,7 +55,7 @@ def convert_state(
     elif not dst.has_momentum:
         m_step = 0
     if dst.factored:
-        sums = _FactoredSums(shape, device)
+        sums = FactoredMeans(shape, device)
         for a, b in chunk_ranges(n, hyper.chunk):
             sums.add(a, load_v(a, b).to(device))
             if dst.has_momentum:
@@ -92,25 +92,3 @@ def _momentum_from_gradient(grad: Tensor | None, n: int, hyper: StepHyper) -> tu
     if not finite:
         return (lambda a, b: torch.zeros(b - a, dtype=torch.float32)), 0
     return (lambda a, b: flat[a:b].to(torch.float32).mul(1.0 - hyper.beta1)), 1
-
-
-class _FactoredSums:
-    """Row and column means of a dense ``v`` streamed in flat slices (as ``Canonical.factored_v``)."""
-
-    def __init__(self, shape: tuple[int, ...], device: torch.device | None) -> None:
-        self.rows, self.cols = factor_dims(shape)  # type: ignore[misc]
-        self.row = torch.zeros(self.rows, dtype=torch.float32, device=device)
-        self.col = torch.zeros(self.cols, dtype=torch.float32, device=device)
-
-    def add(self, start: int, v: Tensor) -> None:
-        # means as sums of v / n: a plain sum of moments near fp32's maximum overflows
-        v = v.clamp(max=_FP32_MAX)
-        stop = start + v.numel()
-        if start % self.cols == 0 and stop % self.cols == 0:  # whole rows: sum them directly
-            block = v.view(-1, self.cols)
-            self.row[start // self.cols : stop // self.cols] += block.div(self.cols).sum(dim=1)
-            self.col += block.div_(self.rows).sum(dim=0)
-            return
-        index = torch.arange(start, stop, device=v.device)
-        self.row.index_add_(0, index // self.cols, v.div(self.cols))
-        self.col.index_add_(0, index % self.cols, v.div_(self.rows))

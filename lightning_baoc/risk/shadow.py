@@ -104,7 +104,12 @@ class ShadowMoments:
     def update(
         self, params: Mapping[str, Tensor], betas: Mapping[str, tuple[float, float]], grad_scale: float | None = None
     ) -> None:
-        """One optimizer step's moments from the parameters' gradients (call before the step)."""
+        """One optimizer step's moments from the parameters' gradients (call before the step).
+
+        One host synchronization per call (the finiteness of every sample, read at once), not one per
+        tensor.
+        """
+        todo: list[tuple[ShadowEntry, Tensor, tuple[float, float]]] = []
         for name, entry in self.entries.items():
             p = params.get(name)
             if p is None or p.grad is None:
@@ -112,9 +117,13 @@ class ShadowMoments:
             g = entry.gather(p.grad.detach().reshape(-1)).to(torch.float32)
             if grad_scale is not None:
                 g = g / grad_scale
-            if not bool(torch.isfinite(g).all()):
+            todo.append((entry, g, betas[name]))
+        if not todo:
+            return
+        finite = torch.stack([torch.isfinite(g).all().to(todo[0][1].device) for _, g, _ in todo]).tolist()
+        for (entry, g, (beta1, beta2)), ok in zip(todo, finite):
+            if not ok:
                 continue  # the optimizer skips a non-finite gradient (its sample is a part of it)
-            beta1, beta2 = betas[name]
             entry.exp_avg.lerp_(g, 1.0 - beta1)
             entry.exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
             entry.steps += 1
