@@ -70,8 +70,13 @@ BAOC_BUDGETS = {"baoc_0.5": 0.5, "baoc_0.35": 0.35, "baoc_0.25": 0.25}
 CACHE_VERSION = 1  # bump when a change makes cached runs incomparable
 # BAOC rows only: 2 since format conversions encode their pools in a fixed order (before, the
 # stochastic-rounding noise of a conversion depended on the process's string-hash seed, so a BAOC
-# run could not be reproduced bit for bit). Rows without a conversion are unaffected.
-BAOC_CACHE_VERSION = 2
+# run could not be reproduced bit for bit). Rows without a conversion are unaffected. 3 since the
+# warm-up runs in the start allocation, within the budget (before, it held fp32 AdamW state).
+BAOC_CACHE_VERSION = 3
+# The BAOC rows as recorded with an fp32 warm-up (cache version 2), kept beside today's: never
+# trained again (the code that ran them is gone), read from the cache under these names.
+RECORDED_BAOC = {f"{name}_fp32_warmup": b for name, b in BAOC_BUDGETS.items()}
+RECORDED_BAOC_VERSION = 2
 
 
 # ------------------------------------------------------------------------ reference optimizer
@@ -193,6 +198,7 @@ class Row:
         make: Builds the optimizer for a module (None: the module's own ``torch.optim.AdamW``).
         budget: BAOC's memory budget (BAOC rows only).
         module: Python package the row needs, for the availability check and its version.
+        recorded: the row is read from the cache only, never trained (a past version's runs).
     """
 
     name: str
@@ -200,6 +206,7 @@ class Row:
     make: Callable[[Workload], torch.optim.Optimizer] | None = None
     budget: float | None = None
     module: str | None = None
+    recorded: bool = False
 
 
 def _adamw_kwargs(module: Workload) -> dict[str, Any]:
@@ -258,7 +265,9 @@ ROWS: dict[str, Row] = {
         Row("bnb_adamw8bit", "bitsandbytes AdamW8bit", _bnb, module="bitsandbytes"),
         Row("torchao_adamw8bit", "torchao AdamW8bit", _torchao, module="torchao"),
         Row("adam_mini", "Adam-mini", _adam_mini, module="adam_mini"),
-        *(Row(name, f"BAOC, budget {b}", budget=b) for name, b in BAOC_BUDGETS.items()),
+        *(row for name, b in BAOC_BUDGETS.items()  # each beside its run recorded with an fp32 warm-up
+          for row in (Row(name, f"BAOC, budget {b}", budget=b),
+                      Row(f"{name}_fp32_warmup", f"BAOC, budget {b}, fp32 warm-up (recorded)", budget=b, recorded=True))),
     ]
 }
 
@@ -275,6 +284,8 @@ def availability(row: Row) -> str | None:
     A peer must import and take a few steps on the CPU over a 128 x 128 ``Linear`` (big enough for
     its 8-bit path) with finite results.
     """
+    if row.recorded:
+        return None
     if row.budget is not None:
         try:
             _baoc_class()
@@ -368,6 +379,8 @@ def run_config(workload: str, recipe: str, row: str, seed: int, steps: int) -> d
                   eval_every=eval_every(steps), torch=torch.__version__)
     if row in BAOC_BUDGETS:
         config["baoc_version"] = BAOC_CACHE_VERSION
+    elif row in RECORDED_BAOC:
+        config["baoc_version"] = RECORDED_BAOC_VERSION
     return config
 
 
@@ -434,6 +447,9 @@ def run_cached(results_dir: Path, workload: str, recipe: str, row: Row, seed: in
     """One run, from the cache if it holds it with the same config, else trained and cached."""
     config = run_config(workload, recipe, row.name, seed, steps)
     path = result_path(results_dir, config)
+    if row.recorded:  # never trained again: the cached run, or a row marked missing
+        found = load_cached(results_dir, workload, recipe, row.name, seed, steps)
+        return found if found is not None else {"config": config, "status": "not recorded"}
     if path.exists() and not rerun:
         cached = json.loads(path.read_text())
         if cached.get("config") == config:
@@ -587,7 +603,7 @@ def targets_table(w: str, sums: dict[tuple[str, str], Summary], rows: list[str],
         params = next((sums[r, row].params for r in recipes if sums[r, row].params), None)
         return statistics.fmean(byts) / (8 * params) if byts and params else None
 
-    ratios = {r: x for r in rows if r not in BAOC_BUDGETS and r != "fp32" and (x := ratio(r)) is not None}
+    ratios = {r: x for r in rows if ROWS[r].budget is None and r != "fp32" and (x := ratio(r)) is not None}
     int8_ratio = ratios.get("int8", INT8_RATIO)
     lines = []
     for recipe in recipes:
@@ -701,6 +717,40 @@ def tables(results_dir: Path, workloads: list[str], rows: list[str], recipes: li
             + " (add them with `--rows NAME ...`; the cached runs are kept)."
         )
     return "\n\n".join(out), plot
+
+
+def start_comparison(results_dir: Path, workloads: list[str], recipes: list[str], seeds: list[int],
+                     steps: dict[str, int]) -> str:
+    """Today's BAOC rows (warm-up in the start allocation, capped at the budget) beside the rows recorded
+    with an fp32 warm-up and beside fp32 AdamW, on the same seeds: each difference with its noise (two
+    standard errors of the difference of the seed means); "within noise" where both are inside it."""
+    lines = []
+    for w in workloads:
+        cls = WORKLOADS[w]
+        scale = 100.0 if cls.quality_label == "accuracy" else 1.0
+        for recipe in recipes:
+            def stats_of(row: str) -> tuple[float, float, int] | None:
+                found = [load_cached(results_dir, w, recipe, row, seed, steps[w]) for seed in seeds]
+                return _mean_sd(summarize([r for r in found if r is not None]))
+
+            ref = stats_of("fp32")
+            for name, budget in BAOC_BUDGETS.items():
+                now, old = stats_of(name), stats_of(f"{name}_fp32_warmup")
+                if now is None or old is None or ref is None or now[2] != old[2]:
+                    continue
+                d_old, n_old = now[0] - old[0], _noise(now, old)
+                d_ref, n_ref = now[0] - ref[0], _noise(now, ref)
+                cells = [f"{x[0] * scale:.4g} ± {x[1] * scale:.2g}" for x in (ref, old, now)]
+                lines.append([w, recipe, budget, now[2], *cells, f"{d_old * scale:+.3g} ({n_old * scale:.2g})",
+                              f"{d_ref * scale:+.3g} ({n_ref * scale:.2g})",
+                              "yes" if abs(d_old) <= n_old and abs(d_ref) <= n_ref else "**no**"])
+    if not lines:
+        return ""
+    head = ["workload", "recipe", "budget", "seeds", "fp32 AdamW", "BAOC, fp32 warm-up (recorded)",
+            "BAOC, capped start", "capped - recorded (noise)", "capped - fp32 (noise)", "within noise of both"]
+    return ("The warm-up in the start allocation (BAOC rows since the budget holds from the first step) against the "
+            "same rows recorded with an fp32 warm-up and against fp32 AdamW, seed means ± std (accuracy in %); noise "
+            "= two standard errors of the difference:\n\n" + markdown_table(head, lines))
 
 
 def _seed_text(seeds: list[int]) -> str:
@@ -849,6 +899,9 @@ def main(argv: list[str] | None = None) -> str:
                               + (f", {result['state_bytes']:,} state bytes, {result['seconds']:.0f} s" if "seconds" in result else ""),
                               flush=True)
     body, plot = tables(args.results_dir, args.workloads, args.rows, args.recipes, args.seeds, steps, unavailable)
+    comparison = start_comparison(args.results_dir, args.workloads, args.recipes, args.seeds, steps)
+    if comparison:
+        body += "\n\n" + comparison
     left_out = [name for name in BAOC_BUDGETS if name not in args.rows]
     if left_out:
         reason = availability(ROWS[left_out[0]])
