@@ -21,9 +21,9 @@ from ..calibration import withheld_formats
 from ..costs import AllocationProblem
 from ..formats import FORMATS
 from ..optim import BlockwiseAdamW
-from ..risk.shadow import DEFAULT_SHADOW_ELEMENTS, ShadowMoments
+from ..risk.shadow import ShadowMoments
 from ..sampling import GradientSampler
-from .instruments import InstrumentSizes, instrument_allowance, size_instruments
+from ..costs.instruments import InstrumentSizes
 from .protocol import Broadcast
 
 log = logging.getLogger("lightning_baoc.controller")
@@ -152,11 +152,9 @@ class BlocksMixin:
 
     def _size_instruments(self) -> InstrumentSizes:
         """The sampler's and the shadow's sizes within the instruments' allowance
-        (:mod:`lightning_baoc.control.instruments`)."""
+        (:mod:`lightning_baoc.costs.instruments`)."""
         cfg = self.config
-        allowance = instrument_allowance(self._baseline, cfg.instrument_share)
-        return size_instruments(self._shapes, cfg.capacity, cfg.max_elements, DEFAULT_SHADOW_ELEMENTS, allowance,
-                                accelerator=self._device.type != "cpu")
+        return self.problem.instruments(cfg.capacity, cfg.max_elements, cfg.instrument_share)
 
     @property
     def instrument_bytes(self) -> int:

@@ -2,9 +2,11 @@
 hardware mask and the one rule of withheld formats (:mod:`lightning_baoc.calibration`), and
 :class:`AllocationProblem`, the one builder of the solver's problem used by the training
 controller, ``lightning-baoc check`` and ``lightning-baoc plan``, and the optimizer state of a
-run's phases (start, warm-up, conversion, steady: :mod:`lightning_baoc.costs.phases`).
+run's phases (start, warm-up, conversion, steady: :mod:`lightning_baoc.costs.phases`), and the
+memory of BAOC's own instruments, sized with the model (:mod:`lightning_baoc.costs.instruments`).
 """
 
+from .instruments import InstrumentSizes, instrument_allowance, size_instruments
 from .phases import CONVERSION_BOUND, PHASES, PhaseFigure, StatePhases, state_phases
 from .problem import AllocationProblem, Budgets, CostSource, with_message
 
@@ -14,8 +16,11 @@ __all__ = [
     "AllocationProblem",
     "Budgets",
     "CostSource",
+    "InstrumentSizes",
     "PhaseFigure",
     "StatePhases",
+    "instrument_allowance",
+    "size_instruments",
     "state_phases",
     "with_message",
 ]

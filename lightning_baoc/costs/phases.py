@@ -89,6 +89,9 @@ class StatePhases:
         largest_tensor_bytes: the largest one-parameter device state of either allocation.
         converted_tensors: how many parameters change format at the conversion.
         converted_blocks: the blocks whose format changes.
+        instrument_bytes: what the sampler's buffers and the shadow moments will hold, outside the
+            budget (:mod:`lightning_baoc.costs.instruments`; 0 when not computed).
+        instrument_allowance: the most they may hold.
     """
 
     budget_bytes: int
@@ -100,6 +103,8 @@ class StatePhases:
     largest_tensor_bytes: int
     converted_tensors: int
     converted_blocks: list[str] = field(default_factory=list)
+    instrument_bytes: int = 0
+    instrument_allowance: int = 0
 
     @property
     def warmup_bytes(self) -> int:
@@ -151,6 +156,8 @@ class StatePhases:
             "largest_tensor_bytes": self.largest_tensor_bytes,
             "converted_tensors": self.converted_tensors,
             "converted_blocks": list(self.converted_blocks),
+            "instrument_bytes": self.instrument_bytes,
+            "instrument_allowance": self.instrument_allowance,
             "start_formats": dict(self.start.formats),
             "steady_formats": dict(self.steady.formats),
         }

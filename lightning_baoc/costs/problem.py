@@ -34,8 +34,11 @@ from ..budget import (
 )
 from ..calibration import PRIOR_STEP_COST, Calibration, calibrate, memory_table, time_table, withheld_formats
 from ..formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS
+from ..risk.shadow import DEFAULT_SHADOW_ELEMENTS
 from ..risk.start import Initial, start_risk
+from ..sampling import DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS
 from ..solver import Allocation, BudgetInfeasibleError, solve
+from .instruments import DEFAULT_INSTRUMENT_SHARE, InstrumentSizes, instrument_allowance, size_instruments
 from .phases import StatePhases, state_phases
 
 Shape = Sequence[int]
@@ -245,6 +248,7 @@ class AllocationProblem:
         initial: Initial = None,
         steady_risk: Table | None = None,
         owner: str = "BAOC",
+        sampler: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> StatePhases:
         """The device state of a run's phases at these budgets: start, warm-up, conversion, steady
@@ -263,6 +267,8 @@ class AllocationProblem:
                 format, or ``None``.
             steady_risk: the risk the steady allocation minimizes (a statistics file's).
             owner: who was given ``initial``, for error messages.
+            sampler: ``capacity``, ``max_elements``, ``instrument_share`` of the run (default: BAOC's
+                defaults), for the instruments' bytes (:mod:`lightning_baoc.costs.instruments`).
 
         Raises:
             BudgetInfeasibleError: no allocation meets the budgets.
@@ -272,7 +278,20 @@ class AllocationProblem:
         start = self.solve(risk, memory_budget, time_budget)
         steady = self.solve(risk if steady_risk is None else steady_risk, memory_budget, time_budget, **options)
         budget_bytes = self.budgets(memory_budget, time_budget).memory_bytes
-        return state_phases(self.shapes, self.device, start, steady, budget_bytes, self.min_8bit_numel)
+        phases = state_phases(self.shapes, self.device, start, steady, budget_bytes, self.min_8bit_numel)
+        sizes = self.instruments(**(sampler or {}))
+        phases.instrument_bytes, phases.instrument_allowance = sizes.estimate_bytes, sizes.allowance
+        return phases
+
+    def instruments(
+        self, capacity: int = DEFAULT_CAPACITY, max_elements: int = DEFAULT_MAX_ELEMENTS,
+        instrument_share: float = DEFAULT_INSTRUMENT_SHARE,
+    ) -> InstrumentSizes:
+        """The sampler's and the shadow's sizes on these blocks (the controller's rule,
+        :func:`~lightning_baoc.costs.instruments.size_instruments`)."""
+        allowance = instrument_allowance(self.baseline_bytes, instrument_share)
+        return size_instruments(self.shapes, capacity, max_elements, DEFAULT_SHADOW_ELEMENTS, allowance,
+                                accelerator=torch.device(self.device).type != "cpu")
 
     def smallest(self, memory_budget: object, time_budget: object = None) -> Allocation:
         """Check feasibility: an allocation meeting the budgets whatever the risk (all risks 0).

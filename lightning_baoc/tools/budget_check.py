@@ -64,7 +64,9 @@ def check_budget(
     problem.budgets(b.memory_budget, b.time_budget)  # a malformed budget is bad input (exit 2), not a FAIL
     kinds = {name: block_kind(model, name) for name in shapes}
     try:
-        phases = problem.phases(kinds, b.memory_budget, b.time_budget, initial=b.initial)
+        sampler = {"capacity": b.sampler.capacity, "max_elements": b.sampler.max_elements,
+                   "instrument_share": b.sampler.instrument_share}
+        phases = problem.phases(kinds, b.memory_budget, b.time_budget, initial=b.initial, sampler=sampler)
     except BudgetInfeasibleError as err:
         return _infeasible(err, context)
     except ValueError as err:  # the budgets parsed above: only baoc.initial is left to refuse
@@ -117,9 +119,12 @@ def _phases_result(phases: StatePhases, c: _BudgetContext, least: int) -> CheckR
     detail = (
         f"{c.budget_text} is feasible: the cheapest allocation of the allowed formats needs {format_bytes(least)} "
         f"({least / fp32_bytes:.3f} of fp32){c.time_note}{c.withheld_note}; state by phase: {phases.summary()}; "
-        f"the warm-up's states are created in the start formats ({fp32_warmup})"
+        f"the warm-up's states are created in the start formats ({fp32_warmup}); the sampler's buffers and the "
+        f"shadow moments hold {format_bytes(phases.instrument_bytes)} besides, outside the budget (at most "
+        f"{format_bytes(phases.instrument_allowance)}, baoc.sampler.instrument_share)"
     )
-    figures = {"budget_bytes": budget_bytes, "fp32_bytes": fp32_bytes, **{f.phase: f.state_bytes for f in phases.figures()}}
+    figures = {"budget_bytes": budget_bytes, "fp32_bytes": fp32_bytes, **{f.phase: f.state_bytes for f in phases.figures()},
+               "instrument_bytes": phases.instrument_bytes}
     over = phases.exceeded()
     if not over:
         return CheckResult(NAME, True, detail, figures=figures)

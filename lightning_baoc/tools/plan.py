@@ -386,6 +386,9 @@ def _render_phases(p: Plan, console: Any) -> None:
             title += f" (start risk: {p.start_source})"
         caption = f"an fp32 warm-up would hold {_bytes(p.fp32_bytes)}" + (
             f", {p.fp32_bytes / budget:.2f}x the budget" if budget else ""
+        ) + (
+            f"; BAOC's sampler buffers and shadow moments: {_bytes(phases.instrument_bytes)} besides, outside the "
+            f"budget (at most {_bytes(phases.instrument_allowance)})"
         )
         table = Table(title=title, caption=caption)
         for col in ("phase", "state bytes", "of budget", "within budget", "what"):

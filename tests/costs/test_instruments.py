@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_baoc.control.instruments import (
+from lightning_baoc.costs.instruments import (
     INSTRUMENT_FLOOR,
     MIN_SAMPLED,
     instrument_allowance,
