@@ -77,9 +77,11 @@ def load_the_code() -> None:
     for step in range(6):
         opt.zero_grad(set_to_none=True)
         model(torch.randn(4, 2048)).square().mean().backward()
-        ctl.before_step(step)
         ctl.observe(step)
         opt.step()
+        ctl.maybe_allocate(step + 1)
+    if ctl.phase != "allocated":
+        raise RuntimeError("load_the_code: the warm-up did not end in an allocation")
     ctl.close()
     del ctl, opt, model
     gc.collect()

@@ -505,6 +505,7 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin):
             time=decision["time"],
             baseline_state_bytes=self.baseline_state_bytes,
             peak_state_bytes=self.peak_state_bytes,
+            instrument_bytes=self.instrument_bytes,
         )
         self.last_event = event
         self.history.append(

@@ -7,7 +7,8 @@ same way; they call it on rank zero only.
 The JSON record (``baoc_allocation.json``, schema :data:`ALLOCATION_SCHEMA`)::
 
     {"step": int, "reason": str, "memory_budget_bytes": int, "state_bytes": int,
-     "state_bytes_before": int, "peak_state_bytes": int, "fp32_state_bytes": int, "baseline_state_bytes": int,
+     "state_bytes_before": int, "peak_state_bytes": int, "instrument_bytes": int, "fp32_state_bytes": int,
+     "baseline_state_bytes": int,
      "saved_fraction": float,
      "total_risk": float, "time_budget": float | null, "time": float | null, "kept": bool,
      "blocks": [{"name": str, "params": int, "param_names": [str], "format": str,
@@ -20,7 +21,8 @@ The JSON record (``baoc_allocation.json``, schema :data:`ALLOCATION_SCHEMA`)::
 ``fp32_state_bytes`` is fp32 AdamW's state (8 bytes per element); ``baseline_state_bytes`` the
 state the user's own ``torch.optim.AdamW`` would hold (two moments in each parameter's dtype: the
 same for fp32 parameters, half of it for bf16 ones), which ``saved_fraction`` and a fractional
-memory budget refer to. ``params`` is the number of parameter elements of the block. ``risk`` holds the block's risk for
+memory budget refer to. ``instrument_bytes`` is what BAOC's sampler buffers and shadow moments held
+at the allocation, outside the budget (:mod:`lightning_baoc.costs.instruments`). ``params`` is the number of parameter elements of the block. ``risk`` holds the block's risk for
 every format the solver could pick (so ``lightning-baoc plan --stats baoc_allocation.json`` can
 re-plan from a real run), ``format_risk`` the risk of the format chosen. Undefined statistics
 (``nan``) are written as ``null``. ``snr`` is the gradient signal-to-noise ratio; records written
@@ -76,6 +78,7 @@ ALLOCATION_SCHEMA: dict[str, Any] = {
         "state_bytes": {"type": "integer", "minimum": 0},
         "state_bytes_before": {"type": "integer", "minimum": 0},
         "peak_state_bytes": {"type": "integer", "minimum": 0},
+        "instrument_bytes": {"type": "integer", "minimum": 0},
         "fp32_state_bytes": {"type": "integer", "minimum": 0},
         "baseline_state_bytes": {"type": "integer", "minimum": 0},
         "saved_fraction": {"type": "number"},
@@ -164,6 +167,7 @@ def build_record(event: AllocationEvent, history: list[Mapping[str, Any]] | None
         "state_bytes_before": int(event.state_bytes_before),
         "peak_state_bytes": int(event.peak_state_bytes if event.peak_state_bytes is not None else
                                 max(event.state_bytes, event.state_bytes_before)),
+        "instrument_bytes": int(event.instrument_bytes or 0),
         "fp32_state_bytes": int(event.fp32_state_bytes),
         "baseline_state_bytes": int(event.baseline),
         "saved_fraction": float(event.saved_fraction),

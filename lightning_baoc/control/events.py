@@ -33,6 +33,8 @@ class AllocationEvent:
         peak_state_bytes: the most optimizer state held on the training devices at any moment of
             the run so far, conversion transients included (``BlockwiseAdamW.peak_state_bytes``;
             ``None``: not known).
+        instrument_bytes: what BAOC's sampler buffers and shadow moments hold, outside the budget
+            (``None``: not known).
     """
 
     step: int
@@ -56,6 +58,7 @@ class AllocationEvent:
     time: float | None = None
     baseline_state_bytes: int | None = None
     peak_state_bytes: int | None = None
+    instrument_bytes: int | None = None
 
     @property
     def baseline(self) -> int:

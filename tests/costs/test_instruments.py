@@ -17,6 +17,7 @@ from lightning_baoc.costs.instruments import (
     size_instruments,
 )
 from lightning_baoc.controller import BAOCController
+from lightning_baoc.report import build_record
 from lightning_baoc.risk.shadow import DEFAULT_SHADOW_ELEMENTS, ShadowMoments
 from lightning_baoc.sampling import DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS, GradientSampler
 
@@ -104,11 +105,15 @@ def test_controller_holds_its_instruments_within_the_allowance() -> None:
         ctl = BAOCController(memory_budget=0.5, warmup_steps=4, sample_every=1, instrument_share=share)
         opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
         try:
-            for step in range(2):
+            for step in range(6):  # a warm-up of 4 steps, then the allocation
                 opt.zero_grad()
                 model(torch.randn(4, 256)).square().mean().backward()
                 ctl.observe(step)
                 opt.step()
+                ctl.maybe_allocate(step + 1)
+            event = ctl.last_event
+            assert event is not None and event.instrument_bytes == ctl.instrument_bytes > 0
+            assert build_record(event)["instrument_bytes"] == ctl.instrument_bytes
             assert ctl.instruments.scaled is scaled
             assert ctl.instrument_bytes <= ctl.instruments.allowance
             held = ctl.sampler.buffer_bytes() + ctl.shadow.nbytes()
