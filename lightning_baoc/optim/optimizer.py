@@ -412,7 +412,8 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
                     rec.m_step += 1
                 bc1 = 1.0 - _float(beta1) ** rec.m_step if rec.m_step else 1.0
                 bc2 = 1.0 - _float(beta2) ** rec.step
-                buckets[(rec.format, p.device)].append(StepItem(p, p.grad, rec.views, bc1, bc2))
+                count = rec.step if rec.m_step == rec.step else None  # one count for both corrections
+                buckets[(rec.format, p.device)].append(StepItem(p, p.grad, rec.views, bc1, bc2, count))
             for (fmt, device), items in buckets.items():
                 FORMATS[fmt].update(items, self._hyper(group, device))
         return loss
