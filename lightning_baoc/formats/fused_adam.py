@@ -26,6 +26,7 @@ distinct count; they are inputs, the optimizer's records stay the source of trut
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -40,7 +41,7 @@ MAX_FUSED_STEP = 1 << 24
 _AVAILABLE: dict[tuple[str, bool], bool] = {}
 
 
-def _kernel(decoupled: bool):  # type: ignore[no-untyped-def]
+def _kernel(decoupled: bool) -> Callable[..., None] | None:
     """torch's fused kernel for AdamW (decoupled decay) or Adam (L2 decay), or ``None``."""
     return getattr(torch, "_fused_adamw_" if decoupled else "_fused_adam_", None)
 
@@ -150,6 +151,7 @@ def _launch(
         if t not in steps:
             steps[t] = torch.tensor(float(t), dtype=torch.float32, device=device)
     kernel = _kernel(hyper.decoupled_weight_decay)
+    assert kernel is not None  # split_fused sent nothing here otherwise
     kernel(
         [it.param for it, _ in batch],
         [it.grad for it, _ in batch],
