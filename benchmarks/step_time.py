@@ -1,27 +1,47 @@
-"""Optimizer step time of every state format against torch.optim.AdamW (foreach and fused).
+"""Optimizer step time of every state format against torch.optim.AdamW (fused and foreach).
 
-A 21M-parameter model of 20 square 1024x1024 linear layers (with biases) gets random gradients;
-each optimizer takes warm-up steps, then the median of the timed steps is reported, with the
-state bytes per parameter it holds. Results go into the section ``step_time`` of
-``docs/benchmarks/step-time.md``.
+A 21M-parameter model of 20 square 1024x1024 linear layers (with biases) gets random gradients.
+Every optimizer is built once over the same parameters and warmed up; then, at each torch thread
+count, the optimizers take turns in rounds (a shuffled order each round, a few steps each), so
+that a background load slows them all alike. Each optimizer's time is its median step over all
+rounds, and its ratio to ``torch.optim.AdamW(fused=True)`` the median over rounds of its round
+median divided by fused AdamW's round median, measured in the same round. Results go into the
+section ``step_time`` of ``docs/benchmarks/step-time.md``.
 
 Run from the repository root:
 
-    python benchmarks/step_time.py            # 21M parameters, 5 warm-up + 25 timed steps
+    python benchmarks/step_time.py            # 21M parameters, 1 and 2 threads, 15 rounds of 3 steps
     python benchmarks/step_time.py --quick    # a 2M-parameter smoke run (writes no docs page)
+
+On a machine whose cores are busy with other work, prefix ``OMP_WAIT_POLICY=PASSIVE`` (recorded
+beside the command on the page): with OpenMP's default spinning, every parallel region at 2 threads waits
+for a thread the OS has descheduled, and the 2-thread times measure the scheduler (measured on a
+2-core machine with one core busy: fused AdamW 156 ms instead of 13 ms, an int8 step 34 s).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import random
 import statistics
+import sys
 import time
+from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 
-from _report import command, machine, markdown_table, write_docs_section
-from lightning_baoc import FORMATS, BlockwiseAdamW
+# this checkout's package, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _report import command, machine, markdown_table, write_docs_section  # noqa: E402
+
+from lightning_baoc import FORMATS, BlockwiseAdamW  # noqa: E402
+
+FUSED = "torch AdamW fused"
+FOREACH = "torch AdamW foreach"
 
 
 def build(layers: int, width: int) -> nn.Module:
@@ -32,57 +52,107 @@ def build(layers: int, width: int) -> nn.Module:
     return model
 
 
-def time_steps(opt: torch.optim.Optimizer, warmup: int, steps: int) -> float:
-    for _ in range(warmup):
-        opt.step()
+def optimizers(model: nn.Module) -> dict[str, tuple[torch.optim.Optimizer, float]]:
+    """Label -> (optimizer over ``model``'s parameters, state bytes per parameter)."""
+    out: dict[str, tuple[torch.optim.Optimizer, float]] = {
+        FUSED: (torch.optim.AdamW(model.parameters(), fused=True), 8.0),
+        FOREACH: (torch.optim.AdamW(model.parameters(), foreach=True), 8.0),
+    }
+    n = sum(p.numel() for p in model.parameters())
+    for fmt in FORMATS:
+        opt = BlockwiseAdamW(model.named_parameters(), state_format=fmt)
+        opt.step()  # states exist from here: their bytes are known
+        out[fmt] = (opt, opt.state_bytes() / n)
+    return out
+
+
+def time_steps(step: Callable[[], object], steps: int) -> list[float]:
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        opt.step()
+        step()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def interleaved(
+    opts: dict[str, torch.optim.Optimizer], rounds: int, steps: int, seed: int = 0
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Round-robin timing: label -> median step (s), and label -> median ratio to fused AdamW's
+    step in the same round."""
+    order = list(opts)
+    rng = random.Random(seed)
+    times: dict[str, list[float]] = {label: [] for label in opts}
+    ratios: dict[str, list[float]] = {label: [] for label in opts}
+    for _ in range(rounds):
+        rng.shuffle(order)
+        medians = {label: statistics.median(time_steps(opts[label].step, steps)) for label in order}
+        for label, median in medians.items():
+            times[label].append(median)
+            ratios[label].append(median / medians[FUSED])
+    return (
+        {label: statistics.median(t) for label, t in times.items()},
+        {label: statistics.median(r) for label, r in ratios.items()},
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=20)
     parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=25)
-    parser.add_argument("--quick", action="store_true", help="small model, no docs update")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each optimizer per thread count")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps of each optimizer per round")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--quick", action="store_true", help="small model, few rounds, no docs update")
     args = parser.parse_args()
     if args.quick:
-        args.layers, args.width, args.warmup, args.steps = 8, 512, 2, 5
+        args.layers, args.width, args.warmup, args.rounds, args.steps = 8, 512, 1, 3, 1
     model = build(args.layers, args.width)
     n = sum(p.numel() for p in model.parameters())
-    results: dict[str, tuple[float, float]] = {}
-    for label, make in [
-        ("torch AdamW foreach", lambda: torch.optim.AdamW(model.parameters(), foreach=True)),
-        ("torch AdamW fused", lambda: torch.optim.AdamW(model.parameters(), fused=True)),
-    ]:
-        results[label] = (time_steps(make(), args.warmup, args.steps), 8.0)
-        print(f"{label}: {results[label][0] * 1e3:.1f} ms", flush=True)
-    for fmt in FORMATS:
-        opt = BlockwiseAdamW(model.named_parameters(), state_format=fmt)
-        seconds = time_steps(opt, args.warmup, args.steps)
-        results[fmt] = (seconds, opt.state_bytes() / n)
-        print(f"{fmt}: {seconds * 1e3:.1f} ms", flush=True)
-        del opt
-    foreach = results["torch AdamW foreach"][0]
-    fused = results["torch AdamW fused"][0]
-    rows = [
-        [label, f"{sec * 1e3:.1f}", f"{sec / foreach:.2f}x", f"{sec / fused:.2f}x", f"{bpp:.3f}"]
-        for label, (sec, bpp) in results.items()
-    ]
-    table = markdown_table(["optimizer / format", "median step (ms)", "vs foreach", "vs fused", "state bytes/param"], rows)
+    built = optimizers(model)
+    print(f"lightning_baoc from {Path(sys.modules['lightning_baoc'].__file__).parent}", flush=True)
+    opts = {label: opt for label, (opt, _) in built.items()}
+    default_threads = torch.get_num_threads()
+    results: dict[int, tuple[dict[str, float], dict[str, float]]] = {}
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for opt in opts.values():
+            time_steps(opt.step, args.warmup)
+        results[threads] = interleaved(opts, args.rounds, args.steps)
+        for label in opts:
+            print(f"{threads} thread(s), {label}: {results[threads][0][label] * 1e3:.1f} ms, "
+                  f"{results[threads][1][label]:.2f}x fused", flush=True)
+    torch.set_num_threads(default_threads)
+    headers = ["optimizer / format", "state bytes/param"]
+    for threads in args.threads:
+        unit = "thread" if threads == 1 else "threads"
+        headers += [f"{threads} {unit}: median step (ms)", f"{threads} {unit}: vs fused"]
+    rows = []
+    for label, (_, bpp) in built.items():
+        row: list[object] = [label, f"{bpp:.3f}"]
+        for threads in args.threads:
+            seconds, ratios = results[threads]
+            row += [f"{seconds[label] * 1e3:.1f}", f"{ratios[label]:.2f}x"]
+        rows.append(row)
+    table = markdown_table(headers, rows)
     print(table)
     if not args.quick:
         body = (
             f"Step time, {n / 1e6:.1f}M parameters ({args.layers} x Linear({args.width}, {args.width})), "
-            f"median of {args.steps} steps after {args.warmup} warm-up steps.\n\n"
-            f"Machine: {machine()}. Command: `{command()}`\n\n{table}"
+            f"at {' and '.join(str(t) for t in args.threads)} torch threads: {args.rounds} rounds, each "
+            f"optimizer {args.steps} steps per round in a shuffled order, after {args.warmup} warm-up steps; "
+            f"median step over the rounds, and median over the rounds of the ratio to fused AdamW's "
+            f"step in the same round.\n\n"
+            f"Machine: {machine()} (default). Command: `{_command()}\n\n{table}"
         )
         write_docs_section("benchmarks/step-time.md", "step_time", body)
+
+
+def _command() -> str:
+    """The command, and the OpenMP wait policy it ran under if one was set."""
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    return f"{command()}` (environment: `OMP_WAIT_POLICY={policy}`)" if policy else f"{command()}`"
 
 
 if __name__ == "__main__":

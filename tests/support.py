@@ -1,4 +1,4 @@
-"""Shared test helpers with no Lightning: seeded models, scikit-learn's embedded digits, one thread.
+"""Shared test helpers with no Lightning: seeded models, the digits data, one thread, allocator peaks.
 
 Importable from any test module (``tests`` is on the test ``pythonpath``): ``from support import mlp``.
 """
@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 
 def digits_tensors(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -76,3 +77,32 @@ def train_digits(fmt: str, digits, steps: int = 600, seed: int = 0, switch_at: i
     with torch.no_grad():
         test_loss = nn.functional.cross_entropy(model(xte), yte).item()
     return test_loss, losses
+
+
+_MARK = 12_345  # bytes of the marker allocations around the measured region (an unlikely size)
+
+
+def peak_above_start(setup, fn):  # type: ignore[no-untyped-def]
+    """Run ``setup()`` then ``fn(setup's result)`` under the allocator's profiler; the largest
+    (allocated - freed) bytes at any moment of ``fn`` above what was live when it began, and the
+    result of ``setup``.
+
+    Everything is allocated inside the profiled region (the profiler reports the size of a free
+    only for blocks it saw allocated), and no ``record_function`` scope is opened (frees in a
+    scope are booked at its start): the region is marked by two allocations of ``_MARK`` bytes.
+    """
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        made = setup()
+        first = torch.empty(_MARK, dtype=torch.uint8)  # held: its free would fall inside the region
+        fn(made)
+        last = torch.empty(_MARK, dtype=torch.uint8)
+        del first, last
+    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
+    marks = [i for i, e in enumerate(events) if e.name == "aten::empty" and e.self_cpu_memory_usage == _MARK]
+    assert len(marks) == 2, "the profiler did not record the markers"
+    base = sum(e.self_cpu_memory_usage for e in events[: marks[0]])
+    live = peak = base
+    for event in events[marks[0] + 1 : marks[1]]:
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak - base, made

@@ -4,7 +4,8 @@ Two forms of the same math (``torch.optim.AdamW``: decoupled weight decay, bias 
 
 - :func:`foreach_adamw`: lists of full tensors with ``torch._foreach_*`` ops, written in the same
   order as torch's own foreach implementation, for formats whose state is already fp32 (parity
-  with ``torch.optim.AdamW`` to rounding).
+  with ``torch.optim.AdamW`` to rounding). ``fp32`` and ``offload`` run torch's fused kernel
+  instead where it applies (:mod:`.fused_adam`); this is their reference and fallback.
 - :func:`chunk_adamw`: one flat fp32 chunk of momentum (or none) and second moment, for formats
   that dequantize a chunk, update it and write it back.
 

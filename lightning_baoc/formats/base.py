@@ -152,13 +152,20 @@ def expand_factored(row: Tensor, col: Tensor) -> Tensor:
 
 @dataclass
 class StepItem:
-    """One parameter in a step: its tensors and its own bias corrections."""
+    """One parameter in a step: its tensors and its own bias corrections.
+
+    ``step_count`` is the one step count both corrections follow from (``bias_correction1 == 1 -
+    beta1 ** step_count`` and ``bias_correction2 == 1 - beta2 ** step_count``), or ``None`` where
+    the momentum counts its own steps (re-created by a conversion) or the count is not known; only
+    items with a count can take torch's fused kernel (:mod:`lightning_baoc.formats.fused_adam`).
+    """
 
     param: Tensor
     grad: Tensor
     views: dict[str, Tensor]
     bias_correction1: float  # 1 - beta1 ** (steps since momentum was created)
     bias_correction2: float  # 1 - beta2 ** step
+    step_count: int | None = None
 
 
 @dataclass

@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .adam_math import foreach_dense_fp32
 from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, numel_of
+from .fused_adam import fused_dense_fp32
 
 
 class FP32(StateFormat):
-    """Momentum and second moment in fp32, updated with foreach kernels like ``torch.optim.AdamW``.
+    """Momentum and second moment in fp32, updated by torch's fused AdamW kernel like
+    ``torch.optim.AdamW(fused=True)`` (the foreach step where the kernel cannot serve a parameter:
+    :mod:`lightning_baoc.formats.fused_adam`).
 
     Bytes: ``8 * numel``.
     """
@@ -35,7 +37,7 @@ class FP32(StateFormat):
         )
 
     def update(self, items: list[StepItem], hyper: StepHyper) -> None:
-        foreach_dense_fp32(items, hyper, "exp_avg", "exp_avg_sq")
+        fused_dense_fp32(items, hyper, "exp_avg", "exp_avg_sq")
 
 
 def _required_m(state: Canonical) -> Tensor:

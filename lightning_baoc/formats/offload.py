@@ -11,11 +11,13 @@ budget look met there (``tests/optim/test_accounting.py``).
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 from torch import Tensor
 
-from .adam_math import foreach_dense_fp32
 from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, numel_of
+from .fused_adam import fused_dense_fp32
 
 HOST = torch.device("cpu")
 
@@ -47,13 +49,50 @@ class Offload(StateFormat):
         )
 
     def update(self, items: list[StepItem], hyper: StepHyper) -> None:
+        """States on the parameter's device (training on the CPU) update in place; the others on
+        host copies of their parameters and gradients, batched (:data:`HOST_BATCH_ELEMENTS`), one
+        fused launch per batch (:func:`~lightning_baoc.formats.fused_adam.fused_dense_fp32`)."""
         local = [it for it in items if it.param.device == it.views["exp_avg"].device]
-        foreach_dense_fp32(local, hyper, "exp_avg", "exp_avg_sq")
-        for it in items:
-            if it.param.device == it.views["exp_avg"].device:
-                continue
-            host_param = it.param.detach().to(HOST, torch.float32)
-            host_grad = it.grad.detach().to(HOST, torch.float32)
-            host_item = StepItem(host_param, host_grad, it.views, it.bias_correction1, it.bias_correction2)
-            foreach_dense_fp32([host_item], hyper, "exp_avg", "exp_avg_sq")
-            it.param.copy_(host_param, non_blocking=True)
+        fused_dense_fp32(local, hyper, "exp_avg", "exp_avg_sq")
+        remote = [it for it in items if it.param.device != it.views["exp_avg"].device]
+        for batch in host_batches(remote):
+            host_update(batch, hyper)
+
+
+#: Elements of parameters copied to the host for one fused launch at most (a parameter larger than
+#: this is a batch of its own): bounds the host copies of parameters and gradients to 128 MiB.
+HOST_BATCH_ELEMENTS = 1 << 24
+
+
+def host_batches(items: list[StepItem], limit: int = HOST_BATCH_ELEMENTS) -> Iterator[list[StepItem]]:
+    """``items`` in consecutive batches of at most ``limit`` parameter elements (at least one item)."""
+    batch: list[StepItem] = []
+    size = 0
+    for it in items:
+        if batch and size + it.param.numel() > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(it)
+        size += it.param.numel()
+    if batch:
+        yield batch
+
+
+def host_update(items: list[StepItem], hyper: StepHyper) -> None:
+    """One step of ``items`` whose states are in host memory: the fp32 math runs on host copies of
+    the parameters and gradients, and the new values are copied back to the parameters."""
+    host = [
+        StepItem(
+            it.param.detach().to(HOST, torch.float32),
+            it.grad.detach().to(HOST, torch.float32),
+            it.views,
+            it.bias_correction1,
+            it.bias_correction2,
+            it.step_count,
+        )
+        for it in items
+    ]
+    fused_dense_fp32(host, hyper, "exp_avg", "exp_avg_sq")
+    for it, copy in zip(items, host):
+        if copy.param.data_ptr() != it.param.data_ptr():  # not the parameter itself (fp32 on the host)
+            it.param.copy_(copy.param, non_blocking=True)

@@ -6,8 +6,9 @@ capturable, differentiable, fused``) and rejects what torch rejects with torch's
 torch's options:
 
 - ``foreach`` and ``fused`` choose among torch's own kernels. They are performance hints:
-  BlockwiseAdamW runs its own per-format kernels (fp32 states use ``torch._foreach_*`` ops in
-  torch's order; 8-bit and factored states chunked loops), so the hints change nothing.
+  BlockwiseAdamW runs its own per-format kernels (fp32 states torch's fused AdamW kernel where it
+  applies, ``torch._foreach_*`` ops in torch's order elsewhere; 8-bit and factored states chunked
+  loops), so the hints change nothing.
 - ``amsgrad``, ``capturable`` (CUDA-graph capture of the step) and ``differentiable`` (autograd
   through the step) change what the step does; BlockwiseAdamW does not implement them and refuses
   ``True`` with a ``ValueError`` naming the option.

@@ -47,7 +47,7 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction) with a state format per parameter.
 
     With every parameter in ``fp32`` it behaves like ``torch.optim.AdamW`` (tested to 1e-6 over 200
-    steps). Cheaper formats hold the same state in fewer bytes; :meth:`set_formats` converts live
+    steps; bit for bit like ``AdamW(fused=True)``, whose kernel it runs). Cheaper formats hold the same state in fewer bytes; :meth:`set_formats` converts live
     state between any two formats (state inheritance) and keeps the step count.
 
     Args:
@@ -354,10 +354,11 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
     def _finite_mask(self, params: list[Tensor]) -> list[bool]:
         """Whether each parameter's gradient holds only finite values (one host sync per device).
 
-        Tests finiteness, not a norm: the largest absolute value of finite numbers is finite in
-        any dtype, where the 2-norm of a finite gradient can overflow (all 300.0 on 256x256 in
-        fp16: 76,796 > 65,504; 1e19 in fp32) and a finite gradient would be skipped (issue 14).
-        NaN propagates through the maximum, inf is its own maximum.
+        Tests finiteness, not a norm: a finite 2-norm (accumulated in fp32) proves every element
+        finite, and is one fast pass (on the CPU ~20x faster than the largest absolute value). A
+        non-finite 2-norm may still come from finite values whose squares overflow (1e19 in fp32),
+        so those gradients are decided by their largest absolute value, which is finite for finite
+        numbers in any dtype: NaN propagates through the maximum, inf is its own maximum.
         """
         if not self.skip_nonfinite or not params:
             return [True] * len(params)
@@ -367,8 +368,14 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
                 by_device[p.grad.device].append(i)
         mask = [True] * len(params)
         for indices in by_device.values():
-            max_abs = torch._foreach_norm([params[i].grad for i in indices], ord=float("inf"))
-            flags = torch.isfinite(torch.stack(max_abs)).tolist()
+            grads = [params[i].grad for i in indices]
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+            flags = torch.isfinite(torch.stack(norms)).tolist()
+            doubtful = [k for k, ok in enumerate(flags) if not ok]
+            if doubtful:  # a NaN or inf, or finite values that overflow the sum of squares
+                max_abs = torch._foreach_norm([grads[k] for k in doubtful], ord=float("inf"))
+                for k, ok in zip(doubtful, torch.isfinite(torch.stack(max_abs)).tolist()):
+                    flags[k] = ok
             for i, ok in zip(indices, flags):
                 mask[i] = ok
         return mask
@@ -412,7 +419,8 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
                     rec.m_step += 1
                 bc1 = 1.0 - _float(beta1) ** rec.m_step if rec.m_step else 1.0
                 bc2 = 1.0 - _float(beta2) ** rec.step
-                buckets[(rec.format, p.device)].append(StepItem(p, p.grad, rec.views, bc1, bc2))
+                count = rec.step if rec.m_step == rec.step else None  # one count for both corrections
+                buckets[(rec.format, p.device)].append(StepItem(p, p.grad, rec.views, bc1, bc2, count))
             for (fmt, device), items in buckets.items():
                 FORMATS[fmt].update(items, self._hyper(group, device))
         return loss

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 import pickle
 import subprocess
 import sys
@@ -308,7 +309,9 @@ def test_pickle_round_trips_in_a_fresh_process(tmp_path: Path) -> None:
     script = tmp_path / "resume.py"
     script.write_text(textwrap.dedent(SCRIPT))
     out = tmp_path / "params.pt"
-    subprocess.run([sys.executable, str(script), str(tmp_path / "opt.pkl"), str(out)], check=True, timeout=120)
+    root = str(Path(__file__).resolve().parents[2])  # the fresh process imports this checkout's package
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH", "")]))}
+    subprocess.run([sys.executable, str(script), str(tmp_path / "opt.pkl"), str(out)], check=True, timeout=120, env=env)
     _step(model, opt, 11)
     theirs = torch.load(out, weights_only=True)
     for name, p in model.named_parameters():

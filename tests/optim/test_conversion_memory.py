@@ -14,9 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 from lightning_baoc import BlockwiseAdamW
+
+from support import peak_above_start
 
 CHUNK = 4096  # slices of 4096 elements: scratch of a few hundred KiB, far below one block's state
 
@@ -38,35 +39,6 @@ def _stepped(model: nn.Module, fmt: str = "fp32") -> BlockwiseAdamW:
         model(torch.randn(8, 64)).square().mean().backward()
         opt.step()
     return opt
-
-
-_MARK = 12_345  # bytes of the marker allocations around the measured region (an unlikely size)
-
-
-def _peak_above_start(setup, fn):  # type: ignore[no-untyped-def]
-    """Run ``setup()`` then ``fn(setup's result)`` under the allocator's profiler; the largest
-    (allocated - freed) bytes at any moment of ``fn`` above what was live when it began, and the
-    result of ``setup``.
-
-    Everything is allocated inside the profiled region (the profiler reports the size of a free
-    only for blocks it saw allocated), and no ``record_function`` scope is opened (frees in a
-    scope are booked at its start): the region is marked by two allocations of ``_MARK`` bytes.
-    """
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        made = setup()
-        first = torch.empty(_MARK, dtype=torch.uint8)  # held: its free would fall inside the region
-        fn(made)
-        last = torch.empty(_MARK, dtype=torch.uint8)
-        del first, last
-    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
-    marks = [i for i, e in enumerate(events) if e.name == "aten::empty" and e.self_cpu_memory_usage == _MARK]
-    assert len(marks) == 2, "the profiler did not record the markers"
-    base = sum(e.self_cpu_memory_usage for e in events[: marks[0]])
-    live = peak = base
-    for event in events[marks[0] + 1 : marks[1]]:
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak - base, made
 
 
 def _mixed_allocation(opt: BlockwiseAdamW) -> dict[str, str]:
@@ -101,7 +73,7 @@ def test_conversion_transient_is_at_most_the_largest_old_state(start: str) -> No
         )
         return opt, targets
 
-    peak, (opt, targets) = _peak_above_start(setup, lambda made: made[0].set_formats(made[1]))
+    peak, (opt, targets) = peak_above_start(setup, lambda made: made[0].set_formats(made[1]))
     before, after, largest_old = figures["before"], opt.state_bytes(), figures["largest_old"]
     transient = before + peak - max(before, after)
     print(f"{start}: before {before:,} B, after {after:,} B, peak {before + peak:,} B, "
@@ -121,7 +93,7 @@ def test_the_allocator_measure_sees_a_copy_of_every_state() -> None:
         copies = [{k: t.clone() for k, t in rec.views.items()} for rec in opt._records.values()]
         del copies
 
-    peak, opt = _peak_above_start(lambda: _stepped(_model()), copy_all)
+    peak, opt = peak_above_start(lambda: _stepped(_model()), copy_all)
     assert opt.state_bytes() <= peak < 1.01 * opt.state_bytes()
 
 

@@ -46,7 +46,9 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(hash_seed: str) -> str:
-    env = dict(os.environ, PYTHONHASHSEED=hash_seed)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH", "")]))  # this checkout's package
+    env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONPATH=path)
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()

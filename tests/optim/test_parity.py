@@ -46,6 +46,11 @@ def test_fp32_matches_adamw(foreach: bool) -> None:
     assert diff <= 1e-6, diff
 
 
+def test_fp32_equals_fused_adamw_bit_for_bit() -> None:
+    """The fp32 format runs torch's fused kernel on the same inputs (lightning_baoc.formats.fused_adam)."""
+    assert _run_pair(torch.optim.AdamW, {}, {"fused": True}) == 0.0
+
+
 def test_fp32_matches_adam_with_l2_and_maximize() -> None:
     diff = _run_pair(torch.optim.Adam, {"decoupled_weight_decay": False}, {})
     assert diff <= 1e-6, diff

@@ -1,0 +1,169 @@
+"""The fp32 AdamW step through torch's fused multi-tensor kernel, with the foreach step as fallback.
+
+``torch._fused_adamw_`` (``torch._fused_adam_`` for Adam's L2 decay) is the kernel
+``torch.optim.AdamW(fused=True)`` runs: one pass over memory that reads each parameter, gradient and
+moment once, writes them once and allocates nothing. :func:`fused_dense_fp32` launches it once per
+device over every item of a (group, device) bucket it can serve, and sends the others through
+:func:`~lightning_baoc.formats.adam_math.foreach_dense_fp32`, the reference: the same math in
+torch's foreach order, to fp32 rounding (``tests/formats/test_fused_fp32.py`` measures the
+distance in ulps).
+
+An item goes to the fused kernel when:
+
+- its parameter, gradient and both moments are fp32, contiguous and on one device. The kernel walks
+  raw memory element by element, so a non-contiguous parameter would pair its elements with the
+  wrong state elements, and it takes one dtype for all four tensors (a bf16 parameter with fp32
+  state keeps the foreach step on an fp32 working copy);
+- both bias corrections follow from one step count (:func:`fused_step_count`). The kernel derives
+  both from one step tensor; a momentum re-created by a conversion counts its own steps
+  (``m_step != step``) and keeps the foreach step;
+- the kernel runs on that device type (:func:`fused_available`: probed once, cached).
+
+The step counts the kernel reads are built per call as 0-d fp32 tensors on the device, one per
+distinct count; they are inputs, the optimizer's records stay the source of truth.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .adam_math import foreach_dense_fp32
+from .base import StepHyper, StepItem
+
+#: Largest step count passed to the kernel: it reads the count as an fp32 number, exact up to 2**24.
+MAX_FUSED_STEP = 1 << 24
+
+#: (device type, decoupled weight decay) -> whether the fused kernel runs there; filled on first use.
+_AVAILABLE: dict[tuple[str, bool], bool] = {}
+
+
+def _kernel(decoupled: bool) -> Callable[..., None] | None:
+    """torch's fused kernel for AdamW (decoupled decay) or Adam (L2 decay), or ``None``."""
+    return getattr(torch, "_fused_adamw_" if decoupled else "_fused_adam_", None)
+
+
+def fused_available(device: torch.device, decoupled: bool = True) -> bool:
+    """Whether torch's fused Adam(W) kernel runs on fp32 tensors of ``device``'s type.
+
+    Probed once per device type and mode with a one-element step (a torch build without the op, or
+    without a kernel for the device, answers ``False``) and cached.
+
+    Example:
+        >>> fused_available(torch.device("cpu"))  # doctest: +SKIP
+        True
+    """
+    key = (device.type, bool(decoupled))
+    known = _AVAILABLE.get(key)
+    if known is None:
+        known = _probe(device, decoupled)
+        _AVAILABLE[key] = known
+    return known
+
+
+def _probe(device: torch.device, decoupled: bool) -> bool:
+    kernel = _kernel(decoupled)
+    if kernel is None:
+        return False
+    try:
+        p, g = torch.ones(1, device=device), torch.ones(1, device=device)
+        m, v = torch.zeros(1, device=device), torch.zeros(1, device=device)
+        step = torch.ones((), device=device)
+        kernel([p], [g], [m], [v], [], [step], lr=0.5, beta1=0.9, beta2=0.999, weight_decay=0.0,
+               eps=1e-8, amsgrad=False, maximize=False)
+        # one step from p = 1 with g = 1 moves p by lr (m_hat / sqrt(v_hat) = 1): anything else
+        # means the kernel does not do what this module relies on
+        return abs(float(p.item()) - 0.5) < 1e-6
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def fused_step_count(item: StepItem, hyper: StepHyper) -> int | None:
+    """The one step count both of ``item``'s bias corrections follow from, or ``None``.
+
+    The count is ``item.step_count`` (set by the optimizer when the momentum is as old as the
+    second moment), checked against the corrections themselves: the kernel computes
+    ``1 - beta ** t`` in double precision from the count, exactly as the optimizer did.
+    """
+    t = item.step_count
+    if t is None or not 0 < t <= MAX_FUSED_STEP:
+        return None
+    if item.bias_correction1 != 1.0 - hyper.beta1**t or item.bias_correction2 != 1.0 - hyper.beta2**t:
+        return None
+    return t
+
+
+def _fusable(item: StepItem, m: Tensor, v: Tensor) -> bool:
+    """Whether the kernel can update ``item`` with moments ``m`` and ``v`` (dtypes, layout, device)."""
+    p, g = item.param, item.grad
+    tensors = (p, g, m, v)
+    return (
+        all(t.dtype == torch.float32 and t.is_contiguous() and t.device == p.device for t in tensors)
+        and g.shape == p.shape
+        and m.numel() == v.numel() == p.numel()
+    )
+
+
+def split_fused(
+    items: list[StepItem], hyper: StepHyper, m_key: str, v_key: str
+) -> tuple[list[tuple[StepItem, int]], list[StepItem]]:
+    """``items`` split into those the fused kernel serves (with their step count) and the rest."""
+    fused: list[tuple[StepItem, int]] = []
+    rest: list[StepItem] = []
+    for it in items:
+        t = fused_step_count(it, hyper)
+        if (
+            t is not None
+            and _fusable(it, it.views[m_key], it.views[v_key])
+            and fused_available(it.param.device, hyper.decoupled_weight_decay)
+        ):
+            fused.append((it, t))
+        else:
+            rest.append(it)
+    return fused, rest
+
+
+def fused_dense_fp32(items: list[StepItem], hyper: StepHyper, m_key: str, v_key: str) -> None:
+    """One AdamW step of ``items`` (fp32 moments ``views[m_key]``, ``views[v_key]``), in place.
+
+    One fused launch per device over the items :func:`split_fused` accepts; the others take
+    :func:`~lightning_baoc.formats.adam_math.foreach_dense_fp32`.
+    """
+    fused, rest = split_fused(items, hyper, m_key, v_key)
+    by_device: dict[torch.device, list[tuple[StepItem, int]]] = defaultdict(list)
+    for it, t in fused:
+        by_device[it.param.device].append((it, t))
+    for device, batch in by_device.items():
+        _launch(device, batch, hyper, m_key, v_key)
+    if rest:
+        foreach_dense_fp32(rest, hyper, m_key, v_key)
+
+
+def _launch(
+    device: torch.device, batch: list[tuple[StepItem, int]], hyper: StepHyper, m_key: str, v_key: str
+) -> None:
+    """One call of the fused kernel over ``batch`` (all on ``device``)."""
+    steps: dict[int, Tensor] = {}
+    for _, t in batch:
+        if t not in steps:
+            steps[t] = torch.tensor(float(t), dtype=torch.float32, device=device)
+    kernel = _kernel(hyper.decoupled_weight_decay)
+    assert kernel is not None  # split_fused sent nothing here otherwise
+    kernel(
+        [it.param for it, _ in batch],
+        [it.grad for it, _ in batch],
+        [it.views[m_key].view_as(it.param) for it, _ in batch],
+        [it.views[v_key].view_as(it.param) for it, _ in batch],
+        [],
+        [steps[t] for _, t in batch],
+        lr=hyper.lr,
+        beta1=hyper.beta1,
+        beta2=hyper.beta2,
+        weight_decay=hyper.weight_decay,
+        eps=hyper.eps,
+        amsgrad=False,
+        maximize=hyper.maximize,
+    )
