@@ -112,16 +112,20 @@ def _block_slices(elem_lengths: list[int], limit: int) -> list[tuple[int, int, i
     return out
 
 
-def _cosines(x: Tensor, y: Tensor, valid: Tensor, elem_lengths: Tensor) -> Tensor:
+def _cosines(
+    x: Tensor, y: Tensor, valid: Tensor, elem_lengths: Tensor, slices: list[tuple[int, int, int, int]] | None = None
+) -> Tensor:
     """Per block: cosine of the samples ``x`` and ``y`` (all blocks side by side; nan where a block
-    is not ``valid`` or a sample is zero)."""
+    is not ``valid`` or a sample is zero). ``slices``: :func:`_block_slices` of the lengths, if the
+    caller keeps them (they depend on the layout only)."""
     # One segmented reduction per run of blocks (a Python loop over blocks costs ~10x more), in
     # slices of COSINE_SLICE elements so the working copies stay small (the same sums: each block
     # is reduced whole, in the same order).
     # float64 products: the square of a finite gradient of 1e20 is past float32's maximum
-    lengths = elem_lengths.tolist()
+    if slices is None:
+        slices = _block_slices(elem_lengths.tolist(), COSINE_SLICE)
     parts = []
-    for b0, b1, e0, e1 in _block_slices(lengths, COSINE_SLICE):
+    for b0, b1, e0, e1 in slices:
         xs, ys = x[e0:e1].to(torch.float64), y[e0:e1].to(torch.float64)
         parts.append(torch.segment_reduce(torch.stack([xs * ys, xs * xs, ys * ys], dim=1), "sum",
                                           lengths=elem_lengths[b0:b1]))

@@ -19,7 +19,7 @@ from .. import statistics as S
 from ..blocks import partition
 from .gather import _gather, _merge
 from .layout import _Block, _check_blocks, _check_int, _plan_blocks
-from .reduce import _anisotropy, _cosines, _ReductionMaps, _valid_blocks, _worker_loop
+from .reduce import COSINE_SLICE, _anisotropy, _block_slices, _cosines, _ReductionMaps, _valid_blocks, _worker_loop
 
 #: Format version of :meth:`GradientSampler.state_dict`.
 STATE_VERSION = 1
@@ -116,6 +116,7 @@ class GradientSampler:
         self._elements = self._blocks[-1].elem_stop
         self._slot_len = self._blocks[-1].row_stop
         self._maps = _ReductionMaps.build(self._blocks)
+        self._cosine_slices = _block_slices([b.elements for b in self._blocks], COSINE_SLICE)
 
         # Pinned host memory makes the device-to-host copy truly asynchronous.
         pin = torch.cuda.is_available()
@@ -281,7 +282,8 @@ class GradientSampler:
 
     def _cosines(self, pos: int, host: Tensor, valid: Tensor) -> Tensor:
         """Per block: cosine of ring row ``pos`` with the sample in ``host`` (nan where undefined)."""
-        return _cosines(self._ring[pos], host[: self._elements], valid & self._ring_valid[pos], self._maps.elem_lengths)
+        return _cosines(self._ring[pos], host[: self._elements], valid & self._ring_valid[pos], self._maps.elem_lengths,
+                        self._cosine_slices)
 
     def _anisotropy(self, rows: Tensor) -> Tensor:
         """Per block: numel-weighted mean over its row tensors of CV(row norms) (nan if none)."""
