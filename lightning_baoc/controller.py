@@ -172,6 +172,7 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin):
         self.start_allocation: dict[str, str] | None = None  # block -> format the warm-up started in
         self.shadow: ShadowMoments | None = None  # fp32 moments on a sample of each tensor (risk)
         self._peak = 0  # peak state bytes of earlier optimizers of this run (see peak_state_bytes)
+        self._betas_cache: tuple[Any, dict[str, tuple[float, float]]] | None = None  # see _betas
 
     # ------------------------------------------------------------------ properties
 

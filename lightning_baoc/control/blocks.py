@@ -48,6 +48,7 @@ class BlocksMixin:
     sampler: GradientSampler | None
     shadow: ShadowMoments | None
     instruments: InstrumentSizes
+    _betas_cache: tuple[Any, dict[str, tuple[float, float]]] | None
     optimizer: BlockwiseAdamW | None
     ring_samples: int
     _module: nn.Module | None
@@ -178,7 +179,7 @@ class BlocksMixin:
         assert self.optimizer is not None
         groups = self.optimizer.param_groups
         key = tuple((float(g["betas"][0]), float(g["betas"][1]), len(g["params"]), id(g)) for g in groups)
-        cached = getattr(self, "_betas_cache", None)
+        cached = self._betas_cache
         if cached is not None and cached[0] == key:  # rebuilt only when a group or its betas change
             return cached[1]
         out = {}
