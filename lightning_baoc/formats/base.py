@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
 import torch
@@ -166,6 +166,8 @@ class StepItem:
     bias_correction1: float  # 1 - beta1 ** (steps since momentum was created)
     bias_correction2: float  # 1 - beta2 ** step
     step_count: int | None = None
+    #: Key of the stochastic rounding of this parameter's step (:func:`~.quant.stream_key`).
+    noise_key: int = 0
 
 
 @dataclass
@@ -180,7 +182,10 @@ class StepHyper:
     decoupled_weight_decay: bool = True
     maximize: bool = False
     chunk: int = DEFAULT_CHUNK
-    generator: torch.Generator | None = field(default=None, repr=False)
+    #: Key of the stochastic rounding of a conversion's stores (a step's keys are per item).
+    noise_key: int = 0
+    #: Which step runs: ``"auto"``, ``"compiled"`` or ``"eager"`` (:mod:`lightning_baoc.kernels`).
+    kernels: str = "auto"
 
 
 def _fp32_view(fmt: "StateFormat", views: dict[str, Tensor], key: str) -> Tensor:
@@ -207,6 +212,9 @@ class StateFormat(ABC):
     fallback: ClassVar[str | None] = None
     #: One line for tables and docs.
     summary: ClassVar[str] = ""
+    #: The compiled kernel's momentum and second-moment kinds (:mod:`lightning_baoc.kernels`), or
+    #: ``None`` where the format has no compiled step.
+    kernel_kinds: ClassVar[tuple[int, int] | None] = None
 
     def accepts(self, shape: Shape, min_8bit_numel: int = 0) -> bool:
         """Whether this format can hold a tensor of ``shape`` (else :attr:`fallback` is used)."""

@@ -12,6 +12,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from lightning_baoc import kernels
+
 from .base import Shape, StepHyper, TensorSpec, numel_of
 from .elementwise import ElementwiseFormat
 from .quant import bf16_stochastic
@@ -23,9 +25,10 @@ class BF16(ElementwiseFormat):
     name = "bf16"
     has_momentum = True
     summary = "m bf16, v bf16 (stochastic rounding)"
+    kernel_kinds = (kernels.M_BF16, kernels.V_BF16)
 
     #: The rounding used to store; tests swap in round-to-nearest to show the stagnation it causes.
-    rounding: Callable[[Tensor, Tensor, torch.Generator | None], None] = staticmethod(bf16_stochastic)
+    rounding: Callable[[Tensor, Tensor, int, int, int], None] = staticmethod(bf16_stochastic)
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         n = numel_of(shape)
@@ -35,10 +38,10 @@ class BF16(ElementwiseFormat):
         return views["exp_avg"][start:stop].to(torch.float32)
 
     def store_m(self, m: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
-        self.rounding(m, views["exp_avg"][start:stop], hyper.generator)
+        self.rounding(m, views["exp_avg"][start:stop], hyper.noise_key, start, 0)
 
     def load_v(self, views: dict[str, Tensor], start: int, stop: int) -> Tensor:
         return views["exp_avg_sq"][start:stop].to(torch.float32)
 
     def store_v(self, v: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
-        self.rounding(v, views["exp_avg_sq"][start:stop], hyper.generator)
+        self.rounding(v, views["exp_avg_sq"][start:stop], hyper.noise_key, start, 1)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_baoc import kernels
+
 from .base import Shape, StepHyper, TensorSpec, numel_of
 from .elementwise import ElementwiseFormat
 from .quant import bf16_stochastic
@@ -16,6 +18,7 @@ class BF16Momentum(ElementwiseFormat):
     name = "bf16_momentum"
     has_momentum = True
     summary = "m bf16 (stochastic rounding), v fp32"
+    kernel_kinds = (kernels.M_BF16, kernels.V_FP32)
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         n = numel_of(shape)
@@ -26,7 +29,7 @@ class BF16Momentum(ElementwiseFormat):
         return views["exp_avg"][start:stop].to(torch.float32)
 
     def store_m(self, m: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
-        bf16_stochastic(m, views["exp_avg"][start:stop], hyper.generator)
+        bf16_stochastic(m, views["exp_avg"][start:stop], hyper.noise_key, start, 0)
 
     def load_v(self, views: dict[str, Tensor], start: int, stop: int) -> Tensor:
         return views["exp_avg_sq"][start:stop]  # fp32 already: updated in place

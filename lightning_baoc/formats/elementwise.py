@@ -10,12 +10,14 @@ identically.
 from __future__ import annotations
 
 from abc import abstractmethod
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
 from .adam_math import chunk_adamw, chunk_ranges, grad_flat, param_flat
 from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, numel_of
+from .compiled import compiled_update
 
 
 class ElementwiseFormat(StateFormat):
@@ -63,7 +65,10 @@ class ElementwiseFormat(StateFormat):
         return Canonical(shape, exp_avg=m, exp_avg_sq=self.load_v(views, 0, n).clone().view(shape))
 
     def update(self, items: list[StepItem], hyper: StepHyper) -> None:
-        for item in items:
+        """The compiled step where it serves (:mod:`.compiled`), else this eager one: chunks of
+        ``hyper.chunk`` elements, loaded to fp32, updated, stored back."""
+        for item in compiled_update(self, items, hyper):
+            step_hyper = replace(hyper, noise_key=item.noise_key)
             p, write_back = param_flat(item.param)
             g = grad_flat(item.grad)
             for start, stop in chunk_ranges(p.numel(), hyper.chunk):
@@ -79,6 +84,6 @@ class ElementwiseFormat(StateFormat):
                     item.bias_correction2,
                 )
                 if m is not None:
-                    self.store_m(m, item.views, start, stop, hyper)
-                self.store_v(v, item.views, start, stop, hyper)
+                    self.store_m(m, item.views, start, stop, step_hyper)
+                self.store_v(v, item.views, start, stop, step_hyper)
             write_back()

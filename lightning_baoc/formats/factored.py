@@ -11,7 +11,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_baoc import kernels
+
 from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, factor_dims
+from .compiled import compiled_update
 from .factored_math import factored_update
 
 
@@ -23,6 +26,7 @@ class Factored(StateFormat):
     factored = True
     fallback = "nomomentum"
     summary = "no m, v factored into row + column (fp32)"
+    kernel_kinds = (kernels.M_NONE, kernels.V_FACTORED)
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         dims = factor_dims(shape)
@@ -45,4 +49,4 @@ class Factored(StateFormat):
         )
 
     def update(self, items: list[StepItem], hyper: StepHyper) -> None:
-        factored_update(items, hyper)
+        factored_update(compiled_update(self, items, hyper), hyper)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .adam_math import effective_grad, param_flat
 from .base import StepHyper, StepItem, factor_dims, factored_ratio
-from .quant import SUPER
+from .quant import SUPER, sqrt_rn
 
 #: Added to squared gradients so that a row of exact zeros keeps a positive estimate (Adafactor's eps1).
 EPS_SQUARE = 1e-30
@@ -111,4 +111,4 @@ def sqrt_factors(row: Tensor, col: Tensor, bias_correction2: float) -> tuple[Ten
     mean of 0: an all-zero row factor gives a zero estimate. No host sync.
     """
     ratio = factored_ratio(row)  # in [0, rows]
-    return ratio.div_(bias_correction2).sqrt_(), col.sqrt()
+    return sqrt_rn(ratio.div_(bias_correction2)), sqrt_rn(col)

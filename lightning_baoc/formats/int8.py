@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_baoc import kernels
+
 from .base import Shape, StepHyper, TensorSpec, numel_of
 from .elementwise import ElementwiseFormat
 from .quant import (
@@ -62,6 +64,7 @@ class Int8(ElementwiseFormat):
     quantized = True
     fallback = "fp32"
     summary = "m int8 companded, v uint8 sqrt-companded, groups of 32"
+    kernel_kinds = (kernels.M_INT8, kernels.V_UINT8)
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         n = numel_of(shape)

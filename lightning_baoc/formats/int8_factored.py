@@ -9,8 +9,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_baoc import kernels
+
 from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, factor_dims, numel_of
 from .adam_math import chunk_ranges
+from .compiled import compiled_update
 from .factored_math import factored_update
 from .int8 import quant_args, quant_specs
 from .quant import dequantize_momentum, quantize_momentum
@@ -33,6 +36,7 @@ class Int8Factored(StateFormat):
     factored = True
     fallback = "int8"
     summary = "m int8 companded (groups of 32), v factored into row + column (fp32)"
+    kernel_kinds = (kernels.M_INT8, kernels.V_FACTORED)
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         dims = factor_dims(shape)
@@ -71,4 +75,4 @@ class Int8Factored(StateFormat):
         _store_m(m, views, start, stop, hyper)
 
     def update(self, items: list[StepItem], hyper: StepHyper) -> None:
-        factored_update(items, hyper, _load_m, _store_m)
+        factored_update(compiled_update(self, items, hyper), hyper, _load_m, _store_m)

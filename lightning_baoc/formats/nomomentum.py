@@ -8,27 +8,33 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .adam_math import foreach_dense_fp32
-from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, numel_of
+from lightning_baoc import kernels
+
+from .base import Shape, StepHyper, TensorSpec, numel_of
+from .elementwise import ElementwiseFormat
 
 
-class NoMomentum(StateFormat):
+class NoMomentum(ElementwiseFormat):
     """Second moment in fp32, no momentum. Bytes: ``4 * numel``."""
 
     name = "nomomentum"
     has_momentum = False
     summary = "no m, v fp32"
+    kernel_kinds = (kernels.M_NONE, kernels.V_FP32)
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         return (TensorSpec("exp_avg_sq", torch.float32, numel_of(shape)),)
 
-    def encode(self, state: Canonical, views: dict[str, Tensor], hyper: StepHyper) -> None:
-        views["exp_avg_sq"].copy_(state.dense_v().reshape(-1))
+    def load_m(self, views: dict[str, Tensor], start: int, stop: int) -> Tensor:
+        raise NotImplementedError("nomomentum holds no momentum")
 
-    def decode(self, views: dict[str, Tensor], shape: Shape) -> Canonical:
-        return Canonical(
-            tuple(shape), exp_avg_sq=views["exp_avg_sq"].clone().view(tuple(shape))
-        )
+    def store_m(self, m: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
+        raise NotImplementedError("nomomentum holds no momentum")
 
-    def update(self, items: list[StepItem], hyper: StepHyper) -> None:
-        foreach_dense_fp32(items, hyper, None, "exp_avg_sq")
+    def load_v(self, views: dict[str, Tensor], start: int, stop: int) -> Tensor:
+        return views["exp_avg_sq"][start:stop]  # fp32 already: updated in place
+
+    def store_v(self, v: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
+        target = views["exp_avg_sq"][start:stop]
+        if v.data_ptr() != target.data_ptr():
+            target.copy_(v)

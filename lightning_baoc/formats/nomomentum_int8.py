@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_baoc import kernels
+
 from .base import Shape, StepHyper, TensorSpec, numel_of
 from .elementwise import ElementwiseFormat
 from .int8 import quant_args, quant_specs
@@ -24,6 +26,7 @@ class NoMomentumInt8(ElementwiseFormat):
     quantized = True
     fallback = "nomomentum"
     summary = "no m, v uint8 sqrt-companded, groups of 32"
+    kernel_kinds = (kernels.M_NONE, kernels.V_UINT8)
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         n = numel_of(shape)

@@ -58,6 +58,17 @@ M_SCALE_MAX = torch.finfo(torch.float32).max * _ROUNDING_MARGIN
 V_SCALE_MAX = float(torch.nextafter(torch.tensor(2.0**64), torch.tensor(0.0))) * _ROUNDING_MARGIN
 
 
+def sqrt_rn(x: Tensor) -> Tensor:
+    """The correctly rounded square root of fp32 ``x`` (a new tensor).
+
+    torch's fp32 ``sqrt`` on the CPU is not correctly rounded in every build (an MKL build is one
+    ulp off in about 17% of elements), while the compiled step's is (``kernels/cpu_step.cpp``); the
+    root taken in fp64 and rounded once to fp32 is exact, on every build and device, so both steps
+    agree to the bit.
+    """
+    return x.double().sqrt_().to(x.dtype)
+
+
 def num_groups(numel: int) -> int:
     """Number of quantization groups (scales) for ``numel`` elements."""
     return -(-numel // GROUP)
@@ -148,7 +159,7 @@ def dequantize_momentum(codes: Tensor, scales: Tensor, exps: Tensor) -> Tensor:
 
 def quantize_sqrt(v: Tensor, codes_out: Tensor, scales_out: Tensor, exps_out: Tensor) -> None:
     """sqrt-companded uint8 quantization of a flat fp32 second-moment chunk (``v`` is overwritten)."""
-    s = v.clamp_(min=0.0).sqrt_()
+    s = sqrt_rn(v.clamp_(min=0.0))
     inv = _store_scales(group_absmax(s), scales_out, exps_out, V_SCALE_MAX)
     _per_group(s, inv).clamp_(0.0, 1.0).mul_(255.0).round_()
     codes_out.copy_(s)
@@ -168,38 +179,46 @@ def dequantize_sqrt(codes: Tensor, scales: Tensor, exps: Tensor) -> Tensor:
     return s.mul_(s)  # finite: s <= V_SCALE_MAX * (1 + 2**-11) < 2**64 - 2**40
 
 
-#: On the CPU, drawing 16 random bits per element (mt19937) costs ~10x the rest of a bf16 store.
-#: Instead a pool of random bits is drawn once per (device, size) from the optimizer's seed, and
-#: every store reads it at a fresh random offset: an element's noise at a given step is then a
-#: uniformly chosen pool entry, so the rounding stays unbiased (up to the pool's empirical mean,
-#: within 0.3% of one ulp for 2**17 entries) while costing one slice. CUDA draws fresh bits
-#: (Philox is cheap there, and an offset would need a host sync).
-_NOISE_POOLS: dict[tuple[str, int], Tensor] = {}
+#: Stochastic rounding draws its noise from a counter-based hash (no generator, no stored state):
+#: element ``i`` of stream ``which`` (0: momentum, 1: second moment) under a 32-bit ``key`` gets
+#: the top 16 bits of ``lowbias32(2 i + which + key)`` (a 32-bit integer hash, constants from
+#: C. Wellons' hash-prospector search). The key mixes the optimizer's seed, the parameter's step count and a
+#: hash of its name (:func:`stream_key`), so a resumed run rounds exactly as the uninterrupted
+#: one, any device computes the same bits, and the compiled step (``kernels/cpu_step.cpp``,
+#: ``rounding_bits``) reproduces them without reading anything but the index.
+_M32 = 0xFFFFFFFF
 _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 
 
-def _noise_pool(numel: int, device: torch.device) -> Tensor:
-    size = max(1 << 17, 1 << (max(numel, 1) - 1).bit_length())
-    key = (str(device), size)
-    pool = _NOISE_POOLS.get(key)
-    if pool is None:
-        gen = torch.Generator(device=device).manual_seed(0x5EED)
-        pool = torch.randint(0, 1 << 16, (2 * size,), dtype=torch.int32, device=device, generator=gen)
-        _NOISE_POOLS[key] = pool
-    return pool
+def mix32(x: int) -> int:
+    """The 32-bit integer hash of the rounding noise, on a Python int."""
+    x &= _M32
+    x ^= x >> 16
+    x = (x * 0x21F0AAAD) & _M32
+    x ^= x >> 15
+    x = (x * 0x735A2D97) & _M32
+    return x ^ (x >> 15)
 
 
-def rounding_noise(numel: int, device: torch.device, generator: torch.Generator | None) -> Tensor:
-    """``numel`` random integers in ``[0, 2**16)`` (int32) for stochastic rounding to bf16."""
-    if device.type != "cpu":
-        return torch.randint(0, 1 << 16, (numel,), dtype=torch.int32, device=device, generator=generator)
-    pool = _noise_pool(numel, device)
-    offset = int(torch.randint(0, pool.numel() - numel + 1, (1,), generator=generator))
-    return pool[offset : offset + numel]
+def stream_key(seed: int, step: int, salt: int) -> int:
+    """The 32-bit rounding key of one parameter (``salt``: a hash of its name) at one step."""
+    return mix32(mix32(mix32(seed) ^ (step & _M32)) ^ (salt & _M32))
 
 
-def bf16_stochastic(x: Tensor, out: Tensor, generator: torch.Generator | None) -> None:
-    """Write fp32 ``x`` into bf16 ``out`` with stochastic rounding.
+def rounding_bits(start: int, stop: int, which: int, key: int, device: torch.device) -> Tensor:
+    """The 16-bit noise (int64 in ``[0, 2**16)``) of elements ``[start, stop)`` of a stream."""
+    x = torch.arange(start, stop, dtype=torch.int64, device=device).mul_(2).add_(which + key).bitwise_and_(_M32)
+    x.bitwise_xor_(x >> 16)
+    x.mul_(0x21F0AAAD).bitwise_and_(_M32)
+    x.bitwise_xor_(x >> 15)
+    x.mul_(0x735A2D97).bitwise_and_(_M32)
+    x.bitwise_xor_(x >> 15)
+    return x >> 16
+
+
+def bf16_stochastic(x: Tensor, out: Tensor, key: int, start: int = 0, which: int = 0) -> None:
+    """Write fp32 ``x`` (elements ``[start, start + x.numel())`` of stream ``which``) into bf16 ``out``
+    with stochastic rounding.
 
     Adding 16 random bits below the bf16 mantissa and truncating rounds up with probability equal
     to the discarded fraction, so the rounding is unbiased: ``E[round(x)] = x``. Round-to-nearest
@@ -209,10 +228,11 @@ def bf16_stochastic(x: Tensor, out: Tensor, generator: torch.Generator | None) -
     into the infinite exponent; such values (and an overflowed inf) saturate at bf16's maximum.
     """
     bits = x.contiguous().view(torch.int32)
-    noisy = torch.add(bits, rounding_noise(bits.numel(), x.device, generator).view(bits.shape))
+    noise = rounding_bits(start, start + bits.numel(), which, key, x.device).view(bits.shape)
+    noisy = torch.add(bits, noise.to(torch.int32))
     out.copy_(noisy.bitwise_and_(-65536).view(torch.float32).clamp_(-_BF16_MAX, _BF16_MAX))
 
 
-def bf16_round_nearest(x: Tensor, out: Tensor, generator: torch.Generator | None = None) -> None:
+def bf16_round_nearest(x: Tensor, out: Tensor, key: int = 0, start: int = 0, which: int = 0) -> None:
     """Round-to-nearest bf16 store (the naive choice; kept to demonstrate stagnation in tests)."""
     out.copy_(x)

@@ -44,7 +44,7 @@ def reference_step(
         views: the format's compact state tensors (decoded, updated and encoded back).
         param: the parameter (updated in place).
         grad: its gradient.
-        hyper: the group's hyperparameters (its generator drives stochastic rounding at encode).
+        hyper: the group's hyperparameters (its ``noise_key`` keys the stochastic rounding at encode).
         step: this step's count ``t`` (1 for the first step).
         momentum_step: steps since the momentum was (re)created, this one included.
     """

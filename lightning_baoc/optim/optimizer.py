@@ -17,6 +17,7 @@ accelerator (Lightning 2.6's ``Strategy.load_optimizer_state_dict`` calls ``_opt
 from __future__ import annotations
 
 import warnings
+import zlib
 from collections import defaultdict
 from typing import Any, Iterable, Mapping
 
@@ -32,7 +33,9 @@ from lightning_baoc.formats import (
     check_format_name,
     resolve_format,
 )
+from lightning_baoc import kernels as _kernels
 from lightning_baoc.formats.base import DEFAULT_CHUNK
+from lightning_baoc.formats.quant import stream_key
 from lightning_baoc.optim.args import PERFORMANCE_HINTS, check_torch_options
 from lightning_baoc.optim.args import to_float as _float
 from lightning_baoc.optim.args import validate_hyper as _validate_hyper
@@ -40,7 +43,10 @@ from lightning_baoc.optim.persist import PersistenceMixin
 from lightning_baoc.optim.pools import Pool as _Pool
 from lightning_baoc.optim.pools import PoolsMixin
 from lightning_baoc.optim.pools import Record as _Record
-from lightning_baoc.optim.pools import device_key as _device_key
+
+
+#: Mixed into the rounding key of a conversion, so that it never reuses a step's noise.
+_CONVERSION_SALT = 0x5A17C0DE
 
 
 class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
@@ -73,11 +79,18 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
         skip_nonfinite: skip the update of a parameter whose gradient holds inf or NaN, leaving its
             state and value untouched and counting it in :attr:`nonfinite_counts`, instead of letting
             one bad value poison a whole quantization group forever (default: True).
-        seed: seed of the stochastic-rounding generator, saved in the state dict so that a resumed
-            run rounds exactly as an uninterrupted one (default: 0).
+        seed: seed of the stochastic rounding (bf16 states). The rounding of a parameter at a step
+            is a function of the seed, the parameter's name and its step count
+            (:func:`~lightning_baoc.formats.quant.stream_key`), so a resumed run rounds exactly as an
+            uninterrupted one (default: 0).
         chunk_size: elements processed at once by chunked formats (default: 131072).
         param_names: names for plain parameters: a module, or ``(name, parameter)`` pairs
             (default: positional names ``"0"``, ``"1"``, ...).
+        kernels: which step runs for parameters on the CPU: ``"auto"`` (the compiled kernels where
+            they build, else the eager step with one warning), ``"compiled"`` (the kernels or an
+            error), ``"eager"`` (the reference, nothing built); default: the environment variable
+            ``LIGHTNING_BAOC_KERNELS``, else ``"auto"`` (:mod:`lightning_baoc.kernels`). The kernels
+            are built on the first construction that needs them and cached.
 
     Raises:
         ValueError: an invalid hyperparameter, or ``amsgrad``/``capturable``/``differentiable``
@@ -118,6 +131,7 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
         seed: int = 0,
         chunk_size: int = DEFAULT_CHUNK,
         param_names: nn.Module | Iterable[tuple[str, Tensor]] | None = None,
+        kernels: str | None = None,
     ) -> None:
         if not isinstance(min_8bit_numel, int) or min_8bit_numel < 0:
             raise ValueError(f"Invalid min_8bit_numel: {min_8bit_numel!r}; expected an int >= 0")
@@ -126,12 +140,12 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
         if not isinstance(seed, int):
             raise TypeError(f"Invalid seed: {seed!r}; expected an int")
         check_torch_options(lr, betas, foreach, fused, capturable, differentiable)
+        self.kernels = _kernels.resolve_policy(kernels)
         self._records: dict[Tensor, _Record] = {}
         self._names: dict[str, Tensor] = {}
         self._pools: dict[tuple[str, str], _Pool] = {}
         self._live_bytes = 0
         self._peak_bytes = 0
-        self._generators: dict[str, torch.Generator] = {}
         self._external_names: dict[int, str] = {}
         if param_names is not None:
             items = param_names.named_parameters() if isinstance(param_names, nn.Module) else param_names
@@ -154,6 +168,8 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
         )
         _validate_hyper(defaults, "")  # refuses amsgrad, capturable, differentiable set to True
         super().__init__(params, defaults)
+        if any(p.device.type == "cpu" for g in self.param_groups for p in g["params"]):
+            _kernels.use_compiled(self.kernels)  # builds or loads them now, says which step runs
 
     # ------------------------------------------------------------------ groups and names
 
@@ -311,23 +327,17 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
         return report
 
     def _hyper_for(self, p: Tensor) -> StepHyper:
-        group = self.param_groups[self._records[p].group]
-        return self._hyper(group, p.device)
+        """``p``'s group hyperparameters, keyed for the rounding of a conversion at its step count."""
+        rec = self._records[p]
+        return self._hyper(self.param_groups[rec.group], p.device, self._noise_key(rec, _CONVERSION_SALT))
 
     # ------------------------------------------------------------------ step
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        key = _device_key(device)
-        gen = self._generators.get(key)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(self.seed)
-            self._generators[key] = gen
-        return gen
+    def _noise_key(self, rec: _Record, salt: int = 0) -> int:
+        """The rounding key of ``rec``'s parameter at its step count (a step's, or a conversion's)."""
+        return stream_key(self.seed, rec.step, zlib.crc32(rec.name.encode()) ^ salt)
 
-    def _hyper(
-        self, group: Mapping[str, Any], device: torch.device, generator: torch.Generator | None = None
-    ) -> StepHyper:
+    def _hyper(self, group: Mapping[str, Any], device: torch.device, noise_key: int = 0) -> StepHyper:
         beta1, beta2 = group["betas"]
         return StepHyper(
             lr=_float(group["lr"]),
@@ -338,7 +348,8 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
             decoupled_weight_decay=bool(group.get("decoupled_weight_decay", True)),
             maximize=bool(group.get("maximize", False)),
             chunk=self.chunk_size,
-            generator=self._generator(device) if generator is None else generator,
+            noise_key=noise_key,
+            kernels=self.kernels,
         )
 
     @torch.no_grad()
@@ -420,7 +431,8 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
                 bc1 = 1.0 - _float(beta1) ** rec.m_step if rec.m_step else 1.0
                 bc2 = 1.0 - _float(beta2) ** rec.step
                 count = rec.step if rec.m_step == rec.step else None  # one count for both corrections
-                buckets[(rec.format, p.device)].append(StepItem(p, p.grad, rec.views, bc1, bc2, count))
+                item = StepItem(p, p.grad, rec.views, bc1, bc2, count, self._noise_key(rec))
+                buckets[(rec.format, p.device)].append(item)
             for (fmt, device), items in buckets.items():
                 FORMATS[fmt].update(items, self._hyper(group, device))
         return loss

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import zlib
 from typing import IO, Any, Callable, Mapping
 
 import torch
 from torch import Tensor
 
 from lightning_baoc.formats import FORMATS, Canonical, StepHyper, resolve_format
-from lightning_baoc.optim.pools import Pool, Record, device_key
+from lightning_baoc.formats.quant import stream_key
+from lightning_baoc.optim.pools import Pool, Record
 from lightning_baoc.optim.state import (
     STATE_DICT_VERSION,
     CheckpointError,
@@ -34,6 +36,8 @@ _RUNTIME_ONLY = frozenset({
     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
     "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
 })
+#: Mixed into the rounding key of a state encoded at load (a torch state into a bf16 format).
+_LOAD_SALT = 0x10AD5A17
 
 
 class PersistenceMixin:
@@ -43,7 +47,6 @@ class PersistenceMixin:
     _records: dict[Tensor, Record]
     _names: dict[str, Tensor]
     _pools: dict[tuple[str, str], Pool]
-    _generators: dict[str, torch.Generator]
     param_groups: list[dict[str, Any]]
     seed: int
     min_8bit_numel: int
@@ -67,7 +70,6 @@ class PersistenceMixin:
         state["_records"] = {p: dataclasses.replace(rec, views=None) for p, rec in self._records.items()}
         state["_pools"] = {}
         state["_external_names"] = {}  # ids of this process's tensors mean nothing in a copy
-        state["_generators"] = {key: gen.get_state() for key, gen in self._generators.items()}
         state["_saved_views"] = {
             p: {k: t.clone() for k, t in rec.views.items()} for p, rec in self._records.items() if rec.views is not None
         }
@@ -76,13 +78,9 @@ class PersistenceMixin:
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Rebuild the pools from :meth:`__getstate__`'s compact copies (see there)."""
         saved_views = state.pop("_saved_views", {})
-        generators = state.pop("_generators", {})
+        state.pop("_generators", None)  # pickles of earlier releases: the rounding is keyed now
+        state.setdefault("kernels", "auto")
         super().__setstate__(state)  # torch's: hooks, the profiled step
-        self._generators = {}
-        for key, gen_state in generators.items():
-            gen = torch.Generator(device=key)
-            gen.set_state(gen_state)
-            self._generators[key] = gen
         formats = {p: rec.format for p, rec in self._records.items() if rec.format is not None}
 
         def fill(p: Tensor, fmt: str, target: dict[str, Tensor]) -> None:
@@ -121,7 +119,6 @@ class PersistenceMixin:
         meta = {
             "version": STATE_DICT_VERSION,
             "requested": {r.name: r.requested for r in self._records.values() if r.requested},
-            "generators": {k: g.get_state() for k, g in self._generators.items()},
             "nonfinite": self.nonfinite_counts,
         }
         state_dict = seal_state_dict({"state": state, "param_groups": groups, "baoc": meta})
@@ -135,16 +132,15 @@ class PersistenceMixin:
         """Load a state dict of this class (versions 1 and 2), or of ``torch.optim.AdamW``/``Adam``.
 
         The whole dict is validated first (groups, hyperparameters, every entry's format, counts,
-        shape, tensors and checksum, generator states); only then is anything changed, so a refused
+        shape, tensors and checksum); only then is anything changed, so a refused
         dict leaves the optimizer exactly as it was. A BlockwiseAdamW state is matched by parameter
         name (order may differ); a torch state by position, its fp32 moments encoded into each
         parameter's target format. torch's own ``Optimizer.load_state_dict`` would cast every state
         tensor to the parameter's dtype (int8 codes would become floats): this is a full override.
 
-        Generator states of stochastic rounding are restored for the devices this optimizer trains
-        on; one of a device kind it does not train on (a GPU checkpoint resumed on the CPU) is
-        ignored and that device's rounding restarts from ``seed`` (see
-        :func:`~lightning_baoc.optim.validate.plan_generators`). Hooks registered with torch's
+        The stochastic rounding needs no saved state (it is keyed by seed, name and step count):
+        the generator states that dicts of earlier releases carry are ignored (their checksum still
+        covers them). Hooks registered with torch's
         ``register_load_state_dict_pre_hook``/``post_hook`` run as in torch.
 
         Raises:
@@ -238,16 +234,6 @@ class PersistenceMixin:
             for group, update in zip(self.param_groups, plan.groups)
         ]
         requested = plan.requested if plan.requested is not None else {p: r.requested for p, r in self._records.items()}
-        generators: dict[str, torch.Generator] = {}
-        for key, gen_state in plan.generators.items():
-            generators[key] = torch.Generator(device=key)
-            generators[key].set_state(gen_state)
-
-        def generator(device: torch.device) -> torch.Generator:
-            if device_key(device) not in generators:  # not in the checkpoint: restart from the seed
-                generators[device_key(device)] = torch.Generator(device=device).manual_seed(self.seed)
-            return generators[device_key(device)]
-
         formats: dict[Tensor, str] = {}
         for p, loaded in plan.entries.items():
             group = merged[self._records[p].group]
@@ -258,7 +244,9 @@ class PersistenceMixin:
         def fill(p: Tensor, fmt: str, target: dict[str, Tensor]) -> None:
             source = plan.entries[p].source
             if isinstance(source, Canonical):
-                hyper = self._hyper(merged[self._records[p].group], p.device, generator(p.device))
+                rec = self._records[p]
+                key = stream_key(self.seed, plan.entries[p].steps, zlib.crc32(rec.name.encode()) ^ _LOAD_SALT)
+                hyper = self._hyper(merged[rec.group], p.device, key)
                 FORMATS[fmt].encode(source, target, hyper)
             else:
                 for k, t in target.items():
@@ -270,7 +258,6 @@ class PersistenceMixin:
             group.update(update)
         self._pools = pools
         self._live_bytes = 0  # recounted below, once the records point at the new pools
-        self._generators = generators
         for p, rec in self._records.items():
             loaded = plan.entries.get(p)
             rec.requested = requested[p]

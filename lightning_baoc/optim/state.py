@@ -6,8 +6,8 @@ A state dict (version 2) is::
                       "tensors": {key: compact tensor}, "checksum": int,
                       "step": FOREIGN_STEP}},
      "param_groups": [{hyperparameters..., "params": [names]}],
-     "baoc": {"version": 2, "requested": {name: format}, "generators": {device: state},
-              "nonfinite": {name: count}, "checksum": int}}
+     "baoc": {"version": 2, "requested": {name: format}, "nonfinite": {name: count},
+              "checksum": int}}
 
 - ``"step"`` is not a count: it is :data:`FOREIGN_STEP`, bytes holding a message. torch's
   ``Adam.__setstate__`` (run inside ``torch.optim.AdamW.load_state_dict``) calls ``float()`` on
@@ -15,8 +15,8 @@ A state dict (version 2) is::
   message instead of with ``KeyError: 'exp_avg'`` at the first step. (Bytes, not ``str``: torch's
   loader rebuilds every iterable it meets, and rebuilds a ``str`` as the text of a generator.)
 - ``checksum`` of an entry covers its format, shape, counts and tensor bytes; the one of ``"baoc"``
-  covers the param groups, the parameter names, the requests, the generators, the non-finite
-  counts and every entry's checksum. A bit flip anywhere in what a load reads is detected (see
+  covers the param groups, the parameter names, the requests, the non-finite counts (and the
+  generator states dicts of earlier releases carry, which a load ignores) and every entry's checksum. A bit flip anywhere in what a load reads is detected (see
   :func:`digest_bytes`). A dict edited on purpose is re-sealed with :func:`seal_state_dict`.
 
 Loading validates the whole dict before anything is changed
@@ -176,7 +176,7 @@ def make_entry(fmt: str, shape: Iterable[int], steps: int, m_step: int, tensors:
 def seal_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     """(Re)compute every checksum of a version-2 state dict, in place, and return it.
 
-    For a dict changed on purpose (hyperparameters edited, generators removed): a load refuses any
+    For a dict changed on purpose (hyperparameters edited, a request removed): a load refuses any
     change it did not see sealed. Tensors of the entries must be in their compact layout.
 
     Example:

@@ -51,7 +51,6 @@ class LoadPlan:
     entries: dict[Tensor, LoadedState]
     requested: dict[Tensor, str | None] | None  # None: keep the requests (torch dicts carry none)
     nonfinite: dict[Tensor, int]
-    generators: dict[str, Tensor]  # device key -> generator state, for devices trained on
 
 
 
@@ -107,7 +106,7 @@ def _plan_own(opt: "BlockwiseAdamW", sd: Mapping[str, Any]) -> LoadPlan:
         if actual != meta["checksum"]:
             raise invalid(
                 "the checksum of the state dict's metadata (param groups, parameter names, "
-                "requested formats, generators, non-finite counts, entries) does not match: the "
+                "requested formats, non-finite counts, entries) does not match: the "
                 "checkpoint is corrupted, or was edited (re-seal a deliberate edit with "
                 "lightning_baoc.optim.state.seal_state_dict)"
             )
@@ -141,7 +140,6 @@ def _plan_own(opt: "BlockwiseAdamW", sd: Mapping[str, Any]) -> LoadPlan:
         entries=entries,
         requested=_requested(meta.get("requested", {}), names),
         nonfinite=_nonfinite(meta.get("nonfinite", {}), names),
-        generators=plan_generators(meta.get("generators", {}), {_device(p) for p in names.values()}),
     )
 
 def _own_entry(name: str, entry: Any, p: Tensor, version: int) -> LoadedState:
@@ -178,48 +176,6 @@ def _nonfinite(value: Any, names: Mapping[str, Tensor]) -> dict[Tensor, int]:
     return out
 
 
-def _device(p: Tensor) -> str:
-    return str(p.device)
-
-
-def plan_generators(value: Any, devices: set[str]) -> dict[str, Tensor]:
-    """The saved stochastic-rounding generator states that apply to ``devices``, validated.
-
-    A state is restored on the device it was saved for, or on the one device of the same kind this
-    optimizer trains on when the checkpoint has one of that kind (``cuda:0`` -> ``cuda:1``, as
-    ``map_location`` moves tensors). A state of a device kind this optimizer does not train on
-    (a GPU checkpoint resumed on the CPU) cannot seed another kind's generator: it is ignored, and
-    that device's rounding restarts from the optimizer's ``seed``; the rounding is then as unbiased
-    as before, only not the bit-identical continuation of the original run.
-    """
-    saved = require_mapping(value, "'baoc'['generators']")
-    parsed: dict[str, tuple[torch.device, Tensor]] = {}
-    for key, state in saved.items():
-        if not isinstance(key, str):  # torch.device(0) would silently mean cuda:0
-            raise invalid(f"generators: key {key!r} should be a device name (str)")
-        if not isinstance(state, Tensor) or state.dtype != torch.uint8 or state.dim() != 1:
-            raise invalid(f"generators[{key!r}] should be a 1-D uint8 tensor (a generator state), got {state!r:.80}")
-        try:
-            parsed[key] = (torch.device(key), state)
-        except (RuntimeError, TypeError) as err:
-            raise invalid(f"generators: {key!r} is not a device name ({err})") from err
-    out: dict[str, Tensor] = {}
-    for key, (device, state) in parsed.items():
-        target: str | None = key if key in devices else None
-        if target is None:
-            kin = [k for k, (d, _) in parsed.items() if d.type == device.type]
-            ours = [d for d in devices if torch.device(d).type == device.type and d not in parsed]
-            target = ours[0] if len(kin) == 1 and len(ours) == 1 else None
-        if target is None:
-            continue
-        try:
-            torch.Generator(device=target).set_state(state)  # a scratch generator: validate only
-        except (RuntimeError, ValueError, TypeError) as err:
-            raise invalid(f"generators[{key!r}] is not a valid generator state for {target}: {err}") from err
-        out[target] = state
-    return out
-
-
 def _plan_torch(opt: "BlockwiseAdamW", sd: Mapping[str, Any]) -> LoadPlan:
     index_to_param: dict[Any, Tensor] = {}
     groups = []
@@ -243,7 +199,7 @@ def _plan_torch(opt: "BlockwiseAdamW", sd: Mapping[str, Any]) -> LoadPlan:
             raise invalid(f"state entry {key!r} belongs to no parameter of the state dict's param groups")
         p = index_to_param[key]
         entries[p] = _torch_entry(opt.param_name(p), key, entry, p)
-    return LoadPlan(groups=groups, entries=entries, requested=None, nonfinite={}, generators={})
+    return LoadPlan(groups=groups, entries=entries, requested=None, nonfinite={})
 
 
 def _torch_entry(name: str, key: Any, entry: Any, p: Tensor) -> LoadedState:

@@ -112,7 +112,8 @@ def _round_trip(
     state = Canonical(shape, exp_avg=m.clone() if (has_m and m is not None) else None, exp_avg_sq=v.clone())
     if has_m and state.exp_avg is None:
         state.exp_avg = torch.zeros_like(v)
-    hyper = StepHyper(0.0, 0.9, 0.999, 0.0, 0.0, generator=generator)
+    key = int(torch.randint(0, 1 << 32, (1,), generator=generator))  # the rounding of this trip
+    hyper = StepHyper(0.0, 0.9, 0.999, 0.0, 0.0, noise_key=key)
     FORMATS[fmt].encode(state, views, hyper)
     out = FORMATS[fmt].decode(views, shape)
     zero = views["exp_avg_sq"] == 0 if _requantized_v(fmt) else None

@@ -109,12 +109,13 @@ def test_int8_round_trip_error_vs_references(real_states) -> None:
     assert ours["update"] < 0.1 * lin["update"]  # linear int8 v zeroes small entries: m / eps
 
 
-def _decay_run(monkeypatch: pytest.MonkeyPatch | None) -> float:
+def _decay_run(monkeypatch: pytest.MonkeyPatch | None, kernels: str = "auto") -> float:
     """v of a bf16 state after the gradient drops from 1 to 1e-3: how far it decayed."""
-    if monkeypatch is not None:
+    if monkeypatch is not None:  # the eager step's rounding is swapped (the compiled one is fixed)
         monkeypatch.setattr(BF16, "rounding", staticmethod(bf16_round_nearest))
+        kernels = "eager"
     p = nn.Parameter(torch.zeros(4096))
-    opt = BlockwiseAdamW([p], lr=1e-4, weight_decay=0.0, state_format="bf16", min_8bit_numel=0)
+    opt = BlockwiseAdamW([p], lr=1e-4, weight_decay=0.0, state_format="bf16", min_8bit_numel=0, kernels=kernels)
     for step in range(3000):
         p.grad = torch.full_like(p, 1.0 if step < 100 else 1e-3)
         opt.step()
@@ -133,8 +134,9 @@ def _expected_v() -> float:
 
 def test_bf16_stochastic_rounding_keeps_v_decaying(monkeypatch: pytest.MonkeyPatch) -> None:
     expected = _expected_v()
-    stochastic = _decay_run(None)
-    assert abs(stochastic - expected) / expected < 0.05, (stochastic, expected)
+    for kernels in ("auto", "eager"):  # the compiled step where it builds, and the reference
+        stochastic = _decay_run(None, kernels)
+        assert abs(stochastic - expected) / expected < 0.05, (kernels, stochastic, expected)
     # round-to-nearest: v * 0.999 rounds back to v and the second moment stagnates
     nearest = _decay_run(monkeypatch)
     assert nearest > 3 * expected, (nearest, expected)
@@ -208,12 +210,28 @@ def test_bf16_stochastic_rounding_saturates_near_fp32_max() -> None:
     bf16_max = float(torch.finfo(torch.bfloat16).max)
     x = torch.tensor([3.39e38, 3.4e38, FP32.max, float("inf"), -3.4e38, -float("inf")]).repeat(512)
     out = torch.empty_like(x, dtype=torch.bfloat16)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(20):  # every draw of the noise
-        quant.bf16_stochastic(x, out, gen)
+    for step in range(20):  # every draw of the noise
+        quant.bf16_stochastic(x, out, quant.stream_key(0, step, 0))
         assert torch.isfinite(out).all()
         assert torch.equal(out.float().abs()[1::6], torch.full((512,), bf16_max))
     # values below the top still round without bias
     y = torch.full((3072,), 1.0 + 2**-9)
-    quant.bf16_stochastic(y, out, gen)
+    quant.bf16_stochastic(y, out, quant.stream_key(0, 20, 0))
     assert float(out.float().mean()) == pytest.approx(1.0 + 2**-9, abs=2**-11)
+
+
+def test_rounding_noise_is_uniform_and_keyed() -> None:
+    """The counter-based noise: 16 uniform bits per element, another draw per key and per stream."""
+    noise = quant.rounding_bits(0, 1 << 20, 0, quant.stream_key(0, 1, 7), torch.device("cpu"))
+    assert int(noise.min()) >= 0 and int(noise.max()) < 1 << 16
+    counts = torch.bincount(noise >> 8, minlength=256).double()  # top 8 bits: 4096 expected each
+    chi2 = float(((counts - 4096) ** 2 / 4096).sum())
+    assert chi2 < 340, chi2  # 255 degrees of freedom: p ~ 3e-4 above 340
+    assert abs(float((noise.double() / 65536).mean()) - (0.5 - 0.5 / 65536)) < 1e-3
+    other_key = quant.rounding_bits(0, 1 << 20, 0, quant.stream_key(0, 2, 7), torch.device("cpu"))
+    other_stream = quant.rounding_bits(0, 1 << 20, 1, quant.stream_key(0, 1, 7), torch.device("cpu"))
+    for other in (other_key, other_stream):  # independent draws agree on 1 in 65536 elements
+        assert float((other == noise).double().mean()) < 5e-5
+    # a slice's noise is the whole stream's noise at those indices
+    part = quant.rounding_bits(1000, 5000, 0, quant.stream_key(0, 1, 7), torch.device("cpu"))
+    assert torch.equal(part, noise[1000:5000])

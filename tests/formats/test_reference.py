@@ -1,9 +1,9 @@
 """Every format's fast step against its readable reference (``lightning_baoc.formats.reference``):
-decode -> textbook fp32 AdamW -> encode, on the same state, gradient and rounding generator."""
+decode -> textbook fp32 AdamW -> encode, on the same state, gradient and rounding key."""
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 
 import pytest
 import torch
@@ -54,11 +54,9 @@ def test_fast_step_equals_the_reference_step(fmt: str, steps: int) -> None:
         start = p.detach().clone()
         record = opt._records[p]  # noqa: SLF001 - the test reads the compact state directly
         views = {k: v.clone() for k, v in record.views.items()}
-        ref_gen = torch.Generator()
         for i in range(1, steps + 1):
-            ref_gen.set_state(opt._generator(p.device).get_state())  # noqa: SLF001 - same rounding draws
-            hyper = copy.copy(opt._hyper_for(p))  # noqa: SLF001
-            hyper.generator = ref_gen
+            key = opt._noise_key(dataclasses.replace(record, step=record.step + 1))  # noqa: SLF001 - the step's rounding
+            hyper = dataclasses.replace(opt._hyper_for(p), noise_key=key)  # noqa: SLF001
             reference_step(fmt, views, q, grads[i], hyper, step=record.step + 1, momentum_step=record.m_step + 1)
             p.grad = grads[i]
             opt.step()

@@ -179,29 +179,20 @@ def _with_generators(sd: dict, generators: dict[str, torch.Tensor]) -> dict:
     return seal_state_dict(sd)
 
 
-def test_generator_of_a_device_not_trained_on_does_not_break_the_load() -> None:
-    model, opt = _trained()
+def test_generator_states_of_earlier_releases_are_ignored() -> None:
+    """Dicts of earlier releases carry stochastic-rounding generator states; the rounding is keyed by
+    seed, name and step count now, so they change nothing: the resumed runs are bit-identical."""
+    model, opt = _trained("bf16")
     sd = opt.state_dict()
-    cpu = sd["baoc"]["generators"]["cpu"]
-    cuda_state = torch.tensor([7, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 0, 0, 0, 0], dtype=torch.uint8)  # seed, offset
-    opt2 = BlockwiseAdamW(model.named_parameters(), min_8bit_numel=0)
-    opt2.load_state_dict(_load(_save(_with_generators(sd, {"cpu": cpu, "cuda:0": cuda_state}))))
-    assert torch.equal(opt2.state_dict()["baoc"]["generators"]["cpu"], cpu)  # what applies is restored
-    assert "cuda:0" not in opt2.state_dict()["baoc"]["generators"]
-
-
-def test_generator_of_another_device_kind_restarts_rounding_from_the_seed() -> None:
-    model, opt = _trained()
-    sd = opt.state_dict()
-    only_cuda = _with_generators(copy_sd(sd), {"cuda:0": torch.zeros(16, dtype=torch.uint8)})
-    fresh = torch.Generator().manual_seed(0).get_state()
-    seeded = _with_generators(copy_sd(sd), {"cpu": fresh})
+    assert "generators" not in sd["baoc"]
+    legacy = _with_generators(copy_sd(sd), {"cpu": torch.Generator().manual_seed(5).get_state(),
+                                           "cuda:0": torch.zeros(16, dtype=torch.uint8)})
     results = []
-    for state in (only_cuda, seeded):
+    for state in (sd, legacy):
         twin = mlp((64, 64, 10))
         twin.load_state_dict(model.state_dict())
         opt2 = BlockwiseAdamW(twin.named_parameters(), min_8bit_numel=0, seed=0)
-        opt2.load_state_dict(state)
+        opt2.load_state_dict(copy_sd(state))
         _train(twin, opt2, _batches(2, seed=9))
         results.append(torch.cat([p.detach().flatten() for p in twin.parameters()]))
     assert torch.equal(results[0], results[1])

@@ -1,0 +1,179 @@
+"""Compiled CPU kernels of the optimizer step, built on first use and cached.
+
+The eager step of every format (:mod:`lightning_baoc.formats`) is a sequence of ATen operations:
+about ten passes over memory per step and a few hundred operator calls per 128K elements. The
+kernels in ``cpu_step.cpp`` do each format's whole step in one pass per 1024-element super-block
+(decode, AdamW in fp32, encode), over all the tensors of a call at once, threaded with
+``at::parallel_for``. They are built with :func:`torch.utils.cpp_extension.load` the first time an
+optimizer needs them (tens of seconds, once per machine and source version) and loaded from the
+cache afterwards.
+
+Which path runs is chosen per optimizer (``BlockwiseAdamW(kernels=...)``, default from the
+environment variable ``LIGHTNING_BAOC_KERNELS``, else ``"auto"``):
+
+- ``"auto"``: the compiled kernels where they build, else the eager step, with one warning that
+  says why (no C++ compiler, no ``ninja``, a build error);
+- ``"compiled"``: the compiled kernels, or an error that says why they are not available;
+- ``"eager"``: the eager step (the reference), never building anything.
+
+Both paths give the same results to fp32 rounding (``tests/kernels/test_cpu_step.py``); the kernels
+serve parameters on the CPU (CUDA parameters take the eager step).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: The environment variable that sets the default kernel policy.
+KERNELS_ENV = "LIGHTNING_BAOC_KERNELS"
+#: The policies ``BlockwiseAdamW(kernels=...)`` accepts.
+POLICIES = ("auto", "compiled", "eager")
+SOURCE = Path(__file__).with_name("cpu_step.cpp")
+
+# Momentum and second-moment kinds, as the kernel numbers them (cpu_step.cpp: MKind, VKind).
+M_NONE, M_FP32, M_BF16, M_INT8 = 0, 1, 2, 3
+V_FP32, V_BF16, V_UINT8, V_FACTORED = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """Whether the compiled CPU kernels are loaded, and how (or why not)."""
+
+    available: bool
+    detail: str  # "built in 41.2 s", "loaded from the cache", or the reason they are not available
+    build_seconds: float = 0.0
+
+
+_STATUS: KernelStatus | None = None
+_ANNOUNCED: set[str] = set()
+
+
+def resolve_policy(kernels: str | None) -> str:
+    """The kernel policy for ``kernels`` (``None``: the environment variable, else ``"auto"``)."""
+    value = kernels if kernels is not None else os.environ.get(KERNELS_ENV, "auto")
+    if value not in POLICIES:
+        source = "kernels" if kernels is not None else KERNELS_ENV
+        raise ValueError(f"Invalid {source}: {value!r}; expected one of {', '.join(POLICIES)}")
+    return value
+
+
+def compile_flags() -> list[str]:
+    """Compiler flags of the kernels: optimized, no contraction into fused multiply-adds beyond the
+    ones written (results must match the eager step), vector instructions the CPU has."""
+    flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in ("AVX2", "AVX512") and sys.platform.startswith("linux"):
+        flags += ["-mavx2", "-mfma", "-mf16c"]
+    return flags
+
+
+def _build_name(flags: list[str]) -> str:
+    digest = hashlib.sha1()
+    digest.update(SOURCE.read_bytes())
+    digest.update(" ".join(flags).encode())
+    digest.update(torch.__version__.encode())
+    return f"lightning_baoc_cpu_step_{digest.hexdigest()[:12]}"
+
+
+def _missing_tool() -> str | None:
+    """Why a build cannot start (no compiler, no ninja), or ``None``."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler found ({compiler!r} is not on PATH)"
+    try:
+        from torch.utils.cpp_extension import is_ninja_available
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return "torch.utils.cpp_extension is not available"
+    if not is_ninja_available():
+        return "the 'ninja' build tool is not installed (pip install ninja)"
+    return None
+
+
+def cpu_kernels() -> KernelStatus:
+    """Build (first use on this machine) or load the CPU kernels, once per process."""
+    global _STATUS
+    if _STATUS is None:
+        _STATUS = _load()
+    return _STATUS
+
+
+def _load() -> KernelStatus:
+    if hasattr(torch.ops, "lightning_baoc") and hasattr(torch.ops.lightning_baoc, "adamw_step"):
+        return KernelStatus(True, "already loaded")
+    missing = _missing_tool()
+    if missing is not None:
+        return KernelStatus(False, missing)
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    flags = compile_flags()
+    name = _build_name(flags)
+    cached = any(Path(_get_build_directory(name, verbose=False)).glob("*.so"))
+    start = time.perf_counter()
+    try:
+        load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as err:  # a compiler error, a linker error: the eager step still works
+        first = str(err).strip().splitlines()
+        return KernelStatus(False, f"the build failed ({first[-1] if first else type(err).__name__})")
+    seconds = time.perf_counter() - start
+    detail = "loaded from the cache" if cached else f"built in {seconds:.1f} s"
+    return KernelStatus(True, detail, 0.0 if cached else seconds)
+
+
+def use_compiled(policy: str, announce: bool = True) -> bool:
+    """Whether the step runs the compiled kernels under ``policy``; says once which path runs.
+
+    Raises:
+        RuntimeError: under ``"compiled"`` when the kernels are not available (with the reason).
+    """
+    if policy == "eager":
+        return False
+    status = cpu_kernels()
+    if status.available:
+        if announce and "compiled" not in _ANNOUNCED:
+            _ANNOUNCED.add("compiled")
+            log.info("lightning_baoc: compiled CPU step kernels in use (%s)", status.detail)
+        return True
+    if policy == "compiled":
+        raise RuntimeError(
+            f"BlockwiseAdamW(kernels='compiled'): the compiled CPU kernels are not available: "
+            f"{status.detail}. Install a C++ compiler and ninja, or use kernels='auto' or 'eager'."
+        )
+    if announce and "eager" not in _ANNOUNCED:
+        _ANNOUNCED.add("eager")
+        warnings.warn(
+            f"lightning_baoc: the compiled CPU step is not available ({status.detail}); the eager step "
+            f"runs instead (same results, several times slower on the CPU). Install a C++ compiler and "
+            f"ninja for the compiled step, or pass kernels='eager' (or set {KERNELS_ENV}=eager) to "
+            f"silence this warning.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return False
+
+
+def ops() -> Any:
+    """The loaded operators (``adamw_step``, ``factored_moments``); call after :func:`use_compiled`."""
+    return torch.ops.lightning_baoc
+
+
+__all__ = ["KERNELS_ENV", "POLICIES", "KernelStatus", "compile_flags", "cpu_kernels", "ops", "resolve_policy", "use_compiled"]

@@ -1,0 +1,497 @@
+// One AdamW step for every compact state format, one pass over memory per 1024-element super-block.
+//
+// The eager step (lightning_baoc/formats/*.py) is the reference: this file computes the same
+// float operations in the same order (fused multiply-adds where ATen's CPU kernels use them: lerp,
+// addcmul), so results agree to the last bit except where a sum is ordered differently (the
+// factored means) or a float function differs in its last ulp (log2 at an exact power of two);
+// tests/kernels/test_cpu_step.py measures the distance per format.
+//
+// Per super-block (aligned to 1024 elements of its parameter): decode the moments into L1 buffers
+// (256-entry tables for the 8-bit codes, exactly the values the eager decode computes), do AdamW in
+// fp32, encode (group absmax, one shared exponent, fp16 scales, codes) and write once. The
+// super-blocks of every tensor of a call are one index range that at::parallel_for divides among
+// the threads.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t GROUP = 32;
+constexpr int64_t SUPER = 1024;
+constexpr int64_t SUPER_GROUPS = SUPER / GROUP;
+constexpr float TOP_EXPONENT = 14.0f;
+constexpr float EXP_MIN = -126.0f;
+constexpr float EXP_MAX = 126.0f;
+constexpr float SCALE_MIN = 1.17549435082228750797e-38f;  // fp32's smallest normal number
+constexpr float BF16_MAX = 3.38953138925153547590e38f;
+
+enum MKind : int64_t { M_NONE = 0, M_FP32 = 1, M_BF16 = 2, M_INT8 = 3 };
+enum VKind : int64_t { V_FP32 = 0, V_BF16 = 1, V_UINT8 = 2, V_FACTORED = 3 };
+
+inline uint32_t bits_of(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return b;
+}
+
+inline float float_of(uint32_t b) {
+  float x;
+  std::memcpy(&x, &b, 4);
+  return x;
+}
+
+// The counter-based hash of the stochastic rounding (lightning_baoc/formats/quant.py,
+// `rounding_bits`): 16 random bits for element `index` of a stream `which` (0: momentum, 1: second
+// moment) under a 32-bit key.
+inline uint32_t rounding_bits(int64_t index, uint32_t which, uint32_t key) {
+  uint32_t x = static_cast<uint32_t>(index) * 2u + which + key;
+  x ^= x >> 16;
+  x *= 0x21f0aaadu;
+  x ^= x >> 15;
+  x *= 0x735a2d97u;
+  x ^= x >> 15;
+  return x >> 16;
+}
+
+inline uint16_t bf16_stochastic(float x, uint32_t noise) {
+  float r = float_of((bits_of(x) + noise) & 0xFFFF0000u);
+  if (std::isnan(r)) return 0x7FC0;
+  r = std::min(std::max(r, -BF16_MAX), BF16_MAX);
+  return static_cast<uint16_t>(bits_of(r) >> 16);
+}
+
+inline float bf16_load(uint16_t raw) { return float_of(static_cast<uint32_t>(raw) << 16); }
+
+// Decoding tables: exactly the fp32 values the eager decode computes per code.
+struct Tables {
+  float momentum[256];  // index code + 128: y = q / 127, x = y / (2 - |y|)
+  float sqrt_v[256];    // max(q, 0.5) / 255
+  Tables() {
+    for (int q = -128; q < 128; ++q) {
+      float y = static_cast<float>(q) / 127.0f;
+      float d = -std::fabs(y) + 2.0f;
+      momentum[q + 128] = y / d;
+    }
+    for (int q = 0; q < 256; ++q) sqrt_v[q] = std::max(static_cast<float>(q), 0.5f) / 255.0f;
+  }
+};
+
+const Tables& tables() {
+  static const Tables t;
+  return t;
+}
+
+// The super-block's stored group scales (fp16 * 2**exp, as fp32).
+inline void load_scales(const at::Half* scales, int8_t exponent, int64_t groups, float* out) {
+  const float unit = std::exp2(static_cast<float>(exponent));
+  for (int64_t k = 0; k < groups; ++k) out[k] = static_cast<float>(scales[k]) * unit;
+}
+
+// Group maxima -> fp16 scales and one exponent; per-group reciprocals of the stored scales
+// (quant.py `_store_scales`).
+inline void store_scales(float* absmax, int64_t groups, float limit, at::Half* scales_out, int8_t* exp_out,
+                         float* inv) {
+  float top = 0.0f;
+  for (int64_t k = 0; k < groups; ++k) {
+    float a = absmax[k];
+    a = std::isnan(a) ? a : std::min(a, limit);
+    absmax[k] = a;
+    top = (std::isnan(a) || a > top) ? a : top;
+  }
+  float e = (top > 0.0f) ? std::floor(std::log2(top)) - TOP_EXPONENT : EXP_MIN;
+  e = std::min(std::max(e, EXP_MIN), EXP_MAX);
+  *exp_out = static_cast<int8_t>(e);
+  const float unit = std::exp2(e);
+  for (int64_t k = 0; k < groups; ++k) {
+    at::Half h = static_cast<at::Half>(absmax[k] / unit);
+    float stored = static_cast<float>(h) * unit;
+    if (stored < SCALE_MIN) {
+      scales_out[k] = static_cast<at::Half>(0.0f);
+      inv[k] = 0.0f;
+    } else {
+      scales_out[k] = h;
+      inv[k] = 1.0f / stored;
+    }
+  }
+}
+
+inline void group_absmax(const float* x, int64_t n, float* out) {
+  const int64_t groups = (n + GROUP - 1) / GROUP;
+  for (int64_t k = 0; k < groups; ++k) {
+    const int64_t a = k * GROUP, b = std::min(n, a + GROUP);
+    float m = 0.0f;
+#pragma omp simd reduction(max : m)
+    for (int64_t j = a; j < b; ++j) m = std::max(m, std::fabs(x[j]));
+    out[k] = m;
+  }
+}
+
+struct Scalars {
+  float lr_step;      // -lr / bias_correction1 (momentum) or -lr
+  float decay;        // 1 - lr * weight_decay (decoupled decay)
+  float l2;           // weight_decay (Adam's L2 decay)
+  float beta2;
+  float one_minus_beta2;
+  float lerp_coeff;   // 1 - beta1, or 1 - beta1 - 1 for weights >= 0.5 (ATen's lerp)
+  bool lerp_small;
+  float sqrt_bc2;
+  float eps;
+  bool decoupled_decay;
+  bool l2_decay;
+  bool maximize;
+};
+
+struct Tensors {
+  float* p;
+  const float* g;
+  void* m;
+  at::Half* m_scale;
+  int8_t* m_exp;
+  void* v;
+  at::Half* v_scale;
+  int8_t* v_exp;
+  const float* row_factor;
+  const float* col_factor;
+  int64_t numel;
+  int64_t cols;
+  uint32_t key;
+  Scalars s;
+};
+
+template <int64_t M, int64_t V>
+void superblock(const Tensors& t, int64_t sb, float limit_m, float limit_v) {
+  const int64_t start = sb * SUPER;
+  const int64_t n = std::min(SUPER, t.numel - start);
+  const int64_t groups = (n + GROUP - 1) / GROUP;
+  const Scalars& s = t.s;
+  const Tables& tab = tables();
+  alignas(64) float mbuf[SUPER];
+  alignas(64) float vbuf[SUPER];
+  alignas(64) float denom[SUPER];
+  float scl[SUPER_GROUPS];
+  float* P = t.p + start;
+  const float* G = t.g + start;
+
+  // moments in fp32: the stored fp32 tensors themselves, or decoded into the buffers
+  float* mm = mbuf;
+  if constexpr (M == M_FP32) {
+    mm = static_cast<float*>(t.m) + start;
+  } else if constexpr (M == M_BF16) {
+    const uint16_t* src = static_cast<const uint16_t*>(t.m) + start;
+    for (int64_t j = 0; j < n; ++j) mbuf[j] = bf16_load(src[j]);
+  } else if constexpr (M == M_INT8) {
+    const int8_t* codes = static_cast<const int8_t*>(t.m) + start;
+    load_scales(t.m_scale + start / GROUP, t.m_exp[sb], groups, scl);
+    for (int64_t j = 0; j < n; ++j) mbuf[j] = tab.momentum[codes[j] + 128] * scl[j / GROUP];
+  }
+  float* vv = vbuf;
+  if constexpr (V == V_FP32) {
+    vv = static_cast<float*>(t.v) + start;
+  } else if constexpr (V == V_BF16) {
+    const uint16_t* src = static_cast<const uint16_t*>(t.v) + start;
+    for (int64_t j = 0; j < n; ++j) vbuf[j] = bf16_load(src[j]);
+  } else if constexpr (V == V_UINT8) {
+    const uint8_t* codes = static_cast<const uint8_t*>(t.v) + start;
+    load_scales(t.v_scale + start / GROUP, t.v_exp[sb], groups, scl);
+    for (int64_t j = 0; j < n; ++j) {
+      float x = tab.sqrt_v[codes[j]] * scl[j / GROUP];
+      vbuf[j] = x * x;
+    }
+  }
+
+  // AdamW in fp32, in the eager step's order (adam_math.chunk_adamw, factored_math.factored_update)
+  if constexpr (V == V_FACTORED) {
+    int64_t r = start / t.cols, c = start % t.cols, j = 0;
+    while (j < n) {
+      const int64_t len = std::min(n - j, t.cols - c);
+      const float rf = t.row_factor[r];
+      const float* cf = t.col_factor + c;
+#pragma omp simd
+      for (int64_t k = 0; k < len; ++k) denom[j + k] = rf * cf[k] + s.eps;
+      j += len;
+      c = 0;
+      ++r;
+    }
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    float g = G[j];
+    float p = P[j];
+    if (s.maximize) g = -g;
+    if (s.l2_decay) g = std::fma(p, s.l2, g);
+    if (s.decoupled_decay) p = p * s.decay;
+    float d;
+    if constexpr (V == V_FACTORED) {
+      d = denom[j];
+    } else {
+      const float v = std::fma(s.one_minus_beta2 * g, g, vv[j] * s.beta2);
+      vv[j] = v;
+      d = std::sqrt(v) / s.sqrt_bc2 + s.eps;
+    }
+    if constexpr (M == M_NONE) {
+      p = p + (s.lr_step * g) / d;
+    } else {
+      const float m0 = mm[j];
+      const float m = s.lerp_small ? std::fma(s.lerp_coeff, g - m0, m0) : std::fma(s.lerp_coeff, g - m0, g);
+      mm[j] = m;
+      p = p + (s.lr_step * m) / d;
+    }
+    P[j] = p;
+  }
+
+  // store the moments
+  if constexpr (M == M_BF16) {
+    uint16_t* dst = static_cast<uint16_t*>(t.m) + start;
+    for (int64_t j = 0; j < n; ++j) dst[j] = bf16_stochastic(mbuf[j], rounding_bits(start + j, 0, t.key));
+  } else if constexpr (M == M_INT8) {
+    float absmax[SUPER_GROUPS];
+    group_absmax(mbuf, n, absmax);
+    store_scales(absmax, groups, limit_m, t.m_scale + start / GROUP, t.m_exp + sb, scl);
+    int8_t* codes = static_cast<int8_t*>(t.m) + start;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+      float x = mbuf[j] * scl[j / GROUP];
+      x = std::min(std::max(x, -1.0f), 1.0f);
+      const float y = std::fabs(x) + 1.0f;
+      codes[j] = static_cast<int8_t>(std::nearbyint((x / y) * 254.0f));
+    }
+  }
+  if constexpr (V == V_BF16) {
+    uint16_t* dst = static_cast<uint16_t*>(t.v) + start;
+    for (int64_t j = 0; j < n; ++j) dst[j] = bf16_stochastic(vbuf[j], rounding_bits(start + j, 1, t.key));
+  } else if constexpr (V == V_UINT8) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) vbuf[j] = std::sqrt(std::max(vbuf[j], 0.0f));
+    float absmax[SUPER_GROUPS];
+    group_absmax(vbuf, n, absmax);
+    store_scales(absmax, groups, limit_v, t.v_scale + start / GROUP, t.v_exp + sb, scl);
+    uint8_t* codes = static_cast<uint8_t*>(t.v) + start;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+      float x = vbuf[j] * scl[j / GROUP];
+      x = std::min(std::max(x, 0.0f), 1.0f);
+      codes[j] = static_cast<uint8_t>(std::nearbyint(x * 255.0f));
+    }
+  }
+}
+
+template <int64_t M, int64_t V>
+void run_all(const std::vector<Tensors>& items, double limit_m, double limit_v) {
+  std::vector<int64_t> offsets(items.size() + 1, 0);
+  for (size_t i = 0; i < items.size(); ++i) offsets[i + 1] = offsets[i] + (items[i].numel + SUPER - 1) / SUPER;
+  const float lm = static_cast<float>(limit_m), lv = static_cast<float>(limit_v);
+  at::parallel_for(0, offsets.back(), 8, [&](int64_t begin, int64_t end) {
+    size_t i = std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin() - 1;
+    for (int64_t k = begin; k < end; ++k) {
+      while (k >= offsets[i + 1]) ++i;
+      superblock<M, V>(items[i], k - offsets[i], lm, lv);
+    }
+  });
+}
+
+void* data_or_null(const std::vector<at::Tensor>& list, size_t i) {
+  return list.empty() ? nullptr : list[i].data_ptr();
+}
+
+void check_list(const std::vector<at::Tensor>& list, size_t n, const char* name, bool needed) {
+  TORCH_CHECK(needed ? list.size() == n : list.empty(), "lightning_baoc step: ", name, " holds ", list.size(),
+              " tensors, expected ", needed ? n : 0);
+  for (const auto& t : list) {
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "lightning_baoc step: ", name,
+                " tensors must be contiguous CPU tensors");
+  }
+}
+
+// params, grads: fp32, contiguous, flat or not. Empty lists where a kind stores nothing.
+void adamw_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                const std::vector<at::Tensor>& m, const std::vector<at::Tensor>& m_scale,
+                const std::vector<at::Tensor>& m_exp, const std::vector<at::Tensor>& v,
+                const std::vector<at::Tensor>& v_scale, const std::vector<at::Tensor>& v_exp,
+                const std::vector<at::Tensor>& row_factor, const std::vector<at::Tensor>& col_factor,
+                at::ArrayRef<double> bias_correction1, at::ArrayRef<double> bias_correction2,
+                at::ArrayRef<int64_t> keys, int64_t m_kind, int64_t v_kind, double lr, double beta1, double beta2,
+                double eps, double weight_decay, bool decoupled, bool maximize, double limit_m, double limit_v) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && bias_correction1.size() == n && bias_correction2.size() == n && keys.size() == n,
+              "lightning_baoc step: lists of different lengths");
+  check_list(params, n, "params", true);
+  check_list(grads, n, "grads", true);
+  check_list(m, n, "m", m_kind != M_NONE);
+  check_list(m_scale, n, "m_scale", m_kind == M_INT8);
+  check_list(m_exp, n, "m_exp", m_kind == M_INT8);
+  check_list(v, n, "v", v_kind != V_FACTORED);
+  check_list(v_scale, n, "v_scale", v_kind == V_UINT8);
+  check_list(v_exp, n, "v_exp", v_kind == V_UINT8);
+  check_list(row_factor, n, "row_factor", v_kind == V_FACTORED);
+  check_list(col_factor, n, "col_factor", v_kind == V_FACTORED);
+  const at::ScalarType m_dtype[] = {at::kFloat, at::kFloat, at::kBFloat16, at::kChar};
+  const at::ScalarType v_dtype[] = {at::kFloat, at::kBFloat16, at::kByte, at::kFloat};
+  std::vector<Tensors> items(n);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t numel = params[i].numel();
+    TORCH_CHECK(params[i].scalar_type() == at::kFloat && grads[i].scalar_type() == at::kFloat,
+                "lightning_baoc step: parameters and gradients must be fp32");
+    TORCH_CHECK(grads[i].numel() == numel, "lightning_baoc step: gradient size differs from its parameter");
+    if (m_kind != M_NONE) {
+      TORCH_CHECK(m[i].numel() == numel && m[i].scalar_type() == m_dtype[m_kind], "lightning_baoc step: bad momentum");
+    }
+    if (v_kind != V_FACTORED) {
+      TORCH_CHECK(v[i].numel() == numel && v[i].scalar_type() == v_dtype[v_kind],
+                  "lightning_baoc step: bad second moment");
+    }
+    if (m_kind == M_INT8) {
+      TORCH_CHECK(m_scale[i].numel() == (numel + GROUP - 1) / GROUP && m_exp[i].numel() == (numel + SUPER - 1) / SUPER &&
+                      m_scale[i].scalar_type() == at::kHalf && m_exp[i].scalar_type() == at::kChar,
+                  "lightning_baoc step: bad momentum scales");
+    }
+    if (v_kind == V_UINT8) {
+      TORCH_CHECK(v_scale[i].numel() == (numel + GROUP - 1) / GROUP && v_exp[i].numel() == (numel + SUPER - 1) / SUPER &&
+                      v_scale[i].scalar_type() == at::kHalf && v_exp[i].scalar_type() == at::kChar,
+                  "lightning_baoc step: bad second-moment scales");
+    }
+    int64_t cols = 1;
+    if (v_kind == V_FACTORED) {
+      cols = col_factor[i].numel();
+      TORCH_CHECK(cols > 0 && row_factor[i].numel() * cols == numel && row_factor[i].scalar_type() == at::kFloat &&
+                      col_factor[i].scalar_type() == at::kFloat,
+                  "lightning_baoc step: bad factors");
+    }
+    Scalars s;
+    const bool has_m = m_kind != M_NONE;
+    s.lr_step = static_cast<float>(has_m ? -lr / bias_correction1[i] : -lr);
+    s.decoupled_decay = weight_decay != 0.0 && decoupled;
+    s.l2_decay = weight_decay != 0.0 && !decoupled;
+    s.decay = static_cast<float>(1.0 - lr * weight_decay);
+    s.l2 = static_cast<float>(weight_decay);
+    s.beta2 = static_cast<float>(beta2);
+    s.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+    const float w = static_cast<float>(1.0 - beta1);
+    s.lerp_small = std::fabs(w) < 0.5f;
+    s.lerp_coeff = s.lerp_small ? w : w - 1.0f;
+    s.sqrt_bc2 = static_cast<float>(std::sqrt(bias_correction2[i]));
+    s.eps = static_cast<float>(eps);
+    s.maximize = maximize;
+    items[i] = Tensors{params[i].data_ptr<float>(),
+                       grads[i].data_ptr<float>(),
+                       data_or_null(m, i),
+                       m_kind == M_INT8 ? m_scale[i].data_ptr<at::Half>() : nullptr,
+                       m_kind == M_INT8 ? m_exp[i].data_ptr<int8_t>() : nullptr,
+                       data_or_null(v, i),
+                       v_kind == V_UINT8 ? v_scale[i].data_ptr<at::Half>() : nullptr,
+                       v_kind == V_UINT8 ? v_exp[i].data_ptr<int8_t>() : nullptr,
+                       v_kind == V_FACTORED ? row_factor[i].data_ptr<float>() : nullptr,
+                       v_kind == V_FACTORED ? col_factor[i].data_ptr<float>() : nullptr,
+                       numel,
+                       cols,
+                       static_cast<uint32_t>(keys[i]),
+                       s};
+  }
+  const int64_t kind = m_kind * 4 + v_kind;
+  switch (kind) {
+    case M_NONE * 4 + V_FP32: return run_all<M_NONE, V_FP32>(items, limit_m, limit_v);
+    case M_NONE * 4 + V_UINT8: return run_all<M_NONE, V_UINT8>(items, limit_m, limit_v);
+    case M_NONE * 4 + V_FACTORED: return run_all<M_NONE, V_FACTORED>(items, limit_m, limit_v);
+    case M_FP32 * 4 + V_FP32: return run_all<M_FP32, V_FP32>(items, limit_m, limit_v);
+    case M_BF16 * 4 + V_FP32: return run_all<M_BF16, V_FP32>(items, limit_m, limit_v);
+    case M_BF16 * 4 + V_BF16: return run_all<M_BF16, V_BF16>(items, limit_m, limit_v);
+    case M_INT8 * 4 + V_UINT8: return run_all<M_INT8, V_UINT8>(items, limit_m, limit_v);
+    case M_INT8 * 4 + V_FACTORED: return run_all<M_INT8, V_FACTORED>(items, limit_m, limit_v);
+    default: TORCH_CHECK(false, "lightning_baoc step: no kernel for momentum kind ", m_kind, " and second-moment kind ", v_kind);
+  }
+}
+
+// Adafactor's moments (factored_math._update_moments and sqrt_factors) for every tensor of a call:
+// one read of each gradient for the row and column sums of (g k)**2, then the vectors.
+void factored_moments(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                      const std::vector<at::Tensor>& rows_state, const std::vector<at::Tensor>& cols_state,
+                      const std::vector<at::Tensor>& row_factor, const std::vector<at::Tensor>& col_factor,
+                      at::ArrayRef<double> bias_correction2, double beta2, double weight_decay, bool decoupled,
+                      bool maximize, double eps_square, double fp32_max) {
+  const size_t n = params.size();
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t rows = rows_state[i].numel(), cols = cols_state[i].numel();
+    TORCH_CHECK(rows * cols == params[i].numel() && grads[i].numel() == params[i].numel(),
+                "lightning_baoc factored step: shapes do not match");
+    const float* g = grads[i].data_ptr<float>();
+    const float* p = params[i].data_ptr<float>();
+    float* row = rows_state[i].data_ptr<float>();
+    float* col = cols_state[i].data_ptr<float>();
+    const float k = static_cast<float>(std::sqrt((1.0 - beta2) / static_cast<double>(std::max(rows, cols))));
+    const bool l2 = weight_decay != 0.0 && !decoupled;
+    const float wd = static_cast<float>(weight_decay);
+    const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
+    std::vector<float> row_sum(rows, 0.0f);
+    std::vector<float> col_part(static_cast<size_t>(threads * cols), 0.0f);
+    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t r0 = rows * t / threads, r1 = rows * (t + 1) / threads;
+        float* cs = col_part.data() + t * cols;
+        for (int64_t r = r0; r < r1; ++r) {
+          const float* gr = g + r * cols;
+          const float* pr = p + r * cols;
+          float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t c = 0; c < cols; ++c) {
+            float x = gr[c];
+            if (maximize) x = -x;
+            if (l2) x = std::fma(pr[c], wd, x);
+            x = x * k;
+            x = x * x;
+            acc += x;
+            cs[c] += x;
+          }
+          row_sum[r] = acc;
+        }
+      }
+    });
+    const float b2 = static_cast<float>(beta2);
+    const float floor_ = static_cast<float>((1.0 - beta2) * eps_square);
+    const float alpha_r = static_cast<float>(static_cast<double>(std::max(rows, cols)) / cols);
+    const float alpha_c = static_cast<float>(static_cast<double>(std::max(rows, cols)) / rows);
+    const float top = static_cast<float>(fp32_max);
+    for (int64_t r = 0; r < rows; ++r) {
+      row[r] = std::min(std::fma(row_sum[r], alpha_r, row[r] * b2) + floor_, top);
+    }
+    for (int64_t c = 0; c < cols; ++c) {
+      float sum = 0.0f;
+      for (int64_t t = 0; t < threads; ++t) sum += col_part[t * cols + c];
+      col[c] = std::min(std::fma(sum, alpha_c, col[c] * b2) + floor_, top);
+    }
+    // sqrt factors: sqrt(row / mean(row) / bc2) and sqrt(col)
+    float mean = 0.0f;
+    const float rows_f = static_cast<float>(rows);
+    for (int64_t r = 0; r < rows; ++r) mean += row[r] / rows_f;
+    const float bc2 = static_cast<float>(bias_correction2[i]);
+    float* rf = row_factor[i].data_ptr<float>();
+    float* cf = col_factor[i].data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) rf[r] = std::sqrt((mean > 0.0f ? row[r] / mean : 0.0f) / bc2);
+    for (int64_t c = 0; c < cols; ++c) cf[c] = std::sqrt(col[c]);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(lightning_baoc, lib) {
+  lib.def(
+      "adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] m, Tensor(c!)[] m_scale, Tensor(d!)[] m_exp, "
+      "Tensor(e!)[] v, Tensor(f!)[] v_scale, Tensor(g!)[] v_exp, Tensor[] row_factor, Tensor[] col_factor, float[] bias_correction1, "
+      "float[] bias_correction2, int[] keys, int m_kind, int v_kind, float lr, float beta1, float beta2, float eps, "
+      "float weight_decay, bool decoupled, bool maximize, float limit_m, float limit_v) -> ()");
+  lib.def(
+      "factored_moments(Tensor[] params, Tensor[] grads, Tensor(a!)[] rows, Tensor(b!)[] cols, "
+      "Tensor(c!)[] row_factor, Tensor(d!)[] col_factor, float[] bias_correction2, float beta2, float weight_decay, bool decoupled, bool maximize, "
+      "float eps_square, float fp32_max) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(lightning_baoc, CPU, lib) {
+  lib.impl("adamw_step", &adamw_step);
+  lib.impl("factored_moments", &factored_moments);
+}
