@@ -16,6 +16,10 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -61,38 +65,42 @@ inline uint32_t rounding_bits(int64_t index, uint32_t which, uint32_t key) {
   return x >> 16;
 }
 
+// Stochastic rounding to bf16 (quant.py `bf16_stochastic`): add the noise below the bf16 mantissa,
+// truncate; magnitudes past bf16's largest finite value (inf included) saturate, NaN stays NaN.
+// Integer operations only, so that the loops calling it vectorize.
 inline uint16_t bf16_stochastic(float x, uint32_t noise) {
-  float r = float_of((bits_of(x) + noise) & 0xFFFF0000u);
-  if (std::isnan(r)) return 0x7FC0;
-  r = std::min(std::max(r, -BF16_MAX), BF16_MAX);
-  return static_cast<uint16_t>(bits_of(r) >> 16);
+  uint32_t r = (bits_of(x) + noise) & 0xFFFF0000u;
+  const uint32_t magnitude = r & 0x7FFFFFFFu;
+  r = magnitude > 0x7F7F0000u ? ((r & 0x80000000u) | 0x7F7F0000u) : r;
+  r = magnitude > 0x7F800000u ? 0x7FC00000u : r;
+  return static_cast<uint16_t>(r >> 16);
 }
 
 inline float bf16_load(uint16_t raw) { return float_of(static_cast<uint32_t>(raw) << 16); }
 
-// Decoding tables: exactly the fp32 values the eager decode computes per code.
-struct Tables {
-  float momentum[256];  // index code + 128: y = q / 127, x = y / (2 - |y|)
-  float sqrt_v[256];    // max(q, 0.5) / 255
-  Tables() {
-    for (int q = -128; q < 128; ++q) {
-      float y = static_cast<float>(q) / 127.0f;
-      float d = -std::fabs(y) + 2.0f;
-      momentum[q + 128] = y / d;
-    }
-    for (int q = 0; q < 256; ++q) sqrt_v[q] = std::max(static_cast<float>(q), 0.5f) / 255.0f;
-  }
-};
-
-const Tables& tables() {
-  static const Tables t;
-  return t;
+inline float half_to_float(at::Half h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
 }
+
+inline at::Half float_to_half(float f) {  // round to nearest even, as torch's .to(float16)
+#ifdef __F16C__
+  return at::Half(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT), at::Half::from_bits());
+#else
+  return static_cast<at::Half>(f);
+#endif
+}
+
+// 2**e for an integral e in [-126, 127]: exact, a normal number.
+inline float pow2(float e) { return float_of(static_cast<uint32_t>(static_cast<int32_t>(e) + 127) << 23); }
 
 // The super-block's stored group scales (fp16 * 2**exp, as fp32).
 inline void load_scales(const at::Half* scales, int8_t exponent, int64_t groups, float* out) {
-  const float unit = std::exp2(static_cast<float>(exponent));
-  for (int64_t k = 0; k < groups; ++k) out[k] = static_cast<float>(scales[k]) * unit;
+  const float unit = pow2(static_cast<float>(exponent));
+  for (int64_t k = 0; k < groups; ++k) out[k] = half_to_float(scales[k]) * unit;
 }
 
 // Group maxima -> fp16 scales and one exponent; per-group reciprocals of the stored scales
@@ -109,12 +117,12 @@ inline void store_scales(float* absmax, int64_t groups, float limit, at::Half* s
   float e = (top > 0.0f) ? std::floor(std::log2(top)) - TOP_EXPONENT : EXP_MIN;
   e = std::min(std::max(e, EXP_MIN), EXP_MAX);
   *exp_out = static_cast<int8_t>(e);
-  const float unit = std::exp2(e);
+  const float unit = pow2(e);
   for (int64_t k = 0; k < groups; ++k) {
-    at::Half h = static_cast<at::Half>(absmax[k] / unit);
-    float stored = static_cast<float>(h) * unit;
+    const at::Half h = float_to_half(absmax[k] / unit);
+    const float stored = half_to_float(h) * unit;
     if (stored < SCALE_MIN) {
-      scales_out[k] = static_cast<at::Half>(0.0f);
+      scales_out[k] = float_to_half(0.0f);
       inv[k] = 0.0f;
     } else {
       scales_out[k] = h;
@@ -124,13 +132,63 @@ inline void store_scales(float* absmax, int64_t groups, float limit, at::Half* s
 }
 
 inline void group_absmax(const float* x, int64_t n, float* out) {
-  const int64_t groups = (n + GROUP - 1) / GROUP;
-  for (int64_t k = 0; k < groups; ++k) {
-    const int64_t a = k * GROUP, b = std::min(n, a + GROUP);
+  for (int64_t a = 0, k = 0; a < n; a += GROUP, ++k) {
+    const int64_t b = std::min(n, a + GROUP);
     float m = 0.0f;
 #pragma omp simd reduction(max : m)
     for (int64_t j = a; j < b; ++j) m = std::max(m, std::fabs(x[j]));
     out[k] = m;
+  }
+}
+
+// Decoding and encoding of the 8-bit moments (quant.py), one group of 32 at a time so that the
+// element loops vectorize with the group's scale broadcast; the same fp32 operations as the eager
+// code, in its order.
+inline void decode_momentum(const int8_t* codes, const float* scales, int64_t n, float* out) {
+  for (int64_t a = 0, k = 0; a < n; a += GROUP, ++k) {
+    const int64_t b = std::min(n, a + GROUP);
+    const float sc = scales[k];
+#pragma omp simd
+    for (int64_t j = a; j < b; ++j) {
+      const float y = static_cast<float>(codes[j]) / 127.0f;
+      out[j] = (y / (-std::fabs(y) + 2.0f)) * sc;
+    }
+  }
+}
+
+inline void decode_sqrt(const uint8_t* codes, const float* scales, int64_t n, float* out) {
+  for (int64_t a = 0, k = 0; a < n; a += GROUP, ++k) {
+    const int64_t b = std::min(n, a + GROUP);
+    const float sc = scales[k];
+#pragma omp simd
+    for (int64_t j = a; j < b; ++j) {
+      const float x = (std::max(static_cast<float>(codes[j]), 0.5f) / 255.0f) * sc;
+      out[j] = x * x;
+    }
+  }
+}
+
+inline void encode_momentum(const float* x, const float* inv, int64_t n, int8_t* codes) {
+  for (int64_t a = 0, k = 0; a < n; a += GROUP, ++k) {
+    const int64_t b = std::min(n, a + GROUP);
+    const float sc = inv[k];
+#pragma omp simd
+    for (int64_t j = a; j < b; ++j) {
+      const float u = std::min(std::max(x[j] * sc, -1.0f), 1.0f);
+      codes[j] = static_cast<int8_t>(static_cast<int32_t>(std::rint((u / (std::fabs(u) + 1.0f)) * 254.0f)));
+    }
+  }
+}
+
+inline void encode_sqrt(const float* s, const float* inv, int64_t n, uint8_t* codes) {
+  for (int64_t a = 0, k = 0; a < n; a += GROUP, ++k) {
+    const int64_t b = std::min(n, a + GROUP);
+    const float sc = inv[k];
+#pragma omp simd
+    for (int64_t j = a; j < b; ++j) {
+      const float u = std::min(std::max(s[j] * sc, 0.0f), 1.0f);
+      codes[j] = static_cast<uint8_t>(static_cast<int32_t>(std::rint(u * 255.0f)));
+    }
   }
 }
 
@@ -172,7 +230,6 @@ void superblock(const Tensors& t, int64_t sb, float limit_m, float limit_v) {
   const int64_t n = std::min(SUPER, t.numel - start);
   const int64_t groups = (n + GROUP - 1) / GROUP;
   const Scalars& s = t.s;
-  const Tables& tab = tables();
   alignas(64) float mbuf[SUPER];
   alignas(64) float vbuf[SUPER];
   alignas(64) float denom[SUPER];
@@ -186,25 +243,22 @@ void superblock(const Tensors& t, int64_t sb, float limit_m, float limit_v) {
     mm = static_cast<float*>(t.m) + start;
   } else if constexpr (M == M_BF16) {
     const uint16_t* src = static_cast<const uint16_t*>(t.m) + start;
+#pragma omp simd
     for (int64_t j = 0; j < n; ++j) mbuf[j] = bf16_load(src[j]);
   } else if constexpr (M == M_INT8) {
-    const int8_t* codes = static_cast<const int8_t*>(t.m) + start;
     load_scales(t.m_scale + start / GROUP, t.m_exp[sb], groups, scl);
-    for (int64_t j = 0; j < n; ++j) mbuf[j] = tab.momentum[codes[j] + 128] * scl[j / GROUP];
+    decode_momentum(static_cast<const int8_t*>(t.m) + start, scl, n, mbuf);
   }
   float* vv = vbuf;
   if constexpr (V == V_FP32) {
     vv = static_cast<float*>(t.v) + start;
   } else if constexpr (V == V_BF16) {
     const uint16_t* src = static_cast<const uint16_t*>(t.v) + start;
+#pragma omp simd
     for (int64_t j = 0; j < n; ++j) vbuf[j] = bf16_load(src[j]);
   } else if constexpr (V == V_UINT8) {
-    const uint8_t* codes = static_cast<const uint8_t*>(t.v) + start;
     load_scales(t.v_scale + start / GROUP, t.v_exp[sb], groups, scl);
-    for (int64_t j = 0; j < n; ++j) {
-      float x = tab.sqrt_v[codes[j]] * scl[j / GROUP];
-      vbuf[j] = x * x;
-    }
+    decode_sqrt(static_cast<const uint8_t*>(t.v) + start, scl, n, vbuf);
   }
 
   // AdamW in fp32, in the eager step's order (adam_math.chunk_adamw, factored_math.factored_update)
@@ -221,28 +275,36 @@ void superblock(const Tensors& t, int64_t sb, float limit_m, float limit_v) {
       ++r;
     }
   }
+  // branch-free on the group's options (sign, decay and L2 factors are 1, 1 and 0 when off), so
+  // that the compiler vectorizes this loop whatever the options
+  const float gsign = s.maximize ? -1.0f : 1.0f;
+  const float decay = s.decoupled_decay ? s.decay : 1.0f;
+  const bool l2 = s.l2_decay;
+  const float l2_factor = s.l2, beta2 = s.beta2, one_minus_beta2 = s.one_minus_beta2;
+  const float sqrt_bc2 = s.sqrt_bc2, eps = s.eps, lr_step = s.lr_step, lerp_coeff = s.lerp_coeff;
+  const bool lerp_small = s.lerp_small;
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
-    float g = G[j];
+    float g = G[j] * gsign;
     float p = P[j];
-    if (s.maximize) g = -g;
-    if (s.l2_decay) g = std::fma(p, s.l2, g);
-    if (s.decoupled_decay) p = p * s.decay;
+    g = l2 ? std::fma(p, l2_factor, g) : g;
+    p = p * decay;
     float d;
     if constexpr (V == V_FACTORED) {
       d = denom[j];
     } else {
-      const float v = std::fma(s.one_minus_beta2 * g, g, vv[j] * s.beta2);
+      const float v = std::fma(one_minus_beta2 * g, g, vv[j] * beta2);
       vv[j] = v;
-      d = std::sqrt(v) / s.sqrt_bc2 + s.eps;
+      d = std::sqrt(v) / sqrt_bc2 + eps;
     }
     if constexpr (M == M_NONE) {
-      p = p + (s.lr_step * g) / d;
+      p = p + (lr_step * g) / d;
     } else {
       const float m0 = mm[j];
-      const float m = s.lerp_small ? std::fma(s.lerp_coeff, g - m0, m0) : std::fma(s.lerp_coeff, g - m0, g);
+      // ATen's lerp: m0 + w (g - m0) for w < 0.5, else g + (w - 1)(g - m0)
+      const float m = std::fma(lerp_coeff, g - m0, lerp_small ? m0 : g);
       mm[j] = m;
-      p = p + (s.lr_step * m) / d;
+      p = p + (lr_step * m) / d;
     }
     P[j] = p;
   }
@@ -250,36 +312,27 @@ void superblock(const Tensors& t, int64_t sb, float limit_m, float limit_v) {
   // store the moments
   if constexpr (M == M_BF16) {
     uint16_t* dst = static_cast<uint16_t*>(t.m) + start;
-    for (int64_t j = 0; j < n; ++j) dst[j] = bf16_stochastic(mbuf[j], rounding_bits(start + j, 0, t.key));
+    const uint32_t key = t.key;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) dst[j] = bf16_stochastic(mbuf[j], rounding_bits(start + j, 0, key));
   } else if constexpr (M == M_INT8) {
     float absmax[SUPER_GROUPS];
     group_absmax(mbuf, n, absmax);
     store_scales(absmax, groups, limit_m, t.m_scale + start / GROUP, t.m_exp + sb, scl);
-    int8_t* codes = static_cast<int8_t*>(t.m) + start;
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) {
-      float x = mbuf[j] * scl[j / GROUP];
-      x = std::min(std::max(x, -1.0f), 1.0f);
-      const float y = std::fabs(x) + 1.0f;
-      codes[j] = static_cast<int8_t>(std::nearbyint((x / y) * 254.0f));
-    }
+    encode_momentum(mbuf, scl, n, static_cast<int8_t*>(t.m) + start);
   }
   if constexpr (V == V_BF16) {
     uint16_t* dst = static_cast<uint16_t*>(t.v) + start;
-    for (int64_t j = 0; j < n; ++j) dst[j] = bf16_stochastic(vbuf[j], rounding_bits(start + j, 1, t.key));
+    const uint32_t key = t.key;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) dst[j] = bf16_stochastic(vbuf[j], rounding_bits(start + j, 1, key));
   } else if constexpr (V == V_UINT8) {
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) vbuf[j] = std::sqrt(std::max(vbuf[j], 0.0f));
     float absmax[SUPER_GROUPS];
     group_absmax(vbuf, n, absmax);
     store_scales(absmax, groups, limit_v, t.v_scale + start / GROUP, t.v_exp + sb, scl);
-    uint8_t* codes = static_cast<uint8_t*>(t.v) + start;
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) {
-      float x = vbuf[j] * scl[j / GROUP];
-      x = std::min(std::max(x, 0.0f), 1.0f);
-      codes[j] = static_cast<uint8_t>(std::nearbyint(x * 255.0f));
-    }
+    encode_sqrt(vbuf, scl, n, static_cast<uint8_t*>(t.v) + start);
   }
 }
 
