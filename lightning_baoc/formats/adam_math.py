@@ -89,7 +89,8 @@ def chunk_adamw(
     if hyper.weight_decay != 0 and hyper.decoupled_weight_decay:
         p.mul_(1.0 - hyper.lr * hyper.weight_decay)
     v.mul_(hyper.beta2).addcmul_(g, g, value=1.0 - hyper.beta2)
-    denom = sqrt_rn(v).div_(math.sqrt(bias_correction2)).add_(hyper.eps)
+    # times the reciprocal (one division per element fewer than torch's order; ulps apart)
+    denom = sqrt_rn(v).mul_(1.0 / math.sqrt(bias_correction2)).add_(hyper.eps)
     if m is not None:
         m.lerp_(g, 1.0 - hyper.beta1)
         p.addcdiv_(m, denom, value=-hyper.lr / bias_correction1)

@@ -151,7 +151,7 @@ def quantize_momentum(x: Tensor, codes_out: Tensor, scales_out: Tensor, exps_out
 
 def dequantize_momentum(codes: Tensor, scales: Tensor, exps: Tensor) -> Tensor:
     """Inverse of :func:`quantize_momentum`: a new flat fp32 tensor."""
-    y = codes.to(torch.float32).div_(127.0)
+    y = codes.to(torch.float32).mul_(1.0 / 127.0)  # a product, not a quotient: one division less per element
     x = y.abs().neg_().add_(2.0)
     torch.div(y, x, out=x)
     return _per_group(x, _load_scales(scales, exps))
@@ -174,15 +174,15 @@ def dequantize_sqrt(codes: Tensor, scales: Tensor, exps: Tensor) -> Tensor:
     with ``nomomentum_int8`` diverged that way. The bound caps the step at the size the group's
     precision allows; a group of exact zeros (scale 0) still decodes to 0.
     """
-    s = codes.to(torch.float32).clamp_(min=0.5).div_(255.0)
+    s = codes.to(torch.float32).clamp_(min=0.5).mul_(1.0 / 255.0)
     _per_group(s, _load_scales(scales, exps))
     return s.mul_(s)  # finite: s <= V_SCALE_MAX * (1 + 2**-11) < 2**64 - 2**40
 
 
 #: Stochastic rounding draws its noise from a counter-based hash (no generator, no stored state):
-#: element ``i`` of stream ``which`` (0: momentum, 1: second moment) under a 32-bit ``key`` gets
-#: the top 16 bits of ``lowbias32(2 i + which + key)`` (a 32-bit integer hash, constants from
-#: C. Wellons' hash-prospector search). The key mixes the optimizer's seed, the parameter's step count and a
+#: element ``i`` under a 32-bit ``key`` hashes to ``h = lowbias32(i + key)`` (a 32-bit integer
+#: hash, constants from C. Wellons' hash-prospector search); the momentum's noise is the top 16
+#: bits of ``h``, the second moment's the bottom 16, so one hash serves both moments. The key mixes the optimizer's seed, the parameter's step count and a
 #: hash of its name (:func:`stream_key`), so a resumed run rounds exactly as the uninterrupted
 #: one, any device computes the same bits, and the compiled step (``kernels/cpu_step.cpp``,
 #: ``rounding_bits``) reproduces them without reading anything but the index.
@@ -207,13 +207,13 @@ def stream_key(seed: int, step: int, salt: int) -> int:
 
 def rounding_bits(start: int, stop: int, which: int, key: int, device: torch.device) -> Tensor:
     """The 16-bit noise (int64 in ``[0, 2**16)``) of elements ``[start, stop)`` of a stream."""
-    x = torch.arange(start, stop, dtype=torch.int64, device=device).mul_(2).add_(which + key).bitwise_and_(_M32)
+    x = torch.arange(start, stop, dtype=torch.int64, device=device).add_(key).bitwise_and_(_M32)
     x.bitwise_xor_(x >> 16)
     x.mul_(0x21F0AAAD).bitwise_and_(_M32)
     x.bitwise_xor_(x >> 15)
     x.mul_(0x735A2D97).bitwise_and_(_M32)
     x.bitwise_xor_(x >> 15)
-    return x >> 16
+    return x >> 16 if which == 0 else x.bitwise_and_(0xFFFF)
 
 
 def bf16_stochastic(x: Tensor, out: Tensor, key: int, start: int = 0, which: int = 0) -> None:

@@ -77,6 +77,8 @@ def compile_flags() -> list[str]:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability in ("AVX2", "AVX512") and sys.platform.startswith("linux"):
         flags += ["-mavx2", "-mfma", "-mf16c"]
+    if capability == "AVX512" and sys.platform.startswith("linux"):
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"]
     return flags
 
 
@@ -132,11 +134,17 @@ def _load() -> KernelStatus:
             verbose=False,
         )
     except Exception as err:  # a compiler error, a linker error: the eager step still works
-        first = str(err).strip().splitlines()
-        return KernelStatus(False, f"the build failed ({first[-1] if first else type(err).__name__})")
+        return KernelStatus(False, f"the build failed: {_first_error(str(err)) or type(err).__name__}")
     seconds = time.perf_counter() - start
     detail = "loaded from the cache" if cached else f"built in {seconds:.1f} s"
     return KernelStatus(True, detail, 0.0 if cached else seconds)
+
+
+def _first_error(text: str) -> str:
+    """The compiler's first error line in a failed build's output (else its last line)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower() and "ninja" not in line.lower()]
+    return (errors or lines or [""])[0][:300]
 
 
 def use_compiled(policy: str, announce: bool = True) -> bool:

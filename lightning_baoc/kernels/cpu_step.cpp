@@ -36,6 +36,8 @@ constexpr float EXP_MIN = -126.0f;
 constexpr float EXP_MAX = 126.0f;
 constexpr float SCALE_MIN = 1.17549435082228750797e-38f;  // fp32's smallest normal number
 constexpr float BF16_MAX = 3.38953138925153547590e38f;
+constexpr float INV_127 = static_cast<float>(1.0 / 127.0);
+constexpr float INV_255 = static_cast<float>(1.0 / 255.0);
 
 enum MKind : int64_t { M_NONE = 0, M_FP32 = 1, M_BF16 = 2, M_INT8 = 3 };
 enum VKind : int64_t { V_FP32 = 0, V_BF16 = 1, V_UINT8 = 2, V_FACTORED = 3 };
@@ -53,16 +55,16 @@ inline float float_of(uint32_t b) {
 }
 
 // The counter-based hash of the stochastic rounding (lightning_baoc/formats/quant.py,
-// `rounding_bits`): 16 random bits for element `index` of a stream `which` (0: momentum, 1: second
-// moment) under a 32-bit key.
-inline uint32_t rounding_bits(int64_t index, uint32_t which, uint32_t key) {
-  uint32_t x = static_cast<uint32_t>(index) * 2u + which + key;
+// `rounding_bits`): 32 random bits for element `index` under a 32-bit key, the top 16 for the
+// momentum, the bottom 16 for the second moment.
+inline uint32_t rounding_bits(int64_t index, uint32_t key) {
+  uint32_t x = static_cast<uint32_t>(index) + key;
   x ^= x >> 16;
   x *= 0x21f0aaadu;
   x ^= x >> 15;
   x *= 0x735a2d97u;
   x ^= x >> 15;
-  return x >> 16;
+  return x;
 }
 
 // Stochastic rounding to bf16 (quant.py `bf16_stochastic`): add the noise below the bf16 mantissa,
@@ -103,10 +105,43 @@ inline void load_scales(const at::Half* scales, int8_t exponent, int64_t groups,
   for (int64_t k = 0; k < groups; ++k) out[k] = half_to_float(scales[k]) * unit;
 }
 
+// The super-block's exponent from its largest group maximum (quant.py `_store_scales`).
+inline float super_exponent(float top) {
+  float e = (top > 0.0f) ? std::floor(std::log2(top)) - TOP_EXPONENT : EXP_MIN;
+  return std::min(std::max(e, EXP_MIN), EXP_MAX);
+}
+
 // Group maxima -> fp16 scales and one exponent; per-group reciprocals of the stored scales
-// (quant.py `_store_scales`).
+// (quant.py `_store_scales`). `absmax` holds SUPER_GROUPS entries, zero past `groups`.
 inline void store_scales(float* absmax, int64_t groups, float limit, at::Half* scales_out, int8_t* exp_out,
                          float* inv) {
+#if defined(__AVX2__) && defined(__F16C__)
+  const __m256 lim = _mm256_set1_ps(limit);
+  __m256 top8 = _mm256_setzero_ps();
+  for (int q = 0; q < SUPER_GROUPS; q += 8) {
+    const __m256 x = _mm256_min_ps(lim, _mm256_loadu_ps(absmax + q));  // NaN stays NaN
+    _mm256_storeu_ps(absmax + q, x);
+    top8 = _mm256_max_ps(top8, x);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top8);
+  float top = 0.0f;
+  for (float x : lanes) top = std::max(top, x);
+  const float e = super_exponent(top);
+  *exp_out = static_cast<int8_t>(e);
+  const __m256 unit = _mm256_set1_ps(pow2(e)), down = _mm256_set1_ps(pow2(-e));
+  const __m256 smin = _mm256_set1_ps(SCALE_MIN), zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+  alignas(32) uint16_t halves[SUPER_GROUPS];
+  for (int q = 0; q < SUPER_GROUPS; q += 8) {
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(absmax + q), down);  // exact: a power of two
+    const __m256 stored = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT)), unit);
+    const __m256 flushed = _mm256_cmp_ps(stored, smin, _CMP_LT_OQ);
+    _mm_store_si128(reinterpret_cast<__m128i*>(halves + q),
+                    _mm256_cvtps_ph(_mm256_blendv_ps(x, zero, flushed), _MM_FROUND_TO_NEAREST_INT));
+    _mm256_storeu_ps(inv + q, _mm256_blendv_ps(_mm256_div_ps(one, stored), zero, flushed));
+  }
+  std::memcpy(scales_out, halves, static_cast<size_t>(groups) * sizeof(uint16_t));
+#else
   float top = 0.0f;
   for (int64_t k = 0; k < groups; ++k) {
     float a = absmax[k];
@@ -114,12 +149,11 @@ inline void store_scales(float* absmax, int64_t groups, float limit, at::Half* s
     absmax[k] = a;
     top = (std::isnan(a) || a > top) ? a : top;
   }
-  float e = (top > 0.0f) ? std::floor(std::log2(top)) - TOP_EXPONENT : EXP_MIN;
-  e = std::min(std::max(e, EXP_MIN), EXP_MAX);
+  const float e = super_exponent(top);
   *exp_out = static_cast<int8_t>(e);
-  const float unit = pow2(e);
+  const float unit = pow2(e), down = pow2(-e);
   for (int64_t k = 0; k < groups; ++k) {
-    const at::Half h = float_to_half(absmax[k] / unit);
+    const at::Half h = float_to_half(absmax[k] * down);  // exact: a power of two
     const float stored = half_to_float(h) * unit;
     if (stored < SCALE_MIN) {
       scales_out[k] = float_to_half(0.0f);
@@ -129,9 +163,11 @@ inline void store_scales(float* absmax, int64_t groups, float limit, at::Half* s
       inv[k] = 1.0f / stored;
     }
   }
+#endif
 }
 
 inline void group_absmax(const float* x, int64_t n, float* out) {
+  for (int64_t k = (n + GROUP - 1) / GROUP; k < SUPER_GROUPS; ++k) out[k] = 0.0f;  // past the tail
   for (int64_t a = 0, k = 0; a < n; a += GROUP, ++k) {
     const int64_t b = std::min(n, a + GROUP);
     float m = 0.0f;
@@ -141,54 +177,46 @@ inline void group_absmax(const float* x, int64_t n, float* out) {
   }
 }
 
-// Decoding and encoding of the 8-bit moments (quant.py), one group of 32 at a time so that the
-// element loops vectorize with the group's scale broadcast; the same fp32 operations as the eager
-// code, in its order.
-inline void decode_momentum(const int8_t* codes, const float* scales, int64_t n, float* out) {
+// Decoding and encoding of the 8-bit moments (quant.py): the same fp32 operations as the eager
+// code, in its order. The group scales are first spread to one per element, so that each element
+// loop is one long vectorizable loop (measured faster than a loop per group of 32).
+inline void spread(const float* per_group, int64_t n, float* out) {
   for (int64_t a = 0, k = 0; a < n; a += GROUP, ++k) {
-    const int64_t b = std::min(n, a + GROUP);
-    const float sc = scales[k];
+    const float sc = per_group[k];
 #pragma omp simd
-    for (int64_t j = a; j < b; ++j) {
-      const float y = static_cast<float>(codes[j]) / 127.0f;
-      out[j] = (y / (-std::fabs(y) + 2.0f)) * sc;
-    }
+    for (int64_t j = 0; j < GROUP; ++j) out[a + j] = sc;
   }
 }
 
-inline void decode_sqrt(const uint8_t* codes, const float* scales, int64_t n, float* out) {
-  for (int64_t a = 0, k = 0; a < n; a += GROUP, ++k) {
-    const int64_t b = std::min(n, a + GROUP);
-    const float sc = scales[k];
+inline void decode_momentum(const int8_t* codes, const float* scale, int64_t n, float* out) {
 #pragma omp simd
-    for (int64_t j = a; j < b; ++j) {
-      const float x = (std::max(static_cast<float>(codes[j]), 0.5f) / 255.0f) * sc;
-      out[j] = x * x;
-    }
+  for (int64_t j = 0; j < n; ++j) {
+    const float y = static_cast<float>(codes[j]) * INV_127;
+    out[j] = (y / (-std::fabs(y) + 2.0f)) * scale[j];
+  }
+}
+
+inline void decode_sqrt(const uint8_t* codes, const float* scale, int64_t n, float* out) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = (std::max(static_cast<float>(codes[j]), 0.5f) * INV_255) * scale[j];
+    out[j] = x * x;
   }
 }
 
 inline void encode_momentum(const float* x, const float* inv, int64_t n, int8_t* codes) {
-  for (int64_t a = 0, k = 0; a < n; a += GROUP, ++k) {
-    const int64_t b = std::min(n, a + GROUP);
-    const float sc = inv[k];
 #pragma omp simd
-    for (int64_t j = a; j < b; ++j) {
-      const float u = std::min(std::max(x[j] * sc, -1.0f), 1.0f);
-      codes[j] = static_cast<int8_t>(static_cast<int32_t>(std::rint((u / (std::fabs(u) + 1.0f)) * 254.0f)));
-    }
+  for (int64_t j = 0; j < n; ++j) {
+    const float u = std::min(std::max(x[j] * inv[j], -1.0f), 1.0f);
+    codes[j] = static_cast<int8_t>(static_cast<int32_t>(std::rint((u / (std::fabs(u) + 1.0f)) * 254.0f)));
   }
 }
 
 inline void encode_sqrt(const float* s, const float* inv, int64_t n, uint8_t* codes) {
-  for (int64_t a = 0, k = 0; a < n; a += GROUP, ++k) {
-    const int64_t b = std::min(n, a + GROUP);
-    const float sc = inv[k];
 #pragma omp simd
-    for (int64_t j = a; j < b; ++j) {
-      const float u = std::min(std::max(s[j] * sc, 0.0f), 1.0f);
-      codes[j] = static_cast<uint8_t>(static_cast<int32_t>(std::rint(u * 255.0f)));
-    }
+  for (int64_t j = 0; j < n; ++j) {
+    const float u = std::min(std::max(s[j] * inv[j], 0.0f), 1.0f);
+    codes[j] = static_cast<uint8_t>(static_cast<int32_t>(std::rint(u * 255.0f)));
   }
 }
 
@@ -200,7 +228,7 @@ struct Scalars {
   float one_minus_beta2;
   float lerp_coeff;   // 1 - beta1, or 1 - beta1 - 1 for weights >= 0.5 (ATen's lerp)
   bool lerp_small;
-  float sqrt_bc2;
+  float inv_sqrt_bc2;  // 1 / sqrt(bias_correction2)
   float eps;
   bool decoupled_decay;
   bool l2_decay;
@@ -224,16 +252,19 @@ struct Tensors {
   Scalars s;
 };
 
-template <int64_t M, int64_t V>
+// FULL: a whole super-block (1024 elements), so that every loop has a constant trip count; the
+// last super-block of a tensor may be shorter.
+template <int64_t M, int64_t V, bool FULL>
 void superblock(const Tensors& t, int64_t sb, float limit_m, float limit_v) {
   const int64_t start = sb * SUPER;
-  const int64_t n = std::min(SUPER, t.numel - start);
+  const int64_t n = FULL ? SUPER : std::min(SUPER, t.numel - start);
   const int64_t groups = (n + GROUP - 1) / GROUP;
   const Scalars& s = t.s;
   alignas(64) float mbuf[SUPER];
   alignas(64) float vbuf[SUPER];
   alignas(64) float denom[SUPER];
   float scl[SUPER_GROUPS];
+  alignas(64) float spread_scale[SUPER];
   float* P = t.p + start;
   const float* G = t.g + start;
 
@@ -247,7 +278,8 @@ void superblock(const Tensors& t, int64_t sb, float limit_m, float limit_v) {
     for (int64_t j = 0; j < n; ++j) mbuf[j] = bf16_load(src[j]);
   } else if constexpr (M == M_INT8) {
     load_scales(t.m_scale + start / GROUP, t.m_exp[sb], groups, scl);
-    decode_momentum(static_cast<const int8_t*>(t.m) + start, scl, n, mbuf);
+    spread(scl, n, spread_scale);
+    decode_momentum(static_cast<const int8_t*>(t.m) + start, spread_scale, n, mbuf);
   }
   float* vv = vbuf;
   if constexpr (V == V_FP32) {
@@ -258,7 +290,8 @@ void superblock(const Tensors& t, int64_t sb, float limit_m, float limit_v) {
     for (int64_t j = 0; j < n; ++j) vbuf[j] = bf16_load(src[j]);
   } else if constexpr (V == V_UINT8) {
     load_scales(t.v_scale + start / GROUP, t.v_exp[sb], groups, scl);
-    decode_sqrt(static_cast<const uint8_t*>(t.v) + start, scl, n, vbuf);
+    spread(scl, n, spread_scale);
+    decode_sqrt(static_cast<const uint8_t*>(t.v) + start, spread_scale, n, vbuf);
   }
 
   // AdamW in fp32, in the eager step's order (adam_math.chunk_adamw, factored_math.factored_update)
@@ -281,7 +314,7 @@ void superblock(const Tensors& t, int64_t sb, float limit_m, float limit_v) {
   const float decay = s.decoupled_decay ? s.decay : 1.0f;
   const bool l2 = s.l2_decay;
   const float l2_factor = s.l2, beta2 = s.beta2, one_minus_beta2 = s.one_minus_beta2;
-  const float sqrt_bc2 = s.sqrt_bc2, eps = s.eps, lr_step = s.lr_step, lerp_coeff = s.lerp_coeff;
+  const float inv_sqrt_bc2 = s.inv_sqrt_bc2, eps = s.eps, lr_step = s.lr_step, lerp_coeff = s.lerp_coeff;
   const bool lerp_small = s.lerp_small;
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
@@ -294,8 +327,10 @@ void superblock(const Tensors& t, int64_t sb, float limit_m, float limit_v) {
       d = denom[j];
     } else {
       const float v = std::fma(one_minus_beta2 * g, g, vv[j] * beta2);
-      vv[j] = v;
-      d = std::sqrt(v) / sqrt_bc2 + eps;
+      const float root = std::sqrt(v);
+      // the 8-bit second moment is encoded from sqrt(v) (v >= 0): keep the root, not v
+      vv[j] = (V == V_UINT8) ? root : v;
+      d = root * inv_sqrt_bc2 + eps;
     }
     if constexpr (M == M_NONE) {
       p = p + (lr_step * g) / d;
@@ -310,29 +345,39 @@ void superblock(const Tensors& t, int64_t sb, float limit_m, float limit_v) {
   }
 
   // store the moments
-  if constexpr (M == M_BF16) {
+  if constexpr (M == M_BF16 && V == V_BF16) {  // one hash per element rounds both moments
+    uint16_t* dm = static_cast<uint16_t*>(t.m) + start;
+    uint16_t* dv = static_cast<uint16_t*>(t.v) + start;
+    const uint32_t key = t.key;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+      const uint32_t h = rounding_bits(start + j, key);
+      dm[j] = bf16_stochastic(mbuf[j], h >> 16);
+      dv[j] = bf16_stochastic(vbuf[j], h & 0xFFFFu);
+    }
+  } else if constexpr (M == M_BF16) {
     uint16_t* dst = static_cast<uint16_t*>(t.m) + start;
     const uint32_t key = t.key;
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) dst[j] = bf16_stochastic(mbuf[j], rounding_bits(start + j, 0, key));
+    for (int64_t j = 0; j < n; ++j) dst[j] = bf16_stochastic(mbuf[j], rounding_bits(start + j, key) >> 16);
   } else if constexpr (M == M_INT8) {
     float absmax[SUPER_GROUPS];
     group_absmax(mbuf, n, absmax);
     store_scales(absmax, groups, limit_m, t.m_scale + start / GROUP, t.m_exp + sb, scl);
-    encode_momentum(mbuf, scl, n, static_cast<int8_t*>(t.m) + start);
+    spread(scl, n, spread_scale);
+    encode_momentum(mbuf, spread_scale, n, static_cast<int8_t*>(t.m) + start);
   }
-  if constexpr (V == V_BF16) {
+  if constexpr (V == V_BF16 && M != M_BF16) {
     uint16_t* dst = static_cast<uint16_t*>(t.v) + start;
     const uint32_t key = t.key;
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) dst[j] = bf16_stochastic(vbuf[j], rounding_bits(start + j, 1, key));
+    for (int64_t j = 0; j < n; ++j) dst[j] = bf16_stochastic(vbuf[j], rounding_bits(start + j, key) & 0xFFFFu);
   } else if constexpr (V == V_UINT8) {
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) vbuf[j] = std::sqrt(std::max(vbuf[j], 0.0f));
     float absmax[SUPER_GROUPS];
     group_absmax(vbuf, n, absmax);
     store_scales(absmax, groups, limit_v, t.v_scale + start / GROUP, t.v_exp + sb, scl);
-    encode_sqrt(vbuf, scl, n, static_cast<uint8_t*>(t.v) + start);
+    spread(scl, n, spread_scale);
+    encode_sqrt(vbuf, spread_scale, n, static_cast<uint8_t*>(t.v) + start);
   }
 }
 
@@ -345,7 +390,11 @@ void run_all(const std::vector<Tensors>& items, double limit_m, double limit_v) 
     size_t i = std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin() - 1;
     for (int64_t k = begin; k < end; ++k) {
       while (k >= offsets[i + 1]) ++i;
-      superblock<M, V>(items[i], k - offsets[i], lm, lv);
+      if ((k - offsets[i] + 1) * SUPER <= items[i].numel) {
+        superblock<M, V, true>(items[i], k - offsets[i], lm, lv);
+      } else {
+        superblock<M, V, false>(items[i], k - offsets[i], lm, lv);
+      }
     }
   });
 }
@@ -429,7 +478,7 @@ void adamw_step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
     const float w = static_cast<float>(1.0 - beta1);
     s.lerp_small = std::fabs(w) < 0.5f;
     s.lerp_coeff = s.lerp_small ? w : w - 1.0f;
-    s.sqrt_bc2 = static_cast<float>(std::sqrt(bias_correction2[i]));
+    s.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bias_correction2[i]));
     s.eps = static_cast<float>(eps);
     s.maximize = maximize;
     items[i] = Tensors{params[i].data_ptr<float>(),
@@ -480,6 +529,7 @@ void factored_moments(const std::vector<at::Tensor>& params, const std::vector<a
     const float k = static_cast<float>(std::sqrt((1.0 - beta2) / static_cast<double>(std::max(rows, cols))));
     const bool l2 = weight_decay != 0.0 && !decoupled;
     const float wd = static_cast<float>(weight_decay);
+    const float gsign = maximize ? -1.0f : 1.0f;
     const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
     std::vector<float> row_sum(rows, 0.0f);
     std::vector<float> col_part(static_cast<size_t>(threads * cols), 0.0f);
@@ -487,19 +537,25 @@ void factored_moments(const std::vector<at::Tensor>& params, const std::vector<a
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t r0 = rows * t / threads, r1 = rows * (t + 1) / threads;
         float* cs = col_part.data() + t * cols;
+        alignas(64) float sq[SUPER];
         for (int64_t r = r0; r < r1; ++r) {
           const float* gr = g + r * cols;
           const float* pr = p + r * cols;
           float acc = 0.0f;
+          for (int64_t c0 = 0; c0 < cols; c0 += SUPER) {  // (g k)**2 of a slice of the row, then its sums
+            const int64_t len = std::min(SUPER, cols - c0);
+#pragma omp simd
+            for (int64_t c = 0; c < len; ++c) {
+              float x = gr[c0 + c] * gsign;
+              x = l2 ? std::fma(pr[c0 + c], wd, x) : x;
+              x = x * k;
+              sq[c] = x * x;
+            }
+            float* col_slice = cs + c0;
+#pragma omp simd
+            for (int64_t c = 0; c < len; ++c) col_slice[c] += sq[c];
 #pragma omp simd reduction(+ : acc)
-          for (int64_t c = 0; c < cols; ++c) {
-            float x = gr[c];
-            if (maximize) x = -x;
-            if (l2) x = std::fma(pr[c], wd, x);
-            x = x * k;
-            x = x * x;
-            acc += x;
-            cs[c] += x;
+            for (int64_t c = 0; c < len; ++c) acc += sq[c];
           }
           row_sum[r] = acc;
         }
