@@ -1,0 +1,177 @@
+"""The compiled CPU step (``lightning_baoc/kernels/cpu_step.cpp``) against the eager step, its
+reference: every format with a kernel, every shape class (ragged sizes, sizes under one 1024-element
+super-block, 1-D, 3-D), after 1 and after 50 steps, and the options (maximize, Adam's L2 decay,
+bf16 parameters, non-contiguous gradients, several tensors in one call).
+
+Both steps compute the same fp32 operations in the same order (a correctly rounded square root in
+both, see ``quant.sqrt_rn``), so the element-wise formats agree to the bit: parameters, codes,
+scales and exponents. The factored formats sum their row and column means in another order, so
+their vectors (and through them the parameters) agree to a few fp32 ulps."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_baoc import FORMATS, BlockwiseAdamW, kernels
+from lightning_baoc.formats import resolve_format
+
+pytestmark = pytest.mark.skipif(not kernels.cpu_kernels().available, reason=f"no compiled kernels: {kernels.cpu_kernels().detail}")
+
+COMPILED = [name for name, fmt in FORMATS.items() if fmt.kernel_kinds is not None]
+#: ragged (not a multiple of 32 or 1024), under one super-block, 1-D, 3-D, exact super-blocks
+SHAPES = [(37, 101), (3, 11), (1000,), (5, 7, 29), (64, 1024)]
+#: Largest relative difference of parameters and fp32 state between the two steps: element-wise
+#: formats are bit-equal; the factored ones within a few ulps (measured: 7e-7 after 50 steps).
+FACTORED_BOUND = 4e-6
+
+
+def _run(fmt: str, shape: tuple[int, ...], steps: int, policy: str, **options: object) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    dtype = options.pop("param_dtype", torch.float32)
+    p = nn.Parameter(torch.randn(shape, generator=gen).to(dtype))
+    opt = BlockwiseAdamW([("w", p)], lr=1e-2, state_format=fmt, min_8bit_numel=0, kernels=policy, **options)  # type: ignore[arg-type]
+    transpose = len(shape) == 2 and shape[0] == shape[1]
+    for i in range(steps):
+        g = torch.randn(shape, generator=gen) * (1.0 + 0.1 * i)
+        p.grad = (g.t().contiguous().t() if transpose else g).to(dtype)  # non-contiguous where square
+        opt.step()
+    rec = opt._records[p]  # noqa: SLF001 - the compact state itself
+    return p.detach().clone(), {k: t.clone() for k, t in rec.views.items()}
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _compare(fmt: str, compiled: tuple, eager: tuple) -> None:
+    (pc, vc), (pe, ve) = compiled, eager
+    assert vc.keys() == ve.keys()
+    if not FORMATS[fmt].factored:
+        assert torch.equal(pc, pe), (fmt, _relative(pc, pe))
+        for key in vc:
+            assert torch.equal(vc[key], ve[key]), (fmt, key)
+        return
+    assert _relative(pc, pe) <= FACTORED_BOUND, (fmt, _relative(pc, pe))
+    for key in vc:
+        if vc[key].dtype == torch.float32:
+            assert _relative(vc[key], ve[key]) <= FACTORED_BOUND, (fmt, key)
+        else:  # the int8 momentum: codes equal but where a parameter ulp moves one across a boundary
+            differ = (vc[key].int() - ve[key].int()).abs() if vc[key].dtype == torch.int8 else (vc[key] != ve[key])
+            assert float((differ > 0).double().mean()) <= 1e-4 and int(differ.max()) <= 1, (fmt, key)
+
+
+@pytest.mark.parametrize("steps", [1, 50])
+@pytest.mark.parametrize("fmt", COMPILED)
+def test_compiled_step_equals_the_eager_step(fmt: str, steps: int) -> None:
+    for shape in SHAPES:
+        if resolve_format(fmt, shape, 0) != fmt:
+            continue  # 1-D tensors have no factored form
+        _compare(fmt, _run(fmt, shape, steps, "compiled"), _run(fmt, shape, steps, "eager"))
+
+
+@pytest.mark.parametrize("fmt", COMPILED)
+@pytest.mark.parametrize(
+    "options",
+    [{"maximize": True}, {"decoupled_weight_decay": False, "weight_decay": 0.1}, {"param_dtype": torch.bfloat16},
+     {"betas": (0.3, 0.99)}],  # a momentum weight >= 0.5 takes ATen's other lerp formula
+    ids=["maximize", "l2", "bf16-params", "beta1-0.3"],
+)
+def test_compiled_step_options(fmt: str, options: dict) -> None:
+    shape = (40, 77)
+    _compare(fmt, _run(fmt, shape, 5, "compiled", **dict(options)), _run(fmt, shape, 5, "eager", **dict(options)))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fmt", COMPILED)
+def test_one_call_over_many_tensors_equals_tensor_by_tensor(fmt: str, threads: int) -> None:
+    """Many parameters of one format go through one kernel call (the super-blocks of every tensor
+    are one index range, split among the threads); each comes out as if stepped alone, at 1 thread."""
+    shapes = [(33, 65), (8, 1024), (1, 2000), (3, 3), (129, 31)]
+    gen = torch.Generator().manual_seed(1)
+    start = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        params = [nn.Parameter(x.clone()) for x in start]
+        together = BlockwiseAdamW([(str(i), p) for i, p in enumerate(params)], state_format=fmt, min_8bit_numel=0, kernels="compiled")
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g
+            together.step()
+        torch.set_num_threads(1)
+        for i, p in enumerate(params):
+            alone = nn.Parameter(start[i].clone())
+            opt = BlockwiseAdamW([(str(i), alone)], state_format=fmt, min_8bit_numel=0, kernels="compiled")
+            for step in grads:
+                alone.grad = step[i]
+                opt.step()
+            if FORMATS[fmt].factored:  # threads split the column sums: the same to fp32 ulps
+                assert _relative(alone.detach(), p.detach()) <= FACTORED_BOUND, (fmt, shapes[i])
+            else:
+                assert torch.equal(alone.detach(), p.detach()), (fmt, shapes[i])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_kernel_policies() -> None:
+    assert kernels.resolve_policy(None) in kernels.POLICIES
+    with pytest.raises(ValueError, match="kernels.*'fast'.*auto, compiled, eager"):
+        kernels.resolve_policy("fast")
+    with pytest.raises(ValueError, match="Invalid kernels"):
+        BlockwiseAdamW([nn.Parameter(torch.zeros(4))], kernels="fast")
+    assert kernels.use_compiled("eager") is False
+    assert kernels.use_compiled("compiled") is True
+
+
+def test_compiled_policy_without_kernels_names_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "_STATUS", kernels.KernelStatus(False, "no C++ compiler found ('c++' is not on PATH)"))
+    with pytest.raises(RuntimeError, match="kernels='compiled'.*no C\\+\\+ compiler found.*kernels='auto' or 'eager'"):
+        BlockwiseAdamW([nn.Parameter(torch.zeros(4))], kernels="compiled")
+
+
+_NO_COMPILER = textwrap.dedent(
+    """
+    import warnings, torch
+    from torch import nn
+    from lightning_baoc import BlockwiseAdamW
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(37, 101))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = BlockwiseAdamW([("w", p)], state_format="int8", min_8bit_numel=0)
+    print("WARN", [str(w.message) for w in caught if "compiled CPU step" in str(w.message)])
+    for i in range(5):
+        p.grad = torch.randn(37, 101) * (1 + i)
+        opt.step()
+    torch.save(p.detach(), "result.pt")
+    """
+)
+
+
+def test_without_a_compiler_the_eager_step_runs_with_the_same_results(tmp_path: Path) -> None:
+    """Install on a machine without a C++ compiler: one warning that says so, the eager step, the
+    same results as the compiled one."""
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    env.pop(kernels.KERNELS_ENV, None)
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", _NO_COMPILER], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "no C++ compiler found" in out.stdout and "the eager step runs instead" in out.stdout, out.stdout
+    assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").rglob("*.so"))  # nothing was built
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(37, 101))
+    opt = BlockwiseAdamW([("w", p)], state_format="int8", min_8bit_numel=0, kernels="compiled")
+    for i in range(5):
+        p.grad = torch.randn(37, 101) * (1 + i)
+        opt.step()
+    assert torch.equal(torch.load(tmp_path / "result.pt"), p.detach())
