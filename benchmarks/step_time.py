@@ -1,4 +1,5 @@
-"""Optimizer step time of every state format against torch.optim.AdamW (fused and foreach).
+"""Optimizer step time of every state format against torch.optim.AdamW (fused and foreach) and the
+8-bit optimizers of bitsandbytes and torchao.
 
 A 21M-parameter model of 20 square 1024x1024 linear layers (with biases) gets random gradients.
 Every optimizer is built once over the same parameters and warmed up; then, at each torch thread
@@ -7,6 +8,12 @@ that a background load slows them all alike. Each optimizer's time is its median
 rounds, and its ratio to ``torch.optim.AdamW(fused=True)`` the median over rounds of its round
 median divided by fused AdamW's round median, measured in the same round. Results go into the
 section ``step_time`` of ``docs/benchmarks/step-time.md``.
+
+Beside the times: the machine's memory bandwidth at each thread count (a 512 MiB ``copy_``, bytes
+read and written per second) and the time fused AdamW's 28 bytes per parameter need at that
+bandwidth, its floor; and how the compiled kernels were obtained (built, with the build time, or
+loaded from the cache). The peers (``pip install -e ".[bench]"``) are rows marked unavailable, with
+the reason, where they are not installed.
 
 Run from the repository root:
 
@@ -38,10 +45,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _report import command, machine, markdown_table, write_docs_section  # noqa: E402
 
-from lightning_baoc import FORMATS, BlockwiseAdamW  # noqa: E402
+from lightning_baoc import FORMATS, BlockwiseAdamW, kernels  # noqa: E402
 
 FUSED = "torch AdamW fused"
 FOREACH = "torch AdamW foreach"
+BNB = "bitsandbytes AdamW8bit"
+TORCHAO = "torchao AdamW8bit"
 
 
 def build(layers: int, width: int) -> nn.Module:
@@ -63,7 +72,51 @@ def optimizers(model: nn.Module) -> dict[str, tuple[torch.optim.Optimizer, float
         opt = BlockwiseAdamW(model.named_parameters(), state_format=fmt)
         opt.step()  # states exist from here: their bytes are known
         out[fmt] = (opt, opt.state_bytes() / n)
+    for label, make in ((BNB, _bnb), (TORCHAO, _torchao)):
+        try:
+            peer = make(model)
+            peer.step()
+        except Exception as err:  # not installed, or no CPU kernel in this version
+            UNAVAILABLE[label] = f"{type(err).__name__}: {str(err).splitlines()[0][:80]}" if str(err) else type(err).__name__
+            continue
+        out[label] = (peer, _state_bytes(peer) / n)
     return out
+
+
+#: Peer label -> why it is not in the table.
+UNAVAILABLE: dict[str, str] = {}
+
+
+def _bnb(model: nn.Module) -> torch.optim.Optimizer:
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(model.parameters())
+
+
+def _torchao(model: nn.Module) -> torch.optim.Optimizer:
+    from torchao.optim import AdamW8bit
+
+    return AdamW8bit(model.parameters())
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors in a torch optimizer's state (through tensor subclasses' inner tensors)."""
+    total = 0
+    for state in opt.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.numel() > 1:
+                inner = [getattr(value, name) for name in getattr(value, "__tensor_flatten__", lambda: ([], None))()[0]]
+                total += sum(t.numel() * t.element_size() for t in inner) if inner else value.numel() * value.element_size()
+    return total
+
+
+def bandwidth() -> float:
+    """Bytes per second of a 512 MiB copy (read + write), the best of 5."""
+    src = torch.ones(1 << 27)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(time_steps(lambda: dst.copy_(src), 5))
+    return 2 * src.numel() * src.element_size() / best
 
 
 def time_steps(step: Callable[[], object], steps: int) -> list[float]:
@@ -115,8 +168,10 @@ def main() -> None:
     opts = {label: opt for label, (opt, _) in built.items()}
     default_threads = torch.get_num_threads()
     results: dict[int, tuple[dict[str, float], dict[str, float]]] = {}
+    speeds: dict[int, float] = {}
     for threads in args.threads:
         torch.set_num_threads(threads)
+        speeds[threads] = bandwidth()
         for opt in opts.values():
             time_steps(opt.step, args.warmup)
         results[threads] = interleaved(opts, args.rounds, args.steps)
@@ -136,7 +191,17 @@ def main() -> None:
             row += [f"{seconds[label] * 1e3:.1f}", f"{ratios[label]:.2f}x"]
         rows.append(row)
     table = markdown_table(headers, rows)
+    floor = "; ".join(
+        f"{t} {'thread' if t == 1 else 'threads'}: {speeds[t] / 1e9:.1f} GB/s, fused AdamW's floor "
+        f"{28 * n / speeds[t] * 1e3:.1f} ms ({28 * n / speeds[t] / results[t][0][FUSED]:.2f} of its step)"
+        for t in args.threads
+    )
+    status = kernels.cpu_kernels()
+    compiled = f"compiled kernels: {status.detail}" if status.available else f"compiled kernels unavailable ({status.detail})"
+    missing = "; ".join(f"{label}: unavailable ({why})" for label, why in UNAVAILABLE.items())
+    notes = f"Memory bandwidth (a 512 MiB copy): {floor}. {compiled.capitalize()}." + (f" {missing}." if missing else "")
     print(table)
+    print(notes)
     if not args.quick:
         body = (
             f"Step time, {n / 1e6:.1f}M parameters ({args.layers} x Linear({args.width}, {args.width})), "
@@ -144,7 +209,7 @@ def main() -> None:
             f"optimizer {args.steps} steps per round in a shuffled order, after {args.warmup} warm-up steps; "
             f"median step over the rounds, and median over the rounds of the ratio to fused AdamW's "
             f"step in the same round.\n\n"
-            f"Machine: {machine()} (default). Command: `{_command()}\n\n{table}"
+            f"Machine: {machine()} (default). Command: `{_command()}\n\n{table}\n\n{notes}"
         )
         write_docs_section("benchmarks/step-time.md", "step_time", body)
 
