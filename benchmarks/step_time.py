@@ -10,9 +10,9 @@ median divided by fused AdamW's round median, measured in the same round. Result
 section ``step_time`` of ``docs/benchmarks/step-time.md``.
 
 Beside the times: the machine's memory bandwidth at each thread count (a 512 MiB ``copy_``, bytes
-read and written per second) and the time fused AdamW's 28 bytes per parameter need at that
-bandwidth, its floor; and how the compiled kernels were obtained (built, with the build time, or
-loaded from the cache). The peers (``pip install -e ".[bench]"``) are rows marked unavailable, with
+read and written per second) and the rate at which fused AdamW moves its 28 bytes per parameter
+(it reads parameter, gradient and both moments and writes three of them); and how the compiled
+kernels were obtained (built, with the build time, or loaded from the cache). The peers (``pip install -e ".[bench]"``) are rows marked unavailable, with
 the reason, where they are not installed.
 
 Run from the repository root:
@@ -192,14 +192,14 @@ def main() -> None:
         rows.append(row)
     table = markdown_table(headers, rows)
     floor = "; ".join(
-        f"{t} {'thread' if t == 1 else 'threads'}: {speeds[t] / 1e9:.1f} GB/s, fused AdamW's floor "
-        f"{28 * n / speeds[t] * 1e3:.1f} ms ({28 * n / speeds[t] / results[t][0][FUSED]:.2f} of its step)"
+        f"{t} {'thread' if t == 1 else 'threads'}: copy {speeds[t] / 1e9:.1f} GB/s, fused AdamW "
+        f"{28 * n / results[t][0][FUSED] / 1e9:.1f} GB/s"
         for t in args.threads
     )
     status = kernels.cpu_kernels()
     compiled = f"compiled kernels: {status.detail}" if status.available else f"compiled kernels unavailable ({status.detail})"
     missing = "; ".join(f"{label}: unavailable ({why})" for label, why in UNAVAILABLE.items())
-    notes = f"Memory bandwidth (a 512 MiB copy): {floor}. {compiled.capitalize()}." + (f" {missing}." if missing else "")
+    notes = f"Memory traffic per second: {floor}. {compiled.capitalize()}." + (f" {missing}." if missing else "")
     print(table)
     print(notes)
     if not args.quick:

@@ -71,11 +71,10 @@ inline uint32_t rounding_bits(int64_t index, uint32_t key) {
 // truncate; magnitudes past bf16's largest finite value (inf included) saturate, NaN stays NaN.
 // Integer operations only, so that the loops calling it vectorize.
 inline uint16_t bf16_stochastic(float x, uint32_t noise) {
-  uint32_t r = (bits_of(x) + noise) & 0xFFFF0000u;
+  const uint32_t r = (bits_of(x) + noise) & 0xFFFF0000u;
   const uint32_t magnitude = r & 0x7FFFFFFFu;
-  r = magnitude > 0x7F7F0000u ? ((r & 0x80000000u) | 0x7F7F0000u) : r;
-  r = magnitude > 0x7F800000u ? 0x7FC00000u : r;
-  return static_cast<uint16_t>(r >> 16);
+  const uint32_t saturated = (r & 0x80000000u) | std::min(magnitude, 0x7F7F0000u);
+  return static_cast<uint16_t>((magnitude > 0x7F800000u ? 0x7FC00000u : saturated) >> 16);
 }
 
 inline float bf16_load(uint16_t raw) { return float_of(static_cast<uint32_t>(raw) << 16); }

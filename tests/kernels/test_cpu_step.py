@@ -11,6 +11,7 @@ their vectors (and through them the parameters) agree to a few fp32 ulps."""
 from __future__ import annotations
 
 import os
+import warnings
 import subprocess
 import sys
 import textwrap
@@ -175,3 +176,26 @@ def test_without_a_compiler_the_eager_step_runs_with_the_same_results(tmp_path: 
         p.grad = torch.randn(37, 101) * (1 + i)
         opt.step()
     assert torch.equal(torch.load(tmp_path / "result.pt"), p.detach())
+
+
+@pytest.mark.parametrize("fmt", COMPILED)
+def test_compiled_step_at_the_edges_of_fp32(fmt: str) -> None:
+    """Gradients at the edges of fp32 (near its maximum, where AdamW's own v overflows; subnormal;
+    exact zeros, whole groups of them): the saturation and flush rules of the formats (bf16 carry
+    into the inf exponent, 8-bit scale limits, zero groups) come out as the eager step's."""
+    shape = (16, 256)
+    results = []
+    for policy in ("compiled", "eager"):
+        gen = torch.Generator().manual_seed(3)
+        p = nn.Parameter(torch.randn(shape, generator=gen))
+        opt = BlockwiseAdamW([("w", p)], lr=1e-3, state_format=fmt, min_8bit_numel=0, kernels=policy)
+        for scale in (3.3e38, 1e19, 1e-40, 0.0, 1.0):
+            g = (torch.randn(shape, generator=gen).double() * scale).clamp(-3.4e38, 3.4e38).float()
+            g[0, :64] = 0.0  # two whole groups of zeros
+            g[1, :5] = torch.tensor([3.4e38, -3.4e38, 1e-45, -1e-45, 0.0])
+            p.grad = g
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # every gradient here is finite: no step may be skipped
+                opt.step()
+        results.append((p.detach().clone(), {k: t.clone() for k, t in opt._records[p].views.items()}))  # noqa: SLF001
+    _compare(fmt, results[0], results[1])
