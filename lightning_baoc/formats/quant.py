@@ -182,10 +182,11 @@ def dequantize_sqrt(codes: Tensor, scales: Tensor, exps: Tensor) -> Tensor:
 #: Stochastic rounding draws its noise from a counter-based hash (no generator, no stored state):
 #: element ``i`` under a 32-bit ``key`` hashes to ``h = lowbias32(i + key)`` (a 32-bit integer
 #: hash, constants from C. Wellons' hash-prospector search); the momentum's noise is the top 16
-#: bits of ``h``, the second moment's the bottom 16, so one hash serves both moments. The key mixes the optimizer's seed, the parameter's step count and a
-#: hash of its name (:func:`stream_key`), so a resumed run rounds exactly as the uninterrupted
-#: one, any device computes the same bits, and the compiled step (``kernels/cpu_step.cpp``,
-#: ``rounding_bits``) reproduces them without reading anything but the index.
+#: bits of ``h``, the second moment's the bottom 16, so one hash serves both moments. The key
+#: mixes the optimizer's seed, the parameter's step count and a hash of its name
+#: (:func:`stream_key`), so a resumed run rounds exactly as the uninterrupted one, any device
+#: computes the same bits, and the compiled step (``kernels/cpu_step.cpp``, ``rounding_bits``)
+#: reproduces them from the index alone.
 _M32 = 0xFFFFFFFF
 _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 

@@ -329,7 +329,7 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
     def _hyper_for(self, p: Tensor) -> StepHyper:
         """``p``'s group hyperparameters, keyed for the rounding of a conversion at its step count."""
         rec = self._records[p]
-        return self._hyper(self.param_groups[rec.group], p.device, self._noise_key(rec, _CONVERSION_SALT))
+        return self._hyper(self.param_groups[rec.group], self._noise_key(rec, _CONVERSION_SALT))
 
     # ------------------------------------------------------------------ step
 
@@ -337,7 +337,7 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
         """The rounding key of ``rec``'s parameter at its step count (a step's, or a conversion's)."""
         return stream_key(self.seed, rec.step, zlib.crc32(rec.name.encode()) ^ salt)
 
-    def _hyper(self, group: Mapping[str, Any], device: torch.device, noise_key: int = 0) -> StepHyper:
+    def _hyper(self, group: Mapping[str, Any], noise_key: int = 0) -> StepHyper:
         beta1, beta2 = group["betas"]
         return StepHyper(
             lr=_float(group["lr"]),
@@ -434,7 +434,7 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
                 item = StepItem(p, p.grad, rec.views, bc1, bc2, count, self._noise_key(rec))
                 buckets[(rec.format, p.device)].append(item)
             for (fmt, device), items in buckets.items():
-                FORMATS[fmt].update(items, self._hyper(group, device))
+                FORMATS[fmt].update(items, self._hyper(group))
         return loss
 
     @property

@@ -246,7 +246,7 @@ class PersistenceMixin:
             if isinstance(source, Canonical):
                 rec = self._records[p]
                 key = stream_key(self.seed, plan.entries[p].steps, zlib.crc32(rec.name.encode()) ^ _LOAD_SALT)
-                hyper = self._hyper(merged[rec.group], p.device, key)
+                hyper = self._hyper(merged[rec.group], key)
                 FORMATS[fmt].encode(source, target, hyper)
             else:
                 for k, t in target.items():

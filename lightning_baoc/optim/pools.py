@@ -62,7 +62,7 @@ class Pool:
 
 
 def device_key(device: torch.device) -> str:
-    """The key of a device in pools and generator tables (``"cpu"``, ``"cuda:0"``)."""
+    """The key of a device in the pool table (``"cpu"``, ``"cuda:0"``)."""
     return str(device)
 
 
