@@ -15,9 +15,9 @@ A state dict (version 2) is::
   message instead of with ``KeyError: 'exp_avg'`` at the first step. (Bytes, not ``str``: torch's
   loader rebuilds every iterable it meets, and rebuilds a ``str`` as the text of a generator.)
 - ``checksum`` of an entry covers its format, shape, counts and tensor bytes; the one of ``"baoc"``
-  covers the param groups, the parameter names, the requests, the non-finite counts (and the
-  generator states dicts of earlier releases carry, which a load ignores) and every entry's checksum. A bit flip anywhere in what a load reads is detected (see
-  :func:`digest_bytes`). A dict edited on purpose is re-sealed with :func:`seal_state_dict`.
+  covers the param groups, the parameter names, the requests, the non-finite counts, every entry's
+  checksum, and the generator states that dicts of earlier releases carry (a load ignores them). A
+  bit flip anywhere in what a load reads is detected (see :func:`digest_bytes`). A dict edited on purpose is re-sealed with :func:`seal_state_dict`.
 
 Loading validates the whole dict before anything is changed
 (:func:`lightning_baoc.optim.validate.plan_load`); every problem raises :class:`CheckpointError`

@@ -1,7 +1,7 @@
 """Validation of an optimizer state dict before a load (:func:`plan_load`): nothing is changed here.
 
 The whole dict is checked against the optimizer (groups, hyperparameters, every entry's format,
-counts, shape, tensors and checksum, the generator states) and turned into a :class:`LoadPlan`;
+counts, shape, tensors and checksum) and turned into a :class:`LoadPlan`;
 ``BlockwiseAdamW.load_state_dict`` commits it only after building the new pools, so every
 problem raises :class:`~lightning_baoc.optim.state.CheckpointError` with the optimizer untouched.
 """
