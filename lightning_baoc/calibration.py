@@ -32,14 +32,16 @@ from typing import Any
 import torch
 
 from .formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, format_state_bytes, numel_of, resolve_format
+from .kernels import step_path
 from .solver import check_mask as _check_mask
 
 Shape = Sequence[int]
 #: block name -> the shapes of its parameters
 BlockShapes = Mapping[str, Sequence[Shape]]
 
-#: Bump when the measurement changes, so stale cache files are not reused.
-CALIBRATION_VERSION = 1
+#: Bump when the measurement changes, so stale cache files are not reused (2: the compiled CPU
+#: kernels changed every format's cost).
+CALIBRATION_VERSION = 2
 
 #: Rough per-element step cost of each format relative to fp32 AdamW, for planning a device that
 #: is not at hand (``--time-budget`` without ``--calibrate``). All but ``offload`` are from
@@ -272,10 +274,12 @@ def device_name(device: str | torch.device) -> str:
 
 
 def cache_path(device: str | torch.device, cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """The JSON file a calibration of ``device`` is cached in (per device model, threads, torch)."""
+    """The JSON file a calibration of ``device`` is cached in (per device model, threads, torch, and
+    on the CPU the step that runs: the compiled kernels or the eager step)."""
     dev = _as_device(device)
     threads = torch.get_num_threads() if dev.type == "cpu" else 0
-    key = f"{dev.type}-{device_name(dev)}-t{threads}-torch{torch.__version__}-v{CALIBRATION_VERSION}"
+    path = f"-{step_path(dev)}" if dev.type == "cpu" else ""
+    key = f"{dev.type}-{device_name(dev)}-t{threads}{path}-torch{torch.__version__}-v{CALIBRATION_VERSION}"
     slug = re.sub(r"[^A-Za-z0-9.+-]+", "_", key).strip("_")
     base = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return base / f"calibration-{slug}.json"

@@ -127,3 +127,17 @@ def test_time_table_uses_the_format_each_tensor_really_gets() -> None:
         time_table({"b": [(8,)]}, {"factored": 1.0})
     full = time_table(SHAPES, PRIOR_STEP_COST)
     assert set(full["emb"]) == set(FORMATS)
+
+
+def test_calibrations_of_the_compiled_and_the_eager_step_are_cached_apart(tmp_path, monkeypatch) -> None:
+    """The compiled kernels and the eager step cost differently: a calibration of one is never
+    reused for the other (the environment variable picks the step)."""
+    from lightning_baoc import kernels
+
+    monkeypatch.setenv(kernels.KERNELS_ENV, "eager")
+    eager = cache_path("cpu", tmp_path)
+    monkeypatch.setenv(kernels.KERNELS_ENV, "auto")
+    auto = cache_path("cpu", tmp_path)
+    assert "-eager-" in eager.name
+    assert ("-compiled-" if kernels.cpu_kernels().available else "-eager-") in auto.name
+    assert (eager != auto) == kernels.cpu_kernels().available

@@ -179,9 +179,21 @@ def use_compiled(policy: str, announce: bool = True) -> bool:
     return False
 
 
+def step_path(device: torch.device, policy: str | None = None) -> str:
+    """``"compiled"`` or ``"eager"``: the step the formats with kernels take on ``device`` under
+    ``policy`` (default: the environment's), without announcing it."""
+    if device.type != "cpu":
+        return "eager"
+    resolved = resolve_policy(policy)
+    return "compiled" if resolved != "eager" and cpu_kernels().available else "eager"
+
+
 def ops() -> Any:
     """The loaded operators (``adamw_step``, ``factored_moments``); call after :func:`use_compiled`."""
     return torch.ops.lightning_baoc
 
 
-__all__ = ["KERNELS_ENV", "POLICIES", "KernelStatus", "compile_flags", "cpu_kernels", "ops", "resolve_policy", "use_compiled"]
+__all__ = [
+    "KERNELS_ENV", "POLICIES", "KernelStatus", "compile_flags", "cpu_kernels", "ops", "resolve_policy", "step_path",
+    "use_compiled",
+]
