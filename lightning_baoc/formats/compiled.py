@@ -44,8 +44,11 @@ def compiled_update(fmt: StateFormat, items: list[StepItem], hyper: StepHyper) -
     if not served:
         return items
     direct = [it for it in served if _direct(it)]
-    if direct:
-        _launch(kinds, [it.param.view(-1) for it in direct], [it.grad.view(-1) for it in direct], direct, hyper)
+    # a factored step reads each gradient twice (its row and column sums, then the update): in
+    # batches small enough that the second read finds the gradients in the cache
+    limit = FACTORED_BATCH_ELEMENTS if kinds[1] == kernels.V_FACTORED else None
+    for batch in _batches(direct, limit):
+        _launch(kinds, [it.param.view(-1) for it in batch], [it.grad.view(-1) for it in batch], batch, hyper)
     for it in served:
         if not _direct(it):
             work, write_back = param_flat(it.param)
@@ -53,6 +56,30 @@ def compiled_update(fmt: StateFormat, items: list[StepItem], hyper: StepHyper) -
             _launch(kinds, [work], [grad], [it], hyper)
             write_back()
     return [it for it in items if not _on_cpu(it)]
+
+
+#: Gradient elements of one factored call at most (4 MiB of fp32 gradients): the row and column
+#: sums read them, the update reads them again, from the cache. Measured on a 21M-parameter model
+#: (20 x 1M) on a 32 MiB L3, 1 thread: 1.10x fused AdamW's step in batches of 1M elements, 1.24x in
+#: batches of 4M, 1.24x in one call.
+FACTORED_BATCH_ELEMENTS = 1 << 20
+
+
+def _batches(items: list[StepItem], limit: int | None) -> list[list[StepItem]]:
+    """``items`` in consecutive batches of at most ``limit`` parameter elements (one batch without a
+    limit; a larger parameter is a batch of its own)."""
+    if limit is None:
+        return [items] if items else []
+    out: list[list[StepItem]] = []
+    size = 0
+    for it in items:
+        if out and size + it.param.numel() <= limit:
+            out[-1].append(it)
+            size += it.param.numel()
+        else:
+            out.append([it])
+            size = it.param.numel()
+    return out
 
 
 def _launch(kinds: tuple[int, int], params: list[Tensor], grads: list[Tensor], items: list[StepItem], hyper: StepHyper) -> None:
