@@ -112,32 +112,48 @@ def cpu_kernels() -> KernelStatus:
     return _STATUS
 
 
+def _loaded() -> bool:
+    """Whether this process has the operators already (loaded by an earlier status, or by hand)."""
+    return hasattr(torch.ops.lightning_baoc, "adamw_step")
+
+
 def _load() -> KernelStatus:
-    if hasattr(torch.ops, "lightning_baoc") and hasattr(torch.ops.lightning_baoc, "adamw_step"):
+    if _loaded():
         return KernelStatus(True, "already loaded")
     missing = _missing_tool()
     if missing is not None:
         return KernelStatus(False, missing)
-    from torch.utils.cpp_extension import _get_build_directory, load
-
     flags = compile_flags()
+    first = _build(flags, ["-fopenmp"])
+    if isinstance(first, KernelStatus):
+        return first
+    # a compiler without OpenMP (Apple's clang): the same kernels, on one thread
+    serial = [f for f in flags if f != "-fopenmp"]
+    second = _build(serial, [])
+    if isinstance(second, KernelStatus):
+        return KernelStatus(True, f"{second.detail}, without OpenMP: one thread ({first})", second.build_seconds)
+    return KernelStatus(False, f"the build failed: {first}")
+
+
+def _build(flags: list[str], ldflags: list[str]) -> KernelStatus | str:
+    """Build or load the kernels with ``flags``: their status, or the compiler's first error."""
+    from torch.utils.cpp_extension import load
+
     name = _build_name(flags)
-    cached = any(Path(_get_build_directory(name, verbose=False)).glob("*.so"))
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # private: how torch names its cache
+
+        cached = any(Path(_get_build_directory(name, verbose=False)).glob("*.so"))
+    except (ImportError, TypeError, OSError):
+        cached = False
     start = time.perf_counter()
     try:
-        load(
-            name=name,
-            sources=[str(SOURCE)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=ldflags, is_python_module=False,
+             verbose=False)
     except Exception as err:  # a compiler error, a linker error: the eager step still works
-        return KernelStatus(False, f"the build failed: {_first_error(str(err)) or type(err).__name__}")
+        return _first_error(str(err)) or type(err).__name__
     seconds = time.perf_counter() - start
-    detail = "loaded from the cache" if cached else f"built in {seconds:.1f} s"
-    return KernelStatus(True, detail, 0.0 if cached else seconds)
+    return KernelStatus(True, "loaded from the cache" if cached else f"built in {seconds:.1f} s", 0.0 if cached else seconds)
 
 
 def _first_error(text: str) -> str:

@@ -199,3 +199,24 @@ def test_compiled_step_at_the_edges_of_fp32(fmt: str) -> None:
                 opt.step()
         results.append((p.detach().clone(), {k: t.clone() for k, t in opt._records[p].views.items()}))  # noqa: SLF001
     _compare(fmt, results[0], results[1])
+
+
+def test_a_compiler_without_openmp_builds_the_kernels_for_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Apple's clang has no -fopenmp: the build is retried without it, and the status says so."""
+    calls: list[list[str]] = []
+
+    def build(flags: list[str], ldflags: list[str]) -> kernels.KernelStatus | str:
+        calls.append(flags)
+        if "-fopenmp" in flags:
+            return "clang: error: unsupported option '-fopenmp'"
+        return kernels.KernelStatus(True, "built in 9.0 s", 9.0)
+
+    monkeypatch.setattr(kernels, "_loaded", lambda: False)
+    monkeypatch.setattr(kernels, "_missing_tool", lambda: None)
+    monkeypatch.setattr(kernels, "_build", build)
+    status = kernels._load()  # noqa: SLF001 - the build logic itself
+    assert status.available and "without OpenMP: one thread" in status.detail and "-fopenmp" in status.detail
+    assert len(calls) == 2 and "-fopenmp" not in calls[1]
+    monkeypatch.setattr(kernels, "_build", lambda flags, ldflags: "error: no matching function")
+    failed = kernels._load()  # noqa: SLF001
+    assert not failed.available and failed.detail == "the build failed: error: no matching function"
