@@ -8,11 +8,11 @@ from torch import Tensor
 from lightning_baoc import kernels
 
 from .base import Shape, StepHyper, TensorSpec, numel_of
-from .elementwise import ElementwiseFormat
+from .elementwise import ElementwiseFormat, Fp32SecondMoment
 from .quant import bf16_stochastic
 
 
-class BF16Momentum(ElementwiseFormat):
+class BF16Momentum(Fp32SecondMoment, ElementwiseFormat):
     """Momentum in bf16 (stochastically rounded), second moment in fp32. Bytes: ``6 * numel``."""
 
     name = "bf16_momentum"
@@ -30,11 +30,3 @@ class BF16Momentum(ElementwiseFormat):
 
     def store_m(self, m: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
         bf16_stochastic(m, views["exp_avg"][start:stop], hyper.noise_key, start, 0)
-
-    def load_v(self, views: dict[str, Tensor], start: int, stop: int) -> Tensor:
-        return views["exp_avg_sq"][start:stop]  # fp32 already: updated in place
-
-    def store_v(self, v: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
-        target = views["exp_avg_sq"][start:stop]
-        if v.data_ptr() != target.data_ptr():
-            target.copy_(v)

@@ -87,3 +87,16 @@ class ElementwiseFormat(StateFormat):
                     self.store_m(m, item.views, start, stop, step_hyper)
                 self.store_v(v, item.views, start, stop, step_hyper)
             write_back()
+
+
+class Fp32SecondMoment:
+    """``load_v``/``store_v`` of a second moment stored as a plain fp32 ``exp_avg_sq``: the step
+    updates the stored slice in place (``nomomentum``, ``bf16_momentum``)."""
+
+    def load_v(self, views: dict[str, Tensor], start: int, stop: int) -> Tensor:
+        return views["exp_avg_sq"][start:stop]  # fp32 already: updated in place
+
+    def store_v(self, v: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
+        target = views["exp_avg_sq"][start:stop]
+        if v.data_ptr() != target.data_ptr():
+            target.copy_(v)

@@ -11,10 +11,10 @@ from torch import Tensor
 from lightning_baoc import kernels
 
 from .base import Shape, StepHyper, TensorSpec, numel_of
-from .elementwise import ElementwiseFormat
+from .elementwise import ElementwiseFormat, Fp32SecondMoment
 
 
-class NoMomentum(ElementwiseFormat):
+class NoMomentum(Fp32SecondMoment, ElementwiseFormat):
     """Second moment in fp32, no momentum. Bytes: ``4 * numel``."""
 
     name = "nomomentum"
@@ -30,11 +30,3 @@ class NoMomentum(ElementwiseFormat):
 
     def store_m(self, m: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
         raise NotImplementedError("nomomentum holds no momentum")
-
-    def load_v(self, views: dict[str, Tensor], start: int, stop: int) -> Tensor:
-        return views["exp_avg_sq"][start:stop]  # fp32 already: updated in place
-
-    def store_v(self, v: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
-        target = views["exp_avg_sq"][start:stop]
-        if v.data_ptr() != target.data_ptr():
-            target.copy_(v)
