@@ -33,6 +33,21 @@ def chunk_ranges(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
         yield start, min(start + chunk, numel)
 
 
+def element_batches(items: list[StepItem], limit: int) -> Iterator[list[StepItem]]:
+    """``items`` in consecutive batches of at most ``limit`` parameter elements (a larger parameter
+    is a batch of its own; every batch holds at least one item)."""
+    batch: list[StepItem] = []
+    size = 0
+    for it in items:
+        if batch and size + it.param.numel() > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(it)
+        size += it.param.numel()
+    if batch:
+        yield batch
+
+
 def param_flat(param: Tensor) -> tuple[Tensor, Callable[[], None]]:
     """A flat fp32 tensor to update in place, and a function that writes it back to ``param``."""
     if param.dtype == torch.float32 and param.is_contiguous():

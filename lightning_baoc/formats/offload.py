@@ -16,6 +16,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from .adam_math import element_batches
 from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, numel_of
 from .fused_adam import fused_dense_fp32
 
@@ -66,16 +67,7 @@ HOST_BATCH_ELEMENTS = 1 << 24
 
 def host_batches(items: list[StepItem], limit: int = HOST_BATCH_ELEMENTS) -> Iterator[list[StepItem]]:
     """``items`` in consecutive batches of at most ``limit`` parameter elements (at least one item)."""
-    batch: list[StepItem] = []
-    size = 0
-    for it in items:
-        if batch and size + it.param.numel() > limit:
-            yield batch
-            batch, size = [], 0
-        batch.append(it)
-        size += it.param.numel()
-    if batch:
-        yield batch
+    return element_batches(items, limit)
 
 
 def host_update(items: list[StepItem], hyper: StepHyper) -> None:
