@@ -71,12 +71,17 @@ CACHE_VERSION = 1  # bump when a change makes cached runs incomparable
 # BAOC rows only: 2 since format conversions encode their pools in a fixed order (before, the
 # stochastic-rounding noise of a conversion depended on the process's string-hash seed, so a BAOC
 # run could not be reproduced bit for bit). Rows without a conversion are unaffected. 3 since the
-# warm-up runs in the start allocation, within the budget (before, it held fp32 AdamW state).
-BAOC_CACHE_VERSION = 3
-# The BAOC rows as recorded with an fp32 warm-up (cache version 2), kept beside today's: never
-# trained again (the code that ran them is gone), read from the cache under these names.
-RECORDED_BAOC = {f"{name}_fp32_warmup": b for name, b in BAOC_BUDGETS.items()}
-RECORDED_BAOC_VERSION = 2
+# warm-up runs in the start allocation, within the budget (before, it held fp32 AdamW state). 4
+# since the compiled CPU step and its numerics (stochastic rounding keyed by seed, name and step;
+# a correctly rounded square root; two divisions as products by exact reciprocals).
+BAOC_CACHE_VERSION = 4
+# BAOC rows of past versions, kept beside today's: never trained again (the code that ran them is
+# gone), read from the cache under their suffixed names. Suffix -> (cache version, label).
+RECORDED_FAMILIES = {
+    "fp32_warmup": (2, "fp32 warm-up (recorded)"),
+    "eager_step": (3, "eager step (recorded)"),
+}
+RECORDED_BAOC = {f"{name}_{suffix}": (b, suffix) for name, b in BAOC_BUDGETS.items() for suffix in RECORDED_FAMILIES}
 
 
 # ------------------------------------------------------------------------ reference optimizer
@@ -265,9 +270,10 @@ ROWS: dict[str, Row] = {
         Row("bnb_adamw8bit", "bitsandbytes AdamW8bit", _bnb, module="bitsandbytes"),
         Row("torchao_adamw8bit", "torchao AdamW8bit", _torchao, module="torchao"),
         Row("adam_mini", "Adam-mini", _adam_mini, module="adam_mini"),
-        *(row for name, b in BAOC_BUDGETS.items()  # each beside its run recorded with an fp32 warm-up
+        *(row for name, b in BAOC_BUDGETS.items()  # each beside its runs recorded by past versions
           for row in (Row(name, f"BAOC, budget {b}", budget=b),
-                      Row(f"{name}_fp32_warmup", f"BAOC, budget {b}, fp32 warm-up (recorded)", budget=b, recorded=True))),
+                      *(Row(f"{name}_{suffix}", f"BAOC, budget {b}, {label}", budget=b, recorded=True)
+                        for suffix, (_, label) in RECORDED_FAMILIES.items()))),
     ]
 }
 
@@ -380,7 +386,7 @@ def run_config(workload: str, recipe: str, row: str, seed: int, steps: int) -> d
     if row in BAOC_BUDGETS:
         config["baoc_version"] = BAOC_CACHE_VERSION
     elif row in RECORDED_BAOC:
-        config["baoc_version"] = RECORDED_BAOC_VERSION
+        config["baoc_version"] = RECORDED_FAMILIES[RECORDED_BAOC[row][1]][0]
     return config
 
 
@@ -720,10 +726,11 @@ def tables(results_dir: Path, workloads: list[str], rows: list[str], recipes: li
 
 
 def start_comparison(results_dir: Path, workloads: list[str], recipes: list[str], seeds: list[int],
-                     steps: dict[str, int]) -> str:
-    """Today's BAOC rows (warm-up in the start allocation, capped at the budget) beside the rows recorded
-    with an fp32 warm-up and beside fp32 AdamW, on the same seeds: each difference with its noise (two
-    standard errors of the difference of the seed means); "within noise" where both are inside it."""
+                     steps: dict[str, int], suffix: str = "fp32_warmup") -> str:
+    """Today's BAOC rows beside the same rows recorded by a past version (``suffix``, a key of
+    :data:`RECORDED_FAMILIES`) and beside fp32 AdamW, on the same seeds: each difference with its
+    noise (two standard errors of the difference of the seed means); "within noise" where both are
+    inside it."""
     lines = []
     for w in workloads:
         cls = WORKLOADS[w]
@@ -735,7 +742,7 @@ def start_comparison(results_dir: Path, workloads: list[str], recipes: list[str]
 
             ref = stats_of("fp32")
             for name, budget in BAOC_BUDGETS.items():
-                now, old = stats_of(name), stats_of(f"{name}_fp32_warmup")
+                now, old = stats_of(name), stats_of(f"{name}_{suffix}")
                 if now is None or old is None or ref is None or now[2] != old[2]:
                     continue
                 d_old, n_old = now[0] - old[0], _noise(now, old)
@@ -746,11 +753,17 @@ def start_comparison(results_dir: Path, workloads: list[str], recipes: list[str]
                               "yes" if abs(d_old) <= n_old and abs(d_ref) <= n_ref else "**no**"])
     if not lines:
         return ""
-    head = ["workload", "recipe", "budget", "seeds", "fp32 AdamW", "BAOC, fp32 warm-up (recorded)",
-            "BAOC, capped start", "capped - recorded (noise)", "capped - fp32 (noise)", "within noise of both"]
-    return ("The warm-up in the start allocation (BAOC rows since the budget holds from the first step) against the "
-            "same rows recorded with an fp32 warm-up and against fp32 AdamW, seed means ± std (accuracy in %); noise "
-            "= two standard errors of the difference:\n\n" + markdown_table(head, lines))
+    label = RECORDED_FAMILIES[suffix][1]
+    head = ["workload", "recipe", "budget", "seeds", "fp32 AdamW", f"BAOC, {label}", "BAOC, today",
+            "today - recorded (noise)", "today - fp32 (noise)", "within noise of both"]
+    intro = {
+        "fp32_warmup": "The warm-up in the start allocation (BAOC rows since the budget holds from the first step)",
+        "eager_step": "The compiled CPU step and its numerics (keyed stochastic rounding, correctly rounded square "
+                      "root; BAOC rows since the kernels)",
+    }[suffix]
+    return (f"{intro} against the same rows recorded with the {label.replace(' (recorded)', '')} and against fp32 "
+            "AdamW, seed means ± std (accuracy in %); noise = two standard errors of the difference:\n\n"
+            + markdown_table(head, lines))
 
 
 def _seed_text(seeds: list[int]) -> str:
@@ -899,9 +912,10 @@ def main(argv: list[str] | None = None) -> str:
                               + (f", {result['state_bytes']:,} state bytes, {result['seconds']:.0f} s" if "seconds" in result else ""),
                               flush=True)
     body, plot = tables(args.results_dir, args.workloads, args.rows, args.recipes, args.seeds, steps, unavailable)
-    comparison = start_comparison(args.results_dir, args.workloads, args.recipes, args.seeds, steps)
-    if comparison:
-        body += "\n\n" + comparison
+    for suffix in ("eager_step", "fp32_warmup"):
+        comparison = start_comparison(args.results_dir, args.workloads, args.recipes, args.seeds, steps, suffix)
+        if comparison:
+            body += "\n\n" + comparison
     left_out = [name for name in BAOC_BUDGETS if name not in args.rows]
     if left_out:
         reason = availability(ROWS[left_out[0]])
