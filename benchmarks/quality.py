@@ -81,7 +81,7 @@ RECORDED_FAMILIES = {
     "fp32_warmup": (2, "fp32 warm-up (recorded)"),
     "eager_step": (3, "eager step (recorded)"),
 }
-RECORDED_BAOC = {f"{name}_{suffix}": (b, suffix) for name, b in BAOC_BUDGETS.items() for suffix in RECORDED_FAMILIES}
+RECORDED_BAOC = {f"{name}_{suffix}": suffix for name in BAOC_BUDGETS for suffix in RECORDED_FAMILIES}
 
 
 # ------------------------------------------------------------------------ reference optimizer
@@ -386,7 +386,7 @@ def run_config(workload: str, recipe: str, row: str, seed: int, steps: int) -> d
     if row in BAOC_BUDGETS:
         config["baoc_version"] = BAOC_CACHE_VERSION
     elif row in RECORDED_BAOC:
-        config["baoc_version"] = RECORDED_FAMILIES[RECORDED_BAOC[row][1]][0]
+        config["baoc_version"] = RECORDED_FAMILIES[RECORDED_BAOC[row]][0]
     return config
 
 

@@ -43,7 +43,10 @@ def compiled_update(fmt: StateFormat, items: list[StepItem], hyper: StepHyper) -
     served = [it for it in items if _on_cpu(it)]
     if not served:
         return items
-    direct = [it for it in served if _direct(it)]
+    direct: list[StepItem] = []
+    others: list[StepItem] = []
+    for it in served:
+        (direct if _direct(it) else others).append(it)
     # a factored step reads each gradient twice (its row and column sums, then the update): in
     # batches small enough that the second read finds the gradients in the cache
     if kinds[1] == kernels.V_FACTORED:
@@ -52,12 +55,11 @@ def compiled_update(fmt: StateFormat, items: list[StepItem], hyper: StepHyper) -
         batches = [direct] if direct else []
     for batch in batches:
         _launch(kinds, [it.param.view(-1) for it in batch], [it.grad.view(-1) for it in batch], batch, hyper)
-    for it in served:
-        if not _direct(it):
-            work, write_back = param_flat(it.param)
-            grad = it.grad.reshape(-1).to(torch.float32).contiguous()
-            _launch(kinds, [work], [grad], [it], hyper)
-            write_back()
+    for it in others:
+        work, write_back = param_flat(it.param)
+        grad = it.grad.reshape(-1).to(torch.float32).contiguous()
+        _launch(kinds, [work], [grad], [it], hyper)
+        write_back()
     return [it for it in items if not _on_cpu(it)]
 
 

@@ -28,6 +28,9 @@ finite), so an infinite or near-overflowing input is stored as a finite value, n
 
 from __future__ import annotations
 
+import functools
+import zlib
+
 import torch
 from torch import Tensor
 
@@ -201,20 +204,43 @@ def mix32(x: int) -> int:
     return x ^ (x >> 15)
 
 
+@functools.lru_cache(maxsize=65536)
+def name_salt(name: str) -> int:
+    """The 32-bit hash of a parameter's name in its rounding keys (CRC-32; the same in every process)."""
+    return zlib.crc32(name.encode())
+
+
 def stream_key(seed: int, step: int, salt: int) -> int:
     """The 32-bit rounding key of one parameter (``salt``: a hash of its name) at one step."""
     return mix32(mix32(mix32(seed) ^ (step & _M32)) ^ (salt & _M32))
 
 
-def rounding_bits(start: int, stop: int, which: int, key: int, device: torch.device) -> Tensor:
-    """The 16-bit noise (int64 in ``[0, 2**16)``) of elements ``[start, stop)`` of a stream."""
+#: The last slice's 32-bit hashes: the momentum's store and the second moment's of the same slice
+#: (a bf16 step, a conversion) read one computation; replaced by the next slice's.
+_LAST_HASH: dict[tuple[int, int, int, str], Tensor] = {}
+
+
+def _rounding_hash(start: int, stop: int, key: int, device: torch.device) -> Tensor:
+    """``lowbias32(i + key)`` of the elements ``[start, stop)`` (int64 in ``[0, 2**32)``), not to be modified."""
+    ident = (start, stop, key, str(device))
+    cached = _LAST_HASH.get(ident)
+    if cached is not None:
+        return cached
     x = torch.arange(start, stop, dtype=torch.int64, device=device).add_(key).bitwise_and_(_M32)
     x.bitwise_xor_(x >> 16)
     x.mul_(0x21F0AAAD).bitwise_and_(_M32)
     x.bitwise_xor_(x >> 15)
     x.mul_(0x735A2D97).bitwise_and_(_M32)
     x.bitwise_xor_(x >> 15)
-    return x >> 16 if which == 0 else x.bitwise_and_(0xFFFF)
+    _LAST_HASH.clear()
+    _LAST_HASH[ident] = x
+    return x
+
+
+def rounding_bits(start: int, stop: int, which: int, key: int, device: torch.device) -> Tensor:
+    """The 16-bit noise (int64 in ``[0, 2**16)``) of elements ``[start, stop)`` of a stream."""
+    x = _rounding_hash(start, stop, key, device)
+    return x >> 16 if which == 0 else x & 0xFFFF
 
 
 def bf16_stochastic(x: Tensor, out: Tensor, key: int, start: int = 0, which: int = 0) -> None:

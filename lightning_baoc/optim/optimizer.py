@@ -17,7 +17,6 @@ accelerator (Lightning 2.6's ``Strategy.load_optimizer_state_dict`` calls ``_opt
 from __future__ import annotations
 
 import warnings
-import zlib
 from collections import defaultdict
 from typing import Any, Iterable, Mapping
 
@@ -35,7 +34,7 @@ from lightning_baoc.formats import (
 )
 from lightning_baoc import kernels as _kernels
 from lightning_baoc.formats.base import DEFAULT_CHUNK
-from lightning_baoc.formats.quant import stream_key
+from lightning_baoc.formats.quant import name_salt, stream_key
 from lightning_baoc.optim.args import PERFORMANCE_HINTS, check_torch_options
 from lightning_baoc.optim.args import to_float as _float
 from lightning_baoc.optim.args import validate_hyper as _validate_hyper
@@ -335,7 +334,7 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
 
     def _noise_key(self, rec: _Record, salt: int = 0) -> int:
         """The rounding key of ``rec``'s parameter at its step count (a step's, or a conversion's)."""
-        return stream_key(self.seed, rec.step, zlib.crc32(rec.name.encode()) ^ salt)
+        return stream_key(self.seed, rec.step, name_salt(rec.name) ^ salt)
 
     def _hyper(self, group: Mapping[str, Any], noise_key: int = 0) -> StepHyper:
         beta1, beta2 = group["betas"]

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import zlib
 from typing import IO, Any, Callable, Mapping
 
 import torch
 from torch import Tensor
 
 from lightning_baoc.formats import FORMATS, Canonical, StepHyper, resolve_format
-from lightning_baoc.formats.quant import stream_key
+from lightning_baoc.formats.quant import name_salt, stream_key
 from lightning_baoc.optim.pools import Pool, Record
 from lightning_baoc.optim.state import (
     STATE_DICT_VERSION,
@@ -245,7 +244,7 @@ class PersistenceMixin:
             source = plan.entries[p].source
             if isinstance(source, Canonical):
                 rec = self._records[p]
-                key = stream_key(self.seed, plan.entries[p].steps, zlib.crc32(rec.name.encode()) ^ _LOAD_SALT)
+                key = stream_key(self.seed, plan.entries[p].steps, name_salt(rec.name) ^ _LOAD_SALT)
                 hyper = self._hyper(merged[rec.group], key)
                 FORMATS[fmt].encode(source, target, hyper)
             else:
