@@ -1,76 +1,100 @@
 """The formats' step through the compiled CPU kernels (:mod:`lightning_baoc.kernels`).
 
-A format that has a kernel names its momentum and second-moment kinds (``kernel_kinds``); its
-``update`` hands the items to :func:`compiled_update` first and runs its eager step on the items
-returned (those on another device, or all of them when the policy is ``"eager"`` or the kernels
-are not available). Parameters and gradients that are fp32 and contiguous go through one call
-over all of them; any other parameter (bf16, fp16, non-contiguous) is stepped alone through an fp32
-working copy written back at once, so the copies never exceed one parameter.
+A format that has a kernel names its momentum and second-moment kinds (``kernel_kinds``).
+``BlockwiseAdamW.step`` sends each (param group, format) bucket of CPU parameters it serves to
+:func:`compiled_step`, and every other parameter to the format's eager ``update`` (the reference).
+
+The kernel makes the step's decisions itself, so the optimizer reads no tensor to launch it: it
+tests each gradient for inf and NaN, advances the parameter's step counts (``Record.counts``) or
+counts its skip, and derives the bias corrections and the rounding key from the new counts. It
+works in batches of :data:`BATCH_ELEMENTS` gradient elements, so that the update reads gradients
+the test (and the factored formats' row and column sums) just brought into the cache.
+
+Parameters and gradients that are fp32 and contiguous go through one call over all of them; any
+other parameter (bf16, fp16, non-contiguous) is stepped alone through an fp32 working copy written
+back at once, so the copies never exceed one parameter.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from lightning_baoc import kernels
 
-from .adam_math import element_batches, param_flat
-from .base import StateFormat, StepHyper, StepItem, factor_dims
+from .adam_math import param_flat
+from .base import StateFormat, StepHyper, factor_dims
 from .factored_math import EPS_SQUARE, FP32_MAX
+from .fused_adam import fused_available
 from .quant import M_SCALE_MAX, V_SCALE_MAX
 
 _M_KEYS = {kernels.M_FP32: ("exp_avg", None, None), kernels.M_BF16: ("exp_avg", None, None),
            kernels.M_INT8: ("exp_avg", "exp_avg_scale", "exp_avg_exp")}
 _V_KEYS = {kernels.V_FP32: ("exp_avg_sq", None, None), kernels.V_BF16: ("exp_avg_sq", None, None),
-           kernels.V_UINT8: ("exp_avg_sq", "exp_avg_sq_scale", "exp_avg_sq_exp")}
+           kernels.V_UINT8: ("exp_avg_sq", "exp_avg_sq_scale", "exp_avg_sq_exp"),
+           kernels.V_FACTORED: (None, None, None)}
+_CPU = torch.device("cpu")
+
+#: Gradient elements of one batch at most (4 MiB of fp32 gradients): the non-finite test (and the
+#: factored formats' row and column sums) read them, the update reads them again, from the cache.
+#: Measured on a 21M-parameter model (20 x 1M) on a 32 MiB L3, 1 thread, factored: 1.10x fused
+#: AdamW's step in batches of 1M elements, 1.24x in batches of 4M, 1.24x in one call.
+BATCH_ELEMENTS = 1 << 20
 
 
-def _on_cpu(item: StepItem) -> bool:
-    return item.param.device.type == "cpu" and all(t.device.type == "cpu" for t in item.views.values())
+class KernelItem(NamedTuple):
+    """One parameter for :func:`compiled_step`."""
+
+    param: Tensor
+    grad: Tensor
+    views: dict[str, Tensor]
+    counts: Tensor  # int64 [step, m_step, nonfinite], advanced by the kernel
+    salt: int  # the hash of the parameter's name in its rounding keys (quant.name_salt)
 
 
-def _direct(item: StepItem) -> bool:
+def kernel_serves(fmt: StateFormat, param: Tensor, views: dict[str, Tensor], policy: str) -> bool:
+    """Whether the compiled kernel steps ``param`` (held in ``fmt`` as ``views``) under ``policy``."""
+    return (
+        fmt.kernel_kinds is not None
+        and param.device.type == "cpu"
+        and all(t.device.type == "cpu" for t in views.values())
+        and kernels.use_compiled(policy, announce=False)
+    )
+
+
+def _direct(item: KernelItem) -> bool:
     p, g = item.param, item.grad
     return p.dtype == torch.float32 and p.is_contiguous() and g.dtype == torch.float32 and g.is_contiguous()
 
 
-def compiled_update(fmt: StateFormat, items: list[StepItem], hyper: StepHyper) -> list[StepItem]:
-    """Step the items the compiled kernels serve; return the others (for the eager step)."""
+def compiled_step(
+    fmt: StateFormat, items: list[KernelItem], hyper: StepHyper, seed: int, check_finite: bool
+) -> list[KernelItem]:
+    """One step of ``items`` (all served: :func:`kernel_serves`); returns those skipped because
+    their gradient held inf or NaN (``check_finite``): the kernel says which, no tensor is read."""
     kinds = fmt.kernel_kinds
-    if kinds is None or not items or not kernels.use_compiled(hyper.kernels, announce=False):
-        return items
-    served = [it for it in items if _on_cpu(it)]
-    if not served:
-        return items
-    direct: list[StepItem] = []
-    others: list[StepItem] = []
-    for it in served:
-        (direct if _direct(it) else others).append(it)
-    # a factored step reads each gradient twice (its row and column sums, then the update): in
-    # batches small enough that the second read finds the gradients in the cache
-    if kinds[1] == kernels.V_FACTORED:
-        batches = list(element_batches(direct, FACTORED_BATCH_ELEMENTS))
-    else:
-        batches = [direct] if direct else []
-    for batch in batches:
-        _launch(kinds, [it.param.view(-1) for it in batch], [it.grad.view(-1) for it in batch], batch, hyper)
-    for it in others:
+    assert kinds is not None
+    direct = [it for it in items if _direct(it)]
+    skipped: list[KernelItem] = []
+    if direct:
+        skipped += _launch(kinds, [it.param.view(-1) for it in direct], [it.grad.view(-1) for it in direct],
+                           direct, hyper, seed, check_finite)
+    for it in items:
+        if _direct(it):
+            continue
         work, write_back = param_flat(it.param)
         grad = it.grad.reshape(-1).to(torch.float32).contiguous()
-        _launch(kinds, [work], [grad], [it], hyper)
+        skipped += _launch(kinds, [work], [grad], [it], hyper, seed, check_finite)
         write_back()
-    return [it for it in items if not _on_cpu(it)]
+    return skipped
 
 
-#: Gradient elements of one factored call at most (4 MiB of fp32 gradients): the row and column
-#: sums read them, the update reads them again, from the cache. Measured on a 21M-parameter model
-#: (20 x 1M) on a 32 MiB L3, 1 thread: 1.10x fused AdamW's step in batches of 1M elements, 1.24x in
-#: batches of 4M, 1.24x in one call.
-FACTORED_BATCH_ELEMENTS = 1 << 20
-
-
-def _launch(kinds: tuple[int, int], params: list[Tensor], grads: list[Tensor], items: list[StepItem], hyper: StepHyper) -> None:
+def _launch(
+    kinds: tuple[int, int], params: list[Tensor], grads: list[Tensor], items: list[KernelItem], hyper: StepHyper,
+    seed: int, check_finite: bool,
+) -> list[KernelItem]:
     m_kind, v_kind = kinds
     empty: list[Tensor] = []
 
@@ -80,24 +104,18 @@ def _launch(kinds: tuple[int, int], params: list[Tensor], grads: list[Tensor], i
 
     m, m_scale, m_exp = lists(_M_KEYS, m_kind)
     v, v_scale, v_exp = lists(_V_KEYS, v_kind)
-    row_factor: list[Tensor] = empty
-    col_factor: list[Tensor] = empty
-    bc2 = [it.bias_correction2 for it in items]
+    rows: list[Tensor] = empty
+    cols: list[Tensor] = empty
     if v_kind == kernels.V_FACTORED:
         for it in items:
             if factor_dims(it.param.shape) is None:  # the optimizer resolves such shapes to the fallback
                 raise ValueError(f"shape {tuple(it.param.shape)} has no factored form")
         rows = [it.views["exp_avg_sq_row"] for it in items]
         cols = [it.views["exp_avg_sq_col"] for it in items]
-        row_factor = [torch.empty_like(r) for r in rows]
-        col_factor = [torch.empty_like(c) for c in cols]
-        kernels.ops().factored_moments(
-            params, grads, rows, cols, row_factor, col_factor, bc2, hyper.beta2, hyper.weight_decay,
-            hyper.decoupled_weight_decay, hyper.maximize, EPS_SQUARE, FP32_MAX,
-        )
-    kernels.ops().adamw_step(
-        params, grads, m, m_scale, m_exp, v, v_scale, v_exp, row_factor, col_factor,
-        [it.bias_correction1 for it in items], bc2, [it.noise_key for it in items],
-        m_kind, v_kind, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay,
-        hyper.decoupled_weight_decay, hyper.maximize, M_SCALE_MAX, V_SCALE_MAX,
+    skipped = kernels.ops().adamw_step(
+        params, grads, m, m_scale, m_exp, v, v_scale, v_exp, rows, cols, [it.counts for it in items],
+        [it.salt for it in items], seed, m_kind, v_kind, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
+        hyper.weight_decay, hyper.decoupled_weight_decay, hyper.maximize, M_SCALE_MAX, V_SCALE_MAX, EPS_SQUARE,
+        FP32_MAX, check_finite, fused_available(_CPU, hyper.decoupled_weight_decay), BATCH_ELEMENTS,
     )
+    return [items[i] for i in skipped]

@@ -17,7 +17,6 @@ from torch import Tensor
 
 from .adam_math import chunk_adamw, chunk_ranges, grad_flat, param_flat
 from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, numel_of
-from .compiled import compiled_update
 
 
 class ElementwiseFormat(StateFormat):
@@ -65,9 +64,9 @@ class ElementwiseFormat(StateFormat):
         return Canonical(shape, exp_avg=m, exp_avg_sq=self.load_v(views, 0, n).clone().view(shape))
 
     def update(self, items: list[StepItem], hyper: StepHyper) -> None:
-        """The compiled step where it serves (:mod:`.compiled`), else this eager one: chunks of
+        """The eager step (the compiled one's reference, :mod:`.compiled`): chunks of
         ``hyper.chunk`` elements, loaded to fp32, updated, stored back."""
-        for item in compiled_update(self, items, hyper):
+        for item in items:
             step_hyper = replace(hyper, noise_key=item.noise_key)
             p, write_back = param_flat(item.param)
             g = grad_flat(item.grad)

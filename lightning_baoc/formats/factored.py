@@ -14,7 +14,6 @@ from torch import Tensor
 from lightning_baoc import kernels
 
 from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, factor_dims
-from .compiled import compiled_update
 from .factored_math import factored_update
 
 
@@ -49,4 +48,4 @@ class Factored(StateFormat):
         )
 
     def update(self, items: list[StepItem], hyper: StepHyper) -> None:
-        factored_update(compiled_update(self, items, hyper), hyper)
+        factored_update(items, hyper)

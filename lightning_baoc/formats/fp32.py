@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_baoc import kernels
+
 from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, numel_of
 from .fused_adam import fused_dense_fp32
 
@@ -20,6 +22,7 @@ class FP32(StateFormat):
     name = "fp32"
     has_momentum = True
     summary = "m fp32, v fp32"
+    kernel_kinds = (kernels.M_FP32, kernels.V_FP32)  # ATen's fused AdamW inside the kernel's call
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         n = numel_of(shape)

@@ -13,7 +13,6 @@ from lightning_baoc import kernels
 
 from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, factor_dims, numel_of
 from .adam_math import chunk_ranges
-from .compiled import compiled_update
 from .factored_math import factored_update
 from .int8 import quant_args, quant_specs
 from .quant import dequantize_momentum, quantize_momentum
@@ -75,4 +74,4 @@ class Int8Factored(StateFormat):
         _store_m(m, views, start, stop, hyper)
 
     def update(self, items: list[StepItem], hyper: StepHyper) -> None:
-        factored_update(compiled_update(self, items, hyper), hyper, _load_m, _store_m)
+        factored_update(items, hyper, _load_m, _store_m)

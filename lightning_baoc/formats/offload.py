@@ -16,6 +16,8 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from lightning_baoc import kernels
+
 from .adam_math import element_batches
 from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, numel_of
 from .fused_adam import fused_dense_fp32
@@ -30,6 +32,7 @@ class Offload(StateFormat):
     has_momentum = True
     offloaded = True
     summary = "m fp32, v fp32, in host memory (updated on the CPU)"
+    kernel_kinds = (kernels.M_FP32, kernels.V_FP32)  # ATen's fused AdamW inside the kernel's call
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         n = numel_of(shape)

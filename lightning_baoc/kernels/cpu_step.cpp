@@ -21,9 +21,11 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -380,22 +382,144 @@ void superblock(const Tensors& t, int64_t sb, float limit_m, float limit_v) {
   }
 }
 
+// The rounding key of one parameter at one step (quant.py `stream_key`): the hash of the seed, the
+// step count and a hash of the parameter's name.
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x21F0AAADu;
+  x ^= x >> 15;
+  x *= 0x735A2D97u;
+  return x ^ (x >> 15);
+}
+
+inline uint32_t stream_key(int64_t seed, int64_t step, int64_t salt) {
+  return mix32(mix32(mix32(static_cast<uint32_t>(seed)) ^ static_cast<uint32_t>(step)) ^ static_cast<uint32_t>(salt));
+}
+
+// Whether any of n fp32 values is inf or NaN (all exponent bits set): integer operations, one
+// vectorized pass.
+inline bool any_nonfinite(const float* g, int64_t n) {
+  uint32_t hits = 0;
+#pragma omp simd reduction(| : hits)
+  for (int64_t j = 0; j < n; ++j) hits |= static_cast<uint32_t>((bits_of(g[j]) & 0x7F800000u) == 0x7F800000u);
+  return hits != 0;
+}
+
+inline int64_t superblocks(int64_t numel) { return (numel + SUPER - 1) / SUPER; }
+
 template <int64_t M, int64_t V>
-void run_all(const std::vector<Tensors>& items, double limit_m, double limit_v) {
+void run_all(const std::vector<Tensors>& items, float limit_m, float limit_v) {
   std::vector<int64_t> offsets(items.size() + 1, 0);
-  for (size_t i = 0; i < items.size(); ++i) offsets[i + 1] = offsets[i] + (items[i].numel + SUPER - 1) / SUPER;
-  const float lm = static_cast<float>(limit_m), lv = static_cast<float>(limit_v);
+  for (size_t i = 0; i < items.size(); ++i) offsets[i + 1] = offsets[i] + superblocks(items[i].numel);
   at::parallel_for(0, offsets.back(), 8, [&](int64_t begin, int64_t end) {
     size_t i = std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin() - 1;
     for (int64_t k = begin; k < end; ++k) {
       while (k >= offsets[i + 1]) ++i;
       if ((k - offsets[i] + 1) * SUPER <= items[i].numel) {
-        superblock<M, V, true>(items[i], k - offsets[i], lm, lv);
+        superblock<M, V, true>(items[i], k - offsets[i], limit_m, limit_v);
       } else {
-        superblock<M, V, false>(items[i], k - offsets[i], lm, lv);
+        superblock<M, V, false>(items[i], k - offsets[i], limit_m, limit_v);
       }
     }
   });
+}
+
+void run_kind(int64_t m_kind, int64_t v_kind, const std::vector<Tensors>& items, float lm, float lv) {
+  if (items.empty()) return;
+  switch (m_kind * 4 + v_kind) {
+    case M_NONE * 4 + V_FP32: return run_all<M_NONE, V_FP32>(items, lm, lv);
+    case M_NONE * 4 + V_UINT8: return run_all<M_NONE, V_UINT8>(items, lm, lv);
+    case M_NONE * 4 + V_FACTORED: return run_all<M_NONE, V_FACTORED>(items, lm, lv);
+    case M_FP32 * 4 + V_FP32: return run_all<M_FP32, V_FP32>(items, lm, lv);
+    case M_BF16 * 4 + V_FP32: return run_all<M_BF16, V_FP32>(items, lm, lv);
+    case M_BF16 * 4 + V_BF16: return run_all<M_BF16, V_BF16>(items, lm, lv);
+    case M_INT8 * 4 + V_UINT8: return run_all<M_INT8, V_UINT8>(items, lm, lv);
+    case M_INT8 * 4 + V_FACTORED: return run_all<M_INT8, V_FACTORED>(items, lm, lv);
+    default: TORCH_CHECK(false, "lightning_baoc step: no kernel for momentum kind ", m_kind, " and second-moment kind ", v_kind);
+  }
+}
+
+// Which tensors of items[i0, i1) hold an inf or a NaN in their gradient: one parallel pass over
+// their super-blocks (a tensor found bad is not read further).
+std::vector<uint8_t> nonfinite_flags(const std::vector<Tensors>& items, size_t i0, size_t i1) {
+  const size_t count = i1 - i0;
+  std::unique_ptr<std::atomic<uint8_t>[]> bad(new std::atomic<uint8_t>[count]);
+  for (size_t i = 0; i < count; ++i) bad[i].store(0, std::memory_order_relaxed);
+  std::vector<int64_t> offsets(count + 1, 0);
+  for (size_t i = 0; i < count; ++i) offsets[i + 1] = offsets[i] + superblocks(items[i0 + i].numel);
+  at::parallel_for(0, offsets.back(), 16, [&](int64_t begin, int64_t end) {
+    size_t i = std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin() - 1;
+    for (int64_t k = begin; k < end; ++k) {
+      while (k >= offsets[i + 1]) ++i;
+      if (bad[i].load(std::memory_order_relaxed)) continue;
+      const Tensors& t = items[i0 + i];
+      const int64_t start = (k - offsets[i]) * SUPER;
+      if (any_nonfinite(t.g + start, std::min(SUPER, t.numel - start))) bad[i].store(1, std::memory_order_relaxed);
+    }
+  });
+  std::vector<uint8_t> out(count);
+  for (size_t i = 0; i < count; ++i) out[i] = bad[i].load(std::memory_order_relaxed);
+  return out;
+}
+
+// Adafactor's moments of one tensor (factored_math._update_moments and sqrt_factors): one read of
+// the gradient for the row and column sums of (g k)**2, then the state vectors and the step's
+// factors sqrt(row / mean(row) / bc2) and sqrt(col).
+void factored_moments(const float* g, const float* p, float* row, float* col, int64_t rows, int64_t cols,
+                      float* rf, float* cf, double bias_correction2, double beta2, double weight_decay,
+                      bool decoupled, bool maximize, double eps_square, double fp32_max) {
+  const float k = static_cast<float>(std::sqrt((1.0 - beta2) / static_cast<double>(std::max(rows, cols))));
+  const bool l2 = weight_decay != 0.0 && !decoupled;
+  const float wd = static_cast<float>(weight_decay);
+  const float gsign = maximize ? -1.0f : 1.0f;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
+  std::vector<float> row_sum(rows, 0.0f);
+  std::vector<float> col_part(static_cast<size_t>(threads * cols), 0.0f);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r0 = rows * t / threads, r1 = rows * (t + 1) / threads;
+      float* cs = col_part.data() + t * cols;
+      alignas(64) float sq[SUPER];
+      for (int64_t r = r0; r < r1; ++r) {
+        const float* gr = g + r * cols;
+        const float* pr = p + r * cols;
+        float acc = 0.0f;
+        for (int64_t c0 = 0; c0 < cols; c0 += SUPER) {  // (g k)**2 of a slice of the row, then its sums
+          const int64_t len = std::min(SUPER, cols - c0);
+#pragma omp simd
+          for (int64_t c = 0; c < len; ++c) {
+            float x = gr[c0 + c] * gsign;
+            x = l2 ? std::fma(pr[c0 + c], wd, x) : x;
+            x = x * k;
+            sq[c] = x * x;
+          }
+          float* col_slice = cs + c0;
+#pragma omp simd
+          for (int64_t c = 0; c < len; ++c) col_slice[c] += sq[c];
+#pragma omp simd reduction(+ : acc)
+          for (int64_t c = 0; c < len; ++c) acc += sq[c];
+        }
+        row_sum[r] = acc;
+      }
+    }
+  });
+  const float b2 = static_cast<float>(beta2);
+  const float floor_ = static_cast<float>((1.0 - beta2) * eps_square);
+  const float alpha_r = static_cast<float>(static_cast<double>(std::max(rows, cols)) / cols);
+  const float alpha_c = static_cast<float>(static_cast<double>(std::max(rows, cols)) / rows);
+  const float top = static_cast<float>(fp32_max);
+  for (int64_t r = 0; r < rows; ++r) row[r] = std::min(std::fma(row_sum[r], alpha_r, row[r] * b2) + floor_, top);
+  for (int64_t c = 0; c < cols; ++c) {
+    float sum = 0.0f;
+    for (int64_t t = 0; t < threads; ++t) sum += col_part[t * cols + c];
+    col[c] = std::min(std::fma(sum, alpha_c, col[c] * b2) + floor_, top);
+  }
+  float mean = 0.0f;
+  const float rows_f = static_cast<float>(rows);
+  for (int64_t r = 0; r < rows; ++r) mean += row[r] / rows_f;
+  const float bc2 = static_cast<float>(bias_correction2);
+  for (int64_t r = 0; r < rows; ++r) rf[r] = std::sqrt((mean > 0.0f ? row[r] / mean : 0.0f) / bc2);
+  for (int64_t c = 0; c < cols; ++c) cf[c] = std::sqrt(col[c]);
 }
 
 void* data_or_null(const std::vector<at::Tensor>& list, size_t i) {
@@ -411,18 +535,52 @@ void check_list(const std::vector<at::Tensor>& list, size_t n, const char* name,
   }
 }
 
-// params, grads: fp32, contiguous, flat or not. Empty lists where a kind stores nothing.
-void adamw_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                const std::vector<at::Tensor>& m, const std::vector<at::Tensor>& m_scale,
-                const std::vector<at::Tensor>& m_exp, const std::vector<at::Tensor>& v,
-                const std::vector<at::Tensor>& v_scale, const std::vector<at::Tensor>& v_exp,
-                const std::vector<at::Tensor>& row_factor, const std::vector<at::Tensor>& col_factor,
-                at::ArrayRef<double> bias_correction1, at::ArrayRef<double> bias_correction2,
-                at::ArrayRef<int64_t> keys, int64_t m_kind, int64_t v_kind, double lr, double beta1, double beta2,
-                double eps, double weight_decay, bool decoupled, bool maximize, double limit_m, double limit_v) {
+Scalars scalars_for(bool has_m, double bc1, double bc2, double lr, double beta1, double beta2, double eps,
+                    double weight_decay, bool decoupled, bool maximize) {
+  Scalars s;
+  s.lr_step = static_cast<float>(has_m ? -lr / bc1 : -lr);
+  s.decoupled_decay = weight_decay != 0.0 && decoupled;
+  s.l2_decay = weight_decay != 0.0 && !decoupled;
+  s.decay = static_cast<float>(1.0 - lr * weight_decay);
+  s.l2 = static_cast<float>(weight_decay);
+  s.beta2 = static_cast<float>(beta2);
+  s.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  const float w = static_cast<float>(1.0 - beta1);
+  s.lerp_small = std::fabs(w) < 0.5f;
+  s.lerp_coeff = s.lerp_small ? w : w - 1.0f;
+  s.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+  s.eps = static_cast<float>(eps);
+  s.maximize = maximize;
+  return s;
+}
+
+// Largest step count handed to ATen's fused AdamW: it reads the count as an fp32 number.
+constexpr int64_t MAX_FUSED_STEP = int64_t{1} << 24;
+
+// One AdamW step of every tensor of a call, in batches of about `batch_elements` gradient elements
+// (a larger tensor is a batch of its own), so that the gradients the non-finite test reads are
+// still in the cache when the update reads them again.
+//
+// Per batch: the non-finite test (when `check_finite`); the step counts of each tensor
+// (`counts[i]`: int64 [step, momentum step, skipped steps]) advance, or its skip is counted, its
+// parameter and state untouched; the bias corrections and the rounding key follow from the new
+// counts exactly as the optimizer computes them (optimizer.py `step`); then the factored moments
+// and the update. fp32 moments whose bias corrections share one count (`fused_fp32`) go through
+// ATen's fused AdamW, the kernel of torch.optim.AdamW(fused=True). Returns the indices of the tensors
+// skipped, so that the caller reads no tensor to learn them.
+std::vector<int64_t> adamw_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                   const std::vector<at::Tensor>& m, const std::vector<at::Tensor>& m_scale,
+                   const std::vector<at::Tensor>& m_exp, const std::vector<at::Tensor>& v,
+                   const std::vector<at::Tensor>& v_scale, const std::vector<at::Tensor>& v_exp,
+                   const std::vector<at::Tensor>& rows_state, const std::vector<at::Tensor>& cols_state,
+                   const std::vector<at::Tensor>& counts, at::ArrayRef<int64_t> salts, int64_t seed, int64_t m_kind,
+                   int64_t v_kind, double lr, double beta1, double beta2, double eps, double weight_decay,
+                   bool decoupled, bool maximize, double limit_m, double limit_v, double eps_square, double fp32_max,
+                   bool check_finite, bool fused_fp32, int64_t batch_elements) {
   const size_t n = params.size();
-  TORCH_CHECK(grads.size() == n && bias_correction1.size() == n && bias_correction2.size() == n && keys.size() == n,
-              "lightning_baoc step: lists of different lengths");
+  TORCH_CHECK(m_kind >= M_NONE && m_kind <= M_INT8 && v_kind >= V_FP32 && v_kind <= V_FACTORED,
+              "lightning_baoc step: unknown kinds ", m_kind, ", ", v_kind);
+  TORCH_CHECK(grads.size() == n && salts.size() == n, "lightning_baoc step: lists of different lengths");
   check_list(params, n, "params", true);
   check_list(grads, n, "grads", true);
   check_list(m, n, "m", m_kind != M_NONE);
@@ -431,17 +589,20 @@ void adamw_step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
   check_list(v, n, "v", v_kind != V_FACTORED);
   check_list(v_scale, n, "v_scale", v_kind == V_UINT8);
   check_list(v_exp, n, "v_exp", v_kind == V_UINT8);
-  check_list(row_factor, n, "row_factor", v_kind == V_FACTORED);
-  check_list(col_factor, n, "col_factor", v_kind == V_FACTORED);
+  check_list(rows_state, n, "rows", v_kind == V_FACTORED);
+  check_list(cols_state, n, "cols", v_kind == V_FACTORED);
+  check_list(counts, n, "counts", true);
   const at::ScalarType m_dtype[] = {at::kFloat, at::kFloat, at::kBFloat16, at::kChar};
   const at::ScalarType v_dtype[] = {at::kFloat, at::kBFloat16, at::kByte, at::kFloat};
+  const bool has_m = m_kind != M_NONE;
   std::vector<Tensors> items(n);
   for (size_t i = 0; i < n; ++i) {
     const int64_t numel = params[i].numel();
     TORCH_CHECK(params[i].scalar_type() == at::kFloat && grads[i].scalar_type() == at::kFloat,
                 "lightning_baoc step: parameters and gradients must be fp32");
     TORCH_CHECK(grads[i].numel() == numel, "lightning_baoc step: gradient size differs from its parameter");
-    if (m_kind != M_NONE) {
+    TORCH_CHECK(counts[i].scalar_type() == at::kLong && counts[i].numel() == 3, "lightning_baoc step: bad counts");
+    if (has_m) {
       TORCH_CHECK(m[i].numel() == numel && m[i].scalar_type() == m_dtype[m_kind], "lightning_baoc step: bad momentum");
     }
     if (v_kind != V_FACTORED) {
@@ -449,37 +610,22 @@ void adamw_step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
                   "lightning_baoc step: bad second moment");
     }
     if (m_kind == M_INT8) {
-      TORCH_CHECK(m_scale[i].numel() == (numel + GROUP - 1) / GROUP && m_exp[i].numel() == (numel + SUPER - 1) / SUPER &&
+      TORCH_CHECK(m_scale[i].numel() == (numel + GROUP - 1) / GROUP && m_exp[i].numel() == superblocks(numel) &&
                       m_scale[i].scalar_type() == at::kHalf && m_exp[i].scalar_type() == at::kChar,
                   "lightning_baoc step: bad momentum scales");
     }
     if (v_kind == V_UINT8) {
-      TORCH_CHECK(v_scale[i].numel() == (numel + GROUP - 1) / GROUP && v_exp[i].numel() == (numel + SUPER - 1) / SUPER &&
+      TORCH_CHECK(v_scale[i].numel() == (numel + GROUP - 1) / GROUP && v_exp[i].numel() == superblocks(numel) &&
                       v_scale[i].scalar_type() == at::kHalf && v_exp[i].scalar_type() == at::kChar,
                   "lightning_baoc step: bad second-moment scales");
     }
     int64_t cols = 1;
     if (v_kind == V_FACTORED) {
-      cols = col_factor[i].numel();
-      TORCH_CHECK(cols > 0 && row_factor[i].numel() * cols == numel && row_factor[i].scalar_type() == at::kFloat &&
-                      col_factor[i].scalar_type() == at::kFloat,
+      cols = cols_state[i].numel();
+      TORCH_CHECK(cols > 0 && rows_state[i].numel() * cols == numel && rows_state[i].scalar_type() == at::kFloat &&
+                      cols_state[i].scalar_type() == at::kFloat,
                   "lightning_baoc step: bad factors");
     }
-    Scalars s;
-    const bool has_m = m_kind != M_NONE;
-    s.lr_step = static_cast<float>(has_m ? -lr / bias_correction1[i] : -lr);
-    s.decoupled_decay = weight_decay != 0.0 && decoupled;
-    s.l2_decay = weight_decay != 0.0 && !decoupled;
-    s.decay = static_cast<float>(1.0 - lr * weight_decay);
-    s.l2 = static_cast<float>(weight_decay);
-    s.beta2 = static_cast<float>(beta2);
-    s.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-    const float w = static_cast<float>(1.0 - beta1);
-    s.lerp_small = std::fabs(w) < 0.5f;
-    s.lerp_coeff = s.lerp_small ? w : w - 1.0f;
-    s.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bias_correction2[i]));
-    s.eps = static_cast<float>(eps);
-    s.maximize = maximize;
     items[i] = Tensors{params[i].data_ptr<float>(),
                        grads[i].data_ptr<float>(),
                        data_or_null(m, i),
@@ -488,101 +634,69 @@ void adamw_step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
                        data_or_null(v, i),
                        v_kind == V_UINT8 ? v_scale[i].data_ptr<at::Half>() : nullptr,
                        v_kind == V_UINT8 ? v_exp[i].data_ptr<int8_t>() : nullptr,
-                       v_kind == V_FACTORED ? row_factor[i].data_ptr<float>() : nullptr,
-                       v_kind == V_FACTORED ? col_factor[i].data_ptr<float>() : nullptr,
+                       nullptr,
+                       nullptr,
                        numel,
                        cols,
-                       static_cast<uint32_t>(keys[i]),
-                       s};
+                       0u,
+                       Scalars{}};
   }
-  const int64_t kind = m_kind * 4 + v_kind;
-  switch (kind) {
-    case M_NONE * 4 + V_FP32: return run_all<M_NONE, V_FP32>(items, limit_m, limit_v);
-    case M_NONE * 4 + V_UINT8: return run_all<M_NONE, V_UINT8>(items, limit_m, limit_v);
-    case M_NONE * 4 + V_FACTORED: return run_all<M_NONE, V_FACTORED>(items, limit_m, limit_v);
-    case M_FP32 * 4 + V_FP32: return run_all<M_FP32, V_FP32>(items, limit_m, limit_v);
-    case M_BF16 * 4 + V_FP32: return run_all<M_BF16, V_FP32>(items, limit_m, limit_v);
-    case M_BF16 * 4 + V_BF16: return run_all<M_BF16, V_BF16>(items, limit_m, limit_v);
-    case M_INT8 * 4 + V_UINT8: return run_all<M_INT8, V_UINT8>(items, limit_m, limit_v);
-    case M_INT8 * 4 + V_FACTORED: return run_all<M_INT8, V_FACTORED>(items, limit_m, limit_v);
-    default: TORCH_CHECK(false, "lightning_baoc step: no kernel for momentum kind ", m_kind, " and second-moment kind ", v_kind);
-  }
-}
-
-// Adafactor's moments (factored_math._update_moments and sqrt_factors) for every tensor of a call:
-// one read of each gradient for the row and column sums of (g k)**2, then the vectors.
-void factored_moments(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                      const std::vector<at::Tensor>& rows_state, const std::vector<at::Tensor>& cols_state,
-                      const std::vector<at::Tensor>& row_factor, const std::vector<at::Tensor>& col_factor,
-                      at::ArrayRef<double> bias_correction2, double beta2, double weight_decay, bool decoupled,
-                      bool maximize, double eps_square, double fp32_max) {
-  const size_t n = params.size();
-  for (size_t i = 0; i < n; ++i) {
-    const int64_t rows = rows_state[i].numel(), cols = cols_state[i].numel();
-    TORCH_CHECK(rows * cols == params[i].numel() && grads[i].numel() == params[i].numel(),
-                "lightning_baoc factored step: shapes do not match");
-    const float* g = grads[i].data_ptr<float>();
-    const float* p = params[i].data_ptr<float>();
-    float* row = rows_state[i].data_ptr<float>();
-    float* col = cols_state[i].data_ptr<float>();
-    const float k = static_cast<float>(std::sqrt((1.0 - beta2) / static_cast<double>(std::max(rows, cols))));
-    const bool l2 = weight_decay != 0.0 && !decoupled;
-    const float wd = static_cast<float>(weight_decay);
-    const float gsign = maximize ? -1.0f : 1.0f;
-    const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
-    std::vector<float> row_sum(rows, 0.0f);
-    std::vector<float> col_part(static_cast<size_t>(threads * cols), 0.0f);
-    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t r0 = rows * t / threads, r1 = rows * (t + 1) / threads;
-        float* cs = col_part.data() + t * cols;
-        alignas(64) float sq[SUPER];
-        for (int64_t r = r0; r < r1; ++r) {
-          const float* gr = g + r * cols;
-          const float* pr = p + r * cols;
-          float acc = 0.0f;
-          for (int64_t c0 = 0; c0 < cols; c0 += SUPER) {  // (g k)**2 of a slice of the row, then its sums
-            const int64_t len = std::min(SUPER, cols - c0);
-#pragma omp simd
-            for (int64_t c = 0; c < len; ++c) {
-              float x = gr[c0 + c] * gsign;
-              x = l2 ? std::fma(pr[c0 + c], wd, x) : x;
-              x = x * k;
-              sq[c] = x * x;
-            }
-            float* col_slice = cs + c0;
-#pragma omp simd
-            for (int64_t c = 0; c < len; ++c) col_slice[c] += sq[c];
-#pragma omp simd reduction(+ : acc)
-            for (int64_t c = 0; c < len; ++c) acc += sq[c];
-          }
-          row_sum[r] = acc;
-        }
+  const float lm = static_cast<float>(limit_m), lv = static_cast<float>(limit_v);
+  std::vector<int64_t> skipped;
+  size_t i0 = 0;
+  while (i0 < n) {
+    size_t i1 = i0 + 1;
+    int64_t total = items[i0].numel;
+    while (i1 < n && total + items[i1].numel <= batch_elements) total += items[i1++].numel;
+    std::vector<uint8_t> bad = check_finite ? nonfinite_flags(items, i0, i1) : std::vector<uint8_t>(i1 - i0, 0);
+    std::vector<Tensors> run;
+    std::vector<std::vector<float>> factors;  // row and column factors of the factored tensors
+    std::vector<at::Tensor> fp, fg, fm, fv, fsteps;
+    for (size_t i = i0; i < i1; ++i) {
+      int64_t* c = counts[i].data_ptr<int64_t>();
+      if (bad[i - i0]) {
+        c[2] += 1;
+        skipped.push_back(static_cast<int64_t>(i));
+        continue;
       }
-    });
-    const float b2 = static_cast<float>(beta2);
-    const float floor_ = static_cast<float>((1.0 - beta2) * eps_square);
-    const float alpha_r = static_cast<float>(static_cast<double>(std::max(rows, cols)) / cols);
-    const float alpha_c = static_cast<float>(static_cast<double>(std::max(rows, cols)) / rows);
-    const float top = static_cast<float>(fp32_max);
-    for (int64_t r = 0; r < rows; ++r) {
-      row[r] = std::min(std::fma(row_sum[r], alpha_r, row[r] * b2) + floor_, top);
+      c[0] += 1;
+      if (has_m) c[1] += 1;
+      const int64_t step = c[0], m_step = c[1];
+      const double bc1 = (has_m && m_step) ? 1.0 - std::pow(beta1, static_cast<double>(m_step)) : 1.0;
+      const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+      if (m_kind == M_FP32 && v_kind == V_FP32 && fused_fp32 && m_step == step && step <= MAX_FUSED_STEP) {
+        fp.push_back(params[i]);
+        fg.push_back(grads[i]);
+        fm.push_back(m[i]);
+        fv.push_back(v[i]);
+        fsteps.push_back(at::scalar_tensor(static_cast<double>(step), at::TensorOptions().dtype(at::kFloat)));
+        continue;
+      }
+      Tensors t = items[i];
+      t.key = stream_key(seed, step, salts[i]);
+      t.s = scalars_for(has_m, bc1, bc2, lr, beta1, beta2, eps, weight_decay, decoupled, maximize);
+      if (v_kind == V_FACTORED) {
+        const int64_t rows = rows_state[i].numel(), cols = cols_state[i].numel();
+        factors.emplace_back(static_cast<size_t>(rows + cols));
+        float* rf = factors.back().data();
+        factored_moments(t.g, t.p, rows_state[i].data_ptr<float>(), cols_state[i].data_ptr<float>(), rows, cols, rf,
+                         rf + rows, bc2, beta2, weight_decay, decoupled, maximize, eps_square, fp32_max);
+        t.row_factor = rf;
+        t.col_factor = rf + rows;
+      }
+      run.push_back(t);
     }
-    for (int64_t c = 0; c < cols; ++c) {
-      float sum = 0.0f;
-      for (int64_t t = 0; t < threads; ++t) sum += col_part[t * cols + c];
-      col[c] = std::min(std::fma(sum, alpha_c, col[c] * b2) + floor_, top);
+    if (!fp.empty()) {
+      if (decoupled) {
+        at::_fused_adamw_(fp, fg, fm, fv, {}, fsteps, lr, beta1, beta2, weight_decay, eps, false, maximize);
+      } else {
+        at::_fused_adam_(fp, fg, fm, fv, {}, fsteps, lr, beta1, beta2, weight_decay, eps, false, maximize);
+      }
     }
-    // sqrt factors: sqrt(row / mean(row) / bc2) and sqrt(col)
-    float mean = 0.0f;
-    const float rows_f = static_cast<float>(rows);
-    for (int64_t r = 0; r < rows; ++r) mean += row[r] / rows_f;
-    const float bc2 = static_cast<float>(bias_correction2[i]);
-    float* rf = row_factor[i].data_ptr<float>();
-    float* cf = col_factor[i].data_ptr<float>();
-    for (int64_t r = 0; r < rows; ++r) rf[r] = std::sqrt((mean > 0.0f ? row[r] / mean : 0.0f) / bc2);
-    for (int64_t c = 0; c < cols; ++c) cf[c] = std::sqrt(col[c]);
+    run_kind(m_kind, v_kind, run, lm, lv);
+    i0 = i1;
   }
+  return skipped;
 }
 
 }  // namespace
@@ -590,16 +704,12 @@ void factored_moments(const std::vector<at::Tensor>& params, const std::vector<a
 TORCH_LIBRARY(lightning_baoc, lib) {
   lib.def(
       "adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] m, Tensor(c!)[] m_scale, Tensor(d!)[] m_exp, "
-      "Tensor(e!)[] v, Tensor(f!)[] v_scale, Tensor(g!)[] v_exp, Tensor[] row_factor, Tensor[] col_factor, float[] bias_correction1, "
-      "float[] bias_correction2, int[] keys, int m_kind, int v_kind, float lr, float beta1, float beta2, float eps, "
-      "float weight_decay, bool decoupled, bool maximize, float limit_m, float limit_v) -> ()");
-  lib.def(
-      "factored_moments(Tensor[] params, Tensor[] grads, Tensor(a!)[] rows, Tensor(b!)[] cols, "
-      "Tensor(c!)[] row_factor, Tensor(d!)[] col_factor, float[] bias_correction2, float beta2, float weight_decay, bool decoupled, bool maximize, "
-      "float eps_square, float fp32_max) -> ()");
+      "Tensor(e!)[] v, Tensor(f!)[] v_scale, Tensor(g!)[] v_exp, Tensor(h!)[] rows, Tensor(i!)[] cols, "
+      "Tensor(j!)[] counts, int[] salts, int seed, int m_kind, int v_kind, float lr, float beta1, float beta2, "
+      "float eps, float weight_decay, bool decoupled, bool maximize, float limit_m, float limit_v, "
+      "float eps_square, float fp32_max, bool check_finite, bool fused_fp32, int batch_elements) -> int[]");
 }
 
 TORCH_LIBRARY_IMPL(lightning_baoc, CPU, lib) {
   lib.impl("adamw_step", &adamw_step);
-  lib.impl("factored_moments", &factored_moments);
 }

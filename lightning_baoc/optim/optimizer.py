@@ -28,12 +28,12 @@ from lightning_baoc.formats import (
     FORMATS,
     Canonical,
     StepHyper,
-    StepItem,
     check_format_name,
     resolve_format,
 )
 from lightning_baoc import kernels as _kernels
 from lightning_baoc.formats.base import DEFAULT_CHUNK
+from lightning_baoc.formats.compiled import KernelItem, compiled_step, kernel_serves
 from lightning_baoc.formats.quant import name_salt, stream_key
 from lightning_baoc.optim.args import PERFORMANCE_HINTS, check_torch_options
 from lightning_baoc.optim.args import to_float as _float
@@ -42,13 +42,14 @@ from lightning_baoc.optim.persist import PersistenceMixin
 from lightning_baoc.optim.pools import Pool as _Pool
 from lightning_baoc.optim.pools import PoolsMixin
 from lightning_baoc.optim.pools import Record as _Record
+from lightning_baoc.optim.stepping import StepMixin
 
 
 #: Mixed into the rounding key of a conversion, so that it never reuses a step's noise.
 _CONVERSION_SALT = 0x5A17C0DE
 
 
-class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
+class BlockwiseAdamW(StepMixin, PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction) with a state format per parameter.
 
     With every parameter in ``fp32`` it behaves like ``torch.optim.AdamW`` (tested to 1e-6 over 200
@@ -141,6 +142,8 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
         check_torch_options(lr, betas, foreach, fused, capturable, differentiable)
         self.kernels = _kernels.resolve_policy(kernels)
         self._records: dict[Tensor, _Record] = {}
+        self._salts: dict[str, int] = {}  # name -> its hash in the rounding keys
+        self._warned: set[str] = set()  # names warned of a skipped update
         self._names: dict[str, Tensor] = {}
         self._pools: dict[tuple[str, str], _Pool] = {}
         self._live_bytes = 0
@@ -361,35 +364,6 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
         if fresh:
             self._rebuild(fresh, sources={p: None for p in fresh})
 
-    def _finite_mask(self, params: list[Tensor]) -> list[bool]:
-        """Whether each parameter's gradient holds only finite values (one host sync per device).
-
-        Tests finiteness, not a norm: a finite 2-norm (accumulated in fp32) proves every element
-        finite, and is one fast pass (on the CPU ~20x faster than the largest absolute value). A
-        non-finite 2-norm may still come from finite values whose squares overflow (1e19 in fp32),
-        so those gradients are decided by their largest absolute value, which is finite for finite
-        numbers in any dtype: NaN propagates through the maximum, inf is its own maximum.
-        """
-        if not self.skip_nonfinite or not params:
-            return [True] * len(params)
-        by_device: dict[torch.device, list[int]] = defaultdict(list)
-        for i, p in enumerate(params):
-            if p.grad.numel():  # an empty gradient holds nothing non-finite (and has no max)
-                by_device[p.grad.device].append(i)
-        mask = [True] * len(params)
-        for indices in by_device.values():
-            grads = [params[i].grad for i in indices]
-            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-            flags = torch.isfinite(torch.stack(norms)).tolist()
-            doubtful = [k for k, ok in enumerate(flags) if not ok]
-            if doubtful:  # a NaN or inf, or finite values that overflow the sum of squares
-                max_abs = torch._foreach_norm([grads[k] for k in doubtful], ord=float("inf"))
-                for k, ok in zip(doubtful, torch.isfinite(torch.stack(max_abs)).tolist()):
-                    flags[k] = ok
-            for i, ok in zip(indices, flags):
-                mask[i] = ok
-        return mask
-
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # noqa: D401 - torch's signature
         """Perform one optimization step (``closure`` re-evaluates the model, as in torch)."""
@@ -406,34 +380,31 @@ class BlockwiseAdamW(PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
                 )
         self._sync_formats()
         self._initialize_new()
-        finite = dict(zip(with_grad, self._finite_mask(with_grad)))
+        eager: list[tuple[Mapping[str, Any], StepHyper, list[Tensor]]] = []
         for group in self.param_groups:
-            buckets: dict[tuple[str, torch.device], list[StepItem]] = defaultdict(list)
+            hyper = self._hyper(group)
+            compiled: dict[str, list[KernelItem]] = defaultdict(list)
+            rest: list[Tensor] = []
             for p in group["params"]:
                 if p.grad is None or p.numel() == 0:
                     continue
                 rec = self._records[p]
-                if not finite[p]:
-                    rec.nonfinite += 1
-                    if rec.nonfinite == 1:
-                        warnings.warn(
-                            f"BlockwiseAdamW: non-finite gradient for {rec.name!r}; its update is "
-                            f"skipped (state and value kept). Counted in nonfinite_counts.",
-                            RuntimeWarning,
-                            stacklevel=2,
-                        )
-                    continue
-                beta1, beta2 = group["betas"]
-                rec.step += 1
-                if FORMATS[rec.format].has_momentum:
-                    rec.m_step += 1
-                bc1 = 1.0 - _float(beta1) ** rec.m_step if rec.m_step else 1.0
-                bc2 = 1.0 - _float(beta2) ** rec.step
-                count = rec.step if rec.m_step == rec.step else None  # one count for both corrections
-                item = StepItem(p, p.grad, rec.views, bc1, bc2, count, self._noise_key(rec))
-                buckets[(rec.format, p.device)].append(item)
-            for (fmt, device), items in buckets.items():
-                FORMATS[fmt].update(items, self._hyper(group))
+                fmt = FORMATS[rec.format]
+                if kernel_serves(fmt, p, rec.views, self.kernels):
+                    compiled[rec.format].append(KernelItem(p, p.grad, rec.views, rec.counts, self._salt(rec)))
+                else:
+                    rest.append(p)
+            for fmt, items in compiled.items():
+                # the kernel tests the gradients, advances the counts and says how many it skipped
+                skipped = compiled_step(FORMATS[fmt], items, hyper, self.seed, self.skip_nonfinite)
+                if skipped:
+                    self._warn_skipped([self._records[it.param] for it in skipped])
+            eager.append((group, hyper, rest))
+        if any(params for _, _, params in eager):
+            finite = self._finite_mask([p for _, _, params in eager for p in params])
+            for group, hyper, params in eager:
+                self._eager_step(group, hyper, params, finite[: len(params)])
+                finite = finite[len(params) :]
         return loss
 
     @property

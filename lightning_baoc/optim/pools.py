@@ -35,16 +35,46 @@ HOST = torch.device("cpu")
 
 @dataclass
 class Record:
-    """Book-keeping of one parameter (never checkpointed as is: see ``state_dict``)."""
+    """Book-keeping of one parameter (never checkpointed as is: see ``state_dict``).
+
+    The step counts live in ``counts``, a host int64 tensor ``[step, m_step, nonfinite]`` that the
+    compiled step advances itself (it decides which parameters step, so the optimizer never reads
+    a count to launch it); ``step``, ``m_step`` and ``nonfinite`` read and write it.
+    """
 
     name: str
     group: int
     requested: str | None = None  # explicit request from set_formats; None: the group default
     format: str | None = None  # the format the state is held in; None: no state yet
-    step: int = 0
-    m_step: int = 0  # steps since the momentum was (re)created: its own bias correction
     views: dict[str, Tensor] | None = None
-    nonfinite: int = 0
+    counts: Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.int64))
+
+    @property
+    def step(self) -> int:
+        """Steps taken (skipped ones not counted)."""
+        return int(self.counts.numpy()[0])
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.counts.numpy()[0] = value
+
+    @property
+    def m_step(self) -> int:
+        """Steps since the momentum was (re)created: its own bias correction."""
+        return int(self.counts.numpy()[1])
+
+    @m_step.setter
+    def m_step(self, value: int) -> None:
+        self.counts.numpy()[1] = value
+
+    @property
+    def nonfinite(self) -> int:
+        """Steps skipped because the gradient held inf or NaN."""
+        return int(self.counts.numpy()[2])
+
+    @nonfinite.setter
+    def nonfinite(self, value: int) -> None:
+        self.counts.numpy()[2] = value
 
 
 @dataclass

@@ -12,6 +12,7 @@ from torch import nn
 from lightning_baoc import FORMATS, BlockwiseAdamW
 from lightning_baoc.formats import resolve_format
 from lightning_baoc.formats.reference import reference_step
+from lightning_baoc.formats.quant import name_salt, stream_key
 
 #: Largest relative difference allowed between the fast and the reference parameters' movement
 #: (and between their decoded states), per format: ten times the largest measured over the shapes
@@ -55,7 +56,7 @@ def test_fast_step_equals_the_reference_step(fmt: str, steps: int) -> None:
         record = opt._records[p]  # noqa: SLF001 - the test reads the compact state directly
         views = {k: v.clone() for k, v in record.views.items()}
         for i in range(1, steps + 1):
-            key = opt._noise_key(dataclasses.replace(record, step=record.step + 1))  # noqa: SLF001 - the step's rounding
+            key = stream_key(opt.seed, record.step + 1, name_salt("w"))  # the step's rounding
             hyper = dataclasses.replace(opt._hyper_for(p), noise_key=key)  # noqa: SLF001
             reference_step(fmt, views, q, grads[i], hyper, step=record.step + 1, momentum_step=record.m_step + 1)
             p.grad = grads[i]
