@@ -12,12 +12,13 @@ the test (and the factored formats' row and column sums) just brought into the c
 
 Parameters and gradients that are fp32 and contiguous go through one call over all of them; any
 other parameter (bf16, fp16, non-contiguous) is stepped alone through an fp32 working copy written
-back at once, so the copies never exceed one parameter.
+back at once, so the copies never exceed one parameter. A 16-bit parameter with a master-weight
+correction steps its fp32 master (:mod:`.correction`: reconstructed, stepped, split again).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -26,6 +27,7 @@ from lightning_baoc import kernels
 
 from .adam_math import param_flat
 from .base import StateFormat, StepHyper, factor_dims
+from .correction import reconstruct, split_into
 from .factored_math import EPS_SQUARE, FP32_MAX
 from .fused_adam import fused_available
 from .quant import M_SCALE_MAX, V_SCALE_MAX
@@ -52,6 +54,7 @@ class KernelItem(NamedTuple):
     views: dict[str, Tensor]
     counts: Tensor  # int64 [step, m_step, nonfinite], advanced by the kernel
     salt: int  # the hash of the parameter's name in its rounding keys (quant.name_salt)
+    correction: Tensor | None = None  # the master-weight correction of a 16-bit parameter
 
 
 def kernel_serves(fmt: StateFormat, param: Tensor, views: dict[str, Tensor], policy: str) -> bool:
@@ -84,11 +87,18 @@ def compiled_step(
     for it in items:
         if _direct(it):
             continue
-        work, write_back = param_flat(it.param)
+        work, write_back = _master_flat(it) if it.correction is not None else param_flat(it.param)
         grad = it.grad.reshape(-1).to(torch.float32).contiguous()
         skipped += _launch(kinds, [work], [grad], [it], hyper, seed, check_finite)
         write_back()
     return skipped
+
+
+def _master_flat(item: KernelItem) -> tuple[Tensor, Callable[[], None]]:
+    """The fp32 master of a corrected 16-bit parameter, flat, and the split that writes it back."""
+    param, correction = item.param.detach(), item.correction
+    master = reconstruct(param, correction)
+    return master.view(-1), lambda: split_into(master, param, correction)
 
 
 def _launch(

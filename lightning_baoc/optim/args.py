@@ -22,6 +22,7 @@ from typing import Any, Mapping
 from torch import Tensor
 
 from lightning_baoc.formats import check_format_name
+from lightning_baoc.formats.correction import CORRECTIONS
 
 #: Options of torch's AdamW that select torch's kernels; accepted, documented and not used.
 PERFORMANCE_HINTS = ("foreach", "fused")
@@ -112,6 +113,9 @@ def validate_hyper(group: Mapping[str, Any], where: str) -> None:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < math.inf:
             raise ValueError(f"Invalid {where}{key}: {value!r}; expected a float >= 0 (and finite)")
     check_format_name(group.get("state_format"), f"{where}state_format")
+    correction = group.get("weight_correction", "none")
+    if correction not in CORRECTIONS:
+        raise ValueError(f"Invalid {where}weight_correction: {correction!r}; expected one of {', '.join(CORRECTIONS)}")
     for key in UNSUPPORTED_OPTIONS:
         if group.get(key):
             raise ValueError(

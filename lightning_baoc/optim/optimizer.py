@@ -42,6 +42,7 @@ from lightning_baoc.optim.persist import PersistenceMixin
 from lightning_baoc.optim.pools import Pool as _Pool
 from lightning_baoc.optim.pools import PoolsMixin
 from lightning_baoc.optim.pools import Record as _Record
+from lightning_baoc.optim.masters import MasterMixin
 from lightning_baoc.optim.stepping import StepMixin
 
 
@@ -49,7 +50,7 @@ from lightning_baoc.optim.stepping import StepMixin
 _CONVERSION_SALT = 0x5A17C0DE
 
 
-class BlockwiseAdamW(StepMixin, PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
+class BlockwiseAdamW(StepMixin, MasterMixin, PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction) with a state format per parameter.
 
     With every parameter in ``fp32`` it behaves like ``torch.optim.AdamW`` (tested to 1e-6 over 200
@@ -72,6 +73,10 @@ class BlockwiseAdamW(StepMixin, PoolsMixin, PersistenceMixin, torch.optim.Optimi
         differentiable: autograd through the step; not implemented: only ``False`` (default: False).
         fused: a hint like ``foreach``, accepted and not needed (default: None).
         state_format: default format of every group (default: ``"fp32"``).
+        weight_correction: default master-weight correction of the bf16 and fp16 parameters of every
+            group: ``"none"``, ``"ecc8"`` or ``"ecc16"`` (:mod:`lightning_baoc.optim.masters`; fp32
+            parameters are their own masters). Per parameter: :meth:`set_weight_corrections`
+            (default: ``"none"``).
         decoupled_weight_decay: AdamW's decoupled decay; ``False`` gives Adam's L2 penalty
             (default: True).
         min_8bit_numel: tensors with fewer elements stay out of the 8-bit formats (int8 -> fp32,
@@ -125,6 +130,7 @@ class BlockwiseAdamW(StepMixin, PoolsMixin, PersistenceMixin, torch.optim.Optimi
         differentiable: bool = False,
         fused: bool | None = None,
         state_format: str = "fp32",
+        weight_correction: str = "none",
         decoupled_weight_decay: bool = True,
         min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL,
         skip_nonfinite: bool = True,
@@ -162,6 +168,7 @@ class BlockwiseAdamW(StepMixin, PoolsMixin, PersistenceMixin, torch.optim.Optimi
             eps=eps,
             weight_decay=weight_decay,
             state_format=state_format,
+            weight_correction=weight_correction,
             maximize=maximize,
             decoupled_weight_decay=decoupled_weight_decay,
             amsgrad=amsgrad,
@@ -380,6 +387,7 @@ class BlockwiseAdamW(StepMixin, PoolsMixin, PersistenceMixin, torch.optim.Optimi
                 )
         self._sync_formats()
         self._initialize_new()
+        self._sync_corrections()
         eager: list[tuple[Mapping[str, Any], StepHyper, list[Tensor]]] = []
         for group in self.param_groups:
             hyper = self._hyper(group)
@@ -391,7 +399,8 @@ class BlockwiseAdamW(StepMixin, PoolsMixin, PersistenceMixin, torch.optim.Optimi
                 rec = self._records[p]
                 fmt = FORMATS[rec.format]
                 if kernel_serves(fmt, p, rec.views, self.kernels):
-                    compiled[rec.format].append(KernelItem(p, p.grad, rec.views, rec.counts, self._salt(rec)))
+                    item = KernelItem(p, p.grad, rec.views, rec.counts, self._salt(rec), rec.master_correction)
+                    compiled[rec.format].append(item)
                 else:
                     rest.append(p)
             for fmt, items in compiled.items():

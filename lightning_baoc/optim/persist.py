@@ -120,6 +120,15 @@ class PersistenceMixin:
             "requested": {r.name: r.requested for r in self._records.values() if r.requested},
             "nonfinite": self.nonfinite_counts,
         }
+        corrections = {
+            r.name: {"kind": r.correction, "tensor": r.master_correction.clone()}
+            for r in self._records.values()
+            if r.master_correction is not None
+        }
+        asked = {r.name: r.correction_requested for r in self._records.values() if r.correction_requested}
+        if corrections or asked:  # dicts without corrections keep the layout of earlier releases
+            meta["corrections"] = corrections
+            meta["correction_requested"] = asked
         state_dict = seal_state_dict({"state": state, "param_groups": groups, "baoc": meta})
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
@@ -252,6 +261,10 @@ class PersistenceMixin:
                     t.copy_(source[k])
 
         pools, views = self._fresh_pools(formats, fill)
+        corrections = None if plan.corrections is None else {
+            p: (kind, None if t is None else t.to(p.device).clone(), asked)
+            for p, (kind, t, asked) in plan.corrections.items()
+        }
         # commit: nothing below can fail
         for group, update in zip(self.param_groups, plan.groups):
             group.update(update)
@@ -265,6 +278,8 @@ class PersistenceMixin:
             rec.views = views.get(p)
             rec.step = loaded.steps if loaded else 0
             rec.m_step = loaded.m_step if loaded and FORMATS[formats[p]].has_momentum else 0
+            if corrections is not None:
+                rec.correction, rec.master_correction, rec.correction_requested = corrections[p]
         self._live_bytes = int(self.state_bytes())  # type: ignore[attr-defined]
 
     def to_adamw_state_dict(self) -> dict[str, Any]:

@@ -48,6 +48,9 @@ class Record:
     format: str | None = None  # the format the state is held in; None: no state yet
     views: dict[str, Tensor] | None = None
     counts: Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.int64))
+    correction: str = "none"  # the master-weight correction held (optim/masters.py)
+    correction_requested: str | None = None  # explicit request; None: the group default
+    master_correction: Tensor | None = None  # its int8/int16 tensor, the parameter's shape
 
     @property
     def step(self) -> int:

@@ -14,6 +14,7 @@ rounding key, and runs each format's ``update``.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections import defaultdict
 from typing import Any, Mapping
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_baoc.formats import FORMATS, StepHyper, StepItem
+from lightning_baoc.formats.correction import reconstruct, split_into
 from lightning_baoc.formats.quant import name_salt
 from lightning_baoc.optim.args import to_float as _float
 from lightning_baoc.optim.pools import Record
@@ -108,4 +110,12 @@ class StepMixin:
         if skipped:
             self._warn_skipped(skipped)
         for (fmt, _device), items in buckets.items():
-            FORMATS[fmt].update(items, hyper)
+            plain = [it for it in items if self._records[it.param].master_correction is None]
+            if plain:
+                FORMATS[fmt].update(plain, hyper)
+            for it in items:  # corrected 16-bit weights: one fp32 master at a time
+                correction = self._records[it.param].master_correction
+                if correction is not None:
+                    master = reconstruct(it.param.detach(), correction)
+                    FORMATS[fmt].update([dataclasses.replace(it, param=master)], hyper)
+                    split_into(master, it.param.detach(), correction)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_baoc.formats import Canonical, check_format_name
+from lightning_baoc.formats.correction import CORRECTIONS, WEIGHT_DTYPES, correction_dtype
 from lightning_baoc.optim.args import PERFORMANCE_HINTS, validate_hyper
 from lightning_baoc.optim.state import (
     READABLE_VERSIONS,
@@ -51,6 +52,8 @@ class LoadPlan:
     entries: dict[Tensor, LoadedState]
     requested: dict[Tensor, str | None] | None  # None: keep the requests (torch dicts carry none)
     nonfinite: dict[Tensor, int]
+    #: parameter -> (correction, its tensor or None, the explicit request or None); None: keep them
+    corrections: dict[Tensor, tuple[str, Tensor | None, str | None]] | None = None
 
 
 
@@ -140,6 +143,7 @@ def _plan_own(opt: "BlockwiseAdamW", sd: Mapping[str, Any]) -> LoadPlan:
         entries=entries,
         requested=_requested(meta.get("requested", {}), names),
         nonfinite=_nonfinite(meta.get("nonfinite", {}), names),
+        corrections=_corrections(meta.get("corrections", {}), meta.get("correction_requested", {}), names),
     )
 
 def _own_entry(name: str, entry: Any, p: Tensor, version: int) -> LoadedState:
@@ -173,6 +177,38 @@ def _nonfinite(value: Any, names: Mapping[str, Tensor]) -> dict[Tensor, int]:
         if name not in names:
             raise invalid(f"'nonfinite' names unknown parameter {name!r}")
         out[names[name]] = require_count(counts, name, "'baoc'['nonfinite']")
+    return out
+
+
+def _corrections(
+    held: Any, asked: Any, names: Mapping[str, Tensor]
+) -> dict[Tensor, tuple[str, Tensor | None, str | None]]:
+    """The master-weight corrections of a dict: every parameter's (kind, tensor, request)."""
+    held = require_mapping(held, "'baoc'['corrections']")
+    asked = require_mapping(asked, "'baoc'['correction_requested']")
+    out: dict[Tensor, tuple[str, Tensor | None, str | None]] = {p: ("none", None, None) for p in names.values()}
+    for name, kind in asked.items():
+        if name not in names:
+            raise invalid(f"'correction_requested' names unknown parameter {name!r}")
+        if kind not in CORRECTIONS:
+            raise invalid(f"'correction_requested' of {name!r} is {kind!r}; allowed: {list(CORRECTIONS)}")
+        out[names[name]] = ("none", None, kind)
+    for name, entry in held.items():
+        where = f"'baoc'['corrections'][{name!r}]"
+        if name not in names:
+            raise invalid(f"'corrections' names unknown parameter {name!r}")
+        p = names[name]
+        entry = require_mapping(entry, where)
+        kind, tensor = entry.get("kind"), entry.get("tensor")
+        if kind not in CORRECTIONS or kind == "none":
+            raise invalid(f"{where}: 'kind' is {kind!r}; allowed: {[k for k in CORRECTIONS if k != 'none']}")
+        if p.dtype not in WEIGHT_DTYPES:
+            raise invalid(f"{where}: the parameter is {p.dtype}, a correction belongs to a bf16 or fp16 parameter: another model or precision")
+        dtype = correction_dtype(kind)
+        if not isinstance(tensor, Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != tuple(p.shape):
+            got = f"{tensor.dtype} of shape {tuple(tensor.shape)}" if isinstance(tensor, Tensor) else type(tensor).__name__
+            raise invalid(f"{where}: 'tensor' should be {dtype} of shape {tuple(p.shape)}, got {got}")
+        out[p] = (kind, tensor, out[p][2])
     return out
 
 

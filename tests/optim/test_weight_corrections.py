@@ -1,0 +1,173 @@
+"""Master-weight corrections of 16-bit parameters (``lightning_baoc/optim/masters.py``).
+
+- The motivation, measured: bf16 weights stepped at lr 1e-5 lose most updates (6% of weights move in
+  20 steps, against 25% for an fp32 master rounded to bf16); with ``ecc8`` the master follows an fp32
+  AdamW twin within 5% of the update, with ``ecc16`` within 1e-4, on the compiled and the eager step.
+- Accounting: the corrections' bytes equal their storage (1 byte per element for ecc8, 2 for ecc16),
+  apart from the states'; fp32 parameters never hold one and refuse a request.
+- Conversions between corrections keep the master within the new correction's bound.
+- Checkpoints: a resume is bit-equal (weights, corrections, states); damaged corrections are refused
+  with the parameter named; dicts without corrections load as before.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_baoc import BlockwiseAdamW
+from lightning_baoc.formats.correction import error_bound
+from lightning_baoc.optim.state import CheckpointError, seal_state_dict
+
+
+def _bf16_pair() -> tuple[nn.Linear, nn.Linear]:
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256).to(torch.bfloat16)
+    twin = nn.Linear(256, 256)
+    twin.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    return model, twin
+
+
+def _run(correction: str, policy: str, steps: int = 20) -> tuple[float, float]:
+    model, twin = _bf16_pair()
+    opt = BlockwiseAdamW(model.named_parameters(), lr=1e-5, weight_correction=correction, kernels=policy)
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-5)
+    start = model.weight.detach().clone()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p, q in zip(model.parameters(), twin.parameters()):
+            g = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+            p.grad, q.grad = g, g.float()
+        opt.step()
+        ref.step()
+    moved = float((model.weight != start).double().mean())
+    update = (twin.weight.detach() - start.float()).abs().max()
+    error = float((opt.master_weights()["weight"] - twin.weight.detach()).abs().max() / update)
+    return moved, error
+
+
+@pytest.mark.parametrize("policy", ["compiled", "eager"])
+def test_corrections_keep_the_small_updates_bf16_weights_lose(policy: str) -> None:
+    moved_none, error_none = _run("none", policy)
+    moved8, error8 = _run("ecc8", policy)
+    moved16, error16 = _run("ecc16", policy)
+    assert moved_none < 0.08 and error_none > 0.9  # measured: 6.2% moved, the whole update lost
+    assert moved8 > 0.2 and moved16 > 0.2  # measured: 25%, as the fp32 twin rounded to bf16
+    assert error8 < 0.05, error8  # measured: 0.032-0.039
+    assert error16 < 1e-4, error16  # measured: 1-2e-5
+
+
+def test_correction_bytes_are_their_storage_and_apart_from_the_states() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32).to(torch.bfloat16), nn.Linear(32, 4))  # the second stays fp32
+    opt = BlockwiseAdamW(model.named_parameters(), state_format="int8", min_8bit_numel=0, weight_correction="ecc8")
+    states_before = opt.state_bytes()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert opt.weight_corrections == {"0.weight": "ecc8", "0.bias": "ecc8"}
+    assert opt.weight_correction_bytes() == 64 * 32 + 32
+    opt.set_weight_corrections({"0.weight": "ecc16"})
+    assert opt.weight_correction_bytes() == 2 * 64 * 32 + 32
+    held = [r.master_correction for r in opt._records.values() if r.master_correction is not None]  # noqa: SLF001
+    assert opt.weight_correction_bytes() == sum(t.untyped_storage().nbytes() for t in held)
+    assert opt.state_bytes() > states_before  # the states are counted on their own
+    with pytest.raises(ValueError, match="'1.weight' is torch.float32: it is its own master"):
+        opt.set_weight_corrections({"1.weight": "ecc8"})
+    with pytest.raises(ValueError, match="ecc16"):
+        opt.set_weight_corrections({"0.weight": "ecc4"})
+    opt.set_weight_corrections({"0.weight": "none", "0.bias": "none"})
+    assert opt.weight_correction_bytes() == 0 and opt.weight_corrections == {}
+
+
+def test_a_conversion_keeps_the_master_within_the_new_bound() -> None:
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(300, 70).to(torch.bfloat16))
+    opt = BlockwiseAdamW([("w", p)], lr=1e-4, weight_correction="ecc16")
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+        opt.step()
+    exact = opt.master_weights()["w"]
+    opt.set_weight_corrections({"w": "ecc8"})
+    assert opt.weight_corrections == {"w": "ecc8"}
+    # the ecc16 master (exact to an fp32 ulp) requantized: within ecc8's bound (ties: twice it)
+    assert ((opt.master_weights()["w"] - exact).abs() <= 2 * error_bound(p.detach(), "ecc8")).all()
+    opt.set_weight_corrections({"w": "none"})
+    assert torch.equal(opt.master_weights()["w"], p.detach().float())
+
+
+def _trained(steps: int, correction: str = "ecc8") -> tuple[nn.Module, BlockwiseAdamW]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)).to(torch.bfloat16)
+    opt = BlockwiseAdamW(model.named_parameters(), lr=1e-4, weight_correction=correction, state_format="int8", min_8bit_numel=0)
+    opt.set_weight_corrections({"1.weight": "ecc16"})
+    for i in range(steps):
+        _grads(model, i)
+        opt.step()
+    return model, opt
+
+
+def _grads(model: nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = (torch.randn(p.shape, generator=gen) * 0.1).to(torch.bfloat16)
+
+
+def test_resume_is_bit_equal() -> None:
+    whole, whole_opt = _trained(15)
+    model, opt = _trained(10)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    torch.manual_seed(1)
+    resumed = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)).to(torch.bfloat16)
+    resumed.load_state_dict(saved["model"])
+    resumed_opt = BlockwiseAdamW(resumed.named_parameters(), lr=1e-4, weight_correction="ecc8", state_format="int8", min_8bit_numel=0)
+    resumed_opt.load_state_dict(saved["opt"])
+    assert resumed_opt.weight_corrections == whole_opt.weight_corrections
+    for i in range(10, 15):
+        _grads(resumed, i)
+        resumed_opt.step()
+    for a, b in zip(whole.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    for name, master in whole_opt.master_weights().items():
+        assert torch.equal(master, resumed_opt.master_weights()[name]), name
+
+
+def test_damaged_corrections_are_refused_and_change_nothing() -> None:
+    model, opt = _trained(3)
+    before = opt.master_weights()
+    sd = opt.state_dict()
+    flipped = opt.state_dict()
+    flipped["baoc"]["corrections"]["0.weight"]["tensor"].view(-1)[7] += 1
+    with pytest.raises(CheckpointError, match="checksum"):
+        opt.load_state_dict(flipped)
+    wrong = opt.state_dict()
+    wrong["baoc"]["corrections"]["0.weight"]["tensor"] = torch.zeros(3, dtype=torch.int8)
+    with pytest.raises(CheckpointError, match=r"corrections'\]\['0.weight'\].*int8 of shape \(64, 64\)"):
+        opt.load_state_dict(seal_state_dict(wrong))
+    kind = opt.state_dict()
+    kind["baoc"]["corrections"]["0.bias"]["kind"] = "ecc4"
+    with pytest.raises(CheckpointError, match="'kind' is 'ecc4'"):
+        opt.load_state_dict(seal_state_dict(kind))
+    for name, master in opt.master_weights().items():
+        assert torch.equal(master, before[name])
+    opt.load_state_dict(sd)  # the intact dict loads
+
+
+def test_a_dict_without_corrections_loads_into_an_fp32_model_as_before() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    opt = BlockwiseAdamW(model.named_parameters())
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    assert "corrections" not in sd["baoc"]  # the layout of earlier releases
+    opt.load_state_dict(sd)
+    assert opt.weight_corrections == {} and opt.weight_correction_bytes() == 0
