@@ -1,4 +1,5 @@
-"""Shared by the benchmarks: the machine they ran on, and writing a table into its docs page.
+"""Shared by the benchmarks: the machine they ran on, writing a table into its docs page, and runs in
+a fresh process with their peak resident memory (:func:`run_child`).
 
 Each benchmark owns one section of a page under ``docs/`` (the documentation site), between
 ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``; :func:`write_docs_section` replaces what is between
@@ -8,11 +9,15 @@ writes; ``--readme`` is its former name, kept so that the commands recorded on t
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -74,3 +79,37 @@ def markdown_table(headers: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def run_child(module: str, function: str, run: str, config: dict[str, Any]) -> dict[str, Any]:
+    """``module.function(run, config)`` in a fresh process (a benchmark module of this folder): the
+    dict it returns, with ``"peak_rss"``, the process's peak resident set in bytes (``os.wait4``)."""
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import importlib; "
+        "m = importlib.import_module(sys.argv[2]); f = getattr(m, sys.argv[3]); "
+        "c = json.loads(sys.argv[5]); w = m.Workload(**c) if hasattr(m, 'Workload') else c; "
+        "print('RESULT ' + json.dumps(f(sys.argv[4], w)))"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # glibc raises its mmap threshold as tensors are freed, after which freed tensors linger in the
+    # heap and the resident size stops following live memory; a fixed threshold keeps every tensor
+    # of 64 KiB or more in its own mapping, returned when freed (the same for every run)
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, str(Path(__file__).parent), module, function, run, json.dumps(config)],
+            stdout=out, stderr=err, text=True, env=env, cwd=str(ROOT),
+        )
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own resource usage
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"run {run!r} failed (exit {proc.returncode}):\n{stderr[-3000:]}")
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        raise RuntimeError(f"run {run!r} printed no result:\n{stderr[-3000:]}")
+    result = json.loads(lines[-1][len("RESULT "):])
+    result["peak_rss"] = int(usage.ru_maxrss) * 1024  # KiB on Linux
+    return result

@@ -24,16 +24,10 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from _report import ROOT, command, machine, markdown_table, write_docs_section
+from _report import command, machine, markdown_table, run_child, write_docs_section
 
 
 @dataclass(frozen=True)
@@ -148,34 +142,8 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
 
 
 def measure(run: str, workload: Workload) -> dict[str, Any]:
-    """Run ``run`` in a fresh process; its report and its peak RSS in bytes (``os.wait4``'s usage)."""
-    code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); import peak_memory as pm; "
-        "w = pm.Workload(**json.loads(sys.argv[3])); print('RESULT ' + json.dumps(pm.child(sys.argv[2], w)))"
-    )
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    # glibc raises its mmap threshold as tensors are freed, after which freed tensors linger in the
-    # heap and the resident size stops following live memory; a fixed threshold keeps every tensor
-    # of 64 KiB or more in its own mapping, returned when freed (the same for every run)
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", code, str(Path(__file__).parent), run, json.dumps(workload.__dict__)],
-            stdout=out, stderr=err, text=True, env=env, cwd=str(ROOT),
-        )
-        _, status, usage = os.wait4(proc.pid, 0)  # this child's own resource usage
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    if proc.returncode != 0:
-        raise RuntimeError(f"run {run!r} failed (exit {proc.returncode}):\n{stderr[-3000:]}")
-    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-    if not lines:
-        raise RuntimeError(f"run {run!r} printed no result:\n{stderr[-3000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
-    result["peak_rss"] = int(usage.ru_maxrss) * 1024  # KiB on Linux
-    return result
+    """Run ``run`` in a fresh process; its report and its peak RSS in bytes (:func:`_report.run_child`)."""
+    return run_child("peak_memory", "child", run, workload.__dict__)
 
 
 def bound_bytes(workload: Workload, result: dict[str, Any]) -> int:

@@ -10,10 +10,11 @@ counts its skip, and derives the bias corrections and the rounding key from the 
 works in batches of :data:`BATCH_ELEMENTS` gradient elements, so that the update reads gradients
 the test (and the factored formats' row and column sums) just brought into the cache.
 
-Parameters and gradients that are fp32 and contiguous go through one call over all of them; any
-other parameter (bf16, fp16, non-contiguous) is stepped alone through an fp32 working copy written
-back at once, so the copies never exceed one parameter. A 16-bit parameter with a master-weight
-correction steps its fp32 master (:mod:`.correction`: reconstructed, stepped, split again).
+Contiguous parameters go through one call over all of them; any other parameter (non-contiguous,
+or 16-bit in a factored format) is stepped alone through an fp32 working copy written back at once, so the copies never exceed one parameter. bf16 and fp16 parameters (with bf16, fp16 or
+fp32 gradients) go to the kernel as they are, but for the factored formats: per super-block it
+rebuilds their fp32 masters from the weights and their corrections (:mod:`.correction`), steps
+them, and splits them again, in the same pass as the state update.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ _V_KEYS = {kernels.V_FP32: ("exp_avg_sq", None, None), kernels.V_BF16: ("exp_avg
            kernels.V_UINT8: ("exp_avg_sq", "exp_avg_sq_scale", "exp_avg_sq_exp"),
            kernels.V_FACTORED: (None, None, None)}
 _CPU = torch.device("cpu")
+_NO_CORRECTION = torch.empty(0, dtype=torch.int8)
 
 #: Gradient elements of one batch at most (4 MiB of fp32 gradients): the non-finite test (and the
 #: factored formats' row and column sums) read them, the update reads them again, from the cache.
@@ -67,9 +69,18 @@ def kernel_serves(fmt: StateFormat, param: Tensor, views: dict[str, Tensor], pol
     )
 
 
-def _direct(item: KernelItem) -> bool:
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _direct(item: KernelItem, factored: bool) -> bool:
+    """Whether the kernel reads and writes the item's own tensors: contiguous, fp32 (or, but for
+    the factored formats, bf16 and fp16, the master rebuilt from a correction in the same pass)."""
     p, g = item.param, item.grad
-    return p.dtype == torch.float32 and p.is_contiguous() and g.dtype == torch.float32 and g.is_contiguous()
+    if not (p.is_contiguous() and g.is_contiguous()):
+        return False
+    if factored:
+        return p.dtype == torch.float32 and g.dtype == torch.float32
+    return p.dtype in _KERNEL_DTYPES and g.dtype in _KERNEL_DTYPES
 
 
 def compiled_step(
@@ -79,17 +90,18 @@ def compiled_step(
     their gradient held inf or NaN (``check_finite``): the kernel says which, no tensor is read."""
     kinds = fmt.kernel_kinds
     assert kinds is not None
-    direct = [it for it in items if _direct(it)]
+    factored = kinds[1] == kernels.V_FACTORED
+    direct = [it for it in items if _direct(it, factored)]
     skipped: list[KernelItem] = []
     if direct:
-        skipped += _launch(kinds, [it.param.view(-1) for it in direct], [it.grad.view(-1) for it in direct],
-                           direct, hyper, seed, check_finite)
+        skipped += _launch(kinds, [it.param.detach().view(-1) for it in direct], [it.grad.view(-1) for it in direct],
+                           direct, hyper, seed, check_finite, [it.correction for it in direct])
     for it in items:
-        if _direct(it):
+        if _direct(it, factored):
             continue
         work, write_back = _master_flat(it) if it.correction is not None else param_flat(it.param)
         grad = it.grad.reshape(-1).to(torch.float32).contiguous()
-        skipped += _launch(kinds, [work], [grad], [it], hyper, seed, check_finite)
+        skipped += _launch(kinds, [work], [grad], [it], hyper, seed, check_finite, [None])
         write_back()
     return skipped
 
@@ -103,7 +115,7 @@ def _master_flat(item: KernelItem) -> tuple[Tensor, Callable[[], None]]:
 
 def _launch(
     kinds: tuple[int, int], params: list[Tensor], grads: list[Tensor], items: list[KernelItem], hyper: StepHyper,
-    seed: int, check_finite: bool,
+    seed: int, check_finite: bool, corrections: list[Tensor | None],
 ) -> list[KernelItem]:
     m_kind, v_kind = kinds
     empty: list[Tensor] = []
@@ -124,6 +136,7 @@ def _launch(
         cols = [it.views["exp_avg_sq_col"] for it in items]
     skipped = kernels.ops().adamw_step(
         params, grads, m, m_scale, m_exp, v, v_scale, v_exp, rows, cols, [it.counts for it in items],
+        [_NO_CORRECTION if c is None else c.view(-1) for c in corrections],
         [it.salt for it in items], seed, m_kind, v_kind, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
         hyper.weight_decay, hyper.decoupled_weight_decay, hyper.maximize, M_SCALE_MAX, V_SCALE_MAX, EPS_SQUARE,
         FP32_MAX, check_finite, fused_available(_CPU, hyper.decoupled_weight_decay), BATCH_ELEMENTS,

@@ -52,6 +52,8 @@ from torch import Tensor
 CORRECTION_BITS = {"none": 0, "ecc8": 8, "ecc16": 16}
 CORRECTIONS = tuple(CORRECTION_BITS)
 _STORAGE = {8: torch.int8, 16: torch.int16}
+#: Elements a split or a reconstruction computes at once: its fp32 temporaries stay a few MiB.
+SLICE = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -108,30 +110,43 @@ def split(master: Tensor, dtype: torch.dtype, correction: str) -> tuple[Tensor, 
 
 
 def split_into(master: Tensor, weight: Tensor, correction: Tensor | None) -> None:
-    """Write the split of ``master`` (fp32, ``weight``'s shape) into ``weight`` and ``correction``."""
+    """Write the split of ``master`` (fp32, ``weight``'s shape) into ``weight`` and ``correction``,
+    in slices of :data:`SLICE` elements (the temporaries stay a few MiB whatever the size)."""
     spec = _weight_dtype(weight.dtype)
-    x = master.to(torch.float32)
-    weight.copy_(x.clamp(-spec.max_value, spec.max_value))
-    if correction is None:
-        return
-    bits = {torch.int8: 8, torch.int16: 16}[correction.dtype]
+    x_all = master.reshape(-1)
+    w_all = weight.view(-1) if weight.is_contiguous() else None
+    if w_all is None or (correction is not None and not correction.is_contiguous()):
+        raise ValueError("split_into writes contiguous weights and corrections")
+    c_all = None if correction is None else correction.view(-1)
+    bits = 0 if correction is None else {torch.int8: 8, torch.int16: 16}[correction.dtype]
     limit = 2.0 ** (bits - 1) - 1
-    w = weight.to(torch.float32)
-    r = x - w  # exact (Sterbenz)
-    s = r.div(_unit(weight, _toward_zero(r, w))).mul_(2.0**bits)  # exact: the unit is a power of two
-    s = torch.nan_to_num_(s.round_(), nan=0.0).clamp_(-limit, limit)
-    correction.copy_(s)
+    for start in range(0, x_all.numel(), SLICE):
+        x = x_all[start : start + SLICE].to(torch.float32)
+        w_out = w_all[start : start + SLICE]
+        w_out.copy_(x.clamp(-spec.max_value, spec.max_value))
+        if c_all is None:
+            continue
+        w = w_out.to(torch.float32)
+        r = x - w  # exact (Sterbenz)
+        s = r.div_(_unit(w_out, _toward_zero(r, w))).mul_(2.0**bits)  # exact: the unit is a power of two
+        c_all[start : start + SLICE].copy_(torch.nan_to_num_(s.round_(), nan=0.0).clamp_(-limit, limit))
 
 
 def reconstruct(weight: Tensor, correction: Tensor | None) -> Tensor:
-    """The fp32 master value ``weight + correction * ulp(weight) / 2**k`` (``weight`` alone without one)."""
-    w = weight.to(torch.float32)
+    """The fp32 master value ``weight + correction * unit / 2**k`` (``weight`` alone without one), a
+    new contiguous tensor of ``weight``'s shape, computed in slices of :data:`SLICE` elements."""
+    out = torch.empty(weight.shape, dtype=torch.float32, device=weight.device).copy_(weight)
     if correction is None:
-        return w
+        return out
     bits = {torch.int8: 8, torch.int16: 16}[correction.dtype]
-    c = correction.to(torch.float32)
-    unit = _unit(weight, _toward_zero(c, w)).mul_(2.0**-bits)  # unit / 2**k first: no overflow near the largest value
-    return torch.where(c == 0, w, w + c * unit)  # c = 0 keeps w as it is, -0.0 included
+    flat_w, flat_c, flat_out = weight.reshape(-1), correction.reshape(-1), out.view(-1)
+    for start in range(0, flat_out.numel(), SLICE):
+        w16 = flat_w[start : start + SLICE]
+        w = flat_out[start : start + SLICE]
+        c = flat_c[start : start + SLICE].to(torch.float32)
+        unit = _unit(w16, _toward_zero(c, w)).mul_(2.0**-bits)  # unit / 2**k first: no overflow near the largest value
+        w.copy_(torch.where(c == 0, w, w + c.mul_(unit)))  # c = 0 keeps w as it is, -0.0 included
+    return out
 
 
 def _toward_zero(residual: Tensor, w: Tensor) -> Tensor:

@@ -42,6 +42,9 @@ constexpr float INV_127 = static_cast<float>(1.0 / 127.0);
 constexpr float INV_255 = static_cast<float>(1.0 / 255.0);
 
 enum MKind : int64_t { M_NONE = 0, M_FP32 = 1, M_BF16 = 2, M_INT8 = 3 };
+// The dtype of a parameter or gradient: fp32, or a 16-bit weight (with an optional master-weight
+// correction: lightning_baoc/formats/correction.py).
+enum WKind : int8_t { W_FP32 = 0, W_BF16 = 1, W_FP16 = 2 };
 enum VKind : int64_t { V_FP32 = 0, V_BF16 = 1, V_UINT8 = 2, V_FACTORED = 3 };
 
 inline uint32_t bits_of(float x) {
@@ -237,8 +240,14 @@ struct Scalars {
 };
 
 struct Tensors {
-  float* p;
-  const float* g;
+  float* p;          // fp32 parameters, or nullptr: 16-bit ones in p16
+  const float* g;    // fp32 gradients, or nullptr: 16-bit ones in g16
+  uint16_t* p16;
+  const uint16_t* g16;
+  void* corr;        // int8 or int16 master-weight correction of p16, or nullptr
+  int8_t p_kind;
+  int8_t g_kind;
+  int8_t corr_bits;  // 0, 8 or 16
   void* m;
   at::Half* m_scale;
   int8_t* m_exp;
@@ -253,6 +262,94 @@ struct Tensors {
   Scalars s;
 };
 
+// ---- 16-bit weights and their master-weight corrections (formats/correction.py, the reference)
+
+struct WeightSpec {
+  int mantissa_bits;
+  int min_exponent;
+  float max_value;
+};
+
+inline WeightSpec weight_spec(int8_t kind) {
+  return kind == W_BF16 ? WeightSpec{7, -126, BF16_MAX} : WeightSpec{10, -14, 65504.0f};
+}
+
+inline float load16(uint16_t raw, int8_t kind) {
+  return kind == W_BF16 ? bf16_load(raw) : half_to_float(at::Half(raw, at::Half::from_bits()));
+}
+
+// Round to nearest even, as torch's .to(bfloat16) / .to(float16) (after the clamp to the largest value).
+inline uint16_t store16(float x, int8_t kind) {
+  if (kind == W_BF16) {
+    if (std::isnan(x)) return 0x7FC0u;
+    const uint32_t u = bits_of(x);
+    return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
+  return float_to_half(x).x;
+}
+
+// 2**e for an integral e in [-149, 127], subnormal below -126: exact.
+inline float exp2i(int e) {
+  return e >= -126 ? float_of(static_cast<uint32_t>(e + 127) << 23) : float_of(1u << (e + 149));
+}
+
+// The correction's unit divided by 2**bits (correction.py `_unit`): the spacing of the weight's
+// dtype next to |w| on the residual's side, half of it below a power of two.
+inline float scaled_unit(float w, bool toward_zero, const WeightSpec& spec, int bits) {
+  const float a = std::fabs(w);
+  const float smallest_normal = exp2i(spec.min_exponent);
+  const uint32_t b = bits_of(a);
+  const int e = a < smallest_normal ? spec.min_exponent : static_cast<int>(b >> 23) - 127;
+  const bool finer = toward_zero && (b & 0x7FFFFFu) == 0 && a > smallest_normal;
+  return exp2i(e - spec.mantissa_bits - bits - (finer ? 1 : 0));
+}
+
+inline bool points_to_zero(float residual, float w) { return residual != 0.0f && ((residual < 0.0f) != (w < 0.0f)); }
+
+inline float correction_at(const void* corr, int bits, int64_t i) {
+  return bits == 8 ? static_cast<float>(static_cast<const int8_t*>(corr)[i])
+                   : static_cast<float>(static_cast<const int16_t*>(corr)[i]);
+}
+
+// The fp32 masters of n 16-bit weights from `start` (correction.py `reconstruct`).
+inline void load_master(const Tensors& t, int64_t start, int64_t n, float* out) {
+  const WeightSpec spec = weight_spec(t.p_kind);
+  for (int64_t j = 0; j < n; ++j) {
+    const float w = load16(t.p16[start + j], t.p_kind);
+    if (t.corr_bits == 0) {
+      out[j] = w;
+      continue;
+    }
+    const float c = correction_at(t.corr, t.corr_bits, start + j);
+    out[j] = c == 0.0f ? w : w + c * scaled_unit(w, points_to_zero(c, w), spec, t.corr_bits);
+  }
+}
+
+// Split n fp32 masters into 16-bit weights and corrections (correction.py `split_into`).
+inline void store_master(const Tensors& t, int64_t start, int64_t n, const float* master) {
+  const WeightSpec spec = weight_spec(t.p_kind);
+  const float limit = t.corr_bits ? static_cast<float>((1 << (t.corr_bits - 1)) - 1) : 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = master[j];
+    const uint16_t h = store16(std::isnan(x) ? x : std::min(std::max(x, -spec.max_value), spec.max_value), t.p_kind);
+    t.p16[start + j] = h;
+    if (t.corr_bits == 0) continue;
+    const float w = load16(h, t.p_kind);
+    const float r = x - w;
+    float s = std::nearbyint(r / scaled_unit(w, points_to_zero(r, w), spec, t.corr_bits));
+    s = std::isnan(s) ? 0.0f : std::min(std::max(s, -limit), limit);
+    if (t.corr_bits == 8) {
+      static_cast<int8_t*>(t.corr)[start + j] = static_cast<int8_t>(s);
+    } else {
+      static_cast<int16_t*>(t.corr)[start + j] = static_cast<int16_t>(s);
+    }
+  }
+}
+
+inline void load_grad16(const Tensors& t, int64_t start, int64_t n, float* out) {
+  for (int64_t j = 0; j < n; ++j) out[j] = load16(t.g16[start + j], t.g_kind);
+}
+
 // FULL: a whole super-block (1024 elements), so that every loop has a constant trip count; the
 // last super-block of a tensor may be shorter.
 template <int64_t M, int64_t V, bool FULL>
@@ -266,8 +363,20 @@ void superblock(const Tensors& t, int64_t sb, float limit_m, float limit_v) {
   alignas(64) float denom[SUPER];
   float scl[SUPER_GROUPS];
   alignas(64) float spread_scale[SUPER];
-  float* P = t.p + start;
-  const float* G = t.g + start;
+  alignas(64) float pbuf[SUPER];
+  alignas(64) float gbuf[SUPER];
+  float* P = pbuf;
+  if (t.p_kind == W_FP32) {
+    P = t.p + start;
+  } else {
+    load_master(t, start, n, pbuf);
+  }
+  const float* G = gbuf;
+  if (t.g_kind == W_FP32) {
+    G = t.g + start;
+  } else {
+    load_grad16(t, start, n, gbuf);
+  }
 
   // moments in fp32: the stored fp32 tensors themselves, or decoded into the buffers
   float* mm = mbuf;
@@ -344,6 +453,7 @@ void superblock(const Tensors& t, int64_t sb, float limit_m, float limit_v) {
     }
     P[j] = p;
   }
+  if (t.p_kind != W_FP32) store_master(t, start, n, pbuf);
 
   // store the moments
   if constexpr (M == M_BF16 && V == V_BF16) {  // one hash per element rounds both moments
@@ -405,6 +515,14 @@ inline bool any_nonfinite(const float* g, int64_t n) {
   return hits != 0;
 }
 
+// The same for 16-bit values whose exponent field is `mask` (bf16 0x7F80, fp16 0x7C00).
+inline bool any_nonfinite16(const uint16_t* g, int64_t n, uint16_t mask) {
+  uint32_t hits = 0;
+#pragma omp simd reduction(| : hits)
+  for (int64_t j = 0; j < n; ++j) hits |= static_cast<uint32_t>((g[j] & mask) == mask);
+  return hits != 0;
+}
+
 inline int64_t superblocks(int64_t numel) { return (numel + SUPER - 1) / SUPER; }
 
 template <int64_t M, int64_t V>
@@ -454,7 +572,10 @@ std::vector<uint8_t> nonfinite_flags(const std::vector<Tensors>& items, size_t i
       if (bad[i].load(std::memory_order_relaxed)) continue;
       const Tensors& t = items[i0 + i];
       const int64_t start = (k - offsets[i]) * SUPER;
-      if (any_nonfinite(t.g + start, std::min(SUPER, t.numel - start))) bad[i].store(1, std::memory_order_relaxed);
+      const int64_t len = std::min(SUPER, t.numel - start);
+      const bool found = t.g_kind == W_FP32 ? any_nonfinite(t.g + start, len)
+                                            : any_nonfinite16(t.g16 + start, len, t.g_kind == W_BF16 ? 0x7F80 : 0x7C00);
+      if (found) bad[i].store(1, std::memory_order_relaxed);
     }
   });
   std::vector<uint8_t> out(count);
@@ -522,6 +643,10 @@ void factored_moments(const float* g, const float* p, float* row, float* col, in
   for (int64_t c = 0; c < cols; ++c) cf[c] = std::sqrt(col[c]);
 }
 
+int8_t weight_kind(at::ScalarType t) {
+  return t == at::kFloat ? W_FP32 : t == at::kBFloat16 ? W_BF16 : t == at::kHalf ? W_FP16 : -1;
+}
+
 void* data_or_null(const std::vector<at::Tensor>& list, size_t i) {
   return list.empty() ? nullptr : list[i].data_ptr();
 }
@@ -573,7 +698,8 @@ std::vector<int64_t> adamw_step(const std::vector<at::Tensor>& params, const std
                    const std::vector<at::Tensor>& m_exp, const std::vector<at::Tensor>& v,
                    const std::vector<at::Tensor>& v_scale, const std::vector<at::Tensor>& v_exp,
                    const std::vector<at::Tensor>& rows_state, const std::vector<at::Tensor>& cols_state,
-                   const std::vector<at::Tensor>& counts, at::ArrayRef<int64_t> salts, int64_t seed, int64_t m_kind,
+                   const std::vector<at::Tensor>& counts, const std::vector<at::Tensor>& corrections,
+                   at::ArrayRef<int64_t> salts, int64_t seed, int64_t m_kind,
                    int64_t v_kind, double lr, double beta1, double beta2, double eps, double weight_decay,
                    bool decoupled, bool maximize, double limit_m, double limit_v, double eps_square, double fp32_max,
                    bool check_finite, bool fused_fp32, int64_t batch_elements) {
@@ -592,14 +718,22 @@ std::vector<int64_t> adamw_step(const std::vector<at::Tensor>& params, const std
   check_list(rows_state, n, "rows", v_kind == V_FACTORED);
   check_list(cols_state, n, "cols", v_kind == V_FACTORED);
   check_list(counts, n, "counts", true);
+  check_list(corrections, n, "corrections", true);
   const at::ScalarType m_dtype[] = {at::kFloat, at::kFloat, at::kBFloat16, at::kChar};
   const at::ScalarType v_dtype[] = {at::kFloat, at::kBFloat16, at::kByte, at::kFloat};
   const bool has_m = m_kind != M_NONE;
   std::vector<Tensors> items(n);
   for (size_t i = 0; i < n; ++i) {
     const int64_t numel = params[i].numel();
-    TORCH_CHECK(params[i].scalar_type() == at::kFloat && grads[i].scalar_type() == at::kFloat,
-                "lightning_baoc step: parameters and gradients must be fp32");
+    const int8_t p_kind = weight_kind(params[i].scalar_type());
+    const int8_t g_kind = weight_kind(grads[i].scalar_type());
+    TORCH_CHECK(p_kind >= 0 && g_kind >= 0, "lightning_baoc step: parameters and gradients must be fp32, bf16 or fp16");
+    TORCH_CHECK(v_kind != V_FACTORED || (p_kind == W_FP32 && g_kind == W_FP32),
+                "lightning_baoc step: the factored formats take fp32 parameters and gradients");
+    const at::Tensor& corr = corrections[i];
+    const int8_t corr_bits = corr.numel() == 0 ? 0 : corr.scalar_type() == at::kChar ? 8 : corr.scalar_type() == at::kShort ? 16 : -1;
+    TORCH_CHECK(corr_bits >= 0 && (corr_bits == 0 || (p_kind != W_FP32 && corr.numel() == numel)),
+                "lightning_baoc step: a correction is an int8 or int16 tensor of a 16-bit parameter's size");
     TORCH_CHECK(grads[i].numel() == numel, "lightning_baoc step: gradient size differs from its parameter");
     TORCH_CHECK(counts[i].scalar_type() == at::kLong && counts[i].numel() == 3, "lightning_baoc step: bad counts");
     if (has_m) {
@@ -626,8 +760,14 @@ std::vector<int64_t> adamw_step(const std::vector<at::Tensor>& params, const std
                       cols_state[i].scalar_type() == at::kFloat,
                   "lightning_baoc step: bad factors");
     }
-    items[i] = Tensors{params[i].data_ptr<float>(),
-                       grads[i].data_ptr<float>(),
+    items[i] = Tensors{p_kind == W_FP32 ? params[i].data_ptr<float>() : nullptr,
+                       g_kind == W_FP32 ? grads[i].data_ptr<float>() : nullptr,
+                       p_kind == W_FP32 ? nullptr : static_cast<uint16_t*>(params[i].data_ptr()),
+                       g_kind == W_FP32 ? nullptr : static_cast<const uint16_t*>(grads[i].data_ptr()),
+                       corr_bits ? corr.data_ptr() : nullptr,
+                       p_kind,
+                       g_kind,
+                       corr_bits,
                        data_or_null(m, i),
                        m_kind == M_INT8 ? m_scale[i].data_ptr<at::Half>() : nullptr,
                        m_kind == M_INT8 ? m_exp[i].data_ptr<int8_t>() : nullptr,
@@ -664,7 +804,8 @@ std::vector<int64_t> adamw_step(const std::vector<at::Tensor>& params, const std
       const int64_t step = c[0], m_step = c[1];
       const double bc1 = (has_m && m_step) ? 1.0 - std::pow(beta1, static_cast<double>(m_step)) : 1.0;
       const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
-      if (m_kind == M_FP32 && v_kind == V_FP32 && fused_fp32 && m_step == step && step <= MAX_FUSED_STEP) {
+      if (m_kind == M_FP32 && v_kind == V_FP32 && fused_fp32 && m_step == step && step <= MAX_FUSED_STEP &&
+          items[i].p_kind == W_FP32 && items[i].g_kind == W_FP32) {
         fp.push_back(params[i]);
         fg.push_back(grads[i]);
         fm.push_back(m[i]);
@@ -705,7 +846,7 @@ TORCH_LIBRARY(lightning_baoc, lib) {
   lib.def(
       "adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] m, Tensor(c!)[] m_scale, Tensor(d!)[] m_exp, "
       "Tensor(e!)[] v, Tensor(f!)[] v_scale, Tensor(g!)[] v_exp, Tensor(h!)[] rows, Tensor(i!)[] cols, "
-      "Tensor(j!)[] counts, int[] salts, int seed, int m_kind, int v_kind, float lr, float beta1, float beta2, "
+      "Tensor(j!)[] counts, Tensor(k!)[] corrections, int[] salts, int seed, int m_kind, int v_kind, float lr, float beta1, float beta2, "
       "float eps, float weight_decay, bool decoupled, bool maximize, float limit_m, float limit_v, "
       "float eps_square, float fp32_max, bool check_finite, bool fused_fp32, int batch_elements) -> int[]");
 }

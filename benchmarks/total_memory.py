@@ -1,0 +1,151 @@
+"""Total training memory per parameter: weights, corrections, gradients and states, measured.
+
+A 42M-parameter model (40 square 1024 x 1024 linear layers with biases) trains a few steps on random
+data in a plain loop, each configuration in its own process. Two measurements per run:
+
+- from storages, after the last step: the bytes of the weights, the gradients, the optimizer's
+  states (``state_bytes()``, or the storages of torch's ``state``) and the master-weight corrections
+  (``weight_correction_bytes()``), per parameter;
+- the whole run: the peak resident set of the process (``os.wait4``) above a baseline process that
+  loads the same code and builds no model, per parameter (allocator slack, activations and the
+  step's transients included).
+
+Runs: fp32 weights with torch AdamW (the 16 bytes of mixed-precision AdamW's master copy: weight 4,
+gradient 4, m 4, v 4); bf16 weights with torch AdamW (its states follow the weights: bf16); bf16
+weights with BlockwiseAdamW in int8 states, without a correction, with ``ecc8`` and with ``ecc16``.
+
+Example::
+
+    python benchmarks/total_memory.py --docs
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from _report import command, machine, markdown_table, run_child, write_docs_section
+
+RUNS = {
+    "baseline": "the code loaded, no model",
+    "torch AdamW, fp32 weights": "fp32 weights and gradients, fp32 states",
+    "torch AdamW, bf16 weights": "bf16 weights and gradients, bf16 states",
+    "BlockwiseAdamW int8, bf16 weights": "bf16 weights and gradients, int8 states, no correction",
+    "BlockwiseAdamW int8, bf16 weights + ecc8": "the same with an 8-bit correction",
+    "BlockwiseAdamW int8, bf16 weights + ecc16": "the same with a 16-bit correction",
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """``layers`` square linear layers of ``width`` (with biases), ``steps`` steps of batch ``batch``."""
+
+    layers: int = 40
+    width: int = 1024
+    batch: int = 16
+    steps: int = 6
+    threads: int = 1
+
+    @property
+    def params(self) -> int:
+        return self.layers * (self.width * self.width + self.width)
+
+
+def _storage_bytes(tensors: Any) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def child(run: str, workload: Workload) -> dict[str, Any]:
+    """One run in this process: its storages per parameter after the last step."""
+    import torch
+    from torch import nn
+
+    from lightning_baoc import BlockwiseAdamW
+
+    torch.set_num_threads(workload.threads)
+    warm = nn.Linear(64, 64).to(torch.bfloat16)  # the code of every run, loaded in the baseline too
+    opt = BlockwiseAdamW(warm.named_parameters(), state_format="int8", min_8bit_numel=0, weight_correction="ecc8")
+    warm(torch.randn(2, 64, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    torch.optim.AdamW(warm.parameters(), fused=True).step()
+    del warm, opt
+    if run == "baseline":
+        return {}
+    torch.manual_seed(0)
+    dtype = torch.float32 if "fp32 weights" in run else torch.bfloat16
+    model = nn.Sequential(*[nn.Linear(workload.width, workload.width) for _ in range(workload.layers)]).to(dtype)
+    if run.startswith("torch"):
+        optimizer: Any = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    else:
+        correction = run.rsplit("+ ", 1)[1] if "+ " in run else "none"
+        optimizer = BlockwiseAdamW(model.named_parameters(), lr=1e-4, state_format="int8", weight_correction=correction)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(workload.steps):
+        optimizer.zero_grad(set_to_none=False)
+        x = torch.randn(workload.batch, workload.width, generator=gen).to(dtype)
+        model(x).float().square().mean().backward()
+        optimizer.step()
+    params = list(model.parameters())
+    if isinstance(optimizer, BlockwiseAdamW):
+        states, corrections = optimizer.state_bytes(), optimizer.weight_correction_bytes()
+    else:
+        states = _storage_bytes(t for s in optimizer.state.values() for t in s.values() if t.numel() > 1)
+        corrections = 0
+    return {
+        "weights": _storage_bytes(params),
+        "gradients": _storage_bytes(p.grad for p in params),
+        "states": states,
+        "corrections": corrections,
+    }
+
+
+def run_all(workload: Workload) -> dict[str, dict[str, Any]]:
+    results = {}
+    for run in RUNS:
+        results[run] = run_child("total_memory", "child", run, workload.__dict__)
+        print(run, results[run], flush=True)
+    return results
+
+
+def table(workload: Workload, results: dict[str, dict[str, Any]]) -> str:
+    n = workload.params
+    base = results["baseline"]["peak_rss"]
+    rows = []
+    for run, what in RUNS.items():
+        if run == "baseline":
+            continue
+        r = results[run]
+        parts = [r["weights"], r["corrections"], r["gradients"], r["states"]]
+        rows.append([run, what, *[f"{b / n:.3f}" for b in parts], f"{sum(parts) / n:.3f}", f"{(r['peak_rss'] - base) / n:.2f}"])
+    headers = ["run", "what it holds", "weights", "corrections", "gradients", "states",
+               "total (storages)", "whole run (peak RSS above the baseline)"]
+    return markdown_table(headers, rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=Workload.layers)
+    parser.add_argument("--steps", type=int, default=Workload.steps)
+    parser.add_argument("--docs", action="store_true", help="write the table into docs/benchmarks/total-memory.md")
+    args = parser.parse_args()
+    workload = Workload(layers=args.layers, steps=args.steps)
+    results = run_all(workload)
+    body = (
+        f"Bytes per parameter, {workload.params / 1e6:.1f}M parameters ({workload.layers} x "
+        f"Linear({workload.width}, {workload.width})), {workload.steps} steps of batch {workload.batch}, "
+        f"{workload.threads} torch thread(s), each run in its own process; baseline peak resident set "
+        f"{results['baseline']['peak_rss'] / 2**20:.0f} MiB.\n\n"
+        f"Machine: {machine()}. Command: `{command()}`\n\n{table(workload, results)}"
+    )
+    print(body)
+    if args.docs:
+        write_docs_section("benchmarks/total-memory.md", "total_memory", body)
+
+
+if __name__ == "__main__":
+    main()
