@@ -12,7 +12,8 @@ data in a plain loop, each configuration in its own process. Two measurements pe
 
 Runs: fp32 weights with torch AdamW (the 16 bytes of mixed-precision AdamW's master copy: weight 4,
 gradient 4, m 4, v 4); bf16 weights with torch AdamW (its states follow the weights: bf16); bf16
-weights with BlockwiseAdamW in int8 states, without a correction, with ``ecc8`` and with ``ecc16``.
+weights with BlockwiseAdamW in int8 states, without a correction, with ``ecc8`` and with ``ecc16``, and
+with ``ecc8`` and gradient release (each parameter stepped in backward, its gradient freed at once).
 
 Example::
 
@@ -34,6 +35,7 @@ RUNS = {
     "BlockwiseAdamW int8, bf16 weights": "bf16 weights and gradients, int8 states, no correction",
     "BlockwiseAdamW int8, bf16 weights + ecc8": "the same with an 8-bit correction",
     "BlockwiseAdamW int8, bf16 weights + ecc16": "the same with a 16-bit correction",
+    "BlockwiseAdamW int8, bf16 weights + ecc8, gradient release": "ecc8, each gradient freed in backward once stepped",
 }
 
 
@@ -82,8 +84,10 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
     if run.startswith("torch"):
         optimizer: Any = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     else:
-        correction = run.rsplit("+ ", 1)[1] if "+ " in run else "none"
+        correction = run.split("+ ", 1)[1].split(",")[0] if "+ " in run else "none"
         optimizer = BlockwiseAdamW(model.named_parameters(), lr=1e-4, state_format="int8", weight_correction=correction)
+        if "gradient release" in run:
+            optimizer.release_gradients()
     gen = torch.Generator().manual_seed(1)
     for _ in range(workload.steps):
         optimizer.zero_grad(set_to_none=False)
@@ -98,7 +102,7 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
         corrections = 0
     return {
         "weights": _storage_bytes(params),
-        "gradients": _storage_bytes(p.grad for p in params),
+        "gradients": _storage_bytes(p.grad for p in params if p.grad is not None),
         "states": states,
         "corrections": corrections,
     }

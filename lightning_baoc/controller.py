@@ -233,10 +233,17 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin):
 
         Raises:
             TypeError: an unsupported optimizer (the message names the supported ones).
-            ValueError: the optimizer holds parameters ``module`` does not have, or no trainable one.
+            ValueError: the optimizer holds parameters ``module`` does not have, or no trainable one,
+                or releases its gradients during backward (not yet supported with BAOC).
         """
         if self.optimizer is not None and optimizer is self.optimizer:
             return self.optimizer
+        if getattr(optimizer, "releases_gradients", False):
+            raise ValueError(
+                "BAOC does not run with gradient release yet: its sampler reads the gradients after "
+                "backward, when release has freed them. Turn release off (optimizer.release_gradients(False)) "
+                "to use BAOC, or use BlockwiseAdamW with release and fixed formats (set_formats) without BAOC."
+            )
         cfg = self.config
         new = convert_optimizer(optimizer, module, cfg.min_8bit_numel, cfg.seed)
         self._module = module

@@ -80,10 +80,12 @@ class MasterMixin:
         return correction_for(asked, p.dtype)
 
     @torch.no_grad()
-    def _sync_corrections(self) -> dict[str, tuple[str, str]]:
-        """Create, convert or drop the corrections whose target differs from what is held."""
+    def _sync_corrections(self, only: Iterable[Tensor] | None = None) -> dict[str, tuple[str, str]]:
+        """Create, convert or drop the corrections whose target differs from what is held (of the
+        parameters ``only``, or all)."""
         changes: dict[str, tuple[str, str]] = {}
-        for p, rec in self._records.items():
+        for p in self._records if only is None else only:
+            rec = self._records[p]
             target = self.target_correction(p)
             if target == rec.correction:
                 continue

@@ -43,6 +43,7 @@ from lightning_baoc.optim.pools import Pool as _Pool
 from lightning_baoc.optim.pools import PoolsMixin
 from lightning_baoc.optim.pools import Record as _Record
 from lightning_baoc.optim.masters import MasterMixin
+from lightning_baoc.optim.release import ReleaseMixin
 from lightning_baoc.optim.stepping import StepMixin
 
 
@@ -50,7 +51,7 @@ from lightning_baoc.optim.stepping import StepMixin
 _CONVERSION_SALT = 0x5A17C0DE
 
 
-class BlockwiseAdamW(StepMixin, MasterMixin, PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
+class BlockwiseAdamW(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction) with a state format per parameter.
 
     With every parameter in ``fp32`` it behaves like ``torch.optim.AdamW`` (tested to 1e-6 over 200
@@ -150,6 +151,8 @@ class BlockwiseAdamW(StepMixin, MasterMixin, PoolsMixin, PersistenceMixin, torch
         self._records: dict[Tensor, _Record] = {}
         self._salts: dict[str, int] = {}  # name -> its hash in the rounding keys
         self._warned: set[str] = set()  # names warned of a skipped update
+        self._released: set[Tensor] = set()  # stepped by gradient release since the last step()
+        self._release_handles: list[Any] = []
         self._names: dict[str, Tensor] = {}
         self._pools: dict[tuple[str, str], _Pool] = {}
         self._live_bytes = 0
@@ -388,13 +391,20 @@ class BlockwiseAdamW(StepMixin, MasterMixin, PoolsMixin, PersistenceMixin, torch
         self._sync_formats()
         self._initialize_new()
         self._sync_corrections()
+        self._released.clear()  # a new window: each parameter may release its gradient once again
+        self._step_params(with_grad)
+        return loss
+
+    def _step_params(self, params: list[Tensor]) -> None:
+        """One step of ``params`` (with gradients, states and corrections in place), by group."""
+        chosen = set(params)
         eager: list[tuple[Mapping[str, Any], StepHyper, list[Tensor]]] = []
         for group in self.param_groups:
             hyper = self._hyper(group)
             compiled: dict[str, list[KernelItem]] = defaultdict(list)
             rest: list[Tensor] = []
             for p in group["params"]:
-                if p.grad is None or p.numel() == 0:
+                if p not in chosen or p.grad is None or p.numel() == 0:
                     continue
                 rec = self._records[p]
                 fmt = FORMATS[rec.format]
@@ -404,17 +414,17 @@ class BlockwiseAdamW(StepMixin, MasterMixin, PoolsMixin, PersistenceMixin, torch
                 else:
                     rest.append(p)
             for fmt, items in compiled.items():
-                # the kernel tests the gradients, advances the counts and says how many it skipped
+                # the kernel tests the gradients, advances the counts and says which it skipped
                 skipped = compiled_step(FORMATS[fmt], items, hyper, self.seed, self.skip_nonfinite)
                 if skipped:
                     self._warn_skipped([self._records[it.param] for it in skipped])
-            eager.append((group, hyper, rest))
-        if any(params for _, _, params in eager):
+            if rest:
+                eager.append((group, hyper, rest))
+        if eager:
             finite = self._finite_mask([p for _, _, params in eager for p in params])
             for group, hyper, params in eager:
                 self._eager_step(group, hyper, params, finite[: len(params)])
                 finite = finite[len(params) :]
-        return loss
 
     @property
     def nonfinite_counts(self) -> dict[str, int]:

@@ -1,0 +1,72 @@
+"""GradientRelease: the Lightning callback that turns on gradient release for a BlockwiseAdamW.
+
+Gradient release (:mod:`lightning_baoc.optim.release`) steps each parameter during backward and
+frees its gradient at once. Lightning runs the closure (forward, backward) inside
+``optimizer.step``, so the hooks step the parameters while backward runs and the ``step`` that
+follows opens the next window. What release cannot do, the callback refuses at ``setup``, before
+training, with the setting to change:
+
+- ``accumulate_grad_batches > 1``: every micro-batch would step on its own;
+- ``gradient_clip_val``: global-norm clipping needs all the gradients before any step;
+- the :class:`~lightning_baoc.BAOC` callback: its sampler reads the gradients after backward (not yet);
+- an optimizer that is not a :class:`~lightning_baoc.BlockwiseAdamW`, or manual optimization.
+
+Example::
+
+    model.configure_optimizers = lambda: BlockwiseAdamW(model.named_parameters(), state_format="int8",
+                                                        weight_correction="ecc8")
+    Trainer(precision="bf16-true", callbacks=[GradientRelease()]).fit(model)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+
+from lightning_baoc.optim import BlockwiseAdamW
+
+
+class GradientRelease(pl.Callback):
+    """Step every parameter in backward and free its gradient (see the module docstring)."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        problems = []
+        if trainer.accumulate_grad_batches != 1:
+            problems.append(
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches}: release steps every "
+                f"micro-batch on its own; set accumulate_grad_batches=1"
+            )
+        if trainer.gradient_clip_val:
+            problems.append(
+                f"gradient_clip_val={trainer.gradient_clip_val}: clipping needs every gradient before any "
+                f"step, and release has freed them; remove gradient_clip_val"
+            )
+        if any(type(cb).__name__ == "BAOC" for cb in trainer.callbacks):
+            problems.append("the BAOC callback: its sampler reads the gradients after backward (not yet supported with release)")
+        if not pl_module.automatic_optimization:
+            problems.append("manual optimization: call optimizer.release_gradients() yourself and step() once per iteration")
+        if problems:
+            raise ValueError("GradientRelease cannot run with " + "; ".join(problems) + ".")
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for optimizer in trainer.optimizers:
+            if not isinstance(optimizer, BlockwiseAdamW):
+                raise TypeError(
+                    f"GradientRelease needs configure_optimizers to return a lightning_baoc.BlockwiseAdamW, "
+                    f"got {type(optimizer).__name__}: build BlockwiseAdamW(model.named_parameters(), ...) instead"
+                )
+            optimizer.release_gradients()
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for optimizer in trainer.optimizers:
+            if isinstance(optimizer, BlockwiseAdamW):
+                optimizer.release_gradients(False)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+
+__all__ = ["GradientRelease"]

@@ -1,0 +1,148 @@
+"""Gradient release (``lightning_baoc/optim/release.py``, ``lightning_baoc.GradientRelease``).
+
+- Each parameter steps in backward exactly as ``step()`` would: bit-equal on the compiled and the
+  eager step, fp32, int8, factored and bf16 weights with a correction; gradients are gone after
+  backward.
+- Gradient accumulation is refused before anything steps twice; a non-finite gradient is skipped and
+  counted; release turns off.
+- Under Lightning, ``GradientRelease`` trains like the same run without release (bf16-true, a
+  correction) and refuses accumulation, clipping and BAOC at setup, naming the setting.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from lightning_baoc import BAOC, BlockwiseAdamW, GradientRelease
+from lightning_baoc.optim.release import GradientAccumulationError
+
+CASES = [("int8", torch.float32, "none"), ("fp32", torch.float32, "none"), ("int8_factored", torch.float32, "none"),
+         ("bf16", torch.bfloat16, "ecc8"), ("int8", torch.bfloat16, "ecc16")]
+
+
+def _run(release: bool, policy: str, fmt: str, dtype: torch.dtype, correction: str, steps: int = 8):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8)).to(dtype)
+    opt = BlockwiseAdamW(model.named_parameters(), lr=1e-3, state_format=fmt, min_8bit_numel=0, kernels=policy,
+                         weight_correction=correction)
+    if release:
+        opt.release_gradients()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(16, 64, generator=gen).to(dtype)).float().square().mean().backward()
+        if release:
+            assert all(p.grad is None for p in model.parameters())
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("policy", ["compiled", "eager"])
+@pytest.mark.parametrize("fmt,dtype,correction", CASES, ids=[f"{c[0]}-{str(c[1])[6:]}-{c[2]}" for c in CASES])
+def test_release_steps_exactly_as_step(policy: str, fmt: str, dtype: torch.dtype, correction: str) -> None:
+    plain, plain_opt = _run(False, policy, fmt, dtype, correction)
+    released, released_opt = _run(True, policy, fmt, dtype, correction)
+    for a, b in zip(plain.parameters(), released.parameters()):
+        assert torch.equal(a, b)
+    for (ra, rb) in zip(plain_opt._records.values(), released_opt._records.values()):  # noqa: SLF001
+        assert torch.equal(ra.counts, rb.counts)
+        for key in ra.views:
+            assert torch.equal(ra.views[key], rb.views[key]), (ra.name, key)
+
+
+def test_accumulation_is_refused_before_a_second_step() -> None:
+    model, opt = _run(True, "compiled", "int8", torch.float32, "none", steps=1)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(4, 64)).square().mean().backward()  # the first backward of a window: steps
+    stepped = [p.detach().clone() for p in model.parameters()]
+    assert not all(torch.equal(a, b) for a, b in zip(before, stepped))
+    with pytest.raises(GradientAccumulationError, match="second gradient before step.*accumulate_grad_batches=1"):
+        model(torch.randn(4, 64)).square().mean().backward()
+    # the refusal comes before the parameter steps again
+    assert torch.equal(model[2].bias, stepped[-1])
+    opt.zero_grad()
+    opt.step()  # a new window
+    model(torch.randn(4, 64)).square().mean().backward()
+
+
+def test_a_nonfinite_gradient_is_skipped_and_release_turns_off() -> None:
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(32, 32))
+    opt = BlockwiseAdamW([("w", w)], state_format="int8", min_8bit_numel=0)
+    opt.release_gradients()
+    start = w.detach().clone()
+    with pytest.warns(RuntimeWarning, match="non-finite gradient for 'w'"):
+        (w * torch.full_like(w, float("nan"))).sum().backward()
+    assert torch.equal(w, start) and opt.nonfinite_counts == {"w": 1} and w.grad is None
+    opt.step()
+    opt.release_gradients(False)
+    assert not opt.releases_gradients
+    w.square().sum().backward()
+    assert w.grad is not None  # kept for step()
+
+
+class _Tiny(pl.LightningModule):
+    def __init__(self, release: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
+        self.release = release
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x).float(), y)
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return BlockwiseAdamW(self.net.named_parameters(), lr=1e-3, state_format="int8", min_8bit_numel=0,
+                              weight_correction="ecc8")
+
+    def train_dataloader(self):  # type: ignore[no-untyped-def]
+        gen = torch.Generator().manual_seed(2)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 32, generator=gen), torch.randint(0, 4, (64,), generator=gen))
+        return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+def _trainer(tmp_path, callbacks, **kwargs):  # type: ignore[no-untyped-def]
+    return pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, precision="bf16-true", callbacks=callbacks,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=tmp_path, **kwargs)
+
+
+def test_lightning_release_trains_like_the_plain_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain, released = _Tiny(False), _Tiny(True)
+        _trainer(tmp_path, []).fit(plain)
+        _trainer(tmp_path, [GradientRelease()]).fit(released)
+    assert plain.net[0].weight.dtype == torch.bfloat16
+    for a, b in zip(plain.parameters(), released.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "kwargs,callbacks,match",
+    [
+        ({"accumulate_grad_batches": 2}, [], "accumulate_grad_batches=2"),
+        ({"gradient_clip_val": 1.0}, [], "gradient_clip_val=1.0"),
+        ({}, [BAOC(memory_budget=0.5, warmup_steps=12)], "the BAOC callback"),
+    ],
+    ids=["accumulation", "clipping", "baoc"],
+)
+def test_lightning_refuses_what_release_cannot_do(tmp_path, kwargs, callbacks, match) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=match):
+        _trainer(tmp_path, [GradientRelease(), *callbacks], **kwargs).fit(_Tiny(True))
+
+
+def test_baoc_refuses_an_optimizer_that_releases() -> None:
+    from lightning_baoc.controller import BAOCController
+
+    model = nn.Linear(8, 8)
+    opt = BlockwiseAdamW(model.named_parameters())
+    opt.release_gradients()
+    with pytest.raises(ValueError, match="gradient release"):
+        BAOCController(memory_budget=0.5, warmup_steps=12).install(opt, model)
