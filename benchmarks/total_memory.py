@@ -3,9 +3,8 @@
 A 42M-parameter model (40 square 1024 x 1024 linear layers with biases) trains a few steps on random
 data in a plain loop, each configuration in its own process. Two measurements per run:
 
-- from storages, after the last step: the bytes of the weights, the gradients, the optimizer's
-  states (``state_bytes()``, or the storages of torch's ``state``) and the master-weight corrections
-  (``weight_correction_bytes()``), per parameter;
+- from storages, after the last step (:func:`lightning_baoc.training_memory`): the bytes of the
+  weights, the gradients, the optimizer's states and the master-weight corrections, per parameter;
 - the whole run: the peak resident set of the process (``os.wait4``) above a baseline process that
   loads the same code and builds no model, per parameter (allocator slack, activations and the
   step's transients included).
@@ -54,20 +53,12 @@ class Workload:
         return self.layers * (self.width * self.width + self.width)
 
 
-def _storage_bytes(tensors: Any) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
 def child(run: str, workload: Workload) -> dict[str, Any]:
     """One run in this process: its storages per parameter after the last step."""
     import torch
     from torch import nn
 
-    from lightning_baoc import BlockwiseAdamW
+    from lightning_baoc import BlockwiseAdamW, training_memory
 
     torch.set_num_threads(workload.threads)
     warm = nn.Linear(64, 64).to(torch.bfloat16)  # the code of every run, loaded in the baseline too
@@ -94,18 +85,7 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
         x = torch.randn(workload.batch, workload.width, generator=gen).to(dtype)
         model(x).float().square().mean().backward()
         optimizer.step()
-    params = list(model.parameters())
-    if isinstance(optimizer, BlockwiseAdamW):
-        states, corrections = optimizer.state_bytes(), optimizer.weight_correction_bytes()
-    else:
-        states = _storage_bytes(t for s in optimizer.state.values() for t in s.values() if t.numel() > 1)
-        corrections = 0
-    return {
-        "weights": _storage_bytes(params),
-        "gradients": _storage_bytes(p.grad for p in params if p.grad is not None),
-        "states": states,
-        "corrections": corrections,
-    }
+    return training_memory(model, optimizer).to_dict()
 
 
 def run_all(workload: Workload) -> dict[str, dict[str, Any]]:

@@ -25,6 +25,8 @@ _EXPORTS: dict[str, str] = {
     "BAOC": "lightning_baoc.integrations.callback",
     "BAOCStrategy": "lightning_baoc.integrations.fabric",
     "GradientRelease": "lightning_baoc.integrations.release",
+    "training_memory": "lightning_baoc.memory",
+    "TrainingMemory": "lightning_baoc.memory",
     "BAOCSection": "lightning_baoc.config",
     "Config": "lightning_baoc.config",
     "ConfigError": "lightning_baoc.config",
@@ -61,6 +63,7 @@ if TYPE_CHECKING:  # what type checkers and documentation tools see
     from lightning_baoc.config import BAOCSection, Config, ConfigError, json_schema, load_config, parse_config  # noqa: F401
     from lightning_baoc.integrations.fabric import BAOCStrategy  # noqa: F401
     from lightning_baoc.integrations.release import GradientRelease  # noqa: F401
+    from lightning_baoc.memory import TrainingMemory, training_memory  # noqa: F401
     from lightning_baoc.formats import FORMATS  # noqa: F401
     from lightning_baoc.optim import BlockwiseAdamW  # noqa: F401
     from lightning_baoc.optim import CheckpointError, export_adamw_state_dict, load_checkpoint  # noqa: F401

@@ -28,6 +28,7 @@ def _literal(text: str) -> str:
 def _add_plan(parser: argparse.ArgumentParser) -> None:
     from .blocks import GRANULARITIES
     from .formats import FORMATS
+    from .formats.correction import CORRECTIONS
     from .tools.presets import PRESETS
 
     which = parser.add_mutually_exclusive_group()
@@ -70,6 +71,11 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibrate", action="store_true", help="time costs from a calibration of --device here (cached)")
     parser.add_argument("--min-8bit-numel", type=int, default=4096, help="small-tensor threshold of the 8-bit formats (default: 4096)")
     parser.add_argument("--method", choices=["auto", "greedy", "exact"], default="auto", help="solver method (default: auto)")
+    parser.add_argument("--weight-dtype", choices=["fp32", "bf16", "fp16"],
+                        help="the weights' dtype in training (bf16-true: bf16; default: the model's own)")
+    parser.add_argument("--weight-correction", choices=list(CORRECTIONS), default="none",
+                        help="master-weight correction of 16-bit weights (default: none)")
+    parser.add_argument("--release", action="store_true", help="gradient release: no gradient is held")
     parser.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
 
 
@@ -98,6 +104,9 @@ def _run_plan(args: argparse.Namespace) -> int:
         calibrate_time=args.calibrate,
         min_8bit_numel=args.min_8bit_numel,
         method=args.method,
+        weight_dtype=args.weight_dtype,
+        weight_correction=args.weight_correction,
+        release=args.release,
     )
     render(result, Console(width=max(Console().width, 120)))
     if args.json:

@@ -69,6 +69,7 @@ from .costs import AllocationProblem, with_message
 from .integrations.swap import SUPPORTED_OPTIMIZERS, convert_optimizer, rebind_scheduler
 from .formats import format_state_bytes
 from .optim import BlockwiseAdamW
+from .memory import training_memory
 from .risk.prior import block_kind, prior_risk
 from .risk.shadow import ShadowMoments
 from .sampler import GradientSampler
@@ -514,6 +515,7 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin):
             baseline_state_bytes=self.baseline_state_bytes,
             peak_state_bytes=self.peak_state_bytes,
             instrument_bytes=self.instrument_bytes,
+            training_memory=training_memory(self._module, opt).to_dict() if self._module is not None else None,
         )
         self.last_event = event
         self.history.append(

@@ -16,7 +16,9 @@ The JSON record (``baoc_allocation.json``, schema :data:`ALLOCATION_SCHEMA`)::
                  "changed": bool,
                  "stats": {"stability": float | null, "anisotropy": float | null,
                            "snr": float | null, ...}}],
-     "history": [{"step", "reason", "kept", "changed", "state_bytes", "total_risk", ...}]}
+     "history": [{"step", "reason", "kept", "changed", "state_bytes", "total_risk", ...}],
+     "training_memory": {"params": int, "weights": int, "corrections": int, "gradients": int,
+                         "states": int, "total": int}}
 
 ``fp32_state_bytes`` is fp32 AdamW's state (8 bytes per element); ``baseline_state_bytes`` the
 state the user's own ``torch.optim.AdamW`` would hold (two moments in each parameter's dtype: the
@@ -27,7 +29,10 @@ every format the solver could pick (so ``lightning-baoc plan --stats baoc_alloca
 re-plan from a real run), ``format_risk`` the risk of the format chosen. Undefined statistics
 (``nan``) are written as ``null``. ``snr`` is the gradient signal-to-noise ratio; records written
 before it was renamed call it ``noise`` (:data:`RENAMED_STATS`), and the schema, the table and the
-figure read those too.
+figure read those too. ``training_memory`` is what training held after the allocation, measured from
+storages (:func:`lightning_baoc.training_memory`): the weights, their master-weight corrections, the
+gradients and the optimizer's states, in bytes, and the parameter elements they serve (records written
+before it existed have none).
 
 The PNG needs matplotlib, an optional dependency: :func:`png_enabled` decides at construction
 (of the callback or the strategy) whether it is drawn, so a plain install never fails after a
@@ -86,6 +91,12 @@ ALLOCATION_SCHEMA: dict[str, Any] = {
         "time_budget": _NUMBER_OR_NULL,
         "time": _NUMBER_OR_NULL,
         "kept": {"type": "boolean"},
+        "training_memory": {
+            "type": "object",
+            "required": ["params", "weights", "corrections", "gradients", "states", "total"],
+            "properties": {k: {"type": "integer", "minimum": 0}
+                           for k in ("params", "weights", "corrections", "gradients", "states", "total")},
+        },
         "blocks": {
             "type": "array",
             "items": {
@@ -177,6 +188,7 @@ def build_record(event: AllocationEvent, history: list[Mapping[str, Any]] | None
         "kept": bool(event.kept),
         "blocks": blocks,
         "history": [dict(h) for h in (history or [])],
+        **({"training_memory": {k: int(v) for k, v in event.training_memory.items()}} if event.training_memory else {}),
     }
 
 
@@ -321,6 +333,11 @@ def allocation_table(record: Mapping[str, Any]) -> Any:
         f"(AdamW {format_bytes(baseline)}, budget {format_bytes(record['memory_budget_bytes'])}); "
         f"saved {saved:.1%} of AdamW's state"
     )
+    whole = record.get("training_memory")
+    if whole and whole.get("params"):
+        n = whole["params"]
+        parts = ", ".join(f"{k} {whole[k] / n:.2f}" for k in ("weights", "corrections", "gradients", "states"))
+        table.caption += f"; training holds {whole['total'] / n:.2f} bytes per parameter ({parts})"
     return table
 
 

@@ -11,11 +11,12 @@ from pathlib import Path
 import lightning_baoc
 
 ROOT = Path(__file__).resolve().parent.parent
-#: the modules that adapt the core to Lightning, the only ones allowed to import it: the callback
-#: and the Fabric strategy, and their old paths
+#: the modules that adapt the core to Lightning, the only ones allowed to import it: the callbacks
+#: (BAOC, GradientRelease) and the Fabric strategy, and their old paths
 INTEGRATIONS = {
     "lightning_baoc.integrations.callback",
     "lightning_baoc.integrations.fabric",
+    "lightning_baoc.integrations.release",
     "lightning_baoc.callback",
     "lightning_baoc.fabric",
 }

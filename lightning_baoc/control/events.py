@@ -35,6 +35,9 @@ class AllocationEvent:
             ``None``: not known).
         instrument_bytes: what BAOC's sampler buffers and shadow moments hold, outside the budget
             (``None``: not known).
+        training_memory: what training holds after the allocation, from storages
+            (:meth:`lightning_baoc.TrainingMemory.to_dict`: weights, corrections, gradients, states,
+            total, params; ``None``: not known).
     """
 
     step: int
@@ -59,6 +62,7 @@ class AllocationEvent:
     baseline_state_bytes: int | None = None
     peak_state_bytes: int | None = None
     instrument_bytes: int | None = None
+    training_memory: dict[str, int] | None = None
 
     @property
     def baseline(self) -> int:

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..blocks import partition
@@ -35,6 +36,7 @@ from ..budget import absolute_time_with_prior_error, format_bytes, format_decima
 from ..calibration import check_mask, offload_saves_memory
 from ..costs import CONVERSION_BOUND, AllocationProblem, StatePhases
 from ..formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, format_state_bytes, numel_of, resolve_format
+from ..formats.correction import check_correction
 from ..risk.prior import block_kind, prior_risk
 from ..risk.start import INITIAL_PREFERENCE, Initial
 from ..solver import Allocation, BudgetInfeasibleError
@@ -127,6 +129,21 @@ class Plan:
     time_budget: str | None
     allocations: list[PlannedAllocation]
     start_source: str = ""
+    #: what training holds besides the states, in bytes: the weights (in ``weight_dtype``), their
+    #: master-weight corrections and the gradients (none with gradient release)
+    weight_bytes: int = 0
+    correction_bytes: int = 0
+    gradient_bytes: int = 0
+    weight_dtype: str = "the model's"
+    weight_correction: str = "none"
+    release: bool = False
+
+    def training_memory(self, state_bytes: int) -> dict[str, int]:
+        """Weights, corrections, gradients and ``state_bytes``, in bytes, with their total and the
+        parameter count (the figures ``lightning_baoc.training_memory`` measures in a run)."""
+        parts = {"weights": self.weight_bytes, "corrections": self.correction_bytes,
+                 "gradients": self.gradient_bytes, "states": int(state_bytes)}
+        return {"params": self.params, **parts, "total": sum(parts.values())}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -153,6 +170,7 @@ class Plan:
                     "params_by_format": a.params_by_format,
                     **({"allocation": a.allocation.to_dict()} if a.allocation is not None else {}),
                     **({"phases": a.phases.to_dict()} if a.phases is not None else {}),
+                    **({"training_memory": self.training_memory(a.allocation.memory)} if a.allocation is not None else {}),
                 }
                 for a in self.allocations
             ],
@@ -174,6 +192,7 @@ def plan(
     cache_dir: str | os.PathLike[str] | None = None,
     min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL,
     method: str = "auto",
+    weight_dtype: str | None = None, weight_correction: str = "none", release: bool = False,
 ) -> Plan:
     """Plan the optimizer-state memory of ``model`` on ``device``.
 
@@ -197,10 +216,11 @@ def plan(
         cache_dir: calibration cache directory (default: the user cache directory).
         min_8bit_numel: the optimizer's small-tensor threshold (default: 4096).
         method: the solver's method (default: ``"auto"``).
+        weight_dtype, weight_correction, release: the weights' dtype (``"fp32"``, ``"bf16"``, ``"fp16"``;
+            default: the model's), their correction (default ``"none"``), gradient release (no gradient).
 
     Raises:
-        ValueError: a bad model, budget, mask or ``initial``, or an absolute ``time_budget``
-            without ``calibrate_time`` (the message names both fixes).
+        ValueError: a bad model, budget, mask or ``initial``, or an absolute ``time_budget`` without ``calibrate_time``.
 
     Example:
         >>> p = plan("tiny", [0.5], device="cpu")
@@ -213,32 +233,51 @@ def plan(
     if time_budget is not None and not calibrate_time and is_absolute_time(time_budget):
         fix = "calibrate_time=True (--calibrate) to measure the step in seconds on the device."
         raise absolute_time_with_prior_error(time_budget, "time_budget", fix)
-    module = build_model(model) if isinstance(model, str) else model
+    module = build_model(model) if isinstance(model, str) else model  # the problem below is the controller's
     blocks = _block_shapes(module, granularity)
-    # the problem the training controller and ``check`` build: offload only with a time budget
+    weights = _weight_figures(module, weight_dtype, weight_correction, release)
     costs = "calibrate" if calibrate_time else "prior"
     problem = AllocationProblem(
         blocks, device, timed=time_budget is not None, costs=costs, min_8bit_numel=min_8bit_numel,
         mask=check_mask(mask) if mask else {}, cache_dir=cache_dir,
     )  # fmt: skip
-
     figures, allocations = _format_figures(blocks, device, min_8bit_numel), []
-    start_source = _PRIOR_SOURCE if initial is None else _initial_source(initial)
-    risk_source, time_source = start_source, None
+    start_source = risk_source = _PRIOR_SOURCE if initial is None else _initial_source(initial)
     if budgets:
         kinds = {b: block_kind(module, b) for b in blocks}
         steady_risk, risk_source = _steady_risk(kinds, blocks, statistics, min_8bit_numel, start_source)
         options = {"method": method, "max_boundaries": max_boundaries, "initial": initial, "steady_risk": steady_risk}
         allocations = [_allocate(problem, kinds, blocks, budget, time_budget, options) for budget in budgets]
-        time_source = problem.time_source
     return Plan(
         model=model if isinstance(model, str) else type(model).__name__, device=str(device), granularity=granularity,
         params=sum(numel_of(s) for shapes in blocks.values() for s in shapes),
         tensors=sum(len(shapes) for shapes in blocks.values()), blocks=blocks, fp32_bytes=problem.fp32_bytes,
-        formats=figures, masked=problem.withheld, risk_source=risk_source, time_source=time_source,
+        formats=figures, masked=problem.withheld, risk_source=risk_source,
+        time_source=problem.time_source if budgets else None,
         time_budget=None if time_budget is None else str(time_budget), allocations=allocations,
-        start_source=start_source,
+        start_source=start_source, **weights,
     )  # fmt: skip
+
+
+_WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _weight_figures(module: nn.Module, weight_dtype: str | None, correction: str, release: bool) -> dict[str, Any]:
+    """The bytes of the weights, corrections and gradients of ``module`` trained as asked."""
+    if weight_dtype is not None and weight_dtype not in _WEIGHT_DTYPES:
+        raise ValueError(f"Invalid weight_dtype: {weight_dtype!r}; expected one of {', '.join(_WEIGHT_DTYPES)}")
+    bits = check_correction(correction)
+    weight = correction_bytes = 0
+    for p in {id(p): p for p in module.parameters()}.values():
+        dtype = _WEIGHT_DTYPES[weight_dtype] if weight_dtype else p.dtype
+        size = torch.empty((), dtype=dtype).element_size()
+        weight += p.numel() * size
+        if bits and dtype in (torch.bfloat16, torch.float16):
+            correction_bytes += p.numel() * bits // 8
+    return {
+        "weight_bytes": weight, "correction_bytes": correction_bytes, "gradient_bytes": 0 if release else weight,
+        "weight_dtype": weight_dtype or "the model's", "weight_correction": correction, "release": release,
+    }
 
 
 def _block_shapes(module: nn.Module, granularity: str) -> dict[str, list[tuple[int, ...]]]:
@@ -367,8 +406,28 @@ def render(p: Plan, console: Any = None) -> None:
             )
         console.print(alloc_table)
         _render_phases(p, console)
+        _render_training_memory(p, console)
     if p.masked:
         console.print("Masked: " + "; ".join(f"{k}: {v}" for k, v in p.masked.items()))
+
+
+def _render_training_memory(p: Plan, console: Any) -> None:
+    """For each feasible budget, what training holds per parameter: weights, corrections, gradients, states."""
+    from rich.table import Table
+
+    title = (f"Training memory per parameter (weights {p.weight_dtype}, correction {p.weight_correction}"
+             f"{', gradient release' if p.release else ''})")
+    table = Table(title=title)
+    for col in ("budget", "weights", "corrections", "gradients", "states", "total", "bytes"):
+        table.add_column(col, justify="left" if col == "budget" else "right")
+    for entry in p.allocations:
+        if entry.allocation is None or not p.params:
+            continue
+        whole = p.training_memory(entry.allocation.memory)
+        per = {k: f"{whole[k] / p.params:.3f}" for k in ("weights", "corrections", "gradients", "states", "total")}
+        table.add_row(entry.budget, per["weights"], per["corrections"], per["gradients"], per["states"], per["total"],
+                      _bytes(whole["total"]))
+    console.print(table)
 
 
 def _render_phases(p: Plan, console: Any) -> None:

@@ -293,3 +293,33 @@ def test_initial_record_starts_the_plan_where_the_run_starts(tmp_path) -> None:
     path.write_text(json.dumps({"blocks": [{"name": "nowhere", "risk": {"fp32": 0.0}}]}))
     with pytest.raises(ValueError, match=r"plan\(initial=.*not blocks of this model"):
         plan("tiny", [0.3], device="cpu", initial=path)
+
+
+def test_training_memory_of_a_plan_matches_a_measured_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The plan's weights, corrections, gradients and states per parameter for bf16 weights with ecc8
+    equal what ``training_memory`` measures on the same model trained that way in the same formats."""
+    from torch import nn
+
+    from lightning_baoc import training_memory
+
+    p = plan("tiny", [0.25], device="cpu", weight_dtype="bf16", weight_correction="ecc8")
+    a = p.allocations[0]
+    planned = p.training_memory(a.allocation.memory)
+    assert planned["weights"] == 2 * p.params and planned["gradients"] == 2 * p.params
+    model = build_model("tiny").to_empty(device="cpu").to(torch.bfloat16)
+    nn.init.normal_(next(model.parameters()))
+    opt = BlockwiseAdamW(model.named_parameters(), weight_correction="ecc8")
+    opt.set_formats(dict(a.allocation.formats), blocks=partition(model, "module"))
+    for q in model.parameters():
+        q.grad = torch.zeros_like(q)
+    opt.step()
+    measured = training_memory(model, opt).to_dict()
+    assert measured == planned
+    released = plan("tiny", [0.25], device="cpu", weight_dtype="bf16", weight_correction="ecc8", release=True)
+    assert released.training_memory(a.allocation.memory)["gradients"] == 0
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--preset", "tiny", "--device", "cpu", "--budget", "0.25", "--weight-dtype", "bf16",
+                 "--weight-correction", "ecc8", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["allocations"][0]["training_memory"] == planned
+    with pytest.raises(ValueError, match="weight_dtype"):
+        plan("tiny", [0.25], device="cpu", weight_dtype="int4")
