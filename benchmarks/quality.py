@@ -204,6 +204,7 @@ class Row:
         budget: BAOC's memory budget (BAOC rows only).
         module: Python package the row needs, for the availability check and its version.
         recorded: the row is read from the cache only, never trained (a past version's runs).
+        precision: Lightning's ``precision`` of the run (``"bf16-true"``: bf16 weights and gradients).
     """
 
     name: str
@@ -212,6 +213,7 @@ class Row:
     budget: float | None = None
     module: str | None = None
     recorded: bool = False
+    precision: str = "32-true"
 
 
 def _adamw_kwargs(module: Workload) -> dict[str, Any]:
@@ -424,6 +426,7 @@ def train_one(workload: str, recipe: str, row: Row, seed: int, steps: int) -> di
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[*callbacks, recorder],
+        precision=row.precision,
     )
     start = time.perf_counter()
     with warnings.catch_warnings():

@@ -493,7 +493,7 @@ class TinyUNet(nn.Module):
         return torch.cat([args.sin(), args.cos()], dim=1)
 
     def forward(self, x: Tensor, t: Tensor) -> Tensor:
-        emb = self.time_mlp(self.time_embedding(t))
+        emb = self.time_mlp(self.time_embedding(t).to(x.dtype))  # bf16 weights (bf16-true): bf16 embedding
         h1 = self.down1(self.inc(x), emb)
         h = self.mid(self.down2(self.downsample(h1), emb), emb)
         h = self.up1(torch.cat([self.upsample(h), h1], dim=1), emb)

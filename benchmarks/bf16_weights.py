@@ -1,0 +1,119 @@
+"""Quality with bf16 weights (``precision="bf16-true"``): what the master-weight correction buys.
+
+On the character GPT and the DDPM of ``examples/workloads.py`` (both recipes of the quality table,
+the same seeds and steps), rows trained with bf16 weights and gradients:
+
+- ``bf16w_adamw``: torch AdamW on the bf16 weights (its states follow them into bf16);
+- ``bf16w_int8``: BlockwiseAdamW, int8 states, no correction (updates below half a bf16 ulp lost);
+- ``bf16w_int8_ecc8``: BlockwiseAdamW, int8 states, an 8-bit master-weight correction: 7.13 bytes
+  per parameter with the gradients (``benchmarks/total_memory.py``);
+
+against fp32 AdamW's runs of the quality table (read from its cache, ``benchmarks/runs/quality/``).
+Each row's final quality is the mean +- sample std over the seeds; "vs fp32" is the difference of
+means with its noise (the root sum of squares of the two standard errors). Runs are cached under
+``benchmarks/runs/bf16_weights/``.
+
+Run from the repository root:
+
+    python benchmarks/bf16_weights.py --docs        # 2 workloads x 2 recipes x 3 rows x 3 seeds
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from pathlib import Path
+
+import torch
+
+import quality as q
+from _report import command, machine, markdown_table, write_docs_section
+from lightning_baoc import BlockwiseAdamW
+
+RESULTS = Path(__file__).resolve().parent / "runs" / "bf16_weights"
+QUALITY = Path(__file__).resolve().parent / "runs" / "quality"  # the quality table's runs: fp32 AdamW
+WORKLOADS = ("char_gpt", "ddpm_digits")
+
+
+def _blockwise(correction: str):  # type: ignore[no-untyped-def]
+    def make(module: q.Workload) -> torch.optim.Optimizer:
+        return BlockwiseAdamW(module.param_groups(), **q._adamw_kwargs(module), state_format="int8",
+                              weight_correction=correction, param_names=module)
+
+    return make
+
+
+ROWS = {
+    r.name: r
+    for r in [
+        q.Row("bf16w_adamw", "bf16 weights, torch AdamW (bf16 states)", precision="bf16-true"),
+        q.Row("bf16w_int8", "bf16 weights, int8 states, no correction", _blockwise("none"), precision="bf16-true"),
+        q.Row("bf16w_int8_ecc8", "bf16 weights + ecc8, int8 states", _blockwise("ecc8"), precision="bf16-true"),
+    ]
+}
+
+
+def _finals(results: list[dict]) -> list[float]:
+    return [r["final"] for r in results if r.get("status") == "ok" and r.get("final") is not None]
+
+
+def _cell(values: list[float]) -> str:
+    if not values:
+        return "-"
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.4f} +- {sd:.4f} (n={len(values)})"
+
+
+def _vs(values: list[float], ref: list[float]) -> str:
+    if len(values) < 2 or len(ref) < 2:
+        return "-"
+    diff = statistics.mean(values) - statistics.mean(ref)
+    noise = math.sqrt(statistics.variance(values) / len(values) + statistics.variance(ref) / len(ref))
+    return f"{diff:+.4f} (noise {noise:.4f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--recipes", nargs="+", default=["realistic", "stress"], choices=["realistic", "stress"])
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--report-only", action="store_true", help="tables from the cached runs only")
+    parser.add_argument("--docs", action="store_true", help="write the tables into docs/benchmarks/total-memory.md")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    lines = []
+    for w in args.workloads:
+        cls = q.WORKLOADS[w]
+        metric = f"{cls.quality_metric}, {'higher' if cls.higher_is_better else 'lower'} is better"
+        rows_out = []
+        for recipe in args.recipes:
+            ref = _finals([r for s in args.seeds if (r := q.load_cached(QUALITY, w, recipe, "fp32", s, args.steps))])
+            rows_out.append([recipe, q.ROWS["fp32"].label, _cell(ref), ""])
+            for name in args.rows:
+                row = ROWS[name]
+                results = []
+                for seed in args.seeds:
+                    if args.report_only:
+                        found = q.load_cached(RESULTS, w, recipe, name, seed, args.steps)
+                        if found is not None:
+                            results.append(found)
+                    else:
+                        results.append(q.run_cached(RESULTS, w, recipe, row, seed, args.steps))
+                        print(w, recipe, name, seed, results[-1].get("final"), results[-1].get("status"), flush=True)
+                values = _finals(results)
+                rows_out.append([recipe, row.label, _cell(values), _vs(values, ref)])
+        lines.append(f"**{w}** ({metric})\n\n"
+                     + markdown_table(["recipe", "row", "final quality", "vs fp32 AdamW"], rows_out))
+    body = (f"{args.steps} steps, seeds {', '.join(map(str, args.seeds))}, {args.threads} torch thread(s). "
+            f"Machine: {machine()}. Command: `{command()}`\n\n" + "\n\n".join(lines))
+    print(body)
+    if args.docs:
+        write_docs_section("benchmarks/total-memory.md", "bf16_weights", body)
+
+
+if __name__ == "__main__":
+    main()
