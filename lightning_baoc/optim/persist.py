@@ -66,6 +66,9 @@ class PersistenceMixin:
         maps them through its memo to the copied parameters, as it does torch's ``state``.
         """
         state = {k: v for k, v in self.__dict__.items() if k not in _RUNTIME_ONLY}
+        # gradient release: hooks live on this process's parameters; the copy registers its own
+        state["_release_handles"], state["_released"] = [], set()
+        state["_release_on"] = bool(self.__dict__.get("_release_handles"))
         state["_records"] = {p: dataclasses.replace(rec, views=None) for p, rec in self._records.items()}
         state["_pools"] = {}
         state["_external_names"] = {}  # ids of this process's tensors mean nothing in a copy
@@ -77,6 +80,11 @@ class PersistenceMixin:
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Rebuild the pools from :meth:`__getstate__`'s compact copies (see there)."""
         saved_views = state.pop("_saved_views", {})
+        release_on = state.pop("_release_on", False)
+        state.setdefault("_release_handles", [])
+        state.setdefault("_released", set())
+        state.setdefault("_salts", {})
+        state.setdefault("_warned", set())
         state.pop("_generators", None)  # pickles of earlier releases: the rounding is keyed now
         state.setdefault("kernels", "auto")
         super().__setstate__(state)  # torch's: hooks, the profiled step
@@ -90,6 +98,8 @@ class PersistenceMixin:
         self._pools, views = self._fresh_pools(formats, fill)
         for p, v in views.items():
             self._records[p].views = v
+        if release_on:
+            self.release_gradients()  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -146,3 +146,20 @@ def test_baoc_refuses_an_optimizer_that_releases() -> None:
     opt.release_gradients()
     with pytest.raises(ValueError, match="gradient release"):
         BAOCController(memory_budget=0.5, warmup_steps=12).install(opt, model)
+
+
+def test_copies_release_on_their_own_parameters() -> None:
+    """A deepcopy or an unpickled copy releases on its own parameters, and turning release off in
+    the copy leaves the original's hooks in place."""
+    import copy
+    import pickle
+
+    model, opt = _run(True, "compiled", "int8", torch.bfloat16, "ecc8", steps=1)
+    for model2, opt2 in (copy.deepcopy((model, opt)), pickle.loads(pickle.dumps((model, opt)))):
+        assert opt2.releases_gradients and opt2.weight_corrections == opt.weight_corrections
+        model2(torch.randn(4, 64).to(torch.bfloat16)).float().square().mean().backward()
+        assert all(p.grad is None for p in model2.parameters())
+        assert opt2.step_count("0.weight") == 2 and opt.step_count("0.weight") == 1
+        opt2.release_gradients(False)
+    model(torch.randn(4, 64).to(torch.bfloat16)).float().square().mean().backward()
+    assert all(p.grad is None for p in model.parameters()) and opt.step_count("0.weight") == 2
