@@ -4,9 +4,10 @@ A bf16 or fp16 parameter (Lightning ``precision="bf16-true"``) may carry a corre
 (:mod:`lightning_baoc.formats.correction`): ``"ecc8"`` (int8, 1 byte per element) or ``"ecc16"``
 (int16, 2 bytes, exact for bf16 but at ties), or ``"none"``. The weight the model holds and its
 correction together are the fp32 master the step updates: the step reconstructs it, updates it with
-the parameter's state format, and splits it again into weight and correction, one parameter at a
-time (its fp32 master is the only transient: 4 bytes per element of one parameter). fp32 parameters
-are their own masters and never hold one.
+the parameter's state format, and splits it again into weight and correction. The compiled CPU
+kernel does it per 1024-element super-block in its one pass over the states; the eager step (and the
+factored formats) one parameter at a time, whose fp32 master is then the only transient. fp32
+parameters are their own masters and never hold one.
 
 The choice is per parameter: the group's ``weight_correction`` (default ``"none"``), or
 :meth:`MasterMixin.set_weight_corrections`. A change takes effect at the next step or at once:
@@ -116,7 +117,7 @@ class MasterMixin:
     def master_weights(self) -> dict[str, Tensor]:
         """Parameter name -> its fp32 master weight (a new tensor): the weight plus its correction,
         the weight itself where there is none. The export of a bf16 model trained with corrections."""
-        return {rec.name: reconstruct(p.detach(), rec.master_correction).clone() for p, rec in self._records.items()}
+        return {rec.name: reconstruct(p.detach(), rec.master_correction) for p, rec in self._records.items()}
 
 
 __all__ = ["MasterMixin", "correction_for"]
