@@ -161,3 +161,12 @@ def test_baoc_flag_fails_clearly_without_the_callback(monkeypatch: pytest.Monkey
     monkeypatch.delitem(lightning_baoc._EXPORTS, "BAOC")  # the top level imports it lazily
     with pytest.raises(SystemExit, match="lightning_baoc.BAOC"):
         vit_digits.main(["--steps", "2", "--baoc-budget", "0.35", "--no-progress"])
+
+
+def test_bf16_example_trains_at_five_bytes_per_parameter() -> None:
+    import digits_bf16
+
+    released = digits_bf16.main(["--epochs", "2"])
+    assert 5.0 <= released["bytes_per_param"] <= 5.2 and released["test_acc"] > 0.8
+    kept = digits_bf16.main(["--epochs", "1", "--no-release"])
+    assert 7.0 <= kept["bytes_per_param"] <= 7.2
