@@ -7,7 +7,9 @@ data in a plain loop, each configuration in its own process. Two measurements pe
   weights, the gradients, the optimizer's states and the master-weight corrections, per parameter;
 - the whole run: the peak resident set of the process (``os.wait4``) above a baseline process that
   loads the same code and builds no model, per parameter (allocator slack, activations and the
-  step's transients included).
+  step's transients included); and the same less what a stateless run (plain SGD on the bf16 model)
+  holds beyond its weights and gradients (its activations and allocator slack), which every run pays
+  alike: what is left is the weights, corrections, gradients, states and the step's transients.
 
 Runs: fp32 weights with torch AdamW (the 16 bytes of mixed-precision AdamW's master copy: weight 4,
 gradient 4, m 4, v 4); bf16 weights with torch AdamW (its states follow the weights: bf16); bf16
@@ -29,6 +31,7 @@ from _report import command, machine, markdown_table, run_child, write_docs_sect
 
 RUNS = {
     "baseline": "the code loaded, no model",
+    "torch SGD, bf16 weights": "bf16 weights and gradients, no state (the stateless reference)",
     "torch AdamW, fp32 weights": "fp32 weights and gradients, fp32 states",
     "torch AdamW, bf16 weights": "bf16 weights and gradients, bf16 states",
     "BlockwiseAdamW int8, bf16 weights": "bf16 weights and gradients, int8 states, no correction",
@@ -72,8 +75,10 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
     torch.manual_seed(0)
     dtype = torch.float32 if "fp32 weights" in run else torch.bfloat16
     model = nn.Sequential(*[nn.Linear(workload.width, workload.width) for _ in range(workload.layers)]).to(dtype)
-    if run.startswith("torch"):
-        optimizer: Any = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    if run.startswith("torch SGD"):
+        optimizer: Any = torch.optim.SGD(model.parameters(), lr=1e-4)
+    elif run.startswith("torch"):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     else:
         correction = run.split("+ ", 1)[1].split(",")[0] if "+ " in run else "none"
         optimizer = BlockwiseAdamW(model.named_parameters(), lr=1e-4, state_format="int8", weight_correction=correction)
@@ -99,15 +104,19 @@ def run_all(workload: Workload) -> dict[str, dict[str, Any]]:
 def table(workload: Workload, results: dict[str, dict[str, Any]]) -> str:
     n = workload.params
     base = results["baseline"]["peak_rss"]
+    sgd = results["torch SGD, bf16 weights"]
+    stateless = sgd["peak_rss"] - (sgd["weights"] + sgd["gradients"])  # the run's own: activations, slack
     rows = []
     for run, what in RUNS.items():
         if run == "baseline":
             continue
         r = results[run]
         parts = [r["weights"], r["corrections"], r["gradients"], r["states"]]
-        rows.append([run, what, *[f"{b / n:.3f}" for b in parts], f"{sum(parts) / n:.3f}", f"{(r['peak_rss'] - base) / n:.2f}"])
+        rows.append([run, what, *[f"{b / n:.3f}" for b in parts], f"{sum(parts) / n:.3f}", f"{(r['peak_rss'] - base) / n:.2f}",
+                     f"{(r['peak_rss'] - stateless) / n:.2f}"])
     headers = ["run", "what it holds", "weights", "corrections", "gradients", "states",
-               "total (storages)", "whole run (peak RSS above the baseline)"]
+               "total (storages)", "whole run (peak RSS above the baseline)",
+               "whole run less the stateless run's activations and slack"]
     return markdown_table(headers, rows)
 
 
