@@ -264,90 +264,130 @@ struct Tensors {
 
 // ---- 16-bit weights and their master-weight corrections (formats/correction.py, the reference)
 
-struct WeightSpec {
-  int mantissa_bits;
-  int min_exponent;
-  float max_value;
-};
+inline float half_bits_to_float(uint16_t raw) { return half_to_float(at::Half(raw, at::Half::from_bits())); }
 
-inline WeightSpec weight_spec(int8_t kind) {
-  return kind == W_BF16 ? WeightSpec{7, -126, BF16_MAX} : WeightSpec{10, -14, 65504.0f};
+// Round to nearest even, as torch's .to(bfloat16) (NaN -> 0x7FC0): integer operations only.
+inline uint16_t bf16_rne(float x) {
+  const uint32_t u = bits_of(x);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
 }
 
-inline float load16(uint16_t raw, int8_t kind) {
-  return kind == W_BF16 ? bf16_load(raw) : half_to_float(at::Half(raw, at::Half::from_bits()));
+// 2**e for an integral e in [-149, 127] (subnormal below -126): exact, branch-free.
+inline float exp2i(int32_t e) {
+  const uint32_t normal = static_cast<uint32_t>(std::max(e, -126) + 127) << 23;
+  const uint32_t subnormal = 1u << std::min(std::max(e + 149, 0), 22);
+  return float_of(e >= -126 ? normal : subnormal);
 }
 
-// Round to nearest even, as torch's .to(bfloat16) / .to(float16) (after the clamp to the largest value).
-inline uint16_t store16(float x, int8_t kind) {
-  if (kind == W_BF16) {
-    if (std::isnan(x)) return 0x7FC0u;
-    const uint32_t u = bits_of(x);
-    return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-  }
-  return float_to_half(x).x;
+// The exponent of the correction's unit divided by 2**bits (correction.py `_unit`): the spacing of
+// the weight's dtype next to |w| on the residual's side, half of it below a power of two.
+// Branch-free, so that the loops calling it vectorize: e = max(exponent of |w|, the smallest normal's).
+template <int8_t KIND, int BITS>
+inline int32_t unit_exponent(float w, bool toward_zero) {
+  constexpr int P = KIND == W_BF16 ? 7 : 10;
+  constexpr int EMIN = KIND == W_BF16 ? -126 : -14;
+  constexpr uint32_t SMALLEST_NORMAL_BITS = static_cast<uint32_t>(EMIN + 127) << 23;
+  const uint32_t b = bits_of(w) & 0x7FFFFFFFu;
+  const int32_t e = std::max(static_cast<int32_t>(b >> 23) - 127, EMIN);
+  const bool finer = toward_zero && (b & 0x7FFFFFu) == 0 && b > SMALLEST_NORMAL_BITS;
+  return e - P - BITS - (finer ? 1 : 0);
 }
 
-// 2**e for an integral e in [-149, 127], subnormal below -126: exact.
-inline float exp2i(int e) {
-  return e >= -126 ? float_of(static_cast<uint32_t>(e + 127) << 23) : float_of(1u << (e + 149));
-}
+template <int8_t KIND, int BITS>
+inline float scaled_unit(float w, bool toward_zero) { return exp2i(unit_exponent<KIND, BITS>(w, toward_zero)); }
 
-// The correction's unit divided by 2**bits (correction.py `_unit`): the spacing of the weight's
-// dtype next to |w| on the residual's side, half of it below a power of two.
-inline float scaled_unit(float w, bool toward_zero, const WeightSpec& spec, int bits) {
-  const float a = std::fabs(w);
-  const float smallest_normal = exp2i(spec.min_exponent);
-  const uint32_t b = bits_of(a);
-  const int e = a < smallest_normal ? spec.min_exponent : static_cast<int>(b >> 23) - 127;
-  const bool finer = toward_zero && (b & 0x7FFFFFu) == 0 && a > smallest_normal;
-  return exp2i(e - spec.mantissa_bits - bits - (finer ? 1 : 0));
+// x / 2**e for e in [-149, 127], exact (two multiplications by powers of two, neither of which
+// overflows: a division by the unit, without the cost of one).
+inline float div_pow2(float x, int32_t e) {
+  const int32_t first = std::min(-e, 127);
+  return (x * exp2i(first)) * exp2i(-e - first);
 }
 
 inline bool points_to_zero(float residual, float w) { return residual != 0.0f && ((residual < 0.0f) != (w < 0.0f)); }
 
-inline float correction_at(const void* corr, int bits, int64_t i) {
-  return bits == 8 ? static_cast<float>(static_cast<const int8_t*>(corr)[i])
-                   : static_cast<float>(static_cast<const int16_t*>(corr)[i]);
-}
+template <int8_t KIND>
+inline float load_weight(uint16_t raw) { return KIND == W_BF16 ? bf16_load(raw) : half_bits_to_float(raw); }
+
+template <int8_t KIND>
+inline uint16_t store_weight(float x) { return KIND == W_BF16 ? bf16_rne(x) : float_to_half(x).x; }
 
 // The fp32 masters of n 16-bit weights from `start` (correction.py `reconstruct`).
-inline void load_master(const Tensors& t, int64_t start, int64_t n, float* out) {
-  const WeightSpec spec = weight_spec(t.p_kind);
+template <int8_t KIND, int BITS, typename C>
+void load_master_kind(const uint16_t* p16, const C* corr, int64_t n, float* out) {
+#pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
-    const float w = load16(t.p16[start + j], t.p_kind);
-    if (t.corr_bits == 0) {
+    const float w = load_weight<KIND>(p16[j]);
+    if constexpr (BITS == 0) {
       out[j] = w;
-      continue;
+    } else {
+      const float c = static_cast<float>(corr[j]);
+      const float x = w + c * scaled_unit<KIND, BITS>(w, points_to_zero(c, w));
+      out[j] = c == 0.0f ? w : x;
     }
-    const float c = correction_at(t.corr, t.corr_bits, start + j);
-    out[j] = c == 0.0f ? w : w + c * scaled_unit(w, points_to_zero(c, w), spec, t.corr_bits);
   }
 }
 
 // Split n fp32 masters into 16-bit weights and corrections (correction.py `split_into`).
-inline void store_master(const Tensors& t, int64_t start, int64_t n, const float* master) {
-  const WeightSpec spec = weight_spec(t.p_kind);
-  const float limit = t.corr_bits ? static_cast<float>((1 << (t.corr_bits - 1)) - 1) : 0.0f;
+template <int8_t KIND, int BITS, typename C>
+void store_master_kind(const float* master, int64_t n, uint16_t* p16, C* corr) {
+  constexpr float MAX_VALUE = KIND == W_BF16 ? BF16_MAX : 65504.0f;
+  constexpr float LIMIT = BITS ? static_cast<float>((1 << (BITS > 0 ? BITS - 1 : 0)) - 1) : 0.0f;
+  constexpr float MAGIC = 12582912.0f;  // 1.5 * 2**23: adding and subtracting it rounds to nearest even
+#pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
     const float x = master[j];
-    const uint16_t h = store16(std::isnan(x) ? x : std::min(std::max(x, -spec.max_value), spec.max_value), t.p_kind);
-    t.p16[start + j] = h;
-    if (t.corr_bits == 0) continue;
-    const float w = load16(h, t.p_kind);
-    const float r = x - w;
-    float s = std::nearbyint(r / scaled_unit(w, points_to_zero(r, w), spec, t.corr_bits));
-    s = std::isnan(s) ? 0.0f : std::min(std::max(s, -limit), limit);
-    if (t.corr_bits == 8) {
-      static_cast<int8_t*>(t.corr)[start + j] = static_cast<int8_t>(s);
-    } else {
-      static_cast<int16_t*>(t.corr)[start + j] = static_cast<int16_t>(s);
+    const uint16_t h = store_weight<KIND>(std::min(std::max(x, -MAX_VALUE), MAX_VALUE));  // NaN stays NaN
+    p16[j] = h;
+    if constexpr (BITS != 0) {
+      const float w = load_weight<KIND>(h);
+      const float r = x - w;
+      float s = div_pow2(r, unit_exponent<KIND, BITS>(w, points_to_zero(r, w)));
+      s = std::min(std::max(s, -40000.0f), 40000.0f);  // past the limit either way; NaN stays NaN
+      s = (s + MAGIC) - MAGIC;
+      s = std::min(std::max(s, -LIMIT), LIMIT);
+      corr[j] = static_cast<C>(s == s ? s : 0.0f);
     }
   }
 }
 
+template <int8_t KIND>
+void load_grad_kind(const uint16_t* g16, int64_t n, float* out) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) out[j] = load_weight<KIND>(g16[j]);
+}
+
+inline void load_master(const Tensors& t, int64_t start, int64_t n, float* out) {
+  const uint16_t* p16 = t.p16 + start;
+  const int8_t* c8 = static_cast<const int8_t*>(t.corr) + (t.corr_bits == 8 ? start : 0);
+  const int16_t* c16 = static_cast<const int16_t*>(t.corr) + (t.corr_bits == 16 ? start : 0);
+  if (t.p_kind == W_BF16) {
+    if (t.corr_bits == 8) return load_master_kind<W_BF16, 8>(p16, c8, n, out);
+    if (t.corr_bits == 16) return load_master_kind<W_BF16, 16>(p16, c16, n, out);
+    return load_master_kind<W_BF16, 0, int8_t>(p16, nullptr, n, out);
+  }
+  if (t.corr_bits == 8) return load_master_kind<W_FP16, 8>(p16, c8, n, out);
+  if (t.corr_bits == 16) return load_master_kind<W_FP16, 16>(p16, c16, n, out);
+  return load_master_kind<W_FP16, 0, int8_t>(p16, nullptr, n, out);
+}
+
+inline void store_master(const Tensors& t, int64_t start, int64_t n, const float* master) {
+  uint16_t* p16 = t.p16 + start;
+  int8_t* c8 = static_cast<int8_t*>(t.corr) + (t.corr_bits == 8 ? start : 0);
+  int16_t* c16 = static_cast<int16_t*>(t.corr) + (t.corr_bits == 16 ? start : 0);
+  if (t.p_kind == W_BF16) {
+    if (t.corr_bits == 8) return store_master_kind<W_BF16, 8>(master, n, p16, c8);
+    if (t.corr_bits == 16) return store_master_kind<W_BF16, 16>(master, n, p16, c16);
+    return store_master_kind<W_BF16, 0, int8_t>(master, n, p16, nullptr);
+  }
+  if (t.corr_bits == 8) return store_master_kind<W_FP16, 8>(master, n, p16, c8);
+  if (t.corr_bits == 16) return store_master_kind<W_FP16, 16>(master, n, p16, c16);
+  return store_master_kind<W_FP16, 0, int8_t>(master, n, p16, nullptr);
+}
+
 inline void load_grad16(const Tensors& t, int64_t start, int64_t n, float* out) {
-  for (int64_t j = 0; j < n; ++j) out[j] = load16(t.g16[start + j], t.g_kind);
+  if (t.g_kind == W_BF16) return load_grad_kind<W_BF16>(t.g16 + start, n, out);
+  return load_grad_kind<W_FP16>(t.g16 + start, n, out);
 }
 
 // FULL: a whole super-block (1024 elements), so that every loop has a constant trip count; the
