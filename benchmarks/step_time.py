@@ -19,6 +19,7 @@ Run from the repository root:
 
     python benchmarks/step_time.py            # 21M parameters, 1 and 2 threads, 15 rounds of 3 steps
     python benchmarks/step_time.py --quick    # a 2M-parameter smoke run (writes no docs page)
+    python benchmarks/step_time.py --bf16-weights   # bf16 weights: master-weight corrections (its own section)
 
 On a machine whose cores are busy with other work, prefix ``OMP_WAIT_POLICY=PASSIVE`` (recorded
 beside the command on the page): with OpenMP's default spinning, every parallel region at 2 threads waits
@@ -80,6 +81,27 @@ def optimizers(model: nn.Module) -> dict[str, tuple[torch.optim.Optimizer, float
             UNAVAILABLE[label] = f"{type(err).__name__}: {str(err).splitlines()[0][:80]}" if str(err) else type(err).__name__
             continue
         out[label] = (peer, _state_bytes(peer) / n)
+    return out
+
+
+#: bf16-weight rows: (label, state format, master-weight correction).
+BF16_ROWS = [
+    ("int8", "int8", "none"), ("int8 + ecc8", "int8", "ecc8"), ("int8 + ecc16", "int8", "ecc16"),
+    ("bf16", "bf16", "none"), ("bf16 + ecc8", "bf16", "ecc8"), ("fp32 + ecc8", "fp32", "ecc8"),
+]
+
+
+def bf16_optimizers(model: nn.Module) -> dict[str, tuple[torch.optim.Optimizer, float]]:
+    """Over a bf16 model: torch AdamW (fused; its states are bf16) and BlockwiseAdamW with corrections;
+    label -> (optimizer, state and correction bytes per parameter)."""
+    n = sum(p.numel() for p in model.parameters())
+    fused = torch.optim.AdamW(model.parameters(), fused=True)
+    fused.step()
+    out: dict[str, tuple[torch.optim.Optimizer, float]] = {FUSED: (fused, _state_bytes(fused) / n)}
+    for label, fmt, correction in BF16_ROWS:
+        opt = BlockwiseAdamW(model.named_parameters(), state_format=fmt, weight_correction=correction)
+        opt.step()
+        out[label] = (opt, (opt.state_bytes() + opt.weight_correction_bytes()) / n)
     return out
 
 
@@ -158,12 +180,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps of each optimizer per round")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--quick", action="store_true", help="small model, few rounds, no docs update")
+    parser.add_argument("--bf16-weights", action="store_true",
+                        help="bf16 weights: torch AdamW against BlockwiseAdamW with master-weight corrections "
+                             "(section step_time_bf16)")
     args = parser.parse_args()
     if args.quick:
         args.layers, args.width, args.warmup, args.rounds, args.steps = 8, 512, 1, 3, 1
     model = build(args.layers, args.width)
+    if args.bf16_weights:
+        model = model.to(torch.bfloat16)
     n = sum(p.numel() for p in model.parameters())
-    built = optimizers(model)
+    built = bf16_optimizers(model) if args.bf16_weights else optimizers(model)
     print(f"lightning_baoc from {Path(sys.modules['lightning_baoc'].__file__).parent}", flush=True)
     opts = {label: opt for label, (opt, _) in built.items()}
     default_threads = torch.get_num_threads()
@@ -179,7 +206,7 @@ def main() -> None:
             print(f"{threads} thread(s), {label}: {results[threads][0][label] * 1e3:.1f} ms, "
                   f"{results[threads][1][label]:.2f}x fused", flush=True)
     torch.set_num_threads(default_threads)
-    headers = ["optimizer / format", "state bytes/param"]
+    headers = ["optimizer / format", "state (+ correction) bytes/param" if args.bf16_weights else "state bytes/param"]
     for threads in args.threads:
         unit = "thread" if threads == 1 else "threads"
         headers += [f"{threads} {unit}: median step (ms)", f"{threads} {unit}: vs fused"]
@@ -193,7 +220,7 @@ def main() -> None:
     table = markdown_table(headers, rows)
     floor = "; ".join(
         f"{t} {'thread' if t == 1 else 'threads'}: copy {speeds[t] / 1e9:.1f} GB/s, fused AdamW "
-        f"{28 * n / results[t][0][FUSED] / 1e9:.1f} GB/s"
+        f"{(14 if args.bf16_weights else 28) * n / results[t][0][FUSED] / 1e9:.1f} GB/s"
         for t in args.threads
     )
     status = kernels.cpu_kernels()
@@ -203,15 +230,16 @@ def main() -> None:
     print(table)
     print(notes)
     if not args.quick:
+        weights = "bf16 weights and gradients, " if args.bf16_weights else ""
         body = (
-            f"Step time, {n / 1e6:.1f}M parameters ({args.layers} x Linear({args.width}, {args.width})), "
+            f"Step time, {n / 1e6:.1f}M parameters ({args.layers} x Linear({args.width}, {args.width})), {weights}"
             f"at {' and '.join(str(t) for t in args.threads)} torch threads: {args.rounds} rounds, each "
             f"optimizer {args.steps} steps per round in a shuffled order, after {args.warmup} warm-up steps; "
             f"median step over the rounds, and median over the rounds of the ratio to fused AdamW's "
             f"step in the same round.\n\n"
             f"Machine: {machine()} (default). Command: `{_command()}\n\n{table}\n\n{notes}"
         )
-        write_docs_section("benchmarks/step-time.md", "step_time", body)
+        write_docs_section("benchmarks/step-time.md", "step_time_bf16" if args.bf16_weights else "step_time", body)
 
 
 def _command() -> str:
