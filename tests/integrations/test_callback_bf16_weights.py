@@ -1,0 +1,71 @@
+"""The BAOC callback over a bf16-true model whose BlockwiseAdamW keeps master-weight corrections.
+
+BAOC keeps the user's BlockwiseAdamW, so its corrections ride through the warm-up, the allocation's
+conversions and a resume; the allocation's record counts them (``training_memory``). (Corrections
+chosen per block by the solver are not yet built: here the user sets them.)
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from lightning_baoc import BAOC, BlockwiseAdamW, training_memory
+
+
+class _BF16Model(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 4))
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x).float(), y)
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return BlockwiseAdamW(self.net.named_parameters(), lr=1e-3, weight_correction="ecc8")
+
+    def train_dataloader(self):  # type: ignore[no-untyped-def]
+        gen = torch.Generator().manual_seed(2)
+        data = torch.utils.data.TensorDataset(torch.randn(512, 64, generator=gen), torch.randint(0, 4, (512,), generator=gen))
+        return torch.utils.data.DataLoader(data, batch_size=16)
+
+
+def _fit(tmp_path: Path, epochs: int, ckpt: str | None = None) -> tuple[_BF16Model, pl.Trainer, BAOC]:
+    baoc = BAOC(memory_budget=0.3, warmup_steps=12, sample_every=2, report=False)
+    model = _BF16Model()
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=epochs, precision="bf16-true", logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                         callbacks=[baoc, pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, ckpt_path=ckpt)
+    return model, trainer, baoc
+
+
+def test_corrections_ride_through_allocation_and_resume(tmp_path: Path) -> None:
+    model, trainer, baoc = _fit(tmp_path, 2)
+    opt = trainer.optimizers[0]
+    assert model.net[0].weight.dtype == torch.bfloat16
+    assert set(opt.weight_corrections.values()) == {"ecc8"} and len(opt.weight_corrections) == 6
+    assert any(f != "bf16" for f in opt.formats().values())  # the allocation converted blocks
+    event = baoc.controller.last_event
+    assert event is not None and event.training_memory["corrections"] == opt.weight_correction_bytes() > 0
+    whole = training_memory(model, opt)
+    assert whole.corrections == whole.params and whole.weights == 2 * whole.params
+    # resume for one more epoch from the last checkpoint: the corrections come back with the states
+    resumed, trainer2, _ = _fit(tmp_path, 3, ckpt=str(tmp_path / "ckpt" / "last.ckpt"))
+    opt2 = trainer2.optimizers[0]
+    assert opt2.weight_corrections == opt.weight_corrections
+    assert trainer2.global_step > trainer.global_step
+    # ... and equal the uninterrupted run's to the bit
+    whole_run, trainer3, _ = _fit(tmp_path / "whole", 3)
+    for a, b in zip(resumed.parameters(), whole_run.parameters()):
+        assert torch.equal(a, b)
+    masters, whole_masters = opt2.master_weights(), trainer3.optimizers[0].master_weights()
+    assert all(torch.equal(masters[k], whole_masters[k]) for k in masters)
