@@ -1,0 +1,41 @@
+"""Fabric with ``precision="bf16-true"``: BlockwiseAdamW's master-weight corrections and gradient
+release in a plain Fabric loop (the user calls ``optimizer.release_gradients()``, and ``step()`` once
+per iteration), bit-equal to the same loop without release."""
+
+from __future__ import annotations
+
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+
+from lightning_baoc import BlockwiseAdamW, training_memory
+
+
+def _loop(release: bool) -> tuple[nn.Module, BlockwiseAdamW]:
+    fabric = Fabric(accelerator="cpu", devices=1, precision="bf16-true")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 4))
+    opt = BlockwiseAdamW(model.named_parameters(), lr=1e-3, state_format="int8", min_8bit_numel=0, weight_correction="ecc8")
+    model, fabric_opt = fabric.setup(model, opt)
+    if release:
+        opt.release_gradients()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        x, y = torch.randn(16, 32, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+        fabric_opt.zero_grad()
+        fabric.backward(nn.functional.cross_entropy(model(x).float(), y))
+        fabric_opt.step()
+    return model, opt
+
+
+def test_fabric_bf16_true_with_corrections_and_release() -> None:
+    plain, plain_opt = _loop(False)
+    released, released_opt = _loop(True)
+    assert next(plain.parameters()).dtype == torch.bfloat16
+    assert len(plain_opt.weight_corrections) == 4
+    for a, b in zip(plain.parameters(), released.parameters()):
+        assert torch.equal(a, b)
+    masters = plain_opt.master_weights()
+    assert all(torch.equal(masters[k], v) for k, v in released_opt.master_weights().items())
+    whole = training_memory(released, released_opt)
+    assert whole.gradients == 0 and whole.corrections == whole.params
