@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS: dict[str, str] = {
     "FORMATS": "lightning_baoc.formats",
     "BlockwiseAdamW": "lightning_baoc.optim",
+    "BlockwiseSGD": "lightning_baoc.optim",
+    "BlockwiseLion": "lightning_baoc.optim",
+    "MOMENTUM_FORMATS": "lightning_baoc.formats",
     "partition": "lightning_baoc.blocks",
     "GradientSampler": "lightning_baoc.sampling",
     "solve": "lightning_baoc.solver",
@@ -64,8 +67,8 @@ if TYPE_CHECKING:  # what type checkers and documentation tools see
     from lightning_baoc.integrations.fabric import BAOCStrategy  # noqa: F401
     from lightning_baoc.integrations.release import GradientRelease  # noqa: F401
     from lightning_baoc.memory import TrainingMemory, training_memory  # noqa: F401
-    from lightning_baoc.formats import FORMATS  # noqa: F401
-    from lightning_baoc.optim import BlockwiseAdamW  # noqa: F401
+    from lightning_baoc.formats import FORMATS, MOMENTUM_FORMATS  # noqa: F401
+    from lightning_baoc.optim import BlockwiseAdamW, BlockwiseLion, BlockwiseSGD  # noqa: F401
     from lightning_baoc.optim import CheckpointError, export_adamw_state_dict, load_checkpoint  # noqa: F401
     from lightning_baoc.sampling import GradientSampler  # noqa: F401
     from lightning_baoc.settings import BAOCConfig, SettingError  # noqa: F401

@@ -17,6 +17,7 @@ from .factored import Factored
 from .fp32 import FP32
 from .int8 import Int8
 from .int8_factored import Int8Factored
+from .momentum import MOMENTUM_FORMATS
 from .nomomentum import NoMomentum
 from .nomomentum_int8 import NoMomentumInt8
 from .offload import Offload
@@ -31,15 +32,19 @@ _ORDER = (FP32, BF16Momentum, BF16, NoMomentum, Int8, Int8Factored, NoMomentumIn
 FORMATS: Mapping[str, StateFormat] = MappingProxyType({cls.name: cls() for cls in _ORDER})
 
 
-def check_format_name(value: object, argument: str = "state_format") -> str:
-    """Validate a format name; raises ``TypeError``/``ValueError`` naming ``argument``."""
+def check_format_name(
+    value: object, argument: str = "state_format", registry: Mapping[str, StateFormat] | None = None
+) -> str:
+    """Validate a format name of ``registry`` (default :data:`FORMATS`); raises
+    ``TypeError``/``ValueError`` naming ``argument``."""
+    registry = FORMATS if registry is None else registry
     if not isinstance(value, str):
         raise TypeError(
             f"{argument} must be a format name (str), got {value!r} of type {type(value).__name__}; "
-            f"allowed: {sorted(FORMATS)}"
+            f"allowed: {list(registry)}"
         )
-    if value not in FORMATS:
-        raise ValueError(f"Unknown {argument} {value!r}; allowed: {list(FORMATS)}")
+    if value not in registry:
+        raise ValueError(f"Unknown {argument} {value!r}; allowed: {list(registry)}")
     return value
 
 
@@ -56,12 +61,17 @@ def resolve_format(name: str, shape: Shape, min_8bit_numel: int = DEFAULT_MIN_8B
         >>> resolve_format("int8", (1024, 1024))
         'int8'
     """
-    check_format_name(name)
-    fmt = FORMATS[name]
+    return resolve_in(FORMATS, name, shape, min_8bit_numel)
+
+
+def resolve_in(registry: Mapping[str, StateFormat], name: str, shape: Shape, min_8bit_numel: int) -> str:
+    """:func:`resolve_format` over another registry (:data:`MOMENTUM_FORMATS`)."""
+    check_format_name(name, registry=registry)
+    fmt = registry[name]
     while not fmt.accepts(shape, min_8bit_numel):
         if fmt.fallback is None:  # pragma: no cover - every restricted format has a fallback
             raise ValueError(f"format {fmt.name!r} cannot hold shape {tuple(shape)}")
-        fmt = FORMATS[fmt.fallback]
+        fmt = registry[fmt.fallback]
     return fmt.name
 
 
@@ -82,6 +92,7 @@ def format_state_bytes(name: str, shape: Shape, min_8bit_numel: int = DEFAULT_MI
 
 __all__ = [
     "FORMATS",
+    "MOMENTUM_FORMATS",
     "DEFAULT_MIN_8BIT_NUMEL",
     "Canonical",
     "StateFormat",
@@ -93,4 +104,5 @@ __all__ = [
     "format_state_bytes",
     "numel_of",
     "resolve_format",
+    "resolve_in",
 ]

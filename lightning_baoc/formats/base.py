@@ -168,6 +168,8 @@ class StepItem:
     step_count: int | None = None
     #: Key of the stochastic rounding of this parameter's step (:func:`~.quant.stream_key`).
     noise_key: int = 0
+    #: Steps of the momentum, this one included (1: its first step; SGD starts its buffer there).
+    momentum_step: int = 0
 
 
 @dataclass
@@ -186,6 +188,12 @@ class StepHyper:
     noise_key: int = 0
     #: Which step runs: ``"auto"``, ``"compiled"`` or ``"eager"`` (:mod:`lightning_baoc.kernels`).
     kernels: str = "auto"
+    #: The update rule: ``"adamw"`` (the AdamW formats), ``"sgd"`` or ``"lion"`` (the momentum
+    #: formats, :mod:`lightning_baoc.formats.momentum`; ``beta1`` is SGD's momentum).
+    rule: str = "adamw"
+    #: SGD's dampening and Nesterov switch.
+    dampening: float = 0.0
+    nesterov: bool = False
 
 
 def _fp32_view(fmt: "StateFormat", views: dict[str, Tensor], key: str) -> Tensor:
@@ -202,6 +210,8 @@ class StateFormat(ABC):
     name: ClassVar[str]
     #: Whether the format keeps a first moment.
     has_momentum: ClassVar[bool]
+    #: Whether the format keeps a second moment (AdamW's do; SGD's and Lion's momentum formats not).
+    has_second_moment: ClassVar[bool] = True
     #: Whether the format is 8-bit and so subject to the small-tensor threshold.
     quantized: ClassVar[bool] = False
     #: Whether the format needs a factorable (>= 2-D) shape.

@@ -1,6 +1,9 @@
-"""BlockwiseAdamW: AdamW with a state format per parameter.
+"""BlockwiseAdamW: AdamW with a state format per parameter; BlockwiseSGD and BlockwiseLion: SGD and
+Lion with a momentum format per parameter.
 
-- :mod:`.optimizer`: the optimizer (:class:`BlockwiseAdamW`) and its class aliases;
+- :mod:`.optimizer`: the shared machinery (:class:`BlockwiseOptimizer`), :class:`BlockwiseAdamW`
+  and its class aliases;
+- :mod:`.momentum`: :class:`BlockwiseSGD` and :class:`BlockwiseLion`;
 - :mod:`.pools`: per-format contiguous state pools and parameter records;
 - :mod:`.persist`: state dicts, atomic validated loads, copies and pickling;
 - :mod:`.state`: the state-dict layout, checksums, plain-AdamW export, :class:`CheckpointError`;
@@ -12,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .optimizer import BlockwiseAdamW, optimizer_alias, resolve_alias
+from .momentum import BlockwiseLion, BlockwiseSGD
+from .optimizer import BlockwiseAdamW, BlockwiseOptimizer, optimizer_alias, resolve_alias
 from .state import CheckpointError, export_adamw_state_dict, load_checkpoint, seal_state_dict
 
 
@@ -23,6 +27,9 @@ def __getattr__(attr: str) -> Any:
 
 __all__ = [
     "BlockwiseAdamW",
+    "BlockwiseLion",
+    "BlockwiseOptimizer",
+    "BlockwiseSGD",
     "CheckpointError",
     "export_adamw_state_dict",
     "load_checkpoint",

@@ -11,7 +11,8 @@ row and column means over the slices.
 Semantics are those of decode -> encode: state is inherited (quantize / dequantize, factor / expand),
 a momentum dropped is gone, and a momentum created is one EMA step of the current gradient
 (``m = (1 - beta1) g``, bias-corrected on its own: ``m_step = 1``), or zero when the gradient is
-missing or not finite.
+missing or not finite (always zero for SGD and Lion, whose buffers start empty). Formats without a
+second moment (SGD's and Lion's, :mod:`lightning_baoc.formats.momentum`) convert their momentum alone.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def convert_state(
     """
     n = numel_of(shape)
     device = next((t.device for t in dst_views.values()), None)
-    load_v = _v_reader(src, src_views, shape)
+    load_v = _v_reader(src, src_views, shape) if dst.has_second_moment else None
     load_m: Slice | None = (lambda a, b: src.load_m(src_views, a, b)) if src.has_momentum else None
     if dst.has_momentum and load_m is None:
         load_m, m_step = _momentum_from_gradient(grad, n, hyper)
@@ -66,7 +67,8 @@ def convert_state(
     for a, b in chunk_ranges(n, hyper.chunk):
         if dst.has_momentum:
             dst.store_m(load_m(a, b).to(device), dst_views, a, b, hyper)
-        dst.store_v(load_v(a, b).to(device), dst_views, a, b, hyper)
+        if load_v is not None:
+            dst.store_v(load_v(a, b).to(device), dst_views, a, b, hyper)
     return m_step
 
 
@@ -86,9 +88,13 @@ def _v_reader(fmt: StateFormat, views: dict[str, Tensor], shape: tuple[int, ...]
 
 
 def _momentum_from_gradient(grad: Tensor | None, n: int, hyper: StepHyper) -> tuple[Slice, int]:
-    """A reader of the re-created momentum ``(1 - beta1) g`` and its bias-correction count."""
+    """A reader of the re-created momentum ``(1 - beta1) g`` and its bias-correction count.
+
+    SGD's and Lion's buffers (``hyper.rule`` other than ``"adamw"``) start empty instead, as they
+    do at a fresh start: SGD's takes the gradient on its next step, Lion's starts from zero.
+    """
     flat = grad.detach().reshape(-1) if grad is not None else None
-    finite = flat is not None and all(bool(torch.isfinite(flat[a:b]).all()) for a, b in chunk_ranges(n, hyper.chunk))
+    finite = hyper.rule == "adamw" and flat is not None and all(bool(torch.isfinite(flat[a:b]).all()) for a, b in chunk_ranges(n, hyper.chunk))
     if not finite:
         return (lambda a, b: torch.zeros(b - a, dtype=torch.float32)), 0
     return (lambda a, b: flat[a:b].to(torch.float32).mul(1.0 - hyper.beta1)), 1

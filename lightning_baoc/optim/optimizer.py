@@ -28,8 +28,9 @@ from lightning_baoc.formats import (
     FORMATS,
     Canonical,
     StepHyper,
+    StateFormat,
     check_format_name,
-    resolve_format,
+    resolve_in,
 )
 from lightning_baoc import kernels as _kernels
 from lightning_baoc.formats.base import DEFAULT_CHUNK
@@ -51,7 +52,332 @@ from lightning_baoc.optim.stepping import StepMixin
 _CONVERSION_SALT = 0x5A17C0DE
 
 
-class BlockwiseAdamW(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
+class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
+    """The machinery of the blockwise optimizers: a state format per parameter, pools, conversions,
+    checkpoints, master weights and gradient release (:class:`BlockwiseAdamW`,
+    :class:`~lightning_baoc.optim.BlockwiseSGD`, :class:`~lightning_baoc.optim.BlockwiseLion`).
+
+    A subclass sets :attr:`format_registry` and :attr:`rule`, builds its defaults, and says how a
+    group's hyperparameters validate (:meth:`_validate_group`) and read (:meth:`_hyper`).
+    """
+
+    #: The formats this optimizer's parameters may be held in (name -> format).
+    format_registry: Mapping[str, StateFormat] = FORMATS
+    #: The update rule its formats run (``StepHyper.rule``).
+    rule = "adamw"
+    #: The name its messages use (an alias installed in place of a user's optimizer keeps it).
+    label = "BlockwiseAdamW"
+    #: The hyperparameters every param group of its state dicts carries.
+    saved_group_keys: tuple[str, ...] = ("lr", "betas", "eps", "weight_decay", "state_format")
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        *,
+        min_8bit_numel: int,
+        skip_nonfinite: bool,
+        seed: int,
+        chunk_size: int,
+        param_names: nn.Module | Iterable[tuple[str, Tensor]] | None,
+        kernels: str | None,
+    ) -> None:
+        if not isinstance(min_8bit_numel, int) or min_8bit_numel < 0:
+            raise ValueError(f"Invalid min_8bit_numel: {min_8bit_numel!r}; expected an int >= 0")
+        if not isinstance(chunk_size, int) or chunk_size < 32:
+            raise ValueError(f"Invalid chunk_size: {chunk_size!r}; expected an int >= 32")
+        if not isinstance(seed, int):
+            raise TypeError(f"Invalid seed: {seed!r}; expected an int")
+        self.kernels = _kernels.resolve_policy(kernels)
+        self._records: dict[Tensor, _Record] = {}
+        self._salts: dict[str, int] = {}  # name -> its hash in the rounding keys
+        self._warned: set[str] = set()  # names warned of a skipped update
+        self._released: set[Tensor] = set()  # stepped by gradient release since the last step()
+        self._release_handles: list[Any] = []
+        self._names: dict[str, Tensor] = {}
+        self._pools: dict[tuple[str, str], _Pool] = {}
+        self._live_bytes = 0
+        self._peak_bytes = 0
+        self._external_names: dict[int, str] = {}
+        if param_names is not None:
+            items = param_names.named_parameters() if isinstance(param_names, nn.Module) else param_names
+            self._external_names = {id(p): n for n, p in items}
+        self.min_8bit_numel = min_8bit_numel
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self.seed = seed
+        self.chunk_size = chunk_size
+        self._validate_group(defaults, "")
+        super().__init__(params, defaults)
+        if self.rule == "adamw" and any(p.device.type == "cpu" for g in self.param_groups for p in g["params"]):
+            _kernels.use_compiled(self.kernels)  # builds or loads them now, says which step runs
+
+    def _validate_group(self, group: Mapping[str, Any], where: str) -> None:
+        """Validate a param group's hyperparameters (errors name ``where + key``)."""
+        _validate_hyper(group, where)
+
+    # ------------------------------------------------------------------ groups and names
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (validated); its parameters get positional or given names.
+
+        A parameter listed twice in the group (torch warns about it) is held once: two records of
+        one tensor would update it twice per step.
+        """
+        super().add_param_group(param_group)
+        index = len(self.param_groups) - 1
+        group = self.param_groups[index]
+        first = {p: i for i, p in reversed(list(enumerate(group["params"])))}
+        if len(first) != len(group["params"]):
+            keep = sorted(first.values())
+            group["params"] = [group["params"][i] for i in keep]
+            if group.get("param_names"):
+                group["param_names"] = [group["param_names"][i] for i in keep]
+        try:
+            self._validate_group(group, f"param_groups[{index}].")
+            names = group.get("param_names")
+            for i, p in enumerate(group["params"]):
+                if not p.is_floating_point() or p.is_complex():
+                    raise TypeError(
+                        f"{self.label} supports real floating-point parameters only; parameter "
+                        f"{i} of group {index} has dtype {p.dtype}. Leave it out of the optimizer "
+                        f"or give it a floating dtype."
+                    )
+                if p.is_sparse:
+                    raise TypeError(f"sparse parameter {i} of group {index} is not supported")
+                name = names[i] if names else self._external_names.get(id(p), str(len(self._records)))
+                if name in self._names:
+                    raise ValueError(
+                        f"Parameter name {name!r} appears twice; names key the checkpointed state "
+                        f"and must be unique"
+                    )
+                self._names[name] = p
+                self._records[p] = _Record(name=name, group=index)
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            for p in group["params"]:
+                rec = self._records.pop(p, None)
+                if rec is not None:
+                    self._names.pop(rec.name, None)
+            raise
+
+    def param_name(self, param: Tensor) -> str:
+        """The name under which ``param``'s state is checkpointed."""
+        return self._records[param].name
+
+    @property
+    def named_params(self) -> dict[str, Tensor]:
+        """Parameter name -> parameter, in the optimizer's order."""
+        return dict(self._names)
+
+    # ------------------------------------------------------------------ formats
+
+    def requested_format(self, param: Tensor) -> str:
+        """The format asked for ``param``: its own request or its group's ``state_format``."""
+        rec = self._records[param]
+        return rec.requested or self.param_groups[rec.group]["state_format"]
+
+    def target_format(self, param: Tensor) -> str:
+        """The format ``param``'s state is (or will be) held in, after shape fallbacks."""
+        return resolve_in(self.format_registry, self.requested_format(param), param.shape, self.min_8bit_numel)
+
+    def formats(self) -> dict[str, str]:
+        """Parameter name -> effective format (held now, or on the first step for fresh ones)."""
+        return {rec.name: rec.format or self.target_format(p) for p, rec in self._records.items()}
+
+    def resolve_names(
+        self, names: Iterable[str], blocks: Mapping[str, Iterable[str]] | None = None
+    ) -> dict[str, list[Tensor]]:
+        """Map parameter names, block names or module prefixes to parameters.
+
+        A name is, in order: a block of ``blocks``; a parameter name; a module prefix (every
+        parameter whose name starts with ``name + "."``).
+        """
+        out: dict[str, list[Tensor]] = {}
+        for key in names:
+            if not isinstance(key, str):
+                raise TypeError(f"names must be str, got {key!r} of type {type(key).__name__}")
+            if blocks is not None and key in blocks:
+                params = []
+                for member in blocks[key]:
+                    if member not in self._names:
+                        raise ValueError(
+                            f"block {key!r} names parameter {member!r}, which this optimizer does not hold"
+                        )
+                    params.append(self._names[member])
+            elif key in self._names:
+                params = [self._names[key]]
+            else:
+                prefix = key + "."
+                params = [p for n, p in self._names.items() if n.startswith(prefix)]
+                if not params:
+                    known = list(self._names)[:8]
+                    raise ValueError(
+                        f"{key!r} names no parameter, block or module of this optimizer; "
+                        f"parameter names look like {known}"
+                    )
+            out[key] = params
+        return out
+
+    @torch.no_grad()
+    def set_formats(
+        self, formats: Mapping[str, str], blocks: Mapping[str, Iterable[str]] | None = None
+    ) -> dict[str, tuple[str, str]]:
+        """Convert the state of the named parameters or blocks to new formats, in place.
+
+        State is inherited, never reset: quantize / dequantize, factor (row and column means of
+        v) / expand (outer product), drop momentum / re-create it from the current gradient (as
+        one EMA step, ``m = (1 - beta1) g``, with its own bias-correction count), move to / from
+        host memory. Step counts are kept. Parameters convert one at a time, in slices, those whose
+        device state shrinks first: at the peak the device holds the larger of the states before and
+        after, plus the smaller of one parameter's old and new states, plus a few fp32 slices of
+        scratch (see :mod:`lightning_baoc.optim.pools`).
+
+        Args:
+            formats: name -> format, where a name is a parameter name, a block of ``blocks`` or a
+                module prefix (``"encoder.layer1"``).
+            blocks: optional block name -> parameter names.
+
+        Returns:
+            parameter name -> (old format, new format) for every parameter whose format changed.
+
+        Example:
+            >>> opt.set_formats({"encoder": "int8", "head": "bf16"})  # doctest: +SKIP
+        """
+        if not isinstance(formats, Mapping):
+            raise TypeError(f"formats must be a mapping name -> format, got {type(formats).__name__}")
+        resolved = self.resolve_names(formats.keys(), blocks)
+        requests: dict[Tensor, str] = {}
+        for key, fmt in formats.items():
+            check_format_name(fmt, f"format of {key!r}", self.format_registry)
+            for p in resolved[key]:
+                requests[p] = fmt
+        for p, fmt in requests.items():
+            self._records[p].requested = fmt
+        return self._sync_formats()
+
+    def _sync_formats(self) -> dict[str, tuple[str, str]]:
+        """Convert every initialized parameter whose target format differs from its held one."""
+        changes: dict[Tensor, str] = {}
+        for p, rec in self._records.items():
+            if rec.format is None:
+                continue
+            target = self.target_format(p)
+            if target != rec.format:
+                changes[p] = target
+        if not changes:
+            return {}
+        report = {self._records[p].name: (self._records[p].format, fmt) for p, fmt in changes.items()}
+        self._rebuild(changes)
+        return report
+
+    def _hyper_for(self, p: Tensor) -> StepHyper:
+        """``p``'s group hyperparameters, keyed for the rounding of a conversion at its step count."""
+        rec = self._records[p]
+        return self._hyper(self.param_groups[rec.group], self._noise_key(rec, _CONVERSION_SALT))
+
+    # ------------------------------------------------------------------ step
+
+    def _noise_key(self, rec: _Record, salt: int = 0) -> int:
+        """The rounding key of ``rec``'s parameter at its step count (a step's, or a conversion's)."""
+        return stream_key(self.seed, rec.step, name_salt(rec.name) ^ salt)
+
+    @torch.no_grad()
+    def _initialize_new(self) -> None:
+        fresh = {
+            p: self.target_format(p)
+            for p, rec in self._records.items()
+            if rec.format is None and p.grad is not None
+        }
+        if fresh:
+            self._rebuild(fresh, sources={p: None for p in fresh})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # noqa: D401 - torch's signature
+        """Perform one optimization step (``closure`` re-evaluates the model, as in torch)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with_grad = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        for p in with_grad:
+            if p.grad.is_sparse:
+                raise TypeError(
+                    f"{self.label} does not support sparse gradients (parameter {self._records[p].name!r}); "
+                    f"use torch.optim.SparseAdam for sparse embeddings"
+                )
+        self._sync_formats()
+        self._initialize_new()
+        self._sync_corrections()
+        self._released.clear()  # a new window: each parameter may release its gradient once again
+        self._step_params(with_grad)
+        return loss
+
+    def _step_params(self, params: list[Tensor]) -> None:
+        """One step of ``params`` (with gradients, states and corrections in place), by group."""
+        chosen = set(params)
+        eager: list[tuple[Mapping[str, Any], StepHyper, list[Tensor]]] = []
+        for group in self.param_groups:
+            hyper = self._hyper(group)
+            compiled: dict[str, list[KernelItem]] = defaultdict(list)
+            rest: list[Tensor] = []
+            for p in group["params"]:
+                if p not in chosen or p.grad is None or p.numel() == 0:
+                    continue
+                rec = self._records[p]
+                fmt = self.format_registry[rec.format]
+                if kernel_serves(fmt, p, rec.views, self.kernels):
+                    item = KernelItem(p, p.grad, rec.views, rec.counts, self._salt(rec), rec.master_correction)
+                    compiled[rec.format].append(item)
+                else:
+                    rest.append(p)
+            for fmt, items in compiled.items():
+                # the kernel tests the gradients, advances the counts and says which it skipped
+                skipped = compiled_step(self.format_registry[fmt], items, hyper, self.seed, self.skip_nonfinite)
+                if skipped:
+                    self._warn_skipped([self._records[it.param] for it in skipped])
+            if rest:
+                eager.append((group, hyper, rest))
+        if eager:
+            finite = self._finite_mask([p for _, _, params in eager for p in params])
+            for group, hyper, params in eager:
+                self._eager_step(group, hyper, params, finite[: len(params)])
+                finite = finite[len(params) :]
+
+    @property
+    def nonfinite_counts(self) -> dict[str, int]:
+        """Parameter name -> number of steps skipped because its gradient was not finite."""
+        return {rec.name: rec.nonfinite for rec in self._records.values() if rec.nonfinite}
+
+    def param_state(self, name_or_param: str | Tensor) -> Canonical | None:
+        """A parameter's state decoded to fp32 (``None`` before its first step)."""
+        p = self._names[name_or_param] if isinstance(name_or_param, str) else name_or_param
+        rec = self._records[p]
+        if rec.format is None:
+            return None
+        return self.format_registry[rec.format].decode(rec.views, p.shape)
+
+    def step_count(self, name_or_param: str | Tensor) -> int:
+        """Number of steps taken by a parameter."""
+        p = self._names[name_or_param] if isinstance(name_or_param, str) else name_or_param
+        return self._records[p].step
+
+    def momentum_step_count(self, name_or_param: str | Tensor) -> int:
+        """Steps since a parameter's momentum was (re)created: its own bias-correction count
+        (equal to :meth:`step_count` unless a format without momentum was held in between)."""
+        p = self._names[name_or_param] if isinstance(name_or_param, str) else name_or_param
+        return self._records[p].m_step
+
+    def param_group_of(self, name_or_param: str | Tensor) -> dict[str, Any]:
+        """The param group holding a parameter (its hyperparameters)."""
+        p = self._names[name_or_param] if isinstance(name_or_param, str) else name_or_param
+        return self.param_groups[self._records[p].group]
+
+    def _hyper(self, group: Mapping[str, Any], noise_key: int = 0) -> StepHyper:
+        """The group's hyperparameters as a :class:`StepHyper` (plain floats)."""
+        raise NotImplementedError
+
+
+class BlockwiseAdamW(BlockwiseOptimizer):
     """AdamW (decoupled weight decay, bias correction) with a state format per parameter.
 
     With every parameter in ``fp32`` it behaves like ``torch.optim.AdamW`` (tested to 1e-6 over 200
@@ -140,31 +466,7 @@ class BlockwiseAdamW(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persisten
         param_names: nn.Module | Iterable[tuple[str, Tensor]] | None = None,
         kernels: str | None = None,
     ) -> None:
-        if not isinstance(min_8bit_numel, int) or min_8bit_numel < 0:
-            raise ValueError(f"Invalid min_8bit_numel: {min_8bit_numel!r}; expected an int >= 0")
-        if not isinstance(chunk_size, int) or chunk_size < 32:
-            raise ValueError(f"Invalid chunk_size: {chunk_size!r}; expected an int >= 32")
-        if not isinstance(seed, int):
-            raise TypeError(f"Invalid seed: {seed!r}; expected an int")
         check_torch_options(lr, betas, foreach, fused, capturable, differentiable)
-        self.kernels = _kernels.resolve_policy(kernels)
-        self._records: dict[Tensor, _Record] = {}
-        self._salts: dict[str, int] = {}  # name -> its hash in the rounding keys
-        self._warned: set[str] = set()  # names warned of a skipped update
-        self._released: set[Tensor] = set()  # stepped by gradient release since the last step()
-        self._release_handles: list[Any] = []
-        self._names: dict[str, Tensor] = {}
-        self._pools: dict[tuple[str, str], _Pool] = {}
-        self._live_bytes = 0
-        self._peak_bytes = 0
-        self._external_names: dict[int, str] = {}
-        if param_names is not None:
-            items = param_names.named_parameters() if isinstance(param_names, nn.Module) else param_names
-            self._external_names = {id(p): n for n, p in items}
-        self.min_8bit_numel = min_8bit_numel
-        self.skip_nonfinite = bool(skip_nonfinite)
-        self.seed = seed
-        self.chunk_size = chunk_size
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -178,176 +480,16 @@ class BlockwiseAdamW(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persisten
             capturable=capturable,
             differentiable=differentiable,
         )
-        _validate_hyper(defaults, "")  # refuses amsgrad, capturable, differentiable set to True
-        super().__init__(params, defaults)
-        if any(p.device.type == "cpu" for g in self.param_groups for p in g["params"]):
-            _kernels.use_compiled(self.kernels)  # builds or loads them now, says which step runs
-
-    # ------------------------------------------------------------------ groups and names
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group (validated); its parameters get positional or given names.
-
-        A parameter listed twice in the group (torch warns about it) is held once: two records of
-        one tensor would update it twice per step.
-        """
-        super().add_param_group(param_group)
-        index = len(self.param_groups) - 1
-        group = self.param_groups[index]
-        first = {p: i for i, p in reversed(list(enumerate(group["params"])))}
-        if len(first) != len(group["params"]):
-            keep = sorted(first.values())
-            group["params"] = [group["params"][i] for i in keep]
-            if group.get("param_names"):
-                group["param_names"] = [group["param_names"][i] for i in keep]
-        try:
-            _validate_hyper(group, f"param_groups[{index}].")
-            names = group.get("param_names")
-            for i, p in enumerate(group["params"]):
-                if not p.is_floating_point() or p.is_complex():
-                    raise TypeError(
-                        f"BlockwiseAdamW supports real floating-point parameters only; parameter "
-                        f"{i} of group {index} has dtype {p.dtype}. Leave it out of the optimizer "
-                        f"or give it a floating dtype."
-                    )
-                if p.is_sparse:
-                    raise TypeError(f"sparse parameter {i} of group {index} is not supported")
-                name = names[i] if names else self._external_names.get(id(p), str(len(self._records)))
-                if name in self._names:
-                    raise ValueError(
-                        f"Parameter name {name!r} appears twice; names key the checkpointed state "
-                        f"and must be unique"
-                    )
-                self._names[name] = p
-                self._records[p] = _Record(name=name, group=index)
-        except (TypeError, ValueError):
-            self.param_groups.pop()
-            for p in group["params"]:
-                rec = self._records.pop(p, None)
-                if rec is not None:
-                    self._names.pop(rec.name, None)
-            raise
-
-    def param_name(self, param: Tensor) -> str:
-        """The name under which ``param``'s state is checkpointed."""
-        return self._records[param].name
-
-    @property
-    def named_params(self) -> dict[str, Tensor]:
-        """Parameter name -> parameter, in the optimizer's order."""
-        return dict(self._names)
-
-    # ------------------------------------------------------------------ formats
-
-    def requested_format(self, param: Tensor) -> str:
-        """The format asked for ``param``: its own request or its group's ``state_format``."""
-        rec = self._records[param]
-        return rec.requested or self.param_groups[rec.group]["state_format"]
-
-    def target_format(self, param: Tensor) -> str:
-        """The format ``param``'s state is (or will be) held in, after shape fallbacks."""
-        return resolve_format(self.requested_format(param), param.shape, self.min_8bit_numel)
-
-    def formats(self) -> dict[str, str]:
-        """Parameter name -> effective format (held now, or on the first step for fresh ones)."""
-        return {rec.name: rec.format or self.target_format(p) for p, rec in self._records.items()}
-
-    def resolve_names(
-        self, names: Iterable[str], blocks: Mapping[str, Iterable[str]] | None = None
-    ) -> dict[str, list[Tensor]]:
-        """Map parameter names, block names or module prefixes to parameters.
-
-        A name is, in order: a block of ``blocks``; a parameter name; a module prefix (every
-        parameter whose name starts with ``name + "."``).
-        """
-        out: dict[str, list[Tensor]] = {}
-        for key in names:
-            if not isinstance(key, str):
-                raise TypeError(f"names must be str, got {key!r} of type {type(key).__name__}")
-            if blocks is not None and key in blocks:
-                params = []
-                for member in blocks[key]:
-                    if member not in self._names:
-                        raise ValueError(
-                            f"block {key!r} names parameter {member!r}, which this optimizer does not hold"
-                        )
-                    params.append(self._names[member])
-            elif key in self._names:
-                params = [self._names[key]]
-            else:
-                prefix = key + "."
-                params = [p for n, p in self._names.items() if n.startswith(prefix)]
-                if not params:
-                    known = list(self._names)[:8]
-                    raise ValueError(
-                        f"{key!r} names no parameter, block or module of this optimizer; "
-                        f"parameter names look like {known}"
-                    )
-            out[key] = params
-        return out
-
-    @torch.no_grad()
-    def set_formats(
-        self, formats: Mapping[str, str], blocks: Mapping[str, Iterable[str]] | None = None
-    ) -> dict[str, tuple[str, str]]:
-        """Convert the state of the named parameters or blocks to new formats, in place.
-
-        State is inherited, never reset: quantize / dequantize, factor (row and column means of
-        v) / expand (outer product), drop momentum / re-create it from the current gradient (as
-        one EMA step, ``m = (1 - beta1) g``, with its own bias-correction count), move to / from
-        host memory. Step counts are kept. Parameters convert one at a time, in slices, those whose
-        device state shrinks first: at the peak the device holds the larger of the states before and
-        after, plus the smaller of one parameter's old and new states, plus a few fp32 slices of
-        scratch (see :mod:`lightning_baoc.optim.pools`).
-
-        Args:
-            formats: name -> format, where a name is a parameter name, a block of ``blocks`` or a
-                module prefix (``"encoder.layer1"``).
-            blocks: optional block name -> parameter names.
-
-        Returns:
-            parameter name -> (old format, new format) for every parameter whose format changed.
-
-        Example:
-            >>> opt.set_formats({"encoder": "int8", "head": "bf16"})  # doctest: +SKIP
-        """
-        if not isinstance(formats, Mapping):
-            raise TypeError(f"formats must be a mapping name -> format, got {type(formats).__name__}")
-        resolved = self.resolve_names(formats.keys(), blocks)
-        requests: dict[Tensor, str] = {}
-        for key, fmt in formats.items():
-            check_format_name(fmt, f"format of {key!r}")
-            for p in resolved[key]:
-                requests[p] = fmt
-        for p, fmt in requests.items():
-            self._records[p].requested = fmt
-        return self._sync_formats()
-
-    def _sync_formats(self) -> dict[str, tuple[str, str]]:
-        """Convert every initialized parameter whose target format differs from its held one."""
-        changes: dict[Tensor, str] = {}
-        for p, rec in self._records.items():
-            if rec.format is None:
-                continue
-            target = self.target_format(p)
-            if target != rec.format:
-                changes[p] = target
-        if not changes:
-            return {}
-        report = {self._records[p].name: (self._records[p].format, fmt) for p, fmt in changes.items()}
-        self._rebuild(changes)
-        return report
-
-    def _hyper_for(self, p: Tensor) -> StepHyper:
-        """``p``'s group hyperparameters, keyed for the rounding of a conversion at its step count."""
-        rec = self._records[p]
-        return self._hyper(self.param_groups[rec.group], self._noise_key(rec, _CONVERSION_SALT))
-
-    # ------------------------------------------------------------------ step
-
-    def _noise_key(self, rec: _Record, salt: int = 0) -> int:
-        """The rounding key of ``rec``'s parameter at its step count (a step's, or a conversion's)."""
-        return stream_key(self.seed, rec.step, name_salt(rec.name) ^ salt)
+        super().__init__(
+            params,
+            defaults,  # refuses amsgrad, capturable, differentiable set to True
+            min_8bit_numel=min_8bit_numel,
+            skip_nonfinite=skip_nonfinite,
+            seed=seed,
+            chunk_size=chunk_size,
+            param_names=param_names,
+            kernels=kernels,
+        )
 
     def _hyper(self, group: Mapping[str, Any], noise_key: int = 0) -> StepHyper:
         beta1, beta2 = group["betas"]
@@ -363,97 +505,6 @@ class BlockwiseAdamW(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persisten
             noise_key=noise_key,
             kernels=self.kernels,
         )
-
-    @torch.no_grad()
-    def _initialize_new(self) -> None:
-        fresh = {
-            p: self.target_format(p)
-            for p, rec in self._records.items()
-            if rec.format is None and p.grad is not None
-        }
-        if fresh:
-            self._rebuild(fresh, sources={p: None for p in fresh})
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # noqa: D401 - torch's signature
-        """Perform one optimization step (``closure`` re-evaluates the model, as in torch)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        with_grad = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        for p in with_grad:
-            if p.grad.is_sparse:
-                raise TypeError(
-                    f"BlockwiseAdamW does not support sparse gradients (parameter {self._records[p].name!r}); "
-                    f"use torch.optim.SparseAdam for sparse embeddings"
-                )
-        self._sync_formats()
-        self._initialize_new()
-        self._sync_corrections()
-        self._released.clear()  # a new window: each parameter may release its gradient once again
-        self._step_params(with_grad)
-        return loss
-
-    def _step_params(self, params: list[Tensor]) -> None:
-        """One step of ``params`` (with gradients, states and corrections in place), by group."""
-        chosen = set(params)
-        eager: list[tuple[Mapping[str, Any], StepHyper, list[Tensor]]] = []
-        for group in self.param_groups:
-            hyper = self._hyper(group)
-            compiled: dict[str, list[KernelItem]] = defaultdict(list)
-            rest: list[Tensor] = []
-            for p in group["params"]:
-                if p not in chosen or p.grad is None or p.numel() == 0:
-                    continue
-                rec = self._records[p]
-                fmt = FORMATS[rec.format]
-                if kernel_serves(fmt, p, rec.views, self.kernels):
-                    item = KernelItem(p, p.grad, rec.views, rec.counts, self._salt(rec), rec.master_correction)
-                    compiled[rec.format].append(item)
-                else:
-                    rest.append(p)
-            for fmt, items in compiled.items():
-                # the kernel tests the gradients, advances the counts and says which it skipped
-                skipped = compiled_step(FORMATS[fmt], items, hyper, self.seed, self.skip_nonfinite)
-                if skipped:
-                    self._warn_skipped([self._records[it.param] for it in skipped])
-            if rest:
-                eager.append((group, hyper, rest))
-        if eager:
-            finite = self._finite_mask([p for _, _, params in eager for p in params])
-            for group, hyper, params in eager:
-                self._eager_step(group, hyper, params, finite[: len(params)])
-                finite = finite[len(params) :]
-
-    @property
-    def nonfinite_counts(self) -> dict[str, int]:
-        """Parameter name -> number of steps skipped because its gradient was not finite."""
-        return {rec.name: rec.nonfinite for rec in self._records.values() if rec.nonfinite}
-
-    def param_state(self, name_or_param: str | Tensor) -> Canonical | None:
-        """A parameter's state decoded to fp32 (``None`` before its first step)."""
-        p = self._names[name_or_param] if isinstance(name_or_param, str) else name_or_param
-        rec = self._records[p]
-        if rec.format is None:
-            return None
-        return FORMATS[rec.format].decode(rec.views, p.shape)
-
-    def step_count(self, name_or_param: str | Tensor) -> int:
-        """Number of steps taken by a parameter."""
-        p = self._names[name_or_param] if isinstance(name_or_param, str) else name_or_param
-        return self._records[p].step
-
-    def momentum_step_count(self, name_or_param: str | Tensor) -> int:
-        """Steps since a parameter's momentum was (re)created: its own bias-correction count
-        (equal to :meth:`step_count` unless a format without momentum was held in between)."""
-        p = self._names[name_or_param] if isinstance(name_or_param, str) else name_or_param
-        return self._records[p].m_step
-
-    def param_group_of(self, name_or_param: str | Tensor) -> dict[str, Any]:
-        """The param group holding a parameter (its hyperparameters)."""
-        p = self._names[name_or_param] if isinstance(name_or_param, str) else name_or_param
-        return self.param_groups[self._records[p].group]
 
     # ------------------------------------------------------------------ construction
 
@@ -526,6 +577,7 @@ _ALIAS_PREFIX = "_BlockwiseAs"
 #: Where pickles find the optimizer and its aliases: the public path, not this file's, so a
 #: pickle survives a move of the implementation.
 PUBLIC_MODULE = "lightning_baoc.optim"
+BlockwiseOptimizer.__module__ = PUBLIC_MODULE
 BlockwiseAdamW.__module__ = PUBLIC_MODULE
 _ALIASES: dict[str, type[BlockwiseAdamW]] = {}
 

@@ -15,7 +15,7 @@ from typing import IO, Any, Callable, Mapping
 import torch
 from torch import Tensor
 
-from lightning_baoc.formats import FORMATS, Canonical, StepHyper, resolve_format
+from lightning_baoc.formats import Canonical, StepHyper, resolve_in
 from lightning_baoc.formats.quant import name_salt, stream_key
 from lightning_baoc.optim.pools import Pool, Record
 from lightning_baoc.optim.state import (
@@ -130,6 +130,8 @@ class PersistenceMixin:
             "requested": {r.name: r.requested for r in self._records.values() if r.requested},
             "nonfinite": self.nonfinite_counts,
         }
+        if self.rule != "adamw":  # BlockwiseAdamW's dicts keep the layout of earlier releases
+            meta["rule"] = self.rule
         corrections = {
             r.name: {"kind": r.correction, "tensor": r.master_correction.clone()}
             for r in self._records.values()
@@ -255,8 +257,8 @@ class PersistenceMixin:
         formats: dict[Tensor, str] = {}
         for p, loaded in plan.entries.items():
             group = merged[self._records[p].group]
-            formats[p] = loaded.format or resolve_format(
-                requested[p] or group["state_format"], p.shape, self.min_8bit_numel
+            formats[p] = loaded.format or resolve_in(
+                self.format_registry, requested[p] or group["state_format"], p.shape, self.min_8bit_numel
             )
 
         def fill(p: Tensor, fmt: str, target: dict[str, Tensor]) -> None:
@@ -265,7 +267,7 @@ class PersistenceMixin:
                 rec = self._records[p]
                 key = stream_key(self.seed, plan.entries[p].steps, name_salt(rec.name) ^ _LOAD_SALT)
                 hyper = self._hyper(merged[rec.group], key)
-                FORMATS[fmt].encode(source, target, hyper)
+                self.format_registry[fmt].encode(source, target, hyper)
             else:
                 for k, t in target.items():
                     t.copy_(source[k])
@@ -287,7 +289,7 @@ class PersistenceMixin:
             rec.format = formats.get(p)
             rec.views = views.get(p)
             rec.step = loaded.steps if loaded else 0
-            rec.m_step = loaded.m_step if loaded and FORMATS[formats[p]].has_momentum else 0
+            rec.m_step = loaded.m_step if loaded and self.format_registry[formats[p]].has_momentum else 0
             if corrections is not None:
                 rec.correction, rec.master_correction, rec.correction_requested = corrections[p]
         self._live_bytes = int(self.state_bytes())  # type: ignore[attr-defined]
@@ -299,4 +301,9 @@ class PersistenceMixin:
         their own step count (documented loss: a plain AdamW resumes with a cold momentum there).
         Same as :func:`~lightning_baoc.export_adamw_state_dict` of :meth:`state_dict`.
         """
+        if self.rule != "adamw":
+            raise TypeError(
+                f"to_adamw_state_dict exports AdamW's state; {self.label} holds a {self.rule} momentum: "
+                f"save its state_dict(), or read each buffer with param_state(name).exp_avg"
+            )
         return export_adamw_state_dict(self.state_dict())

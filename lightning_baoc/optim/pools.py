@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import Tensor
 
-from lightning_baoc.formats import FORMATS, Canonical, StepHyper
+from lightning_baoc.formats import FORMATS, Canonical, StateFormat, StepHyper
 from lightning_baoc.optim.convert import convert_state
 
 HOST = torch.device("cpu")
@@ -99,9 +99,9 @@ def device_key(device: torch.device) -> str:
     return str(device)
 
 
-def storage_device(fmt: str, param_device: torch.device) -> torch.device:
-    """Where a state of ``fmt`` lives for a parameter on ``param_device`` (host when offloaded)."""
-    return HOST if FORMATS[fmt].offloaded else param_device
+def storage_device(fmt: str, param_device: torch.device, registry: Mapping[str, StateFormat] = FORMATS) -> torch.device:
+    """Where a state of ``fmt`` (of ``registry``) lives for a parameter on ``param_device`` (host when offloaded)."""
+    return HOST if registry[fmt].offloaded else param_device
 
 
 class PoolsMixin:
@@ -110,6 +110,7 @@ class PoolsMixin:
     _records: dict[Tensor, Record]
     _pools: dict[tuple[str, str], Pool]
     _hyper_for: Callable[[Tensor], StepHyper]  # the optimizer's: a parameter's group hyperparameters
+    format_registry: Mapping[str, StateFormat]  # the optimizer's formats
     param_groups: list[dict[str, Any]]
     _live_bytes: int  # state bytes allocated on the training devices, transient segments included
     _peak_bytes: int  # the high-water mark of _live_bytes
@@ -142,9 +143,9 @@ class PoolsMixin:
         for p, rec in self._records.items():
             if rec.format is None:
                 continue
-            on_host = storage_device(rec.format, p.device) != p.device
+            on_host = storage_device(rec.format, p.device, self.format_registry) != p.device
             if on_host == host:
-                per_group[rec.group] += FORMATS[rec.format].state_bytes(p.shape)
+                per_group[rec.group] += self.format_registry[rec.format].state_bytes(p.shape)
         return per_group if by_group else sum(per_group)
 
     @property
@@ -200,7 +201,7 @@ class PoolsMixin:
             elif old is not None:
                 self._convert_into(p, old, fmt, views)
             self._commit_segment(p, fmt, views)
-            if not FORMATS[fmt].has_momentum:
+            if not self.format_registry[fmt].has_momentum:
                 rec.m_step = 0
 
     def _device_growth(self, p: Tensor, fmt: str) -> int:
@@ -208,9 +209,9 @@ class PoolsMixin:
         old = self._records[p].format
 
         def on_device(f: str | None) -> int:
-            if f is None or storage_device(f, p.device) != p.device:
+            if f is None or storage_device(f, p.device, self.format_registry) != p.device:
                 return 0
-            return FORMATS[f].state_bytes(p.shape)
+            return self.format_registry[f].state_bytes(p.shape)
 
         return on_device(fmt) - on_device(old)
 
@@ -226,7 +227,7 @@ class PoolsMixin:
                     self._live_bytes -= released.untyped_storage().nbytes()
                 if not pool.segments:
                     del self._pools[old_key]
-        pool = self._pools.setdefault((fmt, dev), Pool(fmt, storage_device(fmt, p.device)))
+        pool = self._pools.setdefault((fmt, dev), Pool(fmt, storage_device(fmt, p.device, self.format_registry)))
         pool.segments[p] = _segment_of(views)
         rec.views = views
         rec.format = fmt
@@ -246,7 +247,7 @@ class PoolsMixin:
         pools: dict[tuple[str, str], Pool] = {}
         views: dict[Tensor, dict[str, Tensor]] = {}
         for key in sorted(members):  # sorted: encoding order draws rounding offsets deterministically
-            pools[key] = Pool(key[0], storage_device(key[0], members[key][0].device))
+            pools[key] = Pool(key[0], storage_device(key[0], members[key][0].device, self.format_registry))
             for p in members[key]:
                 views[p] = self._allocate_segment(key[0], p)
                 fill(p, key[0], views[p])
@@ -255,8 +256,8 @@ class PoolsMixin:
 
     def _allocate_segment(self, fmt: str, p: Tensor) -> dict[str, Tensor]:
         """Zeroed views of ``p``'s state in ``fmt``, carved from one new ``uint8`` buffer."""
-        layout = FORMATS[fmt].layout(p.shape)
-        storage = storage_device(fmt, p.device)
+        layout = self.format_registry[fmt].layout(p.shape)
+        storage = storage_device(fmt, p.device, self.format_registry)
         offsets: dict[str, int] = {}
         total = 0
         for itemsize in (8, 4, 2, 1):  # descending item size: every offset stays aligned
@@ -264,7 +265,7 @@ class PoolsMixin:
                 if spec.nbytes and torch.empty((), dtype=spec.dtype).element_size() == itemsize:
                     offsets[spec.key] = total
                     total += spec.nbytes
-        pin = storage.type == "cpu" and FORMATS[fmt].offloaded and torch.cuda.is_available()
+        pin = storage.type == "cpu" and self.format_registry[fmt].offloaded and torch.cuda.is_available()
         buffer = torch.zeros(total, dtype=torch.uint8, device=storage, pin_memory=pin)
         if storage == p.device:  # host memory of an accelerator's parameter is not device state
             self._count_allocated(total)
@@ -280,15 +281,15 @@ class PoolsMixin:
     def _convert_into(self, p: Tensor, old: str, new: str, target: dict[str, Tensor]) -> None:
         rec = self._records[p]
         rec.m_step = convert_state(
-            FORMATS[old], rec.views, FORMATS[new], target, tuple(p.shape), self._hyper_for(p), p.grad, rec.m_step
+            self.format_registry[old], rec.views, self.format_registry[new], target, tuple(p.shape), self._hyper_for(p), p.grad, rec.m_step
         )
 
     def _encode(self, p: Tensor, fmt: str, canonical: Canonical, target: dict[str, Tensor]) -> None:
         rec = self._records[p]
         hyper = self._hyper_for(p)
-        if FORMATS[fmt].has_momentum and canonical.exp_avg is None:
+        if self.format_registry[fmt].has_momentum and canonical.exp_avg is None:
             grad = p.grad
-            if grad is not None and bool(torch.isfinite(grad).all()):
+            if hyper.rule == "adamw" and grad is not None and bool(torch.isfinite(grad).all()):
                 # re-create the momentum as one EMA step of the current gradient; its own bias
                 # correction (m_step = 1) makes m_hat equal that gradient
                 canonical.exp_avg = grad.detach().to(torch.float32).mul(1.0 - hyper.beta1)
@@ -296,7 +297,7 @@ class PoolsMixin:
             else:
                 canonical.exp_avg = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
                 rec.m_step = 0
-        FORMATS[fmt].encode(canonical, target, hyper)
+        self.format_registry[fmt].encode(canonical, target, hyper)
 
     def _fill_from_source(
         self, p: Tensor, fmt: str, target: dict[str, Tensor], source: Canonical | dict[str, Tensor] | None

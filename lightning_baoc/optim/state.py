@@ -35,7 +35,7 @@ from typing import IO, Any, Iterable, Mapping
 import torch
 from torch import Tensor
 
-from lightning_baoc.formats import FORMATS
+from lightning_baoc.formats import FORMATS, StateFormat
 
 STATE_DICT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -247,8 +247,11 @@ def require_count(entry: Mapping[str, Any], key: str, where: str) -> int:
         raise invalid(f"{where}: {key!r} is {value!r}; expected an int >= 0")
     return value
 
-def check_entry_fields(name: str, entry: Any, version: int) -> tuple[str, int, int, dict[str, Tensor]]:
-    """Presence, types and ranges of an entry's fields, then its checksum (version 2).
+def check_entry_fields(
+    name: str, entry: Any, version: int, registry: Mapping[str, StateFormat] = FORMATS
+) -> tuple[str, int, int, dict[str, Tensor]]:
+    """Presence, types and ranges of an entry's fields, then its checksum (version 2); the format
+    is one of ``registry`` (the optimizer's, :data:`FORMATS` for BlockwiseAdamW).
 
     Returns:
         ``(format, steps, m_step, tensors)``.
@@ -258,8 +261,8 @@ def check_entry_fields(name: str, entry: Any, version: int) -> tuple[str, int, i
     if "format" not in entry:
         raise invalid(f"{where}: the field 'format' is missing")
     fmt = entry["format"]
-    if not isinstance(fmt, str) or fmt not in FORMATS:
-        raise invalid(f"{where}: 'format' is {fmt!r}; allowed: {list(FORMATS)}")
+    if not isinstance(fmt, str) or fmt not in registry:
+        raise invalid(f"{where}: 'format' is {fmt!r}; allowed: {list(registry)}")
     steps = require_count(entry, "steps" if version >= 2 else "step", where)
     m_step = require_count(entry, "m_step", where)
     if m_step > steps:
@@ -284,12 +287,19 @@ def check_entry_fields(name: str, entry: Any, version: int) -> tuple[str, int, i
     return fmt, steps, m_step, dict(tensors)
 
 
-def check_layout(name: str, fmt: str, shape: tuple[int, ...], tensors: Mapping[str, Tensor], exact_shape: bool = True) -> None:
-    """The compact tensors are those ``fmt`` stores for ``shape``: keys, dtypes, sizes."""
+def check_layout(
+    name: str,
+    fmt: str,
+    shape: tuple[int, ...],
+    tensors: Mapping[str, Tensor],
+    exact_shape: bool = True,
+    registry: Mapping[str, StateFormat] = FORMATS,
+) -> None:
+    """The compact tensors are those ``fmt`` (of ``registry``) stores for ``shape``: keys, dtypes, sizes."""
     where = f"state of {name!r}"
-    if FORMATS[fmt].factored and not FORMATS[fmt].accepts(shape):
+    if registry[fmt].factored and not registry[fmt].accepts(shape):
         raise invalid(f"{where}: format {fmt!r} cannot hold shape {shape} (it needs a 2-D or larger shape)")
-    specs = {spec.key: spec for spec in FORMATS[fmt].layout(shape)}
+    specs = {spec.key: spec for spec in registry[fmt].layout(shape)}
     if set(tensors) != set(specs):
         raise invalid(
             f"{where}: tensors {sorted(tensors)} do not match format {fmt!r}, which stores {sorted(specs)}"

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
-from lightning_baoc.formats import FORMATS, StepHyper, StepItem
+from lightning_baoc.formats import StateFormat, StepHyper, StepItem
 from lightning_baoc.formats.correction import reconstruct, split_into
 from lightning_baoc.formats.quant import name_salt
 from lightning_baoc.optim.args import to_float as _float
@@ -36,6 +36,8 @@ class StepMixin:
     _salts: dict[str, int]
     _warned: set[str]
     skip_nonfinite: bool
+    format_registry: Mapping[str, StateFormat]
+    label: str
 
     def _finite_mask(self, params: list[Tensor]) -> list[bool]:
         """Whether each parameter's gradient holds only finite values (one host sync per device).
@@ -79,7 +81,7 @@ class StepMixin:
             if rec.name not in self._warned:
                 self._warned.add(rec.name)
                 warnings.warn(
-                    f"BlockwiseAdamW: non-finite gradient for {rec.name!r}; its update is "
+                    f"{self.label}: non-finite gradient for {rec.name!r}; its update is "
                     f"skipped (state and value kept). Counted in nonfinite_counts.",
                     RuntimeWarning,
                     stacklevel=3,
@@ -90,7 +92,7 @@ class StepMixin:
         read (:meth:`_finite_mask`, one synchronisation per device and step)."""
         if not params:
             return
-        beta1, beta2 = (_float(b) for b in group["betas"])
+        beta1, beta2 = (_float(b) for b in group["betas"]) if "betas" in group else (0.0, 0.0)
         buckets: dict[tuple[str, torch.device], list[StepItem]] = defaultdict(list)
         skipped: list[Record] = []
         for p, ok in zip(params, finite):
@@ -100,22 +102,22 @@ class StepMixin:
                 skipped.append(rec)
                 continue
             step = rec.step + 1
-            m_step = rec.m_step + 1 if FORMATS[rec.format].has_momentum else rec.m_step
+            m_step = rec.m_step + 1 if self.format_registry[rec.format].has_momentum else rec.m_step
             rec.step, rec.m_step = step, m_step
             bc1 = 1.0 - beta1**m_step if m_step else 1.0
             bc2 = 1.0 - beta2**step
             count = step if m_step == step else None  # one count for both corrections
-            item = StepItem(p, p.grad, rec.views, bc1, bc2, count, self._noise_key(rec))
+            item = StepItem(p, p.grad, rec.views, bc1, bc2, count, self._noise_key(rec), m_step)
             buckets[(rec.format, p.device)].append(item)
         if skipped:
             self._warn_skipped(skipped)
         for (fmt, _device), items in buckets.items():
             plain = [it for it in items if self._records[it.param].master_correction is None]
             if plain:
-                FORMATS[fmt].update(plain, hyper)
+                self.format_registry[fmt].update(plain, hyper)
             for it in items:  # corrected 16-bit weights: one fp32 master at a time
                 correction = self._records[it.param].master_correction
                 if correction is not None:
                     master = reconstruct(it.param.detach(), correction)
-                    FORMATS[fmt].update([dataclasses.replace(it, param=master)], hyper)
+                    self.format_registry[fmt].update([dataclasses.replace(it, param=master)], hyper)
                     split_into(master, it.param.detach(), correction)

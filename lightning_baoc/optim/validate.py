@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch import Tensor
 
-from lightning_baoc.formats import Canonical, check_format_name
+from lightning_baoc.formats import Canonical, StateFormat, check_format_name
 from lightning_baoc.formats.correction import CORRECTIONS, WEIGHT_DTYPES, correction_dtype
-from lightning_baoc.optim.args import PERFORMANCE_HINTS, validate_hyper
+from lightning_baoc.optim.args import PERFORMANCE_HINTS
 from lightning_baoc.optim.state import (
     READABLE_VERSIONS,
     check_entry_fields,
@@ -85,7 +85,7 @@ def _merged_hyper(opt: "BlockwiseAdamW", index: int, saved: Mapping[str, Any], d
     merged = {k: v for k, v in opt.param_groups[index].items() if k not in ("params", "param_names")}
     merged.update(update)
     try:
-        validate_hyper(merged, f"param_groups[{index}].")
+        opt._validate_group(merged, f"param_groups[{index}].")
     except (TypeError, ValueError) as err:
         raise invalid(str(err)) from err
     return update
@@ -113,6 +113,13 @@ def _plan_own(opt: "BlockwiseAdamW", sd: Mapping[str, Any]) -> LoadPlan:
                 "checkpoint is corrupted, or was edited (re-seal a deliberate edit with "
                 "lightning_baoc.optim.state.seal_state_dict)"
             )
+    rule = meta.get("rule", "adamw")  # dicts of BlockwiseAdamW carry no rule
+    if rule != opt.rule:
+        raise invalid(
+            f"the state dict was saved by an optimizer with the {rule!r} update rule, this is "
+            f"{opt.label} ({opt.rule!r}): their states do not carry over; load it into the "
+            f"optimizer that saved it"
+        )
     names = opt.named_params
     groups = []
     for i, saved in enumerate(sd["param_groups"]):
@@ -129,7 +136,7 @@ def _plan_own(opt: "BlockwiseAdamW", sd: Mapping[str, Any]) -> LoadPlan:
                 f"param group {i} of the state dict holds the parameters {sorted(set(listed) ^ set(ours))[:5]} "
                 f"that this optimizer's group {i} does not (or lacks them): another model or grouping"
             )
-        for key in ("lr", "betas", "eps", "weight_decay", "state_format"):
+        for key in opt.saved_group_keys:
             if key not in saved:
                 raise invalid(f"param_groups[{i}]: the field {key!r} is missing")
         groups.append(_merged_hyper(opt, i, saved, ()))
@@ -137,34 +144,34 @@ def _plan_own(opt: "BlockwiseAdamW", sd: Mapping[str, Any]) -> LoadPlan:
     for name, entry in sd["state"].items():
         if name not in names:
             raise invalid(f"the state dict holds state of unknown parameter {name!r}; it was saved from another model")
-        entries[names[name]] = _own_entry(name, entry, names[name], version)
+        entries[names[name]] = _own_entry(name, entry, names[name], version, opt.format_registry)
     return LoadPlan(
         groups=groups,
         entries=entries,
-        requested=_requested(meta.get("requested", {}), names),
+        requested=_requested(meta.get("requested", {}), names, opt.format_registry),
         nonfinite=_nonfinite(meta.get("nonfinite", {}), names),
         corrections=_corrections(meta.get("corrections", {}), meta.get("correction_requested", {}), names),
     )
 
-def _own_entry(name: str, entry: Any, p: Tensor, version: int) -> LoadedState:
-    fmt, steps, m_step, tensors = check_entry_fields(name, entry, version)
+def _own_entry(name: str, entry: Any, p: Tensor, version: int, registry: Mapping[str, StateFormat]) -> LoadedState:
+    fmt, steps, m_step, tensors = check_entry_fields(name, entry, version, registry)
     if version >= 2 and list(entry["shape"]) != list(p.shape):
         raise invalid(
             f"state of {name!r}: saved for shape {list(entry['shape'])}, the parameter has shape "
             f"{tuple(p.shape)}: the state dict is of another model"
         )
-    check_layout(name, fmt, tuple(p.shape), tensors, exact_shape=version >= 2)
+    check_layout(name, fmt, tuple(p.shape), tensors, exact_shape=version >= 2, registry=registry)
     return LoadedState(fmt, tensors, steps, m_step)
 
 
-def _requested(value: Any, names: Mapping[str, Tensor]) -> dict[Tensor, str | None]:
+def _requested(value: Any, names: Mapping[str, Tensor], registry: Mapping[str, StateFormat]) -> dict[Tensor, str | None]:
     requested = require_mapping(value, "'baoc'['requested']")
     out: dict[Tensor, str | None] = {p: None for p in names.values()}
     for name, fmt in requested.items():
         if name not in names:
             raise invalid(f"'requested' names unknown parameter {name!r}")
         try:
-            out[names[name]] = check_format_name(fmt, f"requested format of {name!r}")
+            out[names[name]] = check_format_name(fmt, f"requested format of {name!r}", registry)
         except (TypeError, ValueError) as err:
             raise invalid(str(err)) from err
     return out
@@ -225,7 +232,7 @@ def _plan_torch(opt: "BlockwiseAdamW", sd: Mapping[str, Any]) -> LoadPlan:
                 f"param group {i} of the state dict has {len(listed)} parameters, this optimizer's "
                 f"has {len(group['params'])}: another model or grouping"
             )
-        if saved.get("amsgrad"):
+        if saved.get("amsgrad") and opt.rule == "adamw":
             raise invalid(f"param_groups[{i}] has amsgrad=True: BlockwiseAdamW does not implement amsgrad")
         index_to_param.update(zip(listed, group["params"]))
         groups.append(_merged_hyper(opt, i, saved, _TORCH_IMPLEMENTATION_KEYS))
@@ -234,7 +241,10 @@ def _plan_torch(opt: "BlockwiseAdamW", sd: Mapping[str, Any]) -> LoadPlan:
         if key not in index_to_param:
             raise invalid(f"state entry {key!r} belongs to no parameter of the state dict's param groups")
         p = index_to_param[key]
-        entries[p] = _torch_entry(opt.param_name(p), key, entry, p)
+        if opt.rule == "adamw":
+            entries[p] = _torch_entry(opt.param_name(p), key, entry, p)
+        else:
+            entries[p] = _torch_momentum_entry(opt, opt.param_name(p), key, entry, p)
     return LoadPlan(groups=groups, entries=entries, requested=None, nonfinite={})
 
 
@@ -262,3 +272,30 @@ def _torch_entry(name: str, key: Any, entry: Any, p: Tensor) -> LoadedState:
         raise invalid(f"{where}: 'step' is {entry.get('step')!r}; expected a whole number >= 0")
     canonical = Canonical(tuple(p.shape), exp_avg=moments["exp_avg"], exp_avg_sq=moments["exp_avg_sq"])
     return LoadedState(None, canonical, int(step), int(step))
+
+
+#: The key of the momentum buffer in the state of torch's SGD and of the usual Lion implementations.
+_TORCH_BUFFERS = {"sgd": "momentum_buffer", "lion": "exp_avg"}
+
+
+def _torch_momentum_entry(opt: "BlockwiseAdamW", name: str, key: Any, entry: Any, p: Tensor) -> LoadedState:
+    """An entry of ``torch.optim.SGD`` (``momentum_buffer``, possibly ``None``) or of a Lion
+    implementation (``exp_avg``): the buffer, taken as already started (one step counted)."""
+    where = f"state of {name!r} (entry {key!r})"
+    entry = require_mapping(entry, where)
+    if "format" in entry and "tensors" in entry:
+        raise invalid(f"{where} is a {opt.label} entry, but the dict's 'baoc' section is missing")
+    buffer_key = _TORCH_BUFFERS[opt.rule]
+    if buffer_key not in entry:
+        raise invalid(f"{where}: {buffer_key!r} is missing (keys {sorted(map(str, entry))}): not a {opt.rule} state")
+    t = entry[buffer_key]
+    if t is None:  # torch's SGD without momentum
+        return LoadedState(None, Canonical(tuple(p.shape)), 0, 0)
+    if not isinstance(t, Tensor) or not t.is_floating_point():
+        raise invalid(f"{where}: {buffer_key!r} is not a floating-point tensor")
+    if tuple(t.shape) != tuple(p.shape):
+        raise invalid(f"{where}: {buffer_key} has shape {tuple(t.shape)}, the parameter has shape {tuple(p.shape)}: another model")
+    buffer = t.to(p.device, torch.float32)
+    if not bool(torch.isfinite(buffer).all()):
+        raise invalid(f"{where}: {buffer_key} holds non-finite values")
+    return LoadedState(None, Canonical(tuple(p.shape), exp_avg=buffer), 1, 1)
