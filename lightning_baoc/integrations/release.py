@@ -1,4 +1,5 @@
-"""GradientRelease: the Lightning callback that turns on gradient release for a BlockwiseAdamW.
+"""GradientRelease: the Lightning callback that turns on gradient release for a BlockwiseAdamW
+(or BlockwiseSGD, BlockwiseLion).
 
 Gradient release (:mod:`lightning_baoc.optim.release`) steps each parameter during backward and
 frees its gradient at once. Lightning runs the closure (forward, backward) inside
@@ -24,7 +25,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_baoc.optim import BlockwiseAdamW
+from lightning_baoc.optim import BlockwiseOptimizer
 
 
 class GradientRelease(pl.Callback):
@@ -53,16 +54,17 @@ class GradientRelease(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for optimizer in trainer.optimizers:
-            if not isinstance(optimizer, BlockwiseAdamW):
+            if not isinstance(optimizer, BlockwiseOptimizer):
                 raise TypeError(
-                    f"GradientRelease needs configure_optimizers to return a lightning_baoc.BlockwiseAdamW, "
-                    f"got {type(optimizer).__name__}: build BlockwiseAdamW(model.named_parameters(), ...) instead"
+                    f"GradientRelease needs configure_optimizers to return a lightning_baoc.BlockwiseAdamW "
+                    f"(or BlockwiseSGD, BlockwiseLion), got {type(optimizer).__name__}: build "
+                    f"BlockwiseAdamW(model.named_parameters(), ...) instead"
                 )
             optimizer.release_gradients()
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for optimizer in trainer.optimizers:
-            if isinstance(optimizer, BlockwiseAdamW):
+            if isinstance(optimizer, BlockwiseOptimizer):
                 optimizer.release_gradients(False)
 
     def state_dict(self) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..formats import DEFAULT_MIN_8BIT_NUMEL
-from ..optim import BlockwiseAdamW, optimizer_alias
+from ..optim import BlockwiseAdamW, BlockwiseOptimizer, optimizer_alias
 
 #: Optimizers BAOC can take over (named in the error for any other).
 SUPPORTED_OPTIMIZERS = ("torch.optim.AdamW", "torch.optim.Adam (amsgrad=False)", "lightning_baoc.BlockwiseAdamW")
@@ -52,6 +52,13 @@ def convert_optimizer(
     """
     if isinstance(optimizer, BlockwiseAdamW):
         return optimizer
+    if isinstance(optimizer, BlockwiseOptimizer):  # BlockwiseSGD, BlockwiseLion
+        raise TypeError(
+            f"BAOC cannot allocate {optimizer.label}'s momentum formats yet: its risk model and solver "
+            f"price AdamW's formats. Choose {optimizer.label}'s formats yourself (state_format=..., "
+            f"set_formats({{name: 'int8'}})) and remove the BAOC callback, or return a torch.optim.AdamW "
+            f"or BlockwiseAdamW from configure_optimizers."
+        )
     if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
         raise TypeError(
             f"BAOC cannot take over {type(optimizer).__name__} ({type(optimizer).__module__}): it converts "

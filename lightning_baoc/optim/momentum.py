@@ -83,8 +83,9 @@ class BlockwiseSGD(BlockwiseOptimizer):
         fused: accepted like ``foreach``.
         state_format: default momentum format of every group: ``"fp32"``, ``"bf16"``, ``"int8"`` or
             ``"none"`` (default: ``"fp32"`` with a momentum, ``"none"`` without).
-        weight_correction, min_8bit_numel, skip_nonfinite, seed, chunk_size, param_names, kernels:
-            as :class:`~lightning_baoc.optim.BlockwiseAdamW`.
+
+    The keyword arguments ``weight_correction``, ``min_8bit_numel``, ``skip_nonfinite``, ``seed``,
+    ``chunk_size``, ``param_names`` and ``kernels`` are :class:`~lightning_baoc.optim.BlockwiseAdamW`'s.
 
     Example:
         >>> model = nn.Linear(64, 64)
@@ -226,8 +227,9 @@ class BlockwiseLion(BlockwiseOptimizer):
         maximize: maximize the objective (default: False).
         state_format: default momentum format: ``"fp32"``, ``"bf16"``, ``"int8"`` or ``"none"``
             (``none``: the sign of the gradient, signSGD) (default: ``"fp32"``).
-        weight_correction, min_8bit_numel, skip_nonfinite, seed, chunk_size, param_names, kernels:
-            as :class:`~lightning_baoc.optim.BlockwiseAdamW`.
+
+    The keyword arguments ``weight_correction``, ``min_8bit_numel``, ``skip_nonfinite``, ``seed``,
+    ``chunk_size``, ``param_names`` and ``kernels`` are :class:`~lightning_baoc.optim.BlockwiseAdamW`'s.
 
     Example:
         >>> model = nn.Linear(64, 64)
