@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 from _report import DOCS, command, machine, markdown_table, write_docs_section  # noqa: E402
 from lightning_baoc import BlockwiseAdamW  # noqa: E402
+from lightning_baoc.optim import BlockwiseOptimizer  # noqa: E402
 from workloads import RECIPES, WORKLOADS, Workload, build  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -176,7 +177,7 @@ def measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     as ``BlockwiseAdamW.state_bytes()`` leaves them out: they are bookkeeping of a few bytes per
     tensor, not per element. So fp32 ``torch.optim.AdamW`` measures exactly 8 bytes per parameter.
     """
-    if isinstance(optimizer, BlockwiseAdamW):
+    if isinstance(optimizer, BlockwiseOptimizer):  # BlockwiseAdamW, BlockwiseSGD, BlockwiseLion
         return int(optimizer.state_bytes())
     storages: dict[tuple[str, int], int] = {}
     for state in optimizer.state.values():
@@ -438,7 +439,7 @@ def train_one(workload: str, recipe: str, row: Row, seed: int, steps: int) -> di
     seconds = time.perf_counter() - start
     optimizer = trainer.optimizers[0]
     # the allocation BAOC ended with: parameters per format
-    formats = dict(Counter(optimizer.formats().values())) if isinstance(optimizer, BlockwiseAdamW) else {}
+    formats = dict(Counter(optimizer.formats().values())) if isinstance(optimizer, BlockwiseOptimizer) else {}
     return dict(
         formats=formats,
         status="diverged" if recorder.diverged else "ok",
