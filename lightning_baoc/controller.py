@@ -174,6 +174,9 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin):
         self.shadow: ShadowMoments | None = None  # fp32 moments on a sample of each tensor (risk)
         self._peak = 0  # peak state bytes of earlier optimizers of this run (see peak_state_bytes)
         self._betas_cache: tuple[Any, dict[str, tuple[float, float]]] | None = None  # see _betas
+        self._observer_handle: Any = None  # the optimizer's gradient observer (gradient release)
+        # the step observed under gradient release: (step, grad scale, sampling, names observed)
+        self._release_open: tuple[int, float | None, bool, set[str]] | None = None
 
     # ------------------------------------------------------------------ properties
 
@@ -235,16 +238,10 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin):
         Raises:
             TypeError: an unsupported optimizer (the message names the supported ones).
             ValueError: the optimizer holds parameters ``module`` does not have, or no trainable one,
-                or releases its gradients during backward (not yet supported with BAOC).
+    
         """
         if self.optimizer is not None and optimizer is self.optimizer:
             return self.optimizer
-        if getattr(optimizer, "releases_gradients", False):
-            raise ValueError(
-                "BAOC does not run with gradient release yet: its sampler reads the gradients after "
-                "backward, when release has freed them. Turn release off (optimizer.release_gradients(False)) "
-                "to use BAOC, or use BlockwiseAdamW with release and fixed formats (set_formats) without BAOC."
-            )
         cfg = self.config
         new = convert_optimizer(optimizer, module, cfg.min_8bit_numel, cfg.seed)
         self._module = module
@@ -254,6 +251,7 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin):
         self._refresh_tables(new)
         self._restart_sampler(module)
         self.optimizer = new
+        self._watch_released_gradients(new)
         self._restart_shadow()
         if self._loaded is not None:
             self._apply_loaded()
@@ -337,17 +335,75 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin):
         """
         if self.shadow is not None and self.optimizer is not None:
             self.shadow.update(self.optimizer.named_params, self._betas(), grad_scale)
-        if self.sampler is None:
+        if self.sampler is None or not self._sampling_step(step):
             return False
+        return self._counted(step, self.sampler.sample(step, grad_scale))
+
+    def _sampling_step(self, step: int) -> bool:
+        """Whether the sampler may sample at ``step`` (sparser after warm-up)."""
         every = self.config.sample_every
         if self.phase == "allocated" and self.config.sparse_sampling > 1:
             # Sparser after warm-up: every sparse_sampling-th sampling step (and its follower).
             if (step // every) % self.config.sparse_sampling:
                 return False
-        took = self.sampler.sample(step, grad_scale)
+        return True
+
+    def _counted(self, step: int, took: bool) -> bool:
+        every = self.config.sample_every
         if took and (every == 1 or step % every == 0):
             self.ring_samples += 1
         return took
+
+    # ------------------------------------------------------------------ gradient release
+
+    def _watch_released_gradients(self, optimizer: BlockwiseAdamW) -> None:
+        """Observe the gradients gradient release frees (:meth:`BlockwiseAdamW.add_gradient_observer`)."""
+        if self._observer_handle is not None:
+            self._observer_handle.remove()
+        self._observer_handle = optimizer.add_gradient_observer(self._observe_released)
+        self._release_open = None
+
+    def open_released_step(self, step: int, grad_scale: float | None = None) -> None:
+        """With gradient release, call before the step's backward (on every rank): each parameter's
+        gradient then feeds the shadow moments and the sampler inside the release hook, just before
+        the parameter steps, and :meth:`close_released_step` completes the step's observation. The
+        two calls take the place of :meth:`observe`, and store the same numbers."""
+        self._require_installed("open_released_step")
+        if self._release_open is not None:  # a step that ran no backward: drop its open sample
+            if self.sampler is not None:
+                self.sampler.abort()
+        began = self.sampler is not None and self._sampling_step(step) and self.sampler.begin(step, grad_scale)
+        self._release_open = (step, grad_scale, began, set())
+
+    def _observe_released(self, p: torch.Tensor) -> None:
+        if self._release_open is None or self.optimizer is None:
+            return
+        _, grad_scale, began, observed = self._release_open
+        name = self.optimizer.param_name(p)
+        observed.add(name)
+        if self.shadow is not None:
+            self.shadow.update({name: p}, self._betas(), grad_scale)
+        if began:
+            self.sampler.gather_param(p)  # type: ignore[union-attr]
+
+    @property
+    def release_open(self) -> bool:
+        """Whether a step's observation under gradient release is open (:meth:`open_released_step`)."""
+        return self._release_open is not None
+
+    def close_released_step(self) -> bool:
+        """Complete the observation :meth:`open_released_step` opened: parameters that kept their
+        gradient (not released) are observed now. Returns whether a sample was taken."""
+        if self._release_open is None:
+            return False
+        step, grad_scale, began, observed = self._release_open
+        self._release_open = None
+        if self.shadow is not None and self.optimizer is not None:
+            rest = {n: p for n, p in self.optimizer.named_params.items() if n not in observed}
+            self.shadow.update(rest, self._betas(), grad_scale)
+        if not began:
+            return False
+        return self._counted(step, self.sampler.finish())  # type: ignore[union-attr]
 
     def due(self, step: int) -> str | None:
         """The reason an allocation should run now (after ``step`` completed steps), or ``None``."""

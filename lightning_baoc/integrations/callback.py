@@ -233,11 +233,22 @@ class BAOC(Callback):
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._step_at_batch_start = trainer.global_step
+        optimizer = self.controller.optimizer
+        if optimizer is not None and optimizer.releases_gradients:
+            # Gradient release steps each parameter during backward: what runs before the step runs
+            # now, and the gradients are observed inside the release hooks (GradientRelease).
+            event = self.controller.before_step(trainer.global_step, trainer.strategy.broadcast, trainer.is_global_zero)
+            if event is not None:
+                self._report(trainer, event)
+            self.controller.open_released_step(trainer.global_step)
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         # Before the step: new parameters would otherwise take fp32 state outside the budget, and
         # a format dropped from the menu at resume must not run a single step.
+        if self.controller.release_open:  # gradient release: observed in backward, completed here
+            self.controller.close_released_step()
+            return
         event = self.controller.before_step(trainer.global_step, trainer.strategy.broadcast, trainer.is_global_zero)
         if event is not None:
             self._report(trainer, event)

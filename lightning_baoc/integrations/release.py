@@ -9,7 +9,7 @@ training, with the setting to change:
 
 - ``accumulate_grad_batches > 1``: every micro-batch would step on its own;
 - ``gradient_clip_val``: global-norm clipping needs all the gradients before any step;
-- the :class:`~lightning_baoc.BAOC` callback: its sampler reads the gradients after backward (not yet);
+- a gradient scaler (``precision="16-mixed"``): the hooks would step on scaled gradients;
 - an optimizer that is not a :class:`~lightning_baoc.BlockwiseAdamW`, or manual optimization.
 
 Example::
@@ -45,14 +45,19 @@ class GradientRelease(pl.Callback):
                 f"gradient_clip_val={trainer.gradient_clip_val}: clipping needs every gradient before any "
                 f"step, and release has freed them; remove gradient_clip_val"
             )
-        if any(type(cb).__name__ == "BAOC" for cb in trainer.callbacks):
-            problems.append("the BAOC callback: its sampler reads the gradients after backward (not yet supported with release)")
+        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+            problems.append(
+                f"precision={trainer.precision!r} with a gradient scaler: release would step on the scaled "
+                f"gradients before the scaler unscales and checks them; use precision='bf16-true' or "
+                f"'bf16-mixed' (no scaler)"
+            )
         if not pl_module.automatic_optimization:
             problems.append("manual optimization: call optimizer.release_gradients() yourself and step() once per iteration")
         if problems:
             raise ValueError("GradientRelease cannot run with " + "; ".join(problems) + ".")
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # on_train_start: after every callback's on_fit_start, so after BAOC has installed its optimizer
         for optimizer in trainer.optimizers:
             if not isinstance(optimizer, BlockwiseOptimizer):
                 raise TypeError(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -94,6 +94,7 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
         self._warned: set[str] = set()  # names warned of a skipped update
         self._released: set[Tensor] = set()  # stepped by gradient release since the last step()
         self._release_handles: list[Any] = []
+        self._gradient_observers: dict[int, Callable[[Tensor], None]] = {}  # see add_gradient_observer
         self._names: dict[str, Tensor] = {}
         self._pools: dict[tuple[str, str], _Pool] = {}
         self._live_bytes = 0

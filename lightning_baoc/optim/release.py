@@ -17,6 +17,9 @@ The contract:
   before any step: it cannot combine with release (the gradients are gone when it runs; the Lightning
   callback :class:`lightning_baoc.GradientRelease` refuses the combination at setup).
 - A parameter whose gradient holds inf or NaN is skipped as in ``step()``.
+- Whatever must see the gradients before they go (BAOC's sampler and shadow moments) registers a
+  gradient observer (:meth:`ReleaseMixin.add_gradient_observer`): the hook calls it with the
+  parameter, its gradient complete, just before the parameter steps.
 
 :class:`ReleaseMixin` expects the optimizer's ``_records``, ``_released``, ``_release_handles``,
 ``_rebuild``, ``target_format``, ``_sync_corrections`` and ``_step_params``.
@@ -24,7 +27,7 @@ The contract:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -36,13 +39,40 @@ class GradientAccumulationError(RuntimeError):
     """A parameter released its gradient twice without a ``step()`` in between."""
 
 
+class ObserverHandle:
+    """Removes one gradient observer (:meth:`ReleaseMixin.add_gradient_observer`)."""
+
+    _next = 0
+
+    def __init__(self, table: dict[int, Callable[[Tensor], None]]) -> None:
+        ObserverHandle._next += 1
+        self.key = ObserverHandle._next
+        self._table = table
+
+    def remove(self) -> None:
+        self._table.pop(self.key, None)
+
+
 class ReleaseMixin:
     """Gradient release of BlockwiseAdamW (see the module docstring)."""
 
     _records: dict[Tensor, Record]
     _released: set[Tensor]
     _release_handles: list[Any]
+    _gradient_observers: dict[int, Callable[[Tensor], None]]
     param_groups: list[dict[str, Any]]
+
+    def add_gradient_observer(self, observer: Callable[[Tensor], None]) -> "ObserverHandle":
+        """Call ``observer(param)`` in the release hook, with ``param.grad`` complete, before the
+        parameter steps and its gradient is freed; returns a handle whose ``remove()`` ends it.
+
+        Observers run in the order added, only while release is on, and are not copied with the
+        optimizer (like torch's hooks)."""
+        if not callable(observer):
+            raise TypeError(f"observer must be callable, got {type(observer).__name__}")
+        handle = ObserverHandle(self._gradient_observers)
+        self._gradient_observers[handle.key] = observer
+        return handle
 
     def release_gradients(self, enabled: bool = True) -> None:
         """Step each parameter in a post-accumulate-grad hook and free its gradient (``enabled``),
@@ -79,6 +109,8 @@ class ReleaseMixin:
         if grad.is_sparse:
             raise TypeError(f"BlockwiseAdamW does not support sparse gradients (parameter {rec.name!r})")
         self._released.add(p)
+        for observer in list(self._gradient_observers.values()):
+            observer(p)
         target = self.target_format(p)  # type: ignore[attr-defined]
         if rec.format is None:
             self._rebuild({p: target}, sources={p: None})  # type: ignore[attr-defined]
@@ -89,4 +121,4 @@ class ReleaseMixin:
         p.grad = None
 
 
-__all__ = ["GradientAccumulationError", "ReleaseMixin"]
+__all__ = ["GradientAccumulationError", "ObserverHandle", "ReleaseMixin"]

@@ -142,6 +142,12 @@ class GradientSampler:
         self._finalizer: weakref.finalize | None = None
         self._error: BaseException | None = None
         self._last_step: int | None = None
+        # the sample being gathered: (step, slot, follower, scale, segments done, blocks seen, copies)
+        self._open: tuple[int, int, bool, float | None, set[int], set[int], dict[torch.device, list[tuple[int, int]]]] | None = None
+        self._segments_of: dict[Tensor, list[tuple[int, Any]]] = {}
+        for bi, block in enumerate(self._blocks):
+            for seg in block.segments:
+                self._segments_of.setdefault(seg.param, []).append((bi, seg))
         self._timing: dict[str, float | int] = {"sample_calls": 0, "hot_path_s": 0.0, "worker_s": 0.0, "stalls": 0}
 
     # ------------------------------------------------------------------ hot path
@@ -166,9 +172,30 @@ class GradientSampler:
             ``True`` if this call took a sample (on ``step % sample_every`` in ``{0, 1}``, or every
             step when ``sample_every`` is 1).
         """
+        if not self.begin(step, grad_scale):
+            return False
+        t0 = time.perf_counter()
+        for bi, block in enumerate(self._blocks):
+            for seg in block.segments:
+                self._gather_segment(bi, seg, seg.param.grad)
+        self._timing["hot_path_s"] += time.perf_counter() - t0
+        return self.finish()
+
+    def is_sampling_step(self, step: int) -> bool:
+        """Whether :meth:`sample` (or :meth:`begin`) takes a sample at ``step``."""
         phase = step % self.sample_every
         follower = self.sample_every > 1 and phase == 1
-        if (phase != 0 and not follower) or step == self._last_step:
+        return (phase == 0 or follower) and step != self._last_step
+
+    @torch.no_grad()
+    def begin(self, step: int, grad_scale: float | None = None) -> bool:
+        """Open a sample of ``step`` gathered one parameter at a time (:meth:`gather_param`, then
+        :meth:`finish`): the path of gradient release, where each gradient lives only inside its
+        hook. :meth:`sample` is ``begin``, a gather of every parameter and ``finish``; the two paths
+        store the same numbers. Returns whether ``step`` is sampled (as :meth:`sample`)."""
+        if self._open is not None:
+            raise RuntimeError(f"GradientSampler: the sample of step {self._open[0]} is still open; finish() or abort() it first")
+        if not self.is_sampling_step(step):
             return False
         if grad_scale is not None and not (math.isfinite(grad_scale) and grad_scale > 0):
             raise ValueError(f"grad_scale must be a finite number > 0 (the loss scale), got {grad_scale!r}")
@@ -180,8 +207,55 @@ class GradientSampler:
         except queue.Empty:
             self._timing["stalls"] += 1
             slot = self._free.get()
+        follower = self.sample_every > 1 and step % self.sample_every == 1
+        self._open = (int(step), slot, follower, None if grad_scale is None else float(grad_scale), set(), set(), {})
+        self._timing["hot_path_s"] += time.perf_counter() - t0
+        return True
+
+    @torch.no_grad()
+    def gather_param(self, param: Tensor, grad: Tensor | None = None) -> None:
+        """Gather ``param``'s segments from ``grad`` (default: ``param.grad``) into the open sample;
+        a parameter no block holds, or one gathered already, is ignored."""
+        if self._open is None:
+            return
+        t0 = time.perf_counter()
+        grad = param.grad if grad is None else grad
+        for bi, seg in self._segments_of.get(param, ()):
+            if id(seg) not in self._open[4]:
+                self._gather_segment(bi, seg, grad)
+        self._timing["hot_path_s"] += time.perf_counter() - t0
+
+    def _gather_segment(self, bi: int, seg: Any, grad: Tensor | None) -> None:
+        step, slot, follower, _, done, seen, copies = self._open  # type: ignore[misc]
+        device = torch.device("cpu") if grad is None else grad.device
+        if grad is not None:
+            seen.add(bi)
+        done.add(id(seg))
+        if device.type == "cpu":
+            _gather(seg, grad, self._slots[slot], device, with_rows=not follower)
+        else:
+            _gather(seg, grad, self._device_buffer(device), device, with_rows=not follower)
+            ranges = copies.setdefault(device, [])
+            ranges.append((seg.elem_offset, seg.elem_offset + seg.elem_count))
+            if not follower:
+                ranges.append((seg.row_offset, seg.row_offset + seg.row_count))
+
+    @torch.no_grad()
+    def finish(self) -> bool:
+        """Close the open sample and hand it to the worker: segments not gathered yet are gathered
+        from their parameters' current gradients (zeros where there is none, the block counted
+        missing if none of its segments had one). Returns whether a sample was taken."""
+        if self._open is None:
+            return False
+        t0 = time.perf_counter()
+        for bi, block in enumerate(self._blocks):
+            for seg in block.segments:
+                if id(seg) not in self._open[4]:
+                    self._gather_segment(bi, seg, seg.param.grad)
+        step, slot, follower, scale, _, seen, copies = self._open
+        self._open = None
         host = self._slots[slot]
-        missing, copies = self._gather_all(host, follower)
+        missing = [bi for bi in range(len(self._blocks)) if bi not in seen]
         events = []
         for device, ranges in copies.items():
             for a, b in _merge(ranges):
@@ -190,36 +264,17 @@ class GradientSampler:
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(device))
                 events.append(event)
-        scale = None if grad_scale is None else float(grad_scale)
-        self._queue.put((slot, int(step), follower, scale, missing, events))
+        self._queue.put((slot, step, follower, scale, missing, events))
         self._last_step = step
         self._timing["sample_calls"] += 1
         self._timing["hot_path_s"] += time.perf_counter() - t0
         return True
 
-    def _gather_all(self, host: Tensor, follower: bool) -> tuple[list[int], dict[torch.device, list[tuple[int, int]]]]:
-        """Gather every block's sample into ``host`` (CPU gradients) or the device buffers; the
-        blocks without any gradient, and per device the ranges to copy to ``host``."""
-        missing: list[int] = []
-        copies: dict[torch.device, list[tuple[int, int]]] = {}
-        cpu = torch.device("cpu")
-        for bi, block in enumerate(self._blocks):
-            seen = False
-            for seg in block.segments:
-                grad = seg.param.grad
-                device = cpu if grad is None else grad.device
-                seen = seen or grad is not None
-                if device.type == "cpu":
-                    _gather(seg, grad, host, device, with_rows=not follower)
-                else:
-                    _gather(seg, grad, self._device_buffer(device), device, with_rows=not follower)
-                    ranges = copies.setdefault(device, [])
-                    ranges.append((seg.elem_offset, seg.elem_offset + seg.elem_count))
-                    if not follower:
-                        ranges.append((seg.row_offset, seg.row_offset + seg.row_count))
-            if not seen:
-                missing.append(bi)
-        return missing, copies
+    def abort(self) -> None:
+        """Drop the open sample, if any (a step that ran no backward): nothing is stored."""
+        if self._open is not None:
+            self._free.put(self._open[1])
+            self._open = None
 
     def _device_buffer(self, device: torch.device) -> Tensor:
         buf = self._device_buffers.get(device)
@@ -349,7 +404,9 @@ class GradientSampler:
         """Forget all samples (fresh statistics for a re-evaluation); sampling goes on as before.
 
         Clears the ring buffer and the non-finite and missing counts; keeps the indices and timings.
+        A sample still open (:meth:`begin`) is dropped.
         """
+        self.abort()
         self.flush()
         with self._lock:
             self._clear_ring()

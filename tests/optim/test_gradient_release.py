@@ -6,7 +6,8 @@
 - Gradient accumulation is refused before anything steps twice; a non-finite gradient is skipped and
   counted; release turns off.
 - Under Lightning, ``GradientRelease`` trains like the same run without release (bf16-true, a
-  correction) and refuses accumulation, clipping and BAOC at setup, naming the setting.
+  correction) and refuses accumulation and clipping at setup, naming the setting (BAOC with release:
+  ``tests/integrations/test_callback_release.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_baoc import BAOC, BlockwiseAdamW, GradientRelease
+from lightning_baoc import BlockwiseAdamW, GradientRelease
 from lightning_baoc.optim.release import GradientAccumulationError
 
 CASES = [("int8", torch.float32, "none"), ("fp32", torch.float32, "none"), ("int8_factored", torch.float32, "none"),
@@ -129,23 +130,13 @@ def test_lightning_release_trains_like_the_plain_run(tmp_path) -> None:  # type:
     [
         ({"accumulate_grad_batches": 2}, [], "accumulate_grad_batches=2"),
         ({"gradient_clip_val": 1.0}, [], "gradient_clip_val=1.0"),
-        ({}, [BAOC(memory_budget=0.5, warmup_steps=12)], "the BAOC callback"),
     ],
-    ids=["accumulation", "clipping", "baoc"],
+    ids=["accumulation", "clipping"],
 )
 def test_lightning_refuses_what_release_cannot_do(tmp_path, kwargs, callbacks, match) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=match):
         _trainer(tmp_path, [GradientRelease(), *callbacks], **kwargs).fit(_Tiny(True))
 
-
-def test_baoc_refuses_an_optimizer_that_releases() -> None:
-    from lightning_baoc.controller import BAOCController
-
-    model = nn.Linear(8, 8)
-    opt = BlockwiseAdamW(model.named_parameters())
-    opt.release_gradients()
-    with pytest.raises(ValueError, match="gradient release"):
-        BAOCController(memory_budget=0.5, warmup_steps=12).install(opt, model)
 
 
 def test_copies_release_on_their_own_parameters() -> None:
