@@ -162,14 +162,34 @@ class BAOCStrategy:
 
     # ------------------------------------------------------------------ the step
 
+    def backward(self, tensor: torch.Tensor, module: Any, *args: Any, **kwargs: Any) -> Any:
+        """With gradient release (``optimizer.release_gradients()``), open the step's observation
+        before backward: each parameter then steps in backward, its gradient observed just before."""
+        optimizer = self.controller.optimizer
+        if optimizer is not None and optimizer.releases_gradients and not self.controller.release_open:
+            if self._baoc_grad_scale(optimizer) is not None:
+                raise RuntimeError(
+                    "BAOCStrategy: gradient release with an fp16 loss scaler would step on scaled gradients; "
+                    "use precision='bf16-true' or 'bf16-mixed', or turn release off"
+                )
+            event = self.controller.before_step(self.controller.steps, self.broadcast, self.is_global_zero)  # type: ignore[attr-defined]
+            if event is not None:
+                self._baoc_report(event)
+            self.controller.open_released_step(self.controller.steps)
+        return super().backward(tensor, module, *args, **kwargs)  # type: ignore[misc]
+
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Take in new parameters (re-allocating before the step if due), sample the gradients,
-        step, then allocate if due (between steps)."""
-        event = self.controller.before_step(self.controller.steps, self.broadcast, self.is_global_zero)  # type: ignore[attr-defined]
-        if event is not None:
-            self._baoc_report(event)
-        if "closure" not in kwargs:  # with a closure the gradients do not exist yet
-            self.controller.observe(self.controller.steps, grad_scale=self._baoc_grad_scale(optimizer))
+        step, then allocate if due (between steps). Under gradient release the first two ran
+        before backward (:meth:`backward`); the observation is completed here."""
+        if self.controller.release_open:
+            self.controller.close_released_step()
+        else:
+            event = self.controller.before_step(self.controller.steps, self.broadcast, self.is_global_zero)  # type: ignore[attr-defined]
+            if event is not None:
+                self._baoc_report(event)
+            if "closure" not in kwargs:  # with a closure the gradients do not exist yet
+                self.controller.observe(self.controller.steps, grad_scale=self._baoc_grad_scale(optimizer))
         output = super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
         old = self._baoc_replaced() if self._baoc_replaced is not None else None
         if old is not None:

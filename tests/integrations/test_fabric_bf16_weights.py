@@ -1,6 +1,7 @@
 """Fabric with ``precision="bf16-true"``: BlockwiseAdamW's master-weight corrections and gradient
 release in a plain Fabric loop (the user calls ``optimizer.release_gradients()``, and ``step()`` once
-per iteration), bit-equal to the same loop without release."""
+per iteration), bit-equal to the same loop without release; BAOCStrategy with release observes as
+without it."""
 
 from __future__ import annotations
 
@@ -39,3 +40,37 @@ def test_fabric_bf16_true_with_corrections_and_release() -> None:
     assert all(torch.equal(masters[k], v) for k, v in released_opt.master_weights().items())
     whole = training_memory(released, released_opt)
     assert whole.gradients == 0 and whole.corrections == whole.params
+
+
+def _baoc_loop(release: bool, steps: int = 13):  # type: ignore[no-untyped-def]
+    from lightning_baoc import BAOCStrategy
+
+    strategy = BAOCStrategy(memory_budget=0.3, warmup_steps=12, sample_every=2, report=False)
+    fabric = Fabric(accelerator="cpu", devices=1, precision="bf16-true", strategy=strategy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 4))
+    opt = BlockwiseAdamW(model.named_parameters(), lr=1e-3, weight_correction="ecc8")
+    model, fabric_opt = fabric.setup(model, opt)
+    if release:
+        strategy.controller.optimizer.release_gradients()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+        fabric_opt.zero_grad()
+        fabric.backward(nn.functional.cross_entropy(model(x).float(), y))
+        if release:
+            assert all(p.grad is None for p in model.parameters())
+        fabric_opt.step()
+    return model, strategy.controller
+
+
+def test_fabric_baoc_with_release_observes_as_without() -> None:
+    """BAOCStrategy with gradient release: the observation opens in ``strategy.backward`` and closes in
+    ``optimizer_step``; through the first allocation the run equals the one without release."""
+    plain, a = _baoc_loop(False)
+    released, b = _baoc_loop(True)
+    assert a.phase == b.phase == "allocated"
+    assert a.last_event.statistics == b.last_event.statistics
+    assert a.last_event.risk == b.last_event.risk and a.allocation == b.allocation
+    for p, q in zip(plain.parameters(), released.parameters()):
+        assert torch.equal(p, q)
