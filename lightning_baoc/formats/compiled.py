@@ -62,7 +62,7 @@ class KernelItem(NamedTuple):
 def kernel_serves(fmt: StateFormat, param: Tensor, views: dict[str, Tensor], policy: str) -> bool:
     """Whether the compiled kernel steps ``param`` (held in ``fmt`` as ``views``) under ``policy``."""
     return (
-        fmt.kernel_kinds is not None
+        (fmt.kernel_kinds is not None or getattr(fmt, "momentum_kind", None) is not None)
         and param.device.type == "cpu"
         and all(t.device.type == "cpu" for t in views.values())
         and kernels.use_compiled(policy, announce=False)
@@ -88,6 +88,8 @@ def compiled_step(
 ) -> list[KernelItem]:
     """One step of ``items`` (all served: :func:`kernel_serves`); returns those skipped because
     their gradient held inf or NaN (``check_finite``): the kernel says which, no tensor is read."""
+    if hyper.rule != "adamw":
+        return _momentum_step(fmt, items, hyper, seed, check_finite)
     kinds = fmt.kernel_kinds
     assert kinds is not None
     factored = kinds[1] == kernels.V_FACTORED
@@ -140,5 +142,46 @@ def _launch(
         [it.salt for it in items], seed, m_kind, v_kind, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
         hyper.weight_decay, hyper.decoupled_weight_decay, hyper.maximize, M_SCALE_MAX, V_SCALE_MAX, EPS_SQUARE,
         FP32_MAX, check_finite, fused_available(_CPU, hyper.decoupled_weight_decay), BATCH_ELEMENTS,
+    )
+    return [items[i] for i in skipped]
+
+
+_RULES = {"sgd": kernels.RULE_SGD, "lion": kernels.RULE_LION}
+
+
+def _momentum_step(
+    fmt: StateFormat, items: list[KernelItem], hyper: StepHyper, seed: int, check_finite: bool
+) -> list[KernelItem]:
+    """SGD's or Lion's step (``hyper.rule``) of ``items`` held in a momentum format: the kernel reads
+    and writes contiguous parameters in place (16-bit ones with their corrections), others through an
+    fp32 working copy."""
+    kind = fmt.momentum_kind  # type: ignore[attr-defined]
+    direct = [it for it in items if _direct(it, False)]
+    skipped: list[KernelItem] = []
+    if direct:
+        skipped += _launch_momentum(kind, [it.param.detach().view(-1) for it in direct],
+                                    [it.grad.view(-1) for it in direct], direct, hyper, seed, check_finite,
+                                    [it.correction for it in direct])
+    for it in items:
+        if _direct(it, False):
+            continue
+        work, write_back = _master_flat(it) if it.correction is not None else param_flat(it.param)
+        grad = it.grad.reshape(-1).to(torch.float32).contiguous()
+        skipped += _launch_momentum(kind, [work], [grad], [it], hyper, seed, check_finite, [None])
+        write_back()
+    return skipped
+
+
+def _launch_momentum(
+    kind: int, params: list[Tensor], grads: list[Tensor], items: list[KernelItem], hyper: StepHyper, seed: int,
+    check_finite: bool, corrections: list[Tensor | None],
+) -> list[KernelItem]:
+    keys = _M_KEYS.get(kind, (None, None, None))
+    m, m_scale, m_exp = ([it.views[k].view(-1) for it in items] if k is not None else [] for k in keys)
+    skipped = kernels.ops().momentum_step(
+        params, grads, m, m_scale, m_exp, [it.counts for it in items],
+        [_NO_CORRECTION if c is None else c.view(-1) for c in corrections], [it.salt for it in items], seed,
+        _RULES[hyper.rule], kind, hyper.lr, hyper.beta1, hyper.beta2, hyper.weight_decay, hyper.dampening,
+        hyper.nesterov, hyper.maximize, M_SCALE_MAX, check_finite, BATCH_ELEMENTS,
     )
     return [items[i] for i in skipped]

@@ -46,6 +46,8 @@ SOURCE = Path(__file__).with_name("cpu_step.cpp")
 # Momentum and second-moment kinds, as the kernel numbers them (cpu_step.cpp: MKind, VKind).
 M_NONE, M_FP32, M_BF16, M_INT8 = 0, 1, 2, 3
 V_FP32, V_BF16, V_UINT8, V_FACTORED = 0, 1, 2, 3
+#: The update rules of ``momentum_step`` (SGD and Lion over one momentum buffer).
+RULE_SGD, RULE_LION = 1, 2
 
 
 @dataclass(frozen=True)

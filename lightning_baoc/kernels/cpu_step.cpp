@@ -880,6 +880,235 @@ std::vector<int64_t> adamw_step(const std::vector<at::Tensor>& params, const std
   return skipped;
 }
 
+
+// ---- SGD and Lion over one momentum buffer (formats/momentum.py, the reference: chunk_sgd, chunk_lion)
+
+enum Rule : int64_t { RULE_SGD = 1, RULE_LION = 2 };
+
+struct MomentumScalars {
+  float gsign;      // -1 under maximize
+  float wd;         // SGD: the L2 factor added to the gradient
+  float decay;      // Lion: 1 - lr * weight_decay
+  float momentum;   // SGD: the momentum; Lion: beta1
+  float keep;       // SGD: 1 - dampening; Lion: 1 - beta1
+  float beta2;      // Lion
+  float one_minus_beta2;
+  float neg_lr;
+  bool l2;          // SGD: weight_decay != 0
+  bool nesterov;
+  bool first;       // SGD: the buffer's first step (it starts as the gradient)
+};
+
+template <int64_t RULE, int64_t M, bool FULL>
+void momentum_superblock(const Tensors& t, const MomentumScalars& s, int64_t sb, float limit_m) {
+  const int64_t start = sb * SUPER;
+  const int64_t n = FULL ? SUPER : std::min(SUPER, t.numel - start);
+  const int64_t groups = (n + GROUP - 1) / GROUP;
+  alignas(64) float mbuf[SUPER];
+  float scl[SUPER_GROUPS];
+  alignas(64) float spread_scale[SUPER];
+  alignas(64) float pbuf[SUPER];
+  alignas(64) float gbuf[SUPER];
+  float* P = pbuf;
+  if (t.p_kind == W_FP32) {
+    P = t.p + start;
+  } else {
+    load_master(t, start, n, pbuf);
+  }
+  const float* G = gbuf;
+  if (t.g_kind == W_FP32) {
+    G = t.g + start;
+  } else {
+    load_grad16(t, start, n, gbuf);
+  }
+  float* mm = mbuf;
+  if constexpr (M == M_FP32) {
+    mm = static_cast<float*>(t.m) + start;
+  } else if constexpr (M == M_BF16) {
+    const uint16_t* src = static_cast<const uint16_t*>(t.m) + start;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) mbuf[j] = bf16_load(src[j]);
+  } else if constexpr (M == M_INT8) {
+    load_scales(t.m_scale + start / GROUP, t.m_exp[sb], groups, scl);
+    spread(scl, n, spread_scale);
+    decode_momentum(static_cast<const int8_t*>(t.m) + start, spread_scale, n, mbuf);
+  }
+  const float gsign = s.gsign, wd = s.wd, decay = s.decay, mom = s.momentum, keep = s.keep, beta2 = s.beta2,
+              one_minus_beta2 = s.one_minus_beta2, neg_lr = s.neg_lr;
+  const bool l2 = s.l2, nesterov = s.nesterov, first = s.first;
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const float g = G[j] * gsign;
+    float p = P[j];
+    if constexpr (RULE == RULE_SGD) {
+      float d = l2 ? std::fma(p, wd, g) : g;
+      if constexpr (M != M_NONE) {
+        const float b = first ? d : std::fma(d, keep, mm[j] * mom);
+        mm[j] = b;
+        d = nesterov ? std::fma(b, mom, d) : b;
+      }
+      p = std::fma(d, neg_lr, p);
+    } else {
+      p = p * decay;
+      if constexpr (M == M_NONE) {
+        const float u = static_cast<float>((g > 0.0f) - (g < 0.0f));
+        p = std::fma(u, neg_lr, p);
+      } else {
+        const float m0 = mm[j];
+        const float c = std::fma(g, keep, m0 * mom);
+        const float u = static_cast<float>((c > 0.0f) - (c < 0.0f));
+        p = std::fma(u, neg_lr, p);
+        mm[j] = std::fma(g, one_minus_beta2, m0 * beta2);
+      }
+    }
+    P[j] = p;
+  }
+  if (t.p_kind != W_FP32) store_master(t, start, n, pbuf);
+  if constexpr (M == M_BF16) {
+    uint16_t* dst = static_cast<uint16_t*>(t.m) + start;
+    const uint32_t key = t.key;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) dst[j] = bf16_stochastic(mbuf[j], rounding_bits(start + j, key) >> 16);
+  } else if constexpr (M == M_INT8) {
+    float absmax[SUPER_GROUPS];
+    group_absmax(mbuf, n, absmax);
+    store_scales(absmax, groups, limit_m, t.m_scale + start / GROUP, t.m_exp + sb, scl);
+    spread(scl, n, spread_scale);
+    encode_momentum(mbuf, spread_scale, n, static_cast<int8_t*>(t.m) + start);
+  }
+}
+
+template <int64_t RULE, int64_t M>
+void run_momentum_all(const std::vector<Tensors>& items, const std::vector<MomentumScalars>& scalars, float limit_m) {
+  std::vector<int64_t> offsets(items.size() + 1, 0);
+  for (size_t i = 0; i < items.size(); ++i) offsets[i + 1] = offsets[i] + superblocks(items[i].numel);
+  at::parallel_for(0, offsets.back(), 8, [&](int64_t begin, int64_t end) {
+    size_t i = std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin() - 1;
+    for (int64_t k = begin; k < end; ++k) {
+      while (k >= offsets[i + 1]) ++i;
+      if ((k - offsets[i] + 1) * SUPER <= items[i].numel) {
+        momentum_superblock<RULE, M, true>(items[i], scalars[i], k - offsets[i], limit_m);
+      } else {
+        momentum_superblock<RULE, M, false>(items[i], scalars[i], k - offsets[i], limit_m);
+      }
+    }
+  });
+}
+
+void run_momentum(int64_t rule, int64_t m_kind, const std::vector<Tensors>& items,
+                  const std::vector<MomentumScalars>& scalars, float limit_m) {
+  if (items.empty()) return;
+  switch (rule * 4 + m_kind) {
+    case RULE_SGD * 4 + M_NONE: return run_momentum_all<RULE_SGD, M_NONE>(items, scalars, limit_m);
+    case RULE_SGD * 4 + M_FP32: return run_momentum_all<RULE_SGD, M_FP32>(items, scalars, limit_m);
+    case RULE_SGD * 4 + M_BF16: return run_momentum_all<RULE_SGD, M_BF16>(items, scalars, limit_m);
+    case RULE_SGD * 4 + M_INT8: return run_momentum_all<RULE_SGD, M_INT8>(items, scalars, limit_m);
+    case RULE_LION * 4 + M_NONE: return run_momentum_all<RULE_LION, M_NONE>(items, scalars, limit_m);
+    case RULE_LION * 4 + M_FP32: return run_momentum_all<RULE_LION, M_FP32>(items, scalars, limit_m);
+    case RULE_LION * 4 + M_BF16: return run_momentum_all<RULE_LION, M_BF16>(items, scalars, limit_m);
+    case RULE_LION * 4 + M_INT8: return run_momentum_all<RULE_LION, M_INT8>(items, scalars, limit_m);
+    default: TORCH_CHECK(false, "lightning_baoc momentum step: no kernel for rule ", rule, " and momentum kind ", m_kind);
+  }
+}
+
+// One SGD or Lion step of every parameter (the formats of formats/momentum.py): the gradients tested
+// for inf and NaN in batches, the counts advanced (or the skip counted), the skipped indices returned.
+std::vector<int64_t> momentum_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                                   const std::vector<at::Tensor>& m, const std::vector<at::Tensor>& m_scale,
+                                   const std::vector<at::Tensor>& m_exp, const std::vector<at::Tensor>& counts,
+                                   const std::vector<at::Tensor>& corrections, at::ArrayRef<int64_t> salts,
+                                   int64_t seed, int64_t rule, int64_t m_kind, double lr, double momentum,
+                                   double beta2, double weight_decay, double dampening, bool nesterov, bool maximize,
+                                   double limit_m, bool check_finite, int64_t batch_elements) {
+  const size_t n = params.size();
+  TORCH_CHECK((rule == RULE_SGD || rule == RULE_LION) && m_kind >= M_NONE && m_kind <= M_INT8,
+              "lightning_baoc momentum step: unknown rule ", rule, " or momentum kind ", m_kind);
+  TORCH_CHECK(grads.size() == n && salts.size() == n, "lightning_baoc momentum step: lists of different lengths");
+  check_list(params, n, "params", true);
+  check_list(grads, n, "grads", true);
+  check_list(m, n, "m", m_kind != M_NONE);
+  check_list(m_scale, n, "m_scale", m_kind == M_INT8);
+  check_list(m_exp, n, "m_exp", m_kind == M_INT8);
+  check_list(counts, n, "counts", true);
+  check_list(corrections, n, "corrections", true);
+  const at::ScalarType m_dtype[] = {at::kFloat, at::kFloat, at::kBFloat16, at::kChar};
+  const bool has_m = m_kind != M_NONE;
+  std::vector<Tensors> items(n);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t numel = params[i].numel();
+    const int8_t p_kind = weight_kind(params[i].scalar_type());
+    const int8_t g_kind = weight_kind(grads[i].scalar_type());
+    TORCH_CHECK(p_kind >= 0 && g_kind >= 0, "lightning_baoc momentum step: parameters and gradients must be fp32, bf16 or fp16");
+    const at::Tensor& corr = corrections[i];
+    const int8_t corr_bits = corr.numel() == 0 ? 0 : corr.scalar_type() == at::kChar ? 8 : corr.scalar_type() == at::kShort ? 16 : -1;
+    TORCH_CHECK(corr_bits >= 0 && (corr_bits == 0 || (p_kind != W_FP32 && corr.numel() == numel)),
+                "lightning_baoc momentum step: a correction is an int8 or int16 tensor of a 16-bit parameter's size");
+    TORCH_CHECK(grads[i].numel() == numel, "lightning_baoc momentum step: gradient size differs from its parameter");
+    TORCH_CHECK(counts[i].scalar_type() == at::kLong && counts[i].numel() == 3, "lightning_baoc momentum step: bad counts");
+    if (has_m) {
+      TORCH_CHECK(m[i].numel() == numel && m[i].scalar_type() == m_dtype[m_kind], "lightning_baoc momentum step: bad momentum");
+    }
+    if (m_kind == M_INT8) {
+      TORCH_CHECK(m_scale[i].numel() == (numel + GROUP - 1) / GROUP && m_exp[i].numel() == superblocks(numel) &&
+                      m_scale[i].scalar_type() == at::kHalf && m_exp[i].scalar_type() == at::kChar,
+                  "lightning_baoc momentum step: bad momentum scales");
+    }
+    items[i] = Tensors{p_kind == W_FP32 ? params[i].data_ptr<float>() : nullptr,
+                       g_kind == W_FP32 ? grads[i].data_ptr<float>() : nullptr,
+                       p_kind == W_FP32 ? nullptr : static_cast<uint16_t*>(params[i].data_ptr()),
+                       g_kind == W_FP32 ? nullptr : static_cast<const uint16_t*>(grads[i].data_ptr()),
+                       corr_bits ? corr.data_ptr() : nullptr,
+                       p_kind, g_kind, corr_bits,
+                       data_or_null(m, i),
+                       m_kind == M_INT8 ? m_scale[i].data_ptr<at::Half>() : nullptr,
+                       m_kind == M_INT8 ? m_exp[i].data_ptr<int8_t>() : nullptr,
+                       nullptr, nullptr, nullptr, nullptr, nullptr, numel, 1, 0u, Scalars{}};
+  }
+  MomentumScalars base;
+  base.gsign = maximize ? -1.0f : 1.0f;
+  base.wd = static_cast<float>(weight_decay);
+  base.l2 = weight_decay != 0.0;
+  base.decay = rule == RULE_LION ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
+  base.momentum = static_cast<float>(momentum);
+  base.keep = static_cast<float>(rule == RULE_SGD ? 1.0 - dampening : 1.0 - momentum);
+  base.beta2 = static_cast<float>(beta2);
+  base.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  base.neg_lr = static_cast<float>(-lr);
+  base.nesterov = nesterov;
+  // SGD without momentum keeps no buffer (the eager step's test `buf is not None and momentum != 0`)
+  const int64_t kind = (rule == RULE_SGD && momentum == 0.0) ? M_NONE : m_kind;
+  const float lm = static_cast<float>(limit_m);
+  std::vector<int64_t> skipped;
+  size_t i0 = 0;
+  while (i0 < n) {
+    size_t i1 = i0 + 1;
+    int64_t total = items[i0].numel;
+    while (i1 < n && total + items[i1].numel <= batch_elements) total += items[i1++].numel;
+    std::vector<uint8_t> bad = check_finite ? nonfinite_flags(items, i0, i1) : std::vector<uint8_t>(i1 - i0, 0);
+    std::vector<Tensors> run;
+    std::vector<MomentumScalars> run_scalars;
+    for (size_t i = i0; i < i1; ++i) {
+      int64_t* c = counts[i].data_ptr<int64_t>();
+      if (bad[i - i0]) {
+        c[2] += 1;
+        skipped.push_back(static_cast<int64_t>(i));
+        continue;
+      }
+      c[0] += 1;
+      if (has_m) c[1] += 1;
+      Tensors t = items[i];
+      t.key = stream_key(seed, c[0], salts[i]);
+      MomentumScalars s = base;
+      s.first = c[1] <= 1;
+      run.push_back(t);
+      run_scalars.push_back(s);
+    }
+    run_momentum(rule, kind, run, run_scalars, lm);
+    i0 = i1;
+  }
+  return skipped;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(lightning_baoc, lib) {
@@ -889,8 +1118,14 @@ TORCH_LIBRARY(lightning_baoc, lib) {
       "Tensor(j!)[] counts, Tensor(k!)[] corrections, int[] salts, int seed, int m_kind, int v_kind, float lr, float beta1, float beta2, "
       "float eps, float weight_decay, bool decoupled, bool maximize, float limit_m, float limit_v, "
       "float eps_square, float fp32_max, bool check_finite, bool fused_fp32, int batch_elements) -> int[]");
+  lib.def(
+      "momentum_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] m, Tensor(c!)[] m_scale, Tensor(d!)[] m_exp, "
+      "Tensor(e!)[] counts, Tensor(f!)[] corrections, int[] salts, int seed, int rule, int m_kind, float lr, "
+      "float momentum, float beta2, float weight_decay, float dampening, bool nesterov, bool maximize, "
+      "float limit_m, bool check_finite, int batch_elements) -> int[]");
 }
 
 TORCH_LIBRARY_IMPL(lightning_baoc, CPU, lib) {
   lib.impl("adamw_step", &adamw_step);
+  lib.impl("momentum_step", &momentum_step);
 }

@@ -109,7 +109,7 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
         self.chunk_size = chunk_size
         self._validate_group(defaults, "")
         super().__init__(params, defaults)
-        if self.rule == "adamw" and any(p.device.type == "cpu" for g in self.param_groups for p in g["params"]):
+        if any(p.device.type == "cpu" for g in self.param_groups for p in g["params"]):
             _kernels.use_compiled(self.kernels)  # builds or loads them now, says which step runs
 
     def _validate_group(self, group: Mapping[str, Any], where: str) -> None:
