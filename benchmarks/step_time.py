@@ -20,6 +20,7 @@ Run from the repository root:
     python benchmarks/step_time.py            # 21M parameters, 1 and 2 threads, 15 rounds of 3 steps
     python benchmarks/step_time.py --quick    # a 2M-parameter smoke run (writes no docs page)
     python benchmarks/step_time.py --bf16-weights   # bf16 weights: master-weight corrections (its own section)
+    python benchmarks/step_time.py --momentum       # SGD and Lion against torch's fused SGD (its own section)
 
 On a machine whose cores are busy with other work, prefix ``OMP_WAIT_POLICY=PASSIVE`` (recorded
 beside the command on the page): with OpenMP's default spinning, every parallel region at 2 threads waits
@@ -105,6 +106,32 @@ def bf16_optimizers(model: nn.Module) -> dict[str, tuple[torch.optim.Optimizer, 
     return out
 
 
+SGD_FUSED = "torch SGD fused"
+#: The SGD and Lion rows of ``--momentum``: label -> (class, momentum format).
+MOMENTUM_ROWS = [(f"Blockwise{rule} {fmt}", rule, fmt) for rule in ("SGD", "Lion") for fmt in ("fp32", "bf16", "int8", "none")]
+
+
+def momentum_optimizers(model: nn.Module) -> dict[str, tuple[torch.optim.Optimizer, float]]:
+    """torch's SGD (fused, foreach; momentum 0.9) and BlockwiseSGD / BlockwiseLion in every momentum
+    format; label -> (optimizer, state bytes per parameter)."""
+    from lightning_baoc import BlockwiseLion, BlockwiseSGD
+
+    n = sum(p.numel() for p in model.parameters())
+    out: dict[str, tuple[torch.optim.Optimizer, float]] = {}
+    for label, fused in ((SGD_FUSED, True), ("torch SGD foreach", False)):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=fused, foreach=not fused)
+        opt.step()
+        out[label] = (opt, _state_bytes(opt) / n)
+    for label, rule, fmt in MOMENTUM_ROWS:
+        if rule == "SGD":
+            opt = BlockwiseSGD(model.named_parameters(), lr=1e-3, momentum=0.9, state_format=fmt)
+        else:
+            opt = BlockwiseLion(model.named_parameters(), lr=1e-4, state_format=fmt)
+        opt.step()
+        out[label] = (opt, opt.state_bytes() / n)
+    return out
+
+
 #: Peer label -> why it is not in the table.
 UNAVAILABLE: dict[str, str] = {}
 
@@ -151,10 +178,10 @@ def time_steps(step: Callable[[], object], steps: int) -> list[float]:
 
 
 def interleaved(
-    opts: dict[str, torch.optim.Optimizer], rounds: int, steps: int, seed: int = 0
+    opts: dict[str, torch.optim.Optimizer], rounds: int, steps: int, seed: int = 0, reference: str = FUSED
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """Round-robin timing: label -> median step (s), and label -> median ratio to fused AdamW's
-    step in the same round."""
+    """Round-robin timing: label -> median step (s), and label -> median ratio to the ``reference``
+    optimizer's step in the same round (fused AdamW's by default)."""
     order = list(opts)
     rng = random.Random(seed)
     times: dict[str, list[float]] = {label: [] for label in opts}
@@ -164,7 +191,7 @@ def interleaved(
         medians = {label: statistics.median(time_steps(opts[label].step, steps)) for label in order}
         for label, median in medians.items():
             times[label].append(median)
-            ratios[label].append(median / medians[FUSED])
+            ratios[label].append(median / medians[reference])
     return (
         {label: statistics.median(t) for label, t in times.items()},
         {label: statistics.median(r) for label, r in ratios.items()},
@@ -183,6 +210,9 @@ def main() -> None:
     parser.add_argument("--bf16-weights", action="store_true",
                         help="bf16 weights: torch AdamW against BlockwiseAdamW with master-weight corrections "
                              "(section step_time_bf16)")
+    parser.add_argument("--momentum", action="store_true",
+                        help="SGD and Lion: torch's SGD against BlockwiseSGD and BlockwiseLion in every momentum format "
+                             "(section step_time_momentum)")
     args = parser.parse_args()
     if args.quick:
         args.layers, args.width, args.warmup, args.rounds, args.steps = 8, 512, 1, 3, 1
@@ -190,7 +220,11 @@ def main() -> None:
     if args.bf16_weights:
         model = model.to(torch.bfloat16)
     n = sum(p.numel() for p in model.parameters())
-    built = bf16_optimizers(model) if args.bf16_weights else optimizers(model)
+    if args.momentum:
+        built = momentum_optimizers(model)
+    else:
+        built = bf16_optimizers(model) if args.bf16_weights else optimizers(model)
+    reference = SGD_FUSED if args.momentum else FUSED
     print(f"lightning_baoc from {Path(sys.modules['lightning_baoc'].__file__).parent}", flush=True)
     opts = {label: opt for label, (opt, _) in built.items()}
     default_threads = torch.get_num_threads()
@@ -201,15 +235,15 @@ def main() -> None:
         speeds[threads] = bandwidth()
         for opt in opts.values():
             time_steps(opt.step, args.warmup)
-        results[threads] = interleaved(opts, args.rounds, args.steps)
+        results[threads] = interleaved(opts, args.rounds, args.steps, reference=reference)
         for label in opts:
             print(f"{threads} thread(s), {label}: {results[threads][0][label] * 1e3:.1f} ms, "
-                  f"{results[threads][1][label]:.2f}x fused", flush=True)
+                  f"{results[threads][1][label]:.2f}x {reference}", flush=True)
     torch.set_num_threads(default_threads)
     headers = ["optimizer / format", "state (+ correction) bytes/param" if args.bf16_weights else "state bytes/param"]
     for threads in args.threads:
         unit = "thread" if threads == 1 else "threads"
-        headers += [f"{threads} {unit}: median step (ms)", f"{threads} {unit}: vs fused"]
+        headers += [f"{threads} {unit}: median step (ms)", f"{threads} {unit}: vs {reference}"]
     rows = []
     for label, (_, bpp) in built.items():
         row: list[object] = [label, f"{bpp:.3f}"]
@@ -218,9 +252,10 @@ def main() -> None:
             row += [f"{seconds[label] * 1e3:.1f}", f"{ratios[label]:.2f}x"]
         rows.append(row)
     table = markdown_table(headers, rows)
+    moved, who = (20, "fused SGD") if args.momentum else (14 if args.bf16_weights else 28, "fused AdamW")
     floor = "; ".join(
-        f"{t} {'thread' if t == 1 else 'threads'}: copy {speeds[t] / 1e9:.1f} GB/s, fused AdamW "
-        f"{(14 if args.bf16_weights else 28) * n / results[t][0][FUSED] / 1e9:.1f} GB/s"
+        f"{t} {'thread' if t == 1 else 'threads'}: copy {speeds[t] / 1e9:.1f} GB/s, {who} "
+        f"{moved * n / results[t][0][reference] / 1e9:.1f} GB/s"
         for t in args.threads
     )
     status = kernels.cpu_kernels()
@@ -229,17 +264,18 @@ def main() -> None:
     notes = f"Memory traffic per second: {floor}. {compiled.capitalize()}." + (f" {missing}." if missing else "")
     print(table)
     print(notes)
+    section = "step_time_momentum" if args.momentum else "step_time_bf16" if args.bf16_weights else "step_time"
     if not args.quick:
         weights = "bf16 weights and gradients, " if args.bf16_weights else ""
         body = (
             f"Step time, {n / 1e6:.1f}M parameters ({args.layers} x Linear({args.width}, {args.width})), {weights}"
             f"at {' and '.join(str(t) for t in args.threads)} torch threads: {args.rounds} rounds, each "
             f"optimizer {args.steps} steps per round in a shuffled order, after {args.warmup} warm-up steps; "
-            f"median step over the rounds, and median over the rounds of the ratio to fused AdamW's "
+            f"median step over the rounds, and median over the rounds of the ratio to {reference}'s "
             f"step in the same round.\n\n"
             f"Machine: {machine()} (default). Command: `{_command()}\n\n{table}\n\n{notes}"
         )
-        write_docs_section("benchmarks/step-time.md", "step_time_bf16" if args.bf16_weights else "step_time", body)
+        write_docs_section("benchmarks/step-time.md", section, body)
 
 
 def _command() -> str:
