@@ -82,7 +82,8 @@ class BlockwiseSGD(BlockwiseOptimizer):
         differentiable: autograd through the step; not implemented: only ``False``.
         fused: accepted like ``foreach``.
         state_format: default momentum format of every group: ``"fp32"``, ``"bf16"``, ``"int8"`` or
-            ``"none"`` (default: ``"fp32"`` with a momentum, ``"none"`` without).
+            ``"none"`` (default: ``"fp32"``). A group with ``momentum=0`` holds no buffer whatever its
+            format (``none``), as torch's SGD.
 
     The keyword arguments ``weight_correction``, ``min_8bit_numel``, ``skip_nonfinite``, ``seed``,
     ``chunk_size``, ``param_names`` and ``kernels`` are :class:`~lightning_baoc.optim.BlockwiseAdamW`'s.
@@ -124,8 +125,6 @@ class BlockwiseSGD(BlockwiseOptimizer):
     ) -> None:
         if differentiable:
             raise ValueError("Invalid differentiable=True: BlockwiseSGD does not implement differentiable; use differentiable=False")
-        if state_format is None:
-            state_format = "fp32" if isinstance(momentum, (int, float)) and momentum > 0 else "none"
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -133,7 +132,7 @@ class BlockwiseSGD(BlockwiseOptimizer):
             weight_decay=weight_decay,
             nesterov=nesterov,
             maximize=maximize,
-            state_format=state_format,
+            state_format="fp32" if state_format is None else state_format,
             weight_correction=weight_correction,
             differentiable=False,
         )
@@ -159,11 +158,13 @@ class BlockwiseSGD(BlockwiseOptimizer):
                 f"Invalid {where}nesterov=True with momentum={momentum} and dampening={dampening}: "
                 f"Nesterov momentum requires a momentum and zero dampening (as for torch.optim.SGD)"
             )
-        if momentum == 0 and group.get("state_format") != "none":
-            raise ValueError(
-                f"Invalid {where}state_format={group.get('state_format')!r} with momentum=0: SGD without "
-                f"momentum keeps no buffer; use state_format='none' (or leave it unset), or set a momentum"
-            )
+
+    def target_format(self, param: Tensor) -> str:
+        """The format ``param``'s buffer is held in: ``none`` in a group without momentum (torch's SGD
+        keeps no buffer there), whatever format is asked; else as :class:`BlockwiseAdamW`'s."""
+        if float(self.param_groups[self._records[param].group]["momentum"]) == 0.0:
+            return "none"
+        return super().target_format(param)
 
     def _hyper(self, group: Mapping[str, Any], noise_key: int = 0) -> StepHyper:
         return StepHyper(

@@ -9,9 +9,9 @@
 - Checkpoints: a resumed run equals the uninterrupted one bit for bit in every format; the dicts of
   ``torch.optim.SGD`` load (``from_optimizer`` continues torch's run); a dict of another rule is
   refused by name.
-- Gradient release, bf16 weights with a correction, the non-finite skip, copies, and the errors a
-  user meets (Nesterov without momentum, a buffer format without momentum, an AdamW format name,
-  BAOC refusing the momentum optimizers).
+- Gradient release, bf16 weights with a correction, the non-finite skip, copies, groups without
+  momentum (no buffer, as torch), and the errors a user meets (Nesterov without momentum, an AdamW
+  format name, BAOC refusing the momentum optimizers).
 """
 
 from __future__ import annotations
@@ -303,12 +303,33 @@ def test_copies_and_pickles_train_alike(cls: type) -> None:
     assert _max_diff(model, model2) == 0.0 and _max_diff(model, model3) == 0.0
 
 
+def test_groups_without_momentum_hold_no_buffer() -> None:
+    """As torch's SGD: a group with momentum 0 keeps no buffer whatever format is asked (per group,
+    whichever way round the constructor's default and the group's value are), and equals torch."""
+    cases = [(dict(momentum=0.9), {"momentum": 0.0}), ({}, {"momentum": 0.9}),
+             (dict(momentum=0.9, state_format="int8", min_8bit_numel=0), {"momentum": 0.0})]
+    for kwargs, first in cases:
+        ref, ours = _model(), _model()
+        torch_kwargs = {k: v for k, v in kwargs.items() if k == "momentum"}
+        torch_opt = torch.optim.SGD([{"params": ref[0].parameters(), **first}, {"params": ref[2].parameters()}],
+                                    lr=0.05, **torch_kwargs)
+        opt = BlockwiseSGD([{"params": list(ours[0].parameters()), **first}, {"params": list(ours[2].parameters())}],
+                           lr=0.05, **kwargs)
+        _train([(ref, torch_opt), (ours, opt)], 20)
+        formats = opt.formats()
+        held = [f for name, f in formats.items() if name in ("0", "1")], [f for name, f in formats.items() if name in ("2", "3")]
+        no_buffer, buffer = (held[0], held[1]) if first["momentum"] == 0.0 else (held[1], held[0])
+        assert set(no_buffer) == {"none"} and "none" not in buffer, formats
+        if "state_format" not in kwargs:
+            assert _max_diff(ref, ours) <= 1e-6
+        opt.set_formats({"0": "int8"} if first["momentum"] == 0.0 else {"2": "int8"})  # asked, and still none
+        assert all(opt.formats()[n] == "none" for n in (("0", "1") if first["momentum"] == 0.0 else ("2", "3")))
+
+
 def test_errors_name_the_problem_and_the_fix() -> None:
     params = list(_model().named_parameters())
     with pytest.raises(ValueError, match="Nesterov momentum requires a momentum and zero dampening"):
         BlockwiseSGD(params, lr=0.1, nesterov=True)
-    with pytest.raises(ValueError, match="SGD without momentum keeps no buffer; use state_format='none'"):
-        BlockwiseSGD(params, lr=0.1, state_format="int8")
     with pytest.raises(ValueError, match=r"Unknown state_format 'nomomentum'; allowed: \['fp32', 'bf16', 'int8', 'none'\]"):
         BlockwiseLion(params, state_format="nomomentum")
     with pytest.raises(ValueError, match="Invalid betas\\[1\\]"):
