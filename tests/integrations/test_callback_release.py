@@ -47,10 +47,13 @@ class _Model(pl.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=16)
 
 
-def _fit(tmp_path: Path, release: bool, max_steps: int, precision: str = "32-true", **baoc_kwargs):  # type: ignore[no-untyped-def]
+def _fit(tmp_path: Path, release: bool, max_steps: int, precision: str = "32-true", release_first: bool = False,
+         **baoc_kwargs):  # type: ignore[no-untyped-def]
     baoc = BAOC(memory_budget=0.3, warmup_steps=12, sample_every=2, report=False, **baoc_kwargs)
     model = _Model("ecc8" if precision == "bf16-true" else "none")
     callbacks: list[pl.Callback] = [baoc] + ([GradientRelease()] if release else [])
+    if release_first:
+        callbacks.reverse()
     trainer = pl.Trainer(accelerator="cpu", max_steps=max_steps, precision=precision, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                          default_root_dir=tmp_path, callbacks=callbacks)
@@ -85,8 +88,9 @@ def test_release_observes_as_the_run_without_release(tmp_path: Path, precision: 
     assert plain_trainer.optimizers[0].formats() == opt.formats()
 
 
-def test_training_goes_on_after_allocation_and_reevaluation(tmp_path: Path) -> None:
-    model, trainer, baoc = _fit(tmp_path, True, 80, reevaluate_every_n_epochs=1)
+@pytest.mark.parametrize("release_first", [False, True], ids=["baoc-first", "release-first"])
+def test_training_goes_on_after_allocation_and_reevaluation(tmp_path: Path, release_first: bool) -> None:
+    model, trainer, baoc = _fit(tmp_path, True, 80, release_first=release_first, reevaluate_every_n_epochs=1)
     controller = baoc.controller
     assert trainer.global_step == 80 and controller.phase == "allocated"
     assert controller.last_event.reason == "epoch"  # a re-evaluation at an epoch's end, after the allocation
