@@ -38,7 +38,10 @@ RUNS = {
     "BlockwiseAdamW int8, bf16 weights + ecc8": "the same with an 8-bit correction",
     "BlockwiseAdamW int8, bf16 weights + ecc16": "the same with a 16-bit correction",
     "BlockwiseAdamW int8, bf16 weights + ecc8, gradient release": "ecc8, each gradient freed in backward once stepped",
+    "BAOC at 0.15 of fp32 AdamW state, bf16 weights + ecc8, gradient release":
+        "BAOC's allocation within 1.2 bytes of state per parameter (ecc8 set by the user on every weight)",
 }
+BAOC_BUDGET = 0.15  # of fp32 AdamW's 8 bytes of state per parameter
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
     from torch import nn
 
     from lightning_baoc import BlockwiseAdamW, training_memory
+    from lightning_baoc.controller import BAOCController
 
     torch.set_num_threads(workload.threads)
     warm = nn.Linear(64, 64).to(torch.bfloat16)  # the code of every run, loaded in the baseline too
@@ -79,18 +83,34 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
         optimizer: Any = torch.optim.SGD(model.parameters(), lr=1e-4)
     elif run.startswith("torch"):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    elif run.startswith("BAOC"):
+        controller = BAOCController(memory_budget=int(BAOC_BUDGET * 8 * workload.params), warmup_steps=3, sample_every=1)
+        optimizer = controller.install(BlockwiseAdamW(model.named_parameters(), lr=1e-4, weight_correction="ecc8"), model)
+        optimizer.release_gradients()
     else:
         correction = run.split("+ ", 1)[1].split(",")[0] if "+ " in run else "none"
         optimizer = BlockwiseAdamW(model.named_parameters(), lr=1e-4, state_format="int8", weight_correction=correction)
         if "gradient release" in run:
             optimizer.release_gradients()
     gen = torch.Generator().manual_seed(1)
-    for _ in range(workload.steps):
+    for step in range(workload.steps):
+        if run.startswith("BAOC"):  # the framework-free lifecycle, as BAOCStrategy runs it
+            controller.before_step(step)
+            controller.open_released_step(step)
         optimizer.zero_grad(set_to_none=False)
         x = torch.randn(workload.batch, workload.width, generator=gen).to(dtype)
         model(x).float().square().mean().backward()
+        if run.startswith("BAOC"):
+            controller.close_released_step()
         optimizer.step()
-    return training_memory(model, optimizer).to_dict()
+        if run.startswith("BAOC"):
+            controller.maybe_allocate(step + 1)
+    out = training_memory(model, optimizer).to_dict()
+    if run.startswith("BAOC"):
+        formats = list(optimizer.formats().values())
+        out["allocation"] = {f: formats.count(f) for f in sorted(set(formats))}
+        out["phase"], out["budget"] = controller.phase, controller.memory_budget_bytes()
+    return out
 
 
 def run_all(workload: Workload) -> dict[str, dict[str, Any]]:
