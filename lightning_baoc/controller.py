@@ -177,6 +177,7 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin):
         self._observer_handle: Any = None  # the optimizer's gradient observer (gradient release)
         # the step observed under gradient release: (step, grad scale, sampling, names observed)
         self._release_open: tuple[int, float | None, bool, set[str]] | None = None
+        self._shadow_samples: list[Any] = []  # the shadow's samples of the released gradients
 
     # ------------------------------------------------------------------ properties
 
@@ -374,6 +375,7 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin):
                 self.sampler.abort()
         began = self.sampler is not None and self._sampling_step(step) and self.sampler.begin(step, grad_scale)
         self._release_open = (step, grad_scale, began, set())
+        self._shadow_samples = []
 
     def _observe_released(self, p: torch.Tensor) -> None:
         if self._release_open is None or self.optimizer is None:
@@ -381,8 +383,8 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin):
         _, grad_scale, began, observed = self._release_open
         name = self.optimizer.param_name(p)
         observed.add(name)
-        if self.shadow is not None:
-            self.shadow.update({name: p}, self._betas(), grad_scale)
+        if self.shadow is not None:  # applied at close_released_step, with one synchronization
+            self._shadow_samples += self.shadow.samples({name: p}, self._betas(), grad_scale)
         if began:
             self.sampler.gather_param(p)  # type: ignore[union-attr]
 
@@ -400,7 +402,8 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin):
         self._release_open = None
         if self.shadow is not None and self.optimizer is not None:
             rest = {n: p for n, p in self.optimizer.named_params.items() if n not in observed}
-            self.shadow.update(rest, self._betas(), grad_scale)
+            self.shadow.apply(self._shadow_samples + self.shadow.samples(rest, self._betas(), grad_scale))
+        self._shadow_samples = []
         if not began:
             return False
         return self._counted(step, self.sampler.finish())  # type: ignore[union-attr]

@@ -109,15 +109,33 @@ class ShadowMoments:
         One host synchronization per call (the finiteness of every sample, read at once), not one per
         tensor.
         """
-        todo: list[tuple[ShadowEntry, Tensor, tuple[float, float]]] = []
-        for name, entry in self.entries.items():
-            p = params.get(name)
-            if p is None or p.grad is None:
+        self.apply(self.samples(params, betas, grad_scale))
+
+    @torch.no_grad()
+    def samples(
+        self, params: Mapping[str, Tensor], betas: Mapping[str, tuple[float, float]], grad_scale: float | None = None
+    ) -> list[tuple[ShadowEntry, Tensor, tuple[float, float]]]:
+        """The sampled gradient elements of ``params`` (copies: the gradients may go), for :meth:`apply`.
+
+        :meth:`update` is the two at once; gradient release takes each parameter's sample in its hook
+        and applies them all when the step's backward is done, with one synchronization."""
+        out: list[tuple[ShadowEntry, Tensor, tuple[float, float]]] = []
+        for name, p in params.items():
+            entry = self.entries.get(name)
+            if entry is None or p is None or p.grad is None:
                 continue
-            g = entry.gather(p.grad.detach().reshape(-1)).to(torch.float32)
+            flat = p.grad.detach().reshape(-1)
+            g = entry.gather(flat).to(torch.float32)
+            if g.data_ptr() == flat.data_ptr():
+                g = g.clone()
             if grad_scale is not None:
                 g = g / grad_scale
-            todo.append((entry, g, betas[name]))
+            out.append((entry, g, betas[name]))
+        return out
+
+    @torch.no_grad()
+    def apply(self, todo: list[tuple[ShadowEntry, Tensor, tuple[float, float]]]) -> None:
+        """Advance the moments by the samples of :meth:`samples` (one host synchronization)."""
         if not todo:
             return
         finite = torch.stack([torch.isfinite(g).all().to(todo[0][1].device) for _, g, _ in todo]).tolist()
