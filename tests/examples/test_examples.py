@@ -170,3 +170,12 @@ def test_bf16_example_trains_at_five_bytes_per_parameter() -> None:
     assert 5.0 <= released["bytes_per_param"] <= 5.2 and released["test_acc"] > 0.8
     kept = digits_bf16.main(["--epochs", "1", "--no-release"])
     assert 7.0 <= kept["bytes_per_param"] <= 7.2
+
+
+def test_sgd_lion_example_trains_with_an_int8_buffer() -> None:
+    import digits_sgd_lion
+
+    sgd = digits_sgd_lion.main(["--epochs", "2"])
+    assert 1.0 < sgd["bytes_per_param"] < 1.2 and sgd["test_acc"] > 0.8
+    lion = digits_sgd_lion.main(["--epochs", "2", "--optimizer", "lion", "--format", "bf16"])
+    assert lion["bytes_per_param"] == 2.0 and lion["test_acc"] > 0.8
