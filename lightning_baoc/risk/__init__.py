@@ -6,9 +6,12 @@
   model, parameters that never stepped).
 - :mod:`lightning_baoc.risk.start`: the risk the start allocation minimizes (the prior, or what
   ``initial`` gives), for the controller, ``lightning-baoc plan`` and ``lightning-baoc check``.
+- :mod:`lightning_baoc.risk.momentum`: the risk of SGD's and Lion's momentum formats
+  (:func:`momentum_risk_table`), measured on shadow moments.
 """
 
 from .model import DEFAULT_HORIZON, DEFAULT_MAX_ELEMENTS, BlockRisk, risk_details, risk_table
+from .momentum import momentum_risk_details, momentum_risk_table
 from .prior import PRIOR_ATTENTION_NO_MOMENTUM, PRIOR_KIND_WEIGHT, PRIOR_RISK, block_kind, prior_risk
 from .start import INITIAL_PREFERENCE, start_risk
 
@@ -21,6 +24,8 @@ __all__ = [
     "PRIOR_RISK",
     "BlockRisk",
     "block_kind",
+    "momentum_risk_details",
+    "momentum_risk_table",
     "prior_risk",
     "risk_details",
     "risk_table",
