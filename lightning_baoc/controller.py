@@ -62,6 +62,7 @@ from .control.blocks import BlocksMixin
 from .control.checkpoint import ALLOCATION_SETTINGS, CheckpointMixin
 from .control.decision import capped, checked_risk, keeps_current
 from .control.events import AllocationEvent
+from .control.release import ReleaseObservationMixin
 from .control.triggers import TriggersMixin
 from .control.protocol import Broadcast, decide_on_rank_zero
 from .control.start import StartMixin
@@ -112,7 +113,7 @@ def _training_device(optimizer: BlockwiseAdamW) -> torch.device:
 # ---------------------------------------------------------------------------- the controller
 
 
-class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin):
+class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, ReleaseObservationMixin):
     """The framework-free BAOC lifecycle (see the module docstring for the calls and their order).
 
     Args:
@@ -354,59 +355,6 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin):
         if took and (every == 1 or step % every == 0):
             self.ring_samples += 1
         return took
-
-    # ------------------------------------------------------------------ gradient release
-
-    def _watch_released_gradients(self, optimizer: BlockwiseAdamW) -> None:
-        """Observe the gradients gradient release frees (:meth:`BlockwiseAdamW.add_gradient_observer`)."""
-        if self._observer_handle is not None:
-            self._observer_handle.remove()
-        self._observer_handle = optimizer.add_gradient_observer(self._observe_released)
-        self._release_open = None
-
-    def open_released_step(self, step: int, grad_scale: float | None = None) -> None:
-        """With gradient release, call before the step's backward (on every rank): each parameter's
-        gradient then feeds the shadow moments and the sampler inside the release hook, just before
-        the parameter steps, and :meth:`close_released_step` completes the step's observation. The
-        two calls take the place of :meth:`observe`, and store the same numbers."""
-        self._require_installed("open_released_step")
-        if self._release_open is not None:  # a step that ran no backward: drop its open sample
-            if self.sampler is not None:
-                self.sampler.abort()
-        began = self.sampler is not None and self._sampling_step(step) and self.sampler.begin(step, grad_scale)
-        self._release_open = (step, grad_scale, began, set())
-        self._shadow_samples = []
-
-    def _observe_released(self, p: torch.Tensor) -> None:
-        if self._release_open is None or self.optimizer is None:
-            return
-        _, grad_scale, began, observed = self._release_open
-        name = self.optimizer.param_name(p)
-        observed.add(name)
-        if self.shadow is not None:  # applied at close_released_step, with one synchronization
-            self._shadow_samples += self.shadow.samples({name: p}, self._betas(), grad_scale)
-        if began:
-            self.sampler.gather_param(p)  # type: ignore[union-attr]
-
-    @property
-    def release_open(self) -> bool:
-        """Whether a step's observation under gradient release is open (:meth:`open_released_step`)."""
-        return self._release_open is not None
-
-    def close_released_step(self) -> bool:
-        """Complete the observation :meth:`open_released_step` opened: parameters that kept their
-        gradient (not released) are observed now. Returns whether a sample was taken."""
-        if self._release_open is None:
-            return False
-        step, grad_scale, began, observed = self._release_open
-        self._release_open = None
-        if self.shadow is not None and self.optimizer is not None:
-            rest = {n: p for n, p in self.optimizer.named_params.items() if n not in observed}
-            self.shadow.apply(self._shadow_samples + self.shadow.samples(rest, self._betas(), grad_scale))
-        self._shadow_samples = []
-        if not began:
-            return False
-        return self._counted(step, self.sampler.finish())  # type: ignore[union-attr]
 
     def due(self, step: int) -> str | None:
         """The reason an allocation should run now (after ``step`` completed steps), or ``None``."""

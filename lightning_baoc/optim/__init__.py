@@ -1,9 +1,9 @@
 """BlockwiseAdamW: AdamW with a state format per parameter; BlockwiseSGD and BlockwiseLion: SGD and
 Lion with a momentum format per parameter.
 
-- :mod:`.optimizer`: the shared machinery (:class:`BlockwiseOptimizer`), :class:`BlockwiseAdamW`
-  and its class aliases;
+- :mod:`.optimizer`: the shared machinery (:class:`BlockwiseOptimizer`) and :class:`BlockwiseAdamW`;
 - :mod:`.momentum`: :class:`BlockwiseSGD` and :class:`BlockwiseLion`;
+- :mod:`.aliases`: BlockwiseAdamW's classes named like a user's optimizer class;
 - :mod:`.pools`: per-format contiguous state pools and parameter records;
 - :mod:`.persist`: state dicts, atomic validated loads, copies and pickling;
 - :mod:`.state`: the state-dict layout, checksums, plain-AdamW export, :class:`CheckpointError`;
@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from .momentum import BlockwiseLion, BlockwiseSGD
-from .optimizer import BlockwiseAdamW, BlockwiseOptimizer, optimizer_alias, resolve_alias
+from .aliases import optimizer_alias, resolve_alias
+from .optimizer import BlockwiseAdamW, BlockwiseOptimizer
 from .state import CheckpointError, export_adamw_state_dict, load_checkpoint, seal_state_dict
 
 

@@ -33,6 +33,7 @@ The package, module by module:
 - :mod:`~lightning_baoc.sampling.layout`: :func:`draw_indices`, the blocks' segments and their
   places in the staging buffer, the argument checks;
 - :mod:`~lightning_baoc.sampling.gather`: the hot path's gathers into the staging buffer;
+- :mod:`~lightning_baoc.sampling.state`: the sampler's checkpoint (``state_dict``, ``load_state_dict``);
 - :mod:`~lightning_baoc.sampling.reduce`: the worker thread's loop and its reductions (validity,
   cosines, anisotropy).
 

@@ -19,10 +19,8 @@ from .. import statistics as S
 from ..blocks import partition
 from .gather import _gather, _merge
 from .layout import _Block, _check_blocks, _check_int, _plan_blocks
+from .state import STATE_VERSION, SamplerStateMixin  # noqa: F401 - STATE_VERSION: its public path
 from .reduce import COSINE_SLICE, _anisotropy, _block_slices, _cosines, _ReductionMaps, _valid_blocks, _worker_loop
-
-#: Format version of :meth:`GradientSampler.state_dict`.
-STATE_VERSION = 1
 
 #: Staging buffers in flight between the hot path and the worker. Two let the hot path fill one
 #: while the worker reduces the other; the hot path waits (a "stall", counted) only if the worker
@@ -55,7 +53,7 @@ class BlockHistory(NamedTuple):
     steps: Tensor
 
 
-class GradientSampler:
+class GradientSampler(SamplerStateMixin):
     """Samples per-block gradients every ``sample_every`` steps into a bounded ring buffer.
 
     Args:
@@ -506,91 +504,6 @@ class GradientSampler:
     def timings(self) -> dict[str, float | int]:
         """Cumulative cost: sampling calls, seconds on the hot path and on the worker, stalls."""
         return dict(self._timing)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The ring buffer and counts, as tensors and primitives (loads with ``weights_only=True``).
-
-        Indices are not stored: they follow from ``seed``, ``max_elements``, ``max_rows`` and the
-        blocks, which are stored and checked on load. Size: about the ring's bytes.
-        """
-        self.flush()
-        with self._lock:
-            order = self._order()
-            return {
-                "version": STATE_VERSION,
-                "seed": self.seed,
-                "max_elements": self.max_elements,
-                "max_rows": self.max_rows,
-                "sample_every": self.sample_every,
-                "capacity": self.capacity,
-                "last_step": -1 if self._last_step is None else int(self._last_step),
-                "blocks": {
-                    b.name: {
-                        "params": [s.name for s in b.segments],
-                        "numel": b.numel,
-                        "elements": b.elements,
-                        "nonfinite": b.nonfinite,
-                        "missing": b.missing,
-                    }
-                    for b in self._blocks
-                },
-                "samples": self._ring[order].clone(),
-                "valid": self._ring_valid[order].clone(),
-                "anisotropy": self._ring_anisotropy[order].clone(),
-                "cosine": self._ring_cosine[order].clone(),
-                "steps": self._ring_steps[order].clone(),
-            }
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved; the sampler must be built the same way.
-
-        A smaller ``capacity`` keeps the newest samples. Raises ``ValueError`` if the seed, the
-        sampling bounds or the blocks differ (the saved samples would come from other indices).
-        """
-        if not isinstance(state_dict, Mapping) or state_dict.get("version") != STATE_VERSION:
-            got = state_dict.get("version") if isinstance(state_dict, Mapping) else type(state_dict).__name__
-            raise ValueError(
-                f"state_dict is not a GradientSampler state of version {STATE_VERSION} (version {got!r}); "
-                "pass what GradientSampler.state_dict() returned"
-            )
-        for key in ("seed", "max_elements", "max_rows"):
-            if state_dict[key] != getattr(self, key):
-                raise ValueError(
-                    f"state_dict was saved with {key}={state_dict[key]!r}, this sampler has "
-                    f"{key}={getattr(self, key)!r}; build the sampler with the saved value to load it"
-                )
-        saved = state_dict["blocks"]
-        names = [b.name for b in self._blocks]
-        if list(saved) != names:
-            raise ValueError(
-                f"state_dict has blocks {list(saved)[:8]}, this sampler {names[:8]}; "
-                "build the sampler from the same partition to load it"
-            )
-        for b in self._blocks:
-            s = saved[b.name]
-            if list(s["params"]) != [seg.name for seg in b.segments] or int(s["numel"]) != b.numel:
-                raise ValueError(
-                    f"block {b.name!r} was saved with parameters {list(s['params'])} ({s['numel']} elements), "
-                    f"here it has {[seg.name for seg in b.segments]} ({b.numel}); use the same partition"
-                )
-        n = min(int(state_dict["steps"].shape[0]), self.capacity)
-        self.flush()
-        with self._lock:
-            self._clear_ring()
-            if n:
-                self._ring[:n] = state_dict["samples"][-n:]
-                self._ring_valid[:n] = state_dict["valid"][-n:]
-                self._ring_anisotropy[:n] = state_dict["anisotropy"][-n:]
-                self._ring_cosine[:n] = state_dict["cosine"][-n:]
-                self._ring_steps[:n] = state_dict["steps"][-n:]
-            self._written = n
-            # A follower sampled right after the resume still finds the ring row it belongs to.
-            self._prev_row = (int(self._ring_steps[n - 1]), n - 1) if n else None
-            for b in self._blocks:
-                b.nonfinite = int(saved[b.name]["nonfinite"])
-                b.missing = int(saved[b.name]["missing"])
-        last = int(state_dict["last_step"])
-        self._last_step = None if last < 0 else last
 
     def _order(self) -> Tensor:
         """Ring rows oldest first."""
