@@ -390,6 +390,57 @@ inline void load_grad16(const Tensors& t, int64_t start, int64_t n, float* out) 
   return load_grad_kind<W_FP16>(t.g16 + start, n, out);
 }
 
+// The parameters and gradients of a super-block in fp32: the stored fp32 tensors themselves, or the
+// masters rebuilt from 16-bit weights (and their corrections) and the 16-bit gradients widened.
+inline float* load_params(const Tensors& t, int64_t start, int64_t n, float* pbuf) {
+  if (t.p_kind == W_FP32) return t.p + start;
+  load_master(t, start, n, pbuf);
+  return pbuf;
+}
+
+inline const float* load_grads(const Tensors& t, int64_t start, int64_t n, float* gbuf) {
+  if (t.g_kind == W_FP32) return t.g + start;
+  load_grad16(t, start, n, gbuf);
+  return gbuf;
+}
+
+// The momentum of a super-block in fp32: the stored fp32 tensor itself, or decoded into mbuf.
+template <int64_t M>
+inline float* load_momentum(const Tensors& t, int64_t sb, int64_t start, int64_t n, float* mbuf, float* scl,
+                            float* spread_scale) {
+  if constexpr (M == M_FP32) {
+    return static_cast<float*>(t.m) + start;
+  } else if constexpr (M == M_BF16) {
+    const uint16_t* src = static_cast<const uint16_t*>(t.m) + start;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) mbuf[j] = bf16_load(src[j]);
+  } else if constexpr (M == M_INT8) {
+    load_scales(t.m_scale + start / GROUP, t.m_exp[sb], (n + GROUP - 1) / GROUP, scl);
+    spread(scl, n, spread_scale);
+    decode_momentum(static_cast<const int8_t*>(t.m) + start, spread_scale, n, mbuf);
+  }
+  return mbuf;
+}
+
+// Store a super-block's momentum from mbuf (bf16: stochastically rounded; int8: encoded; fp32 was
+// updated in place).
+template <int64_t M>
+inline void store_momentum(const Tensors& t, int64_t sb, int64_t start, int64_t n, const float* mbuf, float limit_m,
+                           float* scl, float* spread_scale) {
+  if constexpr (M == M_BF16) {
+    uint16_t* dst = static_cast<uint16_t*>(t.m) + start;
+    const uint32_t key = t.key;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) dst[j] = bf16_stochastic(mbuf[j], rounding_bits(start + j, key) >> 16);
+  } else if constexpr (M == M_INT8) {
+    float absmax[SUPER_GROUPS];
+    group_absmax(mbuf, n, absmax);
+    store_scales(absmax, (n + GROUP - 1) / GROUP, limit_m, t.m_scale + start / GROUP, t.m_exp + sb, scl);
+    spread(scl, n, spread_scale);
+    encode_momentum(mbuf, spread_scale, n, static_cast<int8_t*>(t.m) + start);
+  }
+}
+
 // FULL: a whole super-block (1024 elements), so that every loop has a constant trip count; the
 // last super-block of a tensor may be shorter.
 template <int64_t M, int64_t V, bool FULL>
@@ -405,32 +456,11 @@ void superblock(const Tensors& t, int64_t sb, float limit_m, float limit_v) {
   alignas(64) float spread_scale[SUPER];
   alignas(64) float pbuf[SUPER];
   alignas(64) float gbuf[SUPER];
-  float* P = pbuf;
-  if (t.p_kind == W_FP32) {
-    P = t.p + start;
-  } else {
-    load_master(t, start, n, pbuf);
-  }
-  const float* G = gbuf;
-  if (t.g_kind == W_FP32) {
-    G = t.g + start;
-  } else {
-    load_grad16(t, start, n, gbuf);
-  }
+  float* P = load_params(t, start, n, pbuf);
+  const float* G = load_grads(t, start, n, gbuf);
 
   // moments in fp32: the stored fp32 tensors themselves, or decoded into the buffers
-  float* mm = mbuf;
-  if constexpr (M == M_FP32) {
-    mm = static_cast<float*>(t.m) + start;
-  } else if constexpr (M == M_BF16) {
-    const uint16_t* src = static_cast<const uint16_t*>(t.m) + start;
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) mbuf[j] = bf16_load(src[j]);
-  } else if constexpr (M == M_INT8) {
-    load_scales(t.m_scale + start / GROUP, t.m_exp[sb], groups, scl);
-    spread(scl, n, spread_scale);
-    decode_momentum(static_cast<const int8_t*>(t.m) + start, spread_scale, n, mbuf);
-  }
+  float* mm = load_momentum<M>(t, sb, start, n, mbuf, scl, spread_scale);
   float* vv = vbuf;
   if constexpr (V == V_FP32) {
     vv = static_cast<float*>(t.v) + start;
@@ -506,17 +536,8 @@ void superblock(const Tensors& t, int64_t sb, float limit_m, float limit_v) {
       dm[j] = bf16_stochastic(mbuf[j], h >> 16);
       dv[j] = bf16_stochastic(vbuf[j], h & 0xFFFFu);
     }
-  } else if constexpr (M == M_BF16) {
-    uint16_t* dst = static_cast<uint16_t*>(t.m) + start;
-    const uint32_t key = t.key;
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) dst[j] = bf16_stochastic(mbuf[j], rounding_bits(start + j, key) >> 16);
-  } else if constexpr (M == M_INT8) {
-    float absmax[SUPER_GROUPS];
-    group_absmax(mbuf, n, absmax);
-    store_scales(absmax, groups, limit_m, t.m_scale + start / GROUP, t.m_exp + sb, scl);
-    spread(scl, n, spread_scale);
-    encode_momentum(mbuf, spread_scale, n, static_cast<int8_t*>(t.m) + start);
+  } else {
+    store_momentum<M>(t, sb, start, n, mbuf, limit_m, scl, spread_scale);
   }
   if constexpr (V == V_BF16 && M != M_BF16) {
     uint16_t* dst = static_cast<uint16_t*>(t.v) + start;
@@ -733,6 +754,53 @@ constexpr int64_t MAX_FUSED_STEP = int64_t{1} << 24;
 // and the update. fp32 moments whose bias corrections share one count (`fused_fp32`) go through
 // ATen's fused AdamW, the kernel of torch.optim.AdamW(fused=True). Returns the indices of the tensors
 // skipped, so that the caller reads no tensor to learn them.
+// One parameter's tensors for a step, checked: its weights and gradient (fp32, or 16-bit with an
+// optional int8/int16 correction), its counts and its momentum (kind m_kind). The second-moment and
+// factored fields are left empty (adamw_step fills them).
+Tensors item_tensors(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                     const std::vector<at::Tensor>& m, const std::vector<at::Tensor>& m_scale,
+                     const std::vector<at::Tensor>& m_exp, const std::vector<at::Tensor>& counts,
+                     const std::vector<at::Tensor>& corrections, size_t i, int64_t m_kind) {
+  static const at::ScalarType m_dtype[] = {at::kFloat, at::kFloat, at::kBFloat16, at::kChar};
+  const int64_t numel = params[i].numel();
+  const int8_t p_kind = weight_kind(params[i].scalar_type());
+  const int8_t g_kind = weight_kind(grads[i].scalar_type());
+  TORCH_CHECK(p_kind >= 0 && g_kind >= 0, "lightning_baoc step: parameters and gradients must be fp32, bf16 or fp16");
+  const at::Tensor& corr = corrections[i];
+  const int8_t corr_bits = corr.numel() == 0 ? 0 : corr.scalar_type() == at::kChar ? 8 : corr.scalar_type() == at::kShort ? 16 : -1;
+  TORCH_CHECK(corr_bits >= 0 && (corr_bits == 0 || (p_kind != W_FP32 && corr.numel() == numel)),
+              "lightning_baoc step: a correction is an int8 or int16 tensor of a 16-bit parameter's size");
+  TORCH_CHECK(grads[i].numel() == numel, "lightning_baoc step: gradient size differs from its parameter");
+  TORCH_CHECK(counts[i].scalar_type() == at::kLong && counts[i].numel() == 3, "lightning_baoc step: bad counts");
+  if (m_kind != M_NONE) {
+    TORCH_CHECK(m[i].numel() == numel && m[i].scalar_type() == m_dtype[m_kind], "lightning_baoc step: bad momentum");
+  }
+  if (m_kind == M_INT8) {
+    TORCH_CHECK(m_scale[i].numel() == (numel + GROUP - 1) / GROUP && m_exp[i].numel() == superblocks(numel) &&
+                    m_scale[i].scalar_type() == at::kHalf && m_exp[i].scalar_type() == at::kChar,
+                "lightning_baoc step: bad momentum scales");
+  }
+  return Tensors{p_kind == W_FP32 ? params[i].data_ptr<float>() : nullptr,
+                 g_kind == W_FP32 ? grads[i].data_ptr<float>() : nullptr,
+                 p_kind == W_FP32 ? nullptr : static_cast<uint16_t*>(params[i].data_ptr()),
+                 g_kind == W_FP32 ? nullptr : static_cast<const uint16_t*>(grads[i].data_ptr()),
+                 corr_bits ? corr.data_ptr() : nullptr,
+                 p_kind, g_kind, corr_bits,
+                 data_or_null(m, i),
+                 m_kind == M_INT8 ? m_scale[i].data_ptr<at::Half>() : nullptr,
+                 m_kind == M_INT8 ? m_exp[i].data_ptr<int8_t>() : nullptr,
+                 nullptr, nullptr, nullptr, nullptr, nullptr, numel, 1, 0u, Scalars{}};
+}
+
+// The indices [i0, i1) of the next batch from i0: consecutive tensors of at most batch_elements
+// elements together (a larger tensor is a batch of its own).
+inline size_t batch_end(const std::vector<Tensors>& items, size_t i0, int64_t batch_elements) {
+  size_t i1 = i0 + 1;
+  int64_t total = items[i0].numel;
+  while (i1 < items.size() && total + items[i1].numel <= batch_elements) total += items[i1++].numel;
+  return i1;
+}
+
 std::vector<int64_t> adamw_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                    const std::vector<at::Tensor>& m, const std::vector<at::Tensor>& m_scale,
                    const std::vector<at::Tensor>& m_exp, const std::vector<at::Tensor>& v,
@@ -759,75 +827,39 @@ std::vector<int64_t> adamw_step(const std::vector<at::Tensor>& params, const std
   check_list(cols_state, n, "cols", v_kind == V_FACTORED);
   check_list(counts, n, "counts", true);
   check_list(corrections, n, "corrections", true);
-  const at::ScalarType m_dtype[] = {at::kFloat, at::kFloat, at::kBFloat16, at::kChar};
   const at::ScalarType v_dtype[] = {at::kFloat, at::kBFloat16, at::kByte, at::kFloat};
   const bool has_m = m_kind != M_NONE;
   std::vector<Tensors> items(n);
   for (size_t i = 0; i < n; ++i) {
-    const int64_t numel = params[i].numel();
-    const int8_t p_kind = weight_kind(params[i].scalar_type());
-    const int8_t g_kind = weight_kind(grads[i].scalar_type());
-    TORCH_CHECK(p_kind >= 0 && g_kind >= 0, "lightning_baoc step: parameters and gradients must be fp32, bf16 or fp16");
-    TORCH_CHECK(v_kind != V_FACTORED || (p_kind == W_FP32 && g_kind == W_FP32),
+    Tensors t = item_tensors(params, grads, m, m_scale, m_exp, counts, corrections, i, m_kind);
+    const int64_t numel = t.numel;
+    TORCH_CHECK(v_kind != V_FACTORED || (t.p_kind == W_FP32 && t.g_kind == W_FP32),
                 "lightning_baoc step: the factored formats take fp32 parameters and gradients");
-    const at::Tensor& corr = corrections[i];
-    const int8_t corr_bits = corr.numel() == 0 ? 0 : corr.scalar_type() == at::kChar ? 8 : corr.scalar_type() == at::kShort ? 16 : -1;
-    TORCH_CHECK(corr_bits >= 0 && (corr_bits == 0 || (p_kind != W_FP32 && corr.numel() == numel)),
-                "lightning_baoc step: a correction is an int8 or int16 tensor of a 16-bit parameter's size");
-    TORCH_CHECK(grads[i].numel() == numel, "lightning_baoc step: gradient size differs from its parameter");
-    TORCH_CHECK(counts[i].scalar_type() == at::kLong && counts[i].numel() == 3, "lightning_baoc step: bad counts");
-    if (has_m) {
-      TORCH_CHECK(m[i].numel() == numel && m[i].scalar_type() == m_dtype[m_kind], "lightning_baoc step: bad momentum");
-    }
     if (v_kind != V_FACTORED) {
       TORCH_CHECK(v[i].numel() == numel && v[i].scalar_type() == v_dtype[v_kind],
                   "lightning_baoc step: bad second moment");
-    }
-    if (m_kind == M_INT8) {
-      TORCH_CHECK(m_scale[i].numel() == (numel + GROUP - 1) / GROUP && m_exp[i].numel() == superblocks(numel) &&
-                      m_scale[i].scalar_type() == at::kHalf && m_exp[i].scalar_type() == at::kChar,
-                  "lightning_baoc step: bad momentum scales");
     }
     if (v_kind == V_UINT8) {
       TORCH_CHECK(v_scale[i].numel() == (numel + GROUP - 1) / GROUP && v_exp[i].numel() == superblocks(numel) &&
                       v_scale[i].scalar_type() == at::kHalf && v_exp[i].scalar_type() == at::kChar,
                   "lightning_baoc step: bad second-moment scales");
     }
-    int64_t cols = 1;
     if (v_kind == V_FACTORED) {
-      cols = cols_state[i].numel();
-      TORCH_CHECK(cols > 0 && rows_state[i].numel() * cols == numel && rows_state[i].scalar_type() == at::kFloat &&
+      t.cols = cols_state[i].numel();
+      TORCH_CHECK(t.cols > 0 && rows_state[i].numel() * t.cols == numel && rows_state[i].scalar_type() == at::kFloat &&
                       cols_state[i].scalar_type() == at::kFloat,
                   "lightning_baoc step: bad factors");
     }
-    items[i] = Tensors{p_kind == W_FP32 ? params[i].data_ptr<float>() : nullptr,
-                       g_kind == W_FP32 ? grads[i].data_ptr<float>() : nullptr,
-                       p_kind == W_FP32 ? nullptr : static_cast<uint16_t*>(params[i].data_ptr()),
-                       g_kind == W_FP32 ? nullptr : static_cast<const uint16_t*>(grads[i].data_ptr()),
-                       corr_bits ? corr.data_ptr() : nullptr,
-                       p_kind,
-                       g_kind,
-                       corr_bits,
-                       data_or_null(m, i),
-                       m_kind == M_INT8 ? m_scale[i].data_ptr<at::Half>() : nullptr,
-                       m_kind == M_INT8 ? m_exp[i].data_ptr<int8_t>() : nullptr,
-                       data_or_null(v, i),
-                       v_kind == V_UINT8 ? v_scale[i].data_ptr<at::Half>() : nullptr,
-                       v_kind == V_UINT8 ? v_exp[i].data_ptr<int8_t>() : nullptr,
-                       nullptr,
-                       nullptr,
-                       numel,
-                       cols,
-                       0u,
-                       Scalars{}};
+    t.v = data_or_null(v, i);
+    t.v_scale = v_kind == V_UINT8 ? v_scale[i].data_ptr<at::Half>() : nullptr;
+    t.v_exp = v_kind == V_UINT8 ? v_exp[i].data_ptr<int8_t>() : nullptr;
+    items[i] = t;
   }
   const float lm = static_cast<float>(limit_m), lv = static_cast<float>(limit_v);
   std::vector<int64_t> skipped;
   size_t i0 = 0;
   while (i0 < n) {
-    size_t i1 = i0 + 1;
-    int64_t total = items[i0].numel;
-    while (i1 < n && total + items[i1].numel <= batch_elements) total += items[i1++].numel;
+    const size_t i1 = batch_end(items, i0, batch_elements);
     std::vector<uint8_t> bad = check_finite ? nonfinite_flags(items, i0, i1) : std::vector<uint8_t>(i1 - i0, 0);
     std::vector<Tensors> run;
     std::vector<std::vector<float>> factors;  // row and column factors of the factored tensors
@@ -903,36 +935,14 @@ template <int64_t RULE, int64_t M, bool FULL>
 void momentum_superblock(const Tensors& t, const MomentumScalars& s, int64_t sb, float limit_m) {
   const int64_t start = sb * SUPER;
   const int64_t n = FULL ? SUPER : std::min(SUPER, t.numel - start);
-  const int64_t groups = (n + GROUP - 1) / GROUP;
   alignas(64) float mbuf[SUPER];
   float scl[SUPER_GROUPS];
   alignas(64) float spread_scale[SUPER];
   alignas(64) float pbuf[SUPER];
   alignas(64) float gbuf[SUPER];
-  float* P = pbuf;
-  if (t.p_kind == W_FP32) {
-    P = t.p + start;
-  } else {
-    load_master(t, start, n, pbuf);
-  }
-  const float* G = gbuf;
-  if (t.g_kind == W_FP32) {
-    G = t.g + start;
-  } else {
-    load_grad16(t, start, n, gbuf);
-  }
-  float* mm = mbuf;
-  if constexpr (M == M_FP32) {
-    mm = static_cast<float*>(t.m) + start;
-  } else if constexpr (M == M_BF16) {
-    const uint16_t* src = static_cast<const uint16_t*>(t.m) + start;
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) mbuf[j] = bf16_load(src[j]);
-  } else if constexpr (M == M_INT8) {
-    load_scales(t.m_scale + start / GROUP, t.m_exp[sb], groups, scl);
-    spread(scl, n, spread_scale);
-    decode_momentum(static_cast<const int8_t*>(t.m) + start, spread_scale, n, mbuf);
-  }
+  float* P = load_params(t, start, n, pbuf);
+  const float* G = load_grads(t, start, n, gbuf);
+  float* mm = load_momentum<M>(t, sb, start, n, mbuf, scl, spread_scale);
   const float gsign = s.gsign, wd = s.wd, decay = s.decay, mom = s.momentum, keep = s.keep, beta2 = s.beta2,
               one_minus_beta2 = s.one_minus_beta2, neg_lr = s.neg_lr;
   const bool l2 = s.l2, nesterov = s.nesterov, first = s.first;
@@ -964,18 +974,7 @@ void momentum_superblock(const Tensors& t, const MomentumScalars& s, int64_t sb,
     P[j] = p;
   }
   if (t.p_kind != W_FP32) store_master(t, start, n, pbuf);
-  if constexpr (M == M_BF16) {
-    uint16_t* dst = static_cast<uint16_t*>(t.m) + start;
-    const uint32_t key = t.key;
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) dst[j] = bf16_stochastic(mbuf[j], rounding_bits(start + j, key) >> 16);
-  } else if constexpr (M == M_INT8) {
-    float absmax[SUPER_GROUPS];
-    group_absmax(mbuf, n, absmax);
-    store_scales(absmax, groups, limit_m, t.m_scale + start / GROUP, t.m_exp + sb, scl);
-    spread(scl, n, spread_scale);
-    encode_momentum(mbuf, spread_scale, n, static_cast<int8_t*>(t.m) + start);
-  }
+  store_momentum<M>(t, sb, start, n, mbuf, limit_m, scl, spread_scale);
 }
 
 template <int64_t RULE, int64_t M>
@@ -1031,39 +1030,9 @@ std::vector<int64_t> momentum_step(const std::vector<at::Tensor>& params, const 
   check_list(m_exp, n, "m_exp", m_kind == M_INT8);
   check_list(counts, n, "counts", true);
   check_list(corrections, n, "corrections", true);
-  const at::ScalarType m_dtype[] = {at::kFloat, at::kFloat, at::kBFloat16, at::kChar};
   const bool has_m = m_kind != M_NONE;
   std::vector<Tensors> items(n);
-  for (size_t i = 0; i < n; ++i) {
-    const int64_t numel = params[i].numel();
-    const int8_t p_kind = weight_kind(params[i].scalar_type());
-    const int8_t g_kind = weight_kind(grads[i].scalar_type());
-    TORCH_CHECK(p_kind >= 0 && g_kind >= 0, "lightning_baoc momentum step: parameters and gradients must be fp32, bf16 or fp16");
-    const at::Tensor& corr = corrections[i];
-    const int8_t corr_bits = corr.numel() == 0 ? 0 : corr.scalar_type() == at::kChar ? 8 : corr.scalar_type() == at::kShort ? 16 : -1;
-    TORCH_CHECK(corr_bits >= 0 && (corr_bits == 0 || (p_kind != W_FP32 && corr.numel() == numel)),
-                "lightning_baoc momentum step: a correction is an int8 or int16 tensor of a 16-bit parameter's size");
-    TORCH_CHECK(grads[i].numel() == numel, "lightning_baoc momentum step: gradient size differs from its parameter");
-    TORCH_CHECK(counts[i].scalar_type() == at::kLong && counts[i].numel() == 3, "lightning_baoc momentum step: bad counts");
-    if (has_m) {
-      TORCH_CHECK(m[i].numel() == numel && m[i].scalar_type() == m_dtype[m_kind], "lightning_baoc momentum step: bad momentum");
-    }
-    if (m_kind == M_INT8) {
-      TORCH_CHECK(m_scale[i].numel() == (numel + GROUP - 1) / GROUP && m_exp[i].numel() == superblocks(numel) &&
-                      m_scale[i].scalar_type() == at::kHalf && m_exp[i].scalar_type() == at::kChar,
-                  "lightning_baoc momentum step: bad momentum scales");
-    }
-    items[i] = Tensors{p_kind == W_FP32 ? params[i].data_ptr<float>() : nullptr,
-                       g_kind == W_FP32 ? grads[i].data_ptr<float>() : nullptr,
-                       p_kind == W_FP32 ? nullptr : static_cast<uint16_t*>(params[i].data_ptr()),
-                       g_kind == W_FP32 ? nullptr : static_cast<const uint16_t*>(grads[i].data_ptr()),
-                       corr_bits ? corr.data_ptr() : nullptr,
-                       p_kind, g_kind, corr_bits,
-                       data_or_null(m, i),
-                       m_kind == M_INT8 ? m_scale[i].data_ptr<at::Half>() : nullptr,
-                       m_kind == M_INT8 ? m_exp[i].data_ptr<int8_t>() : nullptr,
-                       nullptr, nullptr, nullptr, nullptr, nullptr, numel, 1, 0u, Scalars{}};
-  }
+  for (size_t i = 0; i < n; ++i) items[i] = item_tensors(params, grads, m, m_scale, m_exp, counts, corrections, i, m_kind);
   MomentumScalars base;
   base.gsign = maximize ? -1.0f : 1.0f;
   base.wd = static_cast<float>(weight_decay);
@@ -1081,9 +1050,7 @@ std::vector<int64_t> momentum_step(const std::vector<at::Tensor>& params, const 
   std::vector<int64_t> skipped;
   size_t i0 = 0;
   while (i0 < n) {
-    size_t i1 = i0 + 1;
-    int64_t total = items[i0].numel;
-    while (i1 < n && total + items[i1].numel <= batch_elements) total += items[i1++].numel;
+    const size_t i1 = batch_end(items, i0, batch_elements);
     std::vector<uint8_t> bad = check_finite ? nonfinite_flags(items, i0, i1) : std::vector<uint8_t>(i1 - i0, 0);
     std::vector<Tensors> run;
     std::vector<MomentumScalars> run_scalars;
