@@ -207,9 +207,7 @@ class BlockwiseSGD(BlockwiseOptimizer):
             new["params"] = list(group["params"])
             groups.append(new)
         new_opt = cls(groups, param_names=named_parameters, **kwargs)
-        if any(optimizer.state.values()):
-            sd = optimizer.state_dict()
-            new_opt.load_state_dict({"state": sd["state"], "param_groups": [{"params": g["params"]} for g in sd["param_groups"]]})
+        new_opt._inherit_state(optimizer)
         return new_opt
 
 

@@ -377,6 +377,12 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
         """The group's hyperparameters as a :class:`StepHyper` (plain floats)."""
         raise NotImplementedError
 
+    def _inherit_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Load a torch optimizer's state, matched by position (``from_optimizer``)."""
+        if any(optimizer.state.values()):
+            sd = optimizer.state_dict()
+            self.load_state_dict({"state": sd["state"], "param_groups": [{"params": g["params"]} for g in sd["param_groups"]]})
+
 
 class BlockwiseAdamW(BlockwiseOptimizer):
     """AdamW (decoupled weight decay, bias correction) with a state format per parameter.
@@ -566,9 +572,7 @@ class BlockwiseAdamW(BlockwiseOptimizer):
             )
         new_opt = cls(groups, param_names=named_parameters, **kwargs)
         new_opt.defaults.update({k: v for k, v in optimizer.defaults.items() if k in ("lr", "betas", "eps", "weight_decay")})
-        if any(optimizer.state.values()):
-            sd = optimizer.state_dict()
-            new_opt.load_state_dict({"state": sd["state"], "param_groups": [{"params": g["params"]} for g in sd["param_groups"]]})
+        new_opt._inherit_state(optimizer)
         return new_opt
 
 

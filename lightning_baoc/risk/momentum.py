@@ -171,15 +171,12 @@ def momentum_risk_details(
                 p = named[name]
                 group = optimizer.param_group_of(name)  # type: ignore[attr-defined]
                 if rule == "sgd":
-                    beta_buffer = float(group["momentum"]) or 0.9
-                    beta1 = beta_buffer
-                    if float(group["momentum"]) == 0.0:
-                        fmts = {f: "fp32" for f in formats}  # no buffer in any format: nothing to lose
-                    else:
-                        fmts = {f: resolve_in(MOMENTUM_FORMATS, f, p.shape, optimizer.min_8bit_numel) for f in formats}  # type: ignore[attr-defined]
+                    beta1 = beta_buffer = float(group["momentum"]) or 0.9
                 else:
                     beta1, beta_buffer = (float(b) for b in group["betas"])
-                    fmts = {f: resolve_in(MOMENTUM_FORMATS, f, p.shape, optimizer.min_8bit_numel) for f in formats}  # type: ignore[attr-defined]
+                fmts = {f: resolve_in(MOMENTUM_FORMATS, f, p.shape, optimizer.min_8bit_numel) for f in formats}  # type: ignore[attr-defined]
+                if rule == "sgd" and float(group["momentum"]) == 0.0:
+                    fmts = {f: "fp32" for f in formats}  # no buffer in any format: nothing to lose
                 steps = entry.steps
                 m_hat = entry.exp_avg.double() / (1.0 - beta_buffer**steps)
                 v_hat = entry.exp_avg_sq.double() / (1.0 - 0.999**steps)
