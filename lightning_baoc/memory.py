@@ -1,7 +1,7 @@
 """What training holds per parameter, measured from storages: weights, corrections, gradients, states.
 
 :func:`training_memory` reads the storages of a model's parameters and gradients and of an
-optimizer's state (a :class:`~lightning_baoc.BlockwiseAdamW`: its ``state_bytes()`` and
+optimizer's state (BlockwiseAdamW, BlockwiseSGD, BlockwiseLion: their ``state_bytes()`` and
 ``weight_correction_bytes()``, which equal the storage they allocate; any other optimizer: the
 storages of its ``state``). A storage shared by several tensors (tied weights, views) counts once.
 Activations, the allocator's slack and the libraries are not in it: ``benchmarks/total_memory.py``
@@ -71,7 +71,8 @@ def training_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     """The bytes ``model`` and ``optimizer`` hold now, from storages (see the module docstring).
 
     Gradients count where they exist (``None`` after ``zero_grad(set_to_none=True)`` or gradient
-    release). An optimizer that is not a ``BlockwiseAdamW`` holds no corrections.
+    release). An optimizer that is not one of the blockwise optimizers (BlockwiseAdamW, BlockwiseSGD,
+    BlockwiseLion) holds no corrections.
     """
     params = [p for p in model.parameters()]
     unique = {id(p): p for p in params}.values()
