@@ -583,3 +583,13 @@ class BlockwiseAdamW(BlockwiseOptimizer):
 PUBLIC_MODULE = "lightning_baoc.optim"
 BlockwiseOptimizer.__module__ = PUBLIC_MODULE
 BlockwiseAdamW.__module__ = PUBLIC_MODULE
+
+
+def __getattr__(attr: str) -> Any:
+    """The class aliases' old path (``lightning_baoc.optim.optimizer.optimizer_alias``), kept working:
+    they live in :mod:`lightning_baoc.optim.aliases`."""
+    if attr in ("optimizer_alias", "resolve_alias"):
+        from lightning_baoc.optim import aliases
+
+        return getattr(aliases, attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")

@@ -330,3 +330,11 @@ def test_state_dict_hooks_run_as_in_torch() -> None:
     assert sd["extra"] == 7
     opt.load_state_dict(sd)
     assert calls == ["save-pre", "load-post"]
+
+
+def test_the_class_aliases_old_path_still_imports() -> None:
+    from lightning_baoc.optim import aliases
+    from lightning_baoc.optim.optimizer import optimizer_alias, resolve_alias
+
+    assert optimizer_alias is aliases.optimizer_alias and resolve_alias is aliases.resolve_alias
+    assert optimizer_alias("AdamW").__name__ == "AdamW"
