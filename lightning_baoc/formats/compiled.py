@@ -88,22 +88,32 @@ def compiled_step(
 ) -> list[KernelItem]:
     """One step of ``items`` (all served: :func:`kernel_serves`); returns those skipped because
     their gradient held inf or NaN (``check_finite``): the kernel says which, no tensor is read."""
-    if hyper.rule != "adamw":
-        return _momentum_step(fmt, items, hyper, seed, check_finite)
+    if hyper.rule != "adamw":  # SGD's and Lion's momentum formats
+        kind = fmt.momentum_kind  # type: ignore[attr-defined]
+        return _step_items(items, False, lambda *args: _launch_momentum(kind, *args), hyper, seed, check_finite)
     kinds = fmt.kernel_kinds
     assert kinds is not None
     factored = kinds[1] == kernels.V_FACTORED
+    return _step_items(items, factored, lambda *args: _launch(kinds, *args), hyper, seed, check_finite)
+
+
+def _step_items(
+    items: list[KernelItem], factored: bool, launch: Callable[..., list[KernelItem]], hyper: StepHyper, seed: int,
+    check_finite: bool,
+) -> list[KernelItem]:
+    """The kernel call over the items it reads and writes in place (:func:`_direct`), then one call
+    per other item through an fp32 working copy written back at once; the skipped items."""
     direct = [it for it in items if _direct(it, factored)]
     skipped: list[KernelItem] = []
     if direct:
-        skipped += _launch(kinds, [it.param.detach().view(-1) for it in direct], [it.grad.view(-1) for it in direct],
-                           direct, hyper, seed, check_finite, [it.correction for it in direct])
+        skipped += launch([it.param.detach().view(-1) for it in direct], [it.grad.view(-1) for it in direct],
+                          direct, hyper, seed, check_finite, [it.correction for it in direct])
     for it in items:
         if _direct(it, factored):
             continue
         work, write_back = _master_flat(it) if it.correction is not None else param_flat(it.param)
         grad = it.grad.reshape(-1).to(torch.float32).contiguous()
-        skipped += _launch(kinds, [work], [grad], [it], hyper, seed, check_finite, [None])
+        skipped += launch([work], [grad], [it], hyper, seed, check_finite, [None])
         write_back()
     return skipped
 
@@ -147,29 +157,6 @@ def _launch(
 
 
 _RULES = {"sgd": kernels.RULE_SGD, "lion": kernels.RULE_LION}
-
-
-def _momentum_step(
-    fmt: StateFormat, items: list[KernelItem], hyper: StepHyper, seed: int, check_finite: bool
-) -> list[KernelItem]:
-    """SGD's or Lion's step (``hyper.rule``) of ``items`` held in a momentum format: the kernel reads
-    and writes contiguous parameters in place (16-bit ones with their corrections), others through an
-    fp32 working copy."""
-    kind = fmt.momentum_kind  # type: ignore[attr-defined]
-    direct = [it for it in items if _direct(it, False)]
-    skipped: list[KernelItem] = []
-    if direct:
-        skipped += _launch_momentum(kind, [it.param.detach().view(-1) for it in direct],
-                                    [it.grad.view(-1) for it in direct], direct, hyper, seed, check_finite,
-                                    [it.correction for it in direct])
-    for it in items:
-        if _direct(it, False):
-            continue
-        work, write_back = _master_flat(it) if it.correction is not None else param_flat(it.param)
-        grad = it.grad.reshape(-1).to(torch.float32).contiguous()
-        skipped += _launch_momentum(kind, [work], [grad], [it], hyper, seed, check_finite, [None])
-        write_back()
-    return skipped
 
 
 def _launch_momentum(
