@@ -77,13 +77,8 @@ def check_torch_options(
         )
 
 
-def validate_hyper(group: Mapping[str, Any], where: str) -> None:
-    """Validate a param group's hyperparameters; errors name ``where + key``, the value and the rule.
-
-    Raises:
-        ValueError: a value out of range, or an option set that BlockwiseAdamW does not implement.
-        TypeError: a value of the wrong type.
-    """
+def check_lr(group: Mapping[str, Any], where: str) -> None:
+    """A group's ``lr``: a float or a one-element tensor, finite and >= 0 (every blockwise optimizer)."""
     lr = group.get("lr")
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
@@ -97,6 +92,23 @@ def validate_hyper(group: Mapping[str, Any], where: str) -> None:
         raise TypeError(f"Invalid {where}lr: {lr!r}; expected a float >= 0")
     if not 0.0 <= lr_value < math.inf:
         raise ValueError(f"Invalid {where}lr: {lr_value!r}; expected a float >= 0 (and finite)")
+
+
+def check_correction(group: Mapping[str, Any], where: str) -> None:
+    """A group's ``weight_correction``: one of :data:`~lightning_baoc.formats.correction.CORRECTIONS`."""
+    correction = group.get("weight_correction", "none")
+    if correction not in CORRECTIONS:
+        raise ValueError(f"Invalid {where}weight_correction: {correction!r}; expected one of {', '.join(CORRECTIONS)}")
+
+
+def validate_hyper(group: Mapping[str, Any], where: str) -> None:
+    """Validate a param group's hyperparameters; errors name ``where + key``, the value and the rule.
+
+    Raises:
+        ValueError: a value out of range, or an option set that BlockwiseAdamW does not implement.
+        TypeError: a value of the wrong type.
+    """
+    check_lr(group, where)
     betas = group.get("betas")
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"Invalid {where}betas: {betas!r}; expected two floats in [0, 1)")
@@ -113,9 +125,7 @@ def validate_hyper(group: Mapping[str, Any], where: str) -> None:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < math.inf:
             raise ValueError(f"Invalid {where}{key}: {value!r}; expected a float >= 0 (and finite)")
     check_format_name(group.get("state_format"), f"{where}state_format")
-    correction = group.get("weight_correction", "none")
-    if correction not in CORRECTIONS:
-        raise ValueError(f"Invalid {where}weight_correction: {correction!r}; expected one of {', '.join(CORRECTIONS)}")
+    check_correction(group, where)
     for key in UNSUPPORTED_OPTIONS:
         if group.get(key):
             raise ValueError(

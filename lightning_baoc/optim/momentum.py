@@ -6,8 +6,8 @@ share :class:`~lightning_baoc.optim.optimizer.BlockwiseOptimizer`'s machinery wi
 :class:`~lightning_baoc.optim.BlockwiseAdamW`: per-format pools with exact accounting, live
 conversion between formats (:meth:`set_formats`), validated checkpoints keyed by parameter name,
 copies and pickles, bf16/fp16 weights with a master-weight correction, gradient release and the
-non-finite skip. Their step is the eager reference of :mod:`lightning_baoc.formats.momentum` (the
-compiled CPU kernels serve AdamW's formats only).
+non-finite skip. On the CPU they step through the compiled ``momentum_step`` kernel, bit-equal to the
+eager reference of :mod:`lightning_baoc.formats.momentum`, which runs elsewhere.
 
 - :class:`BlockwiseSGD` is ``torch.optim.SGD`` with every parameter in ``fp32`` (the same
   operations in the same order; tested within 1e-6 over 200 steps with momentum, dampening,
@@ -30,20 +30,8 @@ from torch import Tensor, nn
 
 from lightning_baoc.formats import DEFAULT_MIN_8BIT_NUMEL, MOMENTUM_FORMATS, StepHyper, check_format_name
 from lightning_baoc.formats.base import DEFAULT_CHUNK
-from lightning_baoc.formats.correction import CORRECTIONS
-from lightning_baoc.optim.args import to_float
+from lightning_baoc.optim.args import check_correction, check_lr, to_float
 from lightning_baoc.optim.optimizer import PUBLIC_MODULE, BlockwiseOptimizer
-
-
-def _check_lr(group: Mapping[str, Any], where: str) -> None:
-    lr = group.get("lr")
-    if isinstance(lr, Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"Invalid {where}lr: Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
-    elif not isinstance(lr, (int, float)) or isinstance(lr, bool):
-        raise TypeError(f"Invalid {where}lr: {lr!r}; expected a float >= 0")
-    if not 0.0 <= to_float(lr) < math.inf:
-        raise ValueError(f"Invalid {where}lr: {to_float(lr)!r}; expected a float >= 0 (and finite)")
 
 
 def _check_number(group: Mapping[str, Any], key: str, where: str, upper: float = math.inf) -> float:
@@ -55,12 +43,10 @@ def _check_number(group: Mapping[str, Any], key: str, where: str, upper: float =
 
 
 def _check_common(group: Mapping[str, Any], where: str) -> None:
-    _check_lr(group, where)
+    check_lr(group, where)
     _check_number(group, "weight_decay", where)
     check_format_name(group.get("state_format"), f"{where}state_format", MOMENTUM_FORMATS)
-    correction = group.get("weight_correction", "none")
-    if correction not in CORRECTIONS:
-        raise ValueError(f"Invalid {where}weight_correction: {correction!r}; expected one of {', '.join(CORRECTIONS)}")
+    check_correction(group, where)
     if not isinstance(group.get("maximize", False), bool):
         raise TypeError(f"Invalid {where}maximize: {group.get('maximize')!r}; expected a bool")
 
