@@ -239,8 +239,7 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, Re
 
         Raises:
             TypeError: an unsupported optimizer (the message names the supported ones).
-            ValueError: the optimizer holds parameters ``module`` does not have, or no trainable one,
-    
+            ValueError: the optimizer holds parameters ``module`` does not have, or no trainable one.
         """
         if self.optimizer is not None and optimizer is self.optimizer:
             return self.optimizer

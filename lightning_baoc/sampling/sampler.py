@@ -10,6 +10,7 @@ import queue
 import threading
 import time
 import weakref
+from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
@@ -51,6 +52,19 @@ class BlockHistory(NamedTuple):
     anisotropy: Tensor
     cosine: Tensor
     steps: Tensor
+
+
+@dataclass
+class _OpenSample:
+    """A sample gathered one parameter at a time (:meth:`GradientSampler.begin` ... ``finish``)."""
+
+    step: int
+    slot: int  # the staging buffer it fills
+    follower: bool  # elements only, for the cosine with the step before
+    scale: float | None  # the loss scale the gradients carry
+    done: set[int] = field(default_factory=set)  # ids of the segments gathered
+    seen: set[int] = field(default_factory=set)  # blocks with a gradient
+    copies: dict[torch.device, list[tuple[int, int]]] = field(default_factory=dict)  # ranges to copy to the host
 
 
 class GradientSampler(SamplerStateMixin):
@@ -141,7 +155,7 @@ class GradientSampler(SamplerStateMixin):
         self._error: BaseException | None = None
         self._last_step: int | None = None
         # the sample being gathered: (step, slot, follower, scale, segments done, blocks seen, copies)
-        self._open: tuple[int, int, bool, float | None, set[int], set[int], dict[torch.device, list[tuple[int, int]]]] | None = None
+        self._open: _OpenSample | None = None  # the sample being gathered (begin ... finish)
         self._segments_of: dict[Tensor, list[tuple[int, Any]]] = {}
         for bi, block in enumerate(self._blocks):
             for seg in block.segments:
@@ -192,7 +206,7 @@ class GradientSampler(SamplerStateMixin):
         hook. :meth:`sample` is ``begin``, a gather of every parameter and ``finish``; the two paths
         store the same numbers. Returns whether ``step`` is sampled (as :meth:`sample`)."""
         if self._open is not None:
-            raise RuntimeError(f"GradientSampler: the sample of step {self._open[0]} is still open; finish() or abort() it first")
+            raise RuntimeError(f"GradientSampler: the sample of step {self._open.step} is still open; finish() or abort() it first")
         if not self.is_sampling_step(step):
             return False
         if grad_scale is not None and not (math.isfinite(grad_scale) and grad_scale > 0):
@@ -206,7 +220,7 @@ class GradientSampler(SamplerStateMixin):
             self._timing["stalls"] += 1
             slot = self._free.get()
         follower = self.sample_every > 1 and step % self.sample_every == 1
-        self._open = (int(step), slot, follower, None if grad_scale is None else float(grad_scale), set(), set(), {})
+        self._open = _OpenSample(int(step), slot, follower, None if grad_scale is None else float(grad_scale))
         self._timing["hot_path_s"] += time.perf_counter() - t0
         return True
 
@@ -219,23 +233,24 @@ class GradientSampler(SamplerStateMixin):
         t0 = time.perf_counter()
         grad = param.grad if grad is None else grad
         for bi, seg in self._segments_of.get(param, ()):
-            if id(seg) not in self._open[4]:
+            if id(seg) not in self._open.done:
                 self._gather_segment(bi, seg, grad)
         self._timing["hot_path_s"] += time.perf_counter() - t0
 
     def _gather_segment(self, bi: int, seg: Any, grad: Tensor | None) -> None:
-        step, slot, follower, _, done, seen, copies = self._open  # type: ignore[misc]
+        sample = self._open
+        assert sample is not None
         device = torch.device("cpu") if grad is None else grad.device
         if grad is not None:
-            seen.add(bi)
-        done.add(id(seg))
+            sample.seen.add(bi)
+        sample.done.add(id(seg))
         if device.type == "cpu":
-            _gather(seg, grad, self._slots[slot], device, with_rows=not follower)
+            _gather(seg, grad, self._slots[sample.slot], device, with_rows=not sample.follower)
         else:
-            _gather(seg, grad, self._device_buffer(device), device, with_rows=not follower)
-            ranges = copies.setdefault(device, [])
+            _gather(seg, grad, self._device_buffer(device), device, with_rows=not sample.follower)
+            ranges = sample.copies.setdefault(device, [])
             ranges.append((seg.elem_offset, seg.elem_offset + seg.elem_count))
-            if not follower:
+            if not sample.follower:
                 ranges.append((seg.row_offset, seg.row_offset + seg.row_count))
 
     @torch.no_grad()
@@ -248,14 +263,14 @@ class GradientSampler(SamplerStateMixin):
         t0 = time.perf_counter()
         for bi, block in enumerate(self._blocks):
             for seg in block.segments:
-                if id(seg) not in self._open[4]:
+                if id(seg) not in self._open.done:
                     self._gather_segment(bi, seg, seg.param.grad)
-        step, slot, follower, scale, _, seen, copies = self._open
-        self._open = None
+        sample, self._open = self._open, None
+        step, slot, follower, scale = sample.step, sample.slot, sample.follower, sample.scale
         host = self._slots[slot]
-        missing = [bi for bi in range(len(self._blocks)) if bi not in seen]
+        missing = [bi for bi in range(len(self._blocks)) if bi not in sample.seen]
         events = []
-        for device, ranges in copies.items():
+        for device, ranges in sample.copies.items():
             for a, b in _merge(ranges):
                 host[a:b].copy_(self._device_buffers[device][a:b], non_blocking=True)
             if device.type == "cuda":
@@ -271,7 +286,7 @@ class GradientSampler(SamplerStateMixin):
     def abort(self) -> None:
         """Drop the open sample, if any (a step that ran no backward): nothing is stored."""
         if self._open is not None:
-            self._free.put(self._open[1])
+            self._free.put(self._open.slot)
             self._open = None
 
     def _device_buffer(self, device: torch.device) -> Tensor:

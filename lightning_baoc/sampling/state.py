@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Mapping
 
-import torch
 from torch import Tensor
 
 #: Format version of :meth:`GradientSampler.state_dict <SamplerStateMixin.state_dict>`.
