@@ -17,7 +17,7 @@ accelerator (Lightning 2.6's ``Strategy.load_optimizer_state_dict`` calls ``_opt
 from __future__ import annotations
 
 import warnings
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -94,7 +94,7 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
         self._warned: set[str] = set()  # names warned of a skipped update
         self._released: set[Tensor] = set()  # stepped by gradient release since the last step()
         self._release_handles: list[Any] = []
-        self._gradient_observers: dict[int, Callable[[Tensor], None]] = {}  # see add_gradient_observer
+        self._gradient_observers: OrderedDict[int, Callable[[Tensor], None]] = OrderedDict()  # see add_gradient_observer
         self._names: dict[str, Tensor] = {}
         self._pools: dict[tuple[str, str], _Pool] = {}
         self._live_bytes = 0
@@ -316,7 +316,7 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
     def _step_params(self, params: list[Tensor]) -> None:
         """One step of ``params`` (with gradients, states and corrections in place), by group."""
         chosen = set(params)
-        eager: list[tuple[Mapping[str, Any], StepHyper, list[Tensor]]] = []
+        eager: list[tuple[StepHyper, list[Tensor]]] = []
         for group in self.param_groups:
             hyper = self._hyper(group)
             compiled: dict[str, list[KernelItem]] = defaultdict(list)
@@ -337,11 +337,11 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
                 if skipped:
                     self._warn_skipped([self._records[it.param] for it in skipped])
             if rest:
-                eager.append((group, hyper, rest))
+                eager.append((hyper, rest))
         if eager:
-            finite = self._finite_mask([p for _, _, params in eager for p in params])
-            for group, hyper, params in eager:
-                self._eager_step(group, hyper, params, finite[: len(params)])
+            finite = self._finite_mask([p for _, params in eager for p in params])
+            for hyper, params in eager:
+                self._eager_step(hyper, params, finite[: len(params)])
                 finite = finite[len(params) :]
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections import OrderedDict
 from typing import IO, Any, Callable, Mapping
 
 import torch
@@ -68,7 +69,7 @@ class PersistenceMixin:
         state = {k: v for k, v in self.__dict__.items() if k not in _RUNTIME_ONLY}
         # gradient release: hooks live on this process's parameters; the copy registers its own
         state["_release_handles"], state["_released"] = [], set()
-        state["_gradient_observers"] = {}  # like hooks: the copy has none
+        state["_gradient_observers"] = OrderedDict()  # like hooks: the copy has none
         state["_release_on"] = bool(self.__dict__.get("_release_handles"))
         state["_records"] = {p: dataclasses.replace(rec, views=None) for p, rec in self._records.items()}
         state["_pools"] = {}
@@ -84,7 +85,7 @@ class PersistenceMixin:
         release_on = state.pop("_release_on", False)
         state.setdefault("_release_handles", [])
         state.setdefault("_released", set())
-        state.setdefault("_gradient_observers", {})
+        state.setdefault("_gradient_observers", OrderedDict())
         state.setdefault("_salts", {})
         state.setdefault("_warned", set())
         state.pop("_generators", None)  # pickles of earlier releases: the rounding is keyed now

@@ -27,10 +27,12 @@ The contract:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 from lightning_baoc.optim.pools import Record
 
@@ -39,30 +41,16 @@ class GradientAccumulationError(RuntimeError):
     """A parameter released its gradient twice without a ``step()`` in between."""
 
 
-class ObserverHandle:
-    """Removes one gradient observer (:meth:`ReleaseMixin.add_gradient_observer`)."""
-
-    _next = 0
-
-    def __init__(self, table: dict[int, Callable[[Tensor], None]]) -> None:
-        ObserverHandle._next += 1
-        self.key = ObserverHandle._next
-        self._table = table
-
-    def remove(self) -> None:
-        self._table.pop(self.key, None)
-
-
 class ReleaseMixin:
     """Gradient release of BlockwiseAdamW (see the module docstring)."""
 
     _records: dict[Tensor, Record]
     _released: set[Tensor]
     _release_handles: list[Any]
-    _gradient_observers: dict[int, Callable[[Tensor], None]]
+    _gradient_observers: OrderedDict[int, Callable[[Tensor], None]]
     param_groups: list[dict[str, Any]]
 
-    def add_gradient_observer(self, observer: Callable[[Tensor], None]) -> "ObserverHandle":
+    def add_gradient_observer(self, observer: Callable[[Tensor], None]) -> RemovableHandle:
         """Call ``observer(param)`` in the release hook, with ``param.grad`` complete, before the
         parameter steps and its gradient is freed; returns a handle whose ``remove()`` ends it.
 
@@ -70,8 +58,8 @@ class ReleaseMixin:
         optimizer (like torch's hooks)."""
         if not callable(observer):
             raise TypeError(f"observer must be callable, got {type(observer).__name__}")
-        handle = ObserverHandle(self._gradient_observers)
-        self._gradient_observers[handle.key] = observer
+        handle = RemovableHandle(self._gradient_observers)
+        self._gradient_observers[handle.id] = observer
         return handle
 
     def release_gradients(self, enabled: bool = True) -> None:
@@ -121,4 +109,4 @@ class ReleaseMixin:
         p.grad = None
 
 
-__all__ = ["GradientAccumulationError", "ObserverHandle", "ReleaseMixin"]
+__all__ = ["GradientAccumulationError", "ReleaseMixin"]

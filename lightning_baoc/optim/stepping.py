@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections import defaultdict
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
 from torch import Tensor
@@ -25,7 +25,6 @@ from torch import Tensor
 from lightning_baoc.formats import StateFormat, StepHyper, StepItem
 from lightning_baoc.formats.correction import reconstruct, split_into
 from lightning_baoc.formats.quant import name_salt
-from lightning_baoc.optim.args import to_float as _float
 from lightning_baoc.optim.pools import Record
 
 
@@ -87,12 +86,12 @@ class StepMixin:
                     stacklevel=3,
                 )
 
-    def _eager_step(self, group: Mapping[str, Any], hyper: StepHyper, params: list[Tensor], finite: list[bool]) -> None:
+    def _eager_step(self, hyper: StepHyper, params: list[Tensor], finite: list[bool]) -> None:
         """The eager step of ``params`` (the reference), whose gradients' finiteness the host has
         read (:meth:`_finite_mask`, one synchronisation per device and step)."""
         if not params:
             return
-        beta1, beta2 = (_float(b) for b in group["betas"]) if "betas" in group else (0.0, 0.0)
+        beta1, beta2 = hyper.beta1, hyper.beta2  # the group's (SGD's momentum is its beta1)
         buckets: dict[tuple[str, torch.device], list[StepItem]] = defaultdict(list)
         skipped: list[Record] = []
         for p, ok in zip(params, finite):
