@@ -586,19 +586,28 @@ inline bool any_nonfinite16(const uint16_t* g, int64_t n, uint16_t mask) {
 
 inline int64_t superblocks(int64_t numel) { return (numel + SUPER - 1) / SUPER; }
 
-template <int64_t M, int64_t V>
-void run_all(const std::vector<Tensors>& items, float limit_m, float limit_v) {
+// f(i, sb, full) for every super-block sb of every tensor items[i], the whole range divided among the
+// threads by at::parallel_for; full: a whole 1024-element super-block.
+template <typename F>
+void over_superblocks(const std::vector<Tensors>& items, F&& f) {
   std::vector<int64_t> offsets(items.size() + 1, 0);
   for (size_t i = 0; i < items.size(); ++i) offsets[i + 1] = offsets[i] + superblocks(items[i].numel);
   at::parallel_for(0, offsets.back(), 8, [&](int64_t begin, int64_t end) {
     size_t i = std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin() - 1;
     for (int64_t k = begin; k < end; ++k) {
       while (k >= offsets[i + 1]) ++i;
-      if ((k - offsets[i] + 1) * SUPER <= items[i].numel) {
-        superblock<M, V, true>(items[i], k - offsets[i], limit_m, limit_v);
-      } else {
-        superblock<M, V, false>(items[i], k - offsets[i], limit_m, limit_v);
-      }
+      f(i, k - offsets[i], (k - offsets[i] + 1) * SUPER <= items[i].numel);
+    }
+  });
+}
+
+template <int64_t M, int64_t V>
+void run_all(const std::vector<Tensors>& items, float limit_m, float limit_v) {
+  over_superblocks(items, [&](size_t i, int64_t sb, bool full) {
+    if (full) {
+      superblock<M, V, true>(items[i], sb, limit_m, limit_v);
+    } else {
+      superblock<M, V, false>(items[i], sb, limit_m, limit_v);
     }
   });
 }
@@ -979,17 +988,11 @@ void momentum_superblock(const Tensors& t, const MomentumScalars& s, int64_t sb,
 
 template <int64_t RULE, int64_t M>
 void run_momentum_all(const std::vector<Tensors>& items, const std::vector<MomentumScalars>& scalars, float limit_m) {
-  std::vector<int64_t> offsets(items.size() + 1, 0);
-  for (size_t i = 0; i < items.size(); ++i) offsets[i + 1] = offsets[i] + superblocks(items[i].numel);
-  at::parallel_for(0, offsets.back(), 8, [&](int64_t begin, int64_t end) {
-    size_t i = std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin() - 1;
-    for (int64_t k = begin; k < end; ++k) {
-      while (k >= offsets[i + 1]) ++i;
-      if ((k - offsets[i] + 1) * SUPER <= items[i].numel) {
-        momentum_superblock<RULE, M, true>(items[i], scalars[i], k - offsets[i], limit_m);
-      } else {
-        momentum_superblock<RULE, M, false>(items[i], scalars[i], k - offsets[i], limit_m);
-      }
+  over_superblocks(items, [&](size_t i, int64_t sb, bool full) {
+    if (full) {
+      momentum_superblock<RULE, M, true>(items[i], scalars[i], sb, limit_m);
+    } else {
+      momentum_superblock<RULE, M, false>(items[i], scalars[i], sb, limit_m);
     }
   });
 }
