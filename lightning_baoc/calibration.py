@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, format_state_bytes, numel_of, resolve_format
+from .formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, format_state_bytes, formats_of, numel_of, resolve_in
 from .kernels import step_path
 from .solver import check_mask as _check_mask
 
@@ -59,6 +59,16 @@ PRIOR_STEP_COST: Mapping[str, float] = {
     "nomomentum_int8": 1.4,
     "factored": 0.7,
     "offload": 20.0,
+}
+
+#: :data:`PRIOR_STEP_COST` of every update rule: the momentum formats of BlockwiseSGD and
+#: BlockwiseLion relative to their fp32 buffer, from :func:`calibrate` (``rule="sgd"``,
+#: ``rule="lion"``, 4M elements, 1 thread) on a 2-core AMD EPYC CPU with torch 2.13 (rounded; at 2
+#: threads on a loaded machine bf16 and int8 measured 1.15 and ``none`` 0.18).
+PRIOR_STEP_COSTS: Mapping[str, Mapping[str, float]] = {
+    "adamw": PRIOR_STEP_COST,
+    "sgd": {"fp32": 1.0, "bf16": 1.7, "int8": 1.7, "none": 0.7},
+    "lion": {"fp32": 1.0, "bf16": 1.9, "int8": 2.1, "none": 0.8},
 }
 
 
@@ -134,7 +144,7 @@ OFFLOAD_NEEDS_TIME_BUDGET = (
 
 
 def withheld_formats(
-    device: str | torch.device, time_budget: bool, menu: Iterable[str] | None = None
+    device: str | torch.device, time_budget: bool, menu: Iterable[str] | None = None, rule: str = "adamw"
 ) -> dict[str, str]:
     """The formats the solver must not be offered, and why: the one rule shared by the training
     controller, ``lightning-baoc check`` and ``lightning-baoc plan``.
@@ -147,8 +157,10 @@ def withheld_formats(
     Args:
         device: the training device.
         time_budget: whether a time budget is set.
-        menu: the formats asked for (default: ``None``: all of :data:`~lightning_baoc.FORMATS`);
-            only formats of the menu are reported.
+        menu: the formats asked for (default: ``None``: all of the rule's formats); only formats
+            of the menu are reported.
+        rule: the optimizer's update rule, whose formats the menu names (default: ``"adamw"``;
+            ``"sgd"``, ``"lion"``: :data:`~lightning_baoc.formats.MOMENTUM_FORMATS`).
 
     Example:
         >>> withheld_formats("cuda", time_budget=False, menu=["fp32", "int8", "offload"])["offload"][:31]
@@ -156,7 +168,7 @@ def withheld_formats(
         >>> "offload" in withheld_formats("cuda", time_budget=True)
         False
     """
-    wanted = list(FORMATS) if menu is None else [_check_name(f) for f in menu]
+    wanted = list(formats_of(rule)) if menu is None else [_check_name(f, rule) for f in menu]
     out = dict(hardware_mask(device))
     if "offload" not in out and not time_budget and offload_saves_memory(device):
         out["offload"] = OFFLOAD_NEEDS_TIME_BUDGET
@@ -168,8 +180,10 @@ def memory_table(
     device: str | torch.device,
     formats: Iterable[str] | None = None,
     min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL,
+    rule: str = "adamw",
 ) -> dict[str, dict[str, int]]:
-    """Device bytes of optimizer state per block and format (fallbacks applied per tensor).
+    """Device bytes of optimizer state per block and format (fallbacks applied per tensor), for the
+    formats of the update rule ``rule`` (default: AdamW's).
 
     ``offload`` costs 0 device bytes on a discrete accelerator and its full 8 bytes per element
     where host memory is the device's memory (CPU, MPS).
@@ -178,16 +192,16 @@ def memory_table(
         >>> memory_table({"fc": [(64, 64), (64,)]}, "cpu", ["fp32", "int8", "offload"])
         {'fc': {'fp32': 33280, 'int8': 9224, 'offload': 33280}}
     """
-    names = list(FORMATS) if formats is None else [_check_name(f) for f in formats]
+    names = list(formats_of(rule)) if formats is None else [_check_name(f, rule) for f in formats]
     off_device = offload_saves_memory(device)
     return {
-        block: {f: sum(device_state_bytes(f, s, off_device, min_8bit_numel) for s in shapes) for f in names}
+        block: {f: sum(device_state_bytes(f, s, off_device, min_8bit_numel, rule) for s in shapes) for f in names}
         for block, shapes in blocks.items()
     }
 
 
 def device_state_bytes(
-    name: str, shape: Sequence[int], off_device: bool, min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL
+    name: str, shape: Sequence[int], off_device: bool, min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL, rule: str = "adamw"
 ) -> int:
     """Device bytes of one tensor's state in format ``name`` (its fallbacks applied): the rule of
     :func:`memory_table`, per tensor. ``off_device`` is :func:`offload_saves_memory` of the device.
@@ -196,14 +210,16 @@ def device_state_bytes(
         >>> device_state_bytes("offload", (64, 64), off_device=True), device_state_bytes("int8", (64,), False)
         (0, 512)
     """
-    if name == "offload" and off_device:
+    if formats_of(rule)[_check_name(name, rule)].offloaded and off_device:
         return 0
-    return format_state_bytes(name, tuple(shape), min_8bit_numel)
+    return format_state_bytes(name, tuple(shape), min_8bit_numel, rule)
 
 
-def _check_name(name: str) -> str:
-    if name not in FORMATS:
-        raise ValueError(f"Unknown format {name!r}; allowed: {list(FORMATS)}")
+def _check_name(name: str, rule: str = "adamw") -> str:
+    registry = formats_of(rule)
+    if name not in registry:
+        whose = "" if rule == "adamw" else f" of the {rule} rule" + (" (an AdamW format)" if name in FORMATS else "")
+        raise ValueError(f"Unknown format {name!r}{whose}; allowed: {list(registry)}")
     return name
 
 
@@ -220,6 +236,8 @@ class Calibration:
         numel: elements in the synthetic tensor set.
         steps: timed steps per format (the fastest is kept).
         version: :data:`CALIBRATION_VERSION` of the measurement.
+        created: when it was measured.
+        rule: the update rule whose formats were timed (``"adamw"``, ``"sgd"``, ``"lion"``).
     """
 
     device: str
@@ -231,6 +249,7 @@ class Calibration:
     steps: int
     version: int = CALIBRATION_VERSION
     created: str = field(default="", compare=False)
+    rule: str = "adamw"
 
     def relative(self) -> dict[str, float]:
         """Format -> step cost per element relative to ``fp32``."""
@@ -273,13 +292,18 @@ def device_name(device: str | torch.device) -> str:
     return dev.type
 
 
-def cache_path(device: str | torch.device, cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """The JSON file a calibration of ``device`` is cached in (per device model, threads, torch, and
-    on the CPU the step that runs: the compiled kernels or the eager step)."""
+def cache_path(
+    device: str | torch.device, cache_dir: str | os.PathLike[str] | None = None, rule: str = "adamw"
+) -> Path:
+    """The JSON file a calibration of ``device`` is cached in (per device model, threads, torch, on
+    the CPU the step that runs: the compiled kernels or the eager step, and the update rule)."""
     dev = _as_device(device)
     threads = torch.get_num_threads() if dev.type == "cpu" else 0
     path = f"-{step_path(dev)}" if dev.type == "cpu" else ""
     key = f"{dev.type}-{device_name(dev)}-t{threads}{path}-torch{torch.__version__}-v{CALIBRATION_VERSION}"
+    if rule != "adamw":
+        formats_of(rule)  # an unknown rule is refused
+        key = f"{rule}-{key}"
     slug = re.sub(r"[^A-Za-z0-9.+-]+", "_", key).strip("_")
     base = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return base / f"calibration-{slug}.json"
@@ -298,17 +322,26 @@ def _synchronize(dev: torch.device) -> None:
 
 
 def measure_step_seconds(
-    formats: Iterable[str], device: str | torch.device = "cpu", numel: int = 1 << 20, steps: int = 5, warmup: int = 2
+    formats: Iterable[str], device: str | torch.device = "cpu", numel: int = 1 << 20, steps: int = 5, warmup: int = 2,
+    rule: str = "adamw",
 ) -> dict[str, float]:
-    """Seconds of one ``BlockwiseAdamW.step()`` over the synthetic set, per format (fastest of ``steps``).
+    """Seconds of one optimizer step over the synthetic set, per format (fastest of ``steps``):
+    ``BlockwiseAdamW``, or with ``rule="sgd"`` / ``"lion"`` ``BlockwiseSGD`` (momentum 0.9) /
+    ``BlockwiseLion``.
 
     The synthetic set is four 2-D tensors of 256 rows (every format holds them as is: no 1-D or
     small-tensor fallback) with fixed random gradients, one optimizer per format. Steps are timed
     round-robin over the formats, so a change of machine load hits every format alike.
     """
-    from .optim import BlockwiseAdamW  # imported here: the optimizer imports this package's formats
+    # imported here: the optimizers import this package's formats
+    from .optim import BlockwiseAdamW, BlockwiseLion, BlockwiseSGD
 
-    names = [_check_name(f) for f in formats]
+    names = [_check_name(f, rule) for f in formats]
+    make = {
+        "adamw": lambda params, fmt: BlockwiseAdamW(params, lr=1e-3, state_format=fmt),
+        "sgd": lambda params, fmt: BlockwiseSGD(params, lr=1e-3, momentum=0.9, state_format=fmt),
+        "lion": lambda params, fmt: BlockwiseLion(params, lr=1e-4, state_format=fmt),
+    }[rule]
     dev = _as_device(device)
     rows, cols = _SYNTHETIC_ROWS, _synthetic_cols(numel)
     optimizers = {}
@@ -319,7 +352,7 @@ def measure_step_seconds(
             p = torch.nn.Parameter(torch.randn(rows, cols, generator=gen).to(dev))
             p.grad = torch.randn(rows, cols, generator=gen).to(dev) * 1e-3
             params.append((f"w{i}", p))
-        optimizers[fmt] = BlockwiseAdamW(params, lr=1e-3, state_format=fmt)
+        optimizers[fmt] = make(params, fmt)
     for opt in optimizers.values():
         for _ in range(warmup):
             opt.step()
@@ -343,6 +376,7 @@ def calibrate(
     steps: int = 7,
     cache_dir: str | os.PathLike[str] | None = None,
     refresh: bool = False,
+    rule: str = "adamw",
 ) -> Calibration:
     """Seconds per element of one optimizer step for each format on ``device``, cached.
 
@@ -351,12 +385,14 @@ def calibrate(
 
     Args:
         device: the training device (default: ``"cpu"``).
-        formats: formats to measure (default: all of :data:`~lightning_baoc.FORMATS`, minus those
+        formats: formats to measure (default: all of the rule's formats, minus those
             :func:`hardware_mask` excludes on this device).
         numel: elements of the synthetic tensor set (default: 2**20: ~0.1-1 s per format on a CPU).
         steps: timed steps per format, round-robin; the fastest is kept (default: 7).
         cache_dir: where to cache (default: the user cache directory).
         refresh: measure again even if cached (default: False).
+        rule: the optimizer's update rule (default: ``"adamw"``; ``"sgd"``, ``"lion"``: the
+            momentum formats of BlockwiseSGD and BlockwiseLion, cached apart).
 
     Returns:
         The :class:`Calibration`.
@@ -374,22 +410,24 @@ def calibrate(
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     wanted = (
-        [f for f in FORMATS if f not in hardware_mask(dev)]
+        [f for f in formats_of(rule) if f not in hardware_mask(dev)]
         if formats is None
-        else [_check_name(f) for f in formats]
+        else [_check_name(f, rule) for f in formats]
     )
-    path = cache_path(dev, cache_dir)
+    path = cache_path(dev, cache_dir, rule)
     cached: Calibration | None = None
     if path.exists() and not refresh:
         try:
             cached = Calibration.from_dict(json.loads(path.read_text(encoding="utf-8")))
         except (ValueError, TypeError, KeyError):
             cached = None  # a corrupt or foreign file is measured again and overwritten
+        if cached is not None and cached.rule != rule:
+            cached = None
     known = dict(cached.seconds_per_element) if cached is not None else {}
     missing = [f for f in wanted if f not in known]
     if missing:
         elements = 4 * _SYNTHETIC_ROWS * _synthetic_cols(numel)
-        for f, seconds in measure_step_seconds(missing, dev, numel, steps).items():
+        for f, seconds in measure_step_seconds(missing, dev, numel, steps, rule=rule).items():
             known[f] = seconds / elements
     result = Calibration(
         device=str(dev),
@@ -400,6 +438,7 @@ def calibrate(
         numel=numel if cached is None else cached.numel,
         steps=steps if cached is None else cached.steps,
         created=time.strftime("%Y-%m-%dT%H:%M:%S") if (missing or cached is None) else cached.created,
+        rule=rule,
     )
     if missing or cached is None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -414,9 +453,10 @@ def time_table(
     costs: Calibration | Mapping[str, float],
     formats: Iterable[str] | None = None,
     min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL,
+    rule: str = "adamw",
 ) -> dict[str, dict[str, float]]:
     """Step time per block and format: elements x the per-element cost of the format each tensor
-    really gets (fallbacks applied).
+    really gets (fallbacks applied), for the formats of the update rule ``rule``.
 
     Args:
         blocks: block name -> parameter shapes.
@@ -424,20 +464,22 @@ def time_table(
             :data:`PRIOR_STEP_COST`; time budgets are relative to fp32 anyway).
         formats: the formats to tabulate (default: those ``costs`` covers).
         min_8bit_numel: the optimizer's small-tensor threshold (default: 4096).
+        rule: the optimizer's update rule (default: ``"adamw"``).
 
     Example:
         >>> time_table({"fc": [(64, 64), (64,)]}, {"fp32": 1.0, "int8": 3.0})
         {'fc': {'fp32': 4160.0, 'int8': 12352.0}}
     """
     per = dict(costs.seconds_per_element if isinstance(costs, Calibration) else costs)
-    names = list(per) if formats is None else [_check_name(f) for f in formats]
+    names = list(per) if formats is None else [_check_name(f, rule) for f in formats]
+    registry = formats_of(rule)
     out: dict[str, dict[str, float]] = {}
     for block, shapes in blocks.items():
         row: dict[str, float] = {}
         for f in names:
             total = 0.0
             for s in shapes:
-                real = resolve_format(f, tuple(s), min_8bit_numel)
+                real = resolve_in(registry, f, tuple(s), min_8bit_numel)
                 if real not in per:
                     raise ValueError(
                         f"no step cost for format {real!r} (what {f!r} becomes for shape {tuple(s)}); "
@@ -453,6 +495,7 @@ __all__ = [
     "CALIBRATION_VERSION",
     "Calibration",
     "PRIOR_STEP_COST",
+    "PRIOR_STEP_COSTS",
     "cache_path",
     "calibrate",
     "check_mask",

@@ -68,9 +68,10 @@ from .control.protocol import Broadcast, decide_on_rank_zero
 from .control.start import StartMixin
 from .costs import AllocationProblem, with_message
 from .integrations.swap import SUPPORTED_OPTIMIZERS, convert_optimizer, rebind_scheduler
-from .formats import format_state_bytes
-from .optim import BlockwiseAdamW
+from .formats import RULE_NAMES, format_state_bytes
+from .optim import BlockwiseOptimizer
 from .memory import training_memory
+from .risk import optimizer_risk_table
 from .risk.prior import block_kind, prior_risk
 from .risk.shadow import ShadowMoments
 from .sampler import GradientSampler
@@ -90,21 +91,11 @@ Phase = Literal["warmup", "allocated"]
 RiskFn = Callable[..., Mapping[str, Mapping[str, float]]]
 
 
-def _default_risk_fn(
-    optimizer: BlockwiseAdamW,
-    blocks: Mapping[str, Sequence[str]],
-    statistics: Mapping[str, Mapping[str, float]] | None,
-    formats: Sequence[str] | None = None,
-    horizon: int = 200,
-    shadow: ShadowMoments | None = None,
-) -> Mapping[str, Mapping[str, float]]:
-    # Imported at call time so that the lifecycle does not pin the risk model's module at import.
-    from .risk import risk_table
-
-    return risk_table(optimizer, blocks, statistics, formats=formats, horizon=horizon, shadow=shadow)
+#: The risk model the controller uses unless given another.
+_default_risk_fn = optimizer_risk_table
 
 
-def _training_device(optimizer: BlockwiseAdamW) -> torch.device:
+def _training_device(optimizer: BlockwiseOptimizer) -> torch.device:
     """The device the optimizer's parameters train on: it decides the formats withheld and what
     ``offload`` costs there."""
     return next(iter(optimizer.named_params.values())).device
@@ -119,7 +110,7 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, Re
     Args:
         config: the settings (a :class:`BAOCConfig`, or its fields as keyword arguments).
         risk_fn: the risk model, ``risk_fn(optimizer, blocks, statistics, formats=, horizon=)``
-            (default: :func:`lightning_baoc.risk.risk_table`).
+            (default: :func:`lightning_baoc.risk.optimizer_risk_table`: AdamW's risk model, or SGD's and Lion's).
 
     Attributes:
         block_params: the partition, block -> the optimizer's names of its parameters (set at
@@ -145,7 +136,7 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, Re
             raise TypeError(f"pass either config or keyword settings, not both (got {sorted(kwargs)})")
         self.config = config
         self.risk_fn: RiskFn = risk_fn or _default_risk_fn
-        self.optimizer: BlockwiseAdamW | None = None
+        self.optimizer: BlockwiseOptimizer | None = None
         self.sampler: GradientSampler | None = None
         self.block_params: dict[str, list[str]] = {}  # the partition (see Attributes)
         self.phase: Phase = "warmup"
@@ -165,6 +156,7 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, Re
         self._shapes: dict[str, list[tuple[int, ...]]] = {}
         self._numel: dict[str, int] = {}
         self._baseline = 0
+        self._moments = 2  # buffers of the optimizer's fp32 reference: AdamW 2, SGD and Lion 1
         self._device = torch.device("cpu")
         self._withheld: dict[str, str] = {}  # format -> why it is not offered (the problem's ``withheld``)
         self._offered: list[str] = []  # the menu less the withheld formats (the problem's ``allowed``)
@@ -189,16 +181,18 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, Re
 
     @property
     def fp32_state_bytes(self) -> int:
-        """fp32 AdamW state bytes of the blocks: 8 bytes per trainable element."""
-        return 8 * sum(self._numel.values())
+        """The fp32 state bytes of the blocks: fp32 AdamW's 8 bytes per trainable element (SGD's and
+        Lion's fp32 momentum: 4)."""
+        return 4 * self._moments * sum(self._numel.values())
 
     @property
     def baseline_state_bytes(self) -> int:
-        """The state the user's own ``torch.optim.AdamW`` would hold on the blocks' parameters.
+        """The state the user's own ``torch.optim.AdamW`` (``SGD``, Lion) would hold on the blocks'
+        parameters.
 
         torch's AdamW keeps its two moments in each parameter's dtype: 8 bytes per fp32 element
-        (:attr:`fp32_state_bytes`), 4 per bf16 or fp16 element. A fractional memory budget and
-        the fraction saved refer to it.
+        (:attr:`fp32_state_bytes`), 4 per bf16 or fp16 element; SGD and Lion one buffer (4, 2). A
+        fractional memory budget and the fraction saved refer to it.
         """
         return self._baseline
 
@@ -223,7 +217,7 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, Re
 
     # ------------------------------------------------------------------ install
 
-    def install(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> BlockwiseAdamW:
+    def install(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> BlockwiseOptimizer:
         """Take over ``optimizer`` (identical behaviour) and attach blocks and sampler.
 
         Idempotent for the optimizer it returned. Rebinding LR schedulers and swapping the
@@ -233,8 +227,12 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, Re
         bf16/fp16 parameters hold ``bf16`` state (4 bytes per element, as torch's AdamW holds on
         them), never more than the user's own optimizer would.
 
+        A ``torch.optim.SGD`` becomes a :class:`~lightning_baoc.BlockwiseSGD`; a BlockwiseSGD or
+        BlockwiseLion is kept: their momentum formats (``fp32``, ``bf16``, ``int8``, ``none``) are
+        allocated, risked by :func:`~lightning_baoc.risk.momentum.momentum_risk_table`.
+
         Args:
-            optimizer: a ``torch.optim.AdamW``/``Adam`` or a ``BlockwiseAdamW``.
+            optimizer: a ``torch.optim.AdamW``/``Adam``/``SGD`` or a blockwise optimizer.
             module: the model whose parameters the optimizer holds.
 
         Raises:
@@ -457,7 +455,7 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, Re
             return {}
         module = self._module if self._module is not None else nn.Module()
         kinds = {b: block_kind(module, b) for b in fresh}
-        table = prior_risk(self._shapes, kinds, list(self._offered), opt.min_8bit_numel)
+        table = prior_risk(self._shapes, kinds, list(self._offered), opt.min_8bit_numel, opt.rule)
         return {b: table[b] for b in fresh}
 
     def _current_fits(self) -> bool:
@@ -522,6 +520,7 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, Re
             peak_state_bytes=self.peak_state_bytes,
             instrument_bytes=self.instrument_bytes,
             training_memory=training_memory(self._module, opt).to_dict() if self._module is not None else None,
+            optimizer=RULE_NAMES[opt.rule],
         )
         self.last_event = event
         self.history.append(
@@ -556,7 +555,7 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, Re
         for b, names in self.block_params.items():
             total = 0
             for n, shape in zip(names, self._shapes[b]):
-                total += format_state_bytes(held[n], shape, self.optimizer.min_8bit_numel)
+                total += format_state_bytes(held[n], shape, self.optimizer.min_8bit_numel, self.optimizer.rule)
             out[b] = int(total)
         return out
 
@@ -574,7 +573,8 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, Re
         assert self.optimizer is not None
         return (
             f"BAOC: phase {self.phase}, {len(self.block_params)} blocks, optimizer state "
-            f"{format_bytes(self.optimizer.state_bytes())} of {format_bytes(self.baseline_state_bytes)} AdamW "
+            f"{format_bytes(self.optimizer.state_bytes())} of {format_bytes(self.baseline_state_bytes)} "
+            f"{RULE_NAMES[self.optimizer.rule]} "
             f"(budget {format_bytes(self.memory_budget_bytes())})"
         )
 

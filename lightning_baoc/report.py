@@ -8,7 +8,7 @@ The JSON record (``baoc_allocation.json``, schema :data:`ALLOCATION_SCHEMA`)::
 
     {"step": int, "reason": str, "memory_budget_bytes": int, "state_bytes": int,
      "state_bytes_before": int, "peak_state_bytes": int, "instrument_bytes": int, "fp32_state_bytes": int,
-     "baseline_state_bytes": int,
+     "baseline_state_bytes": int, "optimizer": str,
      "saved_fraction": float,
      "total_risk": float, "time_budget": float | null, "time": float | null, "kept": bool,
      "blocks": [{"name": str, "params": int, "param_names": [str], "format": str,
@@ -20,10 +20,11 @@ The JSON record (``baoc_allocation.json``, schema :data:`ALLOCATION_SCHEMA`)::
      "training_memory": {"params": int, "weights": int, "corrections": int, "gradients": int,
                          "states": int, "total": int}}
 
-``fp32_state_bytes`` is fp32 AdamW's state (8 bytes per element); ``baseline_state_bytes`` the
-state the user's own ``torch.optim.AdamW`` would hold (two moments in each parameter's dtype: the
-same for fp32 parameters, half of it for bf16 ones), which ``saved_fraction`` and a fractional
-memory budget refer to. ``instrument_bytes`` is what BAOC's sampler buffers and shadow moments held
+``optimizer`` names the optimizer whose state was allocated (``"AdamW"``; ``"SGD"``, ``"Lion"``: their
+momentum formats; records without it are AdamW's). ``fp32_state_bytes`` is its fp32 state (AdamW: 8
+bytes per element; SGD and Lion: 4); ``baseline_state_bytes`` the state the user's own optimizer
+would hold (its buffers in each parameter's dtype: the same for fp32 parameters, half of it for
+bf16 ones), which ``saved_fraction`` and a fractional memory budget refer to. ``instrument_bytes`` is what BAOC's sampler buffers and shadow moments held
 at the allocation, outside the budget (:mod:`lightning_baoc.costs.instruments`). ``params`` is the number of parameter elements of the block. ``risk`` holds the block's risk for
 every format the solver could pick (so ``lightning-baoc plan --stats baoc_allocation.json`` can
 re-plan from a real run), ``format_risk`` the risk of the format chosen. Undefined statistics
@@ -86,6 +87,7 @@ ALLOCATION_SCHEMA: dict[str, Any] = {
         "instrument_bytes": {"type": "integer", "minimum": 0},
         "fp32_state_bytes": {"type": "integer", "minimum": 0},
         "baseline_state_bytes": {"type": "integer", "minimum": 0},
+        "optimizer": {"type": "string"},
         "saved_fraction": {"type": "number"},
         "total_risk": {"type": "number", "minimum": 0},
         "time_budget": _NUMBER_OR_NULL,
@@ -181,6 +183,7 @@ def build_record(event: AllocationEvent, history: list[Mapping[str, Any]] | None
         "instrument_bytes": int(event.instrument_bytes or 0),
         "fp32_state_bytes": int(event.fp32_state_bytes),
         "baseline_state_bytes": int(event.baseline),
+        "optimizer": event.optimizer,
         "saved_fraction": float(event.saved_fraction),
         "total_risk": float(event.total_risk),
         "time_budget": _finite(event.time_budget),
@@ -240,6 +243,11 @@ def _nonfinite(value: Any, where: str, problems: list[str]) -> None:
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
             _nonfinite(item, f"{where}[{i}]", problems)
+
+
+def _optimizer(record: Mapping[str, Any]) -> str:
+    """The optimizer whose state a record allocated (records of older versions: AdamW)."""
+    return str(record.get("optimizer") or "AdamW")
 
 
 def _baseline(record: Mapping[str, Any]) -> int:
@@ -330,8 +338,8 @@ def allocation_table(record: Mapping[str, Any]) -> Any:
     saved = 1.0 - after / baseline if baseline else 0.0
     table.caption = (
         f"optimizer state {format_bytes(before)} -> {format_bytes(after)} "
-        f"(AdamW {format_bytes(baseline)}, budget {format_bytes(record['memory_budget_bytes'])}); "
-        f"saved {saved:.1%} of AdamW's state"
+        f"({_optimizer(record)} {format_bytes(baseline)}, budget {format_bytes(record['memory_budget_bytes'])}); "
+        f"saved {saved:.1%} of {_optimizer(record)}'s state"
     )
     whole = record.get("training_memory")
     if whole and whole.get("params"):
@@ -419,7 +427,7 @@ def plot_allocation(record: Mapping[str, Any], path: str | os.PathLike[str]) -> 
     saved = record.get("saved_fraction")
     fig.suptitle(
         f"BAOC allocation at step {record['step']}: {format_bytes(record['state_bytes'])} of "
-        f"{format_bytes(_baseline(record))} (AdamW)"
+        f"{format_bytes(_baseline(record))} ({_optimizer(record)})"
         + (f" ({saved:.0%} saved)" if saved is not None else ""),
         fontsize=10,
     )
@@ -555,7 +563,7 @@ class AllocationReporter:
         info(
             f"BAOC: {event.reason} allocation at step {event.step}: {what}; optimizer state "
             f"{event.state_bytes_before:,} -> {event.state_bytes:,} bytes "
-            f"({event.saved_fraction:.1%} of AdamW's state saved; peak so far {event.peak_state_bytes or 0:,}), "
+            f"({event.saved_fraction:.1%} of {event.optimizer}'s state saved; peak so far {event.peak_state_bytes or 0:,}), "
             f"total risk {event.total_risk:.4g}"
         )
         if written and not self._announced:

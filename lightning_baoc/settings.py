@@ -31,7 +31,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 from .blocks import GRANULARITIES
 from .budget import absolute_time_with_prior_error, is_absolute_time, parse_memory_budget, parse_time_budget
-from .formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS
+from .formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, MOMENTUM_FORMATS
 from .sampler import DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS
 
 class _Required:
@@ -46,8 +46,9 @@ REQUIRED: Any = _Required()
 #: samples are undefined with fewer than two (the controller reads it from here).
 MIN_SAMPLES = 2
 
-#: A state format's name (:data:`~lightning_baoc.FORMATS`).
-FormatName = Literal[tuple(FORMATS)]  # type: ignore[valid-type]
+#: A state format's name: AdamW's (:data:`~lightning_baoc.FORMATS`) or SGD's and Lion's
+#: (:data:`~lightning_baoc.formats.MOMENTUM_FORMATS`); install checks it against the optimizer's.
+FormatName = Literal[tuple(dict.fromkeys([*FORMATS, *MOMENTUM_FORMATS]))]  # type: ignore[valid-type]
 #: What ``BAOC(report=...)`` accepts: ``True`` (table, JSON, and the PNG when matplotlib is
 #: installed), ``"json"`` (table and JSON), ``"png"`` (all three; matplotlib required), ``False``.
 ReportSetting = Union[bool, Literal["json", "png"]]
@@ -168,7 +169,8 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "formats", "allowed_configs", Optional[list[FormatName]],  # type: ignore[valid-type]
-        "The optimizer-state formats the solver may pick. null: every format the device serves.",
+        "The optimizer-state formats the solver may pick (the optimizer's: AdamW's, or SGD's and Lion's "
+        "fp32, bf16, int8, none). null: every format of the optimizer the device serves.",
         default=None, min_items=1,
     ),
     Setting(

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_baoc import BlockwiseLion
 from support import digits_tensors, mlp, one_thread  # noqa: F401  (re-exported)
 
 # Lightning's informational noise in tests
@@ -33,7 +34,9 @@ class DigitsModule(L.LightningModule):
         widths: MLP layer widths.
         lr: peak learning rate.
         schedule: ``"cosine"`` (a per-step cosine ``LambdaLR``) or ``"none"``.
-        optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"`` (unsupported by BAOC, for the error test).
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"`` (torch's, momentum 0.9), ``"lion"``
+            (:class:`~lightning_baoc.BlockwiseLion`) or ``"adagrad"`` (unsupported by BAOC, for the
+            error test).
         manual: manual optimization (one optimizer step per batch).
     """
 
@@ -82,10 +85,14 @@ class DigitsModule(L.LightningModule):
         matrices = [p for p in self.parameters() if p.dim() > 1]
         vectors = [p for p in self.parameters() if p.dim() <= 1]
         groups = [{"params": matrices, "weight_decay": 0.05}, {"params": vectors, "weight_decay": 0.0}]
+        if self.optimizer_name == "adagrad":
+            return torch.optim.Adagrad(groups, lr=self.lr)
         if self.optimizer_name == "sgd":
-            return torch.optim.SGD(groups, lr=self.lr, momentum=0.9)
-        cls = torch.optim.Adam if self.optimizer_name == "adam" else torch.optim.AdamW
-        opt = cls(groups, lr=self.lr)
+            opt: torch.optim.Optimizer = torch.optim.SGD(groups, lr=self.lr, momentum=0.9)
+        elif self.optimizer_name == "lion":
+            opt = BlockwiseLion(groups, lr=self.lr)
+        else:
+            opt = (torch.optim.Adam if self.optimizer_name == "adam" else torch.optim.AdamW)(groups, lr=self.lr)
         if self.schedule == "none" or self._trainer is None:
             return opt
         total = max(int(self.trainer.estimated_stepping_batches), 1)

@@ -135,7 +135,9 @@ def test_install_keeps_groups_hyperparameters_and_adamw_behaviour() -> None:
 
 def test_unsupported_optimizers_are_refused_naming_the_supported_ones() -> None:
     model = _model()
-    with pytest.raises(TypeError, match=r"SGD.*torch\.optim\.AdamW.*torch\.optim\.Adam"):
+    with pytest.raises(TypeError, match=r"Adagrad.*torch\.optim\.AdamW.*torch\.optim\.Adam.*torch\.optim\.SGD"):
+        BAOCController(memory_budget=0.5).install(torch.optim.Adagrad(model.parameters(), lr=0.1), model)
+    with pytest.raises(ValueError, match=r"SGD without momentum.*nothing to allocate; set momentum"):
         BAOCController(memory_budget=0.5).install(torch.optim.SGD(model.parameters(), lr=0.1), model)
     with pytest.raises(ValueError, match="amsgrad"):
         convert_optimizer(torch.optim.AdamW(model.parameters(), amsgrad=True), model)

@@ -19,8 +19,9 @@ from ..blocks import partition
 from ..budget import format_bytes
 from ..calibration import withheld_formats
 from ..costs import AllocationProblem
-from ..formats import FORMATS
-from ..optim import BlockwiseAdamW
+from ..formats import RULE_NAMES, formats_of
+from ..optim import BlockwiseOptimizer
+from ..risk.momentum import shadow_betas
 from ..risk.shadow import ShadowMoments
 from ..sampling import GradientSampler
 from ..costs.instruments import InstrumentSizes
@@ -29,12 +30,21 @@ from .protocol import Broadcast
 log = logging.getLogger("lightning_baoc.controller")
 
 
-def _stepped(optimizer: BlockwiseAdamW, param: torch.Tensor) -> bool:
+def _stepped(optimizer: BlockwiseOptimizer, param: torch.Tensor) -> bool:
     """Whether ``param`` holds optimizer state (it has stepped, or state was loaded for it)."""
     try:
         return optimizer.step_count(param) > 0
     except KeyError:  # in a param group but never registered (param_groups assigned directly)
         return False
+
+
+def _stateful(optimizer: BlockwiseOptimizer, param: torch.Tensor) -> bool:
+    """Whether ``param`` can hold state (not in a group of SGD without momentum: no format there
+    holds a byte, so the blocks and the budget leave it out)."""
+    try:
+        return optimizer.holds_state(param)
+    except KeyError:  # never registered: as _stepped
+        return True
 
 
 class BlocksMixin:
@@ -49,7 +59,7 @@ class BlocksMixin:
     shadow: ShadowMoments | None
     instruments: InstrumentSizes
     _betas_cache: tuple[Any, dict[str, tuple[float, float]]] | None
-    optimizer: BlockwiseAdamW | None
+    optimizer: BlockwiseOptimizer | None
     ring_samples: int
     _module: nn.Module | None
     _managed: set[int]
@@ -69,11 +79,12 @@ class BlocksMixin:
     shadow: ShadowMoments | None
     _start_within_budget: Callable[[], None]
 
-    def _build_blocks(self, opt: BlockwiseAdamW, module: nn.Module) -> None:
+    def _build_blocks(self, opt: BlockwiseOptimizer, module: nn.Module) -> None:
         """Partition the model and keep the parameters ``opt`` holds, by identity, in its names.
 
         A held parameter is in a block if it is trainable or holds state: one already in a block,
         or frozen with state loaded from a checkpoint, still takes memory the budget must count.
+        A parameter that can hold no state (SGD without momentum in its group) is in no block.
         """
         cfg = self.config
         model_named = dict(module.named_parameters())
@@ -96,7 +107,10 @@ class BlocksMixin:
                 f"installed ({type(opt).__name__} at {hex(id(opt))})"
             )
         keep = {model_name[id(p)] for p in held.values() if id(p) in self._managed or _stepped(opt, p)}
-        trainable = [n for n, p in model_named.items() if id(p) in opt_name and (p.requires_grad or n in keep)]
+        trainable = [
+            n for n, p in model_named.items()
+            if id(p) in opt_name and (p.requires_grad or n in keep) and _stateful(opt, p)
+        ]
         if not trainable:
             raise ValueError(
                 f"the optimizer holds no trainable parameter of the model ({len(held)} held, all frozen "
@@ -111,17 +125,27 @@ class BlocksMixin:
         self._held_frozen = [p for p in held.values() if id(p) not in self._managed]
         self._group_sizes = tuple(len(g["params"]) for g in opt.param_groups)
 
-    def _refresh_tables(self, opt: BlockwiseAdamW) -> None:
+    def _refresh_tables(self, opt: BlockwiseOptimizer) -> None:
         """Shapes, sizes, the user's baseline, the formats offered and the memory table of the blocks."""
         cfg = self.config
         named = opt.named_params
+        registry = formats_of(opt.rule)
         self._shapes = {b: [tuple(named[n].shape) for n in names] for b, names in self.block_params.items()}
         self._numel = {b: sum(named[n].numel() for n in names) for b, names in self.block_params.items()}
-        # torch's AdamW holds exp_avg and exp_avg_sq in the parameter's dtype
+        # torch's optimizer holds its buffers in the parameter's dtype: AdamW two, SGD and Lion one
+        self._moments = registry["fp32"].state_bytes((1,)) // 4
         self._baseline = sum(
-            2 * named[n].numel() * named[n].element_size() for names in self.block_params.values() for n in names
+            self._moments * named[n].numel() * named[n].element_size()
+            for names in self.block_params.values()
+            for n in names
         )
-        wanted = list(cfg.formats) if cfg.formats is not None else list(FORMATS)
+        foreign = [f for f in cfg.formats or () if f not in registry]
+        if foreign:
+            raise ValueError(
+                f"BAOC(formats={list(cfg.formats)}): {foreign} are not formats of {RULE_NAMES[opt.rule]} "
+                f"({type(opt).__name__}); its formats are {list(registry)}: name those"
+            )
+        wanted = list(cfg.formats) if cfg.formats is not None else list(registry)
         self._problem = AllocationProblem(
             self._shapes,
             self._device,
@@ -131,6 +155,7 @@ class BlocksMixin:
             min_8bit_numel=opt.min_8bit_numel,
             baseline_bytes=self._baseline,
             cache_dir=cfg.calibration_cache_dir,
+            rule=opt.rule,
         )
         self._withheld = self._problem.withheld
         self._offered = self._problem.allowed
@@ -175,18 +200,24 @@ class BlocksMixin:
             self.shadow.load_state_dict(old.state_dict())
 
     def _betas(self) -> dict[str, tuple[float, float]]:
-        """Parameter name -> its group's betas (as floats)."""
+        """Parameter name -> the betas of its shadow moments (as floats): its group's for AdamW;
+        for SGD and Lion the buffer's own average and 0.999
+        (:func:`~lightning_baoc.risk.momentum.shadow_betas`)."""
         assert self.optimizer is not None
-        groups = self.optimizer.param_groups
-        key = tuple((float(g["betas"][0]), float(g["betas"][1]), len(g["params"]), id(g)) for g in groups)
+        opt = self.optimizer
+        groups = opt.param_groups
+        key = tuple((str(g.get("betas", g.get("momentum"))), len(g["params"]), id(g)) for g in groups)
         cached = self._betas_cache
         if cached is not None and cached[0] == key:  # rebuilt only when a group or its betas change
             return cached[1]
-        out = {}
-        for group in groups:
-            betas = (float(group["betas"][0]), float(group["betas"][1]))
-            for p in group["params"]:
-                out[self.optimizer.param_name(p)] = betas
+        if opt.rule != "adamw":
+            out = shadow_betas(opt)
+        else:
+            out = {}
+            for group in groups:
+                betas = (float(group["betas"][0]), float(group["betas"][1]))
+                for p in group["params"]:
+                    out[opt.param_name(p)] = betas
         self._betas_cache = (key, out)
         return out
 
@@ -224,12 +255,17 @@ class BlocksMixin:
         opt = self.optimizer
         assert opt is not None
         sizes = tuple(len(g["params"]) for g in opt.param_groups)
-        if sizes == self._group_sizes and not any(p.requires_grad or _stepped(opt, p) for p in self._held_frozen):
+        if sizes == self._group_sizes and not any(self._joins(opt, p) for p in self._held_frozen):
             return False
         self._group_sizes = sizes
         # a group of frozen parameters added now is watched from now on, in case it is unfrozen
         self._held_frozen = [p for g in opt.param_groups for p in g["params"] if id(p) not in self._managed]
-        return any(p.requires_grad or _stepped(opt, p) for p in self._held_frozen)
+        return any(self._joins(opt, p) for p in self._held_frozen)
+
+    @staticmethod
+    def _joins(opt: BlockwiseOptimizer, param: torch.Tensor) -> bool:
+        """Whether a parameter outside the blocks now belongs in one."""
+        return _stateful(opt, param) and (param.requires_grad or _stepped(opt, param))
 
     def _grow(self, broadcast: Broadcast | None, is_global_zero: bool) -> None:
         """Take parameters added after install into the blocks, tables and sampler.
@@ -248,7 +284,8 @@ class BlocksMixin:
         self._restart_shadow()
         log.info(
             f"BAOC: {len(self._managed) - before} parameter tensor(s) joined the optimizer after install; "
-            f"{len(self.block_params)} blocks now, AdamW state {format_bytes(self.baseline_state_bytes)}"
+            f"{len(self.block_params)} blocks now, {RULE_NAMES[self.optimizer.rule]} state "
+            f"{format_bytes(self.baseline_state_bytes)}"
         )
         if self.phase == "allocated":
             self.pending = "params"

@@ -77,7 +77,12 @@ class CheckpointMixin:
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
             "shadow": self.shadow.state_dict() if self.shadow is not None else None,
             "peak_state_bytes": self.peak_state_bytes,
+            "rule": self.optimizer.rule if self.optimizer is not None else self._saved_rule(),
         }
+
+    def _saved_rule(self) -> str | None:
+        """The update rule of a state loaded but not applied yet (before install), else ``None``."""
+        return None if self._loaded is None else self._loaded.get("rule")
 
     def _settings(self) -> dict[str, Any]:
         """:data:`ALLOCATION_SETTINGS` as primitives (the menu as a sorted list: order is not a change)."""
@@ -99,7 +104,8 @@ class CheckpointMixin:
         by parameter; where that is impossible it raises.
 
         Raises:
-            ValueError: not a controller state; or a changed partition or model that leaves
+            ValueError: not a controller state; a state of another optimizer (AdamW's formats
+                resumed with SGD); or a changed partition or model that leaves
                 parameters of this run without a saved format (the message names the setting
                 and the fix).
         """
@@ -118,6 +124,13 @@ class CheckpointMixin:
     def _apply_loaded(self) -> None:
         sd, self._loaded = self._loaded, None
         assert sd is not None and self.optimizer is not None and self.sampler is not None
+        saved_rule, rule = sd.get("rule", "adamw"), self.optimizer.rule  # states before SGD and Lion: AdamW
+        if saved_rule != rule:
+            raise ValueError(
+                f"BAOC cannot resume this checkpoint: its allocation holds {saved_rule} formats and the optimizer "
+                f"is {type(self.optimizer).__name__} ({rule}); resume with the checkpoint's optimizer, or start a "
+                f"new BAOC run from the weights (load them without ckpt_path)"
+            )
         saved_blocks = {b: list(n) for b, n in sd["blocks"].items()}
         current = self._settings()
         # states written before the settings were saved carry the budgets only

@@ -24,7 +24,8 @@ class AllocationEvent:
         statistics: block -> sampler statistics.
         block_params: block -> parameter names (the model's); ``block_numel``: block -> elements.
         block_bytes: block -> state bytes in its format; ``state_bytes_before`` / ``state_bytes``:
-            the optimizer's state bytes before and after; ``fp32_state_bytes``: 8 x the elements.
+            the optimizer's state bytes before and after; ``fp32_state_bytes``: the ``fp32`` format's
+            (AdamW: 8 x the elements; SGD, Lion: 4 x).
         memory_budget_bytes: the memory budget in bytes; ``time_budget``: seconds (or ``None``).
         time: step time of ``formats`` in the time table's unit, or ``None``.
         baseline_state_bytes: the state the user's own ``torch.optim.AdamW`` would hold (two
@@ -38,6 +39,7 @@ class AllocationEvent:
         training_memory: what training holds after the allocation, from storages
             (:meth:`lightning_baoc.TrainingMemory.to_dict`: weights, corrections, gradients, states,
             total, params; ``None``: not known).
+        optimizer: the optimizer whose formats were allocated (``"AdamW"``, ``"SGD"``, ``"Lion"``).
     """
 
     step: int
@@ -63,6 +65,7 @@ class AllocationEvent:
     peak_state_bytes: int | None = None
     instrument_bytes: int | None = None
     training_memory: dict[str, int] | None = None
+    optimizer: str = "AdamW"
 
     @property
     def baseline(self) -> int:

@@ -17,13 +17,13 @@ from typing import Any, Callable
 
 import torch
 
-from ..optim import BlockwiseAdamW
+from ..optim import BlockwiseOptimizer
 
 
 class ReleaseObservationMixin:
     """Gradient-release observation of :class:`~lightning_baoc.controller.BAOCController`."""
 
-    optimizer: BlockwiseAdamW | None
+    optimizer: BlockwiseOptimizer | None
     sampler: Any
     shadow: Any
     _observer_handle: Any
@@ -35,7 +35,7 @@ class ReleaseObservationMixin:
     _counted: Callable[[int, bool], bool]
     _betas: Callable[[], dict[str, tuple[float, float]]]
 
-    def _watch_released_gradients(self, optimizer: BlockwiseAdamW) -> None:
+    def _watch_released_gradients(self, optimizer: BlockwiseOptimizer) -> None:
         """Observe the gradients gradient release frees (:meth:`BlockwiseAdamW.add_gradient_observer`)."""
         if self._observer_handle is not None:
             self._observer_handle.remove()

@@ -25,7 +25,7 @@ from torch import nn
 
 from lightning_baoc.budget import parse_memory_budget, parse_time_budget
 from lightning_baoc.control.checkpoint import plain as _plain
-from lightning_baoc.optim import BlockwiseAdamW
+from lightning_baoc.optim import BlockwiseOptimizer
 from lightning_baoc.risk.prior import block_kind
 from lightning_baoc.risk.start import INITIAL_PREFERENCE, start_risk
 from lightning_baoc.solver import Allocation
@@ -36,7 +36,7 @@ class StartMixin:
 
     # provided by the controller
     config: Any
-    optimizer: BlockwiseAdamW | None
+    optimizer: BlockwiseOptimizer | None
     block_params: dict[str, list[str]]
     _module: nn.Module | None
     _shapes: dict[str, list[tuple[int, ...]]]
@@ -101,7 +101,8 @@ class StartMixin:
         assert self.optimizer is not None
         module = self._module if self._module is not None else nn.Module()
         kinds = {b: block_kind(module, b) for b in self.block_params}
-        return start_risk(self._shapes, kinds, self._offered, self.optimizer.min_8bit_numel, self.config.initial)
+        opt = self.optimizer
+        return start_risk(self._shapes, kinds, self._offered, opt.min_8bit_numel, self.config.initial, rule=opt.rule)
 
 
 __all__ = ["INITIAL_PREFERENCE", "StartMixin"]

@@ -29,7 +29,7 @@ from typing import Any
 
 from ..budget import format_bytes
 from ..calibration import device_state_bytes, offload_saves_memory
-from ..formats import DEFAULT_MIN_8BIT_NUMEL, resolve_format
+from ..formats import DEFAULT_MIN_8BIT_NUMEL, formats_of, resolve_in
 from ..solver import Allocation
 
 #: The phases of a run, in order.
@@ -170,8 +170,10 @@ def state_phases(
     steady: Allocation,
     budget_bytes: int,
     min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL,
+    rule: str = "adamw",
 ) -> StatePhases:
-    """The phases' device state of going from ``start`` to ``steady`` on ``device``, per tensor.
+    """The phases' device state of going from ``start`` to ``steady`` on ``device``, per tensor, in
+    the formats of the update rule ``rule`` (default: AdamW's).
 
     A parameter converts when the format it really gets (:func:`~lightning_baoc.formats.resolve_format`)
     differs between the two allocations; its transient is the smaller of its old and new device states.
@@ -186,17 +188,18 @@ def state_phases(
         (32768, 8712, 8712, 41480)
     """
     off_device = offload_saves_memory(device)
+    registry = formats_of(rule)
     start_bytes = steady_bytes = transient = largest = converted = 0
     blocks: list[str] = []
     for block, block_shapes in shapes.items():
         old, new = start.formats[block], steady.formats[block]
         changed = False
         for s in block_shapes:
-            before = device_state_bytes(old, s, off_device, min_8bit_numel)
-            after = device_state_bytes(new, s, off_device, min_8bit_numel)
+            before = device_state_bytes(old, s, off_device, min_8bit_numel, rule)
+            after = device_state_bytes(new, s, off_device, min_8bit_numel, rule)
             start_bytes, steady_bytes = start_bytes + before, steady_bytes + after
             largest = max(largest, before, after)
-            if resolve_format(old, tuple(s), min_8bit_numel) != resolve_format(new, tuple(s), min_8bit_numel):
+            if resolve_in(registry, old, tuple(s), min_8bit_numel) != resolve_in(registry, new, tuple(s), min_8bit_numel):
                 converted += 1
                 changed = True
                 transient = max(transient, min(before, after))

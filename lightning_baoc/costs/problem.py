@@ -10,8 +10,8 @@ what is offered or on what a budget means (``tests/costs/test_allocation_problem
 
 Budgets are passed to :meth:`AllocationProblem.solve` rather than stored: the controller's can
 change mid-run (``set_budget``). A fractional memory budget is a fraction of
-:attr:`AllocationProblem.baseline_bytes`, the state the user's own AdamW would hold (fp32
-AdamW's 8 bytes per element unless told otherwise); an absolute time budget is refused where step
+:attr:`AllocationProblem.baseline_bytes`, the state the user's own optimizer would hold (the
+``fp32`` format's bytes unless told otherwise: fp32 AdamW's 8 per element, SGD's and Lion's 4); an absolute time budget is refused where step
 times are the unitless prior costs.
 """
 
@@ -32,8 +32,8 @@ from ..budget import (
     parse_time_budget,
     round_up,
 )
-from ..calibration import PRIOR_STEP_COST, Calibration, calibrate, memory_table, time_table, withheld_formats
-from ..formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS
+from ..calibration import PRIOR_STEP_COSTS, Calibration, calibrate, memory_table, time_table, withheld_formats
+from ..formats import DEFAULT_MIN_8BIT_NUMEL, RULE_NAMES, formats_of
 from ..risk.shadow import DEFAULT_SHADOW_ELEMENTS
 from ..risk.start import Initial, start_risk
 from ..sampling import DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS
@@ -93,9 +93,13 @@ class AllocationProblem:
         costs: where step times come from (default: ``"prior"``); read only when ``timed``.
         min_8bit_numel: the optimizer's small-tensor threshold (default: 4096).
         mask: formats the user excludes besides the rule, name -> reason (default: none).
-        baseline_bytes: the state a fractional memory budget refers to (default: fp32 AdamW's
-            bytes of the blocks).
+        baseline_bytes: the state a fractional memory budget refers to (default: the ``fp32``
+            format's bytes of the blocks).
         cache_dir: calibration cache directory (default: the user cache directory).
+        rule: the optimizer's update rule (``BlockwiseOptimizer.rule``): ``"adamw"`` (default,
+            :data:`~lightning_baoc.FORMATS`), ``"sgd"`` or ``"lion"`` (the momentum formats of
+            :data:`~lightning_baoc.formats.MOMENTUM_FORMATS`, one buffer: ``fp32`` is 4 bytes per
+            element). Formats, bytes, priors and step costs are the rule's.
 
     Raises:
         ValueError: every format of the menu is withheld (the message names why).
@@ -117,21 +121,23 @@ class AllocationProblem:
     mask: Mapping[str, str] = field(default_factory=dict)
     baseline_bytes: int | None = None
     cache_dir: str | os.PathLike[str] | None = None
+    rule: str = "adamw"
     withheld: dict[str, str] = field(init=False)
     allowed: list[str] = field(init=False)
     memory: dict[str, dict[str, int]] = field(init=False)
 
     def __post_init__(self) -> None:
-        wanted = list(FORMATS) if self.menu is None else list(self.menu)
+        registry = formats_of(self.rule)
+        wanted = list(registry) if self.menu is None else list(self.menu)
         self.withheld = {
-            **withheld_formats(self.device, self.timed, wanted),
+            **withheld_formats(self.device, self.timed, wanted, self.rule),
             **{f: why for f, why in self.mask.items() if f in wanted},
         }
         self.allowed = [f for f in wanted if f not in self.withheld]
         if not self.allowed:
             raise ValueError(f"formats={wanted} are all withheld on {self.device} ({self.withheld}); allow other formats")
         tabulated = sorted(set(self.allowed) | {"fp32"})
-        self.memory = memory_table(self.shapes, self.device, tabulated, self.min_8bit_numel)
+        self.memory = memory_table(self.shapes, self.device, tabulated, self.min_8bit_numel, self.rule)
         self.fp32_bytes = sum(row["fp32"] for row in self.memory.values())
         if self.baseline_bytes is None:
             self.baseline_bytes = self.fp32_bytes
@@ -149,9 +155,10 @@ class AllocationProblem:
     def _costs(self) -> Mapping[str, float]:
         if self._per_element is None:
             if isinstance(self.costs, str) and self.costs == "prior":
-                self._per_element, self.time_source = PRIOR_STEP_COST, "prior (PRIOR_STEP_COST, relative to fp32)"
+                self._per_element = PRIOR_STEP_COSTS[self.rule]
+                self.time_source = "prior (PRIOR_STEP_COSTS, relative to fp32)"
             elif isinstance(self.costs, str) and self.costs == "calibrate":
-                cal = calibrate(self.device, cache_dir=self.cache_dir)
+                cal = calibrate(self.device, cache_dir=self.cache_dir, rule=self.rule)
                 self._per_element = cal.seconds_per_element
                 self.time_source = f"calibration of {cal.device} ({cal.device_name}, torch {cal.torch_version})"
             elif isinstance(self.costs, Calibration):
@@ -165,12 +172,12 @@ class AllocationProblem:
         if self._time is None:
             costs = self._costs()
             priced = sorted(f for f in set(self.allowed) | {"fp32"} if f in costs)
-            self._time = time_table(self.shapes, costs, priced, self.min_8bit_numel)
+            self._time = time_table(self.shapes, costs, priced, self.min_8bit_numel, self.rule)
         return self._time
 
     @property
     def fp32_time(self) -> float:
-        """fp32 AdamW's step time of the blocks (the reference of a time multiple)."""
+        """The ``fp32`` format's step time of the blocks (the reference of a time multiple)."""
         return sum(row["fp32"] for row in self.time().values())
 
     # ------------------------------------------------------------------ budgets
@@ -228,14 +235,14 @@ class AllocationProblem:
         memory, time = self.tables(timed)
         rows = {b: {f: float(risk[b][f]) for f in memory[b] if f in risk[b]} for b in memory}
         try:
-            return solve(rows, memory, budgets.memory, time, budgets.time, **options)
+            return solve(rows, memory, budgets.memory, time, budgets.time, reference=f"fp32 {RULE_NAMES[self.rule]}", **options)
         except BudgetInfeasibleError as err:
             if err.min_memory is None or self.baseline_bytes == self.fp32_bytes:
                 raise
             assert self.baseline_bytes is not None
             raise with_message(
                 err,
-                f"{err}; as a fraction of the AdamW state on these parameters ({format_bytes(self.baseline_bytes)}): "
+                f"{err}; as a fraction of the {RULE_NAMES[self.rule]} state on these parameters ({format_bytes(self.baseline_bytes)}): "
                 f"memory_budget >= {round_up(err.min_memory / self.baseline_bytes)}",
             ) from None
 
@@ -274,11 +281,11 @@ class AllocationProblem:
             BudgetInfeasibleError: no allocation meets the budgets.
             ValueError: a bad budget, or an ``initial`` that does not fit this model.
         """
-        risk = start_risk(self.shapes, kinds, self.allowed, self.min_8bit_numel, initial, owner)
+        risk = start_risk(self.shapes, kinds, self.allowed, self.min_8bit_numel, initial, owner, self.rule)
         start = self.solve(risk, memory_budget, time_budget)
         steady = self.solve(risk if steady_risk is None else steady_risk, memory_budget, time_budget, **options)
         budget_bytes = self.budgets(memory_budget, time_budget).memory_bytes
-        phases = state_phases(self.shapes, self.device, start, steady, budget_bytes, self.min_8bit_numel)
+        phases = state_phases(self.shapes, self.device, start, steady, budget_bytes, self.min_8bit_numel, self.rule)
         sizes = self.instruments(**(sampler or {}))
         phases.instrument_bytes, phases.instrument_allowance = sizes.estimate_bytes, sizes.allowance
         return phases

@@ -32,6 +32,30 @@ _ORDER = (FP32, BF16Momentum, BF16, NoMomentum, Int8, Int8Factored, NoMomentumIn
 FORMATS: Mapping[str, StateFormat] = MappingProxyType({cls.name: cls() for cls in _ORDER})
 
 
+#: The format registry of each update rule (``BlockwiseOptimizer.rule``): AdamW's :data:`FORMATS`,
+#: SGD's and Lion's :data:`MOMENTUM_FORMATS`.
+RULE_FORMATS: Mapping[str, Mapping[str, StateFormat]] = MappingProxyType(
+    {"adamw": FORMATS, "sgd": MOMENTUM_FORMATS, "lion": MOMENTUM_FORMATS}
+)
+
+
+#: The optimizer each update rule is named after, in messages and reports.
+RULE_NAMES: Mapping[str, str] = MappingProxyType({"adamw": "AdamW", "sgd": "SGD", "lion": "Lion"})
+
+
+def formats_of(rule: str) -> Mapping[str, StateFormat]:
+    """The format registry of update rule ``rule`` (``"adamw"``, ``"sgd"``, ``"lion"``).
+
+    Example:
+        >>> list(formats_of("sgd"))
+        ['fp32', 'bf16', 'int8', 'none']
+    """
+    try:
+        return RULE_FORMATS[rule]
+    except (KeyError, TypeError):
+        raise ValueError(f"Unknown update rule {rule!r}; allowed: {list(RULE_FORMATS)}") from None
+
+
 def check_format_name(
     value: object, argument: str = "state_format", registry: Mapping[str, StateFormat] | None = None
 ) -> str:
@@ -75,8 +99,11 @@ def resolve_in(registry: Mapping[str, StateFormat], name: str, shape: Shape, min
     return fmt.name
 
 
-def format_state_bytes(name: str, shape: Shape, min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL) -> int:
-    """Exact state bytes allocated for a tensor of ``shape`` asked to use format ``name``.
+def format_state_bytes(
+    name: str, shape: Shape, min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL, rule: str = "adamw"
+) -> int:
+    """Exact state bytes allocated for a tensor of ``shape`` asked to use format ``name`` of the
+    update rule ``rule``'s registry (:func:`formats_of`; default: AdamW's :data:`FORMATS`).
 
     This counts every stored tensor (codes, scales, factors) of the resolved format, wherever it
     lives; for ``offload`` these are host bytes (see :class:`~.offload.Offload`).
@@ -87,13 +114,16 @@ def format_state_bytes(name: str, shape: Shape, min_8bit_numel: int = DEFAULT_MI
         >>> format_state_bytes("int8", (1024, 1024))  # 2 + 4/32 bytes per element
         2228224
     """
-    return FORMATS[resolve_format(name, shape, min_8bit_numel)].state_bytes(shape)
+    registry = formats_of(rule)
+    return registry[resolve_in(registry, name, shape, min_8bit_numel)].state_bytes(shape)
 
 
 __all__ = [
     "FORMATS",
     "MOMENTUM_FORMATS",
     "DEFAULT_MIN_8BIT_NUMEL",
+    "RULE_FORMATS",
+    "RULE_NAMES",
     "Canonical",
     "StateFormat",
     "StepHyper",
@@ -102,6 +132,7 @@ __all__ = [
     "check_format_name",
     "factor_dims",
     "format_state_bytes",
+    "formats_of",
     "numel_of",
     "resolve_format",
     "resolve_in",

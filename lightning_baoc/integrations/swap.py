@@ -1,5 +1,5 @@
-"""The optimizer swap: the user's AdamW becomes a :class:`~lightning_baoc.BlockwiseAdamW` over the
-same param groups, and LR schedulers follow it.
+"""The optimizer swap: the user's AdamW becomes a :class:`~lightning_baoc.BlockwiseAdamW` (an SGD a
+:class:`~lightning_baoc.BlockwiseSGD`) over the same param groups, and LR schedulers follow it.
 
 Torch plumbing, no training framework: the Lightning callback and the Fabric strategy call it at
 install (through :meth:`~lightning_baoc.controller.BAOCController.install`), and so can any loop.
@@ -16,30 +16,41 @@ import torch
 from torch import nn
 
 from ..formats import DEFAULT_MIN_8BIT_NUMEL
-from ..optim import BlockwiseAdamW, BlockwiseOptimizer, optimizer_alias
+from ..optim import BlockwiseAdamW, BlockwiseOptimizer, BlockwiseSGD, optimizer_alias
 
 #: Optimizers BAOC can take over (named in the error for any other).
-SUPPORTED_OPTIMIZERS = ("torch.optim.AdamW", "torch.optim.Adam (amsgrad=False)", "lightning_baoc.BlockwiseAdamW")
+SUPPORTED_OPTIMIZERS = (
+    "torch.optim.AdamW",
+    "torch.optim.Adam (amsgrad=False)",
+    "torch.optim.SGD",
+    "lightning_baoc.BlockwiseAdamW",
+    "lightning_baoc.BlockwiseSGD",
+    "lightning_baoc.BlockwiseLion",
+)
 
 
-def _named_like(name: str) -> type[BlockwiseAdamW]:
-    """A BlockwiseAdamW subclass whose ``__name__`` is the user's optimizer class name.
+def _named_like(name: str, base: type[BlockwiseOptimizer] = BlockwiseAdamW) -> type[BlockwiseOptimizer]:
+    """A subclass of ``base`` whose ``__name__`` is the user's optimizer class name.
 
     ``LearningRateMonitor`` names its metrics ``"lr-" + type(optimizer).__name__`` (``lr-AdamW/pg1``);
     keeping the name keeps the user's dashboards and monitors working after the swap. The registry
     lives in :mod:`lightning_baoc.optim` (:func:`~lightning_baoc.optim.optimizer_alias`), which
     resolves the class by name in any process, so pickles load in a fresh one.
     """
-    return optimizer_alias(name)
+    return optimizer_alias(name, base)
 
 
 def convert_optimizer(
     optimizer: torch.optim.Optimizer, module: nn.Module, min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL, seed: int = 0
-) -> BlockwiseAdamW:
-    """The user's optimizer as a fp32 :class:`BlockwiseAdamW` (same groups, hyperparameters, state).
+) -> BlockwiseOptimizer:
+    """The user's optimizer as a fp32 blockwise optimizer (same groups, hyperparameters, state):
+    ``torch.optim.AdamW`` / ``Adam`` as a :class:`BlockwiseAdamW`, ``torch.optim.SGD`` as a
+    :class:`~lightning_baoc.BlockwiseSGD` (momentum buffers in ``fp32``, ``none`` in groups without
+    momentum).
 
-    A BlockwiseAdamW is returned as is. The new optimizer's class carries the old one's name
-    (``type(new).__name__ == "AdamW"``) so that LR-monitor metric names do not change.
+    A blockwise optimizer (BlockwiseAdamW, BlockwiseSGD, BlockwiseLion) is returned as is. The new
+    optimizer's class carries the old one's name (``type(new).__name__ == "AdamW"``) so that
+    LR-monitor metric names do not change.
 
     Raises:
         TypeError: any optimizer other than those of :data:`SUPPORTED_OPTIMIZERS`.
@@ -50,20 +61,15 @@ def convert_optimizer(
         >>> isinstance(opt, BlockwiseAdamW), type(opt).__name__, opt.param_groups[0]["lr"]
         (True, 'AdamW', 0.001)
     """
-    if isinstance(optimizer, BlockwiseAdamW):
+    if isinstance(optimizer, BlockwiseOptimizer):
         return optimizer
-    if isinstance(optimizer, BlockwiseOptimizer):  # BlockwiseSGD, BlockwiseLion
-        raise TypeError(
-            f"BAOC cannot allocate {optimizer.label}'s momentum formats yet: its risk model and solver "
-            f"price AdamW's formats. Choose {optimizer.label}'s formats yourself (state_format=..., "
-            f"set_formats({{name: 'int8'}})) and remove the BAOC callback, or return a torch.optim.AdamW "
-            f"or BlockwiseAdamW from configure_optimizers."
-        )
+    if isinstance(optimizer, torch.optim.SGD):
+        return _convert_sgd(optimizer, module, min_8bit_numel, seed)
     if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
         raise TypeError(
             f"BAOC cannot take over {type(optimizer).__name__} ({type(optimizer).__module__}): it converts "
-            f"Adam-family optimizer states; supported: {list(SUPPORTED_OPTIMIZERS)}. Return one of them "
-            f"from configure_optimizers, or remove the BAOC callback."
+            f"the states of AdamW, Adam, SGD and Lion; supported: {list(SUPPORTED_OPTIMIZERS)}. Return one of "
+            f"them from configure_optimizers, or remove the BAOC callback."
         )
     if any(group.get("amsgrad") for group in optimizer.param_groups):
         raise ValueError(
@@ -84,10 +90,31 @@ def convert_optimizer(
     return new
 
 
+def _convert_sgd(optimizer: torch.optim.SGD, module: nn.Module, min_8bit_numel: int, seed: int) -> BlockwiseOptimizer:
+    """A ``torch.optim.SGD`` as a BlockwiseSGD named like it (see :func:`convert_optimizer`)."""
+    if all(float(g["momentum"]) == 0.0 for g in optimizer.param_groups):
+        raise ValueError(
+            f"BAOC cannot take over {type(optimizer).__name__} without momentum: plain SGD holds no optimizer "
+            f"state, so there is nothing to allocate; set momentum (e.g. 0.9), or remove the BAOC callback"
+        )
+    if _overrides_step(optimizer):
+        warnings.warn(
+            f"{type(optimizer).__name__} overrides step(); BAOC replaces it by BlockwiseSGD, which implements "
+            f"torch's SGD update, so that override no longer runs",
+            UserWarning,
+            stacklevel=3,
+        )
+    cls = _named_like(type(optimizer).__name__, BlockwiseSGD)
+    new = cls.from_optimizer(optimizer, module, min_8bit_numel=min_8bit_numel, seed=seed)
+    if getattr(optimizer, "_opt_called", False):
+        new._opt_called = True  # type: ignore[attr-defined]
+    return new
+
+
 def _overrides_step(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether a subclass of torch's AdamW/Adam defines its own ``step`` (torch's profiling hook,
+    """Whether a subclass of torch's AdamW/Adam/SGD defines its own ``step`` (torch's profiling hook,
     which wraps ``step`` on the class, is seen through)."""
-    base = torch.optim.AdamW if isinstance(optimizer, torch.optim.AdamW) else torch.optim.Adam
+    base = next(c for c in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD) if isinstance(optimizer, c))
     reference = getattr(base.step, "__wrapped__", base.step)
     for klass in type(optimizer).__mro__:
         if klass is base:

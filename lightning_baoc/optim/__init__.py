@@ -3,7 +3,7 @@ Lion with a momentum format per parameter.
 
 - :mod:`.optimizer`: the shared machinery (:class:`BlockwiseOptimizer`) and :class:`BlockwiseAdamW`;
 - :mod:`.momentum`: :class:`BlockwiseSGD` and :class:`BlockwiseLion`;
-- :mod:`.aliases`: BlockwiseAdamW's classes named like a user's optimizer class;
+- :mod:`.aliases`: BlockwiseAdamW's and BlockwiseSGD's classes named like a user's optimizer class;
 - :mod:`.pools`: per-format contiguous state pools and parameter records;
 - :mod:`.persist`: state dicts, atomic validated loads, copies and pickling;
 - :mod:`.state`: the state-dict layout, checksums, plain-AdamW export, :class:`CheckpointError`;
@@ -22,7 +22,7 @@ from .state import CheckpointError, export_adamw_state_dict, load_checkpoint, se
 
 
 def __getattr__(attr: str) -> Any:
-    """Resolve ``_BlockwiseAs<name>`` aliases on demand (PEP 562): pickles name them here."""
+    """Resolve ``_BlockwiseAs<name>`` (``_BlockwiseSGDAs<name>``) aliases on demand (PEP 562): pickles name them here."""
     return resolve_alias(attr)
 
 

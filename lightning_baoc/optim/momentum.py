@@ -145,10 +145,15 @@ class BlockwiseSGD(BlockwiseOptimizer):
                 f"Nesterov momentum requires a momentum and zero dampening (as for torch.optim.SGD)"
             )
 
+    def holds_state(self, param: Tensor) -> bool:
+        """Whether ``param``'s group has momentum: without it torch's SGD keeps no buffer, and neither
+        does this one, whatever format is asked."""
+        return float(self.param_groups[self._records[param].group]["momentum"]) != 0.0
+
     def target_format(self, param: Tensor) -> str:
         """The format ``param``'s buffer is held in: ``none`` in a group without momentum (torch's SGD
         keeps no buffer there), whatever format is asked; else as :class:`BlockwiseAdamW`'s."""
-        if float(self.param_groups[self._records[param].group]["momentum"]) == 0.0:
+        if not self.holds_state(param):
             return "none"
         return super().target_format(param)
 

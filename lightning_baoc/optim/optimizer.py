@@ -177,6 +177,11 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
         rec = self._records[param]
         return rec.requested or self.param_groups[rec.group]["state_format"]
 
+    def holds_state(self, param: Tensor) -> bool:
+        """Whether ``param`` can hold optimizer state in some format (every parameter of AdamW and
+        Lion; not one in a group of BlockwiseSGD without momentum)."""
+        return True
+
     def target_format(self, param: Tensor) -> str:
         """The format ``param``'s state is (or will be) held in, after shape fallbacks."""
         return resolve_in(self.format_registry, self.requested_format(param), param.shape, self.min_8bit_numel)

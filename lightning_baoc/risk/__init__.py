@@ -10,10 +10,46 @@
   (:func:`momentum_risk_table`), measured on shadow moments.
 """
 
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
 from .model import DEFAULT_HORIZON, DEFAULT_MAX_ELEMENTS, BlockRisk, risk_details, risk_table
 from .momentum import momentum_risk_details, momentum_risk_table
 from .prior import PRIOR_ATTENTION_NO_MOMENTUM, PRIOR_KIND_WEIGHT, PRIOR_RISK, block_kind, prior_risk
 from .start import INITIAL_PREFERENCE, start_risk
+
+if TYPE_CHECKING:
+    from ..risk.shadow import ShadowMoments
+
+
+def optimizer_risk_table(
+    optimizer: torch.optim.Optimizer,
+    blocks: Mapping[str, Sequence[str]],
+    statistics: Mapping[str, Mapping[str, float]] | None,
+    formats: Sequence[str] | None = None,
+    horizon: int = DEFAULT_HORIZON,
+    shadow: ShadowMoments | None = None,
+) -> dict[str, dict[str, float]]:
+    """Block -> format -> risk for the optimizer's own formats: :func:`risk_table` for a
+    BlockwiseAdamW, :func:`momentum_risk_table` (measured on ``shadow``, which it needs) for a
+    BlockwiseSGD or BlockwiseLion. The BAOC controller's risk model.
+
+    Raises:
+        ValueError: a BlockwiseSGD or BlockwiseLion without shadow moments.
+    """
+    if getattr(optimizer, "rule", "adamw") != "adamw":
+        if shadow is None:
+            raise ValueError(
+                f"the risk of {type(optimizer).__name__}'s momentum formats is measured on shadow moments "
+                f"(lightning_baoc.risk.shadow.ShadowMoments); pass shadow="
+            )
+        return momentum_risk_table(optimizer, blocks, shadow, formats=formats, horizon=horizon)
+    return risk_table(optimizer, blocks, statistics, formats=formats, horizon=horizon, shadow=shadow)  # type: ignore[arg-type]
+
 
 __all__ = [
     "DEFAULT_HORIZON",
@@ -26,6 +62,7 @@ __all__ = [
     "block_kind",
     "momentum_risk_details",
     "momentum_risk_table",
+    "optimizer_risk_table",
     "prior_risk",
     "risk_details",
     "risk_table",

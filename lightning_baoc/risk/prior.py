@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from torch import nn
 
 from ..blocks import ROOT_BLOCK
-from ..formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, numel_of, resolve_format
+from ..formats import DEFAULT_MIN_8BIT_NUMEL, formats_of, numel_of, resolve_in
 
 #: Prior risk of each format over a whole model (expected relative harm if every parameter used
 #: it), for planning without statistics. Ordered by measured harm: int8 costs
@@ -29,6 +29,17 @@ PRIOR_RISK: Mapping[str, float] = {
     "nomomentum": 0.06,
     "factored": 0.10,
     "nomomentum_int8": 0.30,
+}
+
+#: :data:`PRIOR_RISK` of every update rule. SGD's and Lion's momentum formats, from the ViT table of
+#: ``benchmarks/sgd_lion.py`` (accuracy against the same optimizer with an fp32 buffer, realistic
+#: recipe): a bf16 buffer within noise; an int8 buffer -0.0025 (SGD) and -0.010 (Lion); no buffer
+#: -0.076 for SGD (plain SGD is a different optimizer) and +0.001 for Lion (sign descent), which is
+#: still priced above int8: one task is not a law.
+PRIOR_RISKS: Mapping[str, Mapping[str, float]] = {
+    "adamw": PRIOR_RISK,
+    "sgd": {"fp32": 0.0, "bf16": 0.005, "int8": 0.02, "none": 0.15},
+    "lion": {"fp32": 0.0, "bf16": 0.005, "int8": 0.02, "none": 0.05},
 }
 
 #: Prior weight of a block by kind: embeddings and heads are sensitive to state precision (the
@@ -70,17 +81,20 @@ def prior_risk(
     kinds: Mapping[str, str],
     formats: Sequence[str] | None = None,
     min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL,
+    rule: str = "adamw",
 ) -> dict[str, dict[str, float]]:
     """The documented prior: risk[b][f] = sum over b's tensors of
     ``PRIOR_RISK[f'] x weight(kind of b, f') x numel / numel of the model``, where ``f'`` is the
     format the tensor really gets (fallbacks) and the weight is :data:`PRIOR_KIND_WEIGHT`, times
-    :data:`PRIOR_ATTENTION_NO_MOMENTUM` for momentum-free formats on attention.
+    :data:`PRIOR_ATTENTION_NO_MOMENTUM` for momentum-free formats on attention. ``rule`` picks the
+    optimizer's formats and their priors (:data:`PRIOR_RISKS`; default: AdamW's).
 
     Example:
         >>> prior_risk({"fc": [(64, 64)]}, {"fc": "other"}, ["fp32", "int8"])
         {'fc': {'fp32': 0.0, 'int8': 0.022}}
     """
-    names = list(FORMATS) if formats is None else list(formats)
+    registry, priors = formats_of(rule), PRIOR_RISKS[rule]
+    names = list(registry) if formats is None else list(formats)
     total = sum(numel_of(s) for shapes in blocks.values() for s in shapes) or 1
     out: dict[str, dict[str, float]] = {}
     for block, shapes in blocks.items():
@@ -89,14 +103,14 @@ def prior_risk(
         for f in names:
             risk = 0.0
             for s in shapes:
-                real = resolve_format(f, tuple(s), min_8bit_numel)
+                real = resolve_in(registry, f, tuple(s), min_8bit_numel)
                 weight = PRIOR_KIND_WEIGHT.get(kind, 1.0)
-                if kind == "attention" and not FORMATS[real].has_momentum:
+                if kind == "attention" and not registry[real].has_momentum:
                     weight *= PRIOR_ATTENTION_NO_MOMENTUM
-                risk += PRIOR_RISK[real] * weight * numel_of(s) / total
+                risk += priors[real] * weight * numel_of(s) / total
             row[f] = risk
         out[block] = row
     return out
 
 
-__all__ = ["PRIOR_ATTENTION_NO_MOMENTUM", "PRIOR_KIND_WEIGHT", "PRIOR_RISK", "block_kind", "prior_risk"]
+__all__ = ["PRIOR_ATTENTION_NO_MOMENTUM", "PRIOR_KIND_WEIGHT", "PRIOR_RISK", "PRIOR_RISKS", "block_kind", "prior_risk"]

@@ -22,7 +22,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Iterable, Union
 
-from ..formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS
+from ..formats import DEFAULT_MIN_8BIT_NUMEL, RULE_FORMATS
 from .prior import prior_risk
 
 #: Added to the prior risk of every format but the one ``initial`` names for a block, so that the
@@ -40,6 +40,7 @@ def start_risk(
     min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL,
     initial: Initial = None,
     owner: str = "BAOC",
+    rule: str = "adamw",
 ) -> dict[str, dict[str, float]]:
     """The risk table the start allocation minimizes (see the module docstring).
 
@@ -50,6 +51,7 @@ def start_risk(
         min_8bit_numel: the optimizer's small-tensor threshold (default: 4096).
         initial: a ``baoc_allocation.json`` path, a mapping block -> format, or ``None`` (the prior).
         owner: who was given ``initial``, for error messages (``"BAOC"``: ``BAOC(initial=...)``).
+        rule: the optimizer's update rule (its formats and priors; default: ``"adamw"``).
 
     Raises:
         ValueError: ``initial`` names blocks the model does not have, a format not offered, or a
@@ -59,7 +61,7 @@ def start_risk(
         >>> start_risk({"fc": [(64, 64)]}, {"fc": "other"}, ["fp32", "int8"], initial={"fc": "int8"})
         {'fc': {'fp32': 1.0, 'int8': 0.0}}
     """
-    risk = prior_risk(shapes, kinds, list(offered), min_8bit_numel)
+    risk = prior_risk(shapes, kinds, list(offered), min_8bit_numel, rule)
     if initial is None:
         return risk
     if isinstance(initial, Mapping):
@@ -79,7 +81,7 @@ def initial_formats(
     refused = {b: f for b, f in initial.items() if f not in offered}
     if refused:
         b, f = next(iter(refused.items()))
-        known = "a format" if f in FORMATS else "not a format"
+        known = "a format" if any(f in registry for registry in RULE_FORMATS.values()) else "not a format"
         raise ValueError(
             f"{owner}(initial=...): block {b!r} asks for {f!r}, {known} not offered here; offered: {list(offered)}"
         )

@@ -82,6 +82,7 @@ def solve(
     method: Method = "auto",
     max_boundaries: int | None = None,
     features: Mapping[str, Sequence[float]] | None = None,
+    reference: str = "fp32 AdamW",
 ) -> Allocation:
     """Pick one state format per block: minimum total risk within the memory and time budgets.
 
@@ -107,6 +108,8 @@ def solve(
             (default: ``None``: no merging).
         features: block -> feature vector (statistics) for the merging; default: each block's
             risk per byte for the formats every block allows (default: ``None``).
+        reference: what the ``"fp32"`` column is, as error messages name it (default:
+            ``"fp32 AdamW"``; ``"fp32 SGD"`` for SGD's momentum formats).
 
     Returns:
         The :class:`Allocation`.
@@ -126,8 +129,11 @@ def solve(
     if method not in _METHODS:
         raise ValueError(f"Unknown method={method!r}; allowed: {list(_METHODS)}")
     if max_boundaries is not None:
-        return _solve_segmented(risk, memory, memory_budget, time, time_budget, mask, method, max_boundaries, features)
+        return _solve_segmented(
+            risk, memory, memory_budget, time, time_budget, mask, method, max_boundaries, features, reference
+        )
     p = _build(risk, memory, time, mask)
+    p.reference = reference
     mb, tb = _parse_budgets(p, memory_budget, time_budget)
     return _solve_problem(p, mb, tb, method)
 

@@ -79,7 +79,7 @@ def _infeasible(p: _Problem, s: _Scaled, mb: float, tb: float | None, node_limit
     # A budget is shown rounded to the nearest, a smallest feasible one rounded up (and exactly where
     # the two would read the same): giving the printed value back as the budget is never too small.
     def mem_text(v: float, up: bool = False) -> str:
-        frac = f" ({(ceil_significant(v / p.fp32_memory) if up else v / p.fp32_memory):.3g} of fp32 AdamW)" if p.fp32_memory else ""
+        frac = f" ({(ceil_significant(v / p.fp32_memory) if up else v / p.fp32_memory):.3g} of {p.reference})" if p.fp32_memory else ""
         if not p.memory_int:
             return f"{v:.6g}{frac}"
         # exact where the rounding up shows more than it is
@@ -87,7 +87,7 @@ def _infeasible(p: _Problem, s: _Scaled, mb: float, tb: float | None, node_limit
         return f"{format_bytes(v, up=up)}{exact}{frac}"
 
     def time_text(v: float, up: bool = False) -> str:
-        frac = f" ({(ceil_significant(v / p.fp32_time) if up else v / p.fp32_time):.3g}x the fp32 AdamW step)" if p.fp32_time else ""
+        frac = f" ({(ceil_significant(v / p.fp32_time) if up else v / p.fp32_time):.3g}x the {p.reference} step)" if p.fp32_time else ""
         text = format_seconds(v, up=up)
         if up and tb is not None and text == format_seconds(tb_given):
             text += f" = {v!r} s"

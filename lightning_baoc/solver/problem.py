@@ -185,6 +185,8 @@ class _Problem:
     masked: dict[str, str]
     fp32_memory: float | None
     fp32_time: float | None
+    #: what the fp32 column is, in messages (``"fp32 SGD"`` for SGD's momentum formats)
+    reference: str = "fp32 AdamW"
 
     @property
     def allowed(self) -> np.ndarray:

@@ -170,8 +170,10 @@ def _solve_segmented(
     method: str,
     max_boundaries: int,
     features: Mapping[str, Sequence[float]] | None,
+    reference: str = "fp32 AdamW",
 ) -> Allocation:
     p = _build(risk, memory, time, mask)
+    p.reference = reference
     mb, tb = _parse_budgets(p, memory_budget, time_budget)
     if features is None:
         feats = _default_features(p)
@@ -201,6 +203,7 @@ def _solve_segmented(
         masked=p.masked,
         fp32_memory=p.fp32_memory,
         fp32_time=p.fp32_time,
+        reference=reference,
     )
     alloc = _solve_problem(q, mb, tb, method, note=f" (with max_boundaries={max_boundaries})")
     formats = {}

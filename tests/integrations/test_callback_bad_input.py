@@ -51,8 +51,8 @@ def test_infeasible_budget_raises_before_training_naming_the_smallest_feasible(t
 
 def test_unsupported_optimizer_raises_at_fit_start_naming_the_supported(tmp_path: Path) -> None:
     baoc = BAOC(memory_budget=0.3, warmup_steps=12, sample_every=4)
-    with pytest.raises(TypeError, match=r"take over SGD .*supported: \['torch\.optim\.AdamW'") as info:
-        _fit(tmp_path, baoc, DigitsModule(optimizer="sgd"))
+    with pytest.raises(TypeError, match=r"take over Adagrad .*supported: \['torch\.optim\.AdamW'") as info:
+        _fit(tmp_path, baoc, DigitsModule(optimizer="adagrad"))
     assert "configure_optimizers" in str(info.value)
     assert baoc.optimizer is None
 
