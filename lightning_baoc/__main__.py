@@ -6,6 +6,7 @@ new one (``check``, ...) is one function pair and one entry.
 Example:
     python -m lightning_baoc plan --preset llama-7b --budget 0.35 --budget 0.25
     lightning-baoc plan --model mypkg.models:build --device cuda --budget 6GB --time-budget 1.10
+    lightning-baoc plan --preset llama-7b --optimizer sgd --budget 0.3
     lightning-baoc check --config configs/vision.yaml baoc.memory_budget=0.25 --device cpu
     python -m lightning_baoc schema > configs/baoc.schema.json
 """
@@ -25,9 +26,15 @@ def _literal(text: str) -> str:
     return text.replace("%", "%%")
 
 
+#: What a fractional ``--budget`` and a ``--time-budget`` multiple of ``lightning-baoc plan`` refer to
+#: (budget.py's forms say AdamW's; plan's budgets are of the optimizer planned for, ``--optimizer``).
+_PLAIN_OPTIMIZER = "the plain optimizer would hold (AdamW; SGD/Lion with --optimizer)"
+_PLAIN_STEP = "the fp32 optimizer-step time of the plain optimizer (AdamW; SGD/Lion with --optimizer)"
+
+
 def _add_plan(parser: argparse.ArgumentParser) -> None:
     from .blocks import GRANULARITIES
-    from .formats import FORMATS
+    from .formats import RULE_FORMATS, RULE_NAMES
     from .formats.correction import CORRECTIONS
     from .tools.presets import PRESETS
 
@@ -43,12 +50,22 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="BUDGET",
-        help=_literal(f"memory budget, repeatable: {MEMORY_BUDGET_FORMS}"),
-    )
+        help=_literal("memory budget, repeatable: "
+                      + MEMORY_BUDGET_FORMS.replace("plain AdamW would hold", _PLAIN_OPTIMIZER)),
+    )  # fmt: skip
     parser.add_argument(
         "--time-budget",
         metavar="MULTIPLE|TIME",
-        help=_literal(f"time budget: {TIME_BUDGET_FORMS}; an absolute time needs --calibrate"),
+        help=_literal("time budget: " + TIME_BUDGET_FORMS.replace("the fp32 AdamW optimizer-step time", _PLAIN_STEP)
+                      + "; an absolute time needs --calibrate"),
+    )  # fmt: skip
+    parser.add_argument(
+        "--optimizer",
+        choices=list(RULE_FORMATS),
+        default="adamw",
+        help="the optimizer whose state is planned: "
+        + "; ".join(f"{r}: {RULE_NAMES[r]}'s formats {', '.join(reg)}" for r, reg in RULE_FORMATS.items())
+        + " (default: adamw; fp32 AdamW holds 8 bytes per parameter, SGD's and Lion's momentum 4)",
     )
     parser.add_argument(
         "--device", default="cuda", help="the training device planned for (default: cuda); decides the hardware mask"
@@ -66,7 +83,9 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
         help="start the warm-up as BAOC(initial=FILE) does: a previous run's baoc_allocation.json, whose measured "
         "risks replace the prior (default: the allocation of least prior risk)",
     )
-    parser.add_argument("--mask", action="append", default=[], choices=list(FORMATS), metavar="FORMAT", help="exclude a format (repeatable)")
+    every_format = list(dict.fromkeys(f for registry in RULE_FORMATS.values() for f in registry))
+    parser.add_argument("--mask", action="append", default=[], choices=every_format, metavar="FORMAT",
+                        help="exclude a format of the --optimizer's (repeatable)")
     parser.add_argument("--max-boundaries", type=int, metavar="N", help="the format changes at most N times along the blocks")
     parser.add_argument("--calibrate", action="store_true", help="time costs from a calibration of --device here (cached)")
     parser.add_argument("--min-8bit-numel", type=int, default=4096, help="small-tensor threshold of the 8-bit formats (default: 4096)")
@@ -107,6 +126,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         weight_dtype=args.weight_dtype,
         weight_correction=args.weight_correction,
         release=args.release,
+        optimizer=args.optimizer,
     )
     render(result, Console(width=max(Console().width, 120)))
     if args.json:
@@ -152,7 +172,8 @@ def _run_schema(args: argparse.Namespace) -> int:
 #: name -> (help, add arguments, run)
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "plan": (
-        "plan optimizer-state memory of a model built on the meta device: fp32 AdamW, every format, allocations "
+        "plan optimizer-state memory of a model built on the meta device: fp32 AdamW (SGD, Lion: --optimizer), "
+        "every format, allocations "
         "and the state of each phase of the run (start, warm-up, conversion, steady); "
         "exit 0 if every budget is feasible, 1 if one is not (the smallest feasible is printed), 2 on bad input",
         _add_plan,

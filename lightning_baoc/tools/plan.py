@@ -3,10 +3,13 @@
 The model is built on the ``meta`` device (shapes only, no memory): a preset (a LLaMA-7B-shaped
 decoder, a ViT-B/16, a tiny decoder for tests; :mod:`lightning_baoc.tools.presets`) or any
 ``package.module:factory``. Its parameters are partitioned into blocks
-(:func:`lightning_baoc.blocks.partition`), and the plan reports the parameter count, the fp32 AdamW
-state (8 bytes per parameter), every uniform format's exact bytes (fallbacks for 1-D and small
-tensors included, as the optimizer allocates them), and allocations of the
-:class:`~lightning_baoc.costs.AllocationProblem` the training controller builds, at the budgets given.
+(:func:`lightning_baoc.blocks.partition`), and the plan reports the parameter count, the fp32 state
+of the optimizer planned for (``optimizer``: AdamW's two moments, 8 bytes per parameter, by default;
+``"sgd"`` or ``"lion"``: their one momentum buffer, 4 bytes), every uniform format of that
+optimizer's registry (:func:`~lightning_baoc.formats.formats_of`) with its exact bytes (fallbacks for
+1-D and small tensors included, as the optimizer allocates them), and allocations of the
+:class:`~lightning_baoc.costs.AllocationProblem` the training controller builds, at the budgets given
+(a fractional budget is a fraction of that fp32 state).
 
 Every budget is planned as a run goes through it (:meth:`~lightning_baoc.costs.AllocationProblem.phases`):
 the **start** allocation the controller sets at install (least prior risk, or ``initial`` as
@@ -17,7 +20,7 @@ the **start** allocation the controller sets at install (least prior risk, or ``
 ``baoc_allocation.json``'s blocks) or, without one, is the start's (the documented prior,
 :func:`lightning_baoc.risk.prior_risk`, or ``initial``'s): the run is then expected to stay where it
 started. Step time comes from a calibration of the local device (``calibrate=True``) or the prior
-:data:`~lightning_baoc.calibration.PRIOR_STEP_COST`.
+:data:`~lightning_baoc.calibration.PRIOR_STEP_COSTS` of the optimizer.
 """
 
 from __future__ import annotations
@@ -33,20 +36,93 @@ from torch import nn
 
 from ..blocks import partition
 from ..budget import absolute_time_with_prior_error, format_bytes, format_decimal_bytes, is_absolute_time
-from ..calibration import check_mask, offload_saves_memory
+from ..calibration import offload_saves_memory
 from ..costs import CONVERSION_BOUND, AllocationProblem, StatePhases
-from ..formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, format_state_bytes, numel_of, resolve_format
+from ..formats import (
+    DEFAULT_MIN_8BIT_NUMEL, RULE_FORMATS, RULE_NAMES, format_state_bytes, formats_of, numel_of, resolve_in,
+)  # fmt: skip
 from ..formats.correction import check_correction
 from ..risk.prior import block_kind, prior_risk
 from ..risk.start import INITIAL_PREFERENCE, Initial
-from ..solver import Allocation, BudgetInfeasibleError
+from ..solver import Allocation, BudgetInfeasibleError, check_mask
 from .presets import build_model
 
-def load_statistics(path: str | os.PathLike[str], blocks: Sequence[str]) -> tuple[dict[str, dict[str, float]], list[str]]:
+# ---------------------------------------------------------------------------- the optimizer planned for
+
+
+def _check_optimizer(optimizer: object) -> str:
+    """The update rule ``optimizer`` names (``"adamw"``, ``"sgd"``, ``"lion"``), or a ``ValueError``."""
+    if not isinstance(optimizer, str) or optimizer not in RULE_FORMATS:
+        raise ValueError(
+            f"Invalid optimizer: {optimizer!r}; allowed: {list(RULE_FORMATS)} (the optimizer whose state is planned: "
+            f"{', '.join(f'{r} = {n}' for r, n in RULE_NAMES.items())})"
+        )
+    return optimizer
+
+
+def _unknown_format(fmt: object, rule: str) -> str:
+    """``unknown format 'x'; allowed: [...]`` for ``rule``'s registry, naming the optimizer whose format
+    ``x`` is instead (AdamW's message is the one it always was)."""
+    registry, name = formats_of(rule), RULE_NAMES[rule]
+    owners = [r for r, reg in RULE_FORMATS.items() if reg is not registry and fmt in reg]
+    text = f"unknown format {fmt!r}" + ("" if rule == "adamw" else f" for {name}")
+    if owners:
+        who = "/".join(dict.fromkeys(RULE_NAMES[r] for r in owners))
+        text += f" (a format of {who}: plan it with optimizer={owners[0]!r}, --optimizer {owners[0]})"
+    return text + f"; allowed: {list(registry)}" + ("" if rule == "adamw" else f" ({name}'s momentum formats)")
+
+
+def _checked_mask(mask: Sequence[str] | Mapping[str, str] | None, rule: str) -> dict[str, str]:
+    """The user's mask, name -> reason, every name one of ``rule``'s formats."""
+    if not mask:
+        return {}
+    named = [mask] if isinstance(mask, str) else mask if isinstance(mask, Mapping) else list(mask)
+    for f in named:
+        if isinstance(f, str) and f not in formats_of(rule):
+            raise ValueError(f"mask names {_unknown_format(f, rule)}")
+    return check_mask(named, known=list(formats_of(rule)))
+
+
+def _check_written_for(data: object, path: str | os.PathLike[str], rule: str, what: str) -> None:
+    """Refuse a file that says it was written for another optimizer (``baoc_allocation.json``'s
+    ``"optimizer"``; a file without it is not checked here: its format names are)."""
+    written = data.get("optimizer") if isinstance(data, Mapping) else None
+    if written is None or written == RULE_NAMES[rule]:
+        return
+    other = next((r for r, n in RULE_NAMES.items() if n == written), None)
+    fix = f"plan it with optimizer={other!r} (--optimizer {other})" if other else f"give a file of a {RULE_NAMES[rule]} run"
+    raise ValueError(f"{what} {os.fspath(path)!r} holds the risks of {written}'s state, not {RULE_NAMES[rule]}'s; {fix}")
+
+
+def _check_initial(initial: Initial, rule: str) -> None:
+    """An ``initial`` record written for ``rule``: its optimizer and format names (an unreadable or
+    malformed file is left to :func:`~lightning_baoc.risk.start.initial_record`, which says why)."""
+    if initial is None or isinstance(initial, Mapping):
+        return
+    try:
+        with open(initial, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return
+    what = "plan(initial=...): the allocation record"
+    _check_written_for(data, initial, rule, what)
+    entries = data.get("blocks") if isinstance(data, Mapping) else None
+    for entry in entries if isinstance(entries, list) else ():
+        risk = entry.get("risk") if isinstance(entry, Mapping) else None
+        for f in risk if isinstance(risk, Mapping) else ():
+            if f not in formats_of(rule):
+                where = f"{what} {os.fspath(initial)!r}: block {entry.get('name')!r}"
+                raise ValueError(f"{where} has a risk of an {_unknown_format(f, rule)}")
+
+
+def load_statistics(
+    path: str | os.PathLike[str], blocks: Sequence[str], rule: str = "adamw"
+) -> tuple[dict[str, dict[str, float]], list[str]]:
     """Per-format risks from a statistics file; returns (risk of the blocks found, blocks missing).
 
     The file is JSON ``{"blocks": [{"name": ..., "risk": {format: value}}, ...]}``. Blocks of the
-    file that the model does not have are an error (a different model or granularity).
+    file that the model does not have are an error (a different model or granularity), and so are
+    formats that are not ``rule``'s (default: AdamW's) and a file whose ``"optimizer"`` is another.
     """
     try:
         with open(path, encoding="utf-8") as fh:
@@ -58,6 +134,7 @@ def load_statistics(path: str | os.PathLike[str], blocks: Sequence[str]) -> tupl
             f"statistics file {os.fspath(path)!r} must hold {{\"blocks\": [{{\"name\": ..., \"risk\": "
             f"{{format: value}}}}, ...]}}"
         )
+    _check_written_for(data, path, rule, "statistics file")
     known = set(blocks)
     risk: dict[str, dict[str, float]] = {}
     for i, entry in enumerate(data["blocks"]):
@@ -75,8 +152,8 @@ def load_statistics(path: str | os.PathLike[str], blocks: Sequence[str]) -> tupl
                 f"({{format: value}}), not the risk of one chosen format"
             )
         for f in values:
-            if f not in FORMATS:
-                raise ValueError(f"statistics block {name!r} names unknown format {f!r}; allowed: {list(FORMATS)}")
+            if f not in formats_of(rule):
+                raise ValueError(f"statistics block {name!r} names {_unknown_format(f, rule)}")
         risk[name] = {f: float(v) for f, v in values.items()}
     missing = [b for b in blocks if b not in risk]
     return risk, missing
@@ -137,6 +214,18 @@ class Plan:
     weight_dtype: str = "the model's"
     weight_correction: str = "none"
     release: bool = False
+    #: the update rule planned for (``"adamw"``, ``"sgd"``, ``"lion"``): its formats, bytes and priors
+    rule: str = "adamw"
+
+    @property
+    def optimizer(self) -> str:
+        """The optimizer planned for, as reports name it (``"AdamW"``, ``"SGD"``, ``"Lion"``)."""
+        return RULE_NAMES[self.rule]
+
+    @property
+    def fp32_bytes_per_param(self) -> int:
+        """Bytes of the optimizer's fp32 state per parameter element (AdamW 8, SGD and Lion 4)."""
+        return format_state_bytes("fp32", (1,), rule=self.rule)
 
     def training_memory(self, state_bytes: int) -> dict[str, int]:
         """Weights, corrections, gradients and ``state_bytes``, in bytes, with their total and the
@@ -150,10 +239,13 @@ class Plan:
             "model": self.model,
             "device": self.device,
             "granularity": self.granularity,
+            "optimizer": self.optimizer,
             "params": self.params,
             "tensors": self.tensors,
             "blocks": len(self.blocks),
-            "fp32_adamw_state_bytes": self.fp32_bytes,
+            # the old key stays for AdamW, whose fp32 state it names; fp32_state_bytes is every optimizer's
+            **({"fp32_adamw_state_bytes": self.fp32_bytes} if self.rule == "adamw" else {}),
+            "fp32_state_bytes": self.fp32_bytes,
             "formats": {
                 f.name: {"device_bytes": f.device_bytes, "host_bytes": f.host_bytes, "fallback_params": f.fallback_params}
                 for f in self.formats
@@ -192,13 +284,13 @@ def plan(
     cache_dir: str | os.PathLike[str] | None = None,
     min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL,
     method: str = "auto",
-    weight_dtype: str | None = None, weight_correction: str = "none", release: bool = False,
+    weight_dtype: str | None = None, weight_correction: str = "none", release: bool = False, optimizer: str = "adamw",
 ) -> Plan:
     """Plan the optimizer-state memory of ``model`` on ``device``.
 
     Args:
         model: a preset name, ``"package.module:factory"``, or a module (any device).
-        budgets: memory budgets to allocate at (fractions like ``0.35`` or sizes like ``"6GB"``).
+        budgets: memory budgets to allocate at (fractions like ``0.35`` of the fp32 state, or sizes like ``"6GB"``).
         time_budget: optional time budget: a multiple of the fp32 step (``1.10``), or an absolute
             time (``"12ms"``) with ``calibrate_time=True`` (the prior costs have no unit).
         device: the training device planned for; decides the hardware mask and whether ``offload``
@@ -218,34 +310,34 @@ def plan(
         method: the solver's method (default: ``"auto"``).
         weight_dtype, weight_correction, release: the weights' dtype (``"fp32"``, ``"bf16"``, ``"fp16"``;
             default: the model's), their correction (default ``"none"``), gradient release (no gradient).
+        optimizer: the optimizer whose state is planned: ``"adamw"`` (default), ``"sgd"`` or ``"lion"``
+            (their momentum formats, :data:`~lightning_baoc.formats.MOMENTUM_FORMATS`).
 
     Raises:
-        ValueError: a bad model, budget, mask or ``initial``, or an absolute ``time_budget`` without ``calibrate_time``.
+        ValueError: a bad model, budget, mask, optimizer, statistics file or ``initial`` (a format
+            that is not the optimizer's included), or an absolute ``time_budget`` without ``calibrate_time``.
 
     Example:
         >>> p = plan("tiny", [0.5], device="cpu")
-        >>> p.params, p.fp32_bytes == 8 * p.params
-        (166208, True)
+        >>> p.params, p.fp32_bytes == 8 * p.params, plan("tiny", device="cpu", optimizer="sgd").fp32_bytes == 4 * p.params
+        (166208, True, True)
         >>> phases = p.allocations[0].phases
         >>> phases.warmup_bytes == phases.start_bytes <= 0.5 * p.fp32_bytes
         True
     """
-    if time_budget is not None and not calibrate_time and is_absolute_time(time_budget):
-        fix = "calibrate_time=True (--calibrate) to measure the step in seconds on the device."
-        raise absolute_time_with_prior_error(time_budget, "time_budget", fix)
+    rule = _check_inputs(optimizer, time_budget, calibrate_time, initial)
     module = build_model(model) if isinstance(model, str) else model  # the problem below is the controller's
     blocks = _block_shapes(module, granularity)
     weights = _weight_figures(module, weight_dtype, weight_correction, release)
-    costs = "calibrate" if calibrate_time else "prior"
     problem = AllocationProblem(
-        blocks, device, timed=time_budget is not None, costs=costs, min_8bit_numel=min_8bit_numel,
-        mask=check_mask(mask) if mask else {}, cache_dir=cache_dir,
+        blocks, device, timed=time_budget is not None, costs="calibrate" if calibrate_time else "prior",
+        min_8bit_numel=min_8bit_numel, mask=_checked_mask(mask, rule), cache_dir=cache_dir, rule=rule,
     )  # fmt: skip
-    figures, allocations = _format_figures(blocks, device, min_8bit_numel), []
-    start_source = risk_source = _PRIOR_SOURCE if initial is None else _initial_source(initial)
+    figures, allocations = _format_figures(blocks, device, min_8bit_numel, rule), []
+    start_source = risk_source = _prior_source(rule) if initial is None else _initial_source(initial)
     if budgets:
         kinds = {b: block_kind(module, b) for b in blocks}
-        steady_risk, risk_source = _steady_risk(kinds, blocks, statistics, min_8bit_numel, start_source)
+        steady_risk, risk_source = _steady_risk(kinds, blocks, statistics, min_8bit_numel, start_source, rule)
         options = {"method": method, "max_boundaries": max_boundaries, "initial": initial, "steady_risk": steady_risk}
         allocations = [_allocate(problem, kinds, blocks, budget, time_budget, options) for budget in budgets]
     return Plan(
@@ -255,8 +347,19 @@ def plan(
         formats=figures, masked=problem.withheld, risk_source=risk_source,
         time_source=problem.time_source if budgets else None,
         time_budget=None if time_budget is None else str(time_budget), allocations=allocations,
-        start_source=start_source, **weights,
+        start_source=start_source, rule=rule, **weights,
     )  # fmt: skip
+
+
+def _check_inputs(optimizer: object, time_budget: float | str | None, calibrate_time: bool, initial: Initial) -> str:
+    """The update rule of ``optimizer``, after the checks that need no model: the time budget's unit
+    and an ``initial`` record's optimizer and formats."""
+    rule = _check_optimizer(optimizer)
+    if time_budget is not None and not calibrate_time and is_absolute_time(time_budget):
+        fix = "calibrate_time=True (--calibrate) to measure the step in seconds on the device."
+        raise absolute_time_with_prior_error(time_budget, "time_budget", fix)
+    _check_initial(initial, rule)
+    return rule
 
 
 _WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -285,7 +388,9 @@ def _block_shapes(module: nn.Module, granularity: str) -> dict[str, list[tuple[i
     return {b: [tuple(names[p].shape) for p in params] for b, params in partition(module, granularity).items()}
 
 
-_PRIOR_SOURCE = "prior (PRIOR_RISK x kind weight x size share)"
+def _prior_source(rule: str) -> str:
+    table = "PRIOR_RISK" if rule == "adamw" else f"PRIOR_RISKS[{rule!r}]"
+    return f"prior ({table} x kind weight x size share)"
 
 
 def _initial_source(initial: Initial) -> str:
@@ -300,28 +405,30 @@ def _steady_risk(
     statistics: Any,
     min_8bit_numel: int,
     start_source: str,
+    rule: str = "adamw",
 ) -> tuple[dict[str, dict[str, float]] | None, str]:
     """The steady allocation's risk and its source: a statistics file's, the prior for the blocks it
     lacks; without one ``None`` (the start's risk)."""
     if statistics is None:
         return None, start_source
-    risk = prior_risk(blocks, kinds, min_8bit_numel=min_8bit_numel)
-    measured, missing = load_statistics(statistics, list(blocks))
+    risk = prior_risk(blocks, kinds, min_8bit_numel=min_8bit_numel, rule=rule)
+    measured, missing = load_statistics(statistics, list(blocks), rule)
     for b, row in measured.items():
         risk[b] = {f: row[f] for f in row}
     return risk, f"statistics file ({len(measured)} blocks" + (f"; prior for {len(missing)} missing)" if missing else ")")
 
 
-def _format_figures(blocks: Mapping[str, list[tuple[int, ...]]], device: str, min_8bit_numel: int) -> list[FormatFigure]:
-    """Every format uniformly over the model: device and host bytes, elements that fall back."""
-    off_device = offload_saves_memory(device)
+def _format_figures(
+    blocks: Mapping[str, list[tuple[int, ...]]], device: str, min_8bit_numel: int, rule: str = "adamw"
+) -> list[FormatFigure]:
+    """Every format of ``rule`` uniformly over the model: device and host bytes, elements that fall back."""
+    off_device, registry = offload_saves_memory(device), formats_of(rule)
+    shapes = [s for of_block in blocks.values() for s in of_block]
     figures = []
-    for f in FORMATS:
-        total = sum(format_state_bytes(f, s, min_8bit_numel) for shapes in blocks.values() for s in shapes)
-        fallback = sum(
-            numel_of(s) for shapes in blocks.values() for s in shapes if resolve_format(f, s, min_8bit_numel) != f
-        )
-        on_host = f == "offload" and off_device
+    for f in registry:
+        total = sum(format_state_bytes(f, s, min_8bit_numel, rule) for s in shapes)
+        fallback = sum(numel_of(s) for s in shapes if resolve_in(registry, f, s, min_8bit_numel) != f)
+        on_host = registry[f].offloaded and off_device
         figures.append(FormatFigure(f, 0 if on_host else total, total if on_host else 0, fallback))
     return figures
 
@@ -363,7 +470,7 @@ def render(p: Plan, console: Any = None) -> None:
     head.add_column("")
     head.add_row("parameters", f"{p.params:,} ({p.params / 1e9:.3g}B)" if p.params >= 1e8 else f"{p.params:,}")
     head.add_row("tensors / blocks", f"{p.tensors:,} / {len(p.blocks):,} ({p.granularity} granularity)")
-    head.add_row("fp32 AdamW state", f"{_bytes(p.fp32_bytes)} = 8 bytes x {p.params:,} parameters")
+    head.add_row(f"fp32 {p.optimizer} state", f"{_bytes(p.fp32_bytes)} = {p.fp32_bytes_per_param} bytes x {p.params:,} parameters")
     console.print(head)
 
     table = Table(title="Uniform formats (exact bytes as allocated, fallbacks included)")
