@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping
 
 import torch
 from torch import nn

@@ -341,10 +341,15 @@ def test_errors_name_the_problem_and_the_fix() -> None:
         opt.set_formats({"0": "int8_factored"})
 
 
-def test_baoc_refuses_the_momentum_optimizers_with_the_way_out() -> None:
+def test_baoc_takes_the_momentum_optimizers_over() -> None:
     from lightning_baoc.integrations.swap import convert_optimizer
 
     model = _model()
-    with pytest.raises(TypeError, match="BAOC cannot allocate BlockwiseSGD's momentum formats yet"):
-        convert_optimizer(BlockwiseSGD(model.named_parameters(), lr=0.1, momentum=0.9), model)
+    own = BlockwiseSGD(model.named_parameters(), lr=0.1, momentum=0.9)
+    assert convert_optimizer(own, model) is own  # kept as is, like a BlockwiseAdamW
+    torch_sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
+    new = convert_optimizer(torch_sgd, model)
+    assert isinstance(new, BlockwiseSGD) and type(new).__name__ == "SGD"
+    assert new.param_groups[0]["nesterov"] and new.param_groups[0]["weight_decay"] == 1e-4
+    assert set(new.formats().values()) == {"fp32"}
 
