@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import Callback
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -99,6 +100,17 @@ class DigitsModule(L.LightningModule):
         cosine = lambda step: 0.05 + 0.95 * 0.5 * (1.0 + math.cos(math.pi * min(step, total) / total))  # noqa: E731
         sched = torch.optim.lr_scheduler.LambdaLR(opt, [cosine, cosine])
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Crash(Callback):
+    """Raises at the start of epoch ``at`` (after the checkpoint of the epoch before was saved)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.current_epoch == self.at:
+            raise RuntimeError(f"simulated crash at epoch {self.at}")
 
 
 def loaders(n_train: int = 640, batch_size: int = 32) -> tuple[DataLoader, DataLoader]:

@@ -7,14 +7,20 @@ measured on shadow moments (:class:`~lightning_baoc.risk.shadow.ShadowMoments`: 
 of the gradient and its square on a fixed sample of each tensor, bias-corrected: ``m`` estimates the
 expected gradient, ``v - m^2`` its per-element noise).
 
-**SGD** (``u = m``: the buffer is an average of the gradients, its direction the expected gradient).
+**SGD**. torch's buffer ``b = beta b + (1 - dampening) g`` sums the gradients: its expectation is
+``m / c`` with ``c = (1 - beta) / (1 - dampening)`` (10 x the gradient at beta 0.9, no dampening), and
+the step is ``b`` (Nesterov: ``g + beta b``, the same expectation). In the units of an average,
+``u = c b``, so ``E[u] = m`` with the noise damped to ``a = (1 - beta) / (1 + beta)`` of the gradient's:
 
 - progress ``p_b = sum_i m_i^2`` (first-order loss decrease per unit learning rate) and ``||u||^2``
   the same;
 - a buffer format ``f`` (``bf16``, ``int8``): ``m`` round-tripped through the format's real encode
   and decode (the codes, scales and rounding the optimizer uses), ``B_f = ||m_f - m||^2 / ||u||^2``;
-- ``none``: the raw gradient replaces the buffer, unbiased, with the noise the buffer had damped to
-  ``a = (1 - beta) / (1 + beta)``: ``V = (1 - a) sum_i (v_i - m_i^2)^+ / (H ||u||^2)``.
+- ``none``: the step is the raw gradient, ``c`` times the buffer's in expectation: a step-size bias
+  ``B = (1 - c)^2`` (0.81 at beta 0.9: dropping the buffer divides the block's step by 10), and the
+  noise ``c^2`` of the gradient's where the buffer had ``a``: ``V = (c^2 - a)^+ sum_i (v_i - m_i^2)^+ /
+  (H ||u||^2)``. (An earlier version scored ``none`` as unbiased noise only; on digits the risk-min
+  allocation then did no better than random ones, ``benchmarks/momentum_risk_validation.py``.)
 
 **Lion** (``u = sign(c)``, ``c = beta1 * buf + (1 - beta1) * g``). With the buffer at its expectation
 ``m`` and the gradient's noise ``s_i^2 = v_i - m_i^2``, ``c_i`` has mean ``m_i`` and deviation
@@ -31,8 +37,8 @@ The risk is ``risk[b][f] = (p_b / P) * (B_f + V_f)``, zero for ``fp32``. Formats
 the optimizer resolves them (``int8`` under ``min_8bit_numel`` is ``fp32``; a group without momentum
 holds ``none`` whatever is asked, so every format scores zero there).
 
-Not yet: the allocation-level validation of these terms against measured harm (as
-``benchmarks/risk_validation.py`` does for AdamW's), and the BAOC controller's use of them.
+The BAOC controller allocates with these scores (:func:`lightning_baoc.risk.optimizer_risk_table`);
+``benchmarks/momentum_risk_validation.py`` validates them at the allocation level against measured harm.
 """
 
 from __future__ import annotations
@@ -85,7 +91,7 @@ def _erf_ratio(mean: Tensor, deviation: Tensor) -> Tensor:
 
 def _tensor_terms(
     rule: str, beta1: float, m_hat: Tensor, noise: Tensor, fmts: Mapping[str, str], generator: torch.Generator,
-    scale: float,
+    scale: float, dampening: float = 0.0,
 ) -> tuple[float, float, dict[str, float], dict[str, float]]:
     """progress, ||u||^2, per-format bias ``||E[u_f] - u||^2`` and added variance, scaled to the tensor."""
     trips: dict[str, Tensor] = {}
@@ -100,10 +106,12 @@ def _tensor_terms(
     if rule == "sgd":
         progress = update_sq = float((m_hat * m_hat).sum()) * scale
         damp = (1.0 - beta1) / (1.0 + beta1)
+        c = (1.0 - beta1) / (1.0 - dampening) if dampening < 1.0 else 1.0
         for fmt, actual in fmts.items():
             bias[fmt], added[fmt] = 0.0, 0.0
             if actual == "none":
-                added[fmt] = (1.0 - damp) * float(noise.sum()) * scale
+                bias[fmt] = (1.0 - c) ** 2 * update_sq
+                added[fmt] = max(0.0, c * c - damp) * float(noise.sum()) * scale
             elif actual != "fp32":
                 bias[fmt] = float(((trip(actual) - m_hat) ** 2).sum()) * scale
         return progress, update_sq, bias, added
@@ -182,7 +190,10 @@ def momentum_risk_details(
                 v_hat = entry.exp_avg_sq.double() / (1.0 - 0.999**steps)
                 noise = (v_hat - m_hat * m_hat).clamp_min(0.0)
                 scale = p.numel() / max(1, m_hat.numel())
-                progress, update_sq, bias, added = _tensor_terms(rule, beta1, m_hat, noise, fmts, generator, scale)
+                dampening = float(group["dampening"]) if rule == "sgd" else 0.0
+                progress, update_sq, bias, added = _tensor_terms(
+                    rule, beta1, m_hat, noise, fmts, generator, scale, dampening
+                )
                 br.progress += progress
                 br.update_sq += update_sq
                 for f in formats:

@@ -26,21 +26,10 @@ from lightning_baoc import BAOC, MOMENTUM_FORMATS, BAOCStrategy, BlockwiseLion, 
 from lightning_baoc.report import JSON_NAME, validate_record
 
 from support import digits_tensors, mlp
-from support_lightning import DigitsModule, loaders, make_trainer, one_thread  # noqa: F401
+from support_lightning import Crash, DigitsModule, loaders, make_trainer, one_thread  # noqa: F401
 
 EPOCHS = 8
 LR = {"sgd": 0.05, "lion": 1e-3}
-
-
-class Crash(Callback):
-    """Raises at the start of epoch ``at`` (after the checkpoint of the epoch before was saved)."""
-
-    def __init__(self, at: int) -> None:
-        self.at = at
-
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.current_epoch == self.at:
-            raise RuntimeError(f"simulated crash at epoch {self.at}")
 
 
 def _fit(root: Path, rule: str, crash_at: int | None = None, ckpt_path: str | None = None) -> tuple[Any, L.Trainer, BAOC]:

@@ -19,20 +19,9 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_baoc import BAOC, BlockwiseAdamW
 
-from support_lightning import DigitsModule, loaders, make_trainer, one_thread  # noqa: F401
+from support_lightning import Crash, DigitsModule, loaders, make_trainer, one_thread  # noqa: F401
 
 EPOCHS = 8
-
-
-class Crash(Callback):
-    """Raises at the start of epoch ``at`` (after the checkpoint of the epoch before was saved)."""
-
-    def __init__(self, at: int) -> None:
-        self.at = at
-
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.current_epoch == self.at:
-            raise RuntimeError(f"simulated crash at epoch {self.at}")
 
 
 def _baoc() -> BAOC:

@@ -1,7 +1,8 @@
 """The risk terms of SGD's and Lion's momentum formats (``lightning_baoc/risk/momentum.py``).
 
 On shadow moments measured from training (SGD) or set to a known signal-to-noise ratio (Lion): fp32
-scores zero; dropping the buffer costs the most and 8 bits more than bf16; the scores do not depend
+scores zero; dropping the buffer costs the most (SGD's step falls to ``1 - beta`` of the buffer's) and 8
+bits more than bf16; the scores do not depend
 on the gradients' scale; Lion's sign descent (``none``) is harmless when the gradient's sign is
 certain and harmful when noise dominates; a group without momentum scores zero in every format.
 """
@@ -42,7 +43,27 @@ def test_sgd_scores_order_the_formats() -> None:
     for block, br in details.items():
         assert br.risk["fp32"] == 0.0
         assert br.risk["none"] > br.risk["int8"] > br.risk["bf16"] > 0.0, (block, br.risk)
-        assert br.variance["int8"] == br.variance["bf16"] == 0.0 and br.bias["none"] == 0.0
+        assert br.variance["int8"] == br.variance["bf16"] == 0.0
+        # no buffer: the step is the raw gradient, 1 - beta = 0.1 of the buffer's (a step-size bias), with
+        # less noise than the buffer's in absolute terms (0.01 of the gradient's against 0.053)
+        assert br.bias["none"] == pytest.approx(0.81) and br.variance["none"] == 0.0
+
+
+def test_sgd_none_with_dampening_is_unbiased_noise() -> None:
+    """With ``dampening = momentum`` the buffer is an average: dropping it keeps the step size and adds
+    the noise the buffer damped, ``1 - (1 - beta) / (1 + beta)`` of the gradient's."""
+    opt, shadow = _trained_sgd()
+    for group in opt.param_groups:
+        group["dampening"] = 0.9
+    for block, br in momentum_risk_details(opt, BLOCKS, shadow, horizon=1).items():
+        noise = 0.0
+        for name in BLOCKS[block]:
+            entry = shadow.entries[name]
+            m = entry.exp_avg.double() / (1 - 0.9**entry.steps)
+            v = entry.exp_avg_sq.double() / (1 - 0.999**entry.steps)
+            noise += float((v - m * m).clamp_min(0).sum()) * opt.named_params[name].numel() / m.numel()
+        assert br.bias["none"] == pytest.approx(0.0, abs=1e-12)
+        assert br.variance["none"] == pytest.approx((1 - 0.1 / 1.9) * noise / br.update_sq, rel=1e-9)
 
 
 def test_scores_do_not_depend_on_the_gradients_scale() -> None:
