@@ -143,6 +143,14 @@ def test_resume_refuses_another_optimizers_allocation_and_sgd_aliases_pickle() -
     other.load_state_dict(state)
     with pytest.raises(ValueError, match=r"holds sgd formats and the optimizer is AdamW"):
         other.install(torch.optim.AdamW(model.parameters()), model)
+    # a state saved before any install names no rule: it loads into any optimizer
+    blank = BAOCController(BAOCConfig(memory_budget=0.5)).state_dict()
+    assert blank["rule"] is None
+    fresh = BAOCController(BAOCConfig(memory_budget=0.5))
+    fresh.load_state_dict(blank)
+    fresh.install(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model)
+    assert fresh.phase == "warmup"
+    fresh.close()
     copy = pickle.loads(pickle.dumps(opt))
     assert type(copy).__qualname__ == "_BlockwiseSGDAsSGD" and copy.formats() == opt.formats()
 

@@ -124,8 +124,9 @@ class CheckpointMixin:
     def _apply_loaded(self) -> None:
         sd, self._loaded = self._loaded, None
         assert sd is not None and self.optimizer is not None and self.sampler is not None
-        saved_rule, rule = sd.get("rule", "adamw"), self.optimizer.rule  # states before SGD and Lion: AdamW
-        if saved_rule != rule:
+        # states written before SGD and Lion: AdamW's; None: saved before any install (no formats yet)
+        saved_rule, rule = sd.get("rule", "adamw"), self.optimizer.rule
+        if saved_rule is not None and saved_rule != rule:
             raise ValueError(
                 f"BAOC cannot resume this checkpoint: its allocation holds {saved_rule} formats and the optimizer "
                 f"is {type(self.optimizer).__name__} ({rule}); resume with the checkpoint's optimizer, or start a "
