@@ -62,6 +62,7 @@ from .control.blocks import BlocksMixin
 from .control.checkpoint import ALLOCATION_SETTINGS, CheckpointMixin
 from .control.decision import capped, checked_risk, keeps_current
 from .control.events import AllocationEvent
+from .control.options import OptionsMixin
 from .control.release import ReleaseObservationMixin
 from .control.triggers import TriggersMixin
 from .control.protocol import Broadcast, decide_on_rank_zero
@@ -104,7 +105,7 @@ def _training_device(optimizer: BlockwiseOptimizer) -> torch.device:
 # ---------------------------------------------------------------------------- the controller
 
 
-class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, ReleaseObservationMixin):
+class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, ReleaseObservationMixin, OptionsMixin):
     """The framework-free BAOC lifecycle (see the module docstring for the calls and their order).
 
     Args:
@@ -256,7 +257,7 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, Re
             self._apply_loaded()
         elif self.phase == "allocated" and self.allocation:
             # A second fit with the same controller: the fresh optimizer starts in the allocation.
-            new.set_formats(self.allocation, blocks=self.block_params)
+            self._apply_options(self.allocation, self.block_params)
         if self.phase == "warmup":
             self._warmup_formats()
             self._start_within_budget()
@@ -396,9 +397,9 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, Re
         assert self.sampler is not None and self.optimizer is not None
         stats = {b: {k: float(v) for k, v in s.items()} for b, s in self.sampler.statistics().items()}
         extra = {"shadow": self.shadow} if self.risk_fn is _default_risk_fn else {}  # a user's risk_fn: as before
-        raw = dict(self.risk_fn(
-            self.optimizer, self.block_params, stats, formats=list(self._offered), horizon=self.config.horizon, **extra
-        ))
+        raw = self._with_corrections(self.risk_fn(
+            self.optimizer, self.block_params, stats, formats=self._formats_offered(), horizon=self.config.horizon, **extra
+        ), measured=True)
         raw.update(self._prior_rows())
         risk = checked_risk(raw, list(self.block_params), self._offered)
         options = capped(risk, self.config.max_block_risk)
@@ -455,8 +456,8 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, Re
             return {}
         module = self._module if self._module is not None else nn.Module()
         kinds = {b: block_kind(module, b) for b in fresh}
-        table = prior_risk(self._shapes, kinds, list(self._offered), opt.min_8bit_numel, opt.rule)
-        return {b: table[b] for b in fresh}
+        table = prior_risk(self._shapes, kinds, self._formats_offered(), opt.min_8bit_numel, opt.rule)
+        return self._with_corrections({b: table[b] for b in fresh}, measured=False)
 
     def _current_fits(self) -> bool:
         """Whether the allocation in force still meets the (possibly changed) budgets."""
@@ -482,11 +483,11 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, Re
         decision = decide_on_rank_zero(lambda: self._decide(reason), broadcast, is_global_zero)
         opt = self.optimizer
         before = int(opt.state_bytes())
-        current = self._current_formats()
+        current = self._current_options()
         changed = {b: (current[b], f) for b, f in decision["formats"].items() if current.get(b) != f}
         migrated: dict[str, tuple[str, str]] = {}
         if changed:
-            migrated = opt.set_formats({b: new for b, (_, new) in changed.items()}, blocks=self.block_params)
+            migrated = self._apply_options({b: new for b, (_, new) in changed.items()}, self.block_params)
         after = int(opt.state_bytes())
         self.allocation = dict(decision["formats"])
         self.phase = "allocated"
@@ -521,6 +522,7 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, Re
             instrument_bytes=self.instrument_bytes,
             training_memory=training_memory(self._module, opt).to_dict() if self._module is not None else None,
             optimizer=RULE_NAMES[opt.rule],
+            correction_bytes=int(opt.weight_correction_bytes()) if self._paired else None,
         )
         self.last_event = event
         self.history.append(
@@ -537,25 +539,19 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, Re
         )
         return event
 
-    def _current_formats(self) -> dict[str, str]:
-        """Block -> the format its parameters are asked to use (their common request)."""
-        assert self.optimizer is not None
-        named = self.optimizer.named_params
-        out = {}
-        for b, names in self.block_params.items():
-            requested = {self.optimizer.requested_format(named[n]) for n in names}
-            out[b] = requested.pop() if len(requested) == 1 else "mixed"
-        return out
-
     def _block_bytes(self) -> dict[str, int]:
-        """Block -> state bytes of its parameters in their effective formats."""
+        """Block -> state bytes of its parameters in their effective formats (and the bytes of their
+        corrections, where options pair them)."""
         assert self.optimizer is not None
-        held = self.optimizer.formats()
+        opt = self.optimizer
+        held = opt.formats()
         out = {}
         for b, names in self.block_params.items():
             total = 0
             for n, shape in zip(names, self._shapes[b]):
-                total += format_state_bytes(held[n], shape, self.optimizer.min_8bit_numel, self.optimizer.rule)
+                total += format_state_bytes(held[n], shape, opt.min_8bit_numel, opt.rule)
+                if self._paired and opt.held_correction(n) is not None:
+                    total += opt.held_correction(n).untyped_storage().nbytes()
             out[b] = int(total)
         return out
 

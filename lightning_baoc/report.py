@@ -20,6 +20,8 @@ The JSON record (``baoc_allocation.json``, schema :data:`ALLOCATION_SCHEMA`)::
      "training_memory": {"params": int, "weights": int, "corrections": int, "gradients": int,
                          "states": int, "total": int}}
 
+``correction_bytes`` (with ``BAOC(corrections=...)`` only) is what the master-weight corrections hold; the
+budget then caps ``state_bytes`` plus it, and a block's ``format`` names both (``"int8+ecc8"``).
 ``optimizer`` names the optimizer whose state was allocated (``"AdamW"``; ``"SGD"``, ``"Lion"``: their
 momentum formats; records without it are AdamW's). ``fp32_state_bytes`` is its fp32 state (AdamW: 8
 bytes per element; SGD and Lion: 4); ``baseline_state_bytes`` the state the user's own optimizer
@@ -88,6 +90,7 @@ ALLOCATION_SCHEMA: dict[str, Any] = {
         "fp32_state_bytes": {"type": "integer", "minimum": 0},
         "baseline_state_bytes": {"type": "integer", "minimum": 0},
         "optimizer": {"type": "string"},
+        "correction_bytes": {"type": "integer", "minimum": 0},
         "saved_fraction": {"type": "number"},
         "total_risk": {"type": "number", "minimum": 0},
         "time_budget": _NUMBER_OR_NULL,
@@ -184,6 +187,7 @@ def build_record(event: AllocationEvent, history: list[Mapping[str, Any]] | None
         "fp32_state_bytes": int(event.fp32_state_bytes),
         "baseline_state_bytes": int(event.baseline),
         "optimizer": event.optimizer,
+        **({"correction_bytes": int(event.correction_bytes)} if event.correction_bytes is not None else {}),
         "saved_fraction": float(event.saved_fraction),
         "total_risk": float(event.total_risk),
         "time_budget": _finite(event.time_budget),

@@ -42,8 +42,7 @@ class _Required:
 #: The default of a setting that has none (``memory_budget``).
 REQUIRED: Any = _Required()
 
-#: Ring samples the statistics need: a signal-to-noise ratio and a cosine between consecutive
-#: samples are undefined with fewer than two (the controller reads it from here).
+#: Ring samples the statistics need: an SNR and a cosine of consecutive samples need two.
 MIN_SAMPLES = 2
 
 #: A state format's name: AdamW's (:data:`~lightning_baoc.FORMATS`) or SGD's and Lion's
@@ -174,6 +173,11 @@ SETTINGS: tuple[Setting, ...] = (
         default=None, min_items=1,
     ),
     Setting(
+        "corrections", "master_weights.corrections", Optional[list[Literal["none", "ecc8", "ecc16"]]],
+        "Master-weight corrections the solver pairs with the formats of bf16/fp16 weights, per block, their "
+        "bytes in the memory budget. null: the optimizer's own, outside the budget.", default=None, min_items=1,
+    ),
+    Setting(
         "reevaluate_every_n_epochs", "re_evaluation_trigger.every_n_epochs", Optional[int],
         "Re-evaluate the allocation every N epochs. null: never on a schedule.",
         default=None, minimum=1,
@@ -280,6 +284,7 @@ SECTIONS: dict[str, str] = {
     "re_evaluation_trigger": "When the allocation is decided again, with fresh statistics, after the first one.",
     "sampler": "The gradient sampler: how often and how much of each block's gradient is sampled.",
     "calibration": "Where the per-format step costs of a time budget come from.",
+    "master_weights": "The master weights of bf16/fp16 parameters: the corrections the solver may pick.",
 }
 
 #: Argument name -> :class:`Setting`.
@@ -465,6 +470,8 @@ def _check_together(values: Mapping[str, Any]) -> None:
             f"{MIN_SAMPLES} gradient samples, taken at steps 0 and {sample_every}; use warmup_steps >= {least} "
             f"or a smaller sample_every",
         )
+    if values.get("corrections") is not None and (values.get("time_budget") is not None or values.get("initial")):
+        raise SettingError("corrections", "corrections cannot go with a time_budget or initial yet (not priced there): leave those unset, or corrections")
     if values.get("calibration") == "prior" and is_absolute_time(values.get("time_budget")):
         err = absolute_time_with_prior_error(
             values["time_budget"], "time_budget", "calibration='auto' to measure the step in seconds on the device."

@@ -82,7 +82,7 @@ BAD = {
     "blocks": ["net.*"], "formats": ["fp32", "int4"], "reevaluate_every_n_epochs": 0, "monitor": 3,
     "mode": "up", "patience": 0, "min_delta": -1.0, "hysteresis": -0.1, "horizon": 0, "sparse_sampling": 0,
     "capacity": 1, "max_elements": 0, "instrument_share": -0.01, "min_8bit_numel": -1, "calibration": "fast",
-    "calibration_cache_dir": 3, "report": "pdf", "seed": -1, "max_block_risk": -1, "initial": 3,
+    "calibration_cache_dir": 3, "report": "pdf", "seed": -1, "max_block_risk": -1, "initial": 3, "corrections": ["ecc4"],
 }
 
 

@@ -20,6 +20,7 @@ from ..budget import format_bytes
 from ..calibration import withheld_formats
 from ..costs import AllocationProblem
 from ..formats import RULE_NAMES, formats_of
+from ..formats.correction import WEIGHT_DTYPES
 from ..optim import BlockwiseOptimizer
 from ..risk.momentum import shadow_betas
 from ..risk.shadow import ShadowMoments
@@ -146,6 +147,12 @@ class BlocksMixin:
                 f"({type(opt).__name__}); its formats are {list(registry)}: name those"
             )
         wanted = list(cfg.formats) if cfg.formats is not None else list(registry)
+        dtypes = {b: [named[n].dtype for n in names] for b, names in self.block_params.items()}
+        if cfg.corrections is not None and not any(d in WEIGHT_DTYPES for row in dtypes.values() for d in row):
+            raise ValueError(
+                f"BAOC(corrections={list(cfg.corrections)}): the model trains no bf16 or fp16 parameter, and a "
+                f"correction applies to 16-bit weights only (precision='bf16-true'); leave corrections unset"
+            )
         self._problem = AllocationProblem(
             self._shapes,
             self._device,
@@ -156,6 +163,8 @@ class BlocksMixin:
             baseline_bytes=self._baseline,
             cache_dir=cfg.calibration_cache_dir,
             rule=opt.rule,
+            corrections=cfg.corrections,
+            dtypes=dtypes,
         )
         self._withheld = self._problem.withheld
         self._offered = self._problem.allowed

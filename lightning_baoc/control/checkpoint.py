@@ -28,6 +28,7 @@ ALLOCATION_SETTINGS = (
     "blocks",
     "min_8bit_numel",
     "max_block_risk",
+    "corrections",
 )
 
 
@@ -53,6 +54,7 @@ class CheckpointMixin:
     _loaded: dict[str, Any] | None
     _offered: list[str]
     installed: bool
+    _apply_options: Any
 
     def state_dict(self) -> dict[str, Any]:
         """Phase, allocation, counters, the settings that shaped the allocation and the sampler's
@@ -156,12 +158,12 @@ class CheckpointMixin:
             if sd.get("shadow") is not None and self.shadow is not None:  # absent from older states
                 self.shadow.load_state_dict(sd["shadow"])
             if self.allocation:
-                self.optimizer.set_formats(self.allocation, blocks=self.block_params)
+                self._apply_options(self.allocation, self.block_params)
         else:
             # the saved ring holds samples of other blocks: statistics start afresh
             self.ring_samples = 0
             if per_param:
-                self.optimizer.set_formats(per_param)
+                self._apply_options(per_param)
             self.allocation = {}
             for b, names in self.block_params.items():
                 held = {per_param[n] for n in names if n in per_param}

@@ -40,6 +40,9 @@ class AllocationEvent:
             (:meth:`lightning_baoc.TrainingMemory.to_dict`: weights, corrections, gradients, states,
             total, params; ``None``: not known).
         optimizer: the optimizer whose formats were allocated (``"AdamW"``, ``"SGD"``, ``"Lion"``).
+        correction_bytes: the master-weight corrections' bytes after the allocation, where the options
+            pair formats with corrections (``BAOC(corrections=...)``: the budget caps ``state_bytes``
+            plus these); ``None`` otherwise.
     """
 
     step: int
@@ -66,6 +69,7 @@ class AllocationEvent:
     instrument_bytes: int | None = None
     training_memory: dict[str, int] | None = None
     optimizer: str = "AdamW"
+    correction_bytes: int | None = None
 
     @property
     def baseline(self) -> int:

@@ -43,6 +43,9 @@ class StartMixin:
     _offered: list[str]
     _solve: Callable[[Mapping[str, Mapping[str, float]]], Allocation]
     start_allocation: dict[str, str] | None
+    _apply_options: Callable[..., Any]
+    _formats_offered: Callable[[], list[str]]
+    _with_corrections: Callable[..., dict[str, dict[str, float]]]
     phase: str
     pending: str | None
     installed: bool
@@ -93,7 +96,7 @@ class StartMixin:
         """
         assert self.optimizer is not None
         formats = dict(self._solve(self._start_risk()).formats)
-        self.optimizer.set_formats(formats, blocks=self.block_params)
+        self._apply_options(formats, self.block_params)
         self.start_allocation = formats
 
     def _start_risk(self) -> dict[str, dict[str, float]]:
@@ -102,7 +105,9 @@ class StartMixin:
         module = self._module if self._module is not None else nn.Module()
         kinds = {b: block_kind(module, b) for b in self.block_params}
         opt = self.optimizer
-        return start_risk(self._shapes, kinds, self._offered, opt.min_8bit_numel, self.config.initial, rule=opt.rule)
+        offered = self._formats_offered()
+        risk = start_risk(self._shapes, kinds, offered, opt.min_8bit_numel, self.config.initial, rule=opt.rule)
+        return self._with_corrections(risk, measured=False)
 
 
 __all__ = ["INITIAL_PREFERENCE", "StartMixin"]

@@ -39,6 +39,7 @@ from ..risk.start import Initial, start_risk
 from ..sampling import DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS
 from ..solver import Allocation, BudgetInfeasibleError, solve
 from .instruments import DEFAULT_INSTRUMENT_SHARE, InstrumentSizes, instrument_allowance, size_instruments
+from .options import compose, correction_table, options
 from .phases import StatePhases, state_phases
 
 Shape = Sequence[int]
@@ -100,6 +101,10 @@ class AllocationProblem:
             :data:`~lightning_baoc.FORMATS`), ``"sgd"`` or ``"lion"`` (the momentum formats of
             :data:`~lightning_baoc.formats.MOMENTUM_FORMATS`, one buffer: ``fp32`` is 4 bytes per
             element). Formats, bytes, priors and step costs are the rule's.
+        corrections: master-weight corrections the solver pairs with every format
+            (:mod:`lightning_baoc.costs.options`: options ``"int8+ecc8"``; default: ``None``, formats
+            alone); needs ``dtypes``. A time budget does not price them (refused).
+        dtypes: block -> the dtypes of its parameters, in block order (the corrections' bytes).
 
     Raises:
         ValueError: every format of the menu is withheld (the message names why).
@@ -122,6 +127,8 @@ class AllocationProblem:
     baseline_bytes: int | None = None
     cache_dir: str | os.PathLike[str] | None = None
     rule: str = "adamw"
+    corrections: Sequence[str] | None = None
+    dtypes: Mapping[str, Sequence[torch.dtype]] | None = None
     withheld: dict[str, str] = field(init=False)
     allowed: list[str] = field(init=False)
     memory: dict[str, dict[str, int]] = field(init=False)
@@ -136,14 +143,36 @@ class AllocationProblem:
         self.allowed = [f for f in wanted if f not in self.withheld]
         if not self.allowed:
             raise ValueError(f"formats={wanted} are all withheld on {self.device} ({self.withheld}); allow other formats")
+        self.formats = list(self.allowed)  # the state formats offered (the options pair them with corrections)
         tabulated = sorted(set(self.allowed) | {"fp32"})
         self.memory = memory_table(self.shapes, self.device, tabulated, self.min_8bit_numel, self.rule)
+        if self.corrections is not None:
+            self._pair_corrections(tabulated)
         self.fp32_bytes = sum(row["fp32"] for row in self.memory.values())
         if self.baseline_bytes is None:
             self.baseline_bytes = self.fp32_bytes
         self._time: dict[str, dict[str, float]] | None = None
         self._per_element: Mapping[str, float] | None = None
         self.time_source: str | None = None
+
+    def _pair_corrections(self, tabulated: list[str]) -> None:
+        """Options pairing every offered format with every correction: bytes of both."""
+        if self.timed:
+            raise ValueError(
+                "a time budget does not price master-weight corrections yet (their step cost is not "
+                "calibrated): leave time_budget unset, or corrections unset"
+            )
+        if self.dtypes is None:
+            raise ValueError("corrections need dtypes: block -> the dtypes of its parameters")
+        corrections = list(dict.fromkeys(self.corrections or ()))
+        if not corrections:
+            raise ValueError("corrections=[] offers no option; give at least one of 'none', 'ecc8', 'ecc16'")
+        self.corrections = corrections
+        extra = correction_table(self.shapes, self.dtypes, sorted(set(corrections) | {"none"}))
+        self.allowed = options(self.formats, corrections)
+        names = sorted(set(self.allowed) | set(tabulated))
+        self.memory = {b: {k: int(v) for k, v in row.items()} for b, row in compose(self.memory, extra, names).items()}
+        self.correction_bytes = extra
 
     # ------------------------------------------------------------------ step times
 
@@ -281,6 +310,8 @@ class AllocationProblem:
             BudgetInfeasibleError: no allocation meets the budgets.
             ValueError: a bad budget, or an ``initial`` that does not fit this model.
         """
+        if self.corrections is not None:
+            raise ValueError("phases() plans state formats alone; build the problem without corrections")
         risk = start_risk(self.shapes, kinds, self.allowed, self.min_8bit_numel, initial, owner, self.rule)
         start = self.solve(risk, memory_budget, time_budget)
         steady = self.solve(risk if steady_risk is None else steady_risk, memory_budget, time_budget, **options)

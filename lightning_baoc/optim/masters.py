@@ -99,6 +99,10 @@ class MasterMixin:
             rec.correction = target
         return changes
 
+    def held_correction(self, name: str) -> Tensor | None:
+        """The correction tensor parameter ``name`` holds now (``None``: none; a view, do not modify)."""
+        return self._records[self._names[name]].master_correction
+
     @property
     def weight_corrections(self) -> dict[str, str]:
         """Parameter name -> correction held, for the parameters holding one."""

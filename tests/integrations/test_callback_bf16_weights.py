@@ -1,8 +1,9 @@
 """The BAOC callback over a bf16-true model whose BlockwiseAdamW keeps master-weight corrections.
 
 BAOC keeps the user's BlockwiseAdamW, so its corrections ride through the warm-up, the allocation's
-conversions and a resume; the allocation's record counts them (``training_memory``). (Corrections
-chosen per block by the solver are not yet built: here the user sets them.)
+conversions and a resume; the allocation's record counts them (``training_memory``). With
+``BAOC(corrections=[...])`` the solver chooses them per block within the budget instead, and a resume
+is bit-equal too.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from lightning_baoc import BAOC, BlockwiseAdamW, training_memory
 
 
 class _BF16Model(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, correction: str = "ecc8", lr: float = 1e-3) -> None:
         super().__init__()
+        self.correction, self.lr = correction, lr
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 4))
 
@@ -28,7 +30,7 @@ class _BF16Model(pl.LightningModule):
         return nn.functional.cross_entropy(self.net(x).float(), y)
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
-        return BlockwiseAdamW(self.net.named_parameters(), lr=1e-3, weight_correction="ecc8")
+        return BlockwiseAdamW(self.net.named_parameters(), lr=self.lr, weight_correction=self.correction)
 
     def train_dataloader(self):  # type: ignore[no-untyped-def]
         gen = torch.Generator().manual_seed(2)
@@ -36,9 +38,13 @@ class _BF16Model(pl.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=16)
 
 
-def _fit(tmp_path: Path, epochs: int, ckpt: str | None = None) -> tuple[_BF16Model, pl.Trainer, BAOC]:
-    baoc = BAOC(memory_budget=0.3, warmup_steps=12, sample_every=2, report=False)
-    model = _BF16Model()
+def _fit(tmp_path: Path, epochs: int, ckpt: str | None = None, chosen: bool = False) -> tuple[_BF16Model, pl.Trainer, BAOC]:
+    if chosen:
+        baoc = BAOC(memory_budget=0.8, warmup_steps=12, sample_every=2, report=False, corrections=["none", "ecc8", "ecc16"])
+        model = _BF16Model("none", lr=1e-5)
+    else:
+        baoc = BAOC(memory_budget=0.3, warmup_steps=12, sample_every=2, report=False)
+        model = _BF16Model()
     trainer = pl.Trainer(accelerator="cpu", max_epochs=epochs, precision="bf16-true", logger=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
                          callbacks=[baoc, pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
@@ -68,4 +74,23 @@ def test_corrections_ride_through_allocation_and_resume(tmp_path: Path) -> None:
     for a, b in zip(resumed.parameters(), whole_run.parameters()):
         assert torch.equal(a, b)
     masters, whole_masters = opt2.master_weights(), trainer3.optimizers[0].master_weights()
+    assert all(torch.equal(masters[k], whole_masters[k]) for k in masters)
+
+
+def test_corrections_chosen_per_block_within_the_budget_and_resumed(tmp_path: Path) -> None:
+    """At lr 1e-5 a bf16 weight loses most updates without a correction: every block gets one, the
+    state and the corrections together stay within 0.8 of torch AdamW's bf16 state, and a resume from
+    the last checkpoint equals the uninterrupted run to the bit."""
+    model, trainer, baoc = _fit(tmp_path, 1, chosen=True)
+    opt = trainer.optimizers[0]
+    baseline = 4 * sum(p.numel() for p in model.parameters())
+    assert baoc.controller.baseline_state_bytes == baseline
+    assert all("+ecc" in o for o in baoc.allocation.values()) and len(opt.weight_corrections) == 6
+    assert opt.state_bytes() + opt.weight_correction_bytes() <= 0.8 * baseline
+    resumed, trainer2, baoc2 = _fit(tmp_path, 2, ckpt=str(tmp_path / "ckpt" / "last.ckpt"), chosen=True)
+    whole_run, trainer3, baoc3 = _fit(tmp_path / "whole", 2, chosen=True)
+    assert baoc2.allocation == baoc3.allocation and trainer2.global_step == trainer3.global_step == 64
+    for a, b in zip(resumed.parameters(), whole_run.parameters()):
+        assert torch.equal(a, b)
+    masters, whole_masters = trainer2.optimizers[0].master_weights(), trainer3.optimizers[0].master_weights()
     assert all(torch.equal(masters[k], whole_masters[k]) for k in masters)

@@ -1,0 +1,121 @@
+"""Allocation options that pair a state format with a master-weight correction.
+
+With ``BAOC(corrections=[...])`` the solver chooses, per block, a state format and the correction of
+the block's bf16/fp16 weights together (:mod:`lightning_baoc.formats.correction`): an option is the
+format's name, plus ``"+ecc8"`` or ``"+ecc16"`` when it holds a correction (``"int8+ecc8"``; a plain
+``"int8"`` holds none). Its bytes are the state's plus the correction's (1 or 2 bytes per element of the
+block's 16-bit parameters, 0 on fp32 ones, which are their own masters); its risk is the format's plus the
+correction's (:func:`lightning_baoc.risk.correction.correction_risk_table`, or the prior
+:data:`PRIOR_CORRECTION_RISK` before any gradient is seen).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ..formats import numel_of
+from ..formats.correction import CORRECTION_BITS, WEIGHT_DTYPES, check_correction
+
+#: Separates a format from its correction in an option's name.
+SEPARATOR = "+"
+
+#: Prior risk of each correction over a whole 16-bit model, in the units of
+#: :data:`~lightning_baoc.risk.prior.PRIOR_RISK`. Measured on a character GPT trained in bf16 with
+#: 8-bit states (``benchmarks/bf16_weights.py``, realistic recipe): no correction +0.130 perplexity
+#: against fp32, ``ecc8`` +0.016 (noise 0.055), uniform int8 states ~2% at high learning rates (0.022
+#: here); ``ecc16`` is exact but at ties.
+PRIOR_CORRECTION_RISK: Mapping[str, float] = {"none": 0.12, "ecc8": 0.003, "ecc16": 0.0}
+
+
+def option(fmt: str, correction: str) -> str:
+    """The option holding state format ``fmt`` and ``correction`` (``"none"``: the format's name).
+
+    Example:
+        >>> option("int8", "ecc8"), option("int8", "none")
+        ('int8+ecc8', 'int8')
+    """
+    check_correction(correction)
+    return fmt if correction == "none" else f"{fmt}{SEPARATOR}{correction}"
+
+
+def split_option(name: str) -> tuple[str, str]:
+    """``(format, correction)`` of an option.
+
+    Example:
+        >>> split_option("int8+ecc16"), split_option("bf16")
+        (('int8', 'ecc16'), ('bf16', 'none'))
+    """
+    fmt, sep, correction = name.partition(SEPARATOR)
+    if not sep:
+        return name, "none"
+    check_correction(correction)
+    return fmt, correction
+
+
+def options(formats: Sequence[str], corrections: Sequence[str]) -> list[str]:
+    """Every pairing of ``formats`` with ``corrections``, format-major."""
+    return [option(f, c) for f in formats for c in corrections]
+
+
+def correction_bytes(shape: Sequence[int], dtype: torch.dtype, correction: str) -> int:
+    """Bytes of the correction a tensor holds: 1 or 2 per element of a bf16/fp16 tensor, else 0."""
+    bits = check_correction(correction)
+    return numel_of(tuple(shape)) * bits // 8 if dtype in WEIGHT_DTYPES else 0
+
+
+def compose(
+    by_format: Mapping[str, Mapping[str, float]],
+    by_correction: Mapping[str, Mapping[str, float]],
+    names: Sequence[str],
+) -> dict[str, dict[str, float]]:
+    """Block -> option -> the format's entry plus the correction's (risks, or bytes)."""
+    out: dict[str, dict[str, float]] = {}
+    for block, row in by_format.items():
+        out[block] = {}
+        for name in names:
+            fmt, correction = split_option(name)
+            out[block][name] = row[fmt] + by_correction[block][correction]
+    return out
+
+
+def correction_table(
+    shapes: Mapping[str, Sequence[Sequence[int]]],
+    dtypes: Mapping[str, Sequence[torch.dtype]],
+    corrections: Sequence[str],
+) -> dict[str, dict[str, int]]:
+    """Block -> correction -> bytes of the corrections of its 16-bit tensors."""
+    return {
+        b: {c: sum(correction_bytes(s, d, c) for s, d in zip(shapes[b], dtypes[b])) for c in corrections}
+        for b in shapes
+    }
+
+
+def prior_correction_risk(
+    shapes: Mapping[str, Sequence[Sequence[int]]],
+    dtypes: Mapping[str, Sequence[torch.dtype]],
+    corrections: Sequence[str],
+) -> dict[str, dict[str, float]]:
+    """Block -> correction -> :data:`PRIOR_CORRECTION_RISK` times the share of the model's elements its
+    16-bit tensors hold (fp32 tensors lose nothing)."""
+    total = sum(numel_of(tuple(s)) for block in shapes.values() for s in block) or 1
+    out: dict[str, dict[str, float]] = {}
+    for b, block in shapes.items():
+        sixteen = sum(numel_of(tuple(s)) for s, d in zip(block, dtypes[b]) if d in WEIGHT_DTYPES)
+        out[b] = {c: PRIOR_CORRECTION_RISK[c] * sixteen / total for c in corrections}
+    return out
+
+
+__all__ = [
+    "CORRECTION_BITS",
+    "PRIOR_CORRECTION_RISK",
+    "SEPARATOR",
+    "compose",
+    "correction_bytes",
+    "correction_table",
+    "option",
+    "options",
+    "prior_correction_risk",
+    "split_option",
+]

@@ -1,0 +1,127 @@
+"""The controller choosing master-weight corrections per block (``BAOC(corrections=[...])``).
+
+On a bf16 model the options pair every state format with a correction (``"int8+ecc8"``); the budget
+caps the state and the corrections together at every step (the start included); the corrections'
+risk is measured on the shadow moments, so at a learning rate whose updates fall under half a bf16
+ulp every block keeps a correction; a tight budget still finds an allocation; a crash and resume
+through the state dicts is bit-equal; corrections on an fp32 model, with a time budget or with
+``initial`` are refused naming the setting.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_baoc.controller import BAOCConfig, BAOCController
+from lightning_baoc.costs.options import split_option
+from lightning_baoc.report import build_record, validate_record
+from lightning_baoc.settings import SettingError
+
+from support import one_thread  # noqa: F401
+
+ALL = ["none", "ecc8", "ecc16"]
+
+
+def _model(dtype: torch.dtype = torch.bfloat16) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 4)).to(dtype)
+
+
+def _run(ctl: BAOCController, opt, model: nn.Module, start: int, stop: int, budget: int | None = None) -> list:  # type: ignore[no-untyped-def]
+    events, losses = [], []
+    for step in range(start, stop):
+        opt.zero_grad()
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))
+        loss = nn.functional.cross_entropy(model(x.to(torch.bfloat16)).float(), x[:, :4].argmax(1))
+        loss.backward()
+        losses.append(loss.item())
+        ctl.before_step(step)
+        ctl.observe(step)
+        opt.step()
+        if budget is not None:  # the cap holds at every step: states and corrections together
+            assert opt.state_bytes() + opt.weight_correction_bytes() <= budget
+        event = ctl.maybe_allocate(step + 1)
+        if event is not None:
+            events.append(event)
+    return events, losses
+
+
+def _controller(budget: float = 0.9, **kwargs) -> BAOCController:  # type: ignore[no-untyped-def]
+    return BAOCController(BAOCConfig(memory_budget=budget, warmup_steps=12, sample_every=4, corrections=ALL, **kwargs))
+
+
+def test_small_updates_keep_a_correction_on_every_block_within_the_budget() -> None:
+    model = _model()
+    ctl = _controller()
+    opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-5), model)
+    budget = ctl.memory_budget_bytes()
+    assert budget == int(0.9 * 4 * sum(p.numel() for p in model.parameters()))  # torch AdamW's bf16 moments
+    assert all("+ecc" in o for o in ctl.start_allocation.values())  # the prior prices a bf16 weight's losses
+    assert "int8+ecc16" in ctl.problem.allowed and "fp32" in ctl.problem.allowed
+    events, _ = _run(ctl, opt, model, 0, 16, budget)
+    ctl.close()
+    event = events[0]
+    assert event.reason == "warmup" and all(split_option(o)[1] != "none" for o in event.formats.values())
+    for block, row in event.risk.items():  # the measured risk of dropping the correction dominates
+        assert row["int8"] > 20 * row["int8+ecc8"] > 0.0 and row["int8+ecc8"] >= row["int8+ecc16"]  # measured: 70x+
+    assert event.correction_bytes == opt.weight_correction_bytes() > 0
+    assert event.state_bytes + event.correction_bytes <= event.memory_budget_bytes == budget
+    assert sum(event.block_bytes.values()) == event.state_bytes + event.correction_bytes
+    held = {n: opt.weight_corrections.get(n, "none") for n in opt.named_params}
+    for block, chosen in event.formats.items():
+        for name in ctl.block_params[block]:
+            assert held[name] == split_option(chosen)[1] and opt.requested_format(opt.named_params[name]) == split_option(chosen)[0]
+    record = build_record(event)
+    validate_record(record)
+    assert record["correction_bytes"] == event.correction_bytes
+
+
+def test_a_tight_budget_trades_corrections_against_states() -> None:
+    model = _model()
+    ctl = _controller(budget=0.4)
+    opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-5), model)
+    events, _ = _run(ctl, opt, model, 0, 16, ctl.memory_budget_bytes())
+    ctl.close()
+    formats = events[0].formats
+    assert opt.state_bytes() + opt.weight_correction_bytes() <= 0.4 * ctl.baseline_state_bytes
+    assert len(set(formats.values())) > 1 or any("+ecc" in o for o in formats.values())
+
+
+def test_resume_through_the_state_dicts_is_bit_equal() -> None:
+    def fresh():  # type: ignore[no-untyped-def]
+        model = _model()
+        ctl = _controller(reevaluate_every_n_epochs=1)
+        return model, ctl, ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-5), model)
+
+    model, ctl, opt = fresh()
+    _, straight = _run(ctl, opt, model, 0, 30)
+    ref = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ctl.close()
+    model, ctl, opt = fresh()
+    _run(ctl, opt, model, 0, 18)
+    saved = (ctl.state_dict(), opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()})
+    assert saved[0]["phase"] == "allocated" and saved[0]["settings"]["corrections"] == ALL
+    ctl.close()
+    model = _model()
+    model.load_state_dict(saved[2])
+    ctl = _controller(reevaluate_every_n_epochs=1)
+    ctl.load_state_dict(saved[0])
+    opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-5), model)
+    opt.load_state_dict(saved[1])
+    _, resumed = _run(ctl, opt, model, 18, 30)
+    ctl.close()
+    assert resumed == straight[18:]
+    for n, p in model.named_parameters():
+        assert torch.equal(p, ref[n]), n
+
+
+def test_refused_where_corrections_do_not_apply() -> None:
+    model = _model(torch.float32)
+    with pytest.raises(ValueError, match=r"corrections=.*trains no bf16 or fp16 parameter"):
+        _controller().install(torch.optim.AdamW(model.parameters()), model)
+    with pytest.raises(SettingError, match="corrections cannot go with a time_budget"):
+        _controller(time_budget=1.5)
+    with pytest.raises(SettingError, match="corrections"):
+        BAOCConfig(memory_budget=0.5, corrections=["ecc4"])
