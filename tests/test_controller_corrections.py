@@ -117,6 +117,27 @@ def test_resume_through_the_state_dicts_is_bit_equal() -> None:
         assert torch.equal(p, ref[n]), n
 
 
+@pytest.mark.parametrize("before,after", [(ALL, None), (None, ALL)], ids=["turned-off", "turned-on"])
+def test_resume_with_corrections_turned_off_or_on_reallocates_before_the_next_step(before, after) -> None:  # type: ignore[no-untyped-def]
+    model = _model()
+    ctl = BAOCController(BAOCConfig(memory_budget=0.9, warmup_steps=12, sample_every=4, corrections=before))
+    opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-5), model)
+    _run(ctl, opt, model, 0, 14)
+    saved = (ctl.state_dict(), opt.state_dict())
+    ctl.close()
+    ctl = BAOCController(BAOCConfig(memory_budget=0.9, warmup_steps=12, sample_every=4, corrections=after))
+    ctl.load_state_dict(saved[0])
+    opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-5), model)
+    opt.load_state_dict(saved[1])
+    assert ctl.pending == "settings"
+    event = ctl.before_step(14)
+    assert event is not None and event.reason == "settings"
+    assert all(o in ctl.problem.allowed for o in ctl.allocation.values())
+    held = opt.state_bytes() + (opt.weight_correction_bytes() if after else 0)
+    assert held <= ctl.memory_budget_bytes()
+    ctl.close()
+
+
 def test_refused_where_corrections_do_not_apply() -> None:
     model = _model(torch.float32)
     with pytest.raises(ValueError, match=r"corrections=.*trains no bf16 or fp16 parameter"):

@@ -90,8 +90,8 @@ class OptionsMixin:
         changed, as ``set_formats`` reports them."""
         assert self.optimizer is not None
         opt = self.optimizer
-        if not self._paired:
-            return opt.set_formats(dict(chosen), blocks=blocks)
+        if not self._paired:  # a checkpoint's options, resumed without corrections: their formats
+            return opt.set_formats({key: split_option(o)[0] for key, o in chosen.items()}, blocks=blocks)
         formats = {key: split_option(o)[0] for key, o in chosen.items()}
         named = opt.named_params
         corrections: dict[str, str] = {}
