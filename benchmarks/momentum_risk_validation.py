@@ -289,15 +289,18 @@ def report(results: dict[str, Any]) -> str:
                      _cell(a["harm_end"]), _cell(a["harm_path"]), counts])
     name = {"sgd": "BlockwiseSGD (momentum 0.9)", "lion": "BlockwiseLion (betas 0.9, 0.99)"}[results["optimizer"]]
     end = results["fp32"]["end"]
+    recorded = results["lr"] == LR[results["optimizer"]]  # the stress learning rate the NOTE is about
+    title = name if recorded else f"{name} at lr {results['lr']:g}"
+    note = NOTE[results["optimizer"]] if recorded else ""
     risk_rows = [[b, *(f"{results['risk'][b][f]:.3g}" for f in FORMATS),
                   allocs["risk-min"]["formats"][b], allocs["risk-max"]["formats"][b]] for b in results["blocks"]]
     return (
-        f"## Momentum formats: {name}, digits MLP\n\n"
+        f"## Momentum formats: {title}, digits MLP\n\n"
         "The allocation-level test for the momentum formats of BlockwiseSGD and BlockwiseLion "
         "(`benchmarks/momentum_risk_validation.py`; the risk terms of `lightning_baoc.risk.momentum`): within a "
         "tight budget of the fp32 momentum state, does the allocation that minimizes the predicted risk harm "
         "training less than random allocations and than the riskiest one of the same memory? "
-        f"Outcome: {verdict(s)}{NOTE[results['optimizer']]}\n\n"
+        f"Outcome: {verdict(s)}{note}\n\n"
         f"Machine: {results['machine']}. Command: `{results['command']}`\n\n"
         f"Task `{results['task']}`, the 8-layer MLP ({results['parameters']:,} parameters) with He initialization: "
         f"fp32 warm-up {results['warmup']} steps with shadow moments, then {results['steps']} steps at constant lr "
@@ -348,13 +351,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     results.update(machine=machine(), command=command(), torch=torch.__version__, threads=args.threads, quick=args.quick)
     body = report(results)
     print(body)
-    path = args.json or (None if args.quick else RUNS / f"momentum_risk_validation_{args.task}_{args.optimizer}.json")
+    # a learning rate other than the recorded one is a run of its own: its own file and docs section
+    name = f"momentum_risk_validation_{args.task}_{args.optimizer}" + (f"_lr{args.lr:g}" if args.lr is not None else "")
+    path = args.json or (None if args.quick else RUNS / f"{name}.json")
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=1) + "\n")
         print(f"results in {path}")
     if not args.quick:
-        write_docs_section("benchmarks/risk-validation.md", f"momentum_risk_validation_{args.task}_{args.optimizer}", body)
+        write_docs_section("benchmarks/risk-validation.md", name, body)
     return results
 
 

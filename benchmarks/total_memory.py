@@ -14,7 +14,9 @@ data in a plain loop, each configuration in its own process. Two measurements pe
 Runs: fp32 weights with torch AdamW (the 16 bytes of mixed-precision AdamW's master copy: weight 4,
 gradient 4, m 4, v 4); bf16 weights with torch AdamW (its states follow the weights: bf16); bf16
 weights with BlockwiseAdamW in int8 states, without a correction, with ``ecc8`` and with ``ecc16``, and
-with ``ecc8`` and gradient release (each parameter stepped in backward, its gradient freed at once).
+with ``ecc8`` and gradient release (each parameter stepped in backward, its gradient freed at once); BAOC
+at 0.15 of fp32 AdamW's state with the user's ``ecc8`` outside the budget, and with the corrections chosen
+per block inside it (``BAOC(corrections=[...])``).
 
 Example::
 
@@ -40,6 +42,9 @@ RUNS = {
     "BlockwiseAdamW int8, bf16 weights + ecc8, gradient release": "ecc8, each gradient freed in backward once stepped",
     "BAOC at 0.15 of fp32 AdamW state, bf16 weights + ecc8, gradient release":
         "BAOC's allocation within 1.2 bytes of state per parameter (ecc8 set by the user on every weight)",
+    "BAOC at 0.15 of fp32 AdamW state, bf16 weights, corrections chosen per block, gradient release":
+        "BAOC's allocation of states and corrections together within 1.2 bytes per parameter "
+        "(BAOC(corrections=['none', 'ecc8', 'ecc16']))",
 }
 BAOC_BUDGET = 0.15  # of fp32 AdamW's 8 bytes of state per parameter
 
@@ -84,8 +89,11 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
     elif run.startswith("torch"):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     elif run.startswith("BAOC"):
-        controller = BAOCController(memory_budget=int(BAOC_BUDGET * 8 * workload.params), warmup_steps=3, sample_every=1)
-        optimizer = controller.install(BlockwiseAdamW(model.named_parameters(), lr=1e-4, weight_correction="ecc8"), model)
+        chosen = "chosen per block" in run
+        controller = BAOCController(memory_budget=int(BAOC_BUDGET * 8 * workload.params), warmup_steps=3, sample_every=1,
+                                    corrections=["none", "ecc8", "ecc16"] if chosen else None)
+        user = BlockwiseAdamW(model.named_parameters(), lr=1e-4, weight_correction="none" if chosen else "ecc8")
+        optimizer = controller.install(user, model)
         optimizer.release_gradients()
     else:
         correction = run.split("+ ", 1)[1].split(",")[0] if "+ " in run else "none"
