@@ -113,6 +113,29 @@ class Crash(Callback):
             raise RuntimeError(f"simulated crash at epoch {self.at}")
 
 
+def fit_crash_resume(
+    root: Path, model: L.LightningModule, baoc: Callback, epochs: int, crash_at: int | None = None, ckpt_path: str | None = None
+) -> L.Trainer:
+    """Fit ``model`` on 320 digits (accumulation 2, clipping 1.0), checkpointing every epoch under
+    ``root / "ckpt"`` (``last.ckpt`` too); with ``crash_at`` the fit raises at the start of that epoch
+    (the test expects it), with ``ckpt_path`` it resumes from there."""
+    import pytest
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    checkpoint = ModelCheckpoint(dirpath=root / "ckpt", save_last=True, save_top_k=-1, every_n_epochs=1,
+                                 save_on_train_epoch_end=True)
+    callbacks: list[Callback] = [baoc, checkpoint] + ([Crash(crash_at)] if crash_at is not None else [])
+    trainer = make_trainer(root, max_epochs=epochs, accumulate_grad_batches=2, gradient_clip_val=1.0,
+                           callbacks=callbacks, enable_checkpointing=True, limit_val_batches=0)
+    train, _ = loaders(n_train=320)
+    if crash_at is not None:
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            trainer.fit(model, train)
+    else:
+        trainer.fit(model, train, ckpt_path=ckpt_path)
+    return trainer
+
+
 def loaders(n_train: int = 640, batch_size: int = 32) -> tuple[DataLoader, DataLoader]:
     """Digits train (first ``n_train`` samples, in order) and test loaders."""
     xtr, ytr, xte, yte = digits_tensors()

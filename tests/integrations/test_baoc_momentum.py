@@ -19,14 +19,13 @@ import lightning as L
 import pytest
 import torch
 from lightning.fabric import Fabric
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
 from lightning_baoc import BAOC, MOMENTUM_FORMATS, BAOCStrategy, BlockwiseLion, BlockwiseSGD
 from lightning_baoc.report import JSON_NAME, validate_record
 
 from support import digits_tensors, mlp
-from support_lightning import Crash, DigitsModule, loaders, make_trainer, one_thread  # noqa: F401
+from support_lightning import DigitsModule, fit_crash_resume, one_thread  # noqa: F401
 
 EPOCHS = 8
 LR = {"sgd": 0.05, "lion": 1e-3}
@@ -36,18 +35,7 @@ def _fit(root: Path, rule: str, crash_at: int | None = None, ckpt_path: str | No
     L.seed_everything(0, verbose=False)
     model = DigitsModule(optimizer=rule, lr=LR[rule])
     baoc = BAOC(memory_budget=0.3, warmup_steps=12, sample_every=4, reevaluate_every_n_epochs=3, report="json")
-    checkpoint = ModelCheckpoint(dirpath=root / "ckpt", save_last=True, save_top_k=-1, every_n_epochs=1,
-                                 save_on_train_epoch_end=True)
-    callbacks: list[Callback] = [baoc, checkpoint] + ([Crash(crash_at)] if crash_at is not None else [])
-    trainer = make_trainer(root, max_epochs=EPOCHS, accumulate_grad_batches=2, gradient_clip_val=1.0,
-                           callbacks=callbacks, enable_checkpointing=True, limit_val_batches=0)
-    train, _ = loaders(n_train=320)
-    if crash_at is not None:
-        with pytest.raises(RuntimeError, match="simulated crash"):
-            trainer.fit(model, train)
-    else:
-        trainer.fit(model, train, ckpt_path=ckpt_path)
-    return model, trainer, baoc
+    return model, fit_crash_resume(root, model, baoc, EPOCHS, crash_at, ckpt_path), baoc
 
 
 def _same_optimizer_state(opt: Any, ref: Any) -> None:

@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_baoc import BAOC, BlockwiseAdamW
 
-from support_lightning import Crash, DigitsModule, loaders, make_trainer, one_thread  # noqa: F401
+from support_lightning import DigitsModule, fit_crash_resume, loaders, make_trainer, one_thread  # noqa: F401
 
 EPOCHS = 8
 
@@ -32,26 +32,7 @@ def _fit(root: Path, crash_at: int | None = None, ckpt_path: str | None = None) 
     L.seed_everything(0, verbose=False)
     model = DigitsModule()
     baoc = _baoc()
-    checkpoint = ModelCheckpoint(dirpath=root / "ckpt", save_last=True, save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=True)
-    callbacks: list[Callback] = [baoc, checkpoint]
-    if crash_at is not None:
-        callbacks.append(Crash(crash_at))
-    trainer = make_trainer(
-        root,
-        max_epochs=EPOCHS,
-        accumulate_grad_batches=2,
-        gradient_clip_val=1.0,
-        callbacks=callbacks,
-        enable_checkpointing=True,
-        limit_val_batches=0,
-    )
-    train, _ = loaders(n_train=320)
-    if crash_at is not None:
-        with pytest.raises(RuntimeError, match="simulated crash"):
-            trainer.fit(model, train)
-    else:
-        trainer.fit(model, train, ckpt_path=ckpt_path)
-    return model, trainer, baoc
+    return model, fit_crash_resume(root, model, baoc, EPOCHS, crash_at, ckpt_path), baoc
 
 
 @pytest.fixture(scope="module")
