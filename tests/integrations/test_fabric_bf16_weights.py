@@ -42,14 +42,16 @@ def test_fabric_bf16_true_with_corrections_and_release() -> None:
     assert whole.gradients == 0 and whole.corrections == whole.params
 
 
-def _baoc_loop(release: bool, steps: int = 13):  # type: ignore[no-untyped-def]
+def _baoc_loop(release: bool, steps: int = 13, corrections: list[str] | None = None):  # type: ignore[no-untyped-def]
     from lightning_baoc import BAOCStrategy
 
-    strategy = BAOCStrategy(memory_budget=0.3, warmup_steps=12, sample_every=2, report=False)
+    strategy = BAOCStrategy(memory_budget=0.3 if corrections is None else 0.8, warmup_steps=12, sample_every=2,
+                            report=False, corrections=corrections)
     fabric = Fabric(accelerator="cpu", devices=1, precision="bf16-true", strategy=strategy)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 4))
-    opt = BlockwiseAdamW(model.named_parameters(), lr=1e-3, weight_correction="ecc8")
+    lr, correction = (1e-3, "ecc8") if corrections is None else (1e-5, "none")
+    opt = BlockwiseAdamW(model.named_parameters(), lr=lr, weight_correction=correction)
     model, fabric_opt = fabric.setup(model, opt)
     if release:
         strategy.controller.optimizer.release_gradients()
@@ -74,3 +76,15 @@ def test_fabric_baoc_with_release_observes_as_without() -> None:
     assert a.last_event.risk == b.last_event.risk and a.allocation == b.allocation
     for p, q in zip(plain.parameters(), released.parameters()):
         assert torch.equal(p, q)
+
+
+def test_fabric_baoc_chooses_corrections_per_block_within_the_budget() -> None:
+    """``BAOCStrategy(corrections=...)`` in a bf16-true Fabric loop with gradient release: at lr 1e-5 every
+    block keeps a correction, and the states and the corrections together stay within the budget."""
+    model, ctl = _baoc_loop(True, corrections=["none", "ecc8", "ecc16"])
+    opt = ctl.optimizer
+    assert ctl.phase == "allocated" and all("+ecc" in o for o in ctl.allocation.values())
+    assert len(opt.weight_corrections) == 6 and ctl.last_event.correction_bytes == opt.weight_correction_bytes()
+    assert opt.state_bytes() + opt.weight_correction_bytes() <= 0.8 * ctl.baseline_state_bytes
+    assert ctl.baseline_state_bytes == 4 * sum(p.numel() for p in model.parameters())
+
