@@ -15,9 +15,10 @@ measured on the shadow moments' sample of each 16-bit tensor (:class:`~lightning
 the expected gradient ``m`` and its noise), with ``d`` the expected step of the optimizer at the
 group's current learning rate:
 
-- AdamW: ``lr (m / (sqrt(v) + eps) + weight_decay x)`` (the decay when decoupled);
+- AdamW: ``lr (m / (sqrt(v) + eps) + weight_decay x)`` (the decay when decoupled; Adam's L2 penalty
+  joins the gradient: ``m + wd x``, ``v + 2 wd x m + (wd x)^2``);
 - SGD: ``lr m / c``, ``c = (1 - momentum) / (1 - dampening)`` (the buffer sums the gradients; ``lr m``
-  without momentum);
+  without momentum), with its weight decay in the gradient (``m + wd x``);
 - Lion: ``lr (erf(m / ((1 - beta1) s sqrt 2)) + weight_decay x)``, ``s`` the gradient's noise.
 
 ``x`` is the master as correction ``k`` would hold it: the parameter's master now (its weight and
@@ -57,11 +58,15 @@ def expected_step(
     with gradient mean ``m`` and mean square ``v`` (see the module docstring)."""
     lr = to_float(group["lr"])
     decay = float(group.get("weight_decay", 0.0))
+    if rule == "sgd" or (rule == "adamw" and not group.get("decoupled_weight_decay", True)):
+        # an L2 penalty joins the gradient inside the step (the shadow saw the raw gradient):
+        # E[g + wd x] = m + wd x, E[(g + wd x)^2] = v + 2 wd x m + (wd x)^2
+        v = v + 2.0 * decay * x * m + (decay * x) ** 2
+        m = m + decay * x
+        decay = 0.0
     if rule == "adamw":
         step = m / (v.clamp_min(0.0).sqrt() + float(group["eps"]))
-        if group.get("decoupled_weight_decay", True):
-            step = step + decay * x
-        return lr * step
+        return lr * (step + decay * x)
     if rule == "sgd":
         beta, dampening = float(group["momentum"]), float(group["dampening"])
         c = (1.0 - beta) / (1.0 - dampening) if beta > 0.0 and dampening < 1.0 else 1.0

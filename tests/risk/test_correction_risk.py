@@ -119,3 +119,22 @@ def test_sgd_and_lion_steps_follow_their_rules() -> None:
         table = correction_risk_table(opt, BLOCKS, _known_shadow(opt, 1e-3, 1e-4), _betas(opt))
         for row in table.values():
             assert row["none"] >= row["ecc8"] >= row["ecc16"] and row["none"] > 100 * row["ecc16"]
+
+
+def test_an_l2_penalty_joins_the_expected_gradient() -> None:
+    """SGD's weight decay and Adam's L2 penalty enter the gradient inside the step (the shadow saw the
+    raw one): the expected step is the one a real step takes on a deterministic gradient."""
+    torch.manual_seed(0)
+    x, g = torch.randn(256, dtype=torch.float64), 1e-3 * torch.randn(256, dtype=torch.float64)
+    for rule, opt in (
+        ("sgd", BlockwiseSGD([nn.Parameter(x.float().clone())], lr=0.01, momentum=0.0, weight_decay=0.1)),
+        ("adamw", BlockwiseAdamW([nn.Parameter(x.float().clone())], lr=1e-3, weight_decay=0.1, decoupled_weight_decay=False)),
+    ):
+        p = next(iter(opt.named_params.values()))
+        p.grad = g.float().clone()
+        before = p.detach().double().clone()
+        opt.step()
+        taken = before - p.detach().double()
+        expected = expected_step(rule, opt.param_groups[0], g, g * g, before)
+        assert torch.allclose(expected, taken, rtol=1e-4, atol=1e-9), rule
+
