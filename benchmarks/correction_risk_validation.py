@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import io
-import itertools
 import json
 import statistics as stats
 from pathlib import Path
@@ -53,13 +52,13 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from _report import command, machine, markdown_table, write_docs_section
+from _report import markdown_table
 from lightning_baoc import BlockwiseAdamW, partition
 from lightning_baoc.formats.correction import CORRECTIONS, WEIGHT_DTYPES, correction_dtype
 from lightning_baoc.risk.correction import correction_risk_table
 from lightning_baoc.risk.shadow import ShadowMoments
 from lightning_baoc.solver import solve
-from momentum_risk_validation import SPEND, WARMUP_SEED, _cell, summarize, verdict
+from momentum_risk_validation import SPEND, _cell, allocations_in_range, publish, run_warm_up, summarize, verdict
 from risk_validation import EVAL_POINTS, Task, _count, _train, digits_task
 
 #: The reference continuation's correction on every block (and the warm-up's): the exact fp32 master for bf16.
@@ -72,7 +71,6 @@ LR = 1e-4
 WARMUP_LR = 3e-3
 #: The corrections' budget, a fraction of ecc16 on every block (see the module docstring).
 BUDGET = 0.35
-RUNS = Path(__file__).resolve().parent / "runs"
 
 
 class BF16Net(nn.Module):
@@ -111,18 +109,7 @@ def warm_up(task: Task, steps: int, lr: float) -> tuple[tuple[bytes, bytes], Sha
     moments kept at every step: model and optimizer state as bytes, and the shadow."""
     model = task.make_model()
     opt = make_optimizer(model, lr)
-    shadow = ShadowMoments(opt.named_params)
-    betas = {name: BETAS for name in opt.named_params}
-    gen = torch.Generator().manual_seed(WARMUP_SEED)
-    for step in range(steps):
-        opt.zero_grad(set_to_none=True)
-        task.loss(model, step, gen).backward()
-        shadow.update(opt.named_params, betas)
-        opt.step()
-    mbuf, obuf = io.BytesIO(), io.BytesIO()
-    torch.save(model.state_dict(), mbuf)
-    torch.save(opt.state_dict(), obuf)
-    return (mbuf.getvalue(), obuf.getvalue()), shadow
+    return run_warm_up(task, model, opt, {name: BETAS for name in opt.named_params}, steps)
 
 
 def restore(task: Task, warm: tuple[bytes, bytes]) -> tuple[nn.Module, BlockwiseAdamW]:
@@ -160,19 +147,6 @@ def continuation(
     return end, path, opt.weight_correction_bytes(), opt.state_bytes()
 
 
-def allocations_in_range(memory: dict[str, dict[str, int]], budget: float, spend: float = SPEND) -> list[dict[str, str]]:
-    """Every allocation whose corrections hold between ``spend`` and all of ``budget`` (a fraction of ecc16
-    everywhere), in enumeration order (3 corrections on 8 blocks: 6,561 to look at)."""
-    blocks = list(memory)
-    full = sum(m[REFERENCE] for m in memory.values())
-    low, high = spend * budget * full, budget * full
-    out = []
-    for combo in itertools.product(*(list(memory[b]) for b in blocks)):
-        if low <= sum(memory[b][c] for b, c in zip(blocks, combo)) <= high:
-            out.append(dict(zip(blocks, combo)))
-    return out
-
-
 def choose_allocations(
     risk: dict[str, dict[str, float]], memory: dict[str, dict[str, int]], budget: float, n_random: int
 ) -> tuple[dict[str, dict[str, str]], int]:
@@ -181,7 +155,7 @@ def choose_allocations(
     allocations) and ``n_random`` drawn uniformly among them (so risk-min <= every random <= risk-max)."""
     full = sum(m[REFERENCE] for m in memory.values())
     out = {"risk-min": dict(solve(risk, memory, int(budget * full), method="exact").formats)}
-    candidates = allocations_in_range(memory, budget)
+    candidates = allocations_in_range(memory, memory, budget, reference=REFERENCE) or []
     if not candidates:
         raise ValueError(f"budget={budget}: no allocation holds {SPEND} to 1 of it (the blocks' bytes come in "
                          f"coarse steps); choose another budget")
@@ -313,19 +287,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     results = validate(args.budget, args.warmup, args.warmup_lr, args.steps, args.orders, args.random, args.lr,
                        log=True)
-    results.update(machine=machine(), command=command(), torch=torch.__version__, threads=args.threads, quick=args.quick)
-    body = report(results)
-    print(body)
     # a learning rate other than the recorded one is a run of its own: its own file and docs section
     name = f"correction_risk_validation_{args.task}" + (f"_lr{args.lr:g}" if args.lr != LR else "")
-    path = args.json or (None if args.quick else RUNS / f"{name}.json")
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results, indent=1) + "\n")
-        print(f"results in {path}")
-    if not args.quick:
-        write_docs_section("benchmarks/risk-validation.md", name, body)
-    return results
+    return publish(results, report, name, args)
 
 
 if __name__ == "__main__":

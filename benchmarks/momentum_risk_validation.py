@@ -107,8 +107,15 @@ def warm_up(task: Task, optimizer: str, steps: int) -> tuple[tuple[bytes, bytes]
     bytes, and the shadow."""
     model = task.make_model()
     opt = make_optimizer(optimizer, model, task.lr)
-    shadow = ShadowMoments(opt.named_params)
-    betas = shadow_betas(opt)
+    return run_warm_up(task, model, opt, shadow_betas(opt), steps)
+
+
+def run_warm_up(
+    task: Task, model: nn.Module, opt: torch.optim.Optimizer, betas: dict[str, tuple[float, float]], steps: int
+) -> tuple[tuple[bytes, bytes], ShadowMoments]:
+    """``steps`` steps of ``opt`` on the task's shared warm-up data, shadow moments kept with ``betas``:
+    model and optimizer state as bytes, and the shadow."""
+    shadow = ShadowMoments(opt.named_params)  # type: ignore[attr-defined]
     gen = torch.Generator().manual_seed(WARMUP_SEED)
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
@@ -141,13 +148,14 @@ def memory_table(opt: BlockwiseSGD | BlockwiseLion, blocks: dict[str, list[str]]
 
 
 def allocations_in_range(risk: dict, memory: dict, budget: float, spend: float = SPEND,
-                         limit: int = 1 << 20) -> list[dict[str, str]] | None:
-    """Every allocation that holds between ``spend`` and all of ``budget`` (the memory ``risk_validation.riskiest``
-    spends), in enumeration order; None where there are more than ``limit`` allocations to enumerate."""
+                         limit: int = 1 << 20, reference: str = "fp32") -> list[dict[str, str]] | None:
+    """Every allocation that holds between ``spend`` and all of ``budget`` (a fraction of the ``reference``
+    column's total; the memory ``risk_validation.riskiest`` spends), in enumeration order; None where there
+    are more than ``limit`` allocations to enumerate."""
     blocks = list(risk)
     if math.prod(len(risk[b]) for b in blocks) > limit:
         return None
-    total = sum(memory[b]["fp32"] for b in blocks)
+    total = sum(memory[b][reference] for b in blocks)
     low, high = spend * budget * total, budget * total
     out = []
     for combo in itertools.product(*(list(risk[b]) for b in blocks)):
@@ -348,11 +356,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.warmup, args.steps, args.orders, args.random = 50, 50, 2, 2
     torch.set_num_threads(args.threads)
     results = validate(args.optimizer, args.budget, args.warmup, args.steps, args.orders, args.random, args.lr, log=True)
-    results.update(machine=machine(), command=command(), torch=torch.__version__, threads=args.threads, quick=args.quick)
-    body = report(results)
-    print(body)
     # a learning rate other than the recorded one is a run of its own: its own file and docs section
     name = f"momentum_risk_validation_{args.task}_{args.optimizer}" + (f"_lr{args.lr:g}" if args.lr is not None else "")
+    return publish(results, report, name, args)
+
+
+def publish(results: dict[str, Any], render: Any, name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Record the machine, torch and the command in ``results``, print ``render(results)``, write the JSON
+    (``--json``, else ``benchmarks/runs/<name>.json`` unless ``--quick``) and, unless ``--quick``, the
+    docs section ``name`` of the risk-validation page."""
+    results.update(machine=machine(), command=command(), torch=torch.__version__, threads=args.threads, quick=args.quick)
+    body = render(results)
+    print(body)
     path = args.json or (None if args.quick else RUNS / f"{name}.json")
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
