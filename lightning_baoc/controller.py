@@ -157,7 +157,7 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, Re
         self._shapes: dict[str, list[tuple[int, ...]]] = {}
         self._numel: dict[str, int] = {}
         self._baseline = 0
-        self._moments = 2  # buffers of the optimizer's fp32 reference: AdamW 2, SGD and Lion 1
+        self._dtypes: dict[str, list[torch.dtype]] = {}
         self._device = torch.device("cpu")
         self._withheld: dict[str, str] = {}  # format -> why it is not offered (the problem's ``withheld``)
         self._offered: list[str] = []  # the menu less the withheld formats (the problem's ``allowed``)
@@ -183,8 +183,8 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, Re
     @property
     def fp32_state_bytes(self) -> int:
         """The fp32 state bytes of the blocks: fp32 AdamW's 8 bytes per trainable element (SGD's and
-        Lion's fp32 momentum: 4)."""
-        return 4 * self._moments * sum(self._numel.values())
+        Lion's fp32 momentum: 4), the problem's ``fp32`` column."""
+        return self._problem.fp32_bytes if self._problem is not None else 0
 
     @property
     def baseline_state_bytes(self) -> int:
@@ -550,8 +550,9 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, Re
             total = 0
             for n, shape in zip(names, self._shapes[b]):
                 total += format_state_bytes(held[n], shape, opt.min_8bit_numel, opt.rule)
-                if self._paired and opt.held_correction(n) is not None:
-                    total += opt.held_correction(n).untyped_storage().nbytes()
+                correction = opt.held_correction(n) if self._paired else None
+                if correction is not None:
+                    total += correction.untyped_storage().nbytes()
             out[b] = int(total)
         return out
 

@@ -68,6 +68,7 @@ class BlocksMixin:
     _group_sizes: tuple[int, ...]
     _model_names: dict[str, str]
     _shapes: dict[str, list[tuple[int, ...]]]
+    _dtypes: dict[str, list[torch.dtype]]
     _numel: dict[str, int]
     _baseline: int
     _device: torch.device
@@ -134,9 +135,9 @@ class BlocksMixin:
         self._shapes = {b: [tuple(named[n].shape) for n in names] for b, names in self.block_params.items()}
         self._numel = {b: sum(named[n].numel() for n in names) for b, names in self.block_params.items()}
         # torch's optimizer holds its buffers in the parameter's dtype: AdamW two, SGD and Lion one
-        self._moments = registry["fp32"].state_bytes((1,)) // 4
+        moments = registry["fp32"].state_bytes((1,)) // 4
         self._baseline = sum(
-            self._moments * named[n].numel() * named[n].element_size()
+            moments * named[n].numel() * named[n].element_size()
             for names in self.block_params.values()
             for n in names
         )
@@ -147,7 +148,7 @@ class BlocksMixin:
                 f"({type(opt).__name__}); its formats are {list(registry)}: name those"
             )
         wanted = list(cfg.formats) if cfg.formats is not None else list(registry)
-        dtypes = {b: [named[n].dtype for n in names] for b, names in self.block_params.items()}
+        self._dtypes = dtypes = {b: [named[n].dtype for n in names] for b, names in self.block_params.items()}
         if cfg.corrections is not None and not any(d in WEIGHT_DTYPES for row in dtypes.values() for d in row):
             raise ValueError(
                 f"BAOC(corrections={list(cfg.corrections)}): the model trains no bf16 or fp16 parameter, and a "

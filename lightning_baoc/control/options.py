@@ -37,18 +37,13 @@ class OptionsMixin:
     shadow: Any
     _offered: list[str]
     _shapes: dict[str, list[tuple[int, ...]]]
+    _dtypes: dict[str, list[torch.dtype]]
     _betas: Any
 
     @property
     def _paired(self) -> bool:
         """Whether options pair formats with corrections (``corrections`` is set)."""
         return self.config.corrections is not None
-
-    def _dtypes(self) -> dict[str, list[torch.dtype]]:
-        """Block -> the dtypes of its parameters, in block order."""
-        assert self.optimizer is not None
-        named = self.optimizer.named_params
-        return {b: [named[n].dtype for n in names] for b, names in self.block_params.items()}
 
     def _formats_offered(self) -> list[str]:
         """The state formats offered (the options' formats, in order)."""
@@ -65,8 +60,7 @@ class OptionsMixin:
             extra = correction_risk_table(self.optimizer, blocks, self.shadow, self._betas(), corrections)
         else:
             shapes = {b: self._shapes[b] for b in by_format}
-            dtypes = self._dtypes()
-            extra = prior_correction_risk(shapes, {b: dtypes[b] for b in by_format}, corrections)
+            extra = prior_correction_risk(shapes, {b: self._dtypes[b] for b in by_format}, corrections)
         return compose(by_format, extra, [o for o in self._offered if split_option(o)[1] in corrections])
 
     def _current_options(self) -> dict[str, str]:
@@ -108,14 +102,6 @@ class OptionsMixin:
         if grow:
             opt.set_weight_corrections(grow)  # type: ignore[attr-defined]
         return migrated
-
-    def _held_bytes(self) -> int:
-        """What the budget caps now: the state's bytes, and the corrections' where options pair them."""
-        assert self.optimizer is not None
-        held = int(self.optimizer.state_bytes())
-        if self._paired:
-            held += int(self.optimizer.weight_correction_bytes())  # type: ignore[attr-defined]
-        return held
 
 
 __all__ = ["OptionsMixin"]

@@ -172,7 +172,6 @@ class AllocationProblem:
         self.allowed = options(self.formats, corrections)
         names = sorted(set(self.allowed) | set(tabulated))
         self.memory = {b: {k: int(v) for k, v in row.items()} for b, row in compose(self.memory, extra, names).items()}
-        self.correction_bytes = extra
 
     # ------------------------------------------------------------------ step times
 

@@ -64,7 +64,12 @@ def convert_optimizer(
     if isinstance(optimizer, BlockwiseOptimizer):
         return optimizer
     if isinstance(optimizer, torch.optim.SGD):
-        return _convert_sgd(optimizer, module, min_8bit_numel, seed)
+        if all(float(g["momentum"]) == 0.0 for g in optimizer.param_groups):
+            raise ValueError(
+                f"BAOC cannot take over {type(optimizer).__name__} without momentum: plain SGD holds no optimizer "
+                f"state, so there is nothing to allocate; set momentum (e.g. 0.9), or remove the BAOC callback"
+            )
+        return _replace(optimizer, module, BlockwiseSGD, "torch's SGD update", min_8bit_numel, seed)
     if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
         raise TypeError(
             f"BAOC cannot take over {type(optimizer).__name__} ({type(optimizer).__module__}): it converts "
@@ -76,35 +81,23 @@ def convert_optimizer(
             f"BAOC cannot take over {type(optimizer).__name__}(amsgrad=True): BlockwiseAdamW implements "
             f"amsgrad=False only; supported: {list(SUPPORTED_OPTIMIZERS)}"
         )
-    if _overrides_step(optimizer):
-        warnings.warn(
-            f"{type(optimizer).__name__} overrides step(); BAOC replaces it by BlockwiseAdamW, which "
-            f"implements torch's Adam/AdamW update, so that override no longer runs",
-            UserWarning,
-            stacklevel=2,
-        )
-    cls = _named_like(type(optimizer).__name__)
-    new = cls.from_optimizer(optimizer, module, min_8bit_numel=min_8bit_numel, seed=seed)
-    if getattr(optimizer, "_opt_called", False):
-        new._opt_called = True  # type: ignore[attr-defined]
-    return new
+    return _replace(optimizer, module, BlockwiseAdamW, "torch's Adam/AdamW update", min_8bit_numel, seed)
 
 
-def _convert_sgd(optimizer: torch.optim.SGD, module: nn.Module, min_8bit_numel: int, seed: int) -> BlockwiseOptimizer:
-    """A ``torch.optim.SGD`` as a BlockwiseSGD named like it (see :func:`convert_optimizer`)."""
-    if all(float(g["momentum"]) == 0.0 for g in optimizer.param_groups):
-        raise ValueError(
-            f"BAOC cannot take over {type(optimizer).__name__} without momentum: plain SGD holds no optimizer "
-            f"state, so there is nothing to allocate; set momentum (e.g. 0.9), or remove the BAOC callback"
-        )
+def _replace(
+    optimizer: torch.optim.Optimizer, module: nn.Module, base: type[BlockwiseOptimizer], update: str,
+    min_8bit_numel: int, seed: int,
+) -> BlockwiseOptimizer:
+    """The checked ``optimizer`` as a ``base`` (BlockwiseAdamW, BlockwiseSGD) named like it, its state
+    inherited (see :func:`convert_optimizer`); an overridden ``step`` is said aloud."""
     if _overrides_step(optimizer):
         warnings.warn(
-            f"{type(optimizer).__name__} overrides step(); BAOC replaces it by BlockwiseSGD, which implements "
-            f"torch's SGD update, so that override no longer runs",
+            f"{type(optimizer).__name__} overrides step(); BAOC replaces it by {base.__name__}, which "
+            f"implements {update}, so that override no longer runs",
             UserWarning,
             stacklevel=3,
         )
-    cls = _named_like(type(optimizer).__name__, BlockwiseSGD)
+    cls = _named_like(type(optimizer).__name__, base)
     new = cls.from_optimizer(optimizer, module, min_8bit_numel=min_8bit_numel, seed=seed)
     if getattr(optimizer, "_opt_called", False):
         new._opt_called = True  # type: ignore[attr-defined]

@@ -39,16 +39,9 @@ from torch import Tensor
 
 from ..formats.correction import CORRECTIONS, WEIGHT_DTYPES, check_correction, reconstruct, split
 from ..optim.args import to_float
-from .shadow import ShadowEntry, ShadowMoments
+from .shadow import ShadowMoments
 
 _SQRT2 = math.sqrt(2.0)
-
-
-def _moments(entry: ShadowEntry, betas: tuple[float, float]) -> tuple[Tensor, Tensor]:
-    """Bias-corrected mean and mean square of the sampled gradient (fp64)."""
-    m = entry.exp_avg.double() / (1.0 - betas[0] ** entry.steps)
-    v = entry.exp_avg_sq.double() / (1.0 - betas[1] ** entry.steps)
-    return m, v
 
 
 def expected_step(
@@ -115,7 +108,7 @@ def correction_risk_table(
                 held = optimizer.held_correction(name)  # type: ignore[attr-defined]
                 w = entry.gather(p.detach().reshape(-1))
                 x = reconstruct(w, None if held is None else entry.gather(held.reshape(-1))).double()
-                m, v = _moments(entry, betas[name])
+                m, v = entry.corrected(betas[name])
                 d = expected_step(rule, optimizer.param_group_of(name), m, v, x)  # type: ignore[attr-defined]
                 total += float((m * d).sum()) * scale
                 step_sq += float((d * d).sum()) * scale

@@ -185,9 +185,7 @@ def momentum_risk_details(
                 fmts = {f: resolve_in(MOMENTUM_FORMATS, f, p.shape, optimizer.min_8bit_numel) for f in formats}  # type: ignore[attr-defined]
                 if rule == "sgd" and float(group["momentum"]) == 0.0:
                     fmts = {f: "fp32" for f in formats}  # no buffer in any format: nothing to lose
-                steps = entry.steps
-                m_hat = entry.exp_avg.double() / (1.0 - beta_buffer**steps)
-                v_hat = entry.exp_avg_sq.double() / (1.0 - 0.999**steps)
+                m_hat, v_hat = entry.corrected((beta_buffer, 0.999))
                 noise = (v_hat - m_hat * m_hat).clamp_min(0.0)
                 scale = p.numel() / max(1, m_hat.numel())
                 dampening = float(group["dampening"]) if rule == "sgd" else 0.0

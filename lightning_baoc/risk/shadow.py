@@ -64,6 +64,13 @@ class ShadowEntry:
         """Flat indices of the sampled elements (None: every element)."""
         return None if self.segments is None else segment_index(self.segments)
 
+    def corrected(self, betas: tuple[float, float]) -> tuple[Tensor, Tensor]:
+        """Bias-corrected mean and mean square of the sampled gradient (fp64), for the ``betas`` the
+        moments follow."""
+        m = self.exp_avg.double() / (1.0 - betas[0] ** self.steps)
+        v = self.exp_avg_sq.double() / (1.0 - betas[1] ** self.steps)
+        return m, v
+
     def gather(self, flat: Tensor) -> Tensor:
         """The sampled elements of a flat tensor of the parameter's size."""
         if self.segments is None:
