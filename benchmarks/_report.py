@@ -26,7 +26,7 @@ DOCS = ROOT / "docs"
 
 
 def machine() -> str:
-    """One line: CPU model, cores, memory, Python and torch versions."""
+    """One line: the GPU where torch sees one, CPU model, cores, memory, Python and torch versions."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -42,8 +42,12 @@ def machine() -> str:
         mem = f", {pages * size / 2**30:.0f} GiB RAM"
     except (ValueError, OSError, AttributeError):
         pass
+    gpu = ""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        gpu = f"{props.name} ({props.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}), "
     return (
-        f"{cpu}, {os.cpu_count()} cores{mem}, Python {platform.python_version()}, "
+        f"{gpu}{cpu}, {os.cpu_count()} cores{mem}, Python {platform.python_version()}, "
         f"torch {torch.__version__}, {torch.get_num_threads()} torch threads"
     )
 

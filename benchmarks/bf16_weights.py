@@ -7,15 +7,19 @@ the same seeds and steps), rows trained with bf16 weights and gradients:
 - ``bf16w_int8``: BlockwiseAdamW, int8 states, no correction (updates below half a bf16 ulp lost);
 - ``bf16w_int8_ecc8``: BlockwiseAdamW, int8 states, an 8-bit master-weight correction: 7.13 bytes
   per parameter with the gradients (``benchmarks/total_memory.py``);
+- ``bf16w_baoc_0.15``: the module's AdamW under ``BAOC(memory_budget=0.15, corrections=["none",
+  "ecc8", "ecc16"])``: states and corrections chosen per block within 0.15 of fp32 AdamW's state;
 
-against fp32 AdamW's runs of the quality table (read from its cache, ``benchmarks/runs/quality/``).
+against fp32 AdamW's runs of the quality table (read from its cache, ``benchmarks/runs/quality/``;
+with ``--accelerator cuda``, fp32 AdamW is trained on the same device, ``benchmarks/runs/quality_cuda/``).
 Each row's final quality is the mean +- sample std over the seeds; "vs fp32" is the difference of
 means with its noise (the root sum of squares of the two standard errors). Runs are cached under
 ``benchmarks/runs/bf16_weights/``.
 
 Run from the repository root:
 
-    python benchmarks/bf16_weights.py --docs        # 2 workloads x 2 recipes x 3 rows x 3 seeds
+    python benchmarks/bf16_weights.py --docs        # 2 workloads x 2 recipes x 4 rows x 3 seeds
+    python benchmarks/bf16_weights.py --accelerator cuda --docs   # on a GPU (bf16 matrix units)
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ ROWS = {
         q.Row("bf16w_adamw", "bf16 weights, torch AdamW (bf16 states)", precision="bf16-true"),
         q.Row("bf16w_int8", "bf16 weights, int8 states, no correction", _blockwise("none"), precision="bf16-true"),
         q.Row("bf16w_int8_ecc8", "bf16 weights + ecc8, int8 states", _blockwise("ecc8"), precision="bf16-true"),
+        q.Row("bf16w_baoc_0.15", "bf16 weights, BAOC at 0.15, corrections chosen per block", budget=0.15,
+              precision="bf16-true", baoc=(("corrections", ("none", "ecc8", "ecc16")),)),
     ]
 }
 
@@ -81,38 +87,49 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu",
+                        help="where the runs train (default: cpu); cuda runs, fp32 AdamW's included, are cached apart")
     parser.add_argument("--report-only", action="store_true", help="tables from the cached runs only")
     parser.add_argument("--docs", action="store_true", help="write the tables into docs/benchmarks/total-memory.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    q.set_accelerator(args.accelerator)
+    results_dir, reference_dir = RESULTS, QUALITY
+    if args.accelerator != "cpu":  # fp32 AdamW trained on the same device as the rows
+        results_dir, reference_dir = (d.with_name(f"{d.name}_{args.accelerator}") for d in (RESULTS, QUALITY))
     lines = []
     for w in args.workloads:
         cls = q.WORKLOADS[w]
         metric = f"{cls.quality_metric}, {'higher' if cls.higher_is_better else 'lower'} is better"
         rows_out = []
         for recipe in args.recipes:
-            ref = _finals([r for s in args.seeds if (r := q.load_cached(QUALITY, w, recipe, "fp32", s, args.steps))])
+            if args.accelerator != "cpu" and not args.report_only:
+                for seed in args.seeds:
+                    q.run_cached(reference_dir, w, recipe, q.ROWS["fp32"], seed, args.steps)
+            ref = _finals([r for s in args.seeds if (r := q.load_cached(reference_dir, w, recipe, "fp32", s, args.steps))])
             rows_out.append([recipe, q.ROWS["fp32"].label, _cell(ref), ""])
             for name in args.rows:
                 row = ROWS[name]
                 results = []
                 for seed in args.seeds:
                     if args.report_only:
-                        found = q.load_cached(RESULTS, w, recipe, name, seed, args.steps)
+                        found = q.load_cached(results_dir, w, recipe, name, seed, args.steps)
                         if found is not None:
                             results.append(found)
                     else:
-                        results.append(q.run_cached(RESULTS, w, recipe, row, seed, args.steps))
+                        results.append(q.run_cached(results_dir, w, recipe, row, seed, args.steps))
                         print(w, recipe, name, seed, results[-1].get("final"), results[-1].get("status"), flush=True)
                 values = _finals(results)
                 rows_out.append([recipe, row.label, _cell(values), _vs(values, ref)])
         lines.append(f"**{w}** ({metric})\n\n"
                      + markdown_table(["recipe", "row", "final quality", "vs fp32 AdamW"], rows_out))
-    body = (f"{args.steps} steps, seeds {', '.join(map(str, args.seeds))}, {args.threads} torch thread(s). "
+    where = "on the GPU, " if args.accelerator == "cuda" else ""
+    body = (f"{args.steps} steps, seeds {', '.join(map(str, args.seeds))}, {where}{args.threads} torch thread(s). "
             f"Machine: {machine()}. Command: `{command()}`\n\n" + "\n\n".join(lines))
     print(body)
     if args.docs:
-        write_docs_section("benchmarks/total-memory.md", "bf16_weights", body)
+        section = "bf16_weights" if args.accelerator == "cpu" else f"bf16_weights_{args.accelerator}"
+        write_docs_section("benchmarks/total-memory.md", section, body)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,17 @@ RECORDED_FAMILIES = {
     "eager_step": (3, "eager step (recorded)"),
 }
 RECORDED_BAOC = {f"{name}_{suffix}": suffix for name in BAOC_BUDGETS for suffix in RECORDED_FAMILIES}
+#: Lightning's accelerator of the runs (``--accelerator``); runs elsewhere than the CPU record it in
+#: their config, so a cache never mixes devices.
+ACCELERATOR = "cpu"
+
+
+def set_accelerator(name: str) -> None:
+    """Train the next runs on ``name`` (``"cpu"`` or ``"cuda"``); refused where it is not present."""
+    global ACCELERATOR
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--accelerator cuda: no CUDA device is visible to torch here")
+    ACCELERATOR = name
 
 
 # ------------------------------------------------------------------------ reference optimizer
@@ -206,6 +217,7 @@ class Row:
         module: Python package the row needs, for the availability check and its version.
         recorded: the row is read from the cache only, never trained (a past version's runs).
         precision: Lightning's ``precision`` of the run (``"bf16-true"``: bf16 weights and gradients).
+        baoc: More keyword arguments of ``BAOC`` as ``(name, value)`` pairs (BAOC rows only).
     """
 
     name: str
@@ -215,6 +227,7 @@ class Row:
     module: str | None = None
     recorded: bool = False
     precision: str = "32-true"
+    baoc: tuple[tuple[str, Any], ...] = ()  # more arguments of BAOC (BAOC rows only)
 
 
 def _adamw_kwargs(module: Workload) -> dict[str, Any]:
@@ -386,6 +399,8 @@ def run_config(workload: str, recipe: str, row: str, seed: int, steps: int) -> d
     """What identifies a run in the cache; a cached run with another config is run again."""
     config = dict(version=CACHE_VERSION, workload=workload, recipe=recipe, row=row, seed=seed, steps=steps,
                   eval_every=eval_every(steps), torch=torch.__version__)
+    if ACCELERATOR != "cpu":
+        config["accelerator"] = ACCELERATOR
     if row in BAOC_BUDGETS:
         config["baoc_version"] = BAOC_CACHE_VERSION
     elif row in RECORDED_BAOC:
@@ -412,12 +427,13 @@ def train_one(workload: str, recipe: str, row: Row, seed: int, steps: int) -> di
     if row.budget is not None:
         BAOC = _baoc_class()
         # The runs here are a few hundred steps: BAOC's warm-up is scaled to a fifth of the run.
-        callbacks.append(BAOC(memory_budget=row.budget, warmup_steps=max(20, steps // 5), seed=seed, report=False))
+        callbacks.append(BAOC(memory_budget=row.budget, warmup_steps=max(20, steps // 5), seed=seed, report=False,
+                              **dict(row.baoc)))
     elif row.make is not None:
         _install_optimizer(module, row.make)
     trainer = L.Trainer(
         max_steps=steps,
-        accelerator="cpu",
+        accelerator=ACCELERATOR,
         devices=1,
         val_check_interval=eval_every(steps),
         check_val_every_n_epoch=None,
@@ -870,9 +886,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default: 1: on a shared CPU, threads of models this small wait more "
                         "for each other than they gain)")
+    parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu",
+                        help="where the runs train (default: cpu); cuda runs are cached under RESULTS_DIR_cuda")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: vit_digits, rows fp32 and int8, realistic recipe, seed 0, 6 steps, writes no docs page")
     args = parser.parse_args(argv)
+    if args.accelerator != "cpu":
+        args.results_dir = args.results_dir.with_name(f"{args.results_dir.name}_{args.accelerator}")
     if args.quick:
         explicit = set(a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]))
         if "--workloads" not in explicit:
@@ -896,6 +916,7 @@ def main(argv: list[str] | None = None) -> str:
     args = parse_args(argv)
     steps = parse_steps(args.steps, args.workloads)
     torch.set_num_threads(args.threads)
+    set_accelerator(args.accelerator)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     rows = [ROWS[r] for r in args.rows]

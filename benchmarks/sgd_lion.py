@@ -28,6 +28,8 @@ Run from the repository root:
 
     python benchmarks/sgd_lion.py --docs                 # 8 rows x 2 recipes x 3 seeds, ~1 h on 1 core
     python benchmarks/sgd_lion.py --rows sgd_bf16w_int8_ecc8 sgd_bf16w_int8 lion_bf16w_int8_ecc8 lion_bf16w_int8
+    python benchmarks/sgd_lion.py --accelerator cuda --docs --rows sgd_fp32 sgd_bf16w_int8_ecc8 sgd_bf16w_int8 \
+        lion_fp32 lion_bf16w_int8_ecc8 lion_bf16w_int8   # on a GPU, cached under benchmarks/runs/sgd_lion_cuda/
 """
 
 from __future__ import annotations
@@ -103,10 +105,14 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu",
+                        help="where the runs train (default: cpu); cuda runs are cached apart")
     parser.add_argument("--report-only", action="store_true", help="tables from the cached runs only")
     parser.add_argument("--docs", action="store_true", help="write the table into docs/benchmarks/quality.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    q.set_accelerator(args.accelerator)
+    results_dir = RESULTS if args.accelerator == "cpu" else RESULTS.with_name(f"{RESULTS.name}_{args.accelerator}")
     table = []
     for recipe in args.recipes:
         finals: dict[str, list[float]] = {}
@@ -114,24 +120,26 @@ def main() -> None:
             results = []
             for seed in args.seeds:
                 if args.report_only:
-                    found = q.load_cached(RESULTS, WORKLOAD, recipe, name, seed, args.steps)
+                    found = q.load_cached(results_dir, WORKLOAD, recipe, name, seed, args.steps)
                     if found is not None:
                         results.append(found)
                 else:
-                    results.append(q.run_cached(RESULTS, WORKLOAD, recipe, ROWS[name], seed, args.steps))
+                    results.append(q.run_cached(results_dir, WORKLOAD, recipe, ROWS[name], seed, args.steps))
                     print(recipe, name, seed, results[-1].get("final"), results[-1].get("status"), flush=True)
             finals[name] = _finals(results)
             per_param = [r["state_bytes"] / r["params"] for r in results if r.get("params")]
             ref = finals.get(name.split("_")[0] + "_fp32", [])
             table.append([recipe, ROWS[name].label, f"{per_param[0]:.3f}" if per_param else "-",
                           _cell(finals[name]), "" if name.endswith("_fp32") else _vs(finals[name], ref)])
-    body = (f"ViT on digits, {args.steps} steps, seeds {', '.join(map(str, args.seeds))}, {args.threads} torch "
+    where = "on the GPU, " if args.accelerator == "cuda" else ""
+    body = (f"ViT on digits, {args.steps} steps, seeds {', '.join(map(str, args.seeds))}, {where}{args.threads} torch "
             f"thread(s); final accuracy (higher is better). Machine: {machine()}. Command: `{command()}`\n\n"
             + markdown_table(["recipe", "row", "state bytes / param", "final accuracy", "vs the same optimizer in fp32"],
                              table))
     print(body)
     if args.docs:
-        write_docs_section("benchmarks/quality.md", "sgd_lion", body)
+        section = "sgd_lion" if args.accelerator == "cpu" else f"sgd_lion_{args.accelerator}"
+        write_docs_section("benchmarks/quality.md", section, body)
 
 
 if __name__ == "__main__":

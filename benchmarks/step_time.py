@@ -21,6 +21,7 @@ Run from the repository root:
     python benchmarks/step_time.py --quick    # a 2M-parameter smoke run (writes no docs page)
     python benchmarks/step_time.py --bf16-weights   # bf16 weights: master-weight corrections (its own section)
     python benchmarks/step_time.py --momentum       # SGD and Lion against torch's fused SGD (its own section)
+    python benchmarks/step_time.py --device cuda --threads 1   # on a GPU (sections *_cuda; steps synchronized)
 
 On a machine whose cores are busy with other work, prefix ``OMP_WAIT_POLICY=PASSIVE`` (recorded
 beside the command on the page): with OpenMP's default spinning, every parallel region at 2 threads waits
@@ -55,9 +56,13 @@ BNB = "bitsandbytes AdamW8bit"
 TORCHAO = "torchao AdamW8bit"
 
 
+#: Where the optimizers step (``--device``).
+DEVICE = torch.device("cpu")
+
+
 def build(layers: int, width: int) -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(DEVICE)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     return model
@@ -161,18 +166,26 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
 
 def bandwidth() -> float:
     """Bytes per second of a 512 MiB copy (read + write), the best of 5."""
-    src = torch.ones(1 << 27)
+    src = torch.ones(1 << 27, device=DEVICE)
     dst = torch.empty_like(src)
     dst.copy_(src)
     best = min(time_steps(lambda: dst.copy_(src), 5))
     return 2 * src.numel() * src.element_size() / best
 
 
+def _synchronize() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
 def time_steps(step: Callable[[], object], steps: int) -> list[float]:
+    """Wall seconds of each of ``steps`` calls of ``step`` (the device's queue drained around each)."""
     times = []
     for _ in range(steps):
+        _synchronize()
         start = time.perf_counter()
         step()
+        _synchronize()
         times.append(time.perf_counter() - start)
     return times
 
@@ -213,7 +226,12 @@ def main() -> None:
     parser.add_argument("--momentum", action="store_true",
                         help="SGD and Lion: torch's SGD against BlockwiseSGD and BlockwiseLion in every momentum format "
                              "(section step_time_momentum)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the model and the optimizers live")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible to torch here")
     if args.quick:
         args.layers, args.width, args.warmup, args.rounds, args.steps = 8, 512, 1, 3, 1
     model = build(args.layers, args.width)
@@ -265,6 +283,8 @@ def main() -> None:
     print(table)
     print(notes)
     section = "step_time_momentum" if args.momentum else "step_time_bf16" if args.bf16_weights else "step_time"
+    if DEVICE.type != "cpu":
+        section += f"_{DEVICE.type}"
     if not args.quick:
         weights = "bf16 weights and gradients, " if args.bf16_weights else ""
         body = (
@@ -273,7 +293,7 @@ def main() -> None:
             f"optimizer {args.steps} steps per round in a shuffled order, after {args.warmup} warm-up steps; "
             f"median step over the rounds, and median over the rounds of the ratio to {reference}'s "
             f"step in the same round.\n\n"
-            f"Machine: {machine()} (default). Command: `{_command()}\n\n{table}\n\n{notes}"
+            f"{'On the GPU: ' if DEVICE.type == 'cuda' else ''}Machine: {machine()} (default). Command: `{_command()}\n\n{table}\n\n{notes}"
         )
         write_docs_section("benchmarks/step-time.md", section, body)
 

@@ -18,9 +18,14 @@ with ``ecc8`` and gradient release (each parameter stepped in backward, its grad
 at 0.15 of fp32 AdamW's state with the user's ``ecc8`` outside the budget, and with the corrections chosen
 per block inside it (``BAOC(corrections=[...])``).
 
+On a GPU (``--device cuda``) the whole-run figure is the peak of ``torch.cuda.max_memory_allocated()``
+(the device's allocated storage, read in the run's process) above the baseline process's, instead of
+the peak resident set.
+
 Example::
 
     python benchmarks/total_memory.py --docs
+    python benchmarks/total_memory.py --device cuda --docs     # section total_memory_cuda
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ class Workload:
     batch: int = 16
     steps: int = 6
     threads: int = 1
+    device: str = "cpu"
 
     @property
     def params(self) -> int:
@@ -73,17 +79,22 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
     from lightning_baoc.controller import BAOCController
 
     torch.set_num_threads(workload.threads)
-    warm = nn.Linear(64, 64).to(torch.bfloat16)  # the code of every run, loaded in the baseline too
+    device = torch.device(workload.device)
+    cuda = device.type == "cuda"
+    warm = nn.Linear(64, 64).to(device, torch.bfloat16)  # the code of every run, loaded in the baseline too
     opt = BlockwiseAdamW(warm.named_parameters(), state_format="int8", min_8bit_numel=0, weight_correction="ecc8")
-    warm(torch.randn(2, 64, dtype=torch.bfloat16)).float().sum().backward()
+    warm(torch.randn(2, 64, dtype=torch.bfloat16, device=device)).float().sum().backward()
     opt.step()
     torch.optim.AdamW(warm.parameters(), fused=True).step()
     del warm, opt
+    if cuda:  # what stays allocated after the warm-up (the libraries' workspaces) is in every run
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     if run == "baseline":
-        return {}
+        return {"peak_device": torch.cuda.memory_allocated()} if cuda else {}
     torch.manual_seed(0)
     dtype = torch.float32 if "fp32 weights" in run else torch.bfloat16
-    model = nn.Sequential(*[nn.Linear(workload.width, workload.width) for _ in range(workload.layers)]).to(dtype)
+    model = nn.Sequential(*[nn.Linear(workload.width, workload.width) for _ in range(workload.layers)]).to(device, dtype)
     if run.startswith("torch SGD"):
         optimizer: Any = torch.optim.SGD(model.parameters(), lr=1e-4)
     elif run.startswith("torch"):
@@ -106,7 +117,7 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
             controller.before_step(step)
             controller.open_released_step(step)
         optimizer.zero_grad(set_to_none=False)
-        x = torch.randn(workload.batch, workload.width, generator=gen).to(dtype)
+        x = torch.randn(workload.batch, workload.width, generator=gen).to(device, dtype)
         model(x).float().square().mean().backward()
         if run.startswith("BAOC"):
             controller.close_released_step()
@@ -114,6 +125,9 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
         if run.startswith("BAOC"):
             controller.maybe_allocate(step + 1)
     out = training_memory(model, optimizer).to_dict()
+    if cuda:
+        torch.cuda.synchronize()
+        out["peak_device"] = torch.cuda.max_memory_allocated()
     if run.startswith("BAOC"):
         formats = list(optimizer.formats().values())
         out["allocation"] = {f: formats.count(f) for f in sorted(set(formats))}
@@ -131,41 +145,51 @@ def run_all(workload: Workload) -> dict[str, dict[str, Any]]:
 
 def table(workload: Workload, results: dict[str, dict[str, Any]]) -> str:
     n = workload.params
-    base = results["baseline"]["peak_rss"]
+    peak = _peak_key(workload)
+    base = results["baseline"][peak]
     sgd = results["torch SGD, bf16 weights"]
-    stateless = sgd["peak_rss"] - (sgd["weights"] + sgd["gradients"])  # the run's own: activations, slack
+    stateless = sgd[peak] - (sgd["weights"] + sgd["gradients"])  # the run's own: activations, slack
     rows = []
     for run, what in RUNS.items():
         if run == "baseline":
             continue
         r = results[run]
         parts = [r["weights"], r["corrections"], r["gradients"], r["states"]]
-        rows.append([run, what, *[f"{b / n:.3f}" for b in parts], f"{sum(parts) / n:.3f}", f"{(r['peak_rss'] - base) / n:.2f}",
-                     f"{(r['peak_rss'] - stateless) / n:.2f}"])
+        rows.append([run, what, *[f"{b / n:.3f}" for b in parts], f"{sum(parts) / n:.3f}", f"{(r[peak] - base) / n:.2f}",
+                     f"{(r[peak] - stateless) / n:.2f}"])
     headers = ["run", "what it holds", "weights", "corrections", "gradients", "states",
-               "total (storages)", "whole run (peak RSS above the baseline)",
+               "total (storages)",
+               f"whole run (peak {'CUDA allocated' if peak == 'peak_device' else 'RSS'} above the baseline)",
                "whole run less the stateless run's activations and slack"]
     return markdown_table(headers, rows)
+
+
+def _peak_key(workload: Workload) -> str:
+    """The whole-run figure of a run's result: the device's allocated peak on a GPU, else the peak RSS."""
+    return "peak_device" if workload.device.startswith("cuda") else "peak_rss"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=Workload.layers)
     parser.add_argument("--steps", type=int, default=Workload.steps)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the model trains")
     parser.add_argument("--docs", action="store_true", help="write the table into docs/benchmarks/total-memory.md")
     args = parser.parse_args()
-    workload = Workload(layers=args.layers, steps=args.steps)
+    workload = Workload(layers=args.layers, steps=args.steps, device=args.device)
     results = run_all(workload)
     body = (
         f"Bytes per parameter, {workload.params / 1e6:.1f}M parameters ({workload.layers} x "
         f"Linear({workload.width}, {workload.width})), {workload.steps} steps of batch {workload.batch}, "
-        f"{workload.threads} torch thread(s), each run in its own process; baseline peak resident set "
-        f"{results['baseline']['peak_rss'] / 2**20:.0f} MiB.\n\n"
+        f"{workload.threads} torch thread(s), each run in its own process{' on the GPU' if args.device == 'cuda' else ''}; "
+        f"baseline {'CUDA allocated' if _peak_key(workload) == 'peak_device' else 'peak resident set'} "
+        f"{results['baseline'][_peak_key(workload)] / 2**20:.0f} MiB.\n\n"
         f"Machine: {machine()}. Command: `{command()}`\n\n{table(workload, results)}"
     )
     print(body)
     if args.docs:
-        write_docs_section("benchmarks/total-memory.md", "total_memory", body)
+        section = "total_memory" if args.device == "cpu" else f"total_memory_{args.device}"
+        write_docs_section("benchmarks/total-memory.md", section, body)
 
 
 if __name__ == "__main__":

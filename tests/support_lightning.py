@@ -114,11 +114,12 @@ class Crash(Callback):
 
 
 def fit_crash_resume(
-    root: Path, model: L.LightningModule, baoc: Callback, epochs: int, crash_at: int | None = None, ckpt_path: str | None = None
+    root: Path, model: L.LightningModule, baoc: Callback, epochs: int, crash_at: int | None = None, ckpt_path: str | None = None,
+    accelerator: str = "cpu",
 ) -> L.Trainer:
     """Fit ``model`` on 320 digits (accumulation 2, clipping 1.0), checkpointing every epoch under
     ``root / "ckpt"`` (``last.ckpt`` too); with ``crash_at`` the fit raises at the start of that epoch
-    (the test expects it), with ``ckpt_path`` it resumes from there."""
+    (the test expects it), with ``ckpt_path`` it resumes from there; on ``accelerator``."""
     import pytest
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -126,7 +127,7 @@ def fit_crash_resume(
                                  save_on_train_epoch_end=True)
     callbacks: list[Callback] = [baoc, checkpoint] + ([Crash(crash_at)] if crash_at is not None else [])
     trainer = make_trainer(root, max_epochs=epochs, accumulate_grad_batches=2, gradient_clip_val=1.0,
-                           callbacks=callbacks, enable_checkpointing=True, limit_val_batches=0)
+                           callbacks=callbacks, enable_checkpointing=True, limit_val_batches=0, accelerator=accelerator)
     train, _ = loaders(n_train=320)
     if crash_at is not None:
         with pytest.raises(RuntimeError, match="simulated crash"):

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The CUDA tests and the GPU measurements of the docs, in one run on a machine with one NVIDIA GPU.
+#
+#   bash benchmarks/cuda_suite.sh OUT_DIR [SECONDS]
+#
+# from the repository root, with lightning_baoc importable (installed, or this checkout on
+# PYTHONPATH). In order: the optimizer step times against fused AdamW, alone on the GPU; then side by
+# side (none of them is a timing): the CUDA tests, the peak CUDA memory of whole runs (with and
+# without BAOC; total bytes per parameter), and the bf16-weight quality runs (one process per
+# workload, recipe and seed; each run cached as JSON, so a second call resumes). The docs sections
+# they write (`*_cuda`) and the runs' caches are packed into OUT_DIR/results.tgz, the logs into
+# OUT_DIR/logs.tgz. SECONDS (default 480) bounds the whole run; parts cut off leave what they cached.
+set -u
+out=${1:?usage: bash benchmarks/cuda_suite.sh OUT_DIR [SECONDS]}
+budget=${2:-480}
+mkdir -p "$out" "$out/logs"
+logs=$out/logs
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
+export CUBLAS_WORKSPACE_CONFIG=:4096:8
+start=$(date +%s)
+left() { echo $((budget - ($(date +%s) - start))); }
+say() { echo "== $(date +%T) (+$(($(date +%s) - start)) s) $*"; }
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$logs/gpu.txt" 2>&1
+python3 -c "import torch, lightning; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+torch.cuda.get_device_name(0), 'lightning', lightning.__version__)" >> "$logs/gpu.txt" 2>&1
+cat "$logs/gpu.txt"
+
+say "step times (alone on the GPU)"
+timeout $(( $(left) / 3 )) python3 benchmarks/step_time.py --device cuda --threads 1 --rounds 5 --steps 2 --warmup 2 \
+  > "$logs/step_time.log" 2>&1; echo "step_time exit $?" >> "$logs/status.txt"
+
+say "side by side: CUDA tests, memory, quality"
+budget_rest=$(( $(left) - 30 ))
+(timeout $budget_rest python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/optim/test_conversion_memory.py \
+   tests/kernels/test_step_decisions.py tests/costs/test_instruments.py tests/test_calibration.py \
+   > "$logs/tests.log" 2>&1; echo "tests exit $?" >> "$logs/status.txt") &
+(timeout $budget_rest python3 benchmarks/total_memory.py --device cuda --docs > "$logs/total_memory.log" 2>&1
+ echo "total_memory exit $?" >> "$logs/status.txt"
+ timeout $(( $(left) - 25 )) python3 benchmarks/peak_memory.py --accelerator cuda --layers 40 --width 2048 --docs \
+   > "$logs/peak_memory.log" 2>&1; echo "peak_memory exit $?" >> "$logs/status.txt") &
+jobs_file=$logs/quality_jobs.txt
+: > "$jobs_file"
+for seed in 0 1 2; do
+  for recipe in realistic stress; do
+    for w in char_gpt ddpm_digits; do
+      echo "bf16_weights.py --accelerator cuda --workloads $w --recipes $recipe --seeds $seed" >> "$jobs_file"
+    done
+    echo "sgd_lion.py --accelerator cuda --recipes $recipe --seeds $seed --rows sgd_fp32 sgd_bf16w_int8_ecc8 \
+sgd_bf16w_int8 lion_fp32 lion_bf16w_int8_ecc8 lion_bf16w_int8" >> "$jobs_file"
+  done
+done
+(timeout $budget_rest xargs -P 14 -I{} sh -c 'python3 benchmarks/{} > "'"$logs"'/q_$(echo "{}" | tr -c "a-z0-9" _ | cut -c1-90).log" 2>&1' \
+   < "$jobs_file"; echo "quality exit $?" >> "$logs/status.txt") &
+wait
+
+say "tables from the cached runs"
+timeout 60 python3 benchmarks/bf16_weights.py --accelerator cuda --report-only --docs > "$logs/bf16_weights_table.log" 2>&1
+timeout 60 python3 benchmarks/sgd_lion.py --accelerator cuda --report-only --docs --rows sgd_fp32 sgd_bf16w_int8_ecc8 \
+  sgd_bf16w_int8 lion_fp32 lion_bf16w_int8_ecc8 lion_bf16w_int8 > "$logs/sgd_lion_table.log" 2>&1
+cat "$logs/status.txt"
+tail -n 3 "$logs/tests.log"
+tar czf "$out/results.tgz" docs/benchmarks benchmarks/runs/*_cuda 2>/dev/null
+tar czf "$out/logs.tgz" -C "$out" logs
+cp "$logs/status.txt" "$out/status.txt"
+say "done"

@@ -1,0 +1,151 @@
+"""The optimizers and BAOC on a CUDA device (skipped where torch sees none).
+
+- Every AdamW format steps on CUDA as on the CPU: fp32 within float rounding, the cheaper formats
+  within a small fraction of the update (stochastic rounding and 8-bit codes may differ by a step);
+  the state bytes each optimizer reports are the storage it allocated on the device.
+- SGD (momentum, Nesterov, weight decay) in fp32 equals ``torch.optim.SGD`` on the device; Lion in
+  fp32 equals itself on the CPU but for elements whose update direction is a rounding tie.
+- Gradient release with bf16 weights, int8 states and an 8-bit correction steps exactly as ``step()``.
+- BAOC under the Trainer on the GPU: warm-up, an allocation within the budget with its states on the
+  device, a re-evaluation, and a crash and resume bit-equal to the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_baoc import BAOC, FORMATS, BlockwiseAdamW, BlockwiseLion, BlockwiseSGD
+
+from support_lightning import DigitsModule, fit_crash_resume
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# deterministic cuBLAS for the Trainer's deterministic=True (bit-equal resume)
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+CUDA = torch.device("cuda")
+
+
+def _model(device: torch.device, dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 10)).to(device, dtype)
+
+
+def _steps(opt: torch.optim.Optimizer, model: nn.Module, steps: int = 5) -> None:
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        opt.zero_grad()
+        for p in model.parameters():  # the same gradients on every device: drawn on the CPU
+            p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(p.device, p.dtype)
+        opt.step()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_steps_on_cuda_as_on_the_cpu(fmt: str) -> None:
+    runs = []
+    for device in (torch.device("cpu"), CUDA):
+        model = _model(device)
+        start = [p.detach().cpu().clone() for p in model.parameters()]
+        opt = BlockwiseAdamW(model.named_parameters(), lr=1e-3, state_format=fmt, min_8bit_numel=0)
+        _steps(opt, model)
+        runs.append([p.detach().cpu() for p in model.parameters()])
+    cpu, gpu = runs
+    for a, b, s in zip(cpu, gpu, start):
+        update = (a - s).abs().max().item()
+        assert update > 0
+        tolerance = 1e-5 * max(1.0, s.abs().max().item()) if fmt in ("fp32", "offload") else 0.1 * update
+        assert (a - b).abs().max().item() <= tolerance, fmt
+    assert all(torch.isfinite(p).all() for p in gpu)
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "offload"])
+def test_state_bytes_are_the_storage_allocated_on_the_device(fmt: str) -> None:
+    model = _model(CUDA)
+    opt = BlockwiseAdamW(model.named_parameters(), lr=1e-3, state_format=fmt, min_8bit_numel=0)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    opt.step()  # the states are made here
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    assert opt.state_bytes() > 0
+    # the caching allocator rounds each block up to 512 bytes: a few KiB over the tensors' bytes
+    assert abs(held - opt.state_bytes()) <= 64 * 1024 + 0.01 * opt.state_bytes(), (fmt, held, opt.state_bytes())
+
+
+def test_sgd_in_fp32_equals_torch_sgd_on_cuda() -> None:
+    ours, theirs = _model(CUDA), _model(CUDA)
+    kwargs = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    opt = BlockwiseSGD(ours.named_parameters(), state_format="fp32", **kwargs)
+    ref = torch.optim.SGD(theirs.parameters(), **kwargs)
+    _steps(opt, ours, steps=50)
+    _steps(ref, theirs, steps=50)
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_lion_on_cuda_equals_lion_on_the_cpu() -> None:
+    runs = []
+    for device in (torch.device("cpu"), CUDA):
+        model = _model(device)
+        opt = BlockwiseLion(model.named_parameters(), lr=1e-4, weight_decay=0.1, state_format="fp32")
+        _steps(opt, model, steps=20)
+        runs.append(torch.cat([p.detach().cpu().flatten() for p in model.parameters()]))
+    differ = ((runs[0] - runs[1]).abs() > 1e-6).float().mean().item()
+    assert differ <= 1e-4  # a sign flips only where the interpolation rounds to a tie
+
+
+@pytest.mark.parametrize("correction", ["ecc8", "ecc16"])
+def test_gradient_release_with_bf16_weights_steps_as_step_on_cuda(correction: str) -> None:
+    finals = []
+    for release in (False, True):
+        model = _model(CUDA, torch.bfloat16)
+        opt = BlockwiseAdamW(model.named_parameters(), lr=1e-3, state_format="int8", min_8bit_numel=0,
+                             weight_correction=correction)
+        if release:
+            opt.release_gradients()
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(8):
+            opt.zero_grad()
+            x = torch.randn(16, 256, generator=gen).to(CUDA, torch.bfloat16)
+            model(x).float().square().mean().backward()
+            opt.step()
+        finals.append([p.detach().clone() for p in model.parameters()])
+        assert opt.weight_correction_bytes() > 0
+    for a, b in zip(*finals):
+        assert torch.equal(a, b)
+
+
+def test_baoc_under_the_trainer_on_the_gpu_resumes_bit_equal(tmp_path: Path) -> None:
+    def fit(root: Path, crash_at: int | None = None, ckpt_path: str | None = None):  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        model = DigitsModule(lr=3e-3)
+        baoc = BAOC(memory_budget=0.3, warmup_steps=12, sample_every=4, reevaluate_every_n_epochs=3, report=False)
+        trainer = fit_crash_resume(root, model, baoc, 8, crash_at, ckpt_path, accelerator="gpu")
+        return model, trainer, baoc
+
+    ref_model, ref_trainer, ref_baoc = fit(tmp_path / "straight")
+    opt = ref_trainer.optimizers[0]
+    assert isinstance(opt, BlockwiseAdamW)
+    history = ref_baoc.controller.history
+    assert [h["reason"] for h in history][:2] == ["warmup", "epoch"] and history[0]["step"] == 12
+    numel = sum(p.numel() for p in ref_model.parameters())
+    assert opt.state_bytes() <= 0.3 * 8 * numel
+    assert len(set(opt.formats().values())) >= 1 and set(opt.formats().values()) != {"fp32"}
+    assert all(p.device.type == "cuda" for p in ref_model.parameters())
+    for record in opt._records.values():  # noqa: SLF001  (the stored codes, scales and buffers)
+        if record.format != "offload":
+            assert all(view.device.type == "cuda" for view in record.views.values()), record.name
+
+    crash_root = tmp_path / "crashed"
+    fit(crash_root, crash_at=4)
+    model, trainer, baoc = fit(crash_root, ckpt_path=str(crash_root / "ckpt" / "last.ckpt"))
+    resumed = {k: v for k, v in model.losses.items() if k[0] >= 4}
+    assert resumed == {k: v for k, v in ref_model.losses.items() if k[0] >= 4} and len(resumed) == 40
+    assert baoc.allocation == ref_baoc.allocation
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
