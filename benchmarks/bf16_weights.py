@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 import quality as q
-from _report import command, machine, markdown_table, write_docs_section
+from _report import command, markdown_table, write_docs_section
 from lightning_baoc import BlockwiseAdamW
 
 RESULTS = Path(__file__).resolve().parent / "runs" / "bf16_weights"
@@ -98,6 +98,7 @@ def main() -> None:
     if args.accelerator != "cpu":  # fp32 AdamW trained on the same device as the rows
         results_dir, reference_dir = (d.with_name(f"{d.name}_{args.accelerator}") for d in (RESULTS, QUALITY))
     lines = []
+    every: list[dict] = []  # every run of the tables: the machine they recorded
     for w in args.workloads:
         cls = q.WORKLOADS[w]
         metric = f"{cls.quality_metric}, {'higher' if cls.higher_is_better else 'lower'} is better"
@@ -106,26 +107,29 @@ def main() -> None:
             if args.accelerator != "cpu" and not args.report_only:
                 for seed in args.seeds:
                     q.run_cached(reference_dir, w, recipe, q.ROWS["fp32"], seed, args.steps)
-            ref = _finals([r for s in args.seeds if (r := q.load_cached(reference_dir, w, recipe, "fp32", s, args.steps))])
+            ref_runs = [r for s in args.seeds if (r := q.load_cached(reference_dir, w, recipe, "fp32", s, args.steps, any_torch=True))]
+            every += ref_runs
+            ref = _finals(ref_runs)
             rows_out.append([recipe, q.ROWS["fp32"].label, _cell(ref), ""])
             for name in args.rows:
                 row = ROWS[name]
                 results = []
                 for seed in args.seeds:
                     if args.report_only:
-                        found = q.load_cached(results_dir, w, recipe, name, seed, args.steps)
+                        found = q.load_cached(results_dir, w, recipe, name, seed, args.steps, any_torch=True)
                         if found is not None:
                             results.append(found)
                     else:
                         results.append(q.run_cached(results_dir, w, recipe, row, seed, args.steps))
                         print(w, recipe, name, seed, results[-1].get("final"), results[-1].get("status"), flush=True)
+                every += results
                 values = _finals(results)
                 rows_out.append([recipe, row.label, _cell(values), _vs(values, ref)])
         lines.append(f"**{w}** ({metric})\n\n"
                      + markdown_table(["recipe", "row", "final quality", "vs fp32 AdamW"], rows_out))
     where = "on the GPU, " if args.accelerator == "cuda" else ""
     body = (f"{args.steps} steps, seeds {', '.join(map(str, args.seeds))}, {where}{args.threads} torch thread(s). "
-            f"Machine: {machine()}. Command: `{command()}`\n\n" + "\n\n".join(lines))
+            f"Machine: {q.machine_of(every)}. Command: `{command()}`\n\n" + "\n\n".join(lines))
     print(body)
     if args.docs:
         section = "bf16_weights" if args.accelerator == "cpu" else f"bf16_weights_{args.accelerator}"

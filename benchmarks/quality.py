@@ -89,11 +89,15 @@ ACCELERATOR = "cpu"
 
 
 def set_accelerator(name: str) -> None:
-    """Train the next runs on ``name`` (``"cpu"`` or ``"cuda"``); refused where it is not present."""
+    """Train the next runs on ``name`` (``"cpu"`` or ``"cuda"``; tables of cached runs need no device)."""
     global ACCELERATOR
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--accelerator cuda: no CUDA device is visible to torch here")
     ACCELERATOR = name
+
+
+def machine_of(results: Iterable[dict[str, Any]]) -> str:
+    """The machine the cached ``results`` were trained on, as they recorded it (this one where none did)."""
+    seen = sorted({r["machine"] for r in results if r.get("machine")})
+    return "; ".join(seen) if seen else machine()
 
 
 # ------------------------------------------------------------------------ reference optimizer
@@ -421,6 +425,8 @@ def result_path(results_dir: Path, config: dict[str, Any]) -> Path:
 
 def train_one(workload: str, recipe: str, row: Row, seed: int, steps: int) -> dict[str, Any]:
     """Train one run and return its result (curve, final quality, state bytes, seconds, status)."""
+    if ACCELERATOR == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--accelerator cuda: no CUDA device is visible to torch here")
     module, data = build(workload, recipe, steps, seed)
     callbacks: list[L.Callback] = []
     recorder = _Recorder(module.quality_metric)
@@ -466,6 +472,7 @@ def train_one(workload: str, recipe: str, row: Row, seed: int, steps: int) -> di
         params=module.num_parameters(),
         optimizer=f"{type(optimizer).__module__}.{type(optimizer).__name__}",
         seconds=round(seconds, 2),
+        machine=machine(),
     )
 
 
@@ -493,14 +500,20 @@ def run_cached(results_dir: Path, workload: str, recipe: str, row: Row, seed: in
     return result
 
 
-def load_cached(results_dir: Path, workload: str, recipe: str, row: str, seed: int, steps: int) -> dict[str, Any] | None:
-    """A cached run, or None."""
+def load_cached(
+    results_dir: Path, workload: str, recipe: str, row: str, seed: int, steps: int, any_torch: bool = False
+) -> dict[str, Any] | None:
+    """A cached run, or None; ``any_torch``: whatever torch version trained it (tables of runs made
+    on another machine, whose line in the table names its torch)."""
     config = run_config(workload, recipe, row, seed, steps)
     path = result_path(results_dir, config)
     if not path.exists():
         return None
     cached = json.loads(path.read_text())
-    return cached if cached.get("config") == config else None
+    found = dict(cached.get("config", {}))
+    if any_torch:
+        found["torch"] = config["torch"]
+    return cached if found == config else None
 
 
 # -------------------------------------------------------------------------------- summarizing

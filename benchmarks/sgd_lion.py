@@ -41,7 +41,7 @@ from typing import Callable
 import torch
 
 import quality as q
-from _report import command, machine, markdown_table, write_docs_section
+from _report import command, markdown_table, write_docs_section
 from bf16_weights import _cell, _finals, _vs
 from lightning_baoc import BlockwiseLion, BlockwiseSGD
 
@@ -114,18 +114,20 @@ def main() -> None:
     q.set_accelerator(args.accelerator)
     results_dir = RESULTS if args.accelerator == "cpu" else RESULTS.with_name(f"{RESULTS.name}_{args.accelerator}")
     table = []
+    every: list[dict] = []  # every run of the table: the machine they recorded
     for recipe in args.recipes:
         finals: dict[str, list[float]] = {}
         for name in args.rows:
             results = []
             for seed in args.seeds:
                 if args.report_only:
-                    found = q.load_cached(results_dir, WORKLOAD, recipe, name, seed, args.steps)
+                    found = q.load_cached(results_dir, WORKLOAD, recipe, name, seed, args.steps, any_torch=True)
                     if found is not None:
                         results.append(found)
                 else:
                     results.append(q.run_cached(results_dir, WORKLOAD, recipe, ROWS[name], seed, args.steps))
                     print(recipe, name, seed, results[-1].get("final"), results[-1].get("status"), flush=True)
+            every += results
             finals[name] = _finals(results)
             per_param = [r["state_bytes"] / r["params"] for r in results if r.get("params")]
             ref = finals.get(name.split("_")[0] + "_fp32", [])
@@ -133,7 +135,7 @@ def main() -> None:
                           _cell(finals[name]), "" if name.endswith("_fp32") else _vs(finals[name], ref)])
     where = "on the GPU, " if args.accelerator == "cuda" else ""
     body = (f"ViT on digits, {args.steps} steps, seeds {', '.join(map(str, args.seeds))}, {where}{args.threads} torch "
-            f"thread(s); final accuracy (higher is better). Machine: {machine()}. Command: `{command()}`\n\n"
+            f"thread(s); final accuracy (higher is better). Machine: {q.machine_of(every)}. Command: `{command()}`\n\n"
             + markdown_table(["recipe", "row", "state bytes / param", "final accuracy", "vs the same optimizer in fp32"],
                              table))
     print(body)
