@@ -27,6 +27,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import Tensor
 
+from lightning_baoc.optim.sharding import local
 from lightning_baoc.formats.correction import WEIGHT_DTYPES, check_correction, correction_dtype, reconstruct, split_into
 from lightning_baoc.optim.pools import Record
 
@@ -92,9 +93,10 @@ class MasterMixin:
                 continue
             changes[rec.name] = (rec.correction, target)
             store = correction_dtype(target)
-            new = None if store is None else torch.zeros(p.shape, dtype=store, device=p.device)
+            mine = local(p).detach()
+            new = None if store is None else torch.zeros(mine.shape, dtype=store, device=p.device)
             if new is not None and rec.master_correction is not None:
-                split_into(reconstruct(p.detach(), rec.master_correction), p.detach().clone(), new)
+                split_into(reconstruct(mine, rec.master_correction), mine.clone(), new)
             rec.master_correction = new
             rec.correction = target
         return changes

@@ -17,7 +17,7 @@ accelerator (Lightning 2.6's ``Strategy.load_optimizer_state_dict`` calls ``_opt
 from __future__ import annotations
 
 import warnings
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -34,8 +34,7 @@ from lightning_baoc.formats import (
 )
 from lightning_baoc import kernels as _kernels
 from lightning_baoc.formats.base import DEFAULT_CHUNK
-from lightning_baoc.formats.compiled import KernelItem, compiled_step, kernel_serves
-from lightning_baoc.formats.quant import name_salt, stream_key
+from lightning_baoc.formats.quant import stream_key
 from lightning_baoc.optim.args import PERFORMANCE_HINTS, check_torch_options
 from lightning_baoc.optim.args import to_float as _float
 from lightning_baoc.optim.args import validate_hyper as _validate_hyper
@@ -45,6 +44,7 @@ from lightning_baoc.optim.pools import PoolsMixin
 from lightning_baoc.optim.pools import Record as _Record
 from lightning_baoc.optim.masters import MasterMixin
 from lightning_baoc.optim.release import ReleaseMixin
+from lightning_baoc.optim.sharding import check_placements, check_sharded_format, local, shard_offset
 from lightning_baoc.optim.stepping import StepMixin
 
 
@@ -151,8 +151,9 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
                         f"Parameter name {name!r} appears twice; names key the checkpointed state "
                         f"and must be unique"
                     )
+                check_placements(p, name)
                 self._names[name] = p
-                self._records[p] = _Record(name=name, group=index)
+                self._records[p] = _Record(name=name, group=index, shard_offset=shard_offset(p))
         except (TypeError, ValueError):
             self.param_groups.pop()
             for p in group["params"]:
@@ -184,7 +185,8 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
 
     def target_format(self, param: Tensor) -> str:
         """The format ``param``'s state is (or will be) held in, after shape fallbacks."""
-        return resolve_in(self.format_registry, self.requested_format(param), param.shape, self.min_8bit_numel)
+        fmt = resolve_in(self.format_registry, self.requested_format(param), param.shape, self.min_8bit_numel)
+        return check_sharded_format(self.format_registry[fmt], param, self._records[param].name)
 
     def formats(self) -> dict[str, str]:
         """Parameter name -> effective format (held now, or on the first step for fresh ones)."""
@@ -285,7 +287,7 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
 
     def _noise_key(self, rec: _Record, salt: int = 0) -> int:
         """The rounding key of ``rec``'s parameter at its step count (a step's, or a conversion's)."""
-        return stream_key(self.seed, rec.step, name_salt(rec.name) ^ salt)
+        return stream_key(self.seed, rec.step, self._salt(rec) ^ salt)
 
     @torch.no_grad()
     def _initialize_new(self) -> None:
@@ -318,37 +320,6 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
         self._step_params(with_grad)
         return loss
 
-    def _step_params(self, params: list[Tensor]) -> None:
-        """One step of ``params`` (with gradients, states and corrections in place), by group."""
-        chosen = set(params)
-        eager: list[tuple[StepHyper, list[Tensor]]] = []
-        for group in self.param_groups:
-            hyper = self._hyper(group)
-            compiled: dict[str, list[KernelItem]] = defaultdict(list)
-            rest: list[Tensor] = []
-            for p in group["params"]:
-                if p not in chosen or p.grad is None or p.numel() == 0:
-                    continue
-                rec = self._records[p]
-                fmt = self.format_registry[rec.format]
-                if kernel_serves(fmt, p, rec.views, self.kernels):
-                    item = KernelItem(p, p.grad, rec.views, rec.counts, self._salt(rec), rec.master_correction)
-                    compiled[rec.format].append(item)
-                else:
-                    rest.append(p)
-            for fmt, items in compiled.items():
-                # the kernel tests the gradients, advances the counts and says which it skipped
-                skipped = compiled_step(self.format_registry[fmt], items, hyper, self.seed, self.skip_nonfinite)
-                if skipped:
-                    self._warn_skipped([self._records[it.param] for it in skipped])
-            if rest:
-                eager.append((hyper, rest))
-        if eager:
-            finite = self._finite_mask([p for _, params in eager for p in params])
-            for hyper, params in eager:
-                self._eager_step(hyper, params, finite[: len(params)])
-                finite = finite[len(params) :]
-
     @property
     def nonfinite_counts(self) -> dict[str, int]:
         """Parameter name -> number of steps skipped because its gradient was not finite."""
@@ -360,7 +331,7 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
         rec = self._records[p]
         if rec.format is None:
             return None
-        return self.format_registry[rec.format].decode(rec.views, p.shape)
+        return self.format_registry[rec.format].decode(rec.views, local(p).shape)
 
     def step_count(self, name_or_param: str | Tensor) -> int:
         """Number of steps taken by a parameter."""

@@ -16,8 +16,9 @@ from typing import IO, Any, Callable, Mapping
 import torch
 from torch import Tensor
 
+from lightning_baoc.optim.sharding import local
 from lightning_baoc.formats import Canonical, StepHyper, resolve_in
-from lightning_baoc.formats.quant import name_salt, stream_key
+from lightning_baoc.formats.quant import stream_key
 from lightning_baoc.optim.pools import Pool, Record
 from lightning_baoc.optim.state import (
     STATE_DICT_VERSION,
@@ -122,7 +123,7 @@ class PersistenceMixin:
             if rec.format is None:
                 continue
             tensors = {k: t.clone() for k, t in rec.views.items()}
-            state[rec.name] = make_entry(rec.format, p.shape, rec.step, rec.m_step, tensors)
+            state[rec.name] = make_entry(rec.format, local(p).shape, rec.step, rec.m_step, tensors)
         groups = []
         for group in self.param_groups:
             saved = {k: v for k, v in group.items() if k not in ("params", "param_names")}
@@ -268,7 +269,7 @@ class PersistenceMixin:
             source = plan.entries[p].source
             if isinstance(source, Canonical):
                 rec = self._records[p]
-                key = stream_key(self.seed, plan.entries[p].steps, name_salt(rec.name) ^ _LOAD_SALT)
+                key = stream_key(self.seed, plan.entries[p].steps, self._salt(rec) ^ _LOAD_SALT)
                 hyper = self._hyper(merged[rec.group], key)
                 self.format_registry[fmt].encode(source, target, hyper)
             else:

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from lightning_baoc.formats import FORMATS, Canonical, StateFormat, StepHyper
 from lightning_baoc.optim.convert import convert_state
+from lightning_baoc.optim.sharding import local
 
 HOST = torch.device("cpu")
 
@@ -51,6 +52,7 @@ class Record:
     correction: str = "none"  # the master-weight correction held (optim/masters.py)
     correction_requested: str | None = None  # explicit request; None: the group default
     master_correction: Tensor | None = None  # its int8/int16 tensor, the parameter's shape
+    shard_offset: int = 0  # where this rank's shard starts in the global flat parameter (optim/sharding.py)
 
     @property
     def step(self) -> int:
@@ -145,7 +147,7 @@ class PoolsMixin:
                 continue
             on_host = storage_device(rec.format, p.device, self.format_registry) != p.device
             if on_host == host:
-                per_group[rec.group] += self.format_registry[rec.format].state_bytes(p.shape)
+                per_group[rec.group] += self.format_registry[rec.format].state_bytes(local(p).shape)
         return per_group if by_group else sum(per_group)
 
     @property
@@ -211,7 +213,7 @@ class PoolsMixin:
         def on_device(f: str | None) -> int:
             if f is None or storage_device(f, p.device, self.format_registry) != p.device:
                 return 0
-            return self.format_registry[f].state_bytes(p.shape)
+            return self.format_registry[f].state_bytes(local(p).shape)
 
         return on_device(fmt) - on_device(old)
 
@@ -256,7 +258,7 @@ class PoolsMixin:
 
     def _allocate_segment(self, fmt: str, p: Tensor) -> dict[str, Tensor]:
         """Zeroed views of ``p``'s state in ``fmt``, carved from one new ``uint8`` buffer."""
-        layout = self.format_registry[fmt].layout(p.shape)
+        layout = self.format_registry[fmt].layout(local(p).shape)
         storage = storage_device(fmt, p.device, self.format_registry)
         offsets: dict[str, int] = {}
         total = 0
@@ -281,21 +283,22 @@ class PoolsMixin:
     def _convert_into(self, p: Tensor, old: str, new: str, target: dict[str, Tensor]) -> None:
         rec = self._records[p]
         rec.m_step = convert_state(
-            self.format_registry[old], rec.views, self.format_registry[new], target, tuple(p.shape), self._hyper_for(p), p.grad, rec.m_step
+            self.format_registry[old], rec.views, self.format_registry[new], target, tuple(local(p).shape),
+            self._hyper_for(p), None if p.grad is None else local(p.grad), rec.m_step,
         )
 
     def _encode(self, p: Tensor, fmt: str, canonical: Canonical, target: dict[str, Tensor]) -> None:
         rec = self._records[p]
         hyper = self._hyper_for(p)
         if self.format_registry[fmt].has_momentum and canonical.exp_avg is None:
-            grad = p.grad
+            grad = None if p.grad is None else local(p.grad)
             if hyper.rule == "adamw" and grad is not None and bool(torch.isfinite(grad).all()):
                 # re-create the momentum as one EMA step of the current gradient; its own bias
                 # correction (m_step = 1) makes m_hat equal that gradient
                 canonical.exp_avg = grad.detach().to(torch.float32).mul(1.0 - hyper.beta1)
                 rec.m_step = 1
             else:
-                canonical.exp_avg = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                canonical.exp_avg = torch.zeros(local(p).shape, dtype=torch.float32, device=p.device)
                 rec.m_step = 0
         self.format_registry[fmt].encode(canonical, target, hyper)
 

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
+from lightning_baoc.optim.sharding import is_sharded
 from lightning_baoc.optim.pools import Record
 
 
@@ -71,6 +72,13 @@ class ReleaseMixin:
         self._released.clear()
         if not enabled:
             return
+        sharded = [self._records[p].name for g in self.param_groups for p in g["params"] if is_sharded(p)]
+        if sharded:
+            raise ValueError(
+                f"gradient release over sharded parameters ({sharded[0]!r} is a DTensor): FSDP2 reduce-scatters "
+                f"each gradient into its shard after backward, so no hook sees the sharded gradient in backward. "
+                f"Train without release (FSDP2 already frees the unsharded gradients), or unshard the model."
+            )
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad:

@@ -1,4 +1,4 @@
-"""The eager side of :meth:`BlockwiseAdamW.step <lightning_baoc.optim.BlockwiseAdamW.step>`.
+"""The step of :meth:`BlockwiseAdamW.step <lightning_baoc.optim.BlockwiseAdamW.step>`, compiled and eager.
 
 ``step`` sends the (param group, format) buckets the compiled CPU kernels serve to
 :func:`~lightning_baoc.formats.compiled.compiled_step`: the kernel tests each gradient for inf and
@@ -6,7 +6,8 @@ NaN, advances the step counts or counts the skip, and says which it skipped, so 
 from a tensor to launch it. Every other parameter (CUDA, a policy of ``"eager"``, no compiler) takes
 the eager step here: the host reads which gradients are finite (:meth:`StepMixin._finite_mask`, one
 synchronisation per device and step), advances the counts, computes the bias corrections and the
-rounding key, and runs each format's ``update``.
+rounding key, and runs each format's ``update``. Both work on each parameter's local part (the
+shard of a ``DTensor`` parameter on this rank: :mod:`lightning_baoc.optim.sharding`).
 
 :class:`StepMixin` expects ``_records``, ``skip_nonfinite``, ``_noise_key`` and the ``_salts`` and
 ``_warned`` tables of the optimizer it is mixed into.
@@ -23,9 +24,11 @@ import torch
 from torch import Tensor
 
 from lightning_baoc.formats import StateFormat, StepHyper, StepItem
+from lightning_baoc.formats.compiled import KernelItem, compiled_step, kernel_serves
 from lightning_baoc.formats.correction import reconstruct, split_into
 from lightning_baoc.formats.quant import name_salt
 from lightning_baoc.optim.pools import Record
+from lightning_baoc.optim.sharding import local
 
 
 class StepMixin:
@@ -37,6 +40,43 @@ class StepMixin:
     skip_nonfinite: bool
     format_registry: Mapping[str, StateFormat]
     label: str
+    kernels: str
+    seed: int
+    param_groups: list[dict]
+
+    def _step_params(self, params: list[Tensor]) -> None:
+        """One step of ``params`` (with gradients, states and corrections in place), by group."""
+        chosen = set(params)
+        eager: list[tuple[StepHyper, list[Tensor]]] = []
+        for group in self.param_groups:
+            hyper = self._hyper(group)
+            compiled: dict[str, list[KernelItem]] = defaultdict(list)
+            owners: dict[int, Tensor] = {}  # id of a local part -> its parameter
+            rest: list[Tensor] = []
+            for p in group["params"]:
+                mine = local(p)
+                if p not in chosen or p.grad is None or mine.numel() == 0:
+                    continue
+                rec = self._records[p]
+                fmt = self.format_registry[rec.format]
+                if kernel_serves(fmt, mine, rec.views, self.kernels):
+                    item = KernelItem(mine, local(p.grad), rec.views, rec.counts, self._salt(rec), rec.master_correction)
+                    owners[id(mine)] = p
+                    compiled[rec.format].append(item)
+                else:
+                    rest.append(p)
+            for fmt, items in compiled.items():
+                # the kernel tests the gradients, advances the counts and says which it skipped
+                skipped = compiled_step(self.format_registry[fmt], items, hyper, self.seed, self.skip_nonfinite)
+                if skipped:
+                    self._warn_skipped([self._records[owners[id(it.param)]] for it in skipped])
+            if rest:
+                eager.append((hyper, rest))
+        if eager:
+            finite = self._finite_mask([p for _, params in eager for p in params])
+            for hyper, params in eager:
+                self._eager_step(hyper, params, finite[: len(params)])
+                finite = finite[len(params) :]
 
     def _finite_mask(self, params: list[Tensor]) -> list[bool]:
         """Whether each parameter's gradient holds only finite values (one host sync per device).
@@ -50,12 +90,13 @@ class StepMixin:
         if not self.skip_nonfinite or not params:
             return [True] * len(params)
         by_device: dict[torch.device, list[int]] = defaultdict(list)
-        for i, p in enumerate(params):
-            if p.grad.numel():  # an empty gradient holds nothing non-finite (and has no max)
-                by_device[p.grad.device].append(i)
+        grads_of = [local(p.grad) for p in params]
+        for i, g in enumerate(grads_of):
+            if g.numel():  # an empty gradient holds nothing non-finite (and has no max)
+                by_device[g.device].append(i)
         mask = [True] * len(params)
         for indices in by_device.values():
-            grads = [params[i].grad for i in indices]
+            grads = [grads_of[i] for i in indices]
             norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
             flags = torch.isfinite(torch.stack(norms)).tolist()
             doubtful = [k for k, ok in enumerate(flags) if not ok]
@@ -68,10 +109,12 @@ class StepMixin:
         return mask
 
     def _salt(self, rec: Record) -> int:
-        """The hash of ``rec``'s name in its rounding keys (computed once per name)."""
+        """The hash of ``rec``'s name (and shard, for a rank's part of a sharded parameter) in its
+        rounding keys (computed once per name)."""
         salt = self._salts.get(rec.name)
         if salt is None:
-            salt = self._salts[rec.name] = name_salt(rec.name)
+            salt = name_salt(rec.name) ^ (name_salt(f"@{rec.shard_offset}") if rec.shard_offset else 0)
+            self._salts[rec.name] = salt
         return salt
 
     def _warn_skipped(self, records: list[Record]) -> None:
@@ -94,6 +137,7 @@ class StepMixin:
         beta1, beta2 = hyper.beta1, hyper.beta2  # the group's (SGD's momentum is its beta1)
         buckets: dict[tuple[str, torch.device], list[StepItem]] = defaultdict(list)
         skipped: list[Record] = []
+        records: dict[int, Record] = {}  # id of a local part -> its parameter's record
         for p, ok in zip(params, finite):
             rec = self._records[p]
             if not ok:
@@ -106,16 +150,18 @@ class StepMixin:
             bc1 = 1.0 - beta1**m_step if m_step else 1.0
             bc2 = 1.0 - beta2**step
             count = step if m_step == step else None  # one count for both corrections
-            item = StepItem(p, p.grad, rec.views, bc1, bc2, count, self._noise_key(rec), m_step)
-            buckets[(rec.format, p.device)].append(item)
+            mine = local(p)
+            records[id(mine)] = rec
+            item = StepItem(mine, local(p.grad), rec.views, bc1, bc2, count, self._noise_key(rec), m_step)
+            buckets[(rec.format, mine.device)].append(item)
         if skipped:
             self._warn_skipped(skipped)
         for (fmt, _device), items in buckets.items():
-            plain = [it for it in items if self._records[it.param].master_correction is None]
+            plain = [it for it in items if records[id(it.param)].master_correction is None]
             if plain:
                 self.format_registry[fmt].update(plain, hyper)
             for it in items:  # corrected 16-bit weights: one fp32 master at a time
-                correction = self._records[it.param].master_correction
+                correction = records[id(it.param)].master_correction
                 if correction is not None:
                     master = reconstruct(it.param.detach(), correction)
                     self.format_registry[fmt].update([dataclasses.replace(it, param=master)], hyper)

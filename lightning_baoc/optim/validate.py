@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch import Tensor
 
+from lightning_baoc.optim.sharding import local
 from lightning_baoc.formats import Canonical, StateFormat, check_format_name
 from lightning_baoc.formats.correction import CORRECTIONS, WEIGHT_DTYPES, correction_dtype
 from lightning_baoc.optim.args import PERFORMANCE_HINTS
@@ -155,12 +156,12 @@ def _plan_own(opt: "BlockwiseAdamW", sd: Mapping[str, Any]) -> LoadPlan:
 
 def _own_entry(name: str, entry: Any, p: Tensor, version: int, registry: Mapping[str, StateFormat]) -> LoadedState:
     fmt, steps, m_step, tensors = check_entry_fields(name, entry, version, registry)
-    if version >= 2 and list(entry["shape"]) != list(p.shape):
+    if version >= 2 and list(entry["shape"]) != list(local(p).shape):
         raise invalid(
             f"state of {name!r}: saved for shape {list(entry['shape'])}, the parameter has shape "
-            f"{tuple(p.shape)}: the state dict is of another model"
+            f"{tuple(local(p).shape)}: the state dict is of another model"
         )
-    check_layout(name, fmt, tuple(p.shape), tensors, exact_shape=version >= 2, registry=registry)
+    check_layout(name, fmt, tuple(local(p).shape), tensors, exact_shape=version >= 2, registry=registry)
     return LoadedState(fmt, tensors, steps, m_step)
 
 
@@ -212,9 +213,9 @@ def _corrections(
         if p.dtype not in WEIGHT_DTYPES:
             raise invalid(f"{where}: the parameter is {p.dtype}, a correction belongs to a bf16 or fp16 parameter: another model or precision")
         dtype = correction_dtype(kind)
-        if not isinstance(tensor, Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != tuple(p.shape):
+        if not isinstance(tensor, Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != tuple(local(p).shape):
             got = f"{tensor.dtype} of shape {tuple(tensor.shape)}" if isinstance(tensor, Tensor) else type(tensor).__name__
-            raise invalid(f"{where}: 'tensor' should be {dtype} of shape {tuple(p.shape)}, got {got}")
+            raise invalid(f"{where}: 'tensor' should be {dtype} of shape {tuple(local(p).shape)}, got {got}")
         out[p] = (kind, tensor, out[p][2])
     return out
 
@@ -260,8 +261,8 @@ def _torch_entry(name: str, key: Any, entry: Any, p: Tensor) -> LoadedState:
         t = entry.get(k)
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise invalid(f"{where}: {k!r} is missing or not a floating-point tensor (keys {sorted(map(str, entry))})")
-        if tuple(t.shape) != tuple(p.shape):
-            raise invalid(f"{where}: {k} has shape {tuple(t.shape)}, the parameter has shape {tuple(p.shape)}: another model")
+        if tuple(t.shape) != tuple(local(p).shape):
+            raise invalid(f"{where}: {k} has shape {tuple(t.shape)}, the parameter has shape {tuple(local(p).shape)}: another model")
         moments[k] = t.to(p.device, torch.float32)
         if not bool(torch.isfinite(moments[k]).all()) or (k == "exp_avg_sq" and bool((moments[k] < 0).any())):
             raise invalid(f"{where}: {k} holds {'negative or ' if k == 'exp_avg_sq' else ''}non-finite values")
@@ -270,7 +271,7 @@ def _torch_entry(name: str, key: Any, entry: Any, p: Tensor) -> LoadedState:
         step = step.item()
     if not isinstance(step, (int, float)) or isinstance(step, bool) or not (math.isfinite(step) and step >= 0 and step == int(step)):
         raise invalid(f"{where}: 'step' is {entry.get('step')!r}; expected a whole number >= 0")
-    canonical = Canonical(tuple(p.shape), exp_avg=moments["exp_avg"], exp_avg_sq=moments["exp_avg_sq"])
+    canonical = Canonical(tuple(local(p).shape), exp_avg=moments["exp_avg"], exp_avg_sq=moments["exp_avg_sq"])
     return LoadedState(None, canonical, int(step), int(step))
 
 
@@ -290,12 +291,12 @@ def _torch_momentum_entry(opt: "BlockwiseAdamW", name: str, key: Any, entry: Any
         raise invalid(f"{where}: {buffer_key!r} is missing (keys {sorted(map(str, entry))}): not a {opt.rule} state")
     t = entry[buffer_key]
     if t is None:  # torch's SGD without momentum
-        return LoadedState(None, Canonical(tuple(p.shape)), 0, 0)
+        return LoadedState(None, Canonical(tuple(local(p).shape)), 0, 0)
     if not isinstance(t, Tensor) or not t.is_floating_point():
         raise invalid(f"{where}: {buffer_key!r} is not a floating-point tensor")
-    if tuple(t.shape) != tuple(p.shape):
-        raise invalid(f"{where}: {buffer_key} has shape {tuple(t.shape)}, the parameter has shape {tuple(p.shape)}: another model")
+    if tuple(t.shape) != tuple(local(p).shape):
+        raise invalid(f"{where}: {buffer_key} has shape {tuple(t.shape)}, the parameter has shape {tuple(local(p).shape)}: another model")
     buffer = t.to(p.device, torch.float32)
     if not bool(torch.isfinite(buffer).all()):
         raise invalid(f"{where}: {buffer_key} holds non-finite values")
-    return LoadedState(None, Canonical(tuple(p.shape), exp_avg=buffer), 1, 1)
+    return LoadedState(None, Canonical(tuple(local(p).shape), exp_avg=buffer), 1, 1)

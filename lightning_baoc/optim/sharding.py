@@ -1,0 +1,82 @@
+"""Parameters sharded across ranks: ``DTensor`` parameters, as FSDP2 (``fully_shard``) makes them.
+
+A sharded parameter is a ``torch.distributed.tensor.DTensor`` whose local part, on this rank, is a
+plain tensor sharing the parameter's storage. The optimizers keep the DTensor in their param groups
+(what torch's schedulers, clipping and checkpoint helpers see) and do all their work on the local
+part: each rank holds the state of its own shard, in the format chosen for the whole parameter.
+
+- Placements: every mesh dimension ``Replicate()`` or ``Shard(0)`` (FSDP2 shards dim 0; HSDP
+  replicates over one mesh dimension and shards over the other). The local part is then a run of
+  whole rows of the global tensor, contiguous in its flat order from :func:`shard_offset`. Other
+  placements (``Shard(d)`` for ``d > 0``, ``Partial``) are refused with the reason.
+- Formats are decided on the global parameter (its shape and number of elements), never on the
+  shard, so a rank holding few rows keeps the format of the whole.
+- The states live on each rank's shard: quantization groups start at the shard's first element,
+  and the stochastic rounding is keyed by the shard's offset as well as the parameter's name.
+- Factored second moments need the column statistics of the whole matrix (a reduction across the
+  ranks every step): not supported yet over a sharded dimension 0, refused with the alternatives.
+
+Nothing here communicates: the optimizers' step is local to each rank, as FSDP2 expects.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch import Tensor
+
+try:  # torch >= 2.4: the public path; absent from builds without distributed support
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # pragma: no cover - torch built without torch.distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+def is_sharded(t: Any) -> bool:
+    """Whether ``t`` is a ``DTensor`` (a parameter or gradient spread over a device mesh)."""
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: Tensor) -> Tensor:
+    """The part of ``t`` on this rank: the local tensor of a ``DTensor`` (it shares the storage, so
+    writing it writes the parameter), ``t`` itself otherwise."""
+    return t._local_tensor if is_sharded(t) else t  # noqa: SLF001  (to_local() makes a new view per call)
+
+
+def check_placements(p: Tensor, name: str) -> None:
+    """Refuse a ``DTensor`` parameter whose shard is not a run of whole rows (see the module)."""
+    if not is_sharded(p):
+        return
+    for placement in p.placements:
+        if isinstance(placement, Replicate) or (isinstance(placement, Shard) and placement.dim == 0):
+            continue
+        raise ValueError(
+            f"parameter {name!r} is a DTensor placed {tuple(p.placements)}: the optimizer steps shards along "
+            f"dimension 0 (FSDP2's fully_shard, HSDP) and replicas only; {placement} is not supported. Shard "
+            f"this parameter on dim 0 (fully_shard's default) or leave it replicated."
+        )
+    if not local(p).is_contiguous():
+        raise ValueError(f"parameter {name!r}: its local shard is not contiguous; the optimizer needs it flat")
+
+
+def shard_offset(p: Tensor) -> int:
+    """Where the local shard of ``p`` starts in the global tensor's flat order (0 if not sharded)."""
+    if not is_sharded(p) or p.dim() == 0:
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return int(offset[0]) * math.prod(p.shape[1:])
+
+
+def check_sharded_format(fmt: Any, p: Tensor, name: str) -> str:
+    """``fmt.name``, unless ``fmt`` factors the second moment of a parameter split along dimension 0
+    across ranks (its column statistics would need the whole matrix): refused with the alternatives."""
+    if getattr(fmt, "factored", False) and is_sharded(p) and local(p).shape[:1] != p.shape[:1]:
+        raise ValueError(
+            f"parameter {name!r} is sharded along dimension 0 ({tuple(local(p).shape)} of {tuple(p.shape)} on this "
+            f"rank) and its state format {fmt.name!r} factors the second moment, whose column statistics need every "
+            f"rank's rows: not supported for sharded parameters yet. Choose an element-wise format for it "
+            f"(int8, nomomentum_int8, bf16, nomomentum, fp32), e.g. set_formats({{{name!r}: 'int8'}})."
+        )
+    return fmt.name

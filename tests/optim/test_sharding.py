@@ -1,0 +1,172 @@
+"""The optimizers over FSDP2-sharded parameters (``DTensor``, ``lightning_baoc/optim/sharding.py``).
+
+Two gloo ranks on the CPU, each model wrapped by ``fully_shard`` per layer (33 and 1 output rows:
+uneven shards, and a rank holding no rows of a parameter):
+
+- all-fp32 ``BlockwiseAdamW`` under FSDP2 equals torch's AdamW under FSDP2 within 1e-6 over 100 steps;
+- int8 states under FSDP2 follow a single-process ``BlockwiseAdamW`` on the same global batch within
+  the format's error (a small fraction of the update);
+- each rank's state bytes are the storage it allocated, from its own shard's shape;
+- formats are decided on the global parameter: a shard below ``min_8bit_numel`` keeps int8 when its
+  parameter is above it, on every rank alike;
+- BlockwiseSGD in fp32 equals torch's SGD under FSDP2; bf16 weights keep their 8-bit correction per
+  shard (1 byte per local element) and follow the single-process run; gradient release is refused;
+- a factored format over a sharded dimension 0 is refused, naming the alternatives; a placement
+  other than ``Shard(0)``/``Replicate`` is refused at construction.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from lightning_baoc import BlockwiseAdamW, BlockwiseSGD
+from lightning_baoc.formats import format_state_bytes
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+WORLD = 2
+STEPS = 100
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(48, 33), nn.Tanh(), nn.Linear(33, 64), nn.Tanh(), nn.Linear(64, 1))
+
+
+def _shard(model: nn.Module, mesh) -> nn.Module:  # type: ignore[no-untyped-def]
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _batch(step: int, rank: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batch of ``rank`` at ``step`` (``None``: the global batch, every rank's in order)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(WORLD * 8, 48, generator=gen), torch.randn(WORLD * 8, 1, generator=gen)
+    return (x, y) if rank is None else (x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8])
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, rank: int | None) -> None:
+    for step in range(steps):
+        x, y = _batch(step, rank)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _full(model: nn.Module) -> list[torch.Tensor]:
+    return [p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+
+
+def _worker(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        torch.set_num_threads(1)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        _parity_with_torch(mesh, rank)
+        _int8_follows_one_process(mesh, rank)
+        _sgd_and_bf16_weights(mesh, rank)
+        _refusals(mesh)
+    finally:
+        dist.destroy_process_group()
+
+
+def _parity_with_torch(mesh, rank: int) -> None:  # type: ignore[no-untyped-def]
+    ours, theirs = _shard(_model(), mesh), _shard(_model(), mesh)
+    opt = BlockwiseAdamW(ours.named_parameters(), lr=1e-2, weight_decay=0.1, state_format="fp32")
+    ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.1)
+    _train(ours, opt, STEPS, rank)
+    _train(theirs, ref, STEPS, rank)
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        assert type(a).__name__ == "DTensor"
+        diff = (a.full_tensor() - b.full_tensor()).abs().max().item()
+        assert diff <= 1e-6, (name, diff)
+    # the state of each rank is its shard's: 8 bytes per local element, what the pools hold
+    local_numel = sum(p.to_local().numel() for p in ours.parameters())
+    assert opt.state_bytes() == 8 * local_numel == sum(opt.pool_bytes().values())
+    sizes = [None] * WORLD
+    dist.all_gather_object(sizes, local_numel)
+    assert sum(sizes) == sum(p.numel() for p in ours.parameters()) and len(set(sizes)) == 2  # uneven shards
+
+
+def _int8_follows_one_process(mesh, rank: int) -> None:  # type: ignore[no-untyped-def]
+    single, sharded = _model(), _shard(_model(), mesh)
+    start = _full(sharded)
+    kwargs = dict(lr=1e-2, state_format="int8", min_8bit_numel=1000)
+    one = BlockwiseAdamW(single.named_parameters(), **kwargs)
+    opt = BlockwiseAdamW(sharded.named_parameters(), **kwargs)
+    _train(single, one, 30, None)
+    _train(sharded, opt, 30, rank)
+    # decided on the whole parameter: 0.weight has 1,584 elements (int8), 792 or fewer on a rank
+    assert opt.formats() == one.formats()
+    assert opt.formats()["0.weight"] == "int8" and opt.formats()["4.bias"] == "fp32"
+    everyone = [None] * WORLD
+    dist.all_gather_object(everyone, opt.formats())
+    assert everyone[0] == everyone[1]
+    for (name, p), a, s in zip(single.named_parameters(), _full(sharded), start):
+        update = (p.detach() - s).abs().max().item()
+        assert (a - p.detach()).abs().max().item() <= 0.05 * update, name
+    expected = sum(format_state_bytes(opt.formats()[n], tuple(p.to_local().shape), min_8bit_numel=0)
+                   for n, p in sharded.named_parameters())
+    assert opt.state_bytes() == expected == sum(opt.pool_bytes().values()), (opt.state_bytes(), expected, opt.pool_bytes())
+
+
+def _sgd_and_bf16_weights(mesh, rank: int) -> None:  # type: ignore[no-untyped-def]
+    ours, theirs = _shard(_model(), mesh), _shard(_model(), mesh)
+    kwargs = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    _train(ours, BlockwiseSGD(ours.named_parameters(), state_format="fp32", **kwargs), STEPS, rank)
+    _train(theirs, torch.optim.SGD(theirs.parameters(), **kwargs), STEPS, rank)
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        assert (a.full_tensor() - b.full_tensor()).abs().max().item() <= 1e-6, name
+    # bf16 weights with an 8-bit master-weight correction held per shard
+    single, sharded = _model().to(torch.bfloat16), _shard(_model().to(torch.bfloat16), mesh)
+    kwargs = dict(lr=1e-3, state_format="int8", min_8bit_numel=0, weight_correction="ecc8")
+    one, opt = BlockwiseAdamW(single.named_parameters(), **kwargs), BlockwiseAdamW(sharded.named_parameters(), **kwargs)
+    start = _full(sharded)
+    for step in range(20):
+        for model, optimizer, who in ((single, one, None), (sharded, opt, rank)):
+            x, y = _batch(step, who)
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
+            optimizer.step()
+    assert opt.weight_correction_bytes() == sum(p.to_local().numel() for p in sharded.parameters())
+    for (name, p), a, s in zip(single.named_parameters(), _full(sharded), start):
+        update = (p.detach().float() - s.float()).abs().max().item()
+        assert (a.float() - p.detach().float()).abs().max().item() <= 0.25 * update, name
+    with pytest.raises(ValueError, match="gradient release over sharded parameters"):
+        opt.release_gradients()
+
+
+def _refusals(mesh) -> None:  # type: ignore[no-untyped-def]
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model = _shard(_model(), mesh)
+    opt = BlockwiseAdamW(model.named_parameters(), lr=1e-3, state_format="factored")
+    model(torch.randn(4, 48)).sum().backward()
+    with pytest.raises(ValueError, match=r"'0.weight' is sharded along dimension 0.*int8, nomomentum_int8, bf16"):
+        opt.step()
+    columns = nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(1)]))
+    with pytest.raises(ValueError, match=r"placed \(Shard\(dim=1\),\).*Shard this parameter on dim 0"):
+        BlockwiseAdamW([("columns", columns)])
+
+
+def test_blockwise_adamw_under_fsdp2_on_two_ranks() -> None:
+    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
