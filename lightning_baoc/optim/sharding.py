@@ -80,3 +80,21 @@ def check_sharded_format(fmt: Any, p: Tensor, name: str) -> str:
             f"(int8, nomomentum_int8, bf16, nomomentum, fp32), e.g. set_formats({{{name!r}: 'int8'}})."
         )
     return fmt.name
+
+
+def shard_group(params: Any) -> Any:
+    """The process group over which ``params`` are sharded (their 1-D device mesh's), ``None`` when
+    none is a ``DTensor``. Several meshes, or a mesh of more than one dimension (HSDP), are refused:
+    the sampler sums its per-rank pieces over one group."""
+    meshes = {id(p.device_mesh): p.device_mesh for p in params if is_sharded(p)}
+    if not meshes:
+        return None
+    if len(meshes) > 1:
+        raise ValueError("the model's DTensor parameters live on several device meshes; sample them on one mesh")
+    (mesh,) = meshes.values()
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"the model's DTensor parameters live on a {mesh.ndim}-D device mesh {tuple(mesh.mesh.shape)}: gradient "
+            f"sampling assembles shards over a 1-D mesh (FSDP2's fully_shard); HSDP is not supported yet"
+        )
+    return mesh.get_group()

@@ -1,9 +1,19 @@
-"""The hot path's gathers: a segment's sampled elements and row norms into a staging buffer."""
+"""The hot path's gathers: a segment's sampled elements and row norms into a staging buffer.
+
+The gradient of a sharded parameter (a ``DTensor``, FSDP2) holds some rows of the whole on this
+rank: :func:`_gather` writes the sampled elements and rows that fall in them and zeros elsewhere, so
+that a sum over the ranks (the sampler's one all-reduce per sample) assembles the sample the whole
+gradient gives.
+"""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
+
+from lightning_baoc.optim.sharding import is_sharded, local, shard_offset
 
 from .layout import _Segment
 
@@ -17,6 +27,9 @@ def _gather(seg: _Segment, grad: Tensor | None, buf: Tensor, device: torch.devic
     if grad is None:
         elems.zero_()
         rows.zero_()
+        return
+    if is_sharded(grad):
+        _gather_shard(seg, grad, elems, rows, device, with_rows)
         return
     if seg.elem_count:
         index = seg.indices_on(device)
@@ -38,6 +51,44 @@ def _gather(seg: _Segment, grad: Tensor | None, buf: Tensor, device: torch.devic
         else:
             norms = torch.linalg.vector_norm(mat, dim=1, dtype=torch.float64)
         rows.copy_(norms.clamp_(max=_FP32_MAX))
+
+
+def _row_norms(mat: Tensor) -> Tensor:
+    """Row norms accumulated in float64 (see :func:`_gather`), saturated at float32's maximum."""
+    return torch.linalg.vector_norm(mat, dim=1, dtype=torch.float64).clamp_(max=_FP32_MAX)
+
+
+def _gather_shard(seg: _Segment, grad: Tensor, elems: Tensor, rows: Tensor, device: torch.device, with_rows: bool) -> None:
+    """:func:`_gather` of this rank's rows of a sharded gradient: its part, zeros elsewhere."""
+    mine, offset = local(grad), shard_offset(grad)
+    n = mine.numel()
+    elems.zero_()
+    if seg.elem_count and n:
+        flat = mine.reshape(-1)
+        index = seg.indices_on(device)
+        if index is None:  # every element, in order
+            elems[offset : offset + n].copy_(flat)
+        else:
+            key = (device, offset, n)
+            cached = seg._shard_positions.get(key)
+            if cached is None:  # once per layout: the sampled indices in this shard (sorted)
+                host = seg.elem_index if seg.elem_index is not None else index.cpu()
+                lo, hi = (int(torch.searchsorted(host, v)) for v in (offset, offset + n))
+                cached = seg._shard_positions[key] = (lo, hi, (host[lo:hi] - offset).to(device))
+            lo, hi, positions = cached
+            if hi > lo:
+                elems[lo:hi].copy_(flat.index_select(0, positions))
+    if with_rows and seg.row_count:
+        rows.zero_()
+        width = math.prod(grad.shape[1:])
+        first, count = offset // width, mine.shape[0] if mine.dim() else 0
+        # sampled rows row_start + k * row_step that this shard holds: k in [k_lo, k_hi)
+        k_lo = max(0, -(-(first - seg.row_start) // seg.row_step))
+        k_hi = min(seg.row_count, -(-(first + count - seg.row_start) // seg.row_step))
+        if k_hi > k_lo:
+            start = seg.row_start + k_lo * seg.row_step - first
+            mat = mine.reshape(count, -1)[start :: seg.row_step][: k_hi - k_lo]
+            rows[k_lo:k_hi].copy_(_row_norms(mat))
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

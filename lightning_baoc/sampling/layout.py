@@ -53,6 +53,8 @@ class _Segment:
     row_start: int = 0  # rows row_start, row_start + row_step, ... (row_count of them)
     row_step: int = 1
     _on: dict[torch.device, Tensor | None] = field(default_factory=dict, repr=False)
+    # a sharded parameter's sampled indices in this rank's shard: (device, offset, numel) -> (lo, hi, positions)
+    _shard_positions: dict[tuple, tuple[int, int, Tensor]] = field(default_factory=dict, repr=False)
 
     def indices_on(self, device: torch.device) -> Tensor | None:
         """The element indices on ``device`` (copied there once)."""

@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import statistics as S
+from ..optim.sharding import is_sharded, shard_group
 from ..blocks import partition
 from .gather import _gather, _merge
 from .layout import _Block, _check_blocks, _check_int, _plan_blocks
@@ -160,6 +162,10 @@ class GradientSampler(SamplerStateMixin):
         for bi, block in enumerate(self._blocks):
             for seg in block.segments:
                 self._segments_of.setdefault(seg.param, []).append((bi, seg))
+        # sharded parameters (FSDP2): each rank gathers its rows and a sum over the ranks assembles the
+        # sample; a parameter held whole on every rank is gathered on the group's first rank only
+        self._shard_group = shard_group(list(self._segments_of))
+        self._replica_zeros = self._shard_group is not None and dist.get_rank(self._shard_group) != 0
         self._timing: dict[str, float | int] = {"sample_calls": 0, "hot_path_s": 0.0, "worker_s": 0.0, "stalls": 0}
 
     # ------------------------------------------------------------------ hot path
@@ -243,6 +249,8 @@ class GradientSampler(SamplerStateMixin):
         device = torch.device("cpu") if grad is None else grad.device
         if grad is not None:
             sample.seen.add(bi)
+            if self._replica_zeros and not is_sharded(grad):
+                grad = None  # another rank gathers this replicated gradient: zeros here
         sample.done.add(id(seg))
         if device.type == "cpu":
             _gather(seg, grad, self._slots[sample.slot], device, with_rows=not sample.follower)
@@ -268,6 +276,11 @@ class GradientSampler(SamplerStateMixin):
         sample, self._open = self._open, None
         step, slot, follower, scale = sample.step, sample.slot, sample.follower, sample.scale
         host = self._slots[slot]
+        if self._shard_group is not None:  # one sum over the ranks: every rank holds the whole sample
+            stop = self._elements if follower else self._slot_len  # a follower gathers no rows
+            buffers = [host] if not sample.copies else [self._device_buffers[d] for d in sample.copies]
+            for buf in buffers:
+                dist.all_reduce(buf[:stop], group=self._shard_group)
         missing = [bi for bi in range(len(self._blocks)) if bi not in sample.seen]
         events = []
         for device, ranges in sample.copies.items():

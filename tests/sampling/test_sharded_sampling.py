@@ -1,0 +1,92 @@
+"""Gradient sampling over FSDP2-sharded parameters (``lightning_baoc/sampling/gather.py``).
+
+Two gloo ranks on the CPU hold the rows of each layer's gradient (33 and 64 output rows: uneven
+shards; the last layer has one row, so one rank holds none of it) and one layer left whole on every
+rank. Each rank gathers the sampled elements and rows of its own rows, one all-reduce per sample
+assembles them, and every statistic equals the single-process sampler's over the same gradients
+(element subsampling and row striding both on), on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from lightning_baoc import GradientSampler
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+WORLD = 2
+SAMPLES = 7
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(48, 33), nn.Tanh(), nn.Linear(33, 64), nn.Tanh(), nn.Linear(64, 1), nn.Linear(1, 5))
+
+
+def _gradients(step: int, model: nn.Module) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    scale = 1.0 + 0.1 * step  # a drifting mean and a changing scale: the statistics move
+    return [(torch.randn(p.shape, generator=gen) + 0.3) * scale for p in model.parameters()]
+
+
+def _statistics(model: nn.Module, sharded: bool) -> dict:
+    from torch.distributed.tensor import distribute_tensor
+
+    blocks = {"first": ["0.weight", "0.bias"], "middle": ["2.weight", "2.bias"], "last": ["4.weight", "4.bias"],
+              "whole": ["5.weight", "5.bias"]}
+    with GradientSampler(model, blocks, sample_every=1, max_elements=300, max_rows=8, capacity=8) as sampler:
+        for step in range(SAMPLES):
+            for p, g in zip(model.parameters(), _gradients(step, model)):
+                p.grad = distribute_tensor(g, p.device_mesh, p.placements) if sharded and hasattr(p, "device_mesh") else g
+            sampler.sample(step)
+        sampler.flush()
+        return sampler.statistics()
+
+
+def _worker(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        torch.set_num_threads(1)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        reference = _statistics(_model(), sharded=False)
+        model = _model()
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for i in (0, 2, 4):  # layer 5 stays whole on every rank
+            fully_shard(model[i], mesh=mesh)
+        assert model[4].weight.to_local().shape[0] == (1 if rank == 0 else 0)
+        stats = _statistics(model, sharded=True)
+        assert set(stats) == set(reference)
+        for block, ref in reference.items():
+            for key, value in ref.items():
+                got = stats[block][key]
+                if isinstance(value, float) and math.isnan(value):
+                    assert math.isnan(got), (block, key)
+                else:
+                    assert got == pytest.approx(value, rel=1e-6, abs=1e-9), (block, key, got, value)
+        assert reference["first"]["samples"] == SAMPLES and reference["first"]["elements"] == 300
+        everyone = [None] * WORLD  # the same numbers on every rank, to the bit (NaN as None)
+        dist.all_gather_object(everyone, {b: {k: None if v != v else v for k, v in s.items()} for b, s in stats.items()})
+        assert everyone[0] == everyone[1]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_statistics_equal_the_unsharded_ones() -> None:
+    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
