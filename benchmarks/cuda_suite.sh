@@ -7,7 +7,8 @@
 # PYTHONPATH). In order: the optimizer step times against fused AdamW, alone on the GPU; then side by
 # side (none of them is a timing): the CUDA tests, the peak CUDA memory of whole runs (with and
 # without BAOC; total bytes per parameter), and the bf16-weight quality runs (one process per
-# workload, recipe and seed; each run cached as JSON, so a second call resumes). The docs sections
+# workload, recipe and seed; each run cached as JSON under benchmarks/runs/*_cuda, so a run already in
+# the checkout is not trained again and a second call resumes). The docs sections
 # they write (`*_cuda`) and the runs' caches are packed into OUT_DIR/results.tgz, the logs into
 # OUT_DIR/logs.tgz. SECONDS (default 480) bounds the whole run; parts cut off leave what they cached.
 set -u
@@ -37,14 +38,15 @@ budget_rest=$(( $(left) - 30 ))
    > "$logs/tests.log" 2>&1; echo "tests exit $?" >> "$logs/status.txt") &
 (timeout $budget_rest python3 benchmarks/total_memory.py --device cuda --docs > "$logs/total_memory.log" 2>&1
  echo "total_memory exit $?" >> "$logs/status.txt"
- timeout $(( $(left) - 25 )) python3 benchmarks/peak_memory.py --accelerator cuda --layers 40 --width 2048 --docs \
+ timeout $(( $(left) - 25 )) python3 benchmarks/peak_memory.py --accelerator cuda --layers 40 --docs \
    > "$logs/peak_memory.log" 2>&1; echo "peak_memory exit $?" >> "$logs/status.txt") &
 jobs_file=$logs/quality_jobs.txt
+bf16_rows="bf16mixed_adamw bf16w_adamw bf16w_int8 bf16w_int8_ecc8 bf16w_baoc_0.15"
 : > "$jobs_file"
 for seed in 0 1 2; do
   for recipe in realistic stress; do
     for w in char_gpt ddpm_digits; do
-      echo "bf16_weights.py --accelerator cuda --workloads $w --recipes $recipe --seeds $seed" >> "$jobs_file"
+      echo "bf16_weights.py --accelerator cuda --workloads $w --recipes $recipe --seeds $seed --rows $bf16_rows" >> "$jobs_file"
     done
     echo "sgd_lion.py --accelerator cuda --recipes $recipe --seeds $seed --rows sgd_fp32 sgd_bf16w_int8_ecc8 \
 sgd_bf16w_int8 lion_fp32 lion_bf16w_int8_ecc8 lion_bf16w_int8" >> "$jobs_file"
@@ -55,7 +57,8 @@ done
 wait
 
 say "tables from the cached runs"
-timeout 60 python3 benchmarks/bf16_weights.py --accelerator cuda --report-only --docs > "$logs/bf16_weights_table.log" 2>&1
+timeout 60 python3 benchmarks/bf16_weights.py --accelerator cuda --report-only --docs --rows $bf16_rows \
+  > "$logs/bf16_weights_table.log" 2>&1
 timeout 60 python3 benchmarks/sgd_lion.py --accelerator cuda --report-only --docs --rows sgd_fp32 sgd_bf16w_int8_ecc8 \
   sgd_bf16w_int8 lion_fp32 lion_bf16w_int8_ecc8 lion_bf16w_int8 > "$logs/sgd_lion_table.log" 2>&1
 cat "$logs/status.txt"
