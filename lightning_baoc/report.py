@@ -375,18 +375,20 @@ def write_json(record: Mapping[str, Any], directory: str | os.PathLike[str], nam
     return path
 
 
-#: One colour per format in the figure (stable across runs).
+#: One colour per state format in the figure (stable across runs); a master-weight correction
+#: hatches its format's colour (:data:`CORRECTION_HATCHES`).
 FORMAT_COLORS: dict[str, str] = {
-    "fp32": "#4c72b0",
-    "bf16_momentum": "#64b5cd",
-    "bf16": "#55a868",
-    "nomomentum": "#c44e52",
-    "int8": "#dd8452",
-    "int8_factored": "#8172b3",
-    "nomomentum_int8": "#937860",
-    "factored": "#da8bc3",
-    "offload": "#8c8c8c",
+    "fp32": "#4c72b0", "bf16_momentum": "#64b5cd", "bf16": "#55a868", "nomomentum": "#c44e52", "int8": "#dd8452",
+    "int8_factored": "#8172b3", "nomomentum_int8": "#937860", "factored": "#da8bc3", "offload": "#8c8c8c",
+    "none": "#e5ae38",  # SGD's and Lion's buffer dropped
 }
+CORRECTION_HATCHES: dict[str, str] = {"none": "", "ecc8": "//", "ecc16": "xx"}
+
+
+def _option_style(name: str) -> tuple[str, str]:
+    """(colour, hatch) of an option: its state format's colour, its correction's hatch."""
+    fmt, _, correction = name.partition("+")
+    return FORMAT_COLORS.get(fmt, "#333333"), CORRECTION_HATCHES.get(correction or "none", "")
 
 
 def plot_allocation(record: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
@@ -400,7 +402,7 @@ def plot_allocation(record: Mapping[str, Any], path: str | os.PathLike[str]) -> 
 
     blocks = record["blocks"]
     names = [b["name"] for b in blocks]
-    colors = [FORMAT_COLORS.get(b["format"], "#333333") for b in blocks]
+    styles = [_option_style(b["format"]) for b in blocks]
     panels = [
         ("stability (lag-1 cosine)", [b["stats"].get("stability") for b in blocks], False),
         ("anisotropy (CV of row norms)", [b["stats"].get("anisotropy") for b in blocks], False),
@@ -413,7 +415,8 @@ def plot_allocation(record: Mapping[str, Any], path: str | os.PathLike[str]) -> 
     y = list(range(len(blocks)))
     for ax, (title, values, log) in zip(axes, panels):
         clean = [0.0 if v is None or not math.isfinite(float(v)) else float(v) for v in values]
-        ax.barh(y, clean, color=colors)
+        for bar, (_, hatch) in zip(ax.barh(y, clean, color=[c for c, _ in styles]), styles):
+            bar.set_hatch(hatch)
         ax.set_title(title, fontsize=9)
         if log and any(v > 0 for v in clean):
             ax.set_xscale("symlog", linthresh=max(min((v for v in clean if v > 0), default=1e-6), 1e-12))
@@ -423,7 +426,7 @@ def plot_allocation(record: Mapping[str, Any], path: str | os.PathLike[str]) -> 
     axes[0].invert_yaxis()
     used = list(dict.fromkeys(b["format"] for b in blocks))
     fig.legend(
-        handles=[Patch(color=FORMAT_COLORS.get(f, "#333333"), label=f) for f in used],
+        handles=[Patch(facecolor=_option_style(f)[0], hatch=_option_style(f)[1], label=f) for f in used],
         loc="lower center",
         ncol=min(len(used), 6),
         fontsize=8,
@@ -577,23 +580,8 @@ class AllocationReporter:
 
 
 __all__ = [
-    "AllocationReporter",
-    "ALLOCATION_SCHEMA",
-    "FORMAT_COLORS",
-    "JSON_NAME",
-    "PNG_NAME",
-    "RENAMED_STATS",
-    "SCALAR_NAMES",
-    "allocation_table",
-    "announce",
-    "block_stat",
-    "ReportSetting",
-    "build_record",
-    "plot_allocation",
-    "png_enabled",
-    "print_report",
-    "scalars",
-    "validate_record",
-    "write_json",
-    "write_reports",
+    "AllocationReporter", "ALLOCATION_SCHEMA", "CORRECTION_HATCHES", "FORMAT_COLORS", "JSON_NAME", "PNG_NAME",
+    "RENAMED_STATS", "SCALAR_NAMES", "allocation_table", "announce", "block_stat", "ReportSetting",
+    "build_record", "plot_allocation", "png_enabled", "print_report", "scalars", "validate_record",
+    "write_json", "write_reports",
 ]

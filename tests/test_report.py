@@ -16,6 +16,8 @@ from lightning_baoc.controller import AllocationEvent
 from lightning_baoc.planner import load_statistics
 from lightning_baoc.report import (
     ALLOCATION_SCHEMA,
+    CORRECTION_HATCHES,
+    FORMAT_COLORS,
     JSON_NAME,
     PNG_NAME,
     RENAMED_STATS,
@@ -125,6 +127,33 @@ def test_png_and_scalars(tmp_path: Path) -> None:
     assert values["baoc/state_bytes"] == 317576 and values["baoc/saved_fraction"] == pytest.approx(0.5304, abs=1e-4)
     assert values["baoc/total_risk"] == pytest.approx(0.05)
     assert values["baoc/peak_state_bytes"] == record["peak_state_bytes"] >= record["state_bytes"]
+
+
+def test_png_colours_an_option_by_its_format_and_hatches_its_correction(tmp_path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    record = build_record(_event())
+    for block, option in zip(record["blocks"], ("int8+ecc8", "none", "bf16+ecc16")):
+        block["format"] = option
+    drawn = []
+    real = plt.Figure.savefig
+
+    def keep(fig, *args, **kwargs):  # type: ignore[no-untyped-def]
+        drawn.append(fig)
+        return real(fig, *args, **kwargs)
+
+    plt.Figure.savefig = keep  # type: ignore[method-assign]
+    try:
+        plot_allocation(record, tmp_path / PNG_NAME)
+    finally:
+        plt.Figure.savefig = real  # type: ignore[method-assign]
+    bars = [p for p in drawn[0].axes[0].patches]
+    assert [b.get_hatch() or "" for b in bars] == [CORRECTION_HATCHES["ecc8"], "", CORRECTION_HATCHES["ecc16"]]
+    from matplotlib.colors import to_hex
+
+    assert [to_hex(b.get_facecolor()) for b in bars] == [FORMAT_COLORS["int8"], FORMAT_COLORS["none"], FORMAT_COLORS["bf16"]]
+    legend = {t.get_text() for t in drawn[0].legends[0].get_texts()}
+    assert legend == {"int8+ecc8", "none", "bf16+ecc16"}
 
 
 def test_the_planner_replans_from_the_json(tmp_path: Path) -> None:
