@@ -17,28 +17,19 @@ uneven shards, and a rank holding no rows of a parameter):
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW, BlockwiseSGD
 from lightning_baoc.formats import format_state_bytes
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+from support_distributed import needs_gloo, on_gloo_ranks
+
+pytestmark = needs_gloo
 WORLD = 2
 STEPS = 100
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
@@ -73,20 +64,14 @@ def _full(model: nn.Module) -> list[torch.Tensor]:
     return [p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
 
 
-def _worker(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        torch.set_num_threads(1)
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (WORLD,))
-        _parity_with_torch(mesh, rank)
-        _int8_follows_one_process(mesh, rank)
-        _sgd_and_bf16_weights(mesh, rank)
-        _refusals(mesh)
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    _parity_with_torch(mesh, rank)
+    _int8_follows_one_process(mesh, rank)
+    _sgd_and_bf16_weights(mesh, rank)
+    _refusals(mesh)
 
 
 def _parity_with_torch(mesh, rank: int) -> None:  # type: ignore[no-untyped-def]
@@ -169,4 +154,4 @@ def _refusals(mesh) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_blockwise_adamw_under_fsdp2_on_two_ranks() -> None:
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    on_gloo_ranks(_worker, WORLD)

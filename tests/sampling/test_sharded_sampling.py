@@ -10,27 +10,19 @@ assembles them, and every statistic equals the single-process sampler's over the
 from __future__ import annotations
 
 import math
-import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_baoc import GradientSampler
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+from support_distributed import needs_gloo, on_gloo_ranks
+
+pytestmark = needs_gloo
 WORLD = 2
 SAMPLES = 7
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
@@ -57,36 +49,30 @@ def _statistics(model: nn.Module, sharded: bool) -> dict:
         return sampler.statistics()
 
 
-def _worker(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        torch.set_num_threads(1)
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+def _worker(rank: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
-        reference = _statistics(_model(), sharded=False)
-        model = _model()
-        mesh = init_device_mesh("cpu", (WORLD,))
-        for i in (0, 2, 4):  # layer 5 stays whole on every rank
-            fully_shard(model[i], mesh=mesh)
-        assert model[4].weight.to_local().shape[0] == (1 if rank == 0 else 0)
-        stats = _statistics(model, sharded=True)
-        assert set(stats) == set(reference)
-        for block, ref in reference.items():
-            for key, value in ref.items():
-                got = stats[block][key]
-                if isinstance(value, float) and math.isnan(value):
-                    assert math.isnan(got), (block, key)
-                else:
-                    assert got == pytest.approx(value, rel=1e-6, abs=1e-9), (block, key, got, value)
-        assert reference["first"]["samples"] == SAMPLES and reference["first"]["elements"] == 300
-        everyone = [None] * WORLD  # the same numbers on every rank, to the bit (NaN as None)
-        dist.all_gather_object(everyone, {b: {k: None if v != v else v for k, v in s.items()} for b, s in stats.items()})
-        assert everyone[0] == everyone[1]
-    finally:
-        dist.destroy_process_group()
+    reference = _statistics(_model(), sharded=False)
+    model = _model()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for i in (0, 2, 4):  # layer 5 stays whole on every rank
+        fully_shard(model[i], mesh=mesh)
+    assert model[4].weight.to_local().shape[0] == (1 if rank == 0 else 0)
+    stats = _statistics(model, sharded=True)
+    assert set(stats) == set(reference)
+    for block, ref in reference.items():
+        for key, value in ref.items():
+            got = stats[block][key]
+            if isinstance(value, float) and math.isnan(value):
+                assert math.isnan(got), (block, key)
+            else:
+                assert got == pytest.approx(value, rel=1e-6, abs=1e-9), (block, key, got, value)
+    assert reference["first"]["samples"] == SAMPLES and reference["first"]["elements"] == 300
+    everyone = [None] * WORLD  # the same numbers on every rank, to the bit (NaN as None)
+    dist.all_gather_object(everyone, {b: {k: None if v != v else v for k, v in s.items()} for b, s in stats.items()})
+    assert everyone[0] == everyone[1]
 
 
 def test_sharded_statistics_equal_the_unsharded_ones() -> None:
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    on_gloo_ranks(_worker, WORLD)

@@ -1,0 +1,42 @@
+"""Runs a test's body on several gloo ranks of this machine (``torch.multiprocessing.spawn``).
+
+:func:`on_gloo_ranks` starts ``world`` processes, initialises a gloo process group in each (on a free
+local port), calls ``fn(rank, *args)`` and destroys the group; an assertion failing on any rank
+fails the test with that rank's traceback. :data:`needs_gloo` skips where torch has no gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+needs_gloo = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def on_gloo_ranks(fn: Callable[..., None], world: int = 2, *args: Any) -> None:
+    """``fn(rank, *args)`` on ``world`` gloo ranks (``fn`` must be a module-level function)."""
+    mp.spawn(_rank, args=(world, _free_port(), fn, args), nprocs=world, join=True)
