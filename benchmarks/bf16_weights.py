@@ -85,18 +85,8 @@ def _vs(values: list[float], ref: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    parser.add_argument("--recipes", nargs="+", default=["realistic", "stress"], choices=["realistic", "stress"])
     parser.add_argument("--rows", nargs="+", default=[r for r in ROWS if r != "bf16mixed_adamw"], choices=list(ROWS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu",
-                        help="where the runs train (default: cpu); cuda runs, fp32 AdamW's included, are cached apart")
-    parser.add_argument("--report-only", action="store_true", help="tables from the cached runs only")
-    parser.add_argument("--docs", action="store_true", help="write the tables into docs/benchmarks/total-memory.md")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    q.set_accelerator(args.accelerator)
+    args = q.parse_table_arguments(parser, "benchmarks/total-memory.md")
     results_dir, reference_dir = RESULTS, QUALITY
     if args.accelerator != "cpu":  # fp32 AdamW trained on the same device as the rows
         results_dir, reference_dir = (d.with_name(f"{d.name}_{args.accelerator}") for d in (RESULTS, QUALITY))

@@ -46,7 +46,6 @@ import dataclasses
 import io
 import json
 import statistics as stats
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -58,7 +57,9 @@ from lightning_baoc.formats.correction import CORRECTIONS, WEIGHT_DTYPES, correc
 from lightning_baoc.risk.correction import correction_risk_table
 from lightning_baoc.risk.shadow import ShadowMoments
 from lightning_baoc.solver import solve
-from momentum_risk_validation import SPEND, _cell, allocations_in_range, publish, run_warm_up, summarize, verdict
+from momentum_risk_validation import (
+    SPEND, _cell, allocations_in_range, parse_run_arguments, publish, run_warm_up, summarize, verdict,
+)
 from risk_validation import EVAL_POINTS, Task, _count, _train, digits_task
 
 #: The reference continuation's correction on every block (and the warm-up's): the exact fp32 master for bf16.
@@ -272,19 +273,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=300, help="shared warm-up steps (default: 300)")
     parser.add_argument("--warmup-lr", type=float, default=WARMUP_LR,
                         help=f"the warm-up's learning rate (default: {WARMUP_LR:g}, the digits task's)")
-    parser.add_argument("--steps", type=int, default=600, help="steps of every continuation (default: 600)")
-    parser.add_argument("--orders", type=int, default=10, help="data orders, paired (default: 10)")
-    parser.add_argument("--random", type=int, default=10, help="random allocations (default: 10)")
     parser.add_argument("--lr", type=float, default=LR, help=f"the continuation's learning rate (default: {LR:g})")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
-    parser.add_argument("--json", type=Path, default=None,
-                        help="results file (default: benchmarks/runs/correction_risk_validation_<task>.json; "
-                        "with --quick: none)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny settings, writes no docs page")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.warmup, args.steps, args.orders, args.random = 50, 50, 2, 2
-    torch.set_num_threads(args.threads)
+    args = parse_run_arguments(parser, argv, "correction_risk_validation_<task>")
     results = validate(args.budget, args.warmup, args.warmup_lr, args.steps, args.orders, args.random, args.lr,
                        log=True)
     # a learning rate other than the recorded one is a run of its own: its own file and docs section

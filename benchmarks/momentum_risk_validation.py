@@ -342,23 +342,30 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--task", choices=["digits"], default="digits")
     parser.add_argument("--budget", type=float, default=0.25, help="fraction of the fp32 momentum state (default: 0.25)")
     parser.add_argument("--warmup", type=int, default=300, help="shared fp32 warm-up steps (default: 300)")
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (default: sgd 0.03, lion 3e-4)")
+    args = parse_run_arguments(parser, argv, "momentum_risk_validation_<task>_<optimizer>")
+    results = validate(args.optimizer, args.budget, args.warmup, args.steps, args.orders, args.random, args.lr, log=True)
+    # a learning rate other than the recorded one is a run of its own: its own file and docs section
+    name = f"momentum_risk_validation_{args.task}_{args.optimizer}" + (f"_lr{args.lr:g}" if args.lr is not None else "")
+    return publish(results, report, name, args)
+
+
+def parse_run_arguments(parser: argparse.ArgumentParser, argv: list[str] | None, name: str) -> argparse.Namespace:
+    """Add the arguments every allocation-level validation takes (continuation steps, data orders,
+    random allocations, threads, results file ``benchmarks/runs/<name>.json``, smoke run), parse
+    ``argv``, shrink a ``--quick`` run and set the threads."""
     parser.add_argument("--steps", type=int, default=600, help="steps of every continuation (default: 600)")
     parser.add_argument("--orders", type=int, default=10, help="data orders, paired (default: 10)")
     parser.add_argument("--random", type=int, default=10, help="random allocations (default: 10)")
-    parser.add_argument("--lr", type=float, default=None, help="learning rate (default: sgd 0.03, lion 3e-4)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     parser.add_argument("--json", type=Path, default=None,
-                        help="results file (default: benchmarks/runs/momentum_risk_validation_<task>_<optimizer>.json; "
-                        "with --quick: none)")
+                        help=f"results file (default: benchmarks/runs/{name}.json; with --quick: none)")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny settings, writes no docs page")
     args = parser.parse_args(argv)
     if args.quick:
         args.warmup, args.steps, args.orders, args.random = 50, 50, 2, 2
     torch.set_num_threads(args.threads)
-    results = validate(args.optimizer, args.budget, args.warmup, args.steps, args.orders, args.random, args.lr, log=True)
-    # a learning rate other than the recorded one is a run of its own: its own file and docs section
-    name = f"momentum_risk_validation_{args.task}_{args.optimizer}" + (f"_lr{args.lr:g}" if args.lr is not None else "")
-    return publish(results, report, name, args)
+    return args
 
 
 def publish(results: dict[str, Any], render: Any, name: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -94,6 +94,24 @@ def set_accelerator(name: str) -> None:
     ACCELERATOR = name
 
 
+def parse_table_arguments(parser: argparse.ArgumentParser, page: str) -> argparse.Namespace:
+    """Add the arguments of a table of cached runs beside this one (``bf16_weights.py``, ``sgd_lion.py``:
+    recipes, seeds, steps, threads, accelerator, report only, the docs ``page``), parse the command
+    line, and set the threads and the accelerator."""
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPE_NAMES), choices=list(RECIPE_NAMES))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu",
+                        help="where the runs train (default: cpu); cuda runs, their reference's included, are cached apart")
+    parser.add_argument("--report-only", action="store_true", help="tables from the cached runs only")
+    parser.add_argument("--docs", action="store_true", help=f"write the table into docs/{page}")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    set_accelerator(args.accelerator)
+    return args
+
+
 def machine_of(results: Iterable[dict[str, Any]]) -> str:
     """The machine the cached ``results`` were trained on, as they recorded it (this one where none did)."""
     seen = sorted({r["machine"] for r in results if r.get("machine")})

@@ -100,18 +100,8 @@ DEFAULT_ROWS = [name for name, row in ROWS.items() if row.precision == "32-true"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--recipes", nargs="+", default=["realistic", "stress"], choices=["realistic", "stress"])
     parser.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, choices=list(ROWS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu",
-                        help="where the runs train (default: cpu); cuda runs are cached apart")
-    parser.add_argument("--report-only", action="store_true", help="tables from the cached runs only")
-    parser.add_argument("--docs", action="store_true", help="write the table into docs/benchmarks/quality.md")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    q.set_accelerator(args.accelerator)
+    args = q.parse_table_arguments(parser, "benchmarks/quality.md")
     results_dir = RESULTS if args.accelerator == "cpu" else RESULTS.with_name(f"{RESULTS.name}_{args.accelerator}")
     table = []
     every: list[dict] = []  # every run of the table: the machine they recorded
