@@ -106,3 +106,20 @@ def peak_above_start(setup, fn):  # type: ignore[no-untyped-def]
         live += event.self_cpu_memory_usage
         peak = max(peak, live)
     return peak - base, made
+
+
+def controller_steps(ctl, opt, loss_of, start: int, steps: int, before: bool = False) -> list:  # type: ignore[no-untyped-def]
+    """Steps ``start .. start + steps - 1`` of a framework-free BAOC loop: backward of ``loss_of(step)``,
+    ``ctl.before_step`` (with ``before``), ``ctl.observe``, the step, ``ctl.maybe_allocate``; the events."""
+    events = []
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        loss_of(step).backward()
+        if before:
+            ctl.before_step(step)
+        ctl.observe(step)
+        opt.step()
+        event = ctl.maybe_allocate(step + 1)
+        if event is not None:
+            events.append(event)
+    return events

@@ -21,7 +21,7 @@ from lightning_baoc.controller import (
     rebind_scheduler,
 )
 
-from support import one_thread  # noqa: F401  (one intra-op thread: see there)
+from support import controller_steps, one_thread  # noqa: F401  (one_thread: one intra-op thread, see there)
 
 CPU_FORMATS = [f for f in FORMATS if f != "offload"]  # offload is masked on the CPU
 
@@ -45,17 +45,11 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _train(ctl: BAOCController, model: nn.Module, opt: torch.optim.Optimizer, start: int, steps: int) -> list[Any]:
     """Steps ``start .. start + steps - 1``: observe before each step, maybe allocate after."""
-    events = []
-    for step in range(start, start + steps):
-        opt.zero_grad()
+    def loss(step: int) -> torch.Tensor:
         x, y = _batch(step)
-        nn.functional.cross_entropy(model(x), y).backward()
-        ctl.observe(step)
-        opt.step()
-        event = ctl.maybe_allocate(step + 1)
-        if event is not None:
-            events.append(event)
-    return events
+        return nn.functional.cross_entropy(model(x), y)
+
+    return controller_steps(ctl, opt, loss, start, steps)
 
 
 class TableRisk:

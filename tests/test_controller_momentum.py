@@ -19,7 +19,7 @@ from lightning_baoc import MOMENTUM_FORMATS, BlockwiseLion, BlockwiseSGD, Budget
 from lightning_baoc.controller import BAOCConfig, BAOCController
 from lightning_baoc.risk import optimizer_risk_table
 
-from support import one_thread  # noqa: F401
+from support import controller_steps, one_thread  # noqa: F401  (one_thread: see there)
 
 
 def _model(seed: int = 0) -> nn.Sequential:
@@ -29,18 +29,12 @@ def _model(seed: int = 0) -> nn.Sequential:
 
 def _train(ctl: BAOCController, opt: torch.optim.Optimizer, model: nn.Module, steps: int, start: int = 0) -> list:
     gen = torch.Generator().manual_seed(start)
-    events = []
-    for step in range(start, start + steps):
-        opt.zero_grad()
+
+    def loss(step: int) -> torch.Tensor:
         x = torch.randn(32, 64, generator=gen)
-        nn.functional.cross_entropy(model(x), (x[:, :4].argmax(1))).backward()
-        ctl.before_step(step)
-        ctl.observe(step)
-        opt.step()
-        event = ctl.maybe_allocate(step + 1)
-        if event is not None:
-            events.append(event)
-    return events
+        return nn.functional.cross_entropy(model(x), x[:, :4].argmax(1))
+
+    return controller_steps(ctl, opt, loss, start, steps, before=True)
 
 
 def _numel(model: nn.Module) -> int:
