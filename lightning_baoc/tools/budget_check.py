@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..formats import RULE_NAMES
 from ..budget import absolute_time_with_prior_error, format_bytes, is_absolute_time, parse_memory_budget, round_up
 from ..calibration import withheld_formats
 from ..config import Config
@@ -38,13 +39,15 @@ def check_budget(
     served: list[str],
     mask: dict[str, str],
     device: str,
+    rule: str = "adamw",
 ) -> CheckResult:
-    """3. memory budget: feasible, and every phase of the run within it (see the module docstring)."""
+    """3. memory budget: feasible, and every phase of the run within it (see the module docstring);
+    for the optimizer of update rule ``rule`` (its formats, its fp32 state as the reference)."""
     b = config.baoc
     params = dict(model.named_parameters())
     shapes = {name: [tuple(params[n].shape) for n in names] for name, names in blocks.items()}
     prior = b.calibration.mode == "prior" or not _local(device)
-    problem = _problem(config, shapes, served, device, prior)
+    problem = _problem(config, shapes, served, device, prior, rule)
     if isinstance(problem, CheckResult):
         return problem
     withheld_note = "".join(f"; {f} withheld ({why})" for f, why in problem.withheld.items())
@@ -57,7 +60,7 @@ def check_budget(
         time_note = (
             "; step time priced with the built-in prior costs" if prior else f"; step time priced with a calibration of {device}"
         )
-    budget_text = f"baoc.memory_budget={b.memory_budget!r} = {format_bytes(budget_bytes)} ({budget_bytes / fp32_bytes:.3f} of fp32 AdamW's {format_bytes(fp32_bytes)})"
+    budget_text = f"baoc.memory_budget={b.memory_budget!r} = {format_bytes(budget_bytes)} ({budget_bytes / fp32_bytes:.3f} of fp32 {RULE_NAMES[rule]}'s {format_bytes(fp32_bytes)})"
     context = _BudgetContext(
         config, budget_text, budget_bytes, fp32_bytes, fp32_time, time_note, withheld_note, problem.allowed, mask
     )
@@ -80,7 +83,7 @@ def check_budget(
 
 
 def _problem(
-    config: Config, shapes: dict[str, list[tuple[int, ...]]], served: list[str], device: str, prior: bool
+    config: Config, shapes: dict[str, list[tuple[int, ...]]], served: list[str], device: str, prior: bool, rule: str
 ) -> AllocationProblem | CheckResult:
     """The problem the training controller builds, or the failed check when there is none."""
     b = config.baoc
@@ -103,9 +106,10 @@ def _problem(
             costs="prior" if prior else "calibrate",
             min_8bit_numel=b.min_8bit_numel,
             cache_dir=b.calibration.cache_dir,
+            rule=rule,
         )
     except ValueError:
-        note = "".join(f"; {f} withheld ({why})" for f, why in withheld_formats(device, timed, served).items())
+        note = "".join(f"; {f} withheld ({why})" for f, why in withheld_formats(device, timed, served, rule).items())
         fix = "set baoc.time_budget, or allow other formats in baoc.allowed_configs"
         return CheckResult(NAME, False, f"no allowed format is offered on {device}{note}", fix)
 

@@ -47,7 +47,7 @@ from ..blocks import partition_report
 from ..budget import format_bytes
 from ..calibration import hardware_mask
 from ..config import Config, load_config
-from ..formats import FORMATS
+from ..formats import RULE_FORMATS, RULE_NAMES, formats_of
 from .budget_check import check_budget
 from .models import build_component, default_device, resolve_model
 from .result import CheckResult
@@ -148,13 +148,17 @@ def _direction(monitor: str) -> str | None:
     return None
 
 
-def run_checks(config: Config, model: nn.Module, device: str | torch.device = "cpu") -> list[CheckResult]:
+def run_checks(
+    config: Config, model: nn.Module, device: str | torch.device = "cpu", optimizer: str = "adamw"
+) -> list[CheckResult]:
     """Run the checklist of a config on a model (any device; ``meta`` is enough) for ``device``.
 
     Args:
         config: a loaded :class:`~lightning_baoc.config.Config`.
         model: the model (only parameter names, shapes and ``requires_grad`` are read).
         device: the training device (decides the hardware mask) (default: ``"cpu"``).
+        optimizer: the optimizer the module returns, ``"adamw"``, ``"sgd"`` or ``"lion"``: its formats
+            are the ones allowed, and a fractional budget is of its fp32 state (default: ``"adamw"``).
 
     Returns:
         One :class:`CheckResult` per check, in the order of the module docstring.
@@ -166,12 +170,14 @@ def run_checks(config: Config, model: nn.Module, device: str | torch.device = "c
         ['FAIL']
     """
     device = str(device)
-    served_result, served, mask = _check_served(config, device)
+    if optimizer not in RULE_FORMATS:
+        raise ValueError(f"Invalid optimizer: {optimizer!r}; allowed: {list(RULE_FORMATS)}")
+    served_result, served, mask = _check_served(config, device, optimizer)
     results = [served_result]
     blocks_result, report = _check_blocks(config, model)
     results.append(blocks_result)
     if report is not None and served:
-        results.append(check_budget(config, model, report.blocks, served, mask, device))
+        results.append(check_budget(config, model, report.blocks, served, mask, device, optimizer))
     elif report is not None:
         results.append(
             CheckResult("memory budget", False, "no allowed format is served on this device", "see 'formats served'")
@@ -184,11 +190,20 @@ def run_checks(config: Config, model: nn.Module, device: str | torch.device = "c
     return results
 
 
-def _check_served(config: Config, device: str) -> tuple[CheckResult, list[str], dict[str, str]]:
+def _check_served(config: Config, device: str, rule: str) -> tuple[CheckResult, list[str], dict[str, str]]:
     """1. formats served: the allowed formats the device cannot serve; the served ones and the mask."""
     b = config.baoc
     mask = hardware_mask(device)
-    requested = list(b.allowed_configs) if b.allowed_configs is not None else list(FORMATS)
+    own = formats_of(rule)
+    requested = list(b.allowed_configs) if b.allowed_configs is not None else list(own)
+    foreign = [f for f in requested if f not in own]
+    if foreign:
+        result = CheckResult(
+            "formats served", False,
+            f"baoc.allowed_configs names {foreign}, which are not formats of {RULE_NAMES[rule]} ({list(own)})",
+            f"allow {RULE_NAMES[rule]}'s formats only, or check for the optimizer they belong to (--optimizer)",
+        )  # fmt: skip
+        return result, [], mask
     unserved = [f for f in requested if f in mask]
     served = [f for f in requested if f not in mask]
     if b.allowed_configs is None:
@@ -391,6 +406,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the model (default: the config's model section); built on the meta device",
     )
     parser.add_argument(
+        "--optimizer",
+        choices=list(RULE_FORMATS),
+        default="adamw",
+        help="the optimizer the module's configure_optimizers returns (default: adamw): its formats are the ones "
+        "allowed, and a fractional baoc.memory_budget is of its fp32 state (AdamW 8 bytes per parameter, SGD's and "
+        "Lion's momentum 4)",
+    )
+    parser.add_argument(
         "--device",
         help="the training device checked for, e.g. cpu, cuda (default: the config's trainer.accelerator, else cuda if present, else cpu)",
     )
@@ -407,8 +430,9 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     model, name = resolve_model(config, args.model)
     device = args.device or default_device(config)
-    results = run_checks(config, model, device)
-    render(results, Console(width=max(Console().width, 140)), title=f"lightning-baoc check: {args.config}, {name} on {device}")
+    results = run_checks(config, model, device, args.optimizer)
+    who = "" if args.optimizer == "adamw" else f" with {RULE_NAMES[args.optimizer]}"
+    render(results, Console(width=max(Console().width, 140)), title=f"lightning-baoc check: {args.config}, {name}{who} on {device}")
     return 0 if all(r.passed for r in results) else 1
 
 

@@ -271,3 +271,27 @@ def test_an_initial_that_does_not_fit_fails_naming_baoc_initial(tmp_path: Path) 
     missing = parse_config({"baoc": {"memory_budget": 0.4, "initial": str(tmp_path / "nothing.json")}})
     result = _by_name(run_checks(missing, model, "cpu"))["memory budget"]
     assert not result.passed and "cannot read the allocation record" in result.detail
+
+
+def test_check_for_sgd_and_lion_allows_their_formats_and_budgets_their_state(capsys: pytest.CaptureFixture[str]) -> None:
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 64)).to("meta")
+    numel = sum(p.numel() for p in model.parameters())
+    for rule, name in (("sgd", "SGD"), ("lion", "Lion")):
+        cfg = parse_config({"baoc": {"memory_budget": 0.3, "allowed_configs": ["fp32", "bf16", "int8", "none"]}})
+        results = _by_name(run_checks(cfg, model, "cpu", rule))
+        budget = results["memory budget"]
+        assert results["formats served"].passed and budget.passed, budget.detail
+        assert f"of fp32 {name}'s" in budget.detail and budget.figures["fp32_bytes"] == 4 * numel
+        assert budget.figures["budget_bytes"] == int(0.3 * 4 * numel)
+        # AdamW's formats are not the optimizer's: named, with the fix
+        adamw = parse_config({"baoc": {"memory_budget": 0.3, "allowed_configs": ["fp32", "int8_factored"]}})
+        served = _by_name(run_checks(adamw, model, "cpu", rule))["formats served"]
+        assert not served.passed and "['int8_factored']" in served.detail and f"not formats of {name}" in served.detail
+    # AdamW's check of the same config: 'none' is not AdamW's
+    cfg = parse_config({"baoc": {"memory_budget": 0.3, "allowed_configs": ["fp32", "none"]}})
+    assert not _by_name(run_checks(cfg, model, "cpu"))["formats served"].passed
+    code, out = _check(capsys, "--config", str(CONFIGS / "vision.yaml"), "--device", "cpu", "--optimizer", "sgd",
+                       "baoc.allowed_configs=[fp32,bf16,int8,none]")
+    assert code == 0 and "with SGD on cpu" in out and "of fp32 SGD's" in out
+    with pytest.raises(ValueError, match="Invalid optimizer: 'adam'"):
+        run_checks(cfg, model, "cpu", "adam")
