@@ -57,6 +57,7 @@ class KernelItem(NamedTuple):
     counts: Tensor  # int64 [step, m_step, nonfinite], advanced by the kernel
     salt: int  # the hash of the parameter's name in its rounding keys (quant.name_salt)
     correction: Tensor | None = None  # the master-weight correction of a 16-bit parameter
+    offset: int = 0  # where this rank's shard starts in the whole parameter (its rounding keys shift by it)
 
 
 def kernel_serves(fmt: StateFormat, param: Tensor, views: dict[str, Tensor], policy: str) -> bool:
@@ -125,6 +126,11 @@ def _master_flat(item: KernelItem) -> tuple[Tensor, Callable[[], None]]:
     return master.view(-1), lambda: split_into(master, param, correction)
 
 
+def _key_shift(offset: int) -> int:
+    """A shard's offset as the kernels add it to a 32-bit rounding key (its low 32 bits)."""
+    return offset & 0xFFFFFFFF
+
+
 def _launch(
     kinds: tuple[int, int], params: list[Tensor], grads: list[Tensor], items: list[KernelItem], hyper: StepHyper,
     seed: int, check_finite: bool, corrections: list[Tensor | None],
@@ -149,7 +155,7 @@ def _launch(
     skipped = kernels.ops().adamw_step(
         params, grads, m, m_scale, m_exp, v, v_scale, v_exp, rows, cols, [it.counts for it in items],
         [_NO_CORRECTION if c is None else c.view(-1) for c in corrections],
-        [it.salt for it in items], seed, m_kind, v_kind, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
+        [it.salt for it in items], [_key_shift(it.offset) for it in items], seed, m_kind, v_kind, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
         hyper.weight_decay, hyper.decoupled_weight_decay, hyper.maximize, M_SCALE_MAX, V_SCALE_MAX, EPS_SQUARE,
         FP32_MAX, check_finite, fused_available(_CPU, hyper.decoupled_weight_decay), BATCH_ELEMENTS,
     )
@@ -167,8 +173,8 @@ def _launch_momentum(
     m, m_scale, m_exp = ([it.views[k].view(-1) for it in items] if k is not None else [] for k in keys)
     skipped = kernels.ops().momentum_step(
         params, grads, m, m_scale, m_exp, [it.counts for it in items],
-        [_NO_CORRECTION if c is None else c.view(-1) for c in corrections], [it.salt for it in items], seed,
-        _RULES[hyper.rule], kind, hyper.lr, hyper.beta1, hyper.beta2, hyper.weight_decay, hyper.dampening,
+        [_NO_CORRECTION if c is None else c.view(-1) for c in corrections], [it.salt for it in items],
+        [_key_shift(it.offset) for it in items], seed, _RULES[hyper.rule], kind, hyper.lr, hyper.beta1, hyper.beta2, hyper.weight_decay, hyper.dampening,
         hyper.nesterov, hyper.maximize, M_SCALE_MAX, check_finite, BATCH_ELEMENTS,
     )
     return [items[i] for i in skipped]

@@ -61,7 +61,9 @@ inline float float_of(uint32_t b) {
 
 // The counter-based hash of the stochastic rounding (lightning_baoc/formats/quant.py,
 // `rounding_bits`): 32 random bits for element `index` under a 32-bit key, the top 16 for the
-// momentum, the bottom 16 for the second moment.
+// momentum, the bottom 16 for the second moment. The index enters as `index + key`, so the shard of a
+// sharded parameter that starts at element `offset` of the whole draws the whole's bits under the key
+// `key + offset` (the kernels' `offsets`; 0 for a parameter held whole).
 inline uint32_t rounding_bits(int64_t index, uint32_t key) {
   uint32_t x = static_cast<uint32_t>(index) + key;
   x ^= x >> 16;
@@ -816,14 +818,15 @@ std::vector<int64_t> adamw_step(const std::vector<at::Tensor>& params, const std
                    const std::vector<at::Tensor>& v_scale, const std::vector<at::Tensor>& v_exp,
                    const std::vector<at::Tensor>& rows_state, const std::vector<at::Tensor>& cols_state,
                    const std::vector<at::Tensor>& counts, const std::vector<at::Tensor>& corrections,
-                   at::ArrayRef<int64_t> salts, int64_t seed, int64_t m_kind,
+                   at::ArrayRef<int64_t> salts, at::ArrayRef<int64_t> offsets, int64_t seed, int64_t m_kind,
                    int64_t v_kind, double lr, double beta1, double beta2, double eps, double weight_decay,
                    bool decoupled, bool maximize, double limit_m, double limit_v, double eps_square, double fp32_max,
                    bool check_finite, bool fused_fp32, int64_t batch_elements) {
   const size_t n = params.size();
   TORCH_CHECK(m_kind >= M_NONE && m_kind <= M_INT8 && v_kind >= V_FP32 && v_kind <= V_FACTORED,
               "lightning_baoc step: unknown kinds ", m_kind, ", ", v_kind);
-  TORCH_CHECK(grads.size() == n && salts.size() == n, "lightning_baoc step: lists of different lengths");
+  TORCH_CHECK(grads.size() == n && salts.size() == n && offsets.size() == n,
+              "lightning_baoc step: lists of different lengths");
   check_list(params, n, "params", true);
   check_list(grads, n, "grads", true);
   check_list(m, n, "m", m_kind != M_NONE);
@@ -895,7 +898,7 @@ std::vector<int64_t> adamw_step(const std::vector<at::Tensor>& params, const std
         continue;
       }
       Tensors t = items[i];
-      t.key = stream_key(seed, step, salts[i]);
+      t.key = stream_key(seed, step, salts[i]) + static_cast<uint32_t>(offsets[i]);  // see rounding_bits
       t.s = scalars_for(has_m, bc1, bc2, lr, beta1, beta2, eps, weight_decay, decoupled, maximize);
       if (v_kind == V_FACTORED) {
         const int64_t rows = rows_state[i].numel(), cols = cols_state[i].numel();
@@ -1019,13 +1022,15 @@ std::vector<int64_t> momentum_step(const std::vector<at::Tensor>& params, const 
                                    const std::vector<at::Tensor>& m, const std::vector<at::Tensor>& m_scale,
                                    const std::vector<at::Tensor>& m_exp, const std::vector<at::Tensor>& counts,
                                    const std::vector<at::Tensor>& corrections, at::ArrayRef<int64_t> salts,
+                                   at::ArrayRef<int64_t> offsets,
                                    int64_t seed, int64_t rule, int64_t m_kind, double lr, double momentum,
                                    double beta2, double weight_decay, double dampening, bool nesterov, bool maximize,
                                    double limit_m, bool check_finite, int64_t batch_elements) {
   const size_t n = params.size();
   TORCH_CHECK((rule == RULE_SGD || rule == RULE_LION) && m_kind >= M_NONE && m_kind <= M_INT8,
               "lightning_baoc momentum step: unknown rule ", rule, " or momentum kind ", m_kind);
-  TORCH_CHECK(grads.size() == n && salts.size() == n, "lightning_baoc momentum step: lists of different lengths");
+  TORCH_CHECK(grads.size() == n && salts.size() == n && offsets.size() == n,
+              "lightning_baoc momentum step: lists of different lengths");
   check_list(params, n, "params", true);
   check_list(grads, n, "grads", true);
   check_list(m, n, "m", m_kind != M_NONE);
@@ -1067,7 +1072,7 @@ std::vector<int64_t> momentum_step(const std::vector<at::Tensor>& params, const 
       c[0] += 1;
       if (has_m) c[1] += 1;
       Tensors t = items[i];
-      t.key = stream_key(seed, c[0], salts[i]);
+      t.key = stream_key(seed, c[0], salts[i]) + static_cast<uint32_t>(offsets[i]);
       MomentumScalars s = base;
       s.first = c[1] <= 1;
       run.push_back(t);
@@ -1085,12 +1090,12 @@ TORCH_LIBRARY(lightning_baoc, lib) {
   lib.def(
       "adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] m, Tensor(c!)[] m_scale, Tensor(d!)[] m_exp, "
       "Tensor(e!)[] v, Tensor(f!)[] v_scale, Tensor(g!)[] v_exp, Tensor(h!)[] rows, Tensor(i!)[] cols, "
-      "Tensor(j!)[] counts, Tensor(k!)[] corrections, int[] salts, int seed, int m_kind, int v_kind, float lr, float beta1, float beta2, "
+      "Tensor(j!)[] counts, Tensor(k!)[] corrections, int[] salts, int[] offsets, int seed, int m_kind, int v_kind, float lr, float beta1, float beta2, "
       "float eps, float weight_decay, bool decoupled, bool maximize, float limit_m, float limit_v, "
       "float eps_square, float fp32_max, bool check_finite, bool fused_fp32, int batch_elements) -> int[]");
   lib.def(
       "momentum_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] m, Tensor(c!)[] m_scale, Tensor(d!)[] m_exp, "
-      "Tensor(e!)[] counts, Tensor(f!)[] corrections, int[] salts, int seed, int rule, int m_kind, float lr, "
+      "Tensor(e!)[] counts, Tensor(f!)[] corrections, int[] salts, int[] offsets, int seed, int rule, int m_kind, float lr, "
       "float momentum, float beta2, float weight_decay, float dampening, bool nesterov, bool maximize, "
       "float limit_m, bool check_finite, int batch_elements) -> int[]");
 }

@@ -286,8 +286,9 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
     # ------------------------------------------------------------------ step
 
     def _noise_key(self, rec: _Record, salt: int = 0) -> int:
-        """The rounding key of ``rec``'s parameter at its step count (a step's, or a conversion's)."""
-        return stream_key(self.seed, rec.step, self._salt(rec) ^ salt)
+        """The rounding key of ``rec``'s parameter at its step count (a step's, or a conversion's);
+        shifted by a shard's offset, so a shard draws the whole parameter's bits for its elements."""
+        return (stream_key(self.seed, rec.step, self._salt(rec) ^ salt) + rec.shard_offset) & 0xFFFFFFFF
 
     @torch.no_grad()
     def _initialize_new(self) -> None:

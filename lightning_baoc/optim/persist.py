@@ -270,6 +270,7 @@ class PersistenceMixin:
             if isinstance(source, Canonical):
                 rec = self._records[p]
                 key = stream_key(self.seed, plan.entries[p].steps, self._salt(rec) ^ _LOAD_SALT)
+                key = (key + rec.shard_offset) & 0xFFFFFFFF  # a shard draws the whole's bits
                 hyper = self._hyper(merged[rec.group], key)
                 self.format_registry[fmt].encode(source, target, hyper)
             else:

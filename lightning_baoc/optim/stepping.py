@@ -60,7 +60,8 @@ class StepMixin:
                 rec = self._records[p]
                 fmt = self.format_registry[rec.format]
                 if kernel_serves(fmt, mine, rec.views, self.kernels):
-                    item = KernelItem(mine, local(p.grad), rec.views, rec.counts, self._salt(rec), rec.master_correction)
+                    item = KernelItem(mine, local(p.grad), rec.views, rec.counts, self._salt(rec), rec.master_correction,
+                                      rec.shard_offset)
                     owners[id(mine)] = p
                     compiled[rec.format].append(item)
                 else:
@@ -109,12 +110,10 @@ class StepMixin:
         return mask
 
     def _salt(self, rec: Record) -> int:
-        """The hash of ``rec``'s name (and shard, for a rank's part of a sharded parameter) in its
-        rounding keys (computed once per name)."""
+        """The hash of ``rec``'s name in its rounding keys (computed once per name)."""
         salt = self._salts.get(rec.name)
         if salt is None:
-            salt = name_salt(rec.name) ^ (name_salt(f"@{rec.shard_offset}") if rec.shard_offset else 0)
-            self._salts[rec.name] = salt
+            salt = self._salts[rec.name] = name_salt(rec.name)
         return salt
 
     def _warn_skipped(self, records: list[Record]) -> None:

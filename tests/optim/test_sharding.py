@@ -9,6 +9,8 @@ uneven shards, and a rank holding no rows of a parameter):
 - each rank's state bytes are the storage it allocated, from its own shard's shape;
 - formats are decided on the global parameter: a shard below ``min_8bit_numel`` keeps int8 when its
   parameter is above it, on every rank alike;
+- one process and two ranks given the same gradients end with the same weights, to the bit, in every
+  element-wise format and in the 8-bit ones where shards start on a super-block;
 - BlockwiseSGD in fp32 equals torch's SGD under FSDP2; bf16 weights keep their 8-bit correction per
   shard (1 byte per local element) and follow the single-process run; gradient release is refused;
 - a factored format over a sharded dimension 0 is refused, naming the alternatives; a placement
@@ -71,6 +73,7 @@ def _worker(rank: int) -> None:
     _parity_with_torch(mesh, rank)
     _int8_follows_one_process(mesh, rank)
     _sgd_and_bf16_weights(mesh, rank)
+    _one_and_two_ranks_agree(mesh)
     _refusals(mesh)
 
 
@@ -138,6 +141,32 @@ def _sgd_and_bf16_weights(mesh, rank: int) -> None:  # type: ignore[no-untyped-d
         assert (a.float() - p.detach().float()).abs().max().item() <= 0.25 * update, name
     with pytest.raises(ValueError, match="gradient release over sharded parameters"):
         opt.release_gradients()
+
+
+def _one_and_two_ranks_agree(mesh) -> None:  # type: ignore[no-untyped-def]
+    """The same gradients, whole on one process and sharded on two ranks: the same weights, to the bit,
+    in every element-wise format (rounding keys shifted by the shard's offset), and in the 8-bit ones
+    where each shard starts on a 1024-element super-block (32 rows of 256 here)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(256, 64), nn.Tanh(), nn.Linear(64, 256))
+
+    for fmt in ("fp32", "bf16", "bf16_momentum", "nomomentum", "int8", "nomomentum_int8"):
+        single, sharded = model(), _shard(model(), mesh)
+        one = BlockwiseAdamW(single.named_parameters(), lr=1e-2, state_format=fmt)
+        opt = BlockwiseAdamW(sharded.named_parameters(), lr=1e-2, state_format=fmt)
+        for step in range(10):
+            gen = torch.Generator().manual_seed(step)
+            for p, q in zip(single.parameters(), sharded.parameters()):
+                g = torch.randn(p.shape, generator=gen) * 1e-2
+                p.grad, q.grad = g, distribute_tensor(g, q.device_mesh, q.placements)
+            one.step()
+            opt.step()
+        assert opt.formats() == one.formats() and opt.formats()["0.weight"] == fmt
+        for (name, p), q in zip(single.named_parameters(), _full(sharded)):
+            assert torch.equal(p.detach(), q), (fmt, name, (p.detach() - q).abs().max().item())
 
 
 def _refusals(mesh) -> None:  # type: ignore[no-untyped-def]
