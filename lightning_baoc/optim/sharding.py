@@ -11,8 +11,10 @@ part: each rank holds the state of its own shard, in the format chosen for the w
   placements (``Shard(d)`` for ``d > 0``, ``Partial``) are refused with the reason.
 - Formats are decided on the global parameter (its shape and number of elements), never on the
   shard, so a rank holding few rows keeps the format of the whole.
-- The states live on each rank's shard: quantization groups start at the shard's first element,
-  and the stochastic rounding is keyed by the shard's offset as well as the parameter's name.
+- The states live on each rank's shard. The stochastic rounding of a shard draws the bits the
+  whole parameter draws for the same elements (its keys shift by :func:`shard_offset`), so the
+  element-wise formats round as in one process; quantization groups start at the shard's first
+  element, the same groups as in one process when the shard starts on a 1024-element super-block.
 - Factored second moments need the column statistics of the whole matrix (a reduction across the
   ranks every step): not supported yet over a sharded dimension 0, refused with the alternatives.
 
