@@ -67,11 +67,18 @@ def _refused_strategy(strategy: Any) -> str | None:
             f"them), so their formats cannot be converted per block. Use strategy='ddp' (or a single "
             f"device) with BAOC, or DeepSpeed without BAOC."
         )
-    if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
+    if isinstance(strategy, FSDPStrategy):
         return (
-            f"BAOC cannot run under {name}: sharded optimizer-state checkpoints need one state dtype and "
-            f"parameter-shaped states per flat parameter, which heterogeneous formats do not have. Use "
-            f"strategy='ddp' (or a single device) with BAOC."
+            f"BAOC cannot run under {name}: FSDP's flat parameters hold one state dtype and parameter-shaped "
+            f"states per flat parameter, which formats per block do not have. Use strategy='ddp' (or a single "
+            f"device) with BAOC; to shard, FSDP2 (ModelParallelStrategy) steps BlockwiseAdamW per shard."
+        )
+    if isinstance(strategy, ModelParallelStrategy):
+        return (
+            f"BAOC cannot run under {name} yet: its risk model and the checkpoints of sharded states in mixed "
+            f"formats are not built for sharded parameters. Use strategy='ddp' (or a single device) with BAOC, "
+            f"or BlockwiseAdamW without BAOC, which steps FSDP2's shards in a format per parameter "
+            f"(docs/optimizer.md, 'Sharded parameters')."
         )
     return None
 
