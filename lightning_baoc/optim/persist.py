@@ -16,7 +16,7 @@ from typing import IO, Any, Callable, Mapping
 import torch
 from torch import Tensor
 
-from lightning_baoc.optim.sharding import local
+from lightning_baoc.optim.sharding import gather_full, local
 from lightning_baoc.formats import Canonical, StepHyper, resolve_in
 from lightning_baoc.formats.quant import stream_key
 from lightning_baoc.optim.pools import Pool, Record
@@ -304,11 +304,18 @@ class PersistenceMixin:
 
         Factored second moments are expanded; formats without momentum export a zero momentum with
         their own step count (documented loss: a plain AdamW resumes with a cold momentum there).
-        Same as :func:`~lightning_baoc.export_adamw_state_dict` of :meth:`state_dict`.
+        Same as :func:`~lightning_baoc.export_adamw_state_dict` of :meth:`state_dict`. Over sharded
+        parameters (FSDP2) it holds the whole moments, gathered from every rank: call it on every rank;
+        it loads into a run of any world size, one process included (each rank takes its rows).
         """
         if self.rule != "adamw":
             raise TypeError(
                 f"to_adamw_state_dict exports AdamW's state; {self.label} holds a {self.rule} momentum: "
                 f"save its state_dict(), or read each buffer with param_state(name).exp_avg"
             )
-        return export_adamw_state_dict(self.state_dict())
+        out = export_adamw_state_dict(self.state_dict())
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, entry in out["state"].items():  # the whole of a sharded parameter's moments
+            for key in ("exp_avg", "exp_avg_sq"):
+                entry[key] = gather_full(entry[key], params[index])
+        return out

@@ -18,7 +18,9 @@ part: each rank holds the state of its own shard, in the format chosen for the w
 - Factored second moments need the column statistics of the whole matrix (a reduction across the
   ranks every step): not supported yet over a sharded dimension 0, refused with the alternatives.
 
-Nothing here communicates: the optimizers' step is local to each rank, as FSDP2 expects.
+The step communicates nothing: it is local to each rank, as FSDP2 expects. ``to_adamw_state_dict``
+gathers the whole fp32 moments (:func:`gather_full`, a collective), and a whole state loads into a
+sharded run by taking each rank's part (:func:`this_shard`), so a state moves between world sizes.
 """
 
 from __future__ import annotations
@@ -82,6 +84,26 @@ def check_sharded_format(fmt: Any, p: Tensor, name: str) -> str:
             f"(int8, nomomentum_int8, bf16, nomomentum, fp32), e.g. set_formats({{{name!r}: 'int8'}})."
         )
     return fmt.name
+
+
+def gather_full(t: Tensor, p: Tensor) -> Tensor:
+    """The whole of ``t``, a tensor shaped like this rank's shard of ``p``, assembled from every rank's
+    (a collective: every rank calls it, for the same parameters in the same order); ``t`` itself when
+    ``p`` is not sharded."""
+    if not is_sharded(p):
+        return t
+    whole = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return whole.full_tensor()
+
+
+def this_shard(t: Tensor, p: Tensor) -> Tensor:
+    """This rank's part of ``t`` when ``t`` has the whole shape of the sharded ``p`` (a full export
+    loading into a sharded run); ``t`` itself otherwise."""
+    mine = local(p)
+    if not is_sharded(p) or tuple(t.shape) != tuple(p.shape) or tuple(mine.shape) == tuple(p.shape):
+        return t
+    start = shard_offset(p)
+    return t.reshape(-1)[start : start + mine.numel()].view(mine.shape)
 
 
 def shard_group(params: Any) -> Any:

@@ -55,10 +55,13 @@ class StepMixin:
             rest: list[Tensor] = []
             for p in group["params"]:
                 mine = local(p)
-                if p not in chosen or p.grad is None or mine.numel() == 0:
+                if p not in chosen or p.grad is None or p.numel() == 0:
                     continue
                 rec = self._records[p]
                 fmt = self.format_registry[rec.format]
+                if mine.numel() == 0:  # a rank holding no rows of a sharded parameter: its counts move alike
+                    rec.step, rec.m_step = rec.step + 1, rec.m_step + int(fmt.has_momentum)
+                    continue
                 if kernel_serves(fmt, mine, rec.views, self.kernels):
                     item = KernelItem(mine, local(p.grad), rec.views, rec.counts, self._salt(rec), rec.master_correction,
                                       rec.shard_offset)

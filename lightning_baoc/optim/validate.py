@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch import Tensor
 
-from lightning_baoc.optim.sharding import local
+from lightning_baoc.optim.sharding import local, this_shard
 from lightning_baoc.formats import Canonical, StateFormat, check_format_name
 from lightning_baoc.formats.correction import CORRECTIONS, WEIGHT_DTYPES, correction_dtype
 from lightning_baoc.optim.args import PERFORMANCE_HINTS
@@ -261,6 +261,7 @@ def _torch_entry(name: str, key: Any, entry: Any, p: Tensor) -> LoadedState:
         t = entry.get(k)
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise invalid(f"{where}: {k!r} is missing or not a floating-point tensor (keys {sorted(map(str, entry))})")
+        t = this_shard(t, p)  # a whole state into a sharded parameter: this rank's rows
         if tuple(t.shape) != tuple(local(p).shape):
             raise invalid(f"{where}: {k} has shape {tuple(t.shape)}, the parameter has shape {tuple(local(p).shape)}: another model")
         moments[k] = t.to(p.device, torch.float32)
@@ -294,6 +295,7 @@ def _torch_momentum_entry(opt: "BlockwiseAdamW", name: str, key: Any, entry: Any
         return LoadedState(None, Canonical(tuple(local(p).shape)), 0, 0)
     if not isinstance(t, Tensor) or not t.is_floating_point():
         raise invalid(f"{where}: {buffer_key!r} is not a floating-point tensor")
+    t = this_shard(t, p)
     if tuple(t.shape) != tuple(local(p).shape):
         raise invalid(f"{where}: {buffer_key} has shape {tuple(t.shape)}, the parameter has shape {tuple(local(p).shape)}: another model")
     buffer = t.to(p.device, torch.float32)

@@ -74,6 +74,7 @@ def _worker(rank: int) -> None:
     _int8_follows_one_process(mesh, rank)
     _sgd_and_bf16_weights(mesh, rank)
     _one_and_two_ranks_agree(mesh)
+    _full_export_moves_between_world_sizes(mesh, rank)
     _refusals(mesh)
 
 
@@ -167,6 +168,52 @@ def _one_and_two_ranks_agree(mesh) -> None:  # type: ignore[no-untyped-def]
         assert opt.formats() == one.formats() and opt.formats()["0.weight"] == fmt
         for (name, p), q in zip(single.named_parameters(), _full(sharded)):
             assert torch.equal(p.detach(), q), (fmt, name, (p.detach() - q).abs().max().item())
+
+
+def _full_export_moves_between_world_sizes(mesh, rank: int) -> None:  # type: ignore[no-untyped-def]
+    """The whole fp32 state of a sharded int8 run (gathered on every rank) resumes in one process with
+    the same formats and continues as the sharded run does (within int8's error); a fresh sharded run
+    resumes from it to the bit. A rank holding no rows of a parameter counts its steps alike."""
+    sharded = _shard(_model(), mesh)
+    kwargs = dict(lr=1e-2, state_format="int8", min_8bit_numel=1000)
+    opt = BlockwiseAdamW(sharded.named_parameters(), **kwargs)
+    _train(sharded, opt, 10, rank)
+    export = opt.to_adamw_state_dict()
+    assert tuple(export["state"][0]["exp_avg"].shape) == (33, 48)  # the whole parameter's, on every rank
+    single = _model()
+    with torch.no_grad():
+        for p, full in zip(single.parameters(), _full(sharded)):
+            p.copy_(full)
+    one = BlockwiseAdamW(single.named_parameters(), **kwargs)
+    one.load_state_dict(export)
+    assert one.formats() == opt.formats() and one.step_count("0.weight") == 10
+    again = _shard(_model(), mesh)
+    with torch.no_grad():
+        for p, q in zip(again.parameters(), sharded.parameters()):
+            p.to_local().copy_(q.to_local())
+    resumed = BlockwiseAdamW(again.named_parameters(), **kwargs)
+    resumed.load_state_dict(export)
+    for name, p in sharded.named_parameters():
+        mine = opt.param_state(name)
+        if mine.exp_avg.numel() == 0:  # a rank with no rows of this parameter
+            continue
+        for loaded in (resumed.param_state(name), one.param_state(name)):
+            part = this_rank(loaded.exp_avg, p) if loaded.exp_avg.shape != mine.exp_avg.shape else loaded.exp_avg
+            scale = mine.exp_avg.abs().max().item() + 1e-12
+            assert (part - mine.exp_avg).abs().max().item() <= 0.02 * scale, name  # int8 re-encoded
+    _train(sharded, opt, 5, rank)
+    _train(again, resumed, 5, rank)
+    _train(single, one, 5, None)
+    for (name, a), b, c in zip(sharded.named_parameters(), again.parameters(), single.parameters()):
+        whole_a, whole_b = a.full_tensor(), b.full_tensor()  # collectives: every rank, every parameter
+        assert torch.equal(whole_a, whole_b), name  # the same world size resumes to the bit
+        assert (whole_a - c.detach()).abs().max().item() <= 0.1 * 5 * 1e-2, name
+
+
+def this_rank(whole: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    from lightning_baoc.optim.sharding import this_shard
+
+    return this_shard(whole, p)
 
 
 def _refusals(mesh) -> None:  # type: ignore[no-untyped-def]
