@@ -106,6 +106,19 @@ def this_shard(t: Tensor, p: Tensor) -> Tensor:
     return t.reshape(-1)[start : start + mine.numel()].view(mine.shape)
 
 
+def mesh_min(t: Tensor, params: Any) -> None:
+    """``t`` <- its minimum over every rank of the device mesh of the ``DTensor`` ``params`` (every
+    dimension of it: the shards and, under HSDP, the replicas), in place; one mesh only."""
+    import torch.distributed as dist
+
+    meshes = {id(p.device_mesh): p.device_mesh for p in params if is_sharded(p)}
+    if len(meshes) > 1:
+        raise ValueError("the optimizer's DTensor parameters live on several device meshes; keep them on one")
+    for mesh in meshes.values():
+        for dim in range(mesh.ndim):
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=mesh.get_group(dim))
+
+
 def shard_group(params: Any) -> Any:
     """The process group over which ``params`` are sharded (their 1-D device mesh's), ``None`` when
     none is a ``DTensor``. Several meshes, or a mesh of more than one dimension (HSDP), are refused:

@@ -28,7 +28,7 @@ from lightning_baoc.formats.compiled import KernelItem, compiled_step, kernel_se
 from lightning_baoc.formats.correction import reconstruct, split_into
 from lightning_baoc.formats.quant import name_salt
 from lightning_baoc.optim.pools import Record
-from lightning_baoc.optim.sharding import local
+from lightning_baoc.optim.sharding import is_sharded, local, mesh_min
 
 
 class StepMixin:
@@ -46,7 +46,7 @@ class StepMixin:
 
     def _step_params(self, params: list[Tensor]) -> None:
         """One step of ``params`` (with gradients, states and corrections in place), by group."""
-        chosen = set(params)
+        chosen = set(params) - self._skip_sharded_nonfinite(params)
         eager: list[tuple[StepHyper, list[Tensor]]] = []
         for group in self.param_groups:
             hyper = self._hyper(group)
@@ -81,6 +81,22 @@ class StepMixin:
             for hyper, params in eager:
                 self._eager_step(hyper, params, finite[: len(params)])
                 finite = finite[len(params) :]
+
+    def _skip_sharded_nonfinite(self, params: list[Tensor]) -> set[Tensor]:
+        """The sharded parameters whose gradient holds inf or NaN on some rank, skipped on every rank
+        (counted, warned): one test of their local gradients and one all-reduce per step, so that no
+        rank steps a parameter another skips (their shards and step counts would part)."""
+        sharded = [p for p in params if p.grad is not None and is_sharded(p)]
+        if not self.skip_nonfinite or not sharded:
+            return set()
+        ok = torch.tensor(self._finite_mask(sharded), dtype=torch.int32, device=local(sharded[0].grad).device)
+        mesh_min(ok, sharded)
+        skipped = {p for p, good in zip(sharded, ok.tolist()) if not good}
+        for p in skipped:
+            self._records[p].nonfinite += 1
+        if skipped:
+            self._warn_skipped([self._records[p] for p in sharded if p in skipped])
+        return skipped
 
     def _finite_mask(self, params: list[Tensor]) -> list[bool]:
         """Whether each parameter's gradient holds only finite values (one host sync per device).

@@ -11,6 +11,7 @@ uneven shards, and a rank holding no rows of a parameter):
   parameter is above it, on every rank alike;
 - one process and two ranks given the same gradients end with the same weights, to the bit, in every
   element-wise format and in the 8-bit ones where shards start on a super-block;
+- a NaN in one rank's rows skips the parameter on every rank;
 - BlockwiseSGD in fp32 equals torch's SGD under FSDP2; bf16 weights keep their 8-bit correction per
   shard (1 byte per local element) and follow the single-process run; gradient release is refused;
 - a factored format over a sharded dimension 0 is refused, naming the alternatives; a placement
@@ -75,6 +76,7 @@ def _worker(rank: int) -> None:
     _sgd_and_bf16_weights(mesh, rank)
     _one_and_two_ranks_agree(mesh)
     _full_export_moves_between_world_sizes(mesh, rank)
+    _nonfinite_is_skipped_on_every_rank(mesh, rank)
     _refusals(mesh)
 
 
@@ -208,6 +210,29 @@ def _full_export_moves_between_world_sizes(mesh, rank: int) -> None:  # type: ig
         whole_a, whole_b = a.full_tensor(), b.full_tensor()  # collectives: every rank, every parameter
         assert torch.equal(whole_a, whole_b), name  # the same world size resumes to the bit
         assert (whole_a - c.detach()).abs().max().item() <= 0.1 * 5 * 1e-2, name
+
+
+def _nonfinite_is_skipped_on_every_rank(mesh, rank: int) -> None:  # type: ignore[no-untyped-def]
+    """A NaN in one rank's rows of a gradient skips that parameter on both ranks (counted there), and
+    only that parameter: the shards and their step counts stay in step."""
+    model = _shard(_model(), mesh)
+    opt = BlockwiseAdamW(model.named_parameters(), lr=1e-2, state_format="int8", min_8bit_numel=0)
+    _train(model, opt, 2, rank)
+    before = _full(model)
+    x, y = _batch(2, rank)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    if rank == 1:
+        model[0].weight.grad.to_local()[0, 0] = float("nan")  # rank 1's rows only
+    with pytest.warns(RuntimeWarning, match="non-finite gradient for '0.weight'"):
+        opt.step()
+    after = _full(model)
+    assert torch.equal(after[0], before[0]) and not torch.equal(after[2], before[2])
+    assert opt.nonfinite_counts["0.weight"] == 1 and opt.step_count("0.weight") == 2
+    assert opt.step_count("2.weight") == 3
+    counts = [None] * WORLD
+    dist.all_gather_object(counts, {n: opt.step_count(n) for n in opt.named_params})
+    assert counts[0] == counts[1]
 
 
 def this_rank(whole: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
