@@ -11,6 +11,8 @@ uneven shards, and a rank holding no rows of a parameter):
   parameter is above it, on every rank alike;
 - one process and two ranks given the same gradients end with the same weights, to the bit, in every
   element-wise format and in the 8-bit ones where shards start on a super-block;
+- the whole fp32 state gathered by ``to_adamw_state_dict`` resumes in one process (same formats,
+  within int8's error) and in a fresh two-rank run (to the bit);
 - a NaN in one rank's rows skips the parameter on every rank;
 - BlockwiseSGD in fp32 equals torch's SGD under FSDP2; bf16 weights keep their 8-bit correction per
   shard (1 byte per local element) and follow the single-process run; gradient release is refused;
