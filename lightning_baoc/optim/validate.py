@@ -249,11 +249,20 @@ def _plan_torch(opt: "BlockwiseAdamW", sd: Mapping[str, Any]) -> LoadPlan:
     return LoadPlan(groups=groups, entries=entries, requested=None, nonfinite={})
 
 
+#: Why an entry comes without its section: torch.distributed.checkpoint keeps only "state" and
+#: "param_groups" of an optimizer's dict.
+_STRIPPED = (
+    " (torch.distributed.checkpoint's get_/set_optimizer_state_dict keep only 'state' and 'param_groups', as "
+    "Lightning's ModelParallelStrategy and Fabric's FSDP2 checkpoints do: they cannot carry these states yet; "
+    "checkpoint the optimizer's own state_dict() per rank, or to_adamw_state_dict() on every rank)"
+)
+
+
 def _torch_entry(name: str, key: Any, entry: Any, p: Tensor) -> LoadedState:
     where = f"state of {name!r} (entry {key!r})"
     entry = require_mapping(entry, where)
     if "format" in entry and "tensors" in entry:
-        raise invalid(f"{where} is a BlockwiseAdamW entry, but the dict's 'baoc' section is missing")
+        raise invalid(f"{where} is a BlockwiseAdamW entry, but the dict's 'baoc' section is missing{_STRIPPED}")
     if "max_exp_avg_sq" in entry:
         raise invalid(f"{where} holds amsgrad state (max_exp_avg_sq): BlockwiseAdamW does not implement amsgrad")
     moments = {}
@@ -286,7 +295,7 @@ def _torch_momentum_entry(opt: "BlockwiseAdamW", name: str, key: Any, entry: Any
     where = f"state of {name!r} (entry {key!r})"
     entry = require_mapping(entry, where)
     if "format" in entry and "tensors" in entry:
-        raise invalid(f"{where} is a {opt.label} entry, but the dict's 'baoc' section is missing")
+        raise invalid(f"{where} is a {opt.label} entry, but the dict's 'baoc' section is missing{_STRIPPED}")
     buffer_key = _TORCH_BUFFERS[opt.rule]
     if buffer_key not in entry:
         raise invalid(f"{where}: {buffer_key!r} is missing (keys {sorted(map(str, entry))}): not a {opt.rule} state")

@@ -251,6 +251,15 @@ def _refusals(mesh) -> None:  # type: ignore[no-untyped-def]
     model(torch.randn(4, 48)).sum().backward()
     with pytest.raises(ValueError, match=r"'0.weight' is sharded along dimension 0.*int8, nomomentum_int8, bf16"):
         opt.step()
+    # torch.distributed.checkpoint drops the optimizer's own section: refused at load, saying so
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from lightning_baoc import CheckpointError
+
+    int8 = BlockwiseAdamW(model.named_parameters(), lr=1e-3, state_format="int8")
+    int8.step()
+    with pytest.raises(CheckpointError, match=r"torch.distributed.checkpoint.*per rank, or to_adamw_state_dict"):
+        set_optimizer_state_dict(model, int8, get_optimizer_state_dict(model, int8))
     columns = nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(1)]))
     with pytest.raises(ValueError, match=r"placed \(Shard\(dim=1\),\).*Shard this parameter on dim 0"):
         BlockwiseAdamW([("columns", columns)])
