@@ -259,6 +259,9 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
             check_format_name(fmt, f"format of {key!r}", self.format_registry)
             for p in resolved[key]:
                 requests[p] = fmt
+        for p, fmt in requests.items():  # refused before anything changes (a sharded parameter's factored format)
+            resolved_fmt = resolve_in(self.format_registry, fmt, p.shape, self.min_8bit_numel)
+            check_sharded_format(self.format_registry[resolved_fmt], p, self._records[p].name)
         for p, fmt in requests.items():
             self._records[p].requested = fmt
         return self._sync_formats()

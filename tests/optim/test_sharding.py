@@ -251,6 +251,12 @@ def _refusals(mesh) -> None:  # type: ignore[no-untyped-def]
     model(torch.randn(4, 48)).sum().backward()
     with pytest.raises(ValueError, match=r"'0.weight' is sharded along dimension 0.*int8, nomomentum_int8, bf16"):
         opt.step()
+    fine = BlockwiseAdamW(model.named_parameters(), lr=1e-3, state_format="int8", min_8bit_numel=0)
+    fine.step()
+    with pytest.raises(ValueError, match=r"'2.weight' is sharded along dimension 0"):
+        fine.set_formats({"2.weight": "int8_factored"})
+    assert set(fine.formats().values()) == {"int8"}
+    fine.step()  # nothing was left half-changed
     # torch.distributed.checkpoint drops the optimizer's own section: refused at load, saying so
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
