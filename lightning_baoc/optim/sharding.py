@@ -120,18 +120,19 @@ def mesh_min(t: Tensor, params: Any) -> None:
 
 
 def shard_group(params: Any) -> Any:
-    """The process group over which ``params`` are sharded (their 1-D device mesh's), ``None`` when
-    none is a ``DTensor``. Several meshes, or a mesh of more than one dimension (HSDP), are refused:
-    the sampler sums its per-rank pieces over one group."""
-    meshes = {id(p.device_mesh): p.device_mesh for p in params if is_sharded(p)}
+    """The process group over which ``params`` are sharded: the mesh dimension of their ``Shard(0)``
+    (FSDP2's one dimension; HSDP's second, its replicas each summing their own shards), ``None`` when
+    none is a ``DTensor``. Several meshes, or parameters sharded over different mesh dimensions, are
+    refused: the sampler sums its per-rank pieces over one group."""
+    sharded = [p for p in params if is_sharded(p)]
+    meshes = {id(p.device_mesh): p.device_mesh for p in sharded}
     if not meshes:
         return None
     if len(meshes) > 1:
         raise ValueError("the model's DTensor parameters live on several device meshes; sample them on one mesh")
     (mesh,) = meshes.values()
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"the model's DTensor parameters live on a {mesh.ndim}-D device mesh {tuple(mesh.mesh.shape)}: gradient "
-            f"sampling assembles shards over a 1-D mesh (FSDP2's fully_shard); HSDP is not supported yet"
-        )
-    return mesh.get_group()
+    dims = {d for p in sharded for d, placement in enumerate(p.placements) if isinstance(placement, Shard)}
+    if len(dims) > 1:
+        raise ValueError(f"the model's DTensor parameters are sharded over several mesh dimensions {sorted(dims)}; "
+                         f"gradient sampling assembles shards over one")
+    return mesh.get_group(dims.pop() if dims else 0)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import statistics as S
-from ..optim.sharding import is_sharded, shard_group
+from ..optim.sharding import is_sharded, local, shard_group
 from ..blocks import partition
 from .gather import _gather, _merge
 from .layout import _Block, _check_blocks, _check_int, _plan_blocks
@@ -249,7 +249,7 @@ class GradientSampler(SamplerStateMixin):
         device = torch.device("cpu") if grad is None else grad.device
         if grad is not None:
             sample.seen.add(bi)
-            if self._replica_zeros and not is_sharded(grad):
+            if self._replica_zeros and (not is_sharded(grad) or local(grad).shape == grad.shape):
                 grad = None  # another rank gathers this replicated gradient: zeros here
         sample.done.add(id(seg))
         if device.type == "cpu":

@@ -16,6 +16,7 @@ uneven shards, and a rank holding no rows of a parameter):
 - a NaN in one rank's rows skips the parameter on every rank;
 - BlockwiseSGD in fp32 equals torch's SGD under FSDP2; bf16 weights keep their 8-bit correction per
   shard (1 byte per local element) and follow the single-process run; gradient release is refused;
+- under HSDP (4 ranks: 2 replicas x 2 shards) fp32 equals torch's AdamW;
 - a factored format over a sharded dimension 0 is refused, naming the alternatives; a placement
   other than ``Shard(0)``/``Replicate`` is refused at construction.
 """
@@ -273,3 +274,22 @@ def _refusals(mesh) -> None:  # type: ignore[no-untyped-def]
 
 def test_blockwise_adamw_under_fsdp2_on_two_ranks() -> None:
     on_gloo_ranks(_worker, WORLD)
+
+
+def _hsdp_worker(rank: int) -> None:
+    """HSDP (2 replicas x 2 shards): fp32 BlockwiseAdamW equals torch's AdamW under the same wrapping."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    ours, theirs = _shard(_model(), mesh), _shard(_model(), mesh)
+    assert [type(p).__name__ for p in ours.parameters()][0] == "DTensor" and ours[0].weight.placements[1].is_shard(0)
+    opt = BlockwiseAdamW(ours.named_parameters(), lr=1e-2, weight_decay=0.1, state_format="fp32")
+    ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.1)
+    _train(ours, opt, 30, rank % 2)
+    _train(theirs, ref, 30, rank % 2)
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        assert (a.full_tensor() - b.full_tensor()).abs().max().item() <= 1e-6, name
+
+
+def test_blockwise_adamw_under_hsdp_on_four_ranks() -> None:
+    on_gloo_ranks(_hsdp_worker, 4)

@@ -4,7 +4,8 @@ Two gloo ranks on the CPU hold the rows of each layer's gradient (33 and 64 outp
 shards; the last layer has one row, so one rank holds none of it) and one layer left whole on every
 rank. Each rank gathers the sampled elements and rows of its own rows, one all-reduce per sample
 assembles them, and every statistic equals the single-process sampler's over the same gradients
-(element subsampling and row striding both on), on every rank.
+(element subsampling and row striding both on), on every rank; under HSDP (2 replicas x 2 shards)
+too, each replica summing over its own shard group.
 """
 
 from __future__ import annotations
@@ -76,3 +77,24 @@ def _worker(rank: int) -> None:
 
 def test_sharded_statistics_equal_the_unsharded_ones() -> None:
     on_gloo_ranks(_worker, WORLD)
+
+
+def _hsdp_worker(rank: int) -> None:
+    """HSDP: 2 replicas x 2 shards; every replica assembles its own sample over its shard group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    reference = _statistics(_model(), sharded=False)
+    model = _model()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for i in (0, 2, 4):
+        fully_shard(model[i], mesh=mesh)
+    stats = _statistics(model, sharded=True)
+    for block, ref in reference.items():
+        for key, value in ref.items():
+            got = stats[block][key]
+            assert (math.isnan(got) and math.isnan(value)) or got == pytest.approx(value, rel=1e-6, abs=1e-9), (block, key)
+
+
+def test_hsdp_statistics_equal_the_unsharded_ones() -> None:
+    on_gloo_ranks(_hsdp_worker, 4)
