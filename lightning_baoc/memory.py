@@ -5,7 +5,8 @@ optimizer's state (BlockwiseAdamW, BlockwiseSGD, BlockwiseLion: their ``state_by
 ``weight_correction_bytes()``, which equal the storage they allocate; any other optimizer: the
 storages of its ``state``). A storage shared by several tensors (tied weights, views) counts once.
 Activations, the allocator's slack and the libraries are not in it: ``benchmarks/total_memory.py``
-measures a whole run's peak beside it.
+measures a whole run's peak beside it. Over sharded parameters (FSDP2's ``DTensor``) every figure is
+this rank's: its shards' storages (FSDP2's padding included) and elements.
 
 Example:
     >>> import torch
@@ -25,6 +26,8 @@ from typing import Any, Iterable
 
 import torch
 from torch import Tensor, nn
+
+from lightning_baoc.optim.sharding import local
 
 PARTS = ("weights", "corrections", "gradients", "states")
 
@@ -59,6 +62,7 @@ class TrainingMemory:
 def _storage_bytes(tensors: Iterable[Tensor]) -> int:
     seen: dict[tuple[str, int], int] = {}
     for t in tensors:
+        t = local(t)  # a sharded tensor: this rank's part (its storage)
         if t.device.type == "meta":
             seen[("meta", id(t))] = t.numel() * t.element_size()
             continue
@@ -86,7 +90,7 @@ def training_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
                 t for s in optimizer.state.values() for t in s.values() if isinstance(t, Tensor) and t.dim() > 0
             )
     return TrainingMemory(
-        params=sum(p.numel() for p in unique),
+        params=sum(local(p).numel() for p in unique),
         weights=_storage_bytes(unique),
         corrections=corrections,
         gradients=_storage_bytes(p.grad for p in unique if p.grad is not None),

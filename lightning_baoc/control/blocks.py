@@ -8,6 +8,7 @@ A mixin of :class:`~lightning_baoc.controller.BAOCController`: the lifecycle own
 
 from __future__ import annotations
 
+import math
 import logging
 import warnings
 from typing import Any, Callable
@@ -17,6 +18,7 @@ from torch import nn
 
 from ..blocks import partition
 from ..budget import format_bytes
+from ..optim.sharding import largest_shard_shape, splits_rows
 from ..calibration import withheld_formats
 from ..costs import AllocationProblem
 from ..formats import RULE_NAMES, formats_of
@@ -132,12 +134,14 @@ class BlocksMixin:
         cfg = self.config
         named = opt.named_params
         registry = formats_of(opt.rule)
-        self._shapes = {b: [tuple(named[n].shape) for n in names] for b, names in self.block_params.items()}
-        self._numel = {b: sum(named[n].numel() for n in names) for b, names in self.block_params.items()}
+        # a sharded model (FSDP2) is budgeted per rank, on each tensor's largest shard: met there, met
+        # on every rank
+        self._shapes = {b: [largest_shard_shape(named[n]) for n in names] for b, names in self.block_params.items()}
+        self._numel = {b: sum(math.prod(s) for s in shapes) for b, shapes in self._shapes.items()}
         # torch's optimizer holds its buffers in the parameter's dtype: AdamW two, SGD and Lion one
         moments = registry["fp32"].state_bytes((1,)) // 4
         self._baseline = sum(
-            moments * named[n].numel() * named[n].element_size()
+            moments * math.prod(largest_shard_shape(named[n])) * named[n].element_size()
             for names in self.block_params.values()
             for n in names
         )
@@ -148,6 +152,10 @@ class BlocksMixin:
                 f"({type(opt).__name__}); its formats are {list(registry)}: name those"
             )
         wanted = list(cfg.formats) if cfg.formats is not None else list(registry)
+        split = [n for names in self.block_params.values() for n in names if splits_rows(named[n])]
+        sharded_out = {f: f"{split[0]!r} and others are sharded by rows: a factored second moment needs every rank's rows"
+                       for f in wanted if split and registry[f].factored}
+        wanted = [f for f in wanted if f not in sharded_out]
         self._dtypes = dtypes = {b: [named[n].dtype for n in names] for b, names in self.block_params.items()}
         if cfg.corrections is not None and not any(d in WEIGHT_DTYPES for row in dtypes.values() for d in row):
             raise ValueError(
@@ -167,7 +175,7 @@ class BlocksMixin:
             corrections=cfg.corrections,
             dtypes=dtypes,
         )
-        self._withheld = self._problem.withheld
+        self._withheld = {**self._problem.withheld, **sharded_out}
         self._offered = self._problem.allowed
         self._memory = self._problem.memory
 

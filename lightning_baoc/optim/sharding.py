@@ -106,6 +106,25 @@ def this_shard(t: Tensor, p: Tensor) -> Tensor:
     return t.reshape(-1)[start : start + mine.numel()].view(mine.shape)
 
 
+def largest_shard_shape(p: Tensor) -> tuple[int, ...]:
+    """The shape of the largest shard of ``p`` on any rank (the first rank's: ``torch.chunk`` gives the
+    first chunks the most rows); ``p``'s shape when it is not sharded. A budget per rank is met on
+    every rank when it is met on this shape."""
+    shape = tuple(p.shape)
+    if not is_sharded(p) or not shape:
+        return shape
+    rows = shape[0]
+    for dim, placement in enumerate(p.placements):
+        if isinstance(placement, Shard):
+            rows = -(-rows // p.device_mesh.size(dim)) if rows else 0
+    return (rows, *shape[1:])
+
+
+def splits_rows(p: Tensor) -> bool:
+    """Whether ``p``'s rows are split among ranks (a factored second moment would need all of them)."""
+    return is_sharded(p) and largest_shard_shape(p)[:1] != tuple(p.shape[:1])
+
+
 def mesh_min(t: Tensor, params: Any) -> None:
     """``t`` <- its minimum over every rank of the device mesh of the ``DTensor`` ``params`` (every
     dimension of it: the shards and, under HSDP, the replicas), in place; one mesh only."""

@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
+from ..optim.sharding import local
 from ..formats.correction import CORRECTIONS, WEIGHT_DTYPES, check_correction, reconstruct, split
 from ..optim.args import to_float
 from .shadow import ShadowMoments
@@ -104,9 +105,9 @@ def correction_risk_table(
                 p, entry = named[name], shadow.entries.get(name)
                 if p.dtype not in WEIGHT_DTYPES or entry is None or entry.steps == 0:
                     continue
-                scale = p.numel() / max(1, entry.exp_avg.numel())
+                scale = local(p).numel() / max(1, entry.exp_avg.numel())
                 held = optimizer.held_correction(name)  # type: ignore[attr-defined]
-                w = entry.gather(p.detach().reshape(-1))
+                w = entry.gather(local(p).detach().reshape(-1))
                 x = reconstruct(w, None if held is None else entry.gather(held.reshape(-1))).double()
                 m, v = entry.corrected(betas[name])
                 d = expected_step(rule, optimizer.param_group_of(name), m, v, x)  # type: ignore[attr-defined]

@@ -62,6 +62,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import Tensor
 
+from lightning_baoc.optim.sharding import local
 from lightning_baoc.formats import FORMATS, Canonical, StepHyper, factor_dims, resolve_format
 from lightning_baoc.formats.base import factored_ratio
 from lightning_baoc.optim import BlockwiseAdamW
@@ -197,7 +198,7 @@ def _param_terms(
 
     # a re-created momentum estimates the same signal (in fp32, as a format would hold it)
     m_src = m if m is not None else (m_hat * bc1).float().clamp_(max=torch.finfo(torch.float32).max)
-    dims = factor_dims(p.shape)
+    dims = factor_dims(local(p).shape)  # a sharded parameter: its rows here (the state decoded is theirs)
     factored_v: Tensor | None = None
     bias: dict[str, float] = {}
     added_noise: dict[str, float] = {}

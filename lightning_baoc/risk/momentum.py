@@ -49,6 +49,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import Tensor
 
+from lightning_baoc.optim.sharding import local
 from lightning_baoc.formats import MOMENTUM_FORMATS, Canonical, StepHyper, resolve_in
 from lightning_baoc.risk.model import DEFAULT_HORIZON, BlockRisk
 from lightning_baoc.risk.shadow import ShadowMoments
@@ -187,7 +188,7 @@ def momentum_risk_details(
                     fmts = {f: "fp32" for f in formats}  # no buffer in any format: nothing to lose
                 m_hat, v_hat = entry.corrected((beta_buffer, 0.999))
                 noise = (v_hat - m_hat * m_hat).clamp_min(0.0)
-                scale = p.numel() / max(1, m_hat.numel())
+                scale = local(p).numel() / max(1, m_hat.numel())
                 dampening = float(group["dampening"]) if rule == "sgd" else 0.0
                 progress, update_sq, bias, added = _tensor_terms(
                     rule, beta1, m_hat, noise, fmts, generator, scale, dampening

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
+from lightning_baoc.optim.sharding import local
 from lightning_baoc.formats.quant import SUPER
 
 #: Elements of each tensor shadowed (16 segments of 1024); smaller tensors are shadowed whole.
@@ -100,8 +101,9 @@ class ShadowMoments:
         self.max_elements = int(max_elements)
         self.entries: dict[str, ShadowEntry] = {}
         for name, p in params.items():
-            segments = choose_segments(p.numel(), self.max_elements, generator)
-            n = p.numel() if segments is None else segments.numel() * SUPER
+            numel = local(p).numel()  # a sharded parameter: this rank shadows its own rows
+            segments = choose_segments(numel, self.max_elements, generator)
+            n = numel if segments is None else segments.numel() * SUPER
             if segments is not None:
                 segments = segments.to(p.device)
             zeros = torch.zeros(n, dtype=torch.float32, device=p.device)
@@ -131,7 +133,7 @@ class ShadowMoments:
             entry = self.entries.get(name)
             if entry is None or p is None or p.grad is None:
                 continue
-            flat = p.grad.detach().reshape(-1)
+            flat = local(p.grad).detach().reshape(-1)
             g = entry.gather(flat).to(torch.float32)
             if g.data_ptr() == flat.data_ptr():
                 g = g.clone()

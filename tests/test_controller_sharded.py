@@ -1,0 +1,75 @@
+"""The framework-free BAOC lifecycle over an FSDP2-sharded model (2 gloo ranks on the CPU).
+
+Every rank runs the controller on its shards; rank zero decides and broadcasts. Checked: the warm-up
+ends in an allocation and a re-evaluation follows; every rank holds the same formats; each rank's
+state is within the budget, which is per rank (a share of the fp32 state of a tensor's largest shard,
+so it holds on every rank); the factored formats are withheld, named (their column statistics
+would need every rank's rows); the rank with the smaller shards holds no more than the other.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_baoc import BlockwiseAdamW
+from lightning_baoc.controller import BAOCController
+
+from support_distributed import needs_gloo, on_gloo_ranks
+
+pytestmark = needs_gloo
+WORLD = 2
+
+
+def _broadcast(obj):  # type: ignore[no-untyped-def]
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _worker(rank: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 255), nn.Tanh(), nn.Linear(255, 255), nn.Tanh(), nn.Linear(255, 10))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ctl = BAOCController(memory_budget=0.3, warmup_steps=12, sample_every=2, reevaluate_every_n_epochs=1,
+                         hysteresis=0.0, calibration="prior")
+    opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
+    assert isinstance(opt, BlockwiseAdamW)
+    zero = rank == 0
+    for step in range(30):
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randn(2 * 16, 64, generator=gen)[rank * 16 : (rank + 1) * 16]
+        ctl.before_step(step, _broadcast, zero)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), x[:, :10].argmax(1)).backward()
+        ctl.observe(step)
+        opt.step()
+        ctl.maybe_allocate(step + 1, _broadcast, zero)
+        if step + 1 == 20:
+            ctl.epoch_end(0)  # an epoch ends: a re-evaluation is due
+    assert [h["reason"] for h in ctl.history][:2] == ["warmup", "epoch"] and ctl.phase == "allocated"
+    everyone = [None] * WORLD
+    dist.all_gather_object(everyone, (opt.formats(), opt.state_bytes(), ctl.memory_budget_bytes()))
+    assert everyone[0][0] == everyone[1][0]  # the same allocation on every rank
+    assert not {"factored", "int8_factored"} & set(opt.formats().values())
+    assert "factored" in ctl._withheld and "sharded by rows" in ctl._withheld["factored"]  # noqa: SLF001
+    largest = sum(-(-p.shape[0] // WORLD) * math.prod(p.shape[1:]) for p in model.parameters())
+    assert ctl.memory_budget_bytes() == int(0.3 * 8 * largest)  # per rank: a share of the largest shards' fp32 state
+    for formats, held, budget in everyone:
+        assert held <= budget, (held, budget)
+    assert everyone[1][1] <= everyone[0][1]  # the second rank's shards are the smaller (255 rows)
+    assert opt.state_bytes() < 8 * sum(p.to_local().numel() for p in model.parameters())
+
+
+def test_baoc_controller_allocates_the_same_formats_on_every_rank_within_a_per_rank_budget() -> None:
+    on_gloo_ranks(_worker, WORLD)
