@@ -293,6 +293,7 @@ class PersistenceMixin:
             rec.nonfinite = plan.nonfinite.get(p, 0)
             rec.format = formats.get(p)
             rec.views = views.get(p)
+            self._mark_state(p)
             rec.step = loaded.steps if loaded else 0
             rec.m_step = loaded.m_step if loaded and self.format_registry[formats[p]].has_momentum else 0
             if corrections is not None:

@@ -233,6 +233,21 @@ class PoolsMixin:
         pool.segments[p] = _segment_of(views)
         rec.views = views
         rec.format = fmt
+        self._mark_state(p)
+
+    def _mark_state(self, p: Tensor) -> None:
+        """Keep torch's ``optimizer.state`` saying which parameters hold state, and in which format.
+
+        The states live in the pools, not in ``state``; but tools read ``state`` to learn whether an
+        optimizer holds any: ``torch.distributed.checkpoint``'s state-dict functions take an empty one
+        for a fresh optimizer and step it once with zero gradients to create its states, which here
+        would advance the step counts and decay the moments of a trained one.
+        """
+        fmt = self._records[p].format
+        if fmt is None:
+            self.state.pop(p, None)  # type: ignore[attr-defined]
+        else:
+            self.state[p] = {"format": fmt}  # type: ignore[attr-defined]
 
     def _fresh_pools(
         self, formats: Mapping[Tensor, str], fill: Callable[[Tensor, str, dict[str, Tensor]], None]

@@ -338,3 +338,22 @@ def test_the_class_aliases_old_path_still_imports() -> None:
 
     assert optimizer_alias is aliases.optimizer_alias and resolve_alias is aliases.resolve_alias
     assert optimizer_alias("AdamW").__name__ == "AdamW"
+
+
+def test_torch_distributed_checkpoint_does_not_step_a_trained_optimizer() -> None:
+    """torch.distributed.checkpoint's state-dict functions step an optimizer whose ``state`` is empty
+    (with zero gradients, to create states); ``state`` names each parameter's format, so a trained
+    BlockwiseAdamW keeps its step counts and moments."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model = nn.Linear(64, 64)
+    opt = BlockwiseAdamW(model.named_parameters(), state_format="int8", min_8bit_numel=0)
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    momentum = opt.param_state("weight").exp_avg.clone()
+    assert opt.state[model.weight] == {"format": "int8"} and len(opt.state) == 2
+    get_optimizer_state_dict(model, opt)
+    assert opt.step_count("weight") == 1 and torch.equal(opt.param_state("weight").exp_avg, momentum)
+    opt.set_formats({"weight": "bf16"})
+    assert opt.state[model.weight] == {"format": "bf16"}
