@@ -288,10 +288,12 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
 
     # ------------------------------------------------------------------ step
 
-    def _noise_key(self, rec: _Record, salt: int = 0) -> int:
-        """The rounding key of ``rec``'s parameter at its step count (a step's, or a conversion's);
-        shifted by a shard's offset, so a shard draws the whole parameter's bits for its elements."""
-        return (stream_key(self.seed, rec.step, self._salt(rec) ^ salt) + rec.shard_offset) & 0xFFFFFFFF
+    def _noise_key(self, rec: _Record, salt: int = 0, step: int | None = None) -> int:
+        """The rounding key of ``rec``'s parameter at its step count (or ``step``: a step's, a
+        conversion's, a load's); shifted by a shard's offset, so a shard draws the whole parameter's
+        bits for its elements."""
+        at = rec.step if step is None else step
+        return (stream_key(self.seed, at, self._salt(rec) ^ salt) + rec.shard_offset) & 0xFFFFFFFF
 
     @torch.no_grad()
     def _initialize_new(self) -> None:

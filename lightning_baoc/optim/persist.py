@@ -18,7 +18,6 @@ from torch import Tensor
 
 from lightning_baoc.optim.sharding import gather_full, local
 from lightning_baoc.formats import Canonical, StepHyper, resolve_in
-from lightning_baoc.formats.quant import stream_key
 from lightning_baoc.optim.pools import Pool, Record
 from lightning_baoc.optim.state import (
     STATE_DICT_VERSION,
@@ -269,8 +268,7 @@ class PersistenceMixin:
             source = plan.entries[p].source
             if isinstance(source, Canonical):
                 rec = self._records[p]
-                key = stream_key(self.seed, plan.entries[p].steps, self._salt(rec) ^ _LOAD_SALT)
-                key = (key + rec.shard_offset) & 0xFFFFFFFF  # a shard draws the whole's bits
+                key = self._noise_key(rec, _LOAD_SALT, plan.entries[p].steps)
                 hyper = self._hyper(merged[rec.group], key)
                 self.format_registry[fmt].encode(source, target, hyper)
             else:

@@ -76,7 +76,7 @@ def shard_offset(p: Tensor) -> int:
 def check_sharded_format(fmt: Any, p: Tensor, name: str) -> str:
     """``fmt.name``, unless ``fmt`` factors the second moment of a parameter split along dimension 0
     across ranks (its column statistics would need the whole matrix): refused with the alternatives."""
-    if getattr(fmt, "factored", False) and is_sharded(p) and local(p).shape[:1] != p.shape[:1]:
+    if getattr(fmt, "factored", False) and splits_rows(p):
         raise ValueError(
             f"parameter {name!r} is sharded along dimension 0 ({tuple(local(p).shape)} of {tuple(p.shape)} on this "
             f"rank) and its state format {fmt.name!r} factors the second moment, whose column statistics need every "
@@ -125,16 +125,21 @@ def splits_rows(p: Tensor) -> bool:
     return is_sharded(p) and largest_shard_shape(p)[:1] != tuple(p.shape[:1])
 
 
+def _one_mesh(params: Any) -> Any:
+    """The device mesh of the ``DTensor`` ``params`` (``None`` if none is one); several are refused."""
+    meshes = {id(p.device_mesh): p.device_mesh for p in params if is_sharded(p)}
+    if len(meshes) > 1:
+        raise ValueError("the model's DTensor parameters live on several device meshes; keep them on one")
+    return next(iter(meshes.values()), None)
+
+
 def mesh_min(t: Tensor, params: Any) -> None:
     """``t`` <- its minimum over every rank of the device mesh of the ``DTensor`` ``params`` (every
     dimension of it: the shards and, under HSDP, the replicas), in place; one mesh only."""
     import torch.distributed as dist
 
-    meshes = {id(p.device_mesh): p.device_mesh for p in params if is_sharded(p)}
-    if len(meshes) > 1:
-        raise ValueError("the optimizer's DTensor parameters live on several device meshes; keep them on one")
-    for mesh in meshes.values():
-        for dim in range(mesh.ndim):
+    mesh = _one_mesh(params)
+    for dim in range(mesh.ndim if mesh is not None else 0):
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=mesh.get_group(dim))
 
 
@@ -144,12 +149,9 @@ def shard_group(params: Any) -> Any:
     none is a ``DTensor``. Several meshes, or parameters sharded over different mesh dimensions, are
     refused: the sampler sums its per-rank pieces over one group."""
     sharded = [p for p in params if is_sharded(p)]
-    meshes = {id(p.device_mesh): p.device_mesh for p in sharded}
-    if not meshes:
+    mesh = _one_mesh(sharded)
+    if mesh is None:
         return None
-    if len(meshes) > 1:
-        raise ValueError("the model's DTensor parameters live on several device meshes; sample them on one mesh")
-    (mesh,) = meshes.values()
     dims = {d for p in sharded for d, placement in enumerate(p.placements) if isinstance(placement, Shard)}
     if len(dims) > 1:
         raise ValueError(f"the model's DTensor parameters are sharded over several mesh dimensions {sorted(dims)}; "

@@ -48,9 +48,9 @@ def _gather(seg: _Segment, grad: Tensor | None, buf: Tensor, device: torch.devic
         if mat.device.type == "mps":  # no float64 there: scale each row by its largest value
             amax = mat.abs().amax(dim=1, keepdim=True).float().clamp_(min=torch.finfo(torch.float32).tiny)
             norms = torch.linalg.vector_norm(mat / amax, dim=1, dtype=torch.float32).mul_(amax.squeeze(1))
+            rows.copy_(norms.clamp_(max=_FP32_MAX))
         else:
-            norms = torch.linalg.vector_norm(mat, dim=1, dtype=torch.float64)
-        rows.copy_(norms.clamp_(max=_FP32_MAX))
+            rows.copy_(_row_norms(mat))
 
 
 def _row_norms(mat: Tensor) -> Tensor:
@@ -60,7 +60,9 @@ def _row_norms(mat: Tensor) -> Tensor:
 
 def _gather_shard(seg: _Segment, grad: Tensor, elems: Tensor, rows: Tensor, device: torch.device, with_rows: bool) -> None:
     """:func:`_gather` of this rank's rows of a sharded gradient: its part, zeros elsewhere."""
-    mine, offset = local(grad), shard_offset(grad)
+    if seg.shard_offset is None:  # the parameter's layout is fixed: found once
+        seg.shard_offset = shard_offset(grad)
+    mine, offset = local(grad), seg.shard_offset
     n = mine.numel()
     elems.zero_()
     if seg.elem_count and n:

@@ -53,6 +53,7 @@ class _Segment:
     row_start: int = 0  # rows row_start, row_start + row_step, ... (row_count of them)
     row_step: int = 1
     _on: dict[torch.device, Tensor | None] = field(default_factory=dict, repr=False)
+    shard_offset: int | None = None  # where this rank's rows start in a sharded parameter (found at its first gather)
     # a sharded parameter's sampled indices in this rank's shard: (device, offset, numel) -> (lo, hi, positions)
     _shard_positions: dict[tuple, tuple[int, int, Tensor]] = field(default_factory=dict, repr=False)
 
