@@ -141,9 +141,9 @@ class BlocksMixin:
         # torch's optimizer holds its buffers in the parameter's dtype: AdamW two, SGD and Lion one
         moments = registry["fp32"].state_bytes((1,)) // 4
         self._baseline = sum(
-            moments * math.prod(largest_shard_shape(named[n])) * named[n].element_size()
-            for names in self.block_params.values()
-            for n in names
+            moments * math.prod(shape) * named[n].element_size()
+            for b, names in self.block_params.items()
+            for n, shape in zip(names, self._shapes[b])
         )
         foreign = [f for f in cfg.formats or () if f not in registry]
         if foreign:
