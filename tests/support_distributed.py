@@ -33,6 +33,7 @@ def _rank(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple
     try:
         torch.set_num_threads(1)
         fn(rank, *args)
+        dist.barrier()  # no rank tears the group down while another still talks to it
     finally:
         dist.destroy_process_group()
 

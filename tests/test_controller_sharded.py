@@ -69,6 +69,7 @@ def _worker(rank: int) -> None:
         assert held <= budget, (held, budget)
     assert everyone[1][1] <= everyone[0][1]  # the second rank's shards are the smaller (255 rows)
     assert opt.state_bytes() < 8 * sum(p.to_local().numel() for p in model.parameters())
+    ctl.close()  # the sampler's worker thread
 
 
 def test_baoc_controller_allocates_the_same_formats_on_every_rank_within_a_per_rank_budget() -> None:
