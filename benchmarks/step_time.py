@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _report import command, machine, markdown_table, write_docs_section  # noqa: E402
 
 from lightning_baoc import FORMATS, BlockwiseAdamW, kernels  # noqa: E402
+from lightning_baoc.kernels import TRITON_SERVED  # noqa: E402
 
 FUSED = "torch AdamW fused"
 FOREACH = "torch AdamW foreach"
@@ -79,6 +80,10 @@ def optimizers(model: nn.Module) -> dict[str, tuple[torch.optim.Optimizer, float
         opt = BlockwiseAdamW(model.named_parameters(), state_format=fmt)
         opt.step()  # states exist from here: their bytes are known
         out[fmt] = (opt, opt.state_bytes() / n)
+        if DEVICE.type == "cuda" and FORMATS[fmt].kernel_kinds in TRITON_SERVED:  # the step the kernels replace
+            eager = BlockwiseAdamW(model.named_parameters(), state_format=fmt, kernels="eager")
+            eager.step()
+            out[f"{fmt} (eager)"] = (eager, eager.state_bytes() / n)
     for label, make in ((BNB, _bnb), (TORCHAO, _torchao)):
         try:
             peer = make(model)
@@ -278,6 +283,10 @@ def main() -> None:
     )
     status = kernels.cpu_kernels()
     compiled = f"compiled kernels: {status.detail}" if status.available else f"compiled kernels unavailable ({status.detail})"
+    if DEVICE.type == "cuda":
+        from lightning_baoc.kernels.triton_step import triton_status
+
+        compiled = f"CUDA step kernels: {triton_status()[1]} (rows marked eager: the eager step)"
     missing = "; ".join(f"{label}: unavailable ({why})" for label, why in UNAVAILABLE.items())
     notes = f"Memory traffic per second: {floor}. {compiled.capitalize()}." + (f" {missing}." if missing else "")
     print(table)

@@ -206,12 +206,56 @@ def step_path(device: torch.device, policy: str | None = None) -> str:
     return "compiled" if resolved != "eager" and cpu_kernels().available else "eager"
 
 
+#: The (momentum, second moment) kinds the Triton step serves (:mod:`.triton_step`): the element-wise
+#: formats but the fp32 pair, which torch's fused kernel serves.
+TRITON_SERVED = frozenset({(M_NONE, V_FP32), (M_NONE, V_UINT8), (M_BF16, V_FP32), (M_BF16, V_BF16), (M_INT8, V_UINT8)})
+#: The device types whose parameters take the Triton step (:mod:`.triton_step`); the tests add
+#: ``"cpu"`` to run it through Triton's interpreter.
+TRITON_DEVICES = {"cuda"}
+
+
+def use_triton(policy: str, device: torch.device) -> bool:
+    """Whether the element-wise formats' step on ``device`` runs the Triton kernels under ``policy``
+    (:mod:`.triton_step`); says once which path runs.
+
+    Raises:
+        RuntimeError: under ``"compiled"`` when Triton does not import (with the reason).
+    """
+    if policy == "eager" or device.type not in TRITON_DEVICES:
+        return False
+    from . import triton_step
+
+    available, detail = triton_step.triton_status()
+    key = f"triton-{available}"
+    if available:
+        if key not in _ANNOUNCED:
+            _ANNOUNCED.add(key)
+            log.info("lightning_baoc: Triton step kernels in use on %s (%s)", device.type, detail)
+        return True
+    if policy == "compiled":
+        raise RuntimeError(
+            f"BlockwiseAdamW(kernels='compiled'): the Triton kernels of the {device.type} step are not "
+            f"available: {detail}. Install triton (it ships with torch's CUDA builds on Linux), or use "
+            f"kernels='auto' or 'eager'."
+        )
+    if key not in _ANNOUNCED:
+        _ANNOUNCED.add(key)
+        warnings.warn(
+            f"lightning_baoc: the Triton step kernels are not available ({detail}); the eager step runs "
+            f"on {device.type} instead (same results, bound by kernel launches). Install triton, or pass "
+            f"kernels='eager' (or set {KERNELS_ENV}=eager) to silence this warning.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return False
+
+
 def ops() -> Any:
     """The loaded operators (``adamw_step``, ``factored_moments``); call after :func:`use_compiled`."""
     return torch.ops.lightning_baoc
 
 
 __all__ = [
-    "KERNELS_ENV", "POLICIES", "KernelStatus", "compile_flags", "cpu_kernels", "ops", "resolve_policy", "step_path",
-    "use_compiled",
+    "KERNELS_ENV", "POLICIES", "TRITON_DEVICES", "TRITON_SERVED", "KernelStatus", "compile_flags", "cpu_kernels", "ops", "resolve_policy",
+    "step_path", "use_compiled", "use_triton",
 ]

@@ -26,7 +26,8 @@ from torch import Tensor
 from lightning_baoc.formats import StateFormat, StepHyper, StepItem
 from lightning_baoc.formats.compiled import KernelItem, compiled_step, kernel_serves
 from lightning_baoc.formats.correction import reconstruct, split_into
-from lightning_baoc.formats.quant import name_salt
+from lightning_baoc.formats.quant import M_SCALE_MAX, V_SCALE_MAX, name_salt
+from lightning_baoc.kernels import use_triton
 from lightning_baoc.optim.pools import Record
 from lightning_baoc.optim.sharding import is_sharded, local, mesh_min
 
@@ -147,6 +148,20 @@ class StepMixin:
                     stacklevel=3,
                 )
 
+    def _update(self, fmt: StateFormat, items: list[StepItem], hyper: StepHyper) -> None:
+        """The update of ``items`` (one format, one device): the Triton kernels for those they serve
+        on a GPU (:mod:`lightning_baoc.kernels.triton_step`), the format's eager ``update`` else."""
+        kinds = fmt.kernel_kinds
+        if kinds is not None and hyper.rule == "adamw" and use_triton(self.kernels, items[0].param.device):
+            from lightning_baoc.kernels import triton_step  # imports triton: only where it runs
+
+            served = [it for it in items if triton_step.serves(kinds, it.param, it.grad, it.views)]
+            items = [it for it in items if not triton_step.serves(kinds, it.param, it.grad, it.views)]
+            if served:
+                triton_step.adamw_step(kinds, served, hyper, M_SCALE_MAX, V_SCALE_MAX)
+        if items:
+            fmt.update(items, hyper)
+
     def _eager_step(self, hyper: StepHyper, params: list[Tensor], finite: list[bool]) -> None:
         """The eager step of ``params`` (the reference), whose gradients' finiteness the host has
         read (:meth:`_finite_mask`, one synchronisation per device and step)."""
@@ -177,7 +192,7 @@ class StepMixin:
         for (fmt, _device), items in buckets.items():
             plain = [it for it in items if records[id(it.param)].master_correction is None]
             if plain:
-                self.format_registry[fmt].update(plain, hyper)
+                self._update(self.format_registry[fmt], plain, hyper)
             for it in items:  # corrected 16-bit weights: one fp32 master at a time
                 correction = records[id(it.param)].master_correction
                 if correction is not None:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_baoc import BAOC, FORMATS, BlockwiseAdamW, BlockwiseLion, BlockwiseSGD
+from lightning_baoc import BAOC, FORMATS, BlockwiseAdamW, BlockwiseLion, BlockwiseSGD, kernels
 
 from support_lightning import DigitsModule, fit_crash_resume
 
@@ -159,3 +159,46 @@ def test_baoc_under_the_trainer_on_the_gpu_resumes_bit_equal(tmp_path: Path) -> 
     assert baoc.allocation == ref_baoc.allocation
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(p, q)
+
+
+TRITON_SERVED = [f for f, fmt in FORMATS.items() if fmt.kernel_kinds in kernels.TRITON_SERVED]
+
+
+@pytest.mark.parametrize("steps", [1, 50])
+@pytest.mark.parametrize("fmt", TRITON_SERVED)
+def test_the_triton_step_on_cuda_equals_the_eager_step_on_the_cpu(fmt: str, steps: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA step of the element-wise formats runs the Triton kernels (one launch per tensor and
+    step) and computes the eager step's fp32 operations: bit-equal parameters, codes, scales and
+    exponents to the eager step on the CPU, for ragged, small, 1-D and whole super-block shapes."""
+    pytest.importorskip("triton")
+    from lightning_baoc.kernels import triton_step
+
+    launches: list[int] = []
+    real = triton_step.adamw_step
+    monkeypatch.setattr(triton_step, "adamw_step", lambda kinds, items, *a: (launches.append(len(items)), real(kinds, items, *a)))
+    shapes = [(37, 101), (3, 11), (1000,), (64, 1024)]
+    runs = []
+    for device, policy in ((torch.device("cpu"), "eager"), (CUDA, "auto")):
+        gen = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
+        opt = BlockwiseAdamW([(f"w{i}", p) for i, p in enumerate(params)], lr=1e-2, state_format=fmt, min_8bit_numel=0,
+                             kernels=policy)
+        for i in range(steps):
+            for p in params:
+                p.grad = (torch.randn(p.shape, generator=gen) * (1.0 + 0.1 * i)).to(device)
+            opt.step()
+        runs.append([t.detach().cpu() for p in params for t in [p, *(v for _, v in sorted(opt._records[p].views.items()))]])
+    assert launches == [len(shapes)] * steps
+    differ = []
+    for a, b in zip(*runs):
+        if not torch.equal(a, b):
+            differ.append((a.dtype, a.numel(), int((a != b).sum()), (a.double() - b.double()).abs().max().item()))
+    print(f"{fmt}, {steps} steps: {'bit-equal' if not differ else differ}")
+    for a, b in zip(*runs):  # the Done-when bounds: fp32 within ulps, codes within 1 in <= 0.01%
+        if a.dtype == torch.float32:
+            assert torch.allclose(a, b, rtol=1e-6, atol=0.0)
+        elif a.dtype in (torch.int8, torch.uint8):
+            d = (a.int() - b.int()).abs()
+            assert int(d.max()) <= 1 and float((d > 0).double().mean()) <= 1e-4
+        else:  # bf16 moments, fp16 scales: bit-equal where the inputs were
+            assert float((a != b).double().mean()) <= 1e-4

@@ -1,0 +1,252 @@
+"""The AdamW step of the element-wise compact formats on CUDA: one Triton kernel per tensor.
+
+The eager step (:mod:`lightning_baoc.formats`) launches a few hundred CUDA kernels per 128K
+elements, and on a GPU it is bound by those launches (on an H200, 21M parameters in int8 took 300x
+the step of ``torch.optim.AdamW(fused=True)``). :func:`adamw_step` runs each parameter's whole step
+as one kernel of one program per 1024-element super-block: decode the moments, AdamW in fp32,
+encode (group absmax, one shared exponent, fp16 scales, codes), each byte read and written once.
+
+The kernel computes the operations of the compiled CPU step (``cpu_step.cpp``) in the same order,
+which are the eager step's: divisions and square roots correctly rounded (``div_rn``,
+``sqrt_rn``), no contraction into fused multiply-adds but those written (``enable_fp_fusion`` off),
+the bf16 stochastic rounding from the same counter-based hash of (key, element). The super-block's
+exponent is read from the bits of its largest group maximum, where the eager step takes
+``floor(log2(top))``: the two differ only when ``log2`` rounds up to an integer just below a power
+of two, and then only in the exponent byte; the stored scale (fp16 scale times the power) and the
+codes are the same, since the fp16 rounding is relative.
+
+Served: the formats whose moments are fp32, bf16 or 8-bit (``kernel_kinds`` without the factored
+second moment, and but the fp32 pair, which torch's fused kernel serves), fp32 parameters and
+gradients, contiguous. Every other item takes the eager step. Triton is an optional dependency: it
+ships with torch's CUDA builds on Linux; :func:`triton_status` says whether it imports.
+``tests/kernels/test_triton_step.py`` runs the kernels through Triton's interpreter on the CPU
+(``TRITON_INTERPRET=1``) against the eager step; ``tests/integrations/test_cuda.py`` on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any
+
+import torch
+from torch import Tensor
+
+try:  # an optional dependency: the CUDA step's kernels
+    import triton
+    import triton.language as tl
+except ImportError as err:  # pragma: no cover - depends on the installation
+    triton = None
+    tl = None
+    _IMPORT_ERROR: str | None = str(err)
+else:
+    _IMPORT_ERROR = None
+
+from . import M_BF16, M_FP32, M_INT8, M_NONE, TRITON_SERVED as SERVED, V_BF16, V_FP32, V_UINT8
+_SUPER = 1024
+_SCALE_MIN = float(torch.finfo(torch.float32).tiny)
+
+
+def triton_status() -> tuple[bool, str]:
+    """Whether Triton imports, and why not."""
+    if triton is None:
+        return False, f"triton is not installed ({_IMPORT_ERROR})"
+    return True, f"triton {triton.__version__}"
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to fp32 (the kernel's scalars, as the CPU step's ``static_cast<float>``)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _u32(value: tl.constexpr):
+        return tl.full((), value, tl.uint32)
+
+    @triton.jit
+    def _mix(x):
+        """The 32-bit hash of the rounding noise (quant.rounding_bits; cpu_step.cpp rounding_bits)."""
+        x = x ^ (x >> 16)
+        x = x * _u32(0x21F0AAAD)
+        x = x ^ (x >> 15)
+        x = x * _u32(0x735A2D97)
+        return x ^ (x >> 15)
+
+    @triton.jit
+    def _bf16_load(raw):
+        """bf16 bits (as int16) -> fp32."""
+        return (raw.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _bf16_stochastic(x, noise):
+        """Stochastic rounding to bf16 (quant.bf16_stochastic): bits as int16."""
+        r = (x.to(tl.uint32, bitcast=True) + noise) & _u32(0xFFFF0000)
+        magnitude = r & _u32(0x7FFFFFFF)
+        saturated = (r & _u32(0x80000000)) | tl.minimum(magnitude, _u32(0x7F7F0000))
+        out = tl.where(magnitude > _u32(0x7F800000), _u32(0x7FC00000), saturated) >> 16
+        return out.to(tl.uint16).to(tl.int16, bitcast=True)
+
+    @triton.jit
+    def _pow2(e):
+        """2**e for an integral int32 e in [-126, 127]: exact."""
+        return ((e + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _rint(x):
+        """Round to nearest even, for |x| < 2**22 (the codes)."""
+        return (x + 12582912.0) - 12582912.0
+
+    @triton.jit
+    def _load_scales(s_ptr, e_ptr, sb, gidx, gmask):
+        """The super-block's group scales as fp32 (fp16 scale * 2**exponent), one per row."""
+        unit = _pow2(tl.load(e_ptr + sb).to(tl.int32))
+        return tl.load(s_ptr + gidx, mask=gmask, other=0.0).to(tl.float32) * unit
+
+    @triton.jit
+    def _store_scales(absmax, limit, s_ptr, e_ptr, sb, gidx, gmask):
+        """Group maxima -> fp16 scales and one exponent (quant._store_scales); the reciprocals."""
+        a = tl.where(absmax != absmax, absmax, tl.minimum(absmax, limit))
+        top = tl.max(a, axis=0)
+        # floor(log2(top)) of a normal number is its exponent field; 0 and subnormals clamp to -126
+        e = ((top.to(tl.uint32, bitcast=True) >> 23) & _u32(0xFF)).to(tl.int32) - 127 - 14
+        e = tl.minimum(tl.maximum(e, -126), 126)
+        h = (a * _pow2(-e)).to(tl.float16)
+        stored = h.to(tl.float32) * _pow2(e)
+        flushed = stored < 1.1754943508222875e-38
+        tl.store(s_ptr + gidx, tl.where(flushed, 0.0, h.to(tl.float32)).to(tl.float16), mask=gmask)
+        tl.store(e_ptr + sb, e.to(tl.int8))
+        return tl.where(flushed, 0.0, tl.math.div_rn(tl.full(stored.shape, 1.0, tl.float32), tl.where(flushed, 1.0, stored)))
+
+    @triton.jit(do_not_specialize=["n", "key"])
+    def _adamw_superblocks(
+        p_ptr, g_ptr, m_ptr, ms_ptr, me_ptr, v_ptr, vs_ptr, ve_ptr, n, key,
+        lr_step, decay, l2, beta2, one_minus_beta2, lerp_coeff, inv_sqrt_bc2, eps, gsign, limit_m, limit_v,
+        M: tl.constexpr, V: tl.constexpr, LERP_SMALL: tl.constexpr, L2: tl.constexpr,
+    ):
+        """One AdamW step of one 1024-element super-block (cpu_step.cpp ``superblock``), as 32 x 32."""
+        sb = tl.program_id(0)
+        rows = tl.arange(0, 32)
+        idx = sb.to(tl.int64) * 1024 + rows[:, None] * 32 + tl.arange(0, 32)[None, :]
+        mask = idx < n
+        gidx = sb.to(tl.int64) * 32 + rows
+        gmask = gidx * 32 < n
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0) * gsign
+        p = tl.load(p_ptr + idx, mask=mask, other=0.0)
+        if L2:
+            g = tl.fma(p, l2, g)
+        p = p * decay
+        # the second moment
+        if V == 0:
+            v0 = tl.load(v_ptr + idx, mask=mask, other=0.0)
+        elif V == 1:
+            v0 = _bf16_load(tl.load(v_ptr + idx, mask=mask, other=0))
+        else:
+            codes = tl.load(v_ptr + idx, mask=mask, other=0).to(tl.float32)
+            x = (tl.maximum(codes, 0.5) * 0.003921568859368563) * _load_scales(vs_ptr, ve_ptr, sb, gidx, gmask)[:, None]
+            v0 = x * x
+        v = tl.fma(one_minus_beta2 * g, g, v0 * beta2)
+        root = tl.sqrt_rn(v)
+        d = root * inv_sqrt_bc2 + eps
+        # the momentum and the parameter
+        if M == 0:
+            p = p + tl.math.div_rn(lr_step * g, d)
+        else:
+            if M == 1:
+                m0 = tl.load(m_ptr + idx, mask=mask, other=0.0)
+            elif M == 2:
+                m0 = _bf16_load(tl.load(m_ptr + idx, mask=mask, other=0))
+            else:
+                y = tl.load(m_ptr + idx, mask=mask, other=0).to(tl.float32) * 0.007874015718698502
+                m0 = tl.math.div_rn(y, 2.0 - tl.abs(y)) * _load_scales(ms_ptr, me_ptr, sb, gidx, gmask)[:, None]
+            if LERP_SMALL:
+                m = tl.fma(lerp_coeff, g - m0, m0)
+            else:
+                m = tl.fma(lerp_coeff, g - m0, g)
+            p = p + tl.math.div_rn(lr_step * m, d)
+        tl.store(p_ptr + idx, p, mask=mask)
+        # the moments
+        if M == 2 or V == 1:
+            h = _mix(idx.to(tl.uint32) + key.to(tl.uint32))
+        if M == 1:
+            tl.store(m_ptr + idx, m, mask=mask)
+        elif M == 2:
+            tl.store(m_ptr + idx, _bf16_stochastic(m, h >> 16), mask=mask)
+        elif M == 3:
+            m = tl.where(mask, m, 0.0)
+            inv = _store_scales(tl.max(tl.abs(m), axis=1), limit_m, ms_ptr, me_ptr, sb, gidx, gmask)
+            u = tl.minimum(tl.maximum(m * inv[:, None], -1.0), 1.0)
+            code = _rint(tl.math.div_rn(u, tl.abs(u) + 1.0) * 254.0)
+            tl.store(m_ptr + idx, code.to(tl.int32).to(tl.int8), mask=mask)
+        if V == 0:
+            tl.store(v_ptr + idx, v, mask=mask)
+        elif V == 1:
+            tl.store(v_ptr + idx, _bf16_stochastic(v, h & _u32(0xFFFF)), mask=mask)
+        else:
+            s = tl.where(mask, root, 0.0)
+            inv = _store_scales(tl.max(s, axis=1), limit_v, vs_ptr, ve_ptr, sb, gidx, gmask)
+            u = tl.minimum(tl.maximum(s * inv[:, None], 0.0), 1.0)
+            tl.store(v_ptr + idx, _rint(u * 255.0).to(tl.int32).to(tl.uint8), mask=mask)
+
+
+def serves(kinds: tuple[int, int] | None, param: Tensor, grad: Tensor, views: dict[str, Tensor]) -> bool:
+    """Whether :func:`adamw_step` steps this item: a served pair of kinds, fp32 contiguous
+    parameter and gradient, every tensor on the parameter's device."""
+    return (
+        triton is not None
+        and kinds in SERVED
+        and param.dtype == torch.float32
+        and grad.dtype == torch.float32
+        and param.is_contiguous()
+        and grad.is_contiguous()
+        and grad.device == param.device
+        and all(t.device == param.device for t in views.values())
+    )
+
+
+_M_KEYS = {M_FP32: ("exp_avg", None, None), M_BF16: ("exp_avg", None, None),
+           M_INT8: ("exp_avg", "exp_avg_scale", "exp_avg_exp")}
+_V_KEYS = {V_FP32: ("exp_avg_sq", None, None), V_BF16: ("exp_avg_sq", None, None),
+           V_UINT8: ("exp_avg_sq", "exp_avg_sq_scale", "exp_avg_sq_exp")}
+
+
+def _pointers(views: dict[str, Tensor], keys: tuple[str | None, ...], dummy: Tensor) -> list[Tensor]:
+    """The state tensors the kernel reads (16-bit moments as their int16 bits), ``dummy`` where none."""
+    out = []
+    for k in keys:
+        t = views[k] if k is not None else dummy
+        out.append(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)
+    return out
+
+
+def adamw_step(kinds: tuple[int, int], items: list[Any], hyper: Any, limit_m: float, limit_v: float) -> None:
+    """One AdamW step of ``items`` (:class:`~lightning_baoc.formats.StepItem`, all served:
+    :func:`serves`), whose counts, bias corrections and rounding keys the optimizer has set."""
+    m_kind, v_kind = kinds
+    has_m = m_kind != M_NONE
+    wd, decoupled = hyper.weight_decay, hyper.decoupled_weight_decay
+    w = _f32(1.0 - hyper.beta1)
+    small = abs(w) < 0.5
+    common = dict(
+        decay=_f32(1.0 - hyper.lr * wd) if wd != 0.0 and decoupled else 1.0, l2=_f32(wd), beta2=_f32(hyper.beta2),
+        one_minus_beta2=_f32(1.0 - hyper.beta2), lerp_coeff=w if small else _f32(w - 1.0), eps=_f32(hyper.eps),
+        gsign=-1.0 if hyper.maximize else 1.0, limit_m=_f32(limit_m), limit_v=_f32(limit_v), M=m_kind, V=v_kind,
+        LERP_SMALL=small, L2=wd != 0.0 and not decoupled,
+    )
+    for it in items:
+        p, g = it.param.detach().view(-1), it.grad.view(-1)
+        n = p.numel()
+        if n == 0:
+            continue
+        m, ms, me = _pointers(it.views, _M_KEYS.get(m_kind, (None, None, None)), p)
+        v, vs, ve = _pointers(it.views, _V_KEYS[v_kind], p)
+        lr_step = _f32(-hyper.lr / it.bias_correction1 if has_m else -hyper.lr)
+        key = it.noise_key & 0xFFFFFFFF
+        _adamw_superblocks[(triton.cdiv(n, _SUPER),)](
+            p, g, m, ms, me, v, vs, ve, n, key - (1 << 32) if key >= 1 << 31 else key, lr_step=lr_step,
+            inv_sqrt_bc2=_f32(1.0 / math.sqrt(it.bias_correction2)), enable_fp_fusion=False, **common,
+        )
+
+
+__all__ = ["SERVED", "adamw_step", "serves", "triton_status"]

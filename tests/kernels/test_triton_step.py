@@ -1,0 +1,113 @@
+"""The Triton step of the element-wise formats (``lightning_baoc/kernels/triton_step.py``) against the
+eager step, its reference, run through Triton's interpreter on the CPU (``TRITON_INTERPRET=1``): every
+format the kernels serve, every shape class (ragged sizes, sizes under one 1024-element super-block,
+1-D, exact super-blocks), after 1 and after 50 steps, and the options (maximize, Adam's L2 decay,
+several tensors in one step, parameters the kernels do not serve). The kernel computes the eager
+step's fp32 operations in its order, so parameters, codes, scales and exponents are bit-equal.
+
+On a machine with CUDA the same comparison runs on the GPU (``tests/integrations/test_cuda.py``), and
+this module is skipped: Triton chooses its interpreter when it is imported (``tests/conftest.py`` sets
+``TRITON_INTERPRET=1`` first, where torch sees no GPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+if torch.cuda.is_available():  # pragma: no cover - the GPU runs the kernels compiled
+    pytest.skip("CUDA present: tests/integrations/test_cuda.py runs the kernels on the GPU", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it before triton is imported
+    pytest.skip("TRITON_INTERPRET=1 is not set", allow_module_level=True)
+pytest.importorskip("triton", reason="triton is not installed (the CUDA step's optional kernels)")
+
+import lightning_baoc.optim.stepping as stepping  # noqa: E402
+from lightning_baoc import FORMATS, BlockwiseAdamW, kernels  # noqa: E402
+from lightning_baoc.kernels import triton_step  # noqa: E402
+
+SERVED = [name for name, fmt in FORMATS.items() if fmt.kernel_kinds in triton_step.SERVED]
+SHAPES = [(37, 101), (3, 11), (1000,), (2, 1024)]
+
+
+@pytest.fixture
+def triton_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """CPU parameters take the Triton step (not the compiled C++ one); the launches are counted."""
+    monkeypatch.setattr(kernels, "TRITON_DEVICES", {"cuda", "cpu"})
+    monkeypatch.setattr(stepping, "kernel_serves", lambda *args: False)
+    launches: list[int] = []
+    real = triton_step.adamw_step
+
+    def counted(kinds, items, *args):  # type: ignore[no-untyped-def]
+        launches.append(len(items))
+        return real(kinds, items, *args)
+
+    monkeypatch.setattr(triton_step, "adamw_step", counted)
+    return launches
+
+
+def _run(fmt: str, shapes: list[tuple[int, ...]], steps: int, policy: str, **options: object) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(shape, generator=gen)) for shape in shapes]
+    opt = BlockwiseAdamW([(f"w{i}", p) for i, p in enumerate(params)], lr=1e-2, state_format=fmt, min_8bit_numel=0,
+                         kernels=policy, **options)  # type: ignore[arg-type]
+    for i in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen) * (1.0 + 0.1 * i)
+        opt.step()
+    out = []
+    for p in params:
+        out.append(p.detach().clone())
+        out += [t.clone() for _, t in sorted(opt._records[p].views.items())]  # noqa: SLF001 - the state itself
+    return out
+
+
+def _assert_bit_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and torch.equal(x, y), (x.dtype, (x.double() - y.double()).abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", SERVED)
+def test_triton_step_equals_the_eager_step(fmt: str, triton_on_cpu: list[int]) -> None:
+    for shape in SHAPES:
+        for steps in (1, 3):
+            _assert_bit_equal(_run(fmt, [shape], steps, "auto"), _run(fmt, [shape], steps, "eager"))
+    assert len(triton_on_cpu) == 4 * (1 + 3)  # every step took the kernel
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+def test_triton_step_after_50_steps(fmt: str, triton_on_cpu: list[int]) -> None:
+    _assert_bit_equal(_run(fmt, [(37, 101)], 50, "auto"), _run(fmt, [(37, 101)], 50, "eager"))
+
+
+@pytest.mark.parametrize(
+    "options", [{"maximize": True}, {"weight_decay": 0.1, "decoupled_weight_decay": False}, {"betas": (0.4, 0.99)}],
+    ids=["maximize", "adam-l2", "large-momentum-weight"],
+)
+def test_triton_step_options(options: dict, triton_on_cpu: list[int]) -> None:
+    _assert_bit_equal(_run("int8", [(37, 101), (5,)], 2, "auto", **options), _run("int8", [(37, 101), (5,)], 2, "eager", **options))
+    assert triton_on_cpu == [2, 2]
+
+
+def test_items_the_kernel_does_not_serve_take_the_eager_step(triton_on_cpu: list[int]) -> None:
+    """A non-contiguous gradient and a bf16 parameter go to the eager step, beside one served."""
+    gen = torch.Generator().manual_seed(0)
+
+    def run(policy: str) -> list[torch.Tensor]:
+        a = nn.Parameter(torch.randn(40, 40, generator=gen.manual_seed(0)))
+        b = nn.Parameter(torch.randn(40, 40, generator=gen).to(torch.bfloat16))
+        c = nn.Parameter(torch.randn(300, generator=gen))
+        opt = BlockwiseAdamW([("a", a), ("b", b), ("c", c)], state_format="int8", min_8bit_numel=0, kernels=policy)
+        for _ in range(2):
+            a.grad = torch.randn(40, 40, generator=gen).t()
+            b.grad = torch.randn(40, 40, generator=gen).to(torch.bfloat16)
+            c.grad = torch.randn(300, generator=gen)
+            opt.step()
+        return [a.detach().clone(), b.detach().float(), c.detach().clone()]
+
+    _assert_bit_equal(run("auto"), run("eager"))
+    assert triton_on_cpu == [1, 1]  # only c took the kernel
+
