@@ -16,8 +16,10 @@ of two, and then only in the exponent byte; the stored scale (fp16 scale times t
 codes are the same, since the fp16 rounding is relative.
 
 Served: the formats whose moments are fp32, bf16 or 8-bit (``kernel_kinds`` without the factored
-second moment, and but the fp32 pair, which torch's fused kernel serves), fp32 parameters and
-gradients, contiguous. Every other item takes the eager step. Triton is an optional dependency: it
+second moment, and but the fp32 pair, which torch's fused kernel serves); fp32, bf16 and fp16
+parameters and gradients, contiguous. A 16-bit parameter's fp32 master is rebuilt from the weight and
+its master-weight correction (``formats/correction.py``) per super-block, stepped and split again in
+the same pass. Every other item takes the eager step. Triton is an optional dependency: it
 ships with torch's CUDA builds on Linux; :func:`triton_status` says whether it imports.
 ``tests/kernels/test_triton_step.py`` runs the kernels through Triton's interpreter on the CPU
 (``TRITON_INTERPRET=1``) against the eager step; ``tests/integrations/test_cuda.py`` on a GPU.
@@ -99,6 +101,77 @@ if triton is not None:
         return (x + 12582912.0) - 12582912.0
 
     @triton.jit
+    def _exp2i(e):
+        """2**e for an integral int32 e in [-149, 127] (subnormal below -126): exact (cpu_step.cpp exp2i)."""
+        normal = ((tl.maximum(e, -126) + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+        subnormal = (_u32(1) << tl.minimum(tl.maximum(e + 149, 0), 22).to(tl.uint32)).to(tl.float32, bitcast=True)
+        return tl.where(e >= -126, normal, subnormal)
+
+    @triton.jit
+    def _unit_exponent(w, toward_zero, KIND: tl.constexpr, BITS: tl.constexpr):
+        """The exponent of a correction's unit over 2**BITS (correction.py ``_unit``): the spacing of the
+        weight's dtype next to |w| on the residual's side, half of it below a power of two."""
+        P: tl.constexpr = 7 if KIND == 1 else 10
+        EMIN: tl.constexpr = -126 if KIND == 1 else -14
+        b = w.to(tl.uint32, bitcast=True) & _u32(0x7FFFFFFF)
+        e = tl.maximum((b >> 23).to(tl.int32) - 127, EMIN)
+        finer = toward_zero & ((b & _u32(0x7FFFFF)) == 0) & (b > _u32((EMIN + 127) << 23))
+        return e - P - BITS - finer.to(tl.int32)
+
+    @triton.jit
+    def _points_to_zero(residual, w):
+        return (residual != 0.0) & ((residual < 0.0) != (w < 0.0))
+
+    @triton.jit
+    def _load16(raw, KIND: tl.constexpr):
+        """16-bit bits (as int16) of a bf16 (KIND 1) or fp16 (KIND 2) value -> fp32."""
+        if KIND == 1:
+            return _bf16_load(raw)
+        return raw.to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _store16(x, KIND: tl.constexpr):
+        """fp32 -> 16-bit bits (as int16), rounded to nearest even as ``.to(dtype)`` (NaN -> bf16's 0x7FC0)."""
+        if KIND == 1:
+            u = x.to(tl.uint32, bitcast=True)
+            rounded = (u + _u32(0x7FFF) + ((u >> 16) & _u32(1))) >> 16
+            out = tl.where((u & _u32(0x7FFFFFFF)) > _u32(0x7F800000), _u32(0x7FC0), rounded)
+            return out.to(tl.uint16).to(tl.int16, bitcast=True)
+        return x.to(tl.float16).to(tl.int16, bitcast=True)
+
+    @triton.jit
+    def _load_master(p_ptr, c_ptr, idx, mask, KIND: tl.constexpr, BITS: tl.constexpr):
+        """The fp32 masters of 16-bit weights and their corrections (correction.py ``reconstruct``)."""
+        w = _load16(tl.load(p_ptr + idx, mask=mask, other=0), KIND)
+        if BITS == 0:
+            return w
+        c = tl.load(c_ptr + idx, mask=mask, other=0).to(tl.float32)
+        x = w + c * _exp2i(_unit_exponent(w, _points_to_zero(c, w), KIND, BITS))
+        return tl.where(c == 0.0, w, x)
+
+    @triton.jit
+    def _store_master(x, p_ptr, c_ptr, idx, mask, KIND: tl.constexpr, BITS: tl.constexpr):
+        """Split fp32 masters into 16-bit weights and corrections (correction.py ``split_into``)."""
+        MAX: tl.constexpr = 3.3895313892515355e38 if KIND == 1 else 65504.0
+        h = _store16(tl.minimum(tl.maximum(x, -MAX), MAX), KIND)
+        tl.store(p_ptr + idx, h, mask=mask)
+        if BITS != 0:
+            LIMIT: tl.constexpr = 127.0 if BITS == 8 else 32767.0
+            w = _load16(h, KIND)
+            r = x - w
+            e = _unit_exponent(w, _points_to_zero(r, w), KIND, BITS)
+            first = tl.minimum(-e, 127)
+            s = (r * _exp2i(first)) * _exp2i(-e - first)
+            s = tl.minimum(tl.maximum(s, -40000.0), 40000.0)
+            s = (s + 12582912.0) - 12582912.0
+            s = tl.minimum(tl.maximum(s, -LIMIT), LIMIT)
+            s = tl.where(s == s, s, 0.0)
+            if BITS == 8:
+                tl.store(c_ptr + idx, s.to(tl.int32).to(tl.int8), mask=mask)
+            else:
+                tl.store(c_ptr + idx, s.to(tl.int32).to(tl.int16), mask=mask)
+
+    @triton.jit
     def _load_scales(s_ptr, e_ptr, sb, gidx, gmask):
         """The super-block's group scales as fp32 (fp16 scale * 2**exponent), one per row."""
         unit = _pow2(tl.load(e_ptr + sb).to(tl.int32))
@@ -121,9 +194,10 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["n", "key"])
     def _adamw_superblocks(
-        p_ptr, g_ptr, m_ptr, ms_ptr, me_ptr, v_ptr, vs_ptr, ve_ptr, n, key,
+        p_ptr, g_ptr, c_ptr, m_ptr, ms_ptr, me_ptr, v_ptr, vs_ptr, ve_ptr, n, key,
         lr_step, decay, l2, beta2, one_minus_beta2, lerp_coeff, inv_sqrt_bc2, eps, gsign, limit_m, limit_v,
         M: tl.constexpr, V: tl.constexpr, LERP_SMALL: tl.constexpr, L2: tl.constexpr,
+        W: tl.constexpr, G: tl.constexpr, CB: tl.constexpr,
     ):
         """One AdamW step of one 1024-element super-block (cpu_step.cpp ``superblock``), as 32 x 32."""
         sb = tl.program_id(0)
@@ -132,8 +206,15 @@ if triton is not None:
         mask = idx < n
         gidx = sb.to(tl.int64) * 32 + rows
         gmask = gidx * 32 < n
-        g = tl.load(g_ptr + idx, mask=mask, other=0.0) * gsign
-        p = tl.load(p_ptr + idx, mask=mask, other=0.0)
+        # parameters and gradients in fp32: fp32 tensors, or 16-bit ones (the masters rebuilt from corrections)
+        if G == 0:
+            g = tl.load(g_ptr + idx, mask=mask, other=0.0) * gsign
+        else:
+            g = _load16(tl.load(g_ptr + idx, mask=mask, other=0), G) * gsign
+        if W == 0:
+            p = tl.load(p_ptr + idx, mask=mask, other=0.0)
+        else:
+            p = _load_master(p_ptr, c_ptr, idx, mask, W, CB)
         if L2:
             g = tl.fma(p, l2, g)
         p = p * decay
@@ -165,7 +246,10 @@ if triton is not None:
             else:
                 m = tl.fma(lerp_coeff, g - m0, g)
             p = p + tl.math.div_rn(lr_step * m, d)
-        tl.store(p_ptr + idx, p, mask=mask)
+        if W == 0:
+            tl.store(p_ptr + idx, p, mask=mask)
+        else:
+            _store_master(p, p_ptr, c_ptr, idx, mask, W, CB)
         # the moments
         if M == 2 or V == 1:
             h = _mix(idx.to(tl.uint32) + key.to(tl.uint32))
@@ -190,18 +274,29 @@ if triton is not None:
             tl.store(v_ptr + idx, _rint(u * 255.0).to(tl.int32).to(tl.uint8), mask=mask)
 
 
-def serves(kinds: tuple[int, int] | None, param: Tensor, grad: Tensor, views: dict[str, Tensor]) -> bool:
-    """Whether :func:`adamw_step` steps this item: a served pair of kinds, fp32 contiguous
-    parameter and gradient, every tensor on the parameter's device."""
+#: Parameter and gradient dtypes as the kernel numbers them (``W``, ``G``).
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_CORRECTION_BITS = {torch.int8: 8, torch.int16: 16}
+
+
+def serves(
+    kinds: tuple[int, int] | None, param: Tensor, grad: Tensor, views: dict[str, Tensor], correction: Tensor | None = None
+) -> bool:
+    """Whether :func:`adamw_step` steps this item: a served pair of kinds; fp32, bf16 or fp16 parameter
+    and gradient, contiguous; a 16-bit parameter's master-weight correction, if any, contiguous; every
+    tensor on the parameter's device."""
     return (
         triton is not None
         and kinds in SERVED
-        and param.dtype == torch.float32
-        and grad.dtype == torch.float32
+        and param.dtype in _KINDS
+        and grad.dtype in _KINDS
         and param.is_contiguous()
         and grad.is_contiguous()
         and grad.device == param.device
         and all(t.device == param.device for t in views.values())
+        and (correction is None or (param.dtype != torch.float32 and correction.is_contiguous()
+                                    and correction.numel() == param.numel()
+                                    and correction.dtype in _CORRECTION_BITS and correction.device == param.device))
     )
 
 
@@ -220,9 +315,18 @@ def _pointers(views: dict[str, Tensor], keys: tuple[str | None, ...], dummy: Ten
     return out
 
 
-def adamw_step(kinds: tuple[int, int], items: list[Any], hyper: Any, limit_m: float, limit_v: float) -> None:
+def _bits(t: Tensor) -> Tensor:
+    """A 16-bit tensor as its int16 bits (what the kernel loads and stores), any other as it is."""
+    return t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+def adamw_step(
+    kinds: tuple[int, int], items: list[Any], hyper: Any, limit_m: float, limit_v: float,
+    corrections: list[Tensor | None] | None = None,
+) -> None:
     """One AdamW step of ``items`` (:class:`~lightning_baoc.formats.StepItem`, all served:
-    :func:`serves`), whose counts, bias corrections and rounding keys the optimizer has set."""
+    :func:`serves`), whose counts, bias corrections and rounding keys the optimizer has set;
+    ``corrections``: each 16-bit parameter's master-weight correction, or ``None``."""
     m_kind, v_kind = kinds
     has_m = m_kind != M_NONE
     wd, decoupled = hyper.weight_decay, hyper.decoupled_weight_decay
@@ -234,7 +338,7 @@ def adamw_step(kinds: tuple[int, int], items: list[Any], hyper: Any, limit_m: fl
         gsign=-1.0 if hyper.maximize else 1.0, limit_m=_f32(limit_m), limit_v=_f32(limit_v), M=m_kind, V=v_kind,
         LERP_SMALL=small, L2=wd != 0.0 and not decoupled,
     )
-    for it in items:
+    for it, corr in zip(items, corrections or [None] * len(items)):
         p, g = it.param.detach().view(-1), it.grad.view(-1)
         n = p.numel()
         if n == 0:
@@ -244,8 +348,10 @@ def adamw_step(kinds: tuple[int, int], items: list[Any], hyper: Any, limit_m: fl
         lr_step = _f32(-hyper.lr / it.bias_correction1 if has_m else -hyper.lr)
         key = it.noise_key & 0xFFFFFFFF
         _adamw_superblocks[(triton.cdiv(n, _SUPER),)](
-            p, g, m, ms, me, v, vs, ve, n, key - (1 << 32) if key >= 1 << 31 else key, lr_step=lr_step,
-            inv_sqrt_bc2=_f32(1.0 / math.sqrt(it.bias_correction2)), enable_fp_fusion=False, **common,
+            _bits(p), _bits(g), p if corr is None else corr.view(-1), m, ms, me, v, vs, ve, n,
+            key - (1 << 32) if key >= 1 << 31 else key, lr_step=lr_step,
+            inv_sqrt_bc2=_f32(1.0 / math.sqrt(it.bias_correction2)), W=_KINDS[p.dtype], G=_KINDS[g.dtype],
+            CB=0 if corr is None else _CORRECTION_BITS[corr.dtype], enable_fp_fusion=False, **common,
         )
 
 

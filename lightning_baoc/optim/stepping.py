@@ -148,19 +148,22 @@ class StepMixin:
                     stacklevel=3,
                 )
 
-    def _update(self, fmt: StateFormat, items: list[StepItem], hyper: StepHyper) -> None:
-        """The update of ``items`` (one format, one device): the Triton kernels for those they serve
-        on a GPU (:mod:`lightning_baoc.kernels.triton_step`), the format's eager ``update`` else."""
+    def _triton_update(
+        self, fmt: StateFormat, items: list[StepItem], corrections: list[Tensor | None], hyper: StepHyper
+    ) -> tuple[list[StepItem], list[Tensor | None]]:
+        """Step the ``items`` (one format, one device; ``corrections``: their master-weight corrections)
+        the Triton kernels serve on a GPU (:mod:`lightning_baoc.kernels.triton_step`); the others."""
         kinds = fmt.kernel_kinds
-        if kinds is not None and hyper.rule == "adamw" and use_triton(self.kernels, items[0].param.device):
-            from lightning_baoc.kernels import triton_step  # imports triton: only where it runs
+        if not items or kinds is None or hyper.rule != "adamw" or not use_triton(self.kernels, items[0].param.device):
+            return items, corrections
+        from lightning_baoc.kernels import triton_step  # imports triton: only where it runs
 
-            served = [it for it in items if triton_step.serves(kinds, it.param, it.grad, it.views)]
-            items = [it for it in items if not triton_step.serves(kinds, it.param, it.grad, it.views)]
-            if served:
-                triton_step.adamw_step(kinds, served, hyper, M_SCALE_MAX, V_SCALE_MAX)
-        if items:
-            fmt.update(items, hyper)
+        served = [triton_step.serves(kinds, it.param, it.grad, it.views, c) for it, c in zip(items, corrections)]
+        if any(served):
+            triton_step.adamw_step(kinds, [it for it, ok in zip(items, served) if ok], hyper, M_SCALE_MAX, V_SCALE_MAX,
+                                   [c for c, ok in zip(corrections, served) if ok])
+        rest = [k for k, ok in enumerate(served) if not ok]
+        return [items[k] for k in rest], [corrections[k] for k in rest]
 
     def _eager_step(self, hyper: StepHyper, params: list[Tensor], finite: list[bool]) -> None:
         """The eager step of ``params`` (the reference), whose gradients' finiteness the host has
@@ -190,12 +193,14 @@ class StepMixin:
         if skipped:
             self._warn_skipped(skipped)
         for (fmt, _device), items in buckets.items():
-            plain = [it for it in items if records[id(it.param)].master_correction is None]
+            state_format = self.format_registry[fmt]
+            corrections = [records[id(it.param)].master_correction for it in items]
+            items, corrections = self._triton_update(state_format, items, corrections, hyper)
+            plain = [it for it, c in zip(items, corrections) if c is None]
             if plain:
-                self._update(self.format_registry[fmt], plain, hyper)
-            for it in items:  # corrected 16-bit weights: one fp32 master at a time
-                correction = records[id(it.param)].master_correction
+                state_format.update(plain, hyper)
+            for it, correction in zip(items, corrections):  # corrected 16-bit weights: one fp32 master at a time
                 if correction is not None:
                     master = reconstruct(it.param.detach(), correction)
-                    self.format_registry[fmt].update([dataclasses.replace(it, param=master)], hyper)
+                    state_format.update([dataclasses.replace(it, param=master)], hyper)
                     split_into(master, it.param.detach(), correction)

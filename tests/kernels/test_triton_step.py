@@ -93,7 +93,7 @@ def test_triton_step_options(options: dict, triton_on_cpu: list[int]) -> None:
 
 
 def test_items_the_kernel_does_not_serve_take_the_eager_step(triton_on_cpu: list[int]) -> None:
-    """A non-contiguous gradient and a bf16 parameter go to the eager step, beside one served."""
+    """A non-contiguous gradient goes to the eager step, beside a bf16 and an fp32 parameter served."""
     gen = torch.Generator().manual_seed(0)
 
     def run(policy: str) -> list[torch.Tensor]:
@@ -109,5 +109,32 @@ def test_items_the_kernel_does_not_serve_take_the_eager_step(triton_on_cpu: list
         return [a.detach().clone(), b.detach().float(), c.detach().clone()]
 
     _assert_bit_equal(run("auto"), run("eager"))
-    assert triton_on_cpu == [1, 1]  # only c took the kernel
+    assert triton_on_cpu == [2, 2]  # b and c took the kernel
 
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16", "nomomentum_int8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("correction", ["none", "ecc8", "ecc16"])
+def test_16_bit_weights_and_their_corrections(fmt: str, dtype: torch.dtype, correction: str, triton_on_cpu: list[int]) -> None:
+    """bf16 and fp16 parameters (and gradients) with each master-weight correction: the kernel rebuilds
+    the fp32 master, steps it and splits it again, bit-equal to the eager step's weight and correction."""
+
+    def run(policy: str) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(0)
+        params = [nn.Parameter((torch.randn(s, generator=gen) * 0.1).to(dtype)) for s in [(37, 101), (1000,)]]
+        opt = BlockwiseAdamW([(f"w{i}", p) for i, p in enumerate(params)], lr=1e-3, state_format=fmt, min_8bit_numel=0,
+                             kernels=policy, weight_correction=correction)
+        for _ in range(3):
+            for p in params:
+                p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(dtype)
+            opt.step()
+        out = []
+        for p in params:
+            rec = opt._records[p]  # noqa: SLF001 - the state itself
+            out += [p.detach().clone(), *(t.clone() for _, t in sorted(rec.views.items()))]
+            if rec.master_correction is not None:
+                out.append(rec.master_correction.clone())
+        return out
+
+    _assert_bit_equal(run("auto"), run("eager"))
+    assert triton_on_cpu == [2, 2, 2]
