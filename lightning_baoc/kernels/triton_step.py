@@ -16,8 +16,8 @@ of two, and then only in the exponent byte; the stored scale (fp16 scale times t
 codes are the same, since the fp16 rounding is relative.
 
 Served: the formats whose moments are fp32, bf16 or 8-bit (``kernel_kinds`` without the factored
-second moment, and but the fp32 pair, which torch's fused kernel serves); fp32, bf16 and fp16
-parameters and gradients, contiguous. A 16-bit parameter's fp32 master is rebuilt from the weight and
+second moment; the fp32 pair only for 16-bit parameters, torch's fused kernel serves fp32 ones);
+fp32, bf16 and fp16 parameters and gradients, contiguous. A 16-bit parameter's fp32 master is rebuilt from the weight and
 its master-weight correction (``formats/correction.py``) per super-block, stepped and split again in
 the same pass. Every other item takes the eager step. Triton is an optional dependency: it
 ships with torch's CUDA builds on Linux; :func:`triton_status` says whether it imports.
@@ -287,7 +287,7 @@ def serves(
     tensor on the parameter's device."""
     return (
         triton is not None
-        and kinds in SERVED
+        and (kinds in SERVED or (kinds == (M_FP32, V_FP32) and param.dtype != torch.float32))
         and param.dtype in _KINDS
         and grad.dtype in _KINDS
         and param.is_contiguous()
