@@ -92,6 +92,13 @@ def _update_moments(
         sq = effective_grad(g2d[r0:r1], p2d[r0:r1], hyper).mul(k).square_()
         row_sum[r0:r1] = sq.sum(dim=1)
         col_sum.add_(sq.sum(dim=0))
+    moments_from_sums(row, col, row_sum, col_sum, hyper)
+
+
+def moments_from_sums(row: Tensor, col: Tensor, row_sum: Tensor, col_sum: Tensor, hyper: StepHyper) -> None:
+    """The factored moments' update from the row and column sums of ``(g k)**2``, in place
+    (:func:`_update_moments`; the CUDA step's kernel computes the sums, ``kernels/triton_step.py``)."""
+    rows, cols = row.numel(), col.numel()
     floor = (1.0 - hyper.beta2) * EPS_SQUARE
     row.mul_(hyper.beta2).add_(row_sum, alpha=max(rows, cols) / cols).add_(floor)
     col.mul_(hyper.beta2).add_(col_sum, alpha=max(rows, cols) / rows).add_(floor)

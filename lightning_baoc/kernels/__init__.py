@@ -206,9 +206,11 @@ def step_path(device: torch.device, policy: str | None = None) -> str:
     return "compiled" if resolved != "eager" and cpu_kernels().available else "eager"
 
 
-#: The (momentum, second moment) kinds the Triton step serves (:mod:`.triton_step`): the element-wise
-#: formats but the fp32 pair, which torch's fused kernel serves.
-TRITON_SERVED = frozenset({(M_NONE, V_FP32), (M_NONE, V_UINT8), (M_BF16, V_FP32), (M_BF16, V_BF16), (M_INT8, V_UINT8)})
+#: The (momentum, second moment) kinds the Triton step serves (:mod:`.triton_step`): every format with
+#: a kernel but the fp32 pair, which torch's fused kernel serves (the Triton step takes it for 16-bit
+#: parameters only).
+TRITON_SERVED = frozenset({(M_NONE, V_FP32), (M_NONE, V_UINT8), (M_BF16, V_FP32), (M_BF16, V_BF16), (M_INT8, V_UINT8),
+                           (M_NONE, V_FACTORED), (M_INT8, V_FACTORED)})
 #: The device types whose parameters take the Triton step (:mod:`.triton_step`); the tests add
 #: ``"cpu"`` to run it through Triton's interpreter.
 TRITON_DEVICES = {"cuda"}

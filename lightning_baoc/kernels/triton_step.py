@@ -44,7 +44,10 @@ except ImportError as err:  # pragma: no cover - depends on the installation
 else:
     _IMPORT_ERROR = None
 
-from . import M_BF16, M_FP32, M_INT8, M_NONE, TRITON_SERVED as SERVED, V_BF16, V_FP32, V_UINT8
+from lightning_baoc.formats.base import factor_dims
+from lightning_baoc.formats.factored_math import moments_from_sums, sqrt_factors
+
+from . import M_BF16, M_FP32, M_INT8, M_NONE, TRITON_SERVED as SERVED, V_BF16, V_FACTORED, V_FP32, V_UINT8
 _SUPER = 1024
 _SCALE_MIN = float(torch.finfo(torch.float32).tiny)
 
@@ -192,9 +195,9 @@ if triton is not None:
         tl.store(e_ptr + sb, e.to(tl.int8))
         return tl.where(flushed, 0.0, tl.math.div_rn(tl.full(stored.shape, 1.0, tl.float32), tl.where(flushed, 1.0, stored)))
 
-    @triton.jit(do_not_specialize=["n", "key"])
+    @triton.jit(do_not_specialize=["cols", "n", "key"])
     def _adamw_superblocks(
-        p_ptr, g_ptr, c_ptr, m_ptr, ms_ptr, me_ptr, v_ptr, vs_ptr, ve_ptr, n, key,
+        p_ptr, g_ptr, c_ptr, m_ptr, ms_ptr, me_ptr, v_ptr, vs_ptr, ve_ptr, rf_ptr, cf_ptr, cols, n, key,
         lr_step, decay, l2, beta2, one_minus_beta2, lerp_coeff, inv_sqrt_bc2, eps, gsign, limit_m, limit_v,
         M: tl.constexpr, V: tl.constexpr, LERP_SMALL: tl.constexpr, L2: tl.constexpr,
         W: tl.constexpr, G: tl.constexpr, CB: tl.constexpr,
@@ -218,8 +221,10 @@ if triton is not None:
         if L2:
             g = tl.fma(p, l2, g)
         p = p * decay
-        # the second moment
-        if V == 0:
+        # the second moment: its square root and the denominator
+        if V == 3:  # factored: rf[row] * cf[col], the rank-1 estimate's root (factored_math.sqrt_factors)
+            d = tl.load(rf_ptr + idx // cols, mask=mask, other=0.0) * tl.load(cf_ptr + idx % cols, mask=mask, other=0.0) + eps
+        elif V == 0:
             v0 = tl.load(v_ptr + idx, mask=mask, other=0.0)
         elif V == 1:
             v0 = _bf16_load(tl.load(v_ptr + idx, mask=mask, other=0))
@@ -227,9 +232,10 @@ if triton is not None:
             codes = tl.load(v_ptr + idx, mask=mask, other=0).to(tl.float32)
             x = (tl.maximum(codes, 0.5) * 0.003921568859368563) * _load_scales(vs_ptr, ve_ptr, sb, gidx, gmask)[:, None]
             v0 = x * x
-        v = tl.fma(one_minus_beta2 * g, g, v0 * beta2)
-        root = tl.sqrt_rn(v)
-        d = root * inv_sqrt_bc2 + eps
+        if V != 3:
+            v = tl.fma(one_minus_beta2 * g, g, v0 * beta2)
+            root = tl.sqrt_rn(v)
+            d = root * inv_sqrt_bc2 + eps
         # the momentum and the parameter
         if M == 0:
             p = p + tl.math.div_rn(lr_step * g, d)
@@ -267,12 +273,51 @@ if triton is not None:
             tl.store(v_ptr + idx, v, mask=mask)
         elif V == 1:
             tl.store(v_ptr + idx, _bf16_stochastic(v, h & _u32(0xFFFF)), mask=mask)
-        else:
+        elif V == 2:
             s = tl.where(mask, root, 0.0)
             inv = _store_scales(tl.max(s, axis=1), limit_v, vs_ptr, ve_ptr, sb, gidx, gmask)
             u = tl.minimum(tl.maximum(s * inv[:, None], 0.0), 1.0)
             tl.store(v_ptr + idx, _rint(u * 255.0).to(tl.int32).to(tl.uint8), mask=mask)
 
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["rows", "cols"])
+    def _factored_sums(
+        g_ptr, p_ptr, c_ptr, partial_ptr, row_sum_ptr, rows, cols, k, gsign, l2,
+        L2: tl.constexpr, W: tl.constexpr, G: tl.constexpr, CB: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    ):
+        """Row sums of ``(g k)**2`` of BR rows, and their column sums (one row of ``partial`` per
+        program, summed in order afterwards: deterministic), ``g`` the effective gradient
+        (factored_math._update_moments)."""
+        pid = tl.program_id(0)
+        r = pid * BR + tl.arange(0, BR)
+        rmask = r < rows
+        acc = tl.zeros((BR,), tl.float32)
+        for c0 in range(0, cols, BC):
+            c = c0 + tl.arange(0, BC)
+            cmask = c < cols
+            idx = r[:, None].to(tl.int64) * cols + c[None, :]
+            mask = rmask[:, None] & cmask[None, :]
+            if G == 0:
+                g = tl.load(g_ptr + idx, mask=mask, other=0.0) * gsign
+            else:
+                g = _load16(tl.load(g_ptr + idx, mask=mask, other=0), G) * gsign
+            if L2:
+                if W == 0:
+                    p = tl.load(p_ptr + idx, mask=mask, other=0.0)
+                else:
+                    p = _load_master(p_ptr, c_ptr, idx, mask, W, CB)
+                g = tl.fma(p, l2, g)
+            x = g * k
+            sq = x * x
+            acc += tl.sum(sq, axis=1)
+            tl.store(partial_ptr + pid.to(tl.int64) * cols + c, tl.sum(sq, axis=0), mask=cmask)
+        tl.store(row_sum_ptr + r, acc, mask=rmask)
+
+
+#: Rows of one program of the factored sums (their partial column sums: 4 bytes per BR elements).
+_SUM_ROWS = 16
 
 #: Parameter and gradient dtypes as the kernel numbers them (``W``, ``G``).
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -287,7 +332,8 @@ def serves(
     tensor on the parameter's device."""
     return (
         triton is not None
-        and (kinds in SERVED or (kinds == (M_FP32, V_FP32) and param.dtype != torch.float32))
+        and ((kinds in SERVED and (kinds[1] != V_FACTORED or factor_dims(param.shape) is not None))
+             or (kinds == (M_FP32, V_FP32) and param.dtype != torch.float32))
         and param.dtype in _KINDS
         and grad.dtype in _KINDS
         and param.is_contiguous()
@@ -303,7 +349,26 @@ def serves(
 _M_KEYS = {M_FP32: ("exp_avg", None, None), M_BF16: ("exp_avg", None, None),
            M_INT8: ("exp_avg", "exp_avg_scale", "exp_avg_exp")}
 _V_KEYS = {V_FP32: ("exp_avg_sq", None, None), V_BF16: ("exp_avg_sq", None, None),
-           V_UINT8: ("exp_avg_sq", "exp_avg_sq_scale", "exp_avg_sq_exp")}
+           V_UINT8: ("exp_avg_sq", "exp_avg_sq_scale", "exp_avg_sq_exp"), V_FACTORED: (None, None, None)}
+
+
+def _factors(it: Any, hyper: Any, corr: Tensor | None, common: dict[str, Any]) -> tuple[Tensor, Tensor, int]:
+    """The factored moments' update of one item (the sums by :func:`_factored_sums`, the vectors as the
+    eager step), and the row and column factors of its denominator."""
+    rows, cols = factor_dims(it.param.shape)  # type: ignore[misc] - serves() checked it
+    row, col = it.views["exp_avg_sq_row"], it.views["exp_avg_sq_col"]
+    programs = triton.cdiv(rows, _SUM_ROWS)
+    partial = torch.empty((programs, cols), dtype=torch.float32, device=row.device)
+    row_sum = torch.empty(rows, dtype=torch.float32, device=row.device)
+    p = it.param.detach().view(-1)
+    _factored_sums[(programs,)](
+        _bits(it.grad.view(-1)), _bits(p), p if corr is None else corr.view(-1), partial, row_sum, rows, cols,
+        _f32(math.sqrt((1.0 - hyper.beta2) / max(rows, cols))), common["gsign"], common["l2"], L2=common["L2"],
+        W=common["W"], G=common["G"], CB=common["CB"], BR=_SUM_ROWS, BC=256, enable_fp_fusion=False,
+    )
+    moments_from_sums(row, col, row_sum, partial.sum(dim=0), hyper)
+    row_factor, col_factor = sqrt_factors(row, col, it.bias_correction2)
+    return row_factor, col_factor, cols
 
 
 def _pointers(views: dict[str, Tensor], keys: tuple[str | None, ...], dummy: Tensor) -> list[Tensor]:
@@ -343,15 +408,18 @@ def adamw_step(
         n = p.numel()
         if n == 0:
             continue
+        kinds_of = dict(W=_KINDS[p.dtype], G=_KINDS[g.dtype], CB=0 if corr is None else _CORRECTION_BITS[corr.dtype])
         m, ms, me = _pointers(it.views, _M_KEYS.get(m_kind, (None, None, None)), p)
         v, vs, ve = _pointers(it.views, _V_KEYS[v_kind], p)
+        row_factor, col_factor, cols = (
+            _factors(it, hyper, corr, {**common, **kinds_of}) if v_kind == V_FACTORED else (p, p, 1)
+        )
         lr_step = _f32(-hyper.lr / it.bias_correction1 if has_m else -hyper.lr)
         key = it.noise_key & 0xFFFFFFFF
         _adamw_superblocks[(triton.cdiv(n, _SUPER),)](
-            _bits(p), _bits(g), p if corr is None else corr.view(-1), m, ms, me, v, vs, ve, n,
-            key - (1 << 32) if key >= 1 << 31 else key, lr_step=lr_step,
-            inv_sqrt_bc2=_f32(1.0 / math.sqrt(it.bias_correction2)), W=_KINDS[p.dtype], G=_KINDS[g.dtype],
-            CB=0 if corr is None else _CORRECTION_BITS[corr.dtype], enable_fp_fusion=False, **common,
+            _bits(p), _bits(g), p if corr is None else corr.view(-1), m, ms, me, v, vs, ve, row_factor, col_factor, cols,
+            n, key - (1 << 32) if key >= 1 << 31 else key, lr_step=lr_step,
+            inv_sqrt_bc2=_f32(1.0 / math.sqrt(it.bias_correction2)), enable_fp_fusion=False, **kinds_of, **common,
         )
 
 

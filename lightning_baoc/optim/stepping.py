@@ -27,7 +27,7 @@ from lightning_baoc.formats import StateFormat, StepHyper, StepItem
 from lightning_baoc.formats.compiled import KernelItem, compiled_step, kernel_serves
 from lightning_baoc.formats.correction import reconstruct, split_into
 from lightning_baoc.formats.quant import M_SCALE_MAX, V_SCALE_MAX, name_salt
-from lightning_baoc.kernels import TRITON_SERVED, use_triton
+from lightning_baoc.kernels import M_FP32, V_FP32, use_triton
 from lightning_baoc.optim.pools import Record
 from lightning_baoc.optim.sharding import is_sharded, local, mesh_min
 
@@ -156,7 +156,7 @@ class StepMixin:
         kinds = fmt.kernel_kinds
         if not items or kinds is None or hyper.rule != "adamw" or not use_triton(self.kernels, items[0].param.device):
             return items, corrections
-        if kinds not in TRITON_SERVED and all(it.param.dtype == torch.float32 for it in items):
+        if kinds == (M_FP32, V_FP32) and all(it.param.dtype == torch.float32 for it in items):
             return items, corrections  # fp32 moments of fp32 parameters: torch's fused kernel
         from lightning_baoc.kernels import triton_step  # imports triton: only where it runs
 
