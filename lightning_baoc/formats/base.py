@@ -170,6 +170,11 @@ class StepItem:
     noise_key: int = 0
     #: Steps of the momentum, this one included (1: its first step; SGD starts its buffer there).
     momentum_step: int = 0
+    #: Set where the device decides whether this step happens (a one-element fp32 tensor, nonzero
+    #: where the gradient holds inf or NaN: the update is skipped there; ``None``: it happens). The
+    #: kernels that serve such items read it themselves (``kernels/triton_step.py``, torch's fused
+    #: AdamW as its ``found_inf``), so the host reads nothing to launch them.
+    skip_flag: Tensor | None = None
 
 
 @dataclass

@@ -197,12 +197,16 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["cols", "n", "key"])
     def _adamw_superblocks(
-        p_ptr, g_ptr, c_ptr, m_ptr, ms_ptr, me_ptr, v_ptr, vs_ptr, ve_ptr, rf_ptr, cf_ptr, cols, n, key,
+        p_ptr, g_ptr, c_ptr, m_ptr, ms_ptr, me_ptr, v_ptr, vs_ptr, ve_ptr, rf_ptr, cf_ptr, skip_ptr, cols, n, key,
         lr_step, decay, l2, beta2, one_minus_beta2, lerp_coeff, inv_sqrt_bc2, eps, gsign, limit_m, limit_v,
         M: tl.constexpr, V: tl.constexpr, LERP_SMALL: tl.constexpr, L2: tl.constexpr,
-        W: tl.constexpr, G: tl.constexpr, CB: tl.constexpr,
+        W: tl.constexpr, G: tl.constexpr, CB: tl.constexpr, SKIP: tl.constexpr,
     ):
-        """One AdamW step of one 1024-element super-block (cpu_step.cpp ``superblock``), as 32 x 32."""
+        """One AdamW step of one 1024-element super-block (cpu_step.cpp ``superblock``), as 32 x 32;
+        none where the parameter's skip flag is set (``SKIP``: the device decided its finiteness)."""
+        if SKIP:
+            if tl.load(skip_ptr) != 0.0:
+                return
         sb = tl.program_id(0)
         rows = tl.arange(0, 32)
         idx = sb.to(tl.int64) * 1024 + rows[:, None] * 32 + tl.arange(0, 32)[None, :]
@@ -354,7 +358,7 @@ _V_KEYS = {V_FP32: ("exp_avg_sq", None, None), V_BF16: ("exp_avg_sq", None, None
 
 def _factors(it: Any, hyper: Any, corr: Tensor | None, common: dict[str, Any]) -> tuple[Tensor, Tensor, int]:
     """The factored moments' update of one item (the sums by :func:`_factored_sums`, the vectors as the
-    eager step), and the row and column factors of its denominator."""
+    eager step; kept where its skip flag is set), and the row and column factors of its denominator."""
     rows, cols = factor_dims(it.param.shape)  # type: ignore[misc] - serves() checked it
     row, col = it.views["exp_avg_sq_row"], it.views["exp_avg_sq_col"]
     programs = triton.cdiv(rows, _SUM_ROWS)
@@ -366,8 +370,16 @@ def _factors(it: Any, hyper: Any, corr: Tensor | None, common: dict[str, Any]) -
         _f32(math.sqrt((1.0 - hyper.beta2) / max(rows, cols))), common["gsign"], common["l2"], L2=common["L2"],
         W=common["W"], G=common["G"], CB=common["CB"], BR=_SUM_ROWS, BC=256, enable_fp_fusion=False,
     )
-    moments_from_sums(row, col, row_sum, partial.sum(dim=0), hyper)
-    row_factor, col_factor = sqrt_factors(row, col, it.bias_correction2)
+    if it.skip_flag is None:
+        moments_from_sums(row, col, row_sum, partial.sum(dim=0), hyper)
+        row_factor, col_factor = sqrt_factors(row, col, it.bias_correction2)
+        return row_factor, col_factor, cols
+    new_row, new_col = row.clone(), col.clone()  # the device decides: keep the old vectors on a skip
+    moments_from_sums(new_row, new_col, row_sum, partial.sum(dim=0), hyper)
+    row_factor, col_factor = sqrt_factors(new_row, new_col, it.bias_correction2)
+    skip = it.skip_flag != 0
+    row.copy_(torch.where(skip, row, new_row))
+    col.copy_(torch.where(skip, col, new_col))
     return row_factor, col_factor, cols
 
 
@@ -417,8 +429,9 @@ def adamw_step(
         lr_step = _f32(-hyper.lr / it.bias_correction1 if has_m else -hyper.lr)
         key = it.noise_key & 0xFFFFFFFF
         _adamw_superblocks[(triton.cdiv(n, _SUPER),)](
-            _bits(p), _bits(g), p if corr is None else corr.view(-1), m, ms, me, v, vs, ve, row_factor, col_factor, cols,
-            n, key - (1 << 32) if key >= 1 << 31 else key, lr_step=lr_step,
+            _bits(p), _bits(g), p if corr is None else corr.view(-1), m, ms, me, v, vs, ve, row_factor, col_factor,
+            p if it.skip_flag is None else it.skip_flag, cols, n, key - (1 << 32) if key >= 1 << 31 else key,
+            lr_step=lr_step, SKIP=it.skip_flag is not None,
             inv_sqrt_bc2=_f32(1.0 / math.sqrt(it.bias_correction2)), enable_fp_fusion=False, **kinds_of, **common,
         )
 

@@ -92,6 +92,7 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
         self._records: dict[Tensor, _Record] = {}
         self._salts: dict[str, int] = {}  # name -> its hash in the rounding keys
         self._warned: set[str] = set()  # names warned of a skipped update
+        self._deferred: list = []  # the steps whose skips the device decided, settled at the next step
         self._released: set[Tensor] = set()  # stepped by gradient release since the last step()
         self._release_handles: list[Any] = []
         self._gradient_observers: OrderedDict[int, Callable[[Tensor], None]] = OrderedDict()  # see add_gradient_observer

@@ -34,13 +34,56 @@ from lightning_baoc.optim.sharding import local
 HOST = torch.device("cpu")
 
 
+class DeferredFlags:
+    """Which parameters of one step had a finite gradient, decided on their device and read later.
+
+    The CUDA step launches its kernels without reading the gradients' finiteness: each kernel reads
+    its parameter's flag on the device and skips the update where it is 0, while the host advances the
+    parameter's counts as if it stepped. The flags travel to pinned host memory behind the step (a
+    copy that does not wait), and :meth:`Record.settle` takes a skipped step back out of the counts
+    when a count is next read: at the next step, by which time the copy is done, or at a checkpoint.
+    """
+
+    def __init__(self, flags: Tensor, size: int) -> None:
+        #: (record, whether its format had a momentum) of each flag, set as the step launches
+        self.records: list[tuple[Record, bool] | None] = [None] * size
+        if flags.device.type == "cuda":
+            self._host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            self._host.copy_(flags, non_blocking=True)
+            self._event: Any = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host, self._event = flags, None
+        self._values: Any = None
+
+    def values(self) -> Any:
+        """The flags as a host array (waits for the copy only if it is not done yet)."""
+        if self._values is None:
+            if self._event is not None and not self._event.query():
+                self._event.synchronize()
+            self._values = self._host.numpy()
+        return self._values
+
+    def skipped(self) -> list[Record]:
+        """The records whose update was skipped, their counts settled."""
+        flags = self.values()
+        out = []
+        for i, entry in enumerate(self.records):
+            if entry is not None:
+                entry[0].settle()
+                if not flags[i]:
+                    out.append(entry[0])
+        return out
+
+
 @dataclass
 class Record:
     """Book-keeping of one parameter (never checkpointed as is: see ``state_dict``).
 
     The step counts live in ``counts``, a host int64 tensor ``[step, m_step, nonfinite]`` that the
     compiled step advances itself (it decides which parameters step, so the optimizer never reads
-    a count to launch it); ``step``, ``m_step`` and ``nonfinite`` read and write it.
+    a count to launch it); ``step``, ``m_step`` and ``nonfinite`` read and write it, after settling a
+    step whose skip was decided on the device (``pending``: :class:`DeferredFlags`).
     """
 
     name: str
@@ -53,32 +96,52 @@ class Record:
     correction_requested: str | None = None  # explicit request; None: the group default
     master_correction: Tensor | None = None  # its int8/int16 tensor, the parameter's shape
     shard_offset: int = 0  # where this rank's shard starts in the global flat parameter (optim/sharding.py)
+    #: the step whose skip the device decides: (its flags, this record's index in them)
+    pending: tuple[DeferredFlags, int] | None = None
+
+    def settle(self) -> None:
+        """Take a step the device skipped (a non-finite gradient) back out of the counts."""
+        if self.pending is None:
+            return
+        deferred, index = self.pending
+        self.pending = None
+        if not deferred.values()[index]:
+            counts = self.counts.numpy()
+            counts[0] -= 1
+            counts[1] -= int(deferred.records[index][1])  # type: ignore[index] - set as the step launched
+            counts[2] += 1
 
     @property
     def step(self) -> int:
         """Steps taken (skipped ones not counted)."""
+        self.settle()
         return int(self.counts.numpy()[0])
 
     @step.setter
     def step(self, value: int) -> None:
+        self.settle()
         self.counts.numpy()[0] = value
 
     @property
     def m_step(self) -> int:
         """Steps since the momentum was (re)created: its own bias correction."""
+        self.settle()
         return int(self.counts.numpy()[1])
 
     @m_step.setter
     def m_step(self, value: int) -> None:
+        self.settle()
         self.counts.numpy()[1] = value
 
     @property
     def nonfinite(self) -> int:
         """Steps skipped because the gradient held inf or NaN."""
+        self.settle()
         return int(self.counts.numpy()[2])
 
     @nonfinite.setter
     def nonfinite(self, value: int) -> None:
+        self.settle()
         self.counts.numpy()[2] = value
 
 

@@ -27,8 +27,9 @@ from lightning_baoc.formats import StateFormat, StepHyper, StepItem
 from lightning_baoc.formats.compiled import KernelItem, compiled_step, kernel_serves
 from lightning_baoc.formats.correction import reconstruct, split_into
 from lightning_baoc.formats.quant import M_SCALE_MAX, V_SCALE_MAX, name_salt
+from lightning_baoc.formats.fused_adam import MAX_FUSED_STEP, fused_available
 from lightning_baoc.kernels import M_FP32, V_FP32, use_triton
-from lightning_baoc.optim.pools import Record
+from lightning_baoc.optim.pools import DeferredFlags, Record
 from lightning_baoc.optim.sharding import is_sharded, local, mesh_min
 
 
@@ -38,6 +39,7 @@ class StepMixin:
     _records: dict[Tensor, Record]
     _salts: dict[str, int]
     _warned: set[str]
+    _deferred: list[DeferredFlags]
     skip_nonfinite: bool
     format_registry: Mapping[str, StateFormat]
     label: str
@@ -47,6 +49,7 @@ class StepMixin:
 
     def _step_params(self, params: list[Tensor]) -> None:
         """One step of ``params`` (with gradients, states and corrections in place), by group."""
+        self._settle_deferred()
         chosen = set(params) - self._skip_sharded_nonfinite(params)
         eager: list[tuple[StepHyper, list[Tensor]]] = []
         for group in self.param_groups:
@@ -64,6 +67,7 @@ class StepMixin:
                     rec.step, rec.m_step = rec.step + 1, rec.m_step + int(fmt.has_momentum)
                     continue
                 if kernel_serves(fmt, mine, rec.views, self.kernels):
+                    rec.settle()
                     item = KernelItem(mine, local(p.grad), rec.views, rec.counts, self._salt(rec), rec.master_correction,
                                       rec.shard_offset)
                     owners[id(mine)] = p
@@ -78,10 +82,57 @@ class StepMixin:
             if rest:
                 eager.append((hyper, rest))
         if eager:
-            finite = self._finite_mask([p for _, params in eager for p in params])
+            every = [p for _, params in eager for p in params]
+            flags = self._device_flags([p for p, hyper in ((p, h) for h, ps in eager for p in ps)
+                                        if self._decided_on_device(p, hyper)])
+            host = self._finite_mask([p for p in every if p not in flags])
+            finite = iter(host)
             for hyper, params in eager:
-                self._eager_step(hyper, params, finite[: len(params)])
-                finite = finite[len(params) :]
+                self._eager_step(hyper, params, [True if p in flags else next(finite) for p in params], flags)
+
+    def _settle_deferred(self) -> None:
+        """Settle the counts of the steps whose skips the device decided, and warn of the skipped."""
+        for deferred in self._deferred:
+            skipped = deferred.skipped()
+            if skipped:
+                self._warn_skipped(skipped)
+        self._deferred.clear()
+
+    def _decided_on_device(self, p: Tensor, hyper: StepHyper) -> bool:
+        """Whether ``p``'s step is decided on its device: a GPU's kernel reads its finiteness flag
+        (:class:`~lightning_baoc.optim.pools.DeferredFlags`), so the host reads nothing to launch it.
+        The Triton kernels and torch's fused AdamW do; the eager formats' steps, a sharded parameter
+        (decided across ranks) and ``skip_nonfinite=False`` (nothing to decide) do not."""
+        rec = self._records[p]
+        mine, grad = local(p), local(p.grad)
+        kinds = self.format_registry[rec.format].kernel_kinds
+        if (not self.skip_nonfinite or is_sharded(p) or kinds is None or hyper.rule != "adamw" or mine.numel() == 0
+                or not use_triton(self.kernels, mine.device)):
+            return False
+        if kinds == (M_FP32, V_FP32) and mine.dtype == torch.float32:  # torch's fused kernel, found_inf
+            return (rec.master_correction is None and rec.step == rec.m_step and rec.step < MAX_FUSED_STEP
+                    and all(t.is_contiguous() and t.dtype == torch.float32 for t in (mine, grad, *rec.views.values()))
+                    and fused_available(mine.device, hyper.decoupled_weight_decay))
+        from lightning_baoc.kernels import triton_step
+
+        return triton_step.serves(kinds, mine, grad, rec.views, rec.master_correction)
+
+    def _device_flags(self, params: list[Tensor]) -> dict[Tensor, tuple[DeferredFlags, int, Tensor]]:
+        """Each parameter's finiteness flag on its device: (the step's flags, its index, its skip flag,
+        a one-element fp32 tensor, 1 where the gradient holds inf or NaN). One pass over the gradients
+        per device (their largest absolute value: NaN propagates, inf is its own maximum); nothing read."""
+        by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
+        for p in params:
+            by_device[local(p).device].append(p)
+        out: dict[Tensor, tuple[DeferredFlags, int, Tensor]] = {}
+        for members in by_device.values():
+            max_abs = torch._foreach_norm([local(p.grad) for p in members], ord=float("inf"))
+            skip = torch.isfinite(torch.stack(max_abs)).logical_not_().to(torch.float32)
+            deferred = DeferredFlags(skip == 0, len(members))
+            self._deferred.append(deferred)
+            for i, p in enumerate(members):
+                out[p] = (deferred, i, skip[i : i + 1])
+        return out
 
     def _skip_sharded_nonfinite(self, params: list[Tensor]) -> set[Tensor]:
         """The sharded parameters whose gradient holds inf or NaN on some rank, skipped on every rank
@@ -167,9 +218,15 @@ class StepMixin:
         rest = [k for k, ok in enumerate(served) if not ok]
         return [items[k] for k in rest], [corrections[k] for k in rest]
 
-    def _eager_step(self, hyper: StepHyper, params: list[Tensor], finite: list[bool]) -> None:
-        """The eager step of ``params`` (the reference), whose gradients' finiteness the host has
-        read (:meth:`_finite_mask`, one synchronisation per device and step)."""
+    def _eager_step(
+        self, hyper: StepHyper, params: list[Tensor], finite: list[bool],
+        flags: Mapping[Tensor, tuple[DeferredFlags, int, Tensor]] | None = None,
+    ) -> None:
+        """The step of ``params`` but those the compiled CPU kernels serve: the eager step (the
+        reference) of those whose gradients' finiteness the host has read (:meth:`_finite_mask`, one
+        synchronisation per device and step), the device kernels' of those it decides (``flags``:
+        :meth:`_device_flags`; their counts advance now and a skip is taken back when next read)."""
+        flags = flags or {}
         if not params:
             return
         beta1, beta2 = hyper.beta1, hyper.beta2  # the group's (SGD's momentum is its beta1)
@@ -190,7 +247,12 @@ class StepMixin:
             count = step if m_step == step else None  # one count for both corrections
             mine = local(p)
             records[id(mine)] = rec
-            item = StepItem(mine, local(p.grad), rec.views, bc1, bc2, count, self._noise_key(rec), m_step)
+            skip_flag = None
+            if p in flags:
+                deferred, index, skip_flag = flags[p]
+                deferred.records[index] = (rec, self.format_registry[rec.format].has_momentum)
+                rec.pending = (deferred, index)
+            item = StepItem(mine, local(p.grad), rec.views, bc1, bc2, count, self._noise_key(rec), m_step, skip_flag)
             buckets[(rec.format, mine.device)].append(item)
         if skipped:
             self._warn_skipped(skipped)

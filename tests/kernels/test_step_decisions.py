@@ -2,8 +2,8 @@
 
 - ``BlockwiseAdamW.step`` over CPU parameters in every compiled format reads no tensor value
   (``item``, ``tolist``, ``float``, ``int``, ``bool``, ``numpy``, ...), with finite gradients and
-  with a non-finite one (the kernel says which it skipped); on CUDA the step is still the eager one,
-  which reads the finiteness of the gradients (a strict expected failure until device kernels).
+  with a non-finite one (the kernel says which it skipped); on CUDA the Triton kernels and torch's
+  fused AdamW read each gradient's finiteness flag on the device: no synchronisation in ``step()``.
 - A non-finite gradient skips its parameter (value, state and step counts untouched, the skip
   counted and warned once) and nothing else, in the same batch or another, and the compiled step
   stays bit-equal to the eager one through the skip and through a checkpoint resume after it.
@@ -106,21 +106,26 @@ def test_the_guard_catches_a_read() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.xfail(strict=True, reason="CUDA parameters take the eager step, which reads the gradients' finiteness")
-def test_the_cuda_step_does_not_synchronise() -> None:
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "bf16", "nomomentum_int8", "factored", "int8_factored"])
+def test_the_cuda_step_does_not_synchronise(fmt: str) -> None:
+    """On CUDA the kernels read each gradient's finiteness flag on the device (the Triton kernels,
+    torch's fused AdamW as found_inf): ``step()`` makes no device-to-host synchronisation."""
+    pytest.importorskip("triton")
     model = _model().cuda()
-    opt = BlockwiseAdamW(model.named_parameters(), lr=1e-2)
-    _backward(model.cpu(), 0)
-    model.cuda()
+    opt = BlockwiseAdamW(model.named_parameters(), lr=1e-2, state_format=fmt, min_8bit_numel=0)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
-    opt.step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        opt.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    opt.step()  # the states exist and the kernels are compiled from here
+    for i in range(3):
+        torch.cuda.synchronize()
+        if i == 1:
+            next(model.parameters()).grad[0, 0] = float("nan")  # a skip decided on the device
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert opt.nonfinite_counts == {"0.weight": 1}
 
 
 def _run(policy: str, bad: dict[int, tuple[str, tuple[int, int]]], steps: int = 8) -> BlockwiseAdamW:

@@ -178,3 +178,40 @@ def test_16_bit_weights_and_their_corrections(fmt: str, dtype: torch.dtype, corr
     for a, b in zip(served, eager):
         if a.dtype == torch.float32:  # the moments
             assert relative(a, b) <= 1e-6
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16", "int8_factored", "fp32"])
+def test_a_non_finite_gradient_is_skipped_on_the_device(fmt: str, triton_on_cpu: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels read each parameter's finiteness flag themselves (the host reads no gradient to
+    launch them): a parameter whose gradient holds inf or NaN keeps its value and state, the others
+    step, and its counts, the skip counted and the warning (at the next step, or when a count is
+    read) come out as the eager step's, which reads the flags on the host."""
+    host_reads: list[int] = []
+    real_mask = stepping.StepMixin._finite_mask
+    monkeypatch.setattr(stepping.StepMixin, "_finite_mask", lambda self, params: (host_reads.append(len(params)), real_mask(self, params))[1])
+
+    def run(policy: str) -> tuple[list[torch.Tensor], dict[str, int], list[int], int]:
+        gen = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(s, generator=gen)) for s in [(37, 101), (64, 33)]]
+        opt = BlockwiseAdamW([("a", params[0]), ("b", params[1])], lr=1e-2, state_format=fmt, min_8bit_numel=0,
+                             kernels=policy)
+        with pytest.warns(RuntimeWarning, match="non-finite gradient for 'a'"):
+            for i in range(4):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen)
+                if i in (1, 2):
+                    params[0].grad[3, 5] = float("nan") if i == 1 else float("inf")
+                opt.step()
+            counts = opt.nonfinite_counts  # a read settles the last step
+        recs = [opt._records[p] for p in params]  # noqa: SLF001 - the counts themselves
+        state = [t.clone() for p in params for t in [p.detach(), *(v for _, v in sorted(opt._records[p].views.items()))]]
+        return state, counts, [r.step for r in recs] + [r.m_step for r in recs], sum(host_reads)
+
+    served = run("auto")
+    assert served[3] == 0  # no gradient's finiteness read on the host
+    eager = run("eager")
+    assert eager[3] == 2 * 4
+    assert served[1] == eager[1] == {"a": 2}
+    assert served[2] == eager[2] == [2, 4, 2, 4]
+    _assert_close(fmt, served[0], eager[0])
+    assert sum(triton_on_cpu) == (8 if fmt != "fp32" else 0)  # fp32: torch's fused kernel, its found_inf
