@@ -98,6 +98,13 @@ class Record:
     shard_offset: int = 0  # where this rank's shard starts in the global flat parameter (optim/sharding.py)
     #: the step whose skip the device decides: (its flags, this record's index in them)
     pending: tuple[DeferredFlags, int] | None = None
+    _array: Any = field(default=None, init=False, repr=False, compare=False)  # counts as a numpy array (a view)
+
+    def _counts(self) -> Any:
+        """``counts`` as a numpy view (made once: the getters run several times per step)."""
+        if self._array is None:
+            self._array = self.counts.numpy()
+        return self._array
 
     def settle(self) -> None:
         """Take a step the device skipped (a non-finite gradient) back out of the counts."""
@@ -106,7 +113,7 @@ class Record:
         deferred, index = self.pending
         self.pending = None
         if not deferred.values()[index]:
-            counts = self.counts.numpy()
+            counts = self._counts()
             counts[0] -= 1
             counts[1] -= int(deferred.records[index][1])  # type: ignore[index] - set as the step launched
             counts[2] += 1
@@ -114,35 +121,41 @@ class Record:
     @property
     def step(self) -> int:
         """Steps taken (skipped ones not counted)."""
-        self.settle()
-        return int(self.counts.numpy()[0])
+        if self.pending is not None:
+            self.settle()
+        return int(self._counts()[0])
 
     @step.setter
     def step(self, value: int) -> None:
-        self.settle()
-        self.counts.numpy()[0] = value
+        if self.pending is not None:
+            self.settle()
+        self._counts()[0] = value
 
     @property
     def m_step(self) -> int:
         """Steps since the momentum was (re)created: its own bias correction."""
-        self.settle()
-        return int(self.counts.numpy()[1])
+        if self.pending is not None:
+            self.settle()
+        return int(self._counts()[1])
 
     @m_step.setter
     def m_step(self, value: int) -> None:
-        self.settle()
-        self.counts.numpy()[1] = value
+        if self.pending is not None:
+            self.settle()
+        self._counts()[1] = value
 
     @property
     def nonfinite(self) -> int:
         """Steps skipped because the gradient held inf or NaN."""
-        self.settle()
-        return int(self.counts.numpy()[2])
+        if self.pending is not None:
+            self.settle()
+        return int(self._counts()[2])
 
     @nonfinite.setter
     def nonfinite(self, value: int) -> None:
-        self.settle()
-        self.counts.numpy()[2] = value
+        if self.pending is not None:
+            self.settle()
+        self._counts()[2] = value
 
 
 @dataclass

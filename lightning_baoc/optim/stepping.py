@@ -83,8 +83,9 @@ class StepMixin:
                 eager.append((hyper, rest))
         if eager:
             every = [p for _, params in eager for p in params]
-            flags = self._device_flags([p for p, hyper in ((p, h) for h, ps in eager for p in ps)
-                                        if self._decided_on_device(p, hyper)])
+            kernels_on: dict[torch.device, bool] = {}  # whether the device kernels run there (asked once per step)
+            decided = [p for hyper, ps in eager for p in ps if self._decided_on_device(p, hyper, kernels_on)]
+            flags = self._device_flags(decided)
             host = self._finite_mask([p for p in every if p not in flags])
             finite = iter(host)
             for hyper, params in eager:
@@ -98,16 +99,20 @@ class StepMixin:
                 self._warn_skipped(skipped)
         self._deferred.clear()
 
-    def _decided_on_device(self, p: Tensor, hyper: StepHyper) -> bool:
+    def _decided_on_device(self, p: Tensor, hyper: StepHyper, kernels_on: dict[torch.device, bool]) -> bool:
         """Whether ``p``'s step is decided on its device: a GPU's kernel reads its finiteness flag
         (:class:`~lightning_baoc.optim.pools.DeferredFlags`), so the host reads nothing to launch it.
         The Triton kernels and torch's fused AdamW do; the eager formats' steps, a sharded parameter
         (decided across ranks) and ``skip_nonfinite=False`` (nothing to decide) do not."""
         rec = self._records[p]
-        mine, grad = local(p), local(p.grad)
         kinds = self.format_registry[rec.format].kernel_kinds
-        if (not self.skip_nonfinite or is_sharded(p) or kinds is None or hyper.rule != "adamw" or mine.numel() == 0
-                or not use_triton(self.kernels, mine.device)):
+        if not self.skip_nonfinite or kinds is None or hyper.rule != "adamw" or is_sharded(p):
+            return False
+        mine, grad = p, p.grad
+        on = kernels_on.get(mine.device)
+        if on is None:
+            on = kernels_on[mine.device] = use_triton(self.kernels, mine.device)
+        if not on or mine.numel() == 0:
             return False
         if kinds == (M_FP32, V_FP32) and mine.dtype == torch.float32:  # torch's fused kernel, found_inf
             return (rec.master_correction is None and rec.step == rec.m_step and rec.step < MAX_FUSED_STEP
@@ -211,7 +216,8 @@ class StepMixin:
             return items, corrections  # fp32 moments of fp32 parameters: torch's fused kernel
         from lightning_baoc.kernels import triton_step  # imports triton: only where it runs
 
-        served = [triton_step.serves(kinds, it.param, it.grad, it.views, c) for it, c in zip(items, corrections)]
+        served = [it.skip_flag is not None or triton_step.serves(kinds, it.param, it.grad, it.views, c)
+                  for it, c in zip(items, corrections)]
         if any(served):
             triton_step.adamw_step(kinds, [it for it, ok in zip(items, served) if ok], hyper, M_SCALE_MAX, V_SCALE_MAX,
                                    [c for c, ok in zip(corrections, served) if ok])
