@@ -139,6 +139,8 @@ def fused_dense_fp32(items: list[StepItem], hyper: StepHyper, m_key: str, v_key:
     for device, batch in by_device.items():
         _launch(device, batch, hyper, m_key, v_key)
     if rest:
+        if any(it.skip_flag is not None for it in rest):  # the optimizer sends only what the kernel serves
+            raise RuntimeError("a step decided on the device reached the foreach step, which cannot skip it")
         foreach_dense_fp32(rest, hyper, m_key, v_key)
 
 

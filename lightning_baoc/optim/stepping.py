@@ -115,8 +115,10 @@ class StepMixin:
         if not on or mine.numel() == 0:
             return False
         if kinds == (M_FP32, V_FP32) and mine.dtype == torch.float32:  # torch's fused kernel, found_inf
+            # the states on the parameter's device: offload's host states take the host's decision
             return (rec.master_correction is None and rec.step == rec.m_step and rec.step < MAX_FUSED_STEP
-                    and all(t.is_contiguous() and t.dtype == torch.float32 for t in (mine, grad, *rec.views.values()))
+                    and all(t.is_contiguous() and t.dtype == torch.float32 and t.device == mine.device
+                            for t in (mine, grad, *rec.views.values()))
                     and fused_available(mine.device, hyper.decoupled_weight_decay))
         from lightning_baoc.kernels import triton_step
 

@@ -117,6 +117,8 @@ def test_the_cuda_step_does_not_synchronise(fmt: str) -> None:
         p.grad = torch.randn_like(p)
     opt.step()  # the states exist and the kernels are compiled from here
     for i in range(3):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
         torch.cuda.synchronize()
         if i == 1:
             next(model.parameters()).grad[0, 0] = float("nan")  # a skip decided on the device

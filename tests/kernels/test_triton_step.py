@@ -215,3 +215,19 @@ def test_a_non_finite_gradient_is_skipped_on_the_device(fmt: str, triton_on_cpu:
     assert served[2] == eager[2] == [2, 4, 2, 4]
     _assert_close(fmt, served[0], eager[0])
     assert sum(triton_on_cpu) == (8 if fmt != "fp32" else 0)  # fp32: torch's fused kernel, its found_inf
+
+
+def test_offloaded_states_take_the_hosts_decision(triton_on_cpu: list[int]) -> None:
+    """States on another device than their parameter (offload's host memory) are not decided on the
+    parameter's device: their update runs on copies that carry no flag, so the host decides it."""
+    from lightning_baoc.optim.pools import Record
+
+    gen = torch.Generator().manual_seed(0)
+    p = nn.Parameter(torch.randn(40, 40, generator=gen))
+    opt = BlockwiseAdamW([("w", p)], state_format="fp32", kernels="auto")
+    p.grad = torch.randn(40, 40, generator=gen)
+    opt.step()
+    rec: Record = opt._records[p]  # noqa: SLF001 - the step's decision itself
+    assert opt._decided_on_device(p, opt._hyper(opt.param_groups[0]), {})  # noqa: SLF001
+    rec.views = {k: v.to("meta") for k, v in rec.views.items()}  # states on another device than the parameter
+    assert not opt._decided_on_device(p, opt._hyper(opt.param_groups[0]), {})  # noqa: SLF001
