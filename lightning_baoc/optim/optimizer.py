@@ -110,8 +110,11 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
         self.chunk_size = chunk_size
         self._validate_group(defaults, "")
         super().__init__(params, defaults)
-        if any(p.device.type == "cpu" for g in self.param_groups for p in g["params"]):
+        devices = {p.device for g in self.param_groups for p in g["params"]}
+        if any(d.type == "cpu" for d in devices):
             _kernels.use_compiled(self.kernels)  # builds or loads them now, says which step runs
+        for device in devices:  # a GPU's kernels: Triton imports now (or the error or warning comes now)
+            _kernels.use_triton(self.kernels, device)
 
     def _validate_group(self, group: Mapping[str, Any], where: str) -> None:
         """Validate a param group's hyperparameters (errors name ``where + key``)."""
@@ -408,11 +411,12 @@ class BlockwiseAdamW(BlockwiseOptimizer):
         chunk_size: elements processed at once by chunked formats (default: 131072).
         param_names: names for plain parameters: a module, or ``(name, parameter)`` pairs
             (default: positional names ``"0"``, ``"1"``, ...).
-        kernels: which step runs for parameters on the CPU: ``"auto"`` (the compiled kernels where
-            they build, else the eager step with one warning), ``"compiled"`` (the kernels or an
-            error), ``"eager"`` (the reference, nothing built); default: the environment variable
-            ``LIGHTNING_BAOC_KERNELS``, else ``"auto"`` (:mod:`lightning_baoc.kernels`). The kernels
-            are built on the first construction that needs them and cached.
+        kernels: which step runs: ``"auto"`` (the compiled kernels, on the CPU where they build and
+            on CUDA where Triton imports, else the eager step with one warning), ``"compiled"`` (the
+            kernels or an error), ``"eager"`` (the reference, nothing built); default: the environment
+            variable ``LIGHTNING_BAOC_KERNELS``, else ``"auto"`` (:mod:`lightning_baoc.kernels`). The
+            CPU kernels are built on the first construction that needs them and cached; the CUDA ones
+            (:mod:`lightning_baoc.kernels.triton_step`) compile at their first launch.
 
     Raises:
         ValueError: an invalid hyperparameter, or ``amsgrad``/``capturable``/``differentiable``
