@@ -195,6 +195,23 @@ if triton is not None:
         tl.store(e_ptr + sb, e.to(tl.int8))
         return tl.where(flushed, 0.0, tl.math.div_rn(tl.full(stored.shape, 1.0, tl.float32), tl.where(flushed, 1.0, stored)))
 
+    @triton.jit
+    def _encode_momentum(m, m_ptr, s_ptr, e_ptr, idx, mask, sb, gidx, gmask, limit):
+        """Companded int8 codes of a super-block's momentum, its scales and exponent (quant.quantize_momentum)."""
+        m = tl.where(mask, m, 0.0)
+        inv = _store_scales(tl.max(tl.abs(m), axis=1), limit, s_ptr, e_ptr, sb, gidx, gmask)
+        u = tl.minimum(tl.maximum(m * inv[:, None], -1.0), 1.0)
+        code = _rint(tl.math.div_rn(u, tl.abs(u) + 1.0) * 254.0)
+        tl.store(m_ptr + idx, code.to(tl.int32).to(tl.int8), mask=mask)
+
+    @triton.jit
+    def _encode_sqrt(root, v_ptr, s_ptr, e_ptr, idx, mask, sb, gidx, gmask, limit):
+        """sqrt-companded uint8 codes of a super-block's second moment from its root (quant.quantize_sqrt)."""
+        s = tl.where(mask, root, 0.0)
+        inv = _store_scales(tl.max(s, axis=1), limit, s_ptr, e_ptr, sb, gidx, gmask)
+        u = tl.minimum(tl.maximum(s * inv[:, None], 0.0), 1.0)
+        tl.store(v_ptr + idx, _rint(u * 255.0).to(tl.int32).to(tl.uint8), mask=mask)
+
     @triton.jit(do_not_specialize=["cols", "n", "key"])
     def _adamw_superblocks(
         p_ptr, g_ptr, c_ptr, m_ptr, ms_ptr, me_ptr, v_ptr, vs_ptr, ve_ptr, rf_ptr, cf_ptr, skip_ptr, cols, n, key,
@@ -268,20 +285,13 @@ if triton is not None:
         elif M == 2:
             tl.store(m_ptr + idx, _bf16_stochastic(m, h >> 16), mask=mask)
         elif M == 3:
-            m = tl.where(mask, m, 0.0)
-            inv = _store_scales(tl.max(tl.abs(m), axis=1), limit_m, ms_ptr, me_ptr, sb, gidx, gmask)
-            u = tl.minimum(tl.maximum(m * inv[:, None], -1.0), 1.0)
-            code = _rint(tl.math.div_rn(u, tl.abs(u) + 1.0) * 254.0)
-            tl.store(m_ptr + idx, code.to(tl.int32).to(tl.int8), mask=mask)
+            _encode_momentum(m, m_ptr, ms_ptr, me_ptr, idx, mask, sb, gidx, gmask, limit_m)
         if V == 0:
             tl.store(v_ptr + idx, v, mask=mask)
         elif V == 1:
             tl.store(v_ptr + idx, _bf16_stochastic(v, h & _u32(0xFFFF)), mask=mask)
         elif V == 2:
-            s = tl.where(mask, root, 0.0)
-            inv = _store_scales(tl.max(s, axis=1), limit_v, vs_ptr, ve_ptr, sb, gidx, gmask)
-            u = tl.minimum(tl.maximum(s * inv[:, None], 0.0), 1.0)
-            tl.store(v_ptr + idx, _rint(u * 255.0).to(tl.int32).to(tl.uint8), mask=mask)
+            _encode_sqrt(root, v_ptr, vs_ptr, ve_ptr, idx, mask, sb, gidx, gmask, limit_v)
 
 
 if triton is not None:
