@@ -470,8 +470,8 @@ def _check_together(values: Mapping[str, Any]) -> None:
             f"{MIN_SAMPLES} gradient samples, taken at steps 0 and {sample_every}; use warmup_steps >= {least} "
             f"or a smaller sample_every",
         )
-    if values.get("corrections") is not None and (values.get("time_budget") is not None or values.get("initial")):
-        raise SettingError("corrections", "corrections cannot go with a time_budget or initial yet: unset one")
+    if values.get("corrections") is not None and values.get("initial"):
+        raise SettingError("corrections", "corrections cannot go with initial yet: unset one")
     if values.get("calibration") == "prior" and is_absolute_time(values.get("time_budget")):
         err = absolute_time_with_prior_error(
             values["time_budget"], "time_budget", "calibration='auto' to measure the step in seconds on the device."

@@ -47,6 +47,24 @@ def test_calibrate_measures_caches_and_reuses(tmp_path) -> None:
     assert Calibration.from_dict(json.loads(path.read_text())) == fresh
 
 
+def test_calibrate_measures_the_corrections_and_caches_them(tmp_path, monkeypatch) -> None:
+    """A correction's cost is what it adds to int8's step over bf16 weights, measured once and cached
+    beside the formats; a cache without it (older) is completed, not measured again whole."""
+    from lightning_baoc import calibration
+
+    plain = calibrate("cpu", ["fp32"], numel=1 << 14, steps=2, cache_dir=tmp_path)
+    assert plain.correction_seconds_per_element == {"none": 0.0}
+    cal = calibrate("cpu", ["fp32"], numel=1 << 14, steps=3, cache_dir=tmp_path, corrections=["none", "ecc8", "ecc16"])
+    assert cal.seconds_per_element == plain.seconds_per_element  # the formats from the cache
+    added = cal.correction_seconds_per_element
+    assert set(added) == {"none", "ecc8", "ecc16"} and added["none"] == 0.0 and added["ecc8"] > 0.0
+    monkeypatch.setattr(calibration, "measure_correction_seconds", lambda *a, **k: pytest.fail("measured again"))
+    again = calibrate("cpu", ["fp32"], numel=1 << 14, steps=2, cache_dir=tmp_path, corrections=["ecc8"])
+    assert again.correction_seconds_per_element == added
+    with pytest.raises(ValueError, match="ecc4"):
+        calibrate("cpu", ["fp32"], numel=1 << 14, cache_dir=tmp_path, corrections=["ecc4"])
+
+
 def test_calibrate_default_formats_skip_the_masked(tmp_path) -> None:
     cal = calibrate("cpu", numel=1 << 13, steps=1, cache_dir=tmp_path)
     assert set(cal.seconds_per_element) == set(FORMATS) - {"offload"}

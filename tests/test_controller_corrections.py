@@ -138,11 +138,31 @@ def test_resume_with_corrections_turned_off_or_on_reallocates_before_the_next_st
     ctl.close()
 
 
+def test_a_time_budget_trades_corrections_for_time() -> None:
+    """Under a time budget each option costs its format's step time plus its correction's (the prior,
+    PRIOR_CORRECTION_COST): a budget with room in memory but little time keeps fewer corrections than
+    the memory budget alone, and the allocation's step time is within the time budget at every step."""
+    chosen = {}
+    for time_budget in (None, 1.2):
+        model = _model()
+        ctl = _controller(time_budget=time_budget)
+        opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-5), model)
+        events, _ = _run(ctl, opt, model, 0, 16, ctl.memory_budget_bytes())
+        ctl.close()
+        chosen[time_budget] = events[0].formats
+        if time_budget is not None:
+            table = ctl.problem.time()
+            assert sum(table[b][o] for b, o in events[0].formats.items()) <= time_budget * ctl.problem.fp32_time
+            assert sum(table[b][o] for b, o in ctl.start_allocation.items()) <= time_budget * ctl.problem.fp32_time
+    assert all("+ecc" in o for o in chosen[None].values())
+    assert sum("+ecc" in o for o in chosen[1.2].values()) < len(chosen[1.2])
+
+
 def test_refused_where_corrections_do_not_apply() -> None:
     model = _model(torch.float32)
     with pytest.raises(ValueError, match=r"corrections=.*trains no bf16 or fp16 parameter"):
         _controller().install(torch.optim.AdamW(model.parameters()), model)
-    with pytest.raises(SettingError, match="corrections cannot go with a time_budget"):
-        _controller(time_budget=1.5)
+    with pytest.raises(SettingError, match="corrections cannot go with initial"):
+        _controller(initial={"0": "int8"})
     with pytest.raises(SettingError, match="corrections"):
         BAOCConfig(memory_budget=0.5, corrections=["ecc4"])

@@ -11,7 +11,7 @@ correction's (:func:`lightning_baoc.risk.correction.correction_risk_table`, or t
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -92,6 +92,29 @@ def correction_table(
     }
 
 
+def correction_time_table(
+    blocks: Mapping[str, Sequence[Sequence[int]]], dtypes: Mapping[str, Sequence[torch.dtype]], costs: Mapping[str, float],
+    corrections: Iterable[str],
+) -> dict[str, dict[str, float]]:
+    """Block -> correction -> the step time its corrections add: the elements of the block's 16-bit
+    tensors times the correction's per-element cost (fp32 tensors hold none and add nothing).
+
+    Example:
+        >>> correction_time_table({"fc": [(64, 64), (64,)]}, {"fc": [torch.bfloat16, torch.float32]},
+        ...                       {"none": 0.0, "ecc8": 2.0}, ["none", "ecc8"])
+        {'fc': {'none': 0.0, 'ecc8': 8192.0}}
+    """
+    names = list(dict.fromkeys(corrections))
+    for c in names:
+        if c not in costs:
+            raise ValueError(f"no step cost for correction {c!r}; costs cover {sorted(costs)}: calibrate it too")
+    out: dict[str, dict[str, float]] = {}
+    for block, shapes in blocks.items():
+        sixteen = sum(numel_of(tuple(s)) for s, d in zip(shapes, dtypes[block]) if d in WEIGHT_DTYPES)
+        out[block] = {c: sixteen * costs[c] for c in names}
+    return out
+
+
 def prior_correction_risk(
     shapes: Mapping[str, Sequence[Sequence[int]]],
     dtypes: Mapping[str, Sequence[torch.dtype]],
@@ -114,6 +137,7 @@ __all__ = [
     "compose",
     "correction_bytes",
     "correction_table",
+    "correction_time_table",
     "option",
     "options",
     "prior_correction_risk",

@@ -32,14 +32,22 @@ from ..budget import (
     parse_time_budget,
     round_up,
 )
-from ..calibration import PRIOR_STEP_COSTS, Calibration, calibrate, memory_table, time_table, withheld_formats
+from ..calibration import (
+    PRIOR_CORRECTION_COST,
+    PRIOR_STEP_COSTS,
+    Calibration,
+    calibrate,
+    memory_table,
+    time_table,
+    withheld_formats,
+)
 from ..formats import DEFAULT_MIN_8BIT_NUMEL, RULE_NAMES, formats_of
 from ..risk.shadow import DEFAULT_SHADOW_ELEMENTS
 from ..risk.start import Initial, start_risk
 from ..sampling import DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS
 from ..solver import Allocation, BudgetInfeasibleError, solve
 from .instruments import DEFAULT_INSTRUMENT_SHARE, InstrumentSizes, instrument_allowance, size_instruments
-from .options import compose, correction_table, options
+from .options import SEPARATOR, compose, correction_table, correction_time_table, options, split_option
 from .phases import StatePhases, state_phases
 
 Shape = Sequence[int]
@@ -103,7 +111,11 @@ class AllocationProblem:
             element). Formats, bytes, priors and step costs are the rule's.
         corrections: master-weight corrections the solver pairs with every format
             (:mod:`lightning_baoc.costs.options`: options ``"int8+ecc8"``; default: ``None``, formats
-            alone); needs ``dtypes``. A time budget does not price them (refused).
+            alone); needs ``dtypes``. Under a time budget an option's step time is its format's
+            plus what its correction adds per element of the block's 16-bit weights
+            (:data:`~lightning_baoc.calibration.PRIOR_CORRECTION_COST`, or measured by
+            :func:`~lightning_baoc.calibration.calibrate` with ``corrections``; given costs name it
+            ``"+ecc8"``).
         dtypes: block -> the dtypes of its parameters, in block order (the corrections' bytes).
 
     Raises:
@@ -153,15 +165,11 @@ class AllocationProblem:
             self.baseline_bytes = self.fp32_bytes
         self._time: dict[str, dict[str, float]] | None = None
         self._per_element: Mapping[str, float] | None = None
+        self._per_correction: Mapping[str, float] = {"none": 0.0}
         self.time_source: str | None = None
 
     def _pair_corrections(self, tabulated: list[str]) -> None:
         """Options pairing every offered format with every correction: bytes of both."""
-        if self.timed:
-            raise ValueError(
-                "a time budget does not price master-weight corrections yet (their step cost is not "
-                "calibrated): leave time_budget unset, or corrections unset"
-            )
         if self.dtypes is None:
             raise ValueError("corrections need dtypes: block -> the dtypes of its parameters")
         corrections = list(dict.fromkeys(self.corrections or ()))
@@ -182,25 +190,37 @@ class AllocationProblem:
 
     def _costs(self) -> Mapping[str, float]:
         if self._per_element is None:
+            corrections = [c for c in self.corrections or () if c != "none"]
             if isinstance(self.costs, str) and self.costs == "prior":
                 self._per_element = PRIOR_STEP_COSTS[self.rule]
+                self._per_correction = dict(PRIOR_CORRECTION_COST)
                 self.time_source = "prior (PRIOR_STEP_COSTS, relative to fp32)"
             elif isinstance(self.costs, str) and self.costs == "calibrate":
-                cal = calibrate(self.device, cache_dir=self.cache_dir, rule=self.rule)
-                self._per_element = cal.seconds_per_element
+                cal = calibrate(self.device, cache_dir=self.cache_dir, rule=self.rule, corrections=corrections)
+                self._per_element, self._per_correction = cal.seconds_per_element, cal.correction_seconds_per_element
                 self.time_source = f"calibration of {cal.device} ({cal.device_name}, torch {cal.torch_version})"
             elif isinstance(self.costs, Calibration):
                 self._per_element, self.time_source = self.costs.seconds_per_element, f"calibration of {self.costs.device}"
+                self._per_correction = self.costs.correction_seconds_per_element
             else:
-                self._per_element, self.time_source = dict(self.costs), "given costs"
+                given = dict(self.costs)
+                self._per_element, self.time_source = given, "given costs"
+                # a correction's cost given beside the formats' (key "+ecc8"); none: nothing added
+                self._per_correction = {"none": 0.0, **{k[1:]: v for k, v in given.items() if k.startswith(SEPARATOR)}}
         return self._per_element
 
     def time(self) -> dict[str, dict[str, float]]:
         """Step time per block and format (the offered ones and ``fp32``), priced once."""
         if self._time is None:
             costs = self._costs()
-            priced = sorted(f for f in set(self.allowed) | {"fp32"} if f in costs)
-            self._time = time_table(self.shapes, costs, priced, self.min_8bit_numel, self.rule)
+            priced = sorted(f for f in set(self.formats) | {"fp32"} if f in costs)
+            table = time_table(self.shapes, costs, priced, self.min_8bit_numel, self.rule)
+            if self.corrections is not None:  # an option's time: its format's plus its correction's
+                assert self.dtypes is not None  # _pair_corrections checked it
+                extra = correction_time_table(self.shapes, self.dtypes, self._per_correction, self.corrections)
+                names = sorted({o for o in self.allowed if split_option(o)[0] in priced} | set(priced))
+                table = compose(table, extra, names)
+            self._time = table
         return self._time
 
     @property
@@ -247,7 +267,7 @@ class AllocationProblem:
         if not timed:
             return list(self.allowed)
         costs = self._costs()
-        return [f for f in self.allowed if f in costs]
+        return [f for f in self.allowed if split_option(f)[0] in costs and split_option(f)[1] in self._per_correction]
 
     def solve(self, risk: Table, memory_budget: object, time_budget: object = None, **options: Any) -> Allocation:
         """Least total risk within the budgets over the offered formats (``risk`` rows may list

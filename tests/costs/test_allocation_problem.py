@@ -14,6 +14,7 @@ import lightning_baoc.controller as controller_module
 from lightning_baoc.check import run_checks
 from lightning_baoc.config import parse_config
 from lightning_baoc.controller import BAOCController
+from lightning_baoc.costs.options import split_option
 from lightning_baoc.costs import AllocationProblem
 from lightning_baoc.planner import plan
 from lightning_baoc.solver import BudgetInfeasibleError
@@ -95,3 +96,25 @@ def test_fractions_refer_to_the_users_baseline() -> None:
     assert bf16.budgets(0.5).memory_bytes == 2 * 256 * 256
     with pytest.raises(BudgetInfeasibleError, match=r"as a fraction of the AdamW state on these parameters"):
         bf16.smallest(0.1)
+
+
+def test_a_time_budget_prices_each_correction_on_the_16_bit_weights() -> None:
+    """An option's step time is its format's plus its correction's per element of the block's bf16
+    and fp16 tensors (fp32 tensors hold none); a time budget then trades corrections for time."""
+    shapes = {"a": [(64, 64), (64,)], "b": [(64, 64)]}
+    dtypes = {"a": [torch.bfloat16, torch.float32], "b": [torch.bfloat16]}
+    costs = {"fp32": 1.0, "int8": 2.0, "+ecc8": 0.5, "+ecc16": 0.75}
+    problem = AllocationProblem(shapes, "cpu", ["fp32", "int8"], timed=True, costs=costs, corrections=["none", "ecc8", "ecc16"],
+                                dtypes=dtypes)
+    table = problem.time()
+    assert table["a"]["int8"] == 64 * 64 * 2.0 + 64 * 1.0  # the bias falls back to fp32 (min_8bit_numel)
+    assert table["a"]["int8+ecc8"] == table["a"]["int8"] + 64 * 64 * 0.5  # the fp32 bias holds no correction
+    assert table["b"]["fp32+ecc16"] == 64 * 64 * (1.0 + 0.75)
+    assert set(problem.allowed) <= set(table["a"])
+    # the corrections lower the risk; with room for them in memory but no time, the solver drops them
+    risk = {b: {o: {"none": 1.0, "ecc8": 0.1, "ecc16": 0.05}[split_option(o)[1]] + (0.2 if o.startswith("int8") else 0.0)
+                for o in problem.allowed} for b in shapes}
+    assert all("+ecc" in o for o in problem.solve(risk, memory_budget=10**9).formats.values())
+    assert all("+" not in o for o in problem.solve(risk, memory_budget=10**9, time_budget=1.0).formats.values())
+    some = problem.solve(risk, memory_budget=10**9, time_budget=1.3)  # time for one block's correction
+    assert sum("+ecc" in o for o in some.formats.values()) == 1 and some.time <= 1.3 * problem.fp32_time
