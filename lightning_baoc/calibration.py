@@ -427,6 +427,18 @@ def measure_correction_seconds(
     return {"none": 0.0, **{c: max(0.0, min(times[c]) - base) for c in wanted}}
 
 
+def _cached(path: Path, rule: str) -> Calibration | None:
+    """The calibration cached at ``path`` for ``rule``, or ``None`` (none, corrupt or foreign: measured
+    again and overwritten)."""
+    if not path.exists():
+        return None
+    try:
+        cached = Calibration.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    except (ValueError, TypeError, KeyError):
+        return None
+    return cached if cached.rule == rule else None
+
+
 def calibrate(
     device: str | torch.device = "cpu",
     formats: Iterable[str] | None = None,
@@ -465,33 +477,21 @@ def calibrate(
         2.9
     """
     dev = _as_device(device)
-    if dev.type == "meta":
-        raise ValueError("device='meta' cannot be timed; pass the training device, e.g. 'cpu' or 'cuda'")
-    if not isinstance(numel, int) or numel < 4096:
-        raise ValueError(f"numel must be an int >= 4096 (8-bit formats need that many), got {numel!r}")
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    _check_calibration(dev, numel, steps)
     wanted = (
         [f for f in formats_of(rule) if f not in hardware_mask(dev)]
         if formats is None
         else [_check_name(f, rule) for f in formats]
     )
-    path = cache_path(dev, cache_dir, rule)
-    cached: Calibration | None = None
-    if path.exists() and not refresh:
-        try:
-            cached = Calibration.from_dict(json.loads(path.read_text(encoding="utf-8")))
-        except (ValueError, TypeError, KeyError):
-            cached = None  # a corrupt or foreign file is measured again and overwritten
-        if cached is not None and cached.rule != rule:
-            cached = None
-    known = dict(cached.seconds_per_element) if cached is not None else {}
-    known_corrections = dict(cached.correction_seconds_per_element) if cached is not None else {"none": 0.0}
-    missing = [f for f in wanted if f not in known]
     from .formats.correction import check_correction
 
     for c in corrections:
         check_correction(c)
+    path = cache_path(dev, cache_dir, rule)
+    cached = None if refresh else _cached(path, rule)
+    known = dict(cached.seconds_per_element) if cached is not None else {}
+    known_corrections = dict(cached.correction_seconds_per_element) if cached is not None else {"none": 0.0}
+    missing = [f for f in wanted if f not in known]
     missing_corrections = [c for c in dict.fromkeys(corrections) if c not in known_corrections]
     elements = 4 * _SYNTHETIC_ROWS * _synthetic_cols(numel)
     if missing:
@@ -519,6 +519,16 @@ def calibrate(
         tmp.write_text(json.dumps(result.to_dict(), indent=2, sort_keys=True), encoding="utf-8")
         tmp.replace(path)  # atomic: a concurrent reader never sees half a file
     return result
+
+
+def _check_calibration(dev: torch.device, numel: object, steps: object) -> None:
+    """The arguments :func:`calibrate` refuses, each named."""
+    if dev.type == "meta":
+        raise ValueError("device='meta' cannot be timed; pass the training device, e.g. 'cpu' or 'cuda'")
+    if not isinstance(numel, int) or numel < 4096:
+        raise ValueError(f"numel must be an int >= 4096 (8-bit formats need that many), got {numel!r}")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
 
 
 def time_table(
