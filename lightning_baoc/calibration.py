@@ -358,29 +358,37 @@ def measure_step_seconds(
         "lion": lambda params, fmt: BlockwiseLion(params, lr=1e-4, state_format=fmt),
     }[rule]
     dev = _as_device(device)
+    optimizers = {fmt: make(_synthetic_params(dev, numel, torch.float32), fmt) for fmt in names}
+    return _fastest_steps(optimizers, dev, warmup, steps)
+
+
+def _synthetic_params(dev: torch.device, numel: int, dtype: torch.dtype) -> list[tuple[str, torch.nn.Parameter]]:
+    """The synthetic set: four 2-D tensors of 256 rows in ``dtype``, with fixed random gradients."""
     rows, cols = _SYNTHETIC_ROWS, _synthetic_cols(numel)
-    optimizers = {}
-    for fmt in names:
-        gen = torch.Generator().manual_seed(0)
-        params = []
-        for i in range(4):
-            p = torch.nn.Parameter(torch.randn(rows, cols, generator=gen).to(dev))
-            p.grad = torch.randn(rows, cols, generator=gen).to(dev) * 1e-3
-            params.append((f"w{i}", p))
-        optimizers[fmt] = make(params, fmt)
+    gen = torch.Generator().manual_seed(0)
+    params = []
+    for i in range(4):
+        p = torch.nn.Parameter(torch.randn(rows, cols, generator=gen).to(dev, dtype))
+        p.grad = (torch.randn(rows, cols, generator=gen) * 1e-3).to(dev, dtype)
+        params.append((f"w{i}", p))
+    return params
+
+
+def _fastest_steps(optimizers: Mapping[str, Any], dev: torch.device, warmup: int, steps: int) -> dict[str, float]:
+    """Each optimizer's fastest step of ``steps``, timed round-robin after ``warmup`` steps each, so a
+    change of machine load hits every one alike (noise only ever adds time)."""
     for opt in optimizers.values():
         for _ in range(warmup):
             opt.step()
-    times: dict[str, list[float]] = {fmt: [] for fmt in names}
+    times: dict[str, list[float]] = {key: [] for key in optimizers}
     for _ in range(steps):
-        for fmt, opt in optimizers.items():
+        for key, opt in optimizers.items():
             _synchronize(dev)
             start = time.perf_counter()
             opt.step()
             _synchronize(dev)
-            times[fmt].append(time.perf_counter() - start)
-    # the fastest step: machine noise (other processes, frequency changes) only ever adds time
-    return {fmt: min(t) for fmt, t in times.items()}
+            times[key].append(time.perf_counter() - start)
+    return {key: min(t) for key, t in times.items()}
 
 
 def measure_correction_seconds(
@@ -402,29 +410,12 @@ def measure_correction_seconds(
         check_correction(c)
     wanted = [c for c in dict.fromkeys(corrections) if c != "none"]
     dev = _as_device(device)
-    rows, cols = _SYNTHETIC_ROWS, _synthetic_cols(numel)
-    optimizers = {}
-    for correction in ["none", *wanted]:
-        gen = torch.Generator().manual_seed(0)
-        params = []
-        for i in range(4):
-            p = torch.nn.Parameter(torch.randn(rows, cols, generator=gen).to(dev, torch.bfloat16))
-            p.grad = (torch.randn(rows, cols, generator=gen) * 1e-3).to(dev, torch.bfloat16)
-            params.append((f"w{i}", p))
-        optimizers[correction] = BlockwiseAdamW(params, lr=1e-3, state_format="int8", weight_correction=correction)
-    for opt in optimizers.values():
-        for _ in range(warmup):
-            opt.step()
-    times: dict[str, list[float]] = {c: [] for c in optimizers}
-    for _ in range(steps):
-        for correction, opt in optimizers.items():
-            _synchronize(dev)
-            start = time.perf_counter()
-            opt.step()
-            _synchronize(dev)
-            times[correction].append(time.perf_counter() - start)
-    base = min(times["none"])
-    return {"none": 0.0, **{c: max(0.0, min(times[c]) - base) for c in wanted}}
+    optimizers = {
+        c: BlockwiseAdamW(_synthetic_params(dev, numel, torch.bfloat16), lr=1e-3, state_format="int8", weight_correction=c)
+        for c in ["none", *wanted]
+    }
+    times = _fastest_steps(optimizers, dev, warmup, steps)
+    return {"none": 0.0, **{c: max(0.0, times[c] - times["none"]) for c in wanted}}
 
 
 def _cached(path: Path, rule: str) -> Calibration | None:
