@@ -66,12 +66,14 @@ class PersistenceMixin:
         the parameter ids naming groups added later. Records stay keyed by parameter, so deepcopy
         maps them through its memo to the copied parameters, as it does torch's ``state``.
         """
+        self._settle_deferred()  # type: ignore[attr-defined] - a step decided on the device: its counts settled
         state = {k: v for k, v in self.__dict__.items() if k not in _RUNTIME_ONLY}
+        state["_deferred"] = []
         # gradient release: hooks live on this process's parameters; the copy registers its own
         state["_release_handles"], state["_released"] = [], set()
         state["_gradient_observers"] = OrderedDict()  # like hooks: the copy has none
         state["_release_on"] = bool(self.__dict__.get("_release_handles"))
-        state["_records"] = {p: dataclasses.replace(rec, views=None) for p, rec in self._records.items()}
+        state["_records"] = {p: dataclasses.replace(rec, views=None, pending=None) for p, rec in self._records.items()}
         state["_pools"] = {}
         state["_external_names"] = {}  # ids of this process's tensors mean nothing in a copy
         state["_saved_views"] = {
@@ -88,6 +90,7 @@ class PersistenceMixin:
         state.setdefault("_gradient_observers", OrderedDict())
         state.setdefault("_salts", {})
         state.setdefault("_warned", set())
+        state.setdefault("_deferred", [])
         state.pop("_generators", None)  # pickles of earlier releases: the rounding is keyed now
         state.setdefault("kernels", "auto")
         super().__setstate__(state)  # torch's: hooks, the profiled step

@@ -6,7 +6,11 @@ NaN, advances the step counts or counts the skip, and says which it skipped, so 
 from a tensor to launch it. Every other parameter (CUDA, a policy of ``"eager"``, no compiler) takes
 the eager step here: the host reads which gradients are finite (:meth:`StepMixin._finite_mask`, one
 synchronisation per device and step), advances the counts, computes the bias corrections and the
-rounding key, and runs each format's ``update``. Both work on each parameter's local part (the
+rounding key, and runs each format's ``update``. On a GPU the Triton kernels
+(:mod:`lightning_baoc.kernels.triton_step`) and torch's fused AdamW serve the formats instead, and read
+each gradient's finiteness flag on the device (:meth:`StepMixin._device_flags`): the host advances the
+counts as if the step happened and takes a skip back when a count is next read
+(:class:`~lightning_baoc.optim.pools.DeferredFlags`), so it reads nothing to launch them. Both work on each parameter's local part (the
 shard of a ``DTensor`` parameter on this rank: :mod:`lightning_baoc.optim.sharding`).
 
 :class:`StepMixin` expects ``_records``, ``skip_nonfinite``, ``_noise_key`` and the ``_salts`` and
@@ -255,12 +259,11 @@ class StepMixin:
             count = step if m_step == step else None  # one count for both corrections
             mine = local(p)
             records[id(mine)] = rec
-            skip_flag = None
-            if p in flags:
-                deferred, index, skip_flag = flags[p]
+            item = StepItem(mine, local(p.grad), rec.views, bc1, bc2, count, self._noise_key(rec), m_step)
+            if p in flags:  # after every read of the counts: a read settles (it waits for the flags)
+                deferred, index, item.skip_flag = flags[p]
                 deferred.records[index] = (rec, self.format_registry[rec.format].has_momentum)
                 rec.pending = (deferred, index)
-            item = StepItem(mine, local(p.grad), rec.views, bc1, bc2, count, self._noise_key(rec), m_step, skip_flag)
             buckets[(rec.format, mine.device)].append(item)
         if skipped:
             self._warn_skipped(skipped)

@@ -251,3 +251,23 @@ def test_without_triton_the_policy_is_checked_at_construction(monkeypatch: pytes
         opt.step()  # warned once already
         BlockwiseAdamW([("w", p)], state_format="int8", kernels="eager").step()
     assert opt._records[p].step == 1  # noqa: SLF001
+
+
+def test_a_copy_after_a_step_decided_on_the_device_has_its_counts_settled(triton_on_cpu: list[int]) -> None:
+    """A deep copy or pickle right after a skipped step carries the settled counts, and no flags."""
+    import copy
+    import pickle
+
+    p = nn.Parameter(torch.randn(40, 40))
+    opt = BlockwiseAdamW([("w", p)], state_format="int8", min_8bit_numel=0)
+    p.grad = torch.randn(40, 40)
+    opt.step()
+    p.grad[0, 0] = float("nan")
+    opt.step()
+    assert opt._records[p].pending is not None  # noqa: SLF001 - decided on the device, not read yet
+    with pytest.warns(RuntimeWarning, match="non-finite gradient for 'w'"):
+        twin = copy.deepcopy(opt)
+    for other in (twin, pickle.loads(pickle.dumps(opt))):
+        assert other.nonfinite_counts == {"w": 1}
+        rec = next(iter(other._records.values()))  # noqa: SLF001
+        assert rec.pending is None and rec.step == 1
