@@ -20,7 +20,8 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from typing import Iterable, Union
+from dataclasses import dataclass
+from typing import Any, Iterable, Union
 
 from ..formats import DEFAULT_MIN_8BIT_NUMEL, RULE_FORMATS
 from .prior import prior_risk
@@ -29,8 +30,18 @@ from .prior import prior_risk
 #: solver keeps the named format wherever the budgets allow (prior risks are shares, below 1).
 INITIAL_PREFERENCE = 1.0
 
-#: What ``initial`` may be: a path to a ``baoc_allocation.json``, a mapping block -> format, or none.
-Initial = Union[str, "os.PathLike[str]", Mapping[str, str], None]
+@dataclass(frozen=True)
+class AllocationRecord:
+    """A ``baoc_allocation.json`` read once: its path (for messages) and its parsed contents, so that a
+    caller that checks the record (``lightning-baoc plan``) and the start risk read the same bytes."""
+
+    path: str
+    data: Any
+
+
+#: What ``initial`` may be: a path to a ``baoc_allocation.json`` (or the record read from one), a
+#: mapping block -> format, or none.
+Initial = Union[str, "os.PathLike[str]", AllocationRecord, Mapping[str, str], None]
 
 
 def start_risk(
@@ -68,7 +79,7 @@ def start_risk(
         for block, fmt in initial_formats(initial, list(shapes), offered, owner).items():
             risk[block] = {f: (0.0 if f == fmt else r + INITIAL_PREFERENCE) for f, r in risk[block].items()}
         return risk
-    for block, measured in initial_record(os.fspath(initial), list(shapes), owner).items():
+    for block, measured in initial_record(initial, list(shapes), owner).items():  # type: ignore[arg-type]
         risk[block] = {f: float(measured[f]) if f in measured else r + INITIAL_PREFERENCE for f, r in risk[block].items()}
     return risk
 
@@ -88,13 +99,26 @@ def initial_formats(
     return dict(initial)
 
 
-def initial_record(path: str, blocks: Sequence[str], owner: str = "BAOC") -> dict[str, dict[str, float]]:
-    """Block -> measured risk per format, from a previous run's ``baoc_allocation.json``."""
+def read_record(path: str | os.PathLike[str], owner: str = "BAOC") -> AllocationRecord:
+    """A ``baoc_allocation.json``, read and parsed once.
+
+    Raises:
+        ValueError: the file cannot be read or is not JSON (the message names ``owner``'s setting).
+    """
     try:
         with open(path, encoding="utf-8") as fh:
-            record = json.load(fh)
+            return AllocationRecord(os.fspath(path), json.load(fh))
     except (OSError, ValueError) as err:
-        raise ValueError(f"{owner}(initial={path!r}): cannot read the allocation record: {err}") from None
+        raise ValueError(f"{owner}(initial={os.fspath(path)!r}): cannot read the allocation record: {err}") from None
+
+
+def initial_record(
+    source: str | os.PathLike[str] | AllocationRecord, blocks: Sequence[str], owner: str = "BAOC"
+) -> dict[str, dict[str, float]]:
+    """Block -> measured risk per format, from a previous run's ``baoc_allocation.json`` (a path, or
+    the record :func:`read_record` gave)."""
+    loaded = source if isinstance(source, AllocationRecord) else read_record(source, owner)
+    path, record = loaded.path, loaded.data
     entries = record.get("blocks") if isinstance(record, Mapping) else None
     if not isinstance(entries, list):
         raise ValueError(f"{owner}(initial={path!r}): not a baoc_allocation.json (no 'blocks' list)")
@@ -118,4 +142,4 @@ def _refuse_unknown(named: Iterable[str], blocks: Sequence[str], what: str, fix:
         raise ValueError(f"{what.format(unknown[:3])} of this model (blocks like {list(blocks)[:3]}); {fix}")
 
 
-__all__ = ["INITIAL_PREFERENCE", "Initial", "initial_formats", "initial_record", "start_risk"]
+__all__ = ["INITIAL_PREFERENCE", "AllocationRecord", "Initial", "initial_formats", "initial_record", "read_record", "start_risk"]

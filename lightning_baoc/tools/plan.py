@@ -43,7 +43,7 @@ from ..formats import (
 )  # fmt: skip
 from ..formats.correction import check_correction
 from ..risk.prior import block_kind, prior_risk
-from ..risk.start import INITIAL_PREFERENCE, Initial
+from ..risk.start import INITIAL_PREFERENCE, AllocationRecord, Initial, read_record
 from ..solver import Allocation, BudgetInfeasibleError, check_mask
 from .presets import build_model
 
@@ -94,16 +94,14 @@ def _check_written_for(data: object, path: str | os.PathLike[str], rule: str, wh
     raise ValueError(f"{what} {os.fspath(path)!r} holds the risks of {written}'s state, not {RULE_NAMES[rule]}'s; {fix}")
 
 
-def _check_initial(initial: Initial, rule: str) -> None:
-    """An ``initial`` record written for ``rule``: its optimizer and format names (an unreadable or
-    malformed file is left to :func:`~lightning_baoc.risk.start.initial_record`, which says why)."""
-    if initial is None or isinstance(initial, Mapping):
-        return
-    try:
-        with open(initial, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError):
-        return
+def _check_initial(initial: Initial, rule: str) -> Initial:
+    """An ``initial`` record written for ``rule``: its optimizer and format names; returns it read once
+    (:class:`~lightning_baoc.risk.start.AllocationRecord`), which the start risk reads in turn (a
+    malformed record is left to :func:`~lightning_baoc.risk.start.initial_record`, which says why)."""
+    if initial is None or isinstance(initial, (Mapping, AllocationRecord)):
+        return initial
+    loaded = read_record(initial, "plan")  # an unreadable file: the error names it
+    data = loaded.data
     what = "plan(initial=...): the allocation record"
     _check_written_for(data, initial, rule, what)
     entries = data.get("blocks") if isinstance(data, Mapping) else None
@@ -113,6 +111,7 @@ def _check_initial(initial: Initial, rule: str) -> None:
             if f not in formats_of(rule):
                 where = f"{what} {os.fspath(initial)!r}: block {entry.get('name')!r}"
                 raise ValueError(f"{where} has a risk of an {_unknown_format(f, rule)}")
+    return loaded
 
 
 def load_statistics(
@@ -325,7 +324,7 @@ def plan(
         >>> phases.warmup_bytes == phases.start_bytes <= 0.5 * p.fp32_bytes
         True
     """
-    rule = _check_inputs(optimizer, time_budget, calibrate_time, initial)
+    rule, initial = _check_inputs(optimizer, time_budget, calibrate_time, initial)
     module = build_model(model) if isinstance(model, str) else model  # the problem below is the controller's
     blocks = _block_shapes(module, granularity)
     weights = _weight_figures(module, weight_dtype, weight_correction, release)
@@ -351,15 +350,16 @@ def plan(
     )  # fmt: skip
 
 
-def _check_inputs(optimizer: object, time_budget: float | str | None, calibrate_time: bool, initial: Initial) -> str:
+def _check_inputs(
+    optimizer: object, time_budget: float | str | None, calibrate_time: bool, initial: Initial
+) -> tuple[str, Initial]:
     """The update rule of ``optimizer``, after the checks that need no model: the time budget's unit
     and an ``initial`` record's optimizer and formats."""
     rule = _check_optimizer(optimizer)
     if time_budget is not None and not calibrate_time and is_absolute_time(time_budget):
         fix = "calibrate_time=True (--calibrate) to measure the step in seconds on the device."
         raise absolute_time_with_prior_error(time_budget, "time_budget", fix)
-    _check_initial(initial, rule)
-    return rule
+    return rule, _check_initial(initial, rule)
 
 
 _WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -396,7 +396,8 @@ def _prior_source(rule: str) -> str:
 def _initial_source(initial: Initial) -> str:
     if isinstance(initial, Mapping):
         return f"initial formats of {len(initial)} blocks (prior + {INITIAL_PREFERENCE:g} for other formats)"
-    return f"initial {os.fspath(initial)!r} (its measured risks; prior for the rest)"  # type: ignore[arg-type]
+    path = initial.path if isinstance(initial, AllocationRecord) else os.fspath(initial)  # type: ignore[arg-type]
+    return f"initial {path!r} (its measured risks; prior for the rest)"
 
 
 def _steady_risk(

@@ -295,6 +295,31 @@ def test_initial_record_starts_the_plan_where_the_run_starts(tmp_path) -> None:
         plan("tiny", [0.3], device="cpu", initial=path)
 
 
+
+def test_the_initial_record_is_read_once(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``plan(initial=path)`` checks the record and prices the start from the same read of the file
+    (a file rewritten between two reads could pass the check and start elsewhere); an unreadable one
+    is named."""
+    import builtins
+
+    names = list(partition(build_model("tiny")))
+    path = tmp_path / "baoc_allocation.json"
+    path.write_text(json.dumps({"blocks": [{"name": b, "risk": {"fp32": 0.0, "factored": 0.001}} for b in names]}))
+    opened: list[str] = []
+    real_open = builtins.open
+
+    def counting(file, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if str(file) == str(path):
+            opened.append(str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting)
+    plan("tiny", [0.3], device="cpu", initial=path)
+    assert len(opened) == 1
+    with pytest.raises(ValueError, match=r"plan\(initial=.*nowhere.json.*cannot read the allocation record"):
+        plan("tiny", [0.3], device="cpu", initial=tmp_path / "nowhere.json")
+
+
 def test_training_memory_of_a_plan_matches_a_measured_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The plan's weights, corrections, gradients and states per parameter for bf16 weights with ecc8
     equal what ``training_memory`` measures on the same model trained that way in the same formats."""
