@@ -1,10 +1,13 @@
-"""The AdamW step of the element-wise compact formats on CUDA: one Triton kernel per tensor.
+"""The AdamW step of the compact formats on CUDA: one Triton kernel per tensor.
 
 The eager step (:mod:`lightning_baoc.formats`) launches a few hundred CUDA kernels per 128K
-elements, and on a GPU it is bound by those launches (on an H200, 21M parameters in int8 took 300x
+elements, and on a GPU it is bound by those launches (on an H200, 21M parameters in int8 took 340x
 the step of ``torch.optim.AdamW(fused=True)``). :func:`adamw_step` runs each parameter's whole step
 as one kernel of one program per 1024-element super-block: decode the moments, AdamW in fp32,
 encode (group absmax, one shared exponent, fp16 scales, codes), each byte read and written once.
+The factored formats first run one kernel for the row and column sums of the squared gradient
+(partial column sums per 16 rows, added in a fixed order: deterministic), then the vectors' update
+as the eager step does it.
 
 The kernel computes the operations of the compiled CPU step (``cpu_step.cpp``) in the same order,
 which are the eager step's: divisions and square roots correctly rounded (``div_rn``,
@@ -15,14 +18,16 @@ exponent is read from the bits of its largest group maximum, where the eager ste
 of two, and then only in the exponent byte; the stored scale (fp16 scale times the power) and the
 codes are the same, since the fp16 rounding is relative.
 
-Served: the formats whose moments are fp32, bf16 or 8-bit (``kernel_kinds`` without the factored
-second moment; the fp32 pair only for 16-bit parameters, torch's fused kernel serves fp32 ones);
-fp32, bf16 and fp16 parameters and gradients, contiguous. A 16-bit parameter's fp32 master is rebuilt from the weight and
-its master-weight correction (``formats/correction.py``) per super-block, stepped and split again in
-the same pass. Every other item takes the eager step. Triton is an optional dependency: it
-ships with torch's CUDA builds on Linux; :func:`triton_status` says whether it imports.
-``tests/kernels/test_triton_step.py`` runs the kernels through Triton's interpreter on the CPU
-(``TRITON_INTERPRET=1``) against the eager step; ``tests/integrations/test_cuda.py`` on a GPU.
+Served: every format with a kernel (``kernel_kinds``) but ``offload``; the fp32 pair only for 16-bit
+parameters (torch's fused kernel serves fp32 ones); fp32, bf16 and fp16 parameters and gradients,
+contiguous, with the states on the parameter's device. A 16-bit parameter's fp32 master is rebuilt
+from the weight and its master-weight correction (``formats/correction.py``) per super-block, stepped
+and split again in the same pass. An item with a ``skip_flag`` (its finiteness decided on the device:
+``optim/stepping.py``) is skipped by the kernel itself where the flag is set. Every other item takes
+the eager step. Triton is an optional dependency: it ships with torch's CUDA builds on Linux;
+:func:`triton_status` says whether it imports. ``tests/kernels/test_triton_step.py`` runs the kernels
+through Triton's interpreter on the CPU (``TRITON_INTERPRET=1``) against the eager step;
+``tests/integrations/test_cuda.py`` on a GPU.
 """
 
 from __future__ import annotations
@@ -48,8 +53,8 @@ from lightning_baoc.formats.base import factor_dims
 from lightning_baoc.formats.factored_math import moments_from_sums, sqrt_factors
 
 from . import M_BF16, M_FP32, M_INT8, M_NONE, TRITON_SERVED as SERVED, V_BF16, V_FACTORED, V_FP32, V_UINT8
+
 _SUPER = 1024
-_SCALE_MIN = float(torch.finfo(torch.float32).tiny)
 
 
 def triton_status() -> tuple[bool, str]:
