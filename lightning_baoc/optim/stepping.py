@@ -79,8 +79,10 @@ class StepMixin:
                 else:
                     rest.append(p)
             for fmt, items in compiled.items():
-                # the kernel tests the gradients, advances the counts and says which it skipped
-                skipped = compiled_step(self.format_registry[fmt], items, hyper, self.seed, self.skip_nonfinite)
+                # the kernel tests the gradients (but sharded ones, tested across the ranks already),
+                # advances the counts and says which it skipped
+                check = self.skip_nonfinite and not all(is_sharded(owners[id(it.param)]) for it in items)
+                skipped = compiled_step(self.format_registry[fmt], items, hyper, self.seed, check)
                 if skipped:
                     self._warn_skipped([self._records[owners[id(it.param)]] for it in skipped])
             if rest:
@@ -90,10 +92,11 @@ class StepMixin:
             kernels_on: dict[torch.device, bool] = {}  # whether the device kernels run there (asked once per step)
             decided = [p for hyper, ps in eager for p in ps if self._decided_on_device(p, hyper, kernels_on)]
             flags = self._device_flags(decided)
-            host = self._finite_mask([p for p in every if p not in flags])
-            finite = iter(host)
+            # decided already: on the device, or (sharded) across the ranks by _skip_sharded_nonfinite
+            known = set(flags) | ({p for p in every if is_sharded(p)} if self.skip_nonfinite else set())
+            finite = iter(self._finite_mask([p for p in every if p not in known]))
             for hyper, params in eager:
-                self._eager_step(hyper, params, [True if p in flags else next(finite) for p in params], flags)
+                self._eager_step(hyper, params, [True if p in known else next(finite) for p in params], flags)
 
     def _settle_deferred(self) -> None:
         """Settle the counts of the steps whose skips the device decided, and warn of the skipped."""

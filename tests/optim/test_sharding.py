@@ -236,6 +236,20 @@ def _nonfinite_is_skipped_on_every_rank(mesh, rank: int) -> None:  # type: ignor
     counts = [None] * WORLD
     dist.all_gather_object(counts, {n: opt.step_count(n) for n in opt.named_params})
     assert counts[0] == counts[1]
+    # the sharded gradients' finiteness is read once per step (across the ranks), not again by the step
+    from lightning_baoc.optim import stepping
+
+    reads: list[int] = []
+    checks: list[bool] = []
+    real_mask, real_compiled = opt._finite_mask, stepping.compiled_step
+    opt._finite_mask = lambda params: (reads.append(len(params)), real_mask(params))[1]  # type: ignore[method-assign]
+    stepping.compiled_step = lambda *args: (checks.append(args[-1]), real_compiled(*args))[1]
+    try:
+        _train(model, opt, 1, rank)
+    finally:
+        del opt._finite_mask
+        stepping.compiled_step = real_compiled
+    assert sum(reads) == len(list(model.parameters())) and not any(checks)
 
 
 def this_rank(whole: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
