@@ -136,9 +136,18 @@ def test_items_the_kernel_does_not_serve_take_the_eager_step(triton_on_cpu: list
     assert triton_on_cpu == [2, 2]  # b and c took the kernel
 
 
-@pytest.mark.parametrize("fmt", ["int8", "bf16", "nomomentum_int8", "fp32", "factored"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("correction", ["none", "ecc8", "ecc16"])
+#: Every 16-bit case: the default run takes each format with ecc8 and ecc16 in bf16 and ecc8 in fp16;
+#: the rest (no correction, which the other tests' bf16 parameters cover too) with ``-m slow``.
+SIXTEEN_BIT = [
+    pytest.param(fmt, dtype, correction, marks=() if correction != "none" and (dtype == torch.bfloat16 or correction == "ecc8")
+                 else pytest.mark.slow, id=f"{fmt}-{str(dtype)[6:]}-{correction}")
+    for fmt in ("int8", "bf16", "nomomentum_int8", "fp32", "factored")
+    for dtype in (torch.bfloat16, torch.float16)
+    for correction in ("none", "ecc8", "ecc16")
+]
+
+
+@pytest.mark.parametrize(("fmt", "dtype", "correction"), SIXTEEN_BIT)
 def test_16_bit_weights_and_their_corrections(fmt: str, dtype: torch.dtype, correction: str, triton_on_cpu: list[int]) -> None:
     """bf16 and fp16 parameters (and gradients) with each master-weight correction: the kernel rebuilds
     the fp32 master, steps it and splits it again, bit-equal to the eager step's weight and correction.
