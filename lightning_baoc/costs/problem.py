@@ -206,7 +206,7 @@ class AllocationProblem:
                 given = dict(self.costs)
                 self._per_element, self.time_source = given, "given costs"
                 # a correction's cost given beside the formats' (key "+ecc8"); none: nothing added
-                self._per_correction = {"none": 0.0, **{k[1:]: v for k, v in given.items() if k.startswith(SEPARATOR)}}
+                self._per_correction = {"none": 0.0, **{k[len(SEPARATOR):]: v for k, v in given.items() if k.startswith(SEPARATOR)}}
         return self._per_element
 
     def time(self) -> dict[str, dict[str, float]]:

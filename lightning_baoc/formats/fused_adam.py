@@ -154,26 +154,28 @@ def _launch(
             steps[t] = torch.full((), float(t), dtype=torch.float32, device=device)  # a fill, not a host copy
     kernel = _kernel(hyper.decoupled_weight_decay)
     assert kernel is not None  # split_fused sent nothing here otherwise
-    decided = [(it, t) for it, t in batch if it.skip_flag is not None]
-    for it, t in decided:  # the device decides whether each steps: its own call, its flag as found_inf
-        kernel([it.param], [it.grad], [it.views[m_key].view_as(it.param)], [it.views[v_key].view_as(it.param)], [],
-               [steps[t]], lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
-               eps=hyper.eps, amsgrad=False, maximize=hyper.maximize, found_inf=it.skip_flag)
-    batch = [(it, t) for it, t in batch if it.skip_flag is None]
-    if not batch:
-        return
-    kernel(
-        [it.param for it, _ in batch],
-        [it.grad for it, _ in batch],
-        [it.views[m_key].view_as(it.param) for it, _ in batch],
-        [it.views[v_key].view_as(it.param) for it, _ in batch],
-        [],
-        [steps[t] for _, t in batch],
-        lr=hyper.lr,
-        beta1=hyper.beta1,
-        beta2=hyper.beta2,
-        weight_decay=hyper.weight_decay,
-        eps=hyper.eps,
-        amsgrad=False,
-        maximize=hyper.maximize,
-    )
+
+    def call(part: list[tuple[StepItem, int]], found_inf: Tensor | None = None) -> None:
+        kernel(
+            [it.param for it, _ in part],
+            [it.grad for it, _ in part],
+            [it.views[m_key].view_as(it.param) for it, _ in part],
+            [it.views[v_key].view_as(it.param) for it, _ in part],
+            [],
+            [steps[t] for _, t in part],
+            lr=hyper.lr,
+            beta1=hyper.beta1,
+            beta2=hyper.beta2,
+            weight_decay=hyper.weight_decay,
+            eps=hyper.eps,
+            amsgrad=False,
+            maximize=hyper.maximize,
+            found_inf=found_inf,
+        )
+
+    for it, t in batch:  # the device decides whether each steps: its own call, its flag as found_inf
+        if it.skip_flag is not None:
+            call([(it, t)], it.skip_flag)
+    rest = [(it, t) for it, t in batch if it.skip_flag is None]
+    if rest:
+        call(rest)

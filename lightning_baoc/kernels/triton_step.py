@@ -385,16 +385,14 @@ def _factors(it: Any, hyper: Any, corr: Tensor | None, common: dict[str, Any]) -
         _f32(math.sqrt((1.0 - hyper.beta2) / max(rows, cols))), common["gsign"], common["l2"], L2=common["L2"],
         W=common["W"], G=common["G"], CB=common["CB"], BR=_SUM_ROWS, BC=256, enable_fp_fusion=False,
     )
-    if it.skip_flag is None:
-        moments_from_sums(row, col, row_sum, partial.sum(dim=0), hyper)
-        row_factor, col_factor = sqrt_factors(row, col, it.bias_correction2)
-        return row_factor, col_factor, cols
-    new_row, new_col = row.clone(), col.clone()  # the device decides: keep the old vectors on a skip
+    # the device decides whether the step happens: the new vectors apart, the old ones kept on a skip
+    new_row, new_col = (row, col) if it.skip_flag is None else (row.clone(), col.clone())
     moments_from_sums(new_row, new_col, row_sum, partial.sum(dim=0), hyper)
     row_factor, col_factor = sqrt_factors(new_row, new_col, it.bias_correction2)
-    skip = it.skip_flag != 0
-    row.copy_(torch.where(skip, row, new_row))
-    col.copy_(torch.where(skip, col, new_col))
+    if it.skip_flag is not None:
+        skip = it.skip_flag != 0
+        row.copy_(torch.where(skip, row, new_row))
+        col.copy_(torch.where(skip, col, new_col))
     return row_factor, col_factor, cols
 
 
