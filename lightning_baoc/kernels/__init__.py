@@ -174,25 +174,36 @@ def use_compiled(policy: str, announce: bool = True) -> bool:
     if policy == "eager":
         return False
     status = cpu_kernels()
-    if status.available:
-        if announce and "compiled" not in _ANNOUNCED:
-            _ANNOUNCED.add("compiled")
-            log.info("lightning_baoc: compiled CPU step kernels in use (%s)", status.detail)
+    return _choose(policy, status.available, status.detail, "compiled" if status.available else "eager", announce,
+                   "compiled CPU step kernels", "Install a C++ compiler and ninja",
+                   "same results, several times slower on the CPU", "compiled CPU kernels")
+
+
+def _choose(
+    policy: str, available: bool, detail: str, key: str, announce: bool, kernels: str, install: str, eager_is: str,
+    refused: str,
+) -> bool:
+    """Whether ``kernels`` run under ``policy`` (not ``"eager"``): said once in the log where they do,
+    refused under ``"compiled"`` (naming ``refused``) and warned once under ``"auto"`` where they do
+    not (``detail``: why)."""
+    if available:
+        if announce and key not in _ANNOUNCED:
+            _ANNOUNCED.add(key)
+            log.info("lightning_baoc: %s in use (%s)", kernels, detail)
         return True
     if policy == "compiled":
         raise RuntimeError(
-            f"BlockwiseAdamW(kernels='compiled'): the compiled CPU kernels are not available: "
-            f"{status.detail}. Install a C++ compiler and ninja, or use kernels='auto' or 'eager'."
+            f"BlockwiseAdamW(kernels='compiled'): the {refused} are not available: {detail}. {install}, or "
+            f"use kernels='auto' or 'eager'."
         )
-    if announce and "eager" not in _ANNOUNCED:
-        _ANNOUNCED.add("eager")
+    if announce and key not in _ANNOUNCED:
+        _ANNOUNCED.add(key)
         warnings.warn(
-            f"lightning_baoc: the compiled CPU step is not available ({status.detail}); the eager step "
-            f"runs instead (same results, several times slower on the CPU). Install a C++ compiler and "
-            f"ninja for the compiled step, or pass kernels='eager' (or set {KERNELS_ENV}=eager) to "
-            f"silence this warning.",
+            f"lightning_baoc: the {kernels} are not available ({detail}); the eager step runs instead "
+            f"({eager_is}). {install}, or pass kernels='eager' (or set {KERNELS_ENV}=eager) to silence this "
+            f"warning.",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
     return False
 
@@ -217,8 +228,8 @@ TRITON_DEVICES = {"cuda"}
 
 
 def use_triton(policy: str, device: torch.device) -> bool:
-    """Whether the element-wise formats' step on ``device`` runs the Triton kernels under ``policy``
-    (:mod:`.triton_step`); says once which path runs.
+    """Whether the step of the formats with kernels on ``device`` runs the Triton kernels under
+    ``policy`` (:mod:`.triton_step`); says once which path runs.
 
     Raises:
         RuntimeError: under ``"compiled"`` when Triton does not import (with the reason).
@@ -228,28 +239,9 @@ def use_triton(policy: str, device: torch.device) -> bool:
     from . import triton_step
 
     available, detail = triton_step.triton_status()
-    key = f"triton-{available}"
-    if available:
-        if key not in _ANNOUNCED:
-            _ANNOUNCED.add(key)
-            log.info("lightning_baoc: Triton step kernels in use on %s (%s)", device.type, detail)
-        return True
-    if policy == "compiled":
-        raise RuntimeError(
-            f"BlockwiseAdamW(kernels='compiled'): the Triton kernels of the {device.type} step are not "
-            f"available: {detail}. Install triton (it ships with torch's CUDA builds on Linux), or use "
-            f"kernels='auto' or 'eager'."
-        )
-    if key not in _ANNOUNCED:
-        _ANNOUNCED.add(key)
-        warnings.warn(
-            f"lightning_baoc: the Triton step kernels are not available ({detail}); the eager step runs "
-            f"on {device.type} instead (same results, bound by kernel launches). Install triton, or pass "
-            f"kernels='eager' (or set {KERNELS_ENV}=eager) to silence this warning.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return False
+    return _choose(policy, available, detail, f"triton-{available}", True, "Triton step kernels",
+                   "Install triton (it ships with torch's CUDA builds on Linux)",
+                   f"on {device.type}: same results, bound by kernel launches", f"Triton kernels of the {device.type} step")
 
 
 def ops() -> Any:
