@@ -64,8 +64,7 @@ inline float float_of(uint32_t b) {
 // momentum, the bottom 16 for the second moment. The index enters as `index + key`, so the shard of a
 // sharded parameter that starts at element `offset` of the whole draws the whole's bits under the key
 // `key + offset` (the kernels' `offsets`; 0 for a parameter held whole).
-inline uint32_t rounding_bits(int64_t index, uint32_t key) {
-  uint32_t x = static_cast<uint32_t>(index) + key;
+inline uint32_t mix_bits(uint32_t x) {
   x ^= x >> 16;
   x *= 0x21f0aaadu;
   x ^= x >> 15;
@@ -74,14 +73,18 @@ inline uint32_t rounding_bits(int64_t index, uint32_t key) {
   return x;
 }
 
+inline uint32_t rounding_bits(int64_t index, uint32_t key) { return mix_bits(static_cast<uint32_t>(index) + key); }
+
 // Stochastic rounding to bf16 (quant.py `bf16_stochastic`): add the noise below the bf16 mantissa,
-// truncate; magnitudes past bf16's largest finite value (inf included) saturate, NaN stays NaN.
-// Integer operations only, so that the loops calling it vectorize.
+// truncate; magnitudes past bf16's largest finite value (inf included) saturate, NaN stays NaN (0x7FC0).
+// The saturation and the NaN test act on the 16-bit result, where a vector holds twice the lanes: the
+// same value as testing the 32-bit sum (whose low half the truncation drops), checked over every fp32
+// bit pattern. Integer operations only, so that the loops calling it vectorize.
 inline uint16_t bf16_stochastic(float x, uint32_t noise) {
-  const uint32_t r = (bits_of(x) + noise) & 0xFFFF0000u;
-  const uint32_t magnitude = r & 0x7FFFFFFFu;
-  const uint32_t saturated = (r & 0x80000000u) | std::min(magnitude, 0x7F7F0000u);
-  return static_cast<uint16_t>((magnitude > 0x7F800000u ? 0x7FC00000u : saturated) >> 16);
+  const uint16_t h = static_cast<uint16_t>((bits_of(x) + noise) >> 16);
+  const uint16_t magnitude = h & 0x7FFFu;
+  const uint16_t saturated = static_cast<uint16_t>((h & 0x8000u) | std::min<uint16_t>(magnitude, 0x7F7Fu));
+  return magnitude > 0x7F80u ? static_cast<uint16_t>(0x7FC0u) : saturated;
 }
 
 inline float bf16_load(uint16_t raw) { return float_of(static_cast<uint32_t>(raw) << 16); }
@@ -443,12 +446,61 @@ inline void store_momentum(const Tensors& t, int64_t sb, int64_t start, int64_t 
   }
 }
 
+// The bf16-momentum formats (bf16: both moments bf16; bf16_momentum: the second moment fp32) on fp32
+// weights: decode, AdamW, and the stochastic rounding in one loop per element, so that the rounding's
+// integer work runs beside the division and the square root (a loop of its own waited on them).
+// L2 and SMALL: the group's Adam L2 decay and ATen's lerp branch, fixed per instantiation (a select on
+// a loop-invariant bool keeps GCC from vectorizing a loop that mixes 16- and 32-bit lanes).
+template <int64_t V, bool L2, bool SMALL>
+void bf16_pass(const Tensors& t, int64_t start, int64_t n) {
+  const Scalars& s = t.s;
+  float* P = t.p + start;
+  const float* G = t.g + start;
+  uint16_t* M16 = static_cast<uint16_t*>(t.m) + start;
+  uint16_t* V16 = static_cast<uint16_t*>(t.v) + start;
+  float* V32 = static_cast<float*>(t.v) + start;
+  const uint32_t base = static_cast<uint32_t>(start) + t.key;  // the hash's counter, modulo 2**32
+  const float gsign = s.maximize ? -1.0f : 1.0f;
+  const float decay = s.decoupled_decay ? s.decay : 1.0f;
+  const float l2_factor = s.l2, beta2 = s.beta2, one_minus_beta2 = s.one_minus_beta2;
+  const float inv_sqrt_bc2 = s.inv_sqrt_bc2, eps = s.eps, lr_step = s.lr_step, lerp_coeff = s.lerp_coeff;
+  const int32_t count = static_cast<int32_t>(n);
+#pragma omp simd
+  for (int32_t j = 0; j < count; ++j) {
+    float g = G[j] * gsign;
+    float p = P[j];
+    if constexpr (L2) g = std::fma(p, l2_factor, g);
+    p = p * decay;
+    const float v0 = V == V_BF16 ? bf16_load(V16[j]) : V32[j];
+    const float v = std::fma(one_minus_beta2 * g, g, v0 * beta2);
+    const float d = std::sqrt(v) * inv_sqrt_bc2 + eps;
+    const float m0 = bf16_load(M16[j]);
+    const float m = std::fma(lerp_coeff, g - m0, SMALL ? m0 : g);
+    P[j] = p + (lr_step * m) / d;
+    const uint32_t h = mix_bits(base + static_cast<uint32_t>(j));
+    M16[j] = bf16_stochastic(m, h >> 16);
+    if constexpr (V == V_BF16) {
+      V16[j] = bf16_stochastic(v, h & 0xFFFFu);
+    } else {
+      V32[j] = v;
+    }
+  }
+}
+
 // FULL: a whole super-block (1024 elements), so that every loop has a constant trip count; the
 // last super-block of a tensor may be shorter.
 template <int64_t M, int64_t V, bool FULL>
 void superblock(const Tensors& t, int64_t sb, float limit_m, float limit_v) {
   const int64_t start = sb * SUPER;
   const int64_t n = FULL ? SUPER : std::min(SUPER, t.numel - start);
+  if constexpr (M == M_BF16 && (V == V_BF16 || V == V_FP32)) {
+    if (t.p_kind == W_FP32 && t.g_kind == W_FP32) {
+      if (t.s.l2_decay) {
+        return t.s.lerp_small ? bf16_pass<V, true, true>(t, start, n) : bf16_pass<V, true, false>(t, start, n);
+      }
+      return t.s.lerp_small ? bf16_pass<V, false, true>(t, start, n) : bf16_pass<V, false, false>(t, start, n);
+    }
+  }
   const int64_t groups = (n + GROUP - 1) / GROUP;
   const Scalars& s = t.s;
   alignas(64) float mbuf[SUPER];
