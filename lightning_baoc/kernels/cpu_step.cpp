@@ -487,6 +487,79 @@ void bf16_pass(const Tensors& t, int64_t start, int64_t n) {
   }
 }
 
+// The 8-bit second moment (int8, nomomentum_int8) on fp32 weights, in three loops over the
+// super-block instead of eight: decode and AdamW group by group (each group's two scales broadcast,
+// not spread to every element), the group maxima and scales, then both encodes in one loop. The
+// same operations in the same order as the loops of `superblock` (decode_momentum, decode_sqrt, the
+// update, encode_momentum, encode_sqrt): the divisions and square roots of one loop run beside the
+// conversions and roundings of the other moment.
+template <int64_t M, bool L2, bool SMALL, bool FULL>
+void int8_pass(const Tensors& t, int64_t sb, int64_t start, int64_t n, float limit_m, float limit_v) {
+  const Scalars& s = t.s;
+  const int64_t groups = FULL ? SUPER_GROUPS : (n + GROUP - 1) / GROUP;
+  float* P = t.p + start;
+  const float* G = t.g + start;
+  const int8_t* mc = static_cast<const int8_t*>(t.m) + start;
+  const uint8_t* vc = static_cast<const uint8_t*>(t.v) + start;
+  float sm[SUPER_GROUPS], sv[SUPER_GROUPS];
+  if constexpr (M == M_INT8) load_scales(t.m_scale + start / GROUP, t.m_exp[sb], groups, sm);
+  load_scales(t.v_scale + start / GROUP, t.v_exp[sb], groups, sv);
+  alignas(64) float mbuf[SUPER];
+  alignas(64) float vbuf[SUPER];
+  const float gsign = s.maximize ? -1.0f : 1.0f;
+  const float decay = s.decoupled_decay ? s.decay : 1.0f;
+  const float l2_factor = s.l2, beta2 = s.beta2, one_minus_beta2 = s.one_minus_beta2;
+  const float inv_sqrt_bc2 = s.inv_sqrt_bc2, eps = s.eps, lr_step = s.lr_step, lerp_coeff = s.lerp_coeff;
+  for (int64_t k = 0; k < groups; ++k) {
+    const int64_t a = k * GROUP, b = FULL ? a + GROUP : std::min(n, a + GROUP);
+    const float scale_m = M == M_INT8 ? sm[k] : 0.0f, scale_v = sv[k];
+#pragma omp simd
+    for (int64_t j = a; j < b; ++j) {
+      float g = G[j] * gsign;
+      float p = P[j];
+      if constexpr (L2) g = std::fma(p, l2_factor, g);
+      p = p * decay;
+      const float x = (std::max(static_cast<float>(vc[j]), 0.5f) * INV_255) * scale_v;
+      const float v = std::fma(one_minus_beta2 * g, g, (x * x) * beta2);
+      const float root = std::sqrt(v);
+      vbuf[j] = root;
+      const float d = root * inv_sqrt_bc2 + eps;
+      if constexpr (M == M_NONE) {
+        P[j] = p + (lr_step * g) / d;
+      } else {
+        const float y = static_cast<float>(mc[j]) * INV_127;
+        const float m0 = (y / (-std::fabs(y) + 2.0f)) * scale_m;
+        const float m = std::fma(lerp_coeff, g - m0, SMALL ? m0 : g);
+        mbuf[j] = m;
+        P[j] = p + (lr_step * m) / d;
+      }
+    }
+  }
+  float absmax[SUPER_GROUPS];
+  float inv_m[SUPER_GROUPS], inv_v[SUPER_GROUPS];
+  if constexpr (M == M_INT8) {
+    group_absmax(mbuf, n, absmax);
+    store_scales(absmax, groups, limit_m, t.m_scale + start / GROUP, t.m_exp + sb, inv_m);
+  }
+  group_absmax(vbuf, n, absmax);
+  store_scales(absmax, groups, limit_v, t.v_scale + start / GROUP, t.v_exp + sb, inv_v);
+  int8_t* mo = static_cast<int8_t*>(t.m) + start;
+  uint8_t* vo = static_cast<uint8_t*>(t.v) + start;
+  for (int64_t k = 0; k < groups; ++k) {
+    const int64_t a = k * GROUP, b = FULL ? a + GROUP : std::min(n, a + GROUP);
+    const float im = M == M_INT8 ? inv_m[k] : 0.0f, iv = inv_v[k];
+#pragma omp simd
+    for (int64_t j = a; j < b; ++j) {
+      if constexpr (M == M_INT8) {
+        const float u = std::min(std::max(mbuf[j] * im, -1.0f), 1.0f);
+        mo[j] = static_cast<int8_t>(static_cast<int32_t>(std::rint((u / (std::fabs(u) + 1.0f)) * 254.0f)));
+      }
+      const float w = std::min(std::max(vbuf[j] * iv, 0.0f), 1.0f);
+      vo[j] = static_cast<uint8_t>(static_cast<int32_t>(std::rint(w * 255.0f)));
+    }
+  }
+}
+
 // FULL: a whole super-block (1024 elements), so that every loop has a constant trip count; the
 // last super-block of a tensor may be shorter.
 template <int64_t M, int64_t V, bool FULL>
@@ -499,6 +572,16 @@ void superblock(const Tensors& t, int64_t sb, float limit_m, float limit_v) {
         return t.s.lerp_small ? bf16_pass<V, true, true>(t, start, n) : bf16_pass<V, true, false>(t, start, n);
       }
       return t.s.lerp_small ? bf16_pass<V, false, true>(t, start, n) : bf16_pass<V, false, false>(t, start, n);
+    }
+  }
+  if constexpr ((M == M_INT8 || M == M_NONE) && V == V_UINT8) {
+    if (t.p_kind == W_FP32 && t.g_kind == W_FP32) {
+      if (t.s.l2_decay) {
+        return t.s.lerp_small ? int8_pass<M, true, true, FULL>(t, sb, start, n, limit_m, limit_v)
+                              : int8_pass<M, true, false, FULL>(t, sb, start, n, limit_m, limit_v);
+      }
+      return t.s.lerp_small ? int8_pass<M, false, true, FULL>(t, sb, start, n, limit_m, limit_v)
+                            : int8_pass<M, false, false, FULL>(t, sb, start, n, limit_m, limit_v);
     }
   }
   const int64_t groups = (n + GROUP - 1) / GROUP;
