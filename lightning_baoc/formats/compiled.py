@@ -104,14 +104,15 @@ def _step_items(
 ) -> list[KernelItem]:
     """The kernel call over the items it reads and writes in place (:func:`_direct`), then one call
     per other item through an fp32 working copy written back at once; the skipped items."""
-    direct = [it for it in items if _direct(it, factored)]
-    skipped: list[KernelItem] = []
-    if direct:
-        skipped += launch([it.param.detach().view(-1) for it in direct], [it.grad.view(-1) for it in direct],
-                          direct, hyper, seed, check_finite, [it.correction for it in direct])
+    direct: list[KernelItem] = []
+    rest: list[KernelItem] = []
     for it in items:
-        if _direct(it, factored):
-            continue
+        (direct if _direct(it, factored) else rest).append(it)
+    skipped: list[KernelItem] = []
+    if direct:  # the kernel reads only sizes and data of these contiguous tensors: no flat views made
+        skipped += launch([it.param.detach() for it in direct], [it.grad for it in direct],
+                          direct, hyper, seed, check_finite, [it.correction for it in direct])
+    for it in rest:
         work, write_back = _master_flat(it) if it.correction is not None else param_flat(it.param)
         grad = it.grad.reshape(-1).to(torch.float32).contiguous()
         skipped += launch([work], [grad], [it], hyper, seed, check_finite, [None])
@@ -140,7 +141,7 @@ def _launch(
 
     def lists(table: dict[int, tuple[str | None, ...]], kind: int) -> list[list[Tensor]]:
         keys = table.get(kind, (None, None, None))
-        return [[it.views[k].view(-1) for it in items] if k is not None else empty for k in keys]
+        return [[it.views[k] for it in items] if k is not None else empty for k in keys]
 
     m, m_scale, m_exp = lists(_M_KEYS, m_kind)
     v, v_scale, v_exp = lists(_V_KEYS, v_kind)
@@ -154,7 +155,7 @@ def _launch(
         cols = [it.views["exp_avg_sq_col"] for it in items]
     skipped = kernels.ops().adamw_step(
         params, grads, m, m_scale, m_exp, v, v_scale, v_exp, rows, cols, [it.counts for it in items],
-        [_NO_CORRECTION if c is None else c.view(-1) for c in corrections],
+        [_NO_CORRECTION if c is None else c for c in corrections],
         [it.salt for it in items], [_key_shift(it.offset) for it in items], seed, m_kind, v_kind, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
         hyper.weight_decay, hyper.decoupled_weight_decay, hyper.maximize, M_SCALE_MAX, V_SCALE_MAX, EPS_SQUARE,
         FP32_MAX, check_finite, fused_available(_CPU, hyper.decoupled_weight_decay), BATCH_ELEMENTS,
@@ -170,10 +171,10 @@ def _launch_momentum(
     check_finite: bool, corrections: list[Tensor | None],
 ) -> list[KernelItem]:
     keys = _M_KEYS.get(kind, (None, None, None))
-    m, m_scale, m_exp = ([it.views[k].view(-1) for it in items] if k is not None else [] for k in keys)
+    m, m_scale, m_exp = ([it.views[k] for it in items] if k is not None else [] for k in keys)
     skipped = kernels.ops().momentum_step(
         params, grads, m, m_scale, m_exp, [it.counts for it in items],
-        [_NO_CORRECTION if c is None else c.view(-1) for c in corrections], [it.salt for it in items],
+        [_NO_CORRECTION if c is None else c for c in corrections], [it.salt for it in items],
         [_key_shift(it.offset) for it in items], seed, _RULES[hyper.rule], kind, hyper.lr, hyper.beta1, hyper.beta2, hyper.weight_decay, hyper.dampening,
         hyper.nesterov, hyper.maximize, M_SCALE_MAX, check_finite, BATCH_ELEMENTS,
     )

@@ -86,8 +86,11 @@ class MasterMixin:
         """Create, convert or drop the corrections whose target differs from what is held (of the
         parameters ``only``, or all)."""
         changes: dict[str, tuple[str, str]] = {}
-        for p in self._records if only is None else only:
-            rec = self._records[p]
+        pairs = self._records.items() if only is None else ((p, self._records[p]) for p in only)
+        for p, rec in pairs:
+            if rec.correction == "none" and not rec.correction_requested and \
+                    self.param_groups[rec.group].get("weight_correction", "none") == "none":
+                continue  # nothing asked, nothing held (the common case, checked on every step)
             target = self.target_correction(p)
             if target == rec.correction:
                 continue

@@ -273,12 +273,16 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
     def _sync_formats(self) -> dict[str, tuple[str, str]]:
         """Convert every initialized parameter whose target format differs from its held one."""
         changes: dict[Tensor, str] = {}
+        targets = self.__dict__.setdefault("_targets", {})  # name -> (what the target follows from, target)
         for p, rec in self._records.items():
             if rec.format is None:
                 continue
-            target = self.target_format(p)
-            if target != rec.format:
-                changes[p] = target
+            key = (self.requested_format(p), p.shape, self.min_8bit_numel)
+            known = targets.get(rec.name)
+            if known is None or known[0] != key:  # resolved once per request, not on every step
+                known = targets[rec.name] = (key, self.target_format(p))
+            if known[1] != rec.format:
+                changes[p] = known[1]
         if not changes:
             return {}
         report = {self._records[p].name: (self._records[p].format, fmt) for p, fmt in changes.items()}

@@ -54,7 +54,8 @@ class StepMixin:
     def _step_params(self, params: list[Tensor]) -> None:
         """One step of ``params`` (with gradients, states and corrections in place), by group."""
         self._settle_deferred()
-        chosen = set(params) - self._skip_sharded_nonfinite(params)
+        skipped_sharded = self._skip_sharded_nonfinite(params)
+        chosen = {id(p) for p in params if not skipped_sharded or p not in skipped_sharded}  # ids: hashing a tensor is a Python call
         eager: list[tuple[StepHyper, list[Tensor]]] = []
         for group in self.param_groups:
             hyper = self._hyper(group)
@@ -63,14 +64,14 @@ class StepMixin:
             rest: list[Tensor] = []
             for p in group["params"]:
                 mine = local(p)
-                if p not in chosen or p.grad is None or p.numel() == 0:
+                if id(p) not in chosen or p.grad is None or p.numel() == 0:
                     continue
                 rec = self._records[p]
                 fmt = self.format_registry[rec.format]
                 if mine.numel() == 0:  # a rank holding no rows of a sharded parameter: its counts move alike
                     rec.step, rec.m_step = rec.step + 1, rec.m_step + int(fmt.has_momentum)
                     continue
-                if kernel_serves(fmt, mine, rec.views, self.kernels):
+                if self._kernel_serves(rec, fmt, mine):
                     rec.settle()
                     item = KernelItem(mine, local(p.grad), rec.views, rec.counts, self._salt(rec), rec.master_correction,
                                       rec.shard_offset)
@@ -97,6 +98,16 @@ class StepMixin:
             finite = iter(self._finite_mask([p for p in every if p not in known]))
             for hyper, params in eager:
                 self._eager_step(hyper, params, [True if p in known else next(finite) for p in params], flags)
+
+    def _kernel_serves(self, rec: Record, fmt: StateFormat, mine: Tensor) -> bool:
+        """:func:`kernel_serves` for ``rec``'s parameter (its local part ``mine``), decided once per
+        format, state tensors, device and policy rather than on every step."""
+        key = (rec.format, id(rec.views), mine.device, self.kernels)
+        cache = self.__dict__.setdefault("_serving", {})
+        known = cache.get(rec.name)
+        if known is None or known[0] != key:
+            known = cache[rec.name] = (key, kernel_serves(fmt, mine, rec.views, self.kernels))
+        return known[1]
 
     def _settle_deferred(self) -> None:
         """Settle the counts of the steps whose skips the device decided, and warn of the skipped."""
