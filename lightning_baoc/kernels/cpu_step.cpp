@@ -487,14 +487,32 @@ void bf16_pass(const Tensors& t, int64_t start, int64_t n) {
   }
 }
 
-// The 8-bit second moment (int8, nomomentum_int8) on fp32 weights, in three loops over the
-// super-block instead of eight: decode and AdamW group by group (each group's two scales broadcast,
-// not spread to every element), the group maxima and scales, then both encodes in one loop. The
-// same operations in the same order as the loops of `superblock` (decode_momentum, decode_sqrt, the
+// The factored formats' denominators of n elements from `start`: row factor x column factor + eps
+// (factored_math.factored_update), row by row.
+inline void factored_denominators(const Tensors& t, int64_t start, int64_t n, float* denom) {
+  const float eps = t.s.eps;
+  int64_t r = start / t.cols, c = start % t.cols, j = 0;
+  while (j < n) {
+    const int64_t len = std::min(n - j, t.cols - c);
+    const float rf = t.row_factor[r];
+    const float* cf = t.col_factor + c;
+#pragma omp simd
+    for (int64_t k = 0; k < len; ++k) denom[j + k] = rf * cf[k] + eps;
+    j += len;
+    c = 0;
+    ++r;
+  }
+}
+
+// The 8-bit formats on fp32 weights (int8, nomomentum_int8, int8_factored) in three loops over the
+// super-block instead of up to nine: decode and AdamW group by group (each group's scales broadcast,
+// not spread to every element), the group maxima and scales, then the encodes in one loop. The same
+// operations in the same order as the loops of `superblock` (decode_momentum, decode_sqrt, the
 // update, encode_momentum, encode_sqrt): the divisions and square roots of one loop run beside the
 // conversions and roundings of the other moment.
-template <int64_t M, bool L2, bool SMALL, bool FULL>
+template <int64_t M, int64_t V, bool L2, bool SMALL, bool FULL>
 void int8_pass(const Tensors& t, int64_t sb, int64_t start, int64_t n, float limit_m, float limit_v) {
+  constexpr bool HAS_M = M == M_INT8, CODED_V = V == V_UINT8;
   const Scalars& s = t.s;
   const int64_t groups = FULL ? SUPER_GROUPS : (n + GROUP - 1) / GROUP;
   float* P = t.p + start;
@@ -502,60 +520,70 @@ void int8_pass(const Tensors& t, int64_t sb, int64_t start, int64_t n, float lim
   const int8_t* mc = static_cast<const int8_t*>(t.m) + start;
   const uint8_t* vc = static_cast<const uint8_t*>(t.v) + start;
   float sm[SUPER_GROUPS], sv[SUPER_GROUPS];
-  if constexpr (M == M_INT8) load_scales(t.m_scale + start / GROUP, t.m_exp[sb], groups, sm);
-  load_scales(t.v_scale + start / GROUP, t.v_exp[sb], groups, sv);
+  if constexpr (HAS_M) load_scales(t.m_scale + start / GROUP, t.m_exp[sb], groups, sm);
+  if constexpr (CODED_V) load_scales(t.v_scale + start / GROUP, t.v_exp[sb], groups, sv);
   alignas(64) float mbuf[SUPER];
-  alignas(64) float vbuf[SUPER];
+  alignas(64) float vbuf[SUPER];  // the new sqrt(v), or (factored) the denominators
+  if constexpr (!CODED_V) factored_denominators(t, start, n, vbuf);
   const float gsign = s.maximize ? -1.0f : 1.0f;
   const float decay = s.decoupled_decay ? s.decay : 1.0f;
   const float l2_factor = s.l2, beta2 = s.beta2, one_minus_beta2 = s.one_minus_beta2;
   const float inv_sqrt_bc2 = s.inv_sqrt_bc2, eps = s.eps, lr_step = s.lr_step, lerp_coeff = s.lerp_coeff;
   for (int64_t k = 0; k < groups; ++k) {
     const int64_t a = k * GROUP, b = FULL ? a + GROUP : std::min(n, a + GROUP);
-    const float scale_m = M == M_INT8 ? sm[k] : 0.0f, scale_v = sv[k];
+    const float scale_m = HAS_M ? sm[k] : 0.0f, scale_v = CODED_V ? sv[k] : 0.0f;
 #pragma omp simd
     for (int64_t j = a; j < b; ++j) {
       float g = G[j] * gsign;
       float p = P[j];
       if constexpr (L2) g = std::fma(p, l2_factor, g);
       p = p * decay;
-      const float x = (std::max(static_cast<float>(vc[j]), 0.5f) * INV_255) * scale_v;
-      const float v = std::fma(one_minus_beta2 * g, g, (x * x) * beta2);
-      const float root = std::sqrt(v);
-      vbuf[j] = root;
-      const float d = root * inv_sqrt_bc2 + eps;
-      if constexpr (M == M_NONE) {
-        P[j] = p + (lr_step * g) / d;
+      float d;
+      if constexpr (CODED_V) {
+        const float x = (std::max(static_cast<float>(vc[j]), 0.5f) * INV_255) * scale_v;
+        const float v = std::fma(one_minus_beta2 * g, g, (x * x) * beta2);
+        const float root = std::sqrt(v);
+        vbuf[j] = root;
+        d = root * inv_sqrt_bc2 + eps;
       } else {
+        d = vbuf[j];
+      }
+      if constexpr (HAS_M) {
         const float y = static_cast<float>(mc[j]) * INV_127;
         const float m0 = (y / (-std::fabs(y) + 2.0f)) * scale_m;
         const float m = std::fma(lerp_coeff, g - m0, SMALL ? m0 : g);
         mbuf[j] = m;
         P[j] = p + (lr_step * m) / d;
+      } else {
+        P[j] = p + (lr_step * g) / d;
       }
     }
   }
   float absmax[SUPER_GROUPS];
   float inv_m[SUPER_GROUPS], inv_v[SUPER_GROUPS];
-  if constexpr (M == M_INT8) {
+  if constexpr (HAS_M) {
     group_absmax(mbuf, n, absmax);
     store_scales(absmax, groups, limit_m, t.m_scale + start / GROUP, t.m_exp + sb, inv_m);
   }
-  group_absmax(vbuf, n, absmax);
-  store_scales(absmax, groups, limit_v, t.v_scale + start / GROUP, t.v_exp + sb, inv_v);
+  if constexpr (CODED_V) {
+    group_absmax(vbuf, n, absmax);
+    store_scales(absmax, groups, limit_v, t.v_scale + start / GROUP, t.v_exp + sb, inv_v);
+  }
   int8_t* mo = static_cast<int8_t*>(t.m) + start;
   uint8_t* vo = static_cast<uint8_t*>(t.v) + start;
   for (int64_t k = 0; k < groups; ++k) {
     const int64_t a = k * GROUP, b = FULL ? a + GROUP : std::min(n, a + GROUP);
-    const float im = M == M_INT8 ? inv_m[k] : 0.0f, iv = inv_v[k];
+    const float im = HAS_M ? inv_m[k] : 0.0f, iv = CODED_V ? inv_v[k] : 0.0f;
 #pragma omp simd
     for (int64_t j = a; j < b; ++j) {
-      if constexpr (M == M_INT8) {
+      if constexpr (HAS_M) {
         const float u = std::min(std::max(mbuf[j] * im, -1.0f), 1.0f);
         mo[j] = static_cast<int8_t>(static_cast<int32_t>(std::rint((u / (std::fabs(u) + 1.0f)) * 254.0f)));
       }
-      const float w = std::min(std::max(vbuf[j] * iv, 0.0f), 1.0f);
-      vo[j] = static_cast<uint8_t>(static_cast<int32_t>(std::rint(w * 255.0f)));
+      if constexpr (CODED_V) {
+        const float w = std::min(std::max(vbuf[j] * iv, 0.0f), 1.0f);
+        vo[j] = static_cast<uint8_t>(static_cast<int32_t>(std::rint(w * 255.0f)));
+      }
     }
   }
 }
@@ -574,14 +602,14 @@ void superblock(const Tensors& t, int64_t sb, float limit_m, float limit_v) {
       return t.s.lerp_small ? bf16_pass<V, false, true>(t, start, n) : bf16_pass<V, false, false>(t, start, n);
     }
   }
-  if constexpr ((M == M_INT8 || M == M_NONE) && V == V_UINT8) {
+  if constexpr (((M == M_INT8 || M == M_NONE) && V == V_UINT8) || (M == M_INT8 && V == V_FACTORED)) {
     if (t.p_kind == W_FP32 && t.g_kind == W_FP32) {
       if (t.s.l2_decay) {
-        return t.s.lerp_small ? int8_pass<M, true, true, FULL>(t, sb, start, n, limit_m, limit_v)
-                              : int8_pass<M, true, false, FULL>(t, sb, start, n, limit_m, limit_v);
+        return t.s.lerp_small ? int8_pass<M, V, true, true, FULL>(t, sb, start, n, limit_m, limit_v)
+                              : int8_pass<M, V, true, false, FULL>(t, sb, start, n, limit_m, limit_v);
       }
-      return t.s.lerp_small ? int8_pass<M, false, true, FULL>(t, sb, start, n, limit_m, limit_v)
-                            : int8_pass<M, false, false, FULL>(t, sb, start, n, limit_m, limit_v);
+      return t.s.lerp_small ? int8_pass<M, V, false, true, FULL>(t, sb, start, n, limit_m, limit_v)
+                            : int8_pass<M, V, false, false, FULL>(t, sb, start, n, limit_m, limit_v);
     }
   }
   const int64_t groups = (n + GROUP - 1) / GROUP;
@@ -612,19 +640,7 @@ void superblock(const Tensors& t, int64_t sb, float limit_m, float limit_v) {
   }
 
   // AdamW in fp32, in the eager step's order (adam_math.chunk_adamw, factored_math.factored_update)
-  if constexpr (V == V_FACTORED) {
-    int64_t r = start / t.cols, c = start % t.cols, j = 0;
-    while (j < n) {
-      const int64_t len = std::min(n - j, t.cols - c);
-      const float rf = t.row_factor[r];
-      const float* cf = t.col_factor + c;
-#pragma omp simd
-      for (int64_t k = 0; k < len; ++k) denom[j + k] = rf * cf[k] + s.eps;
-      j += len;
-      c = 0;
-      ++r;
-    }
-  }
+  if constexpr (V == V_FACTORED) factored_denominators(t, start, n, denom);
   // branch-free on the group's options (sign, decay and L2 factors are 1, 1 and 0 when off), so
   // that the compiler vectorizes this loop whatever the options
   const float gsign = s.maximize ? -1.0f : 1.0f;
