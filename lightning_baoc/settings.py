@@ -271,8 +271,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "initial", "initial", Optional[Union[str, dict[str, str]]],
         "The allocation the warm-up starts in: a previous run's baoc_allocation.json (its measured risks "
-        "replace the prior) or a mapping block -> format (kept wherever the budgets allow). null: the "
-        "allocation of least prior risk within the budgets.",
+        "replace the prior) or a mapping block -> format (kept wherever the budgets allow). With corrections, "
+        "a block names an option, 'int8+ecc8' (or 'int8': no correction). null: the allocation of least "
+        "prior risk within the budgets.",
         default=None,
     ),
 )
@@ -470,8 +471,6 @@ def _check_together(values: Mapping[str, Any]) -> None:
             f"{MIN_SAMPLES} gradient samples, taken at steps 0 and {sample_every}; use warmup_steps >= {least} "
             f"or a smaller sample_every",
         )
-    if values.get("corrections") is not None and values.get("initial"):
-        raise SettingError("corrections", "corrections cannot go with initial yet: unset one")
     if values.get("calibration") == "prior" and is_absolute_time(values.get("time_budget")):
         err = absolute_time_with_prior_error(
             values["time_budget"], "time_budget", "calibration='auto' to measure the step in seconds on the device."

@@ -4,11 +4,13 @@ On a bf16 model the options pair every state format with a correction (``"int8+e
 caps the state and the corrections together at every step (the start included); the corrections'
 risk is measured on the shadow moments, so at a learning rate whose updates fall under half a bf16
 ulp every block keeps a correction; a tight budget still finds an allocation; a crash and resume
-through the state dicts is bit-equal; corrections on an fp32 model, with a time budget or with
-``initial`` are refused naming the setting.
+through the state dicts is bit-equal; ``initial`` names options (or a previous run's record measured
+them); corrections on an fp32 model are refused naming the setting.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -162,7 +164,38 @@ def test_refused_where_corrections_do_not_apply() -> None:
     model = _model(torch.float32)
     with pytest.raises(ValueError, match=r"corrections=.*trains no bf16 or fp16 parameter"):
         _controller().install(torch.optim.AdamW(model.parameters()), model)
-    with pytest.raises(SettingError, match="corrections cannot go with initial"):
-        _controller(initial={"0": "int8"})
     with pytest.raises(SettingError, match="corrections"):
         BAOCConfig(memory_budget=0.5, corrections=["ecc4"])
+
+
+def test_initial_names_options_and_a_record_restarts_in_its_allocation(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With corrections, ``initial`` names options: the warm-up starts in them (held: formats and
+    corrections). A run's ``baoc_allocation.json`` (its measured risk per option) starts the next run
+    in the allocation that run chose, corrections included."""
+    model = _model()
+    named = {"0": "bf16+ecc16", "2": "int8", "4": "nomomentum_int8+ecc8"}  # 0.81 of the budget's bytes
+    ctl = _controller(initial=named)
+    opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-5), model)
+    assert set(ctl.start_allocation) == set(named)
+    assert ctl.start_allocation == named
+    held = opt.weight_corrections
+    assert {n: held.get(n, "none") for n in ("0.weight", "2.weight", "4.weight")} == {"0.weight": "ecc16", "2.weight": "none", "4.weight": "ecc8"}
+    assert (opt.formats()["0.weight"], opt.formats()["2.weight"]) == ("bf16", "int8")
+    events, _ = _run(ctl, opt, model, 0, 16, ctl.memory_budget_bytes())
+    ctl.close()
+    record = build_record(events[0])
+    validate_record(record)
+    path = tmp_path / "baoc_allocation.json"
+    path.write_text(json.dumps(record))
+    again = _controller(initial=str(path))
+    fresh = _model()
+    again.install(torch.optim.AdamW(fresh.parameters(), lr=1e-5), fresh)
+    assert again.start_allocation == events[0].formats
+    assert any("+ecc" in o for o in again.start_allocation.values())
+
+
+def test_an_option_without_corrections_is_refused_naming_the_setting() -> None:
+    model = _model()
+    ctl = BAOCController(BAOCConfig(memory_budget=0.9, warmup_steps=12, sample_every=4, initial={"0": "int8+ecc8"}))
+    with pytest.raises(ValueError, match=r"block '0' asks for 'int8\+ecc8'.*only with BAOC\(corrections=\[\.\.\.\]\)"):
+        ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-5), model)

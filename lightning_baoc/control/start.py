@@ -27,7 +27,7 @@ from lightning_baoc.budget import parse_memory_budget, parse_time_budget
 from lightning_baoc.control.checkpoint import plain as _plain
 from lightning_baoc.optim import BlockwiseOptimizer
 from lightning_baoc.risk.prior import block_kind
-from lightning_baoc.risk.start import INITIAL_PREFERENCE, start_risk
+from lightning_baoc.risk.start import INITIAL_PREFERENCE, prefer_initial, start_risk
 from lightning_baoc.solver import Allocation
 
 
@@ -106,8 +106,12 @@ class StartMixin:
         kinds = {b: block_kind(module, b) for b in self.block_params}
         opt = self.optimizer
         offered = self._formats_offered()
-        risk = start_risk(self._shapes, kinds, offered, opt.min_8bit_numel, self.config.initial, rule=opt.rule)
-        return self._with_corrections(risk, measured=False)
+        initial = self.config.initial
+        if not self._paired:
+            return start_risk(self._shapes, kinds, offered, opt.min_8bit_numel, initial, rule=opt.rule)
+        # with corrections, initial names options (or a record measured them): applied to the options' prior
+        prior = self._with_corrections(start_risk(self._shapes, kinds, offered, opt.min_8bit_numel, rule=opt.rule), measured=False)
+        return prefer_initial(prior, initial, self._options_offered())
 
 
 __all__ = ["INITIAL_PREFERENCE", "StartMixin"]

@@ -72,16 +72,35 @@ def start_risk(
         >>> start_risk({"fc": [(64, 64)]}, {"fc": "other"}, ["fp32", "int8"], initial={"fc": "int8"})
         {'fc': {'fp32': 1.0, 'int8': 0.0}}
     """
-    risk = prior_risk(shapes, kinds, list(offered), min_8bit_numel, rule)
+    return prefer_initial(prior_risk(shapes, kinds, list(offered), min_8bit_numel, rule), initial, offered, owner)
+
+
+def prefer_initial(
+    risk: Mapping[str, Mapping[str, float]], initial: Initial, offered: Sequence[str], owner: str = "BAOC"
+) -> dict[str, dict[str, float]]:
+    """``risk`` (block -> choice -> prior risk) with ``initial`` applied: the named choice of a block
+    costs 0 and every other its prior plus :data:`INITIAL_PREFERENCE`, or a record's measured risks
+    replace the prior where it measured them (the others get the prior plus the preference).
+
+    The choices are state formats, or, with master-weight corrections, options (a format paired
+    with a correction, :mod:`lightning_baoc.costs.options`: ``"int8+ecc8"``, and ``"int8"`` for the
+    format without one); a ``baoc_allocation.json`` of a run with corrections measured its options,
+    one without them its formats, the options without a correction.
+
+    Example:
+        >>> prefer_initial({"fc": {"int8": 0.2, "int8+ecc8": 0.1}}, {"fc": "int8"}, ["int8", "int8+ecc8"])
+        {'fc': {'int8': 0.0, 'int8+ecc8': 1.1}}
+    """
+    out = {b: dict(row) for b, row in risk.items()}
     if initial is None:
-        return risk
+        return out
     if isinstance(initial, Mapping):
-        for block, fmt in initial_formats(initial, list(shapes), offered, owner).items():
-            risk[block] = {f: (0.0 if f == fmt else r + INITIAL_PREFERENCE) for f, r in risk[block].items()}
-        return risk
-    for block, measured in initial_record(initial, list(shapes), owner).items():  # type: ignore[arg-type]
-        risk[block] = {f: float(measured[f]) if f in measured else r + INITIAL_PREFERENCE for f, r in risk[block].items()}
-    return risk
+        for block, name in initial_formats(initial, list(out), offered, owner).items():
+            out[block] = {f: (0.0 if f == name else r + INITIAL_PREFERENCE) for f, r in out[block].items()}
+        return out
+    for block, measured in initial_record(initial, list(out), owner).items():  # type: ignore[arg-type]
+        out[block] = {f: float(measured[f]) if f in measured else r + INITIAL_PREFERENCE for f, r in out[block].items()}
+    return out
 
 
 def initial_formats(
@@ -92,9 +111,13 @@ def initial_formats(
     refused = {b: f for b, f in initial.items() if f not in offered}
     if refused:
         b, f = next(iter(refused.items()))
-        known = "a format" if any(f in registry for registry in RULE_FORMATS.values()) else "not a format"
+        fmt, paired, _ = str(f).partition("+")  # an option pairs a format with a correction: "int8+ecc8"
+        known = "a format" if any(fmt in registry for registry in RULE_FORMATS.values()) else "not a format"
+        hint = ""
+        if paired and not any("+" in o for o in offered):
+            hint = f" (a master-weight correction is chosen only with {owner}(corrections=[...]); name the format alone)"
         raise ValueError(
-            f"{owner}(initial=...): block {b!r} asks for {f!r}, {known} not offered here; offered: {list(offered)}"
+            f"{owner}(initial=...): block {b!r} asks for {f!r}, {known} not offered here{hint}; offered: {list(offered)}"
         )
     return dict(initial)
 
@@ -142,4 +165,7 @@ def _refuse_unknown(named: Iterable[str], blocks: Sequence[str], what: str, fix:
         raise ValueError(f"{what.format(unknown[:3])} of this model (blocks like {list(blocks)[:3]}); {fix}")
 
 
-__all__ = ["INITIAL_PREFERENCE", "AllocationRecord", "Initial", "initial_formats", "initial_record", "read_record", "start_risk"]
+__all__ = [
+    "INITIAL_PREFERENCE", "AllocationRecord", "Initial", "initial_formats", "initial_record", "prefer_initial", "read_record",
+    "start_risk",
+]
