@@ -27,8 +27,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ..budget import format_bytes
 from ..calibration import device_state_bytes, offload_saves_memory
+from .options import correction_bytes, split_option
 from ..formats import DEFAULT_MIN_8BIT_NUMEL, formats_of, resolve_in
 from ..solver import Allocation
 
@@ -171,12 +174,20 @@ def state_phases(
     budget_bytes: int,
     min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL,
     rule: str = "adamw",
+    dtypes: Mapping[str, Sequence[torch.dtype]] | None = None,
 ) -> StatePhases:
     """The phases' device state of going from ``start`` to ``steady`` on ``device``, per tensor, in
     the formats of the update rule ``rule`` (default: AdamW's).
 
     A parameter converts when the format it really gets (:func:`~lightning_baoc.formats.resolve_format`)
     differs between the two allocations; its transient is the smaller of its old and new device states.
+
+    With master-weight corrections the allocations hold options (``"int8+ecc8"``,
+    :mod:`lightning_baoc.costs.options`) and ``dtypes`` (block -> its parameters' dtypes) prices the
+    corrections of 16-bit weights: a tensor holds its state and its correction. The controller shrinks
+    corrections before the states convert and grows them after, one parameter at a time (the old and
+    the new correction both held while it converts), so a changed correction adds the smaller of its
+    two sizes to the transient as a changed state does.
 
     Example:
         >>> from lightning_baoc.costs import AllocationProblem
@@ -192,17 +203,23 @@ def state_phases(
     start_bytes = steady_bytes = transient = largest = converted = 0
     blocks: list[str] = []
     for block, block_shapes in shapes.items():
-        old, new = start.formats[block], steady.formats[block]
+        (old, old_correction), (new, new_correction) = split_option(start.formats[block]), split_option(steady.formats[block])
         changed = False
-        for s in block_shapes:
+        for k, s in enumerate(block_shapes):
             before = device_state_bytes(old, s, off_device, min_8bit_numel, rule)
             after = device_state_bytes(new, s, off_device, min_8bit_numel, rule)
-            start_bytes, steady_bytes = start_bytes + before, steady_bytes + after
-            largest = max(largest, before, after)
-            if resolve_in(registry, old, tuple(s), min_8bit_numel) != resolve_in(registry, new, tuple(s), min_8bit_numel):
+            dtype = dtypes[block][k] if dtypes is not None else torch.float32
+            corrected = (correction_bytes(s, dtype, old_correction), correction_bytes(s, dtype, new_correction))
+            start_bytes, steady_bytes = start_bytes + before + corrected[0], steady_bytes + after + corrected[1]
+            largest = max(largest, before + corrected[0], after + corrected[1])
+            converts = resolve_in(registry, old, tuple(s), min_8bit_numel) != resolve_in(registry, new, tuple(s), min_8bit_numel)
+            if converts:
+                transient = max(transient, min(before, after))
+            if corrected[0] != corrected[1]:
+                transient = max(transient, min(corrected))
+            if converts or corrected[0] != corrected[1]:
                 converted += 1
                 changed = True
-                transient = max(transient, min(before, after))
         if changed:
             blocks.append(block)
     return StatePhases(budget_bytes, start, steady, start_bytes, steady_bytes, transient, largest, converted, blocks)

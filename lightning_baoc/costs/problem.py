@@ -43,11 +43,11 @@ from ..calibration import (
 )
 from ..formats import DEFAULT_MIN_8BIT_NUMEL, RULE_NAMES, formats_of
 from ..risk.shadow import DEFAULT_SHADOW_ELEMENTS
-from ..risk.start import Initial, start_risk
+from ..risk.start import Initial, prefer_initial, start_risk
 from ..sampling import DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS
 from ..solver import Allocation, BudgetInfeasibleError, solve
 from .instruments import DEFAULT_INSTRUMENT_SHARE, InstrumentSizes, instrument_allowance, size_instruments
-from .options import SEPARATOR, compose, correction_table, correction_time_table, options, split_option
+from .options import SEPARATOR, compose, correction_table, correction_time_table, options, prior_correction_risk, split_option
 from .phases import StatePhases, state_phases
 
 Shape = Sequence[int]
@@ -319,7 +319,7 @@ class AllocationProblem:
             kinds: block -> kind (:func:`~lightning_baoc.risk.prior.block_kind`).
             memory_budget, time_budget: the budgets, as for :meth:`solve`.
             initial: as ``BAOC(initial=...)``: a ``baoc_allocation.json`` path, a mapping block ->
-                format, or ``None``.
+                format (an option, with ``corrections``), or ``None``.
             steady_risk: the risk the steady allocation minimizes (a statistics file's).
             owner: who was given ``initial``, for error messages.
             sampler: ``capacity``, ``max_elements``, ``instrument_share`` of the run (default: BAOC's
@@ -329,13 +329,18 @@ class AllocationProblem:
             BudgetInfeasibleError: no allocation meets the budgets.
             ValueError: a bad budget, or an ``initial`` that does not fit this model.
         """
-        if self.corrections is not None:
-            raise ValueError("phases() plans state formats alone; build the problem without corrections")
-        risk = start_risk(self.shapes, kinds, self.allowed, self.min_8bit_numel, initial, owner, self.rule)
+        if self.corrections is None:
+            risk = start_risk(self.shapes, kinds, self.allowed, self.min_8bit_numel, initial, owner, self.rule)
+        else:  # the controller's start with corrections: the options' prior, then initial over the options
+            formats = list(dict.fromkeys(split_option(o)[0] for o in self.allowed))
+            prior = start_risk(self.shapes, kinds, formats, self.min_8bit_numel, None, owner, self.rule)
+            extra = prior_correction_risk(self.shapes, self.dtypes or {}, self.corrections)
+            risk = prefer_initial(compose(prior, extra, self.allowed), initial, self.allowed, owner)
         start = self.solve(risk, memory_budget, time_budget)
         steady = self.solve(risk if steady_risk is None else steady_risk, memory_budget, time_budget, **options)
         budget_bytes = self.budgets(memory_budget, time_budget).memory_bytes
-        phases = state_phases(self.shapes, self.device, start, steady, budget_bytes, self.min_8bit_numel, self.rule)
+        phases = state_phases(self.shapes, self.device, start, steady, budget_bytes, self.min_8bit_numel, self.rule,
+                              self.dtypes if self.corrections is not None else None)
         sizes = self.instruments(**(sampler or {}))
         phases.instrument_bytes, phases.instrument_allowance = sizes.estimate_bytes, sizes.allowance
         return phases

@@ -10,6 +10,11 @@ gradient has been measured). It fails when no allocation meets the budgets (nami
 feasible one), when ``baoc.initial`` does not fit the model, when start, warm-up or steady hold more
 than the budget, or when the conversion bound exceeds the budget plus the largest one-parameter
 state (the documented transient: only a bug can get there).
+
+The weights train in ``trainer.precision``'s dtype (``bf16-true``: bf16; the ``-mixed`` precisions keep
+fp32 weights), so a fractional budget is of torch's optimizer state in that dtype, the controller's
+baseline; with ``baoc.master_weights.corrections`` the options pair formats with corrections and the
+phases hold both, as the controller plans them.
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..formats import RULE_NAMES
+from ..formats import RULE_NAMES, formats_of
+from ..formats.correction import WEIGHT_DTYPES
 from ..budget import absolute_time_with_prior_error, format_bytes, is_absolute_time, parse_memory_budget, round_up
 from ..calibration import withheld_formats
 from ..config import Config
 from ..costs import AllocationProblem, StatePhases
+from ..costs.options import split_option
 from ..risk.prior import block_kind
 from ..solver import BudgetInfeasibleError
 from .result import CheckResult
@@ -46,13 +53,15 @@ def check_budget(
     b = config.baoc
     params = dict(model.named_parameters())
     shapes = {name: [tuple(params[n].shape) for n in names] for name, names in blocks.items()}
+    dtypes = weight_dtypes(config, params, blocks)
     prior = b.calibration.mode == "prior" or not _local(device)
-    problem = _problem(config, shapes, served, device, prior, rule)
+    problem = _problem(config, shapes, served, device, prior, rule, dtypes)
     if isinstance(problem, CheckResult):
         return problem
     withheld_note = "".join(f"; {f} withheld ({why})" for f, why in problem.withheld.items())
     fp32_bytes = problem.fp32_bytes
-    budget_bytes = parse_memory_budget(b.memory_budget, fp32_bytes, argument="baoc.memory_budget")
+    baseline = problem.baseline_bytes or fp32_bytes  # what a fraction is of: the controller's rule
+    budget_bytes = parse_memory_budget(b.memory_budget, baseline, argument="baoc.memory_budget")
     time_note = ""
     fp32_time = 0.0
     if b.time_budget is not None:
@@ -60,9 +69,11 @@ def check_budget(
         time_note = (
             "; step time priced with the built-in prior costs" if prior else f"; step time priced with a calibration of {device}"
         )
-    budget_text = f"baoc.memory_budget={b.memory_budget!r} = {format_bytes(budget_bytes)} ({budget_bytes / fp32_bytes:.3f} of fp32 {RULE_NAMES[rule]}'s {format_bytes(fp32_bytes)})"
+    budget_text = f"baoc.memory_budget={b.memory_budget!r} = {format_bytes(budget_bytes)} ({budget_bytes / baseline:.3f} of {_baseline_name(rule, dtypes)} {format_bytes(baseline)})"
     context = _BudgetContext(
-        config, budget_text, budget_bytes, fp32_bytes, fp32_time, time_note, withheld_note, problem.allowed, mask
+        config, budget_text, budget_bytes, fp32_bytes, fp32_time, time_note, withheld_note,
+        list(dict.fromkeys(split_option(o)[0] for o in problem.allowed)), mask,
+        baseline, "fp32" if baseline == fp32_bytes else "the baseline",
     )
     problem.budgets(b.memory_budget, b.time_budget)  # a malformed budget is bad input (exit 2), not a FAIL
     kinds = {name: block_kind(model, name) for name in shapes}
@@ -82,11 +93,41 @@ def check_budget(
     return _phases_result(phases, context, least)
 
 
+#: The weights' dtype under a Trainer ``precision`` that trains the parameters themselves in it (the
+#: ``-mixed`` precisions keep fp32 weights).
+TRUE_PRECISION_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64, "64": torch.float64}
+
+
+def weight_dtypes(config: Config, params: dict[str, torch.Tensor], blocks: dict[str, list[str]]) -> dict[str, list[torch.dtype]]:
+    """Block -> the dtypes its parameters train in: ``trainer.precision``'s (``bf16-true``: bf16), else
+    the model's own."""
+    forced = TRUE_PRECISION_DTYPES.get(str(config.trainer.get("precision", "")).lower())
+    return {name: [forced or params[n].dtype for n in names] for name, names in blocks.items()}
+
+
+def _baseline_name(rule: str, dtypes: dict[str, list[torch.dtype]]) -> str:
+    """Whose state a fractional budget is of: fp32 AdamW's, or AdamW's in the weights' dtypes."""
+    kinds = sorted({str(d).removeprefix("torch.") for row in dtypes.values() for d in row})
+    return f"fp32 {RULE_NAMES[rule]}'s" if kinds == ["float32"] else f"{RULE_NAMES[rule]}'s state in the weights' {'/'.join(kinds)},"
+
+
 def _problem(
-    config: Config, shapes: dict[str, list[tuple[int, ...]]], served: list[str], device: str, prior: bool, rule: str
+    config: Config, shapes: dict[str, list[tuple[int, ...]]], served: list[str], device: str, prior: bool, rule: str,
+    dtypes: dict[str, list[torch.dtype]],
 ) -> AllocationProblem | CheckResult:
-    """The problem the training controller builds, or the failed check when there is none."""
+    """The problem the training controller builds (its baseline from the weights' dtypes, its options
+    paired with ``baoc.master_weights.corrections``), or the failed check when there is none."""
     b = config.baoc
+    corrections = b.master_weights.corrections
+    if corrections is not None and not any(d in WEIGHT_DTYPES for row in dtypes.values() for d in row):
+        return CheckResult(
+            NAME, False, f"baoc.master_weights.corrections={list(corrections)}: the model trains no bf16 or fp16 "
+            f"parameter (trainer.precision={config.trainer.get('precision')!r}), and a correction applies to 16-bit weights only",
+            "set trainer.precision: bf16-true, or leave baoc.master_weights.corrections unset",
+        )
+    moments = formats_of(rule)["fp32"].state_bytes((1,)) // 4  # torch's buffers, in the parameter's dtype
+    baseline = sum(moments * math.prod(s) * (torch.finfo(d).bits // 8) for name, row in shapes.items()
+                   for s, d in zip(row, dtypes[name]))
     timed = b.time_budget is not None
     if timed and prior and is_absolute_time(b.time_budget):
         # seconds cannot be compared with the unitless prior costs (the callback's rule too)
@@ -107,6 +148,9 @@ def _problem(
             min_8bit_numel=b.min_8bit_numel,
             cache_dir=b.calibration.cache_dir,
             rule=rule,
+            baseline_bytes=baseline,
+            corrections=corrections,
+            dtypes=dtypes,
         )
     except ValueError:
         note = "".join(f"; {f} withheld ({why})" for f, why in withheld_formats(device, timed, served, rule).items())
@@ -122,7 +166,7 @@ def _phases_result(phases: StatePhases, c: _BudgetContext, least: int) -> CheckR
         fp32_warmup += f", {fp32_bytes / budget_bytes:.2f}x the budget"
     detail = (
         f"{c.budget_text} is feasible: the cheapest allocation of the allowed formats needs {format_bytes(least)} "
-        f"({least / fp32_bytes:.3f} of fp32){c.time_note}{c.withheld_note}; state by phase: {phases.summary()}; "
+        f"({least / c.baseline_bytes:.3f} of {c.unit}){c.time_note}{c.withheld_note}; state by phase: {phases.summary()}; "
         f"the warm-up's states are created in the start formats ({fp32_warmup}); the sampler's buffers and the "
         f"shadow moments hold {format_bytes(phases.instrument_bytes)} besides, outside the budget (at most "
         f"{format_bytes(phases.instrument_allowance)}, baoc.sampler.instrument_share)"
@@ -137,14 +181,14 @@ def _phases_result(phases: StatePhases, c: _BudgetContext, least: int) -> CheckR
     if steady:
         worst = max(f.state_bytes for f in steady)
         fix = (
-            f"set baoc.memory_budget >= {round_up(worst / fp32_bytes)} (or an absolute size >= {int(math.ceil(worst))} "
+            f"set baoc.memory_budget >= {round_up(worst / c.baseline_bytes)} (or an absolute size >= {int(math.ceil(worst))} "
             f"bytes) to hold the {'/'.join(f.phase for f in steady)} state; an allocation above its budget is a bug: "
             f"please report it"
         )
     else:
         room = budget_bytes - (phases.conversion_bytes - over[0].limit_bytes)
         fix = (
-            f"set baoc.memory_budget <= {max(room, 0) / fp32_bytes:.3f} to leave the device room for the conversion; "
+            f"set baoc.memory_budget <= {max(room, 0) / c.baseline_bytes:.3f} to leave the device room for the conversion; "
             f"a conversion above the budget plus one parameter's state is a bug: please report it"
         )
     return CheckResult(NAME, False, f"{detail}; over the limit: {named}", fix, figures)
@@ -163,12 +207,14 @@ class _BudgetContext:
     withheld_note: str
     served: list[str]
     mask: dict[str, str]
+    baseline_bytes: int  # what a fractional budget is of (fp32_bytes for fp32 weights)
+    unit: str  # its name in the messages: "fp32", "the baseline"
 
 
 def _infeasible(err: BudgetInfeasibleError, c: _BudgetContext) -> CheckResult:
     """The failed memory-budget check of an infeasible budget, with the smallest feasible one."""
     b = c.config.baoc
-    budget_text, budget_bytes, fp32_bytes, fp32_time = c.budget_text, c.budget_bytes, c.fp32_bytes, c.fp32_time
+    budget_text, budget_bytes, fp32_time = c.budget_text, c.budget_bytes, c.fp32_time
     time_note, withheld_note, served, mask = c.time_note, c.withheld_note, c.served, c.mask
     if err.min_memory is None:
         return CheckResult(
@@ -199,9 +245,9 @@ def _infeasible(err: BudgetInfeasibleError, c: _BudgetContext) -> CheckResult:
         NAME,
         False,
         f"{budget_text} is infeasible for this model: the smallest feasible budget with the allowed formats "
-        f"{served} is {format_bytes(need)} ({need / fp32_bytes:.3f} of fp32)"
+        f"{served} is {format_bytes(need)} ({need / c.baseline_bytes:.3f} of {c.unit})"
         f"{' within the time budget' if b.time_budget is not None else ''}{time_note}{withheld_note}",
-        f"set baoc.memory_budget >= {round_up(need / fp32_bytes)} (or an absolute size >= {int(math.ceil(need))} "
+        f"set baoc.memory_budget >= {round_up(need / c.baseline_bytes)} (or an absolute size >= {int(math.ceil(need))} "
         f"bytes){allow}",
     )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import doctest
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,8 @@ import lightning_baoc.costs.phases as phases_module
 from lightning_baoc import BlockwiseAdamW
 from lightning_baoc.blocks import partition
 from lightning_baoc.controller import BAOCController
-from lightning_baoc.costs import PHASES, AllocationProblem, StatePhases
+from lightning_baoc.costs import PHASES, AllocationProblem, StatePhases, state_phases
+from lightning_baoc.costs.options import split_option
 from lightning_baoc.formats import format_state_bytes, resolve_format
 from lightning_baoc.risk.prior import block_kind
 
@@ -148,3 +150,42 @@ def test_offload_costs_no_device_bytes_on_an_accelerator() -> None:
 
 def test_module_doctests() -> None:
     assert doctest.testmod(phases_module).failed == 0
+
+
+@pytest.mark.parametrize("initial", [None, "mapping"])
+def test_with_corrections_the_start_is_the_controllers_states_and_corrections(initial: str | None) -> None:
+    """bf16 weights, ``corrections``: the planned start names the controller's options, and its bytes are
+    what the optimizer holds in states and corrections; a conversion counts changed corrections."""
+    model = _model().to(torch.bfloat16)
+    named = dict(model.named_parameters())
+    blocks = partition(model)
+    shapes = {b: [tuple(named[n].shape) for n in names] for b, names in blocks.items()}
+    dtypes = {b: [named[n].dtype for n in names] for b, names in blocks.items()}
+    baseline = sum(2 * p.numel() * p.element_size() for p in model.parameters())  # torch AdamW's bf16 moments
+    corrections = ["none", "ecc8", "ecc16"]
+    problem = AllocationProblem(shapes, "cpu", corrections=corrections, dtypes=dtypes, baseline_bytes=baseline)
+    kinds = {b: block_kind(model, b) for b in blocks}
+    given = {"0": "nomomentum_int8+ecc16", "3": "int8"} if initial == "mapping" else None
+    phases = problem.phases(kinds, 0.6, initial=given)
+
+    ctl = BAOCController(memory_budget=0.6, warmup_steps=50, sample_every=5, corrections=corrections, initial=given)
+    opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
+    _step(model, opt)
+    assert phases.start.formats == ctl.start_allocation
+    assert any("+ecc" in o for o in phases.start.formats.values())
+    assert phases.budget_bytes == ctl.memory_budget_bytes()
+    assert phases.start_bytes == opt.state_bytes() + opt.weight_correction_bytes() <= phases.budget_bytes
+    if given:
+        assert {b: ctl.start_allocation[b] for b in given} == given
+    ctl.close()
+
+    # a steady allocation that drops every correction: each 16-bit tensor converts, by its correction at least
+    steady = problem.solve({b: {o: (0.0 if "+" not in o else 1.0) for o in problem.allowed} for b in blocks}, 0.6)
+    moved = state_phases(shapes, "cpu", phases.start, steady, phases.budget_bytes, dtypes=dtypes)
+    corrected = sum(math.prod(s) * (2 if "ecc16" in phases.start.formats[b] else 1)
+                    for b, ss in shapes.items() for s in ss if "+" in phases.start.formats[b])
+    assert moved.start_bytes == phases.start_bytes and moved.steady_bytes == sum(
+        format_state_bytes(steady.formats[b], s) for b, ss in shapes.items() for s in ss)
+    assert moved.start_bytes - corrected == sum(
+        format_state_bytes(split_option(phases.start.formats[b])[0], s) for b, ss in shapes.items() for s in ss)
+    assert moved.converted_tensors >= sum(len(ss) for b, ss in shapes.items() if "+" in phases.start.formats[b])

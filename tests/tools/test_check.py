@@ -295,3 +295,42 @@ def test_check_for_sgd_and_lion_allows_their_formats_and_budgets_their_state(cap
     assert code == 0 and "with SGD on cpu" in out and "of fp32 SGD's" in out
     with pytest.raises(ValueError, match="Invalid optimizer: 'adam'"):
         run_checks(cfg, model, "cpu", "adam")
+
+
+@pytest.mark.parametrize("corrections", [None, ["none", "ecc8", "ecc16"]], ids=["states", "corrections"])
+def test_bf16_true_weights_are_budgeted_as_the_run_budgets_them(corrections: list[str] | None) -> None:
+    """``trainer.precision: bf16-true``: a fractional budget is of torch AdamW's state in bf16 (the
+    controller's baseline, half of fp32's), and with ``master_weights.corrections`` the planned start
+    is the controller's, states and corrections, byte for byte."""
+    from lightning_baoc.controller import BAOCController
+    from lightning_baoc.planner import build_model
+
+    baoc: dict = {"memory_budget": 0.3}
+    if corrections is not None:
+        baoc["master_weights"] = {"corrections": corrections}
+    cfg = parse_config({"baoc": baoc, "trainer": {"precision": "bf16-true"}})
+    result = _by_name(run_checks(cfg, build_model("tiny"), "cpu"))["memory budget"]
+    assert result.passed, result
+    assert "of AdamW's state in the weights' bfloat16" in result.detail
+
+    torch.manual_seed(0)
+    model = build_model("tiny", device="cpu").to(torch.bfloat16)
+    numel = sum(p.numel() for p in model.parameters())
+    ctl = BAOCController(memory_budget=0.3, warmup_steps=50, sample_every=5, corrections=corrections)
+    opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    figures = result.figures
+    assert figures["budget_bytes"] == ctl.memory_budget_bytes() == int(0.3 * 4 * numel)
+    assert figures["start"] == figures["warm-up"] == opt.state_bytes() + opt.weight_correction_bytes()
+    if corrections is not None:
+        assert opt.weight_correction_bytes() > 0  # the start holds corrections, counted in the plan
+    ctl.close()
+
+
+def test_corrections_on_fp32_weights_fail_naming_the_precision() -> None:
+    cfg = parse_config({"baoc": {"memory_budget": 0.3, "master_weights": {"corrections": ["none", "ecc8"]}}})
+    result = _by_name(run_checks(cfg, nn.Linear(128, 128, device="meta"), "cpu"))["memory budget"]
+    assert not result.passed and "trains no bf16 or fp16 parameter" in result.detail
+    assert "trainer.precision: bf16-true" in result.fix
