@@ -22,6 +22,8 @@ Run from the repository root:
     python benchmarks/step_time.py --bf16-weights   # bf16 weights: master-weight corrections (its own section)
     python benchmarks/step_time.py --momentum       # SGD and Lion against torch's fused SGD (its own section)
     python benchmarks/step_time.py --device cuda --threads 1   # on a GPU (sections *_cuda; steps synchronized)
+    python benchmarks/step_time.py --layers 400 --width 64 --threads 1   # 800 small tensors: the host's work
+                                                                         # per parameter (section step_time_400x64)
 
 On a machine whose cores are busy with other work, prefix ``OMP_WAIT_POLICY=PASSIVE`` (recorded
 beside the command on the page): with OpenMP's default spinning, every parallel region at 2 threads waits
@@ -292,6 +294,8 @@ def main() -> None:
     print(table)
     print(notes)
     section = "step_time_momentum" if args.momentum else "step_time_bf16" if args.bf16_weights else "step_time"
+    if (args.layers, args.width) != (20, 1024):  # another model: a section of its own (many small layers: host work)
+        section += f"_{args.layers}x{args.width}"
     if DEVICE.type != "cpu":
         section += f"_{DEVICE.type}"
     if not args.quick:

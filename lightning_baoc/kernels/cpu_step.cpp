@@ -6,11 +6,13 @@
 // factored means) or a float function differs in its last ulp (log2 at an exact power of two);
 // tests/kernels/test_cpu_step.py measures the distance per format.
 //
-// Per super-block (aligned to 1024 elements of its parameter): decode the moments into L1 buffers
-// (256-entry tables for the 8-bit codes, exactly the values the eager decode computes), do AdamW in
-// fp32, encode (group absmax, one shared exponent, fp16 scales, codes) and write once. The
-// super-blocks of every tensor of a call are one index range that at::parallel_for divides among
-// the threads.
+// Per super-block (aligned to 1024 elements of its parameter): decode the moments, do AdamW in fp32,
+// encode (group absmax, one shared exponent, fp16 scales, codes) and write once. On fp32 weights the
+// bf16-momentum formats do it in one loop per element (bf16_pass) and the 8-bit formats in three loops
+// (int8_pass: decode and AdamW group by group, the scales, the encodes), so that the divisions and
+// square roots run beside the integer work; the other cases go through L1 buffers loop by loop
+// (superblock). The super-blocks of every tensor of a call are one index range that at::parallel_for
+// divides among the threads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
