@@ -80,8 +80,8 @@ inline uint32_t rounding_bits(int64_t index, uint32_t key) { return mix_bits(sta
 // Stochastic rounding to bf16 (quant.py `bf16_stochastic`): add the noise below the bf16 mantissa,
 // truncate; magnitudes past bf16's largest finite value (inf included) saturate, NaN stays NaN (0x7FC0).
 // The saturation and the NaN test act on the 16-bit result, where a vector holds twice the lanes: the
-// same value as testing the 32-bit sum (whose low half the truncation drops), checked over every fp32
-// bit pattern. Integer operations only, so that the loops calling it vectorize.
+// same value as testing the 32-bit sum (whose low half the truncation drops; tests/kernels/
+// test_cpu_step.py compares the two). Integer operations only, so that the loops calling it vectorize.
 inline uint16_t bf16_stochastic(float x, uint32_t noise) {
   const uint16_t h = static_cast<uint16_t>((bits_of(x) + noise) >> 16);
   const uint16_t magnitude = h & 0x7FFFu;

@@ -220,3 +220,42 @@ def test_a_compiler_without_openmp_builds_the_kernels_for_one_thread(monkeypatch
     monkeypatch.setattr(kernels, "_build", lambda flags, ldflags: "error: no matching function")
     failed = kernels._load()  # noqa: SLF001
     assert not failed.available and failed.detail == "the build failed: error: no matching function"
+
+
+def _saturation(bits: torch.Tensor, noise: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 stochastic rounding of the fp32 values ``bits`` (int64, 32-bit patterns) under ``noise``, as
+    int: the eager step's (quant.bf16_stochastic: the 32-bit sum masked, clamped to bf16's range,
+    stored), the 32-bit saturation of the sum (the kernels' before) and the kernels' (cpu_step.cpp
+    bf16_stochastic: the sum's upper 16 bits, saturated there)."""
+    total = (bits + noise) & 0xFFFFFFFF
+    masked = total & 0xFFFF0000
+    as_float = torch.where(masked >= 2**31, masked - 2**32, masked).to(torch.int32).view(torch.float32)
+    eager = as_float.clamp(-3.38953138925153547590e38, 3.38953138925153547590e38).to(torch.bfloat16)
+    eager = eager.view(torch.int16).to(torch.int64) & 0xFFFF
+    magnitude32 = masked & 0x7FFFFFFF
+    wide = torch.where(magnitude32 > 0x7F800000, torch.full_like(total, 0x7FC00000),
+                       (masked & 0x80000000) | magnitude32.clamp(max=0x7F7F0000)) >> 16
+    h = total >> 16
+    magnitude = h & 0x7FFF
+    kernel = torch.where(magnitude > 0x7F80, torch.full_like(h, 0x7FC0), (h & 0x8000) | magnitude.clamp(max=0x7F7F))
+    return eager, wide, kernel
+
+
+@pytest.mark.parametrize("stride", [pytest.param(61, marks=pytest.mark.slow), 4093])
+def test_the_kernels_bf16_saturation_on_16_bits_equals_the_32_bit_one(stride: int) -> None:
+    """The kernels saturate the stochastically rounded bf16 on the 16-bit result (twice the lanes of a
+    vector): bit for bit the saturation of the 32-bit sum, over fp32 bit patterns (every 4093rd, every
+    61st under ``slow``, and all near bf16's largest value, the carry past it, inf and NaN) and noise at
+    the edges (the whole 2**32 patterns were checked once in C++: equal); and the eager step's value
+    but for a NaN's payload (torch's vectorized conversion writes 0xFFFF, the kernels 0x7FC0; a step
+    never rounds a NaN: a non-finite gradient skips the step)."""
+    chunk = 1 << 24
+    edges = [torch.arange(a, a + (1 << 18), dtype=torch.int64) for a in (0x7F7E0000, 0xFF7E0000, 0xFFFC0000, 0)]
+    for noise in (0, 1, 0x7FFF, 0x8000, 0xFFFF, 0x1234):
+        spans = [torch.arange(first, first + chunk, stride, dtype=torch.int64) for first in range(0, 1 << 32, chunk)]
+        for bits in spans + edges:
+            eager, wide, kernel = _saturation(bits, noise)
+            assert torch.equal(wide, kernel), (noise, int(bits[(wide != kernel).nonzero()[0]]))
+            nan = (eager & 0x7FFF) > 0x7F80
+            assert torch.equal(nan, (kernel & 0x7FFF) > 0x7F80)
+            assert torch.equal(eager[~nan], kernel[~nan])
