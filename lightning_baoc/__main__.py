@@ -95,6 +95,9 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-correction", choices=list(CORRECTIONS), default="none",
                         help="master-weight correction of 16-bit weights (default: none)")
     parser.add_argument("--release", action="store_true", help="gradient release: no gradient is held")
+    parser.add_argument("--corrections", nargs="+", choices=list(CORRECTIONS), metavar="CORRECTION",
+                        help="as BAOC(corrections=...): the solver pairs each block's format with one of these "
+                             f"corrections of its 16-bit weights ({', '.join(CORRECTIONS)}; needs --weight-dtype bf16 or fp16)")
     parser.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
 
 
@@ -127,6 +130,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         weight_correction=args.weight_correction,
         release=args.release,
         optimizer=args.optimizer,
+        corrections=args.corrections,
     )
     render(result, Console(width=max(Console().width, 120)))
     if args.json:

@@ -9,7 +9,9 @@ of the optimizer planned for (``optimizer``: AdamW's two moments, 8 bytes per pa
 optimizer's registry (:func:`~lightning_baoc.formats.formats_of`) with its exact bytes (fallbacks for
 1-D and small tensors included, as the optimizer allocates them), and allocations of the
 :class:`~lightning_baoc.costs.AllocationProblem` the training controller builds, at the budgets given
-(a fractional budget is a fraction of that fp32 state).
+(a fractional budget is a fraction of the optimizer's state in the weights' dtype, the callback's
+baseline: that fp32 state for fp32 weights; ``corrections``: options pairing formats with master-weight
+corrections, as ``BAOC(corrections=...)``).
 
 Every budget is planned as a run goes through it (:meth:`~lightning_baoc.costs.AllocationProblem.phases`):
 the **start** allocation the controller sets at install (least prior risk, or ``initial`` as
@@ -37,6 +39,7 @@ from ..blocks import partition
 from ..budget import absolute_time_with_prior_error, format_bytes, format_decimal_bytes, is_absolute_time
 from ..calibration import offload_saves_memory
 from ..costs import CONVERSION_BOUND, AllocationProblem, StatePhases
+from ..costs.options import compose, correction_bytes, prior_correction_risk, split_option
 from ..formats import (
     DEFAULT_MIN_8BIT_NUMEL, RULE_NAMES, format_state_bytes, formats_of, numel_of, resolve_in,
 )  # fmt: skip
@@ -104,6 +107,11 @@ class Plan:
     release: bool = False
     #: the update rule planned for (``"adamw"``, ``"sgd"``, ``"lion"``): its formats, bytes and priors
     rule: str = "adamw"
+    #: what a fractional budget is of: the optimizer's state in the weights' dtype (``fp32_bytes`` for fp32)
+    baseline_bytes: int = 0
+    #: the corrections the solver pairs with the formats (``None``: states alone), and the weights' dtypes
+    corrections: list[str] | None = None
+    block_dtypes: dict[str, list[torch.dtype]] = field(default_factory=dict)
 
     @property
     def optimizer(self) -> str:
@@ -115,12 +123,24 @@ class Plan:
         """Bytes of the optimizer's fp32 state per parameter element (AdamW 8, SGD and Lion 4)."""
         return format_state_bytes("fp32", (1,), rule=self.rule)
 
-    def training_memory(self, state_bytes: int) -> dict[str, int]:
+    def chosen_correction_bytes(self, allocation: Allocation) -> int:
+        """Bytes of the corrections ``allocation``'s options hold (0 without ``corrections``)."""
+        if self.corrections is None:
+            return 0
+        return sum(correction_bytes(s, d, split_option(allocation.formats[b])[1])
+                   for b, shapes in self.blocks.items() for s, d in zip(shapes, self.block_dtypes[b]))
+
+    def training_memory(self, state_bytes: int, chosen_corrections: int = 0) -> dict[str, int]:
         """Weights, corrections, gradients and ``state_bytes``, in bytes, with their total and the
-        parameter count (the figures ``lightning_baoc.training_memory`` measures in a run)."""
-        parts = {"weights": self.weight_bytes, "corrections": self.correction_bytes,
-                 "gradients": self.gradient_bytes, "states": int(state_bytes)}
+        parameter count (the figures ``lightning_baoc.training_memory`` measures in a run).
+        ``chosen_corrections``: the part of ``state_bytes`` that is corrections (an allocation's options)."""
+        parts = {"weights": self.weight_bytes, "corrections": self.correction_bytes + int(chosen_corrections),
+                 "gradients": self.gradient_bytes, "states": int(state_bytes) - int(chosen_corrections)}
         return {"params": self.params, **parts, "total": sum(parts.values())}
+
+    def memory_of(self, allocation: Allocation) -> dict[str, int]:
+        """:meth:`training_memory` of ``allocation`` (its device bytes split into states and corrections)."""
+        return self.training_memory(allocation.memory, self.chosen_correction_bytes(allocation))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -134,6 +154,8 @@ class Plan:
             # the old key stays for AdamW, whose fp32 state it names; fp32_state_bytes is every optimizer's
             **({"fp32_adamw_state_bytes": self.fp32_bytes} if self.rule == "adamw" else {}),
             "fp32_state_bytes": self.fp32_bytes,
+            "baseline_state_bytes": self.baseline_bytes or self.fp32_bytes,
+            "corrections": self.corrections,
             "formats": {
                 f.name: {"device_bytes": f.device_bytes, "host_bytes": f.host_bytes, "fallback_params": f.fallback_params}
                 for f in self.formats
@@ -150,7 +172,7 @@ class Plan:
                     "params_by_format": a.params_by_format,
                     **({"allocation": a.allocation.to_dict()} if a.allocation is not None else {}),
                     **({"phases": a.phases.to_dict()} if a.phases is not None else {}),
-                    **({"training_memory": self.training_memory(a.allocation.memory)} if a.allocation is not None else {}),
+                    **({"training_memory": self.memory_of(a.allocation)} if a.allocation is not None else {}),
                 }
                 for a in self.allocations
             ],
@@ -171,28 +193,24 @@ def plan(
     calibrate_time: bool = False,
     cache_dir: str | os.PathLike[str] | None = None,
     min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL,
-    method: str = "auto",
+    method: str = "auto", corrections: Sequence[str] | None = None,
     weight_dtype: str | None = None, weight_correction: str = "none", release: bool = False, optimizer: str = "adamw",
 ) -> Plan:
     """Plan the optimizer-state memory of ``model`` on ``device``.
 
     Args:
         model: a preset name, ``"package.module:factory"``, or a module (any device).
-        budgets: memory budgets to allocate at (fractions like ``0.35`` of the fp32 state, or sizes like ``"6GB"``).
+        budgets: memory budgets: fractions (``0.35``) of the state torch's optimizer holds in the weights' dtype, or sizes (``"6GB"``).
         time_budget: optional time budget: a multiple of the fp32 step (``1.10``), or an absolute
             time (``"12ms"``) with ``calibrate_time=True`` (the prior costs have no unit).
         device: the training device planned for; decides the hardware mask and whether ``offload``
             saves device memory (default: ``"cuda"``).
-        granularity: block granularity of :func:`~lightning_baoc.blocks.partition` (default:
-            ``"module"``).
+        granularity: block granularity of :func:`~lightning_baoc.blocks.partition` (default: ``"module"``).
         statistics: a statistics file: the steady allocation's risk (default: the start's).
-        initial: the start as ``BAOC(initial=...)``: a ``baoc_allocation.json`` or a mapping
-            block -> format (default: the prior).
+        initial: the start as ``BAOC(initial=...)``: a ``baoc_allocation.json`` or a mapping block -> format.
         mask: formats to exclude besides the hardware mask (default: none).
-        max_boundaries: boundary selection: the format changes at most this many times along the
-            blocks (default: no limit).
-        calibrate_time: time costs from a calibration of ``device`` here (cached) instead of the
-            prior (default: False).
+        max_boundaries: the format changes at most this many times along the blocks (default: no limit).
+        calibrate_time: time costs from a calibration of ``device`` here (cached), not the prior.
         cache_dir: calibration cache directory (default: the user cache directory).
         min_8bit_numel: the optimizer's small-tensor threshold (default: 4096).
         method: the solver's method (default: ``"auto"``).
@@ -200,10 +218,11 @@ def plan(
             default: the model's), their correction (default ``"none"``), gradient release (no gradient).
         optimizer: the optimizer whose state is planned: ``"adamw"`` (default), ``"sgd"`` or ``"lion"``
             (their momentum formats, :data:`~lightning_baoc.formats.MOMENTUM_FORMATS`).
+        corrections: as ``BAOC(corrections=...)``: options pairing formats with corrections of 16-bit
+            weights (default: none; needs bf16/fp16 weights, ``weight_correction`` left at ``"none"``).
 
     Raises:
-        ValueError: a bad model, budget, mask, optimizer, statistics file or ``initial`` (a format
-            that is not the optimizer's included), or an absolute ``time_budget`` without ``calibrate_time``.
+        ValueError: a bad model, budget, mask, optimizer, statistics file, ``initial`` or ``corrections``, or an absolute ``time_budget`` without ``calibrate_time``.
 
     Example:
         >>> p = plan("tiny", [0.5], device="cpu")
@@ -213,19 +232,22 @@ def plan(
         >>> phases.warmup_bytes == phases.start_bytes <= 0.5 * p.fp32_bytes
         True
     """
-    rule, initial = _check_inputs(optimizer, time_budget, calibrate_time, initial)
+    rule, initial = _check_inputs(optimizer, time_budget, calibrate_time, initial, corrections)
     module = build_model(model) if isinstance(model, str) else model  # the problem below is the controller's
-    blocks = _block_shapes(module, granularity)
+    blocks, dtypes = _blocks(module, granularity, weight_dtype)
     weights = _weight_figures(module, weight_dtype, weight_correction, release)
+    corrections = _checked_corrections(corrections, weight_correction, dtypes)
     problem = AllocationProblem(
         blocks, device, timed=time_budget is not None, costs="calibrate" if calibrate_time else "prior",
         min_8bit_numel=min_8bit_numel, mask=checked_mask(mask, rule), cache_dir=cache_dir, rule=rule,
+        baseline_bytes=_baseline(blocks, dtypes, rule), corrections=corrections, dtypes=dtypes,
     )  # fmt: skip
     figures, allocations = _format_figures(blocks, device, min_8bit_numel, rule), []
     start_source = risk_source = _prior_source(rule) if initial is None else _initial_source(initial)
     if budgets:
         kinds = {b: block_kind(module, b) for b in blocks}
-        steady_risk, risk_source = _steady_risk(kinds, blocks, statistics, min_8bit_numel, start_source, rule)
+        steady_risk, risk_source = _steady_risk(kinds, blocks, statistics, min_8bit_numel, start_source, rule,
+                                                problem if corrections is not None else None)
         options = {"method": method, "max_boundaries": max_boundaries, "initial": initial, "steady_risk": steady_risk}
         allocations = [_allocate(problem, kinds, blocks, budget, time_budget, options) for budget in budgets]
     return Plan(
@@ -233,22 +255,48 @@ def plan(
         params=sum(numel_of(s) for shapes in blocks.values() for s in shapes),
         tensors=sum(len(shapes) for shapes in blocks.values()), blocks=blocks, fp32_bytes=problem.fp32_bytes,
         formats=figures, masked=problem.withheld, risk_source=risk_source,
-        time_source=problem.time_source if budgets else None,
-        time_budget=None if time_budget is None else str(time_budget), allocations=allocations,
-        start_source=start_source, rule=rule, **weights,
+        time_source=problem.time_source if budgets else None, time_budget=None if time_budget is None else str(time_budget), allocations=allocations,
+        start_source=start_source, rule=rule, baseline_bytes=problem.baseline_bytes or problem.fp32_bytes,
+        corrections=corrections, block_dtypes=dtypes, **weights,
     )  # fmt: skip
 
 
 def _check_inputs(
-    optimizer: object, time_budget: float | str | None, calibrate_time: bool, initial: Initial
+    optimizer: object, time_budget: float | str | None, calibrate_time: bool, initial: Initial,
+    corrections: Sequence[str] | None = None,
 ) -> tuple[str, Initial]:
     """The update rule of ``optimizer``, after the checks that need no model: the time budget's unit
-    and an ``initial`` record's optimizer and formats."""
+    and an ``initial`` record's optimizer and formats (options, with ``corrections``)."""
     rule = check_optimizer(optimizer)
     if time_budget is not None and not calibrate_time and is_absolute_time(time_budget):
         fix = "calibrate_time=True (--calibrate) to measure the step in seconds on the device."
         raise absolute_time_with_prior_error(time_budget, "time_budget", fix)
-    return rule, check_initial(initial, rule)
+    return rule, check_initial(initial, rule, corrections is not None)
+
+
+def _baseline(blocks: Mapping[str, list[tuple[int, ...]]], dtypes: Mapping[str, list[torch.dtype]], rule: str) -> int:
+    """The state torch's optimizer holds in the weights' dtypes (AdamW two buffers, SGD and Lion one):
+    what a fractional budget is of, as the callback takes it."""
+    moments = format_state_bytes("fp32", (1,), rule=rule) // 4
+    return sum(moments * numel_of(s) * (torch.finfo(d).bits // 8) for b in blocks for s, d in zip(blocks[b], dtypes[b]))
+
+
+def _checked_corrections(
+    corrections: Sequence[str] | None, weight_correction: str, dtypes: Mapping[str, list[torch.dtype]]
+) -> list[str] | None:
+    """``corrections`` as the controller takes them, refused where they cannot apply."""
+    if corrections is None:
+        return None
+    for c in corrections:
+        check_correction(c)  # a known correction, or the error naming them
+    chosen = list(dict.fromkeys(corrections))
+    if weight_correction != "none":
+        raise ValueError(f"corrections={chosen} choose each block's correction: leave weight_correction at 'none' "
+                         f"(got {weight_correction!r})")
+    if not any(d in (torch.bfloat16, torch.float16) for row in dtypes.values() for d in row):
+        raise ValueError(f"corrections={chosen}: the weights are not bf16 or fp16 and a correction applies to 16-bit "
+                         f"weights only; plan them as trained with weight_dtype='bf16' (--weight-dtype bf16)")
+    return chosen
 
 
 _WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -272,9 +320,14 @@ def _weight_figures(module: nn.Module, weight_dtype: str | None, correction: str
     }
 
 
-def _block_shapes(module: nn.Module, granularity: str) -> dict[str, list[tuple[int, ...]]]:
-    names = dict(module.named_parameters())
-    return {b: [tuple(names[p].shape) for p in params] for b, params in partition(module, granularity).items()}
+def _blocks(
+    module: nn.Module, granularity: str, weight_dtype: str | None
+) -> tuple[dict[str, list[tuple[int, ...]]], dict[str, list[torch.dtype]]]:
+    """Block -> its parameters' shapes, and their dtypes as trained (``weight_dtype``'s, else the model's)."""
+    names, blocks = dict(module.named_parameters()), partition(module, granularity)
+    forced = _WEIGHT_DTYPES.get(weight_dtype) if weight_dtype is not None else None
+    shapes = {b: [tuple(names[p].shape) for p in params] for b, params in blocks.items()}
+    return shapes, {b: [forced or names[p].dtype for p in params] for b, params in blocks.items()}
 
 
 def _prior_source(rule: str) -> str:
@@ -296,13 +349,17 @@ def _steady_risk(
     min_8bit_numel: int,
     start_source: str,
     rule: str = "adamw",
+    paired: AllocationProblem | None = None,
 ) -> tuple[dict[str, dict[str, float]] | None, str]:
     """The steady allocation's risk and its source: a statistics file's, the prior for the blocks it
     lacks; without one ``None`` (the start's risk)."""
     if statistics is None:
         return None, start_source
     risk = prior_risk(blocks, kinds, min_8bit_numel=min_8bit_numel, rule=rule)
-    measured, missing = load_statistics(statistics, list(blocks), rule)
+    if paired is not None:  # with corrections: the options' prior, as the controller composes it
+        extra = prior_correction_risk(blocks, paired.dtypes or {}, paired.corrections or [])
+        risk = compose(risk, extra, paired.allowed)
+    measured, missing = load_statistics(statistics, list(blocks), rule, paired is not None)
     for b, row in measured.items():
         risk[b] = {f: row[f] for f in row}
     return risk, f"statistics file ({len(measured)} blocks" + (f"; prior for {len(missing)} missing)" if missing else ")")
@@ -361,6 +418,10 @@ def render(p: Plan, console: Any = None) -> None:
     head.add_row("parameters", f"{p.params:,} ({p.params / 1e9:.3g}B)" if p.params >= 1e8 else f"{p.params:,}")
     head.add_row("tensors / blocks", f"{p.tensors:,} / {len(p.blocks):,} ({p.granularity} granularity)")
     head.add_row(f"fp32 {p.optimizer} state", f"{_bytes(p.fp32_bytes)} = {p.fp32_bytes_per_param} bytes x {p.params:,} parameters")
+    if p.baseline_bytes and p.baseline_bytes != p.fp32_bytes:
+        head.add_row("a fractional budget is of", f"{_bytes(p.baseline_bytes)}: {p.optimizer}'s state in the weights' dtype")
+    if p.corrections is not None:
+        head.add_row("corrections per block", f"{p.corrections} (options: a format and a correction; the budget holds both)")
     console.print(head)
 
     table = Table(title="Uniform formats (exact bytes as allocated, fallbacks included)")
@@ -412,15 +473,15 @@ def _render_training_memory(p: Plan, console: Any) -> None:
     """For each feasible budget, what training holds per parameter: weights, corrections, gradients, states."""
     from rich.table import Table
 
-    title = (f"Training memory per parameter (weights {p.weight_dtype}, correction {p.weight_correction}"
-             f"{', gradient release' if p.release else ''})")
+    held = "corrections chosen per block" if p.corrections is not None else f"correction {p.weight_correction}"
+    title = f"Training memory per parameter (weights {p.weight_dtype}, {held}{', gradient release' if p.release else ''})"
     table = Table(title=title)
     for col in ("budget", "weights", "corrections", "gradients", "states", "total", "bytes"):
         table.add_column(col, justify="left" if col == "budget" else "right")
     for entry in p.allocations:
         if entry.allocation is None or not p.params:
             continue
-        whole = p.training_memory(entry.allocation.memory)
+        whole = p.memory_of(entry.allocation)
         per = {k: f"{whole[k] / p.params:.3f}" for k in ("weights", "corrections", "gradients", "states", "total")}
         table.add_row(entry.budget, per["weights"], per["corrections"], per["gradients"], per["states"], per["total"],
                       _bytes(whole["total"]))

@@ -61,8 +61,19 @@ def check_written_for(data: object, path: str | os.PathLike[str], rule: str, wha
     raise ValueError(f"{what} {os.fspath(path)!r} holds the risks of {written}'s state, not {RULE_NAMES[rule]}'s; {fix}")
 
 
-def check_initial(initial: Initial, rule: str) -> Initial:
-    """An ``initial`` record written for ``rule``: its optimizer and format names; returns it read once
+def known_choice(name: str, rule: str, options: bool) -> bool:
+    """Whether ``name`` is one of ``rule``'s formats, or (``options``: with corrections) an option of one."""
+    if not options or "+" not in name:
+        return name in formats_of(rule)
+    try:
+        return split_option(name)[0] in formats_of(rule)
+    except ValueError:  # not a correction after the separator
+        return False
+
+
+def check_initial(initial: Initial, rule: str, options: bool = False) -> Initial:
+    """An ``initial`` record written for ``rule``: its optimizer and format names (``options``: with
+    corrections, options of them); returns it read once
     (:class:`~lightning_baoc.risk.start.AllocationRecord`), which the start risk reads in turn (a
     malformed record is left to :func:`~lightning_baoc.risk.start.initial_record`, which says why)."""
     if initial is None or isinstance(initial, (Mapping, AllocationRecord)):
@@ -75,20 +86,21 @@ def check_initial(initial: Initial, rule: str) -> Initial:
     for entry in entries if isinstance(entries, list) else ():
         risk = entry.get("risk") if isinstance(entry, Mapping) else None
         for f in risk if isinstance(risk, Mapping) else ():
-            if f not in formats_of(rule):
+            if not known_choice(f, rule, options):
                 where = f"{what} {os.fspath(initial)!r}: block {entry.get('name')!r}"
                 raise ValueError(f"{where} has a risk of an {unknown_format(f, rule)}")
     return loaded
 
 
 def load_statistics(
-    path: str | os.PathLike[str], blocks: Sequence[str], rule: str = "adamw"
+    path: str | os.PathLike[str], blocks: Sequence[str], rule: str = "adamw", options: bool = False
 ) -> tuple[dict[str, dict[str, float]], list[str]]:
     """Per-format risks from a statistics file; returns (risk of the blocks found, blocks missing).
 
     The file is JSON ``{"blocks": [{"name": ..., "risk": {format: value}}, ...]}``. Blocks of the
     file that the model does not have are an error (a different model or granularity), and so are
-    formats that are not ``rule``'s (default: AdamW's) and a file whose ``"optimizer"`` is another.
+    formats that are not ``rule``'s (default: AdamW's; ``options``: planned with corrections, also
+    options of them, ``"int8+ecc8"``) and a file whose ``"optimizer"`` is another.
     """
     try:
         with open(path, encoding="utf-8") as fh:
@@ -118,11 +130,11 @@ def load_statistics(
                 f"({{format: value}}), not the risk of one chosen format"
             )
         for f in values:
-            if f not in formats_of(rule):
+            if not known_choice(f, rule, options):
                 raise ValueError(f"statistics block {name!r} names {unknown_format(f, rule)}")
         risk[name] = {f: float(v) for f, v in values.items()}
     missing = [b for b in blocks if b not in risk]
     return risk, missing
 
 
-__all__ = ["check_initial", "check_optimizer", "checked_mask", "load_statistics", "unknown_format"]
+__all__ = ["check_initial", "check_optimizer", "checked_mask", "known_choice", "load_statistics", "unknown_format"]

@@ -348,3 +348,46 @@ def test_training_memory_of_a_plan_matches_a_measured_run(tmp_path) -> None:  # 
     assert json.loads(out.read_text())["allocations"][0]["training_memory"] == planned
     with pytest.raises(ValueError, match="weight_dtype"):
         plan("tiny", [0.25], device="cpu", weight_dtype="int4")
+
+
+def test_corrections_plan_the_controllers_start_and_the_measured_training_memory() -> None:
+    """``corrections`` (``--corrections``): on bf16 weights the plan's start is the controller's, options
+    included; a fraction is of torch AdamW's bf16 state; the training memory splits the allocation's bytes
+    into states and corrections as ``training_memory`` measures them in a run set that way."""
+    from torch import nn
+
+    from lightning_baoc import training_memory
+    from lightning_baoc.controller import BAOCController
+    from lightning_baoc.costs.options import split_option
+
+    corrections = ["none", "ecc8", "ecc16"]
+    p = plan("tiny", [0.25], device="cpu", weight_dtype="bf16", corrections=corrections)
+    a = p.allocations[0]
+    assert p.baseline_bytes == 4 * p.params and a.phases is not None
+    assert a.allocation.memory <= 0.25 * p.baseline_bytes == a.phases.budget_bytes
+    assert any("+ecc" in o for o in a.allocation.formats.values())
+
+    torch.manual_seed(0)
+    model = build_model("tiny").to_empty(device="cpu").to(torch.bfloat16)
+    nn.init.normal_(next(model.parameters()))
+    ctl = BAOCController(memory_budget=0.25, warmup_steps=50, sample_every=5, corrections=corrections)
+    ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
+    assert ctl.start_allocation == a.phases.start.formats
+    ctl.close()
+
+    blocks = partition(model, "module")
+    opt = BlockwiseAdamW(model.named_parameters())
+    opt.set_formats({b: split_option(o)[0] for b, o in a.allocation.formats.items()}, blocks=blocks)
+    opt.set_weight_corrections({b: split_option(o)[1] for b, o in a.allocation.formats.items()}, blocks=blocks)
+    for q in model.parameters():
+        q.grad = torch.zeros_like(q)
+    opt.step()
+    planned = p.memory_of(a.allocation)
+    assert planned["corrections"] > 0
+    assert training_memory(model, opt).to_dict() == planned
+    assert main(["plan", "--preset", "tiny", "--device", "cpu", "--budget", "0.25", "--weight-dtype", "bf16",
+                 "--corrections", *corrections]) == 0
+    with pytest.raises(ValueError, match="weight_dtype='bf16'"):
+        plan("tiny", [0.25], device="cpu", corrections=corrections)
+    with pytest.raises(ValueError, match="leave weight_correction at 'none'"):
+        plan("tiny", [0.25], device="cpu", weight_dtype="bf16", weight_correction="ecc8", corrections=corrections)
