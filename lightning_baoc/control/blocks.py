@@ -20,7 +20,7 @@ from ..blocks import partition
 from ..budget import format_bytes
 from ..optim.sharding import largest_shard_shape, splits_rows
 from ..calibration import withheld_formats
-from ..costs import AllocationProblem
+from ..costs import AllocationProblem, baseline_state_bytes
 from ..formats import RULE_NAMES, formats_of
 from ..formats.correction import WEIGHT_DTYPES
 from ..optim import BlockwiseOptimizer
@@ -138,13 +138,6 @@ class BlocksMixin:
         # on every rank
         self._shapes = {b: [largest_shard_shape(named[n]) for n in names] for b, names in self.block_params.items()}
         self._numel = {b: sum(math.prod(s) for s in shapes) for b, shapes in self._shapes.items()}
-        # torch's optimizer holds its buffers in the parameter's dtype: AdamW two, SGD and Lion one
-        moments = registry["fp32"].state_bytes((1,)) // 4
-        self._baseline = sum(
-            moments * math.prod(shape) * named[n].element_size()
-            for b, names in self.block_params.items()
-            for n, shape in zip(names, self._shapes[b])
-        )
         foreign = [f for f in cfg.formats or () if f not in registry]
         if foreign:
             raise ValueError(
@@ -157,6 +150,7 @@ class BlocksMixin:
                        for f in wanted if split and registry[f].factored}
         wanted = [f for f in wanted if f not in sharded_out]
         self._dtypes = dtypes = {b: [named[n].dtype for n in names] for b, names in self.block_params.items()}
+        self._baseline = baseline_state_bytes(self._shapes, dtypes, opt.rule)  # torch's buffers, in each dtype
         if cfg.corrections is not None and not any(d in WEIGHT_DTYPES for row in dtypes.values() for d in row):
             raise ValueError(
                 f"BAOC(corrections={list(cfg.corrections)}): the model trains no bf16 or fp16 parameter, and a "

@@ -49,13 +49,6 @@ class OptionsMixin:
         """The state formats offered (the options' formats, in order)."""
         return list(dict.fromkeys(split_option(o)[0] for o in self._offered))
 
-    def _options_offered(self) -> list[str]:
-        """The options the risk tables hold: every offered one (the formats alone without corrections)."""
-        if not self._paired:
-            return self._formats_offered()
-        corrections = list(self.config.corrections)
-        return [o for o in self._offered if split_option(o)[1] in corrections]
-
     def _with_corrections(self, by_format: Table, measured: bool) -> dict[str, dict[str, float]]:
         """A risk table over formats extended to the options: the corrections' risk added, measured
         on the shadow moments (``measured``) or the prior."""
@@ -68,7 +61,7 @@ class OptionsMixin:
         else:
             shapes = {b: self._shapes[b] for b in by_format}
             extra = prior_correction_risk(shapes, {b: self._dtypes[b] for b in by_format}, corrections)
-        return compose(by_format, extra, self._options_offered())
+        return compose(by_format, extra, self._offered)
 
     def _current_options(self) -> dict[str, str]:
         """Block -> the option its parameters are asked to hold (``"mixed"`` where they differ)."""

@@ -9,11 +9,12 @@ The warm-up then samples the gradients, and the allocation at its end starts fro
 are (decoded from their formats; blocks held without momentum take their signal from the sampled
 gradients, as at a re-evaluation).
 
-The risk table is built by :func:`lightning_baoc.risk.start.start_risk`, which ``lightning-baoc
-plan`` and ``lightning-baoc check`` call too (:meth:`lightning_baoc.costs.AllocationProblem.phases`),
+The risk table is :meth:`lightning_baoc.costs.AllocationProblem.start_risk` (the prior or ``initial``,
+:func:`lightning_baoc.risk.start.start_risk`, over the options with corrections), which ``lightning-baoc
+plan`` and ``lightning-baoc check`` call too (:meth:`~lightning_baoc.costs.AllocationProblem.phases`),
 so the start they report is this one.
 
-:class:`StartMixin` expects the controller's tables (``_shapes``, ``_offered``, ``block_params``),
+:class:`StartMixin` expects the controller's ``problem``, ``block_params``,
 ``_module``, ``optimizer``, ``config`` and ``_solve``.
 """
 
@@ -27,7 +28,7 @@ from lightning_baoc.budget import parse_memory_budget, parse_time_budget
 from lightning_baoc.control.checkpoint import plain as _plain
 from lightning_baoc.optim import BlockwiseOptimizer
 from lightning_baoc.risk.prior import block_kind
-from lightning_baoc.risk.start import INITIAL_PREFERENCE, prefer_initial, start_risk
+from lightning_baoc.risk.start import INITIAL_PREFERENCE
 from lightning_baoc.solver import Allocation
 
 
@@ -39,13 +40,10 @@ class StartMixin:
     optimizer: BlockwiseOptimizer | None
     block_params: dict[str, list[str]]
     _module: nn.Module | None
-    _shapes: dict[str, list[tuple[int, ...]]]
-    _offered: list[str]
+    problem: Any  # the controller's AllocationProblem
     _solve: Callable[[Mapping[str, Mapping[str, float]]], Allocation]
     start_allocation: dict[str, str] | None
     _apply_options: Callable[..., Any]
-    _formats_offered: Callable[[], list[str]]
-    _with_corrections: Callable[..., dict[str, dict[str, float]]]
     phase: str
     pending: str | None
     installed: bool
@@ -100,18 +98,12 @@ class StartMixin:
         self.start_allocation = formats
 
     def _start_risk(self) -> dict[str, dict[str, float]]:
-        """The risk table the start allocation minimizes: the prior, or what ``initial`` gives."""
+        """The risk table the start allocation minimizes: the prior, or what ``initial`` gives (over
+        the options, with corrections): the problem's, as ``lightning-baoc check`` and ``plan`` price it."""
         assert self.optimizer is not None
         module = self._module if self._module is not None else nn.Module()
         kinds = {b: block_kind(module, b) for b in self.block_params}
-        opt = self.optimizer
-        offered = self._formats_offered()
-        initial = self.config.initial
-        if not self._paired:
-            return start_risk(self._shapes, kinds, offered, opt.min_8bit_numel, initial, rule=opt.rule)
-        # with corrections, initial names options (or a record measured them): applied to the options' prior
-        prior = self._with_corrections(start_risk(self._shapes, kinds, offered, opt.min_8bit_numel, rule=opt.rule), measured=False)
-        return prefer_initial(prior, initial, self._options_offered())
+        return self.problem.start_risk(kinds, self.config.initial)
 
 
 __all__ = ["INITIAL_PREFERENCE", "StartMixin"]

@@ -8,7 +8,7 @@ memory of BAOC's own instruments, sized with the model (:mod:`lightning_baoc.cos
 
 from .instruments import InstrumentSizes, instrument_allowance, size_instruments
 from .phases import CONVERSION_BOUND, PHASES, PhaseFigure, StatePhases, state_phases
-from .problem import AllocationProblem, Budgets, CostSource, with_message
+from .problem import AllocationProblem, Budgets, CostSource, baseline_state_bytes, with_message
 
 __all__ = [
     "CONVERSION_BOUND",
@@ -19,6 +19,7 @@ __all__ = [
     "InstrumentSizes",
     "PhaseFigure",
     "StatePhases",
+    "baseline_state_bytes",
     "instrument_allowance",
     "size_instruments",
     "state_phases",

@@ -17,6 +17,7 @@ times are the unitless prior costs.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -294,6 +295,17 @@ class AllocationProblem:
                 f"memory_budget >= {round_up(err.min_memory / self.baseline_bytes)}",
             ) from None
 
+    def start_risk(self, kinds: Mapping[str, str], initial: Initial = None, owner: str = "BAOC") -> dict[str, dict[str, float]]:
+        """The risk the start allocation minimizes, over :attr:`allowed` (the training controller's):
+        :func:`~lightning_baoc.risk.start.start_risk` (the prior, or ``initial``); with corrections the
+        formats' prior paired with the corrections' prior (:func:`~lightning_baoc.costs.options.compose`),
+        then ``initial`` over the options."""
+        if self.corrections is None:
+            return start_risk(self.shapes, kinds, self.allowed, self.min_8bit_numel, initial, owner, self.rule)
+        prior = start_risk(self.shapes, kinds, self.formats, self.min_8bit_numel, None, owner, self.rule)
+        extra = prior_correction_risk(self.shapes, self.dtypes or {}, self.corrections)
+        return prefer_initial(compose(prior, extra, self.allowed), initial, self.allowed, owner)
+
     def phases(
         self,
         kinds: Mapping[str, str],
@@ -329,13 +341,7 @@ class AllocationProblem:
             BudgetInfeasibleError: no allocation meets the budgets.
             ValueError: a bad budget, or an ``initial`` that does not fit this model.
         """
-        if self.corrections is None:
-            risk = start_risk(self.shapes, kinds, self.allowed, self.min_8bit_numel, initial, owner, self.rule)
-        else:  # the controller's start with corrections: the options' prior, then initial over the options
-            formats = list(dict.fromkeys(split_option(o)[0] for o in self.allowed))
-            prior = start_risk(self.shapes, kinds, formats, self.min_8bit_numel, None, owner, self.rule)
-            extra = prior_correction_risk(self.shapes, self.dtypes or {}, self.corrections)
-            risk = prefer_initial(compose(prior, extra, self.allowed), initial, self.allowed, owner)
+        risk = self.start_risk(kinds, initial, owner)
         start = self.solve(risk, memory_budget, time_budget)
         steady = self.solve(risk if steady_risk is None else steady_risk, memory_budget, time_budget, **options)
         budget_bytes = self.budgets(memory_budget, time_budget).memory_bytes
@@ -365,4 +371,15 @@ class AllocationProblem:
         return self.solve(zero, memory_budget, time_budget)
 
 
-__all__ = ["AllocationProblem", "Budgets", "CostSource", "with_message"]
+def baseline_state_bytes(
+    shapes: Mapping[str, Sequence[Sequence[int]]], dtypes: Mapping[str, Sequence[torch.dtype]], rule: str = "adamw"
+) -> int:
+    """The state torch's optimizer of update rule ``rule`` holds for these tensors: its buffers (AdamW two,
+    SGD and Lion one) in each parameter's dtype. A fractional memory budget is of it (the training
+    controller's, ``lightning-baoc check``'s and ``plan``'s rule): fp32 AdamW's 8 bytes per element, 4 for
+    bf16 weights."""
+    moments = formats_of(rule)["fp32"].state_bytes((1,)) // 4
+    return sum(moments * math.prod(s) * d.itemsize for b, row in shapes.items() for s, d in zip(row, dtypes[b]))
+
+
+__all__ = ["AllocationProblem", "Budgets", "CostSource", "baseline_state_bytes", "with_message"]

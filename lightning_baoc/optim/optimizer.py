@@ -92,6 +92,9 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
         self._records: dict[Tensor, _Record] = {}
         self._salts: dict[str, int] = {}  # name -> its hash in the rounding keys
         self._warned: set[str] = set()  # names warned of a skipped update
+        # decided once, not on every step: name -> (what the decision follows from, the decision)
+        self._targets: dict[str, tuple[tuple, str]] = {}  # the format a parameter's request resolves to
+        self._serving: dict[str, tuple[tuple, bool]] = {}  # whether the compiled CPU step serves it
         self._deferred: list = []  # the steps whose skips the device decided, settled at the next step
         self._released: set[Tensor] = set()  # stepped by gradient release since the last step()
         self._release_handles: list[Any] = []
@@ -273,7 +276,7 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
     def _sync_formats(self) -> dict[str, tuple[str, str]]:
         """Convert every initialized parameter whose target format differs from its held one."""
         changes: dict[Tensor, str] = {}
-        targets = self.__dict__.setdefault("_targets", {})  # name -> (what the target follows from, target)
+        targets = self._targets
         for p, rec in self._records.items():
             if rec.format is None:
                 continue

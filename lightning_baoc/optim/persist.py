@@ -69,6 +69,7 @@ class PersistenceMixin:
         self._settle_deferred()  # type: ignore[attr-defined] - a step decided on the device: its counts settled
         state = {k: v for k, v in self.__dict__.items() if k not in _RUNTIME_ONLY}
         state["_deferred"] = []
+        state["_serving"] = {}  # keyed by this process's state tensors: decided again in a copy
         # gradient release: hooks live on this process's parameters; the copy registers its own
         state["_release_handles"], state["_released"] = [], set()
         state["_gradient_observers"] = OrderedDict()  # like hooks: the copy has none
@@ -91,6 +92,8 @@ class PersistenceMixin:
         state.setdefault("_salts", {})
         state.setdefault("_warned", set())
         state.setdefault("_deferred", [])
+        state.setdefault("_targets", {})
+        state.setdefault("_serving", {})
         state.pop("_generators", None)  # pickles of earlier releases: the rounding is keyed now
         state.setdefault("kernels", "auto")
         super().__setstate__(state)  # torch's: hooks, the profiled step

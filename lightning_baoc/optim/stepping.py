@@ -13,8 +13,8 @@ counts as if the step happened and takes a skip back when a count is next read
 (:class:`~lightning_baoc.optim.pools.DeferredFlags`), so it reads nothing to launch them. Both work on each parameter's local part (the
 shard of a ``DTensor`` parameter on this rank: :mod:`lightning_baoc.optim.sharding`).
 
-:class:`StepMixin` expects ``_records``, ``skip_nonfinite``, ``_noise_key`` and the ``_salts`` and
-``_warned`` tables of the optimizer it is mixed into.
+:class:`StepMixin` expects ``_records``, ``skip_nonfinite``, ``_noise_key`` and the ``_salts``,
+``_warned`` and ``_serving`` tables of the optimizer it is mixed into.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class StepMixin:
     _records: dict[Tensor, Record]
     _salts: dict[str, int]
     _warned: set[str]
+    _serving: dict[str, tuple[tuple, bool]]
     _deferred: list[DeferredFlags]
     skip_nonfinite: bool
     format_registry: Mapping[str, StateFormat]
@@ -103,10 +104,9 @@ class StepMixin:
         """:func:`kernel_serves` for ``rec``'s parameter (its local part ``mine``), decided once per
         format, state tensors, device and policy rather than on every step."""
         key = (rec.format, id(rec.views), mine.device, self.kernels)
-        cache = self.__dict__.setdefault("_serving", {})
-        known = cache.get(rec.name)
+        known = self._serving.get(rec.name)
         if known is None or known[0] != key:
-            known = cache[rec.name] = (key, kernel_serves(fmt, mine, rec.views, self.kernels))
+            known = self._serving[rec.name] = (key, kernel_serves(fmt, mine, rec.views, self.kernels))
         return known[1]
 
     def _settle_deferred(self) -> None:

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..formats import RULE_NAMES, formats_of
+from ..formats import RULE_NAMES
 from ..formats.correction import WEIGHT_DTYPES
 from ..budget import absolute_time_with_prior_error, format_bytes, is_absolute_time, parse_memory_budget, round_up
 from ..calibration import withheld_formats
 from ..config import Config
-from ..costs import AllocationProblem, StatePhases
+from ..costs import AllocationProblem, StatePhases, baseline_state_bytes
 from ..costs.options import split_option
 from ..risk.prior import block_kind
 from ..solver import BudgetInfeasibleError
@@ -125,9 +125,6 @@ def _problem(
             f"parameter (trainer.precision={config.trainer.get('precision')!r}), and a correction applies to 16-bit weights only",
             "set trainer.precision: bf16-true, or leave baoc.master_weights.corrections unset",
         )
-    moments = formats_of(rule)["fp32"].state_bytes((1,)) // 4  # torch's buffers, in the parameter's dtype
-    baseline = sum(moments * math.prod(s) * (torch.finfo(d).bits // 8) for name, row in shapes.items()
-                   for s, d in zip(row, dtypes[name]))
     timed = b.time_budget is not None
     if timed and prior and is_absolute_time(b.time_budget):
         # seconds cannot be compared with the unitless prior costs (the callback's rule too)
@@ -148,7 +145,7 @@ def _problem(
             min_8bit_numel=b.min_8bit_numel,
             cache_dir=b.calibration.cache_dir,
             rule=rule,
-            baseline_bytes=baseline,
+            baseline_bytes=baseline_state_bytes(shapes, dtypes, rule),
             corrections=corrections,
             dtypes=dtypes,
         )

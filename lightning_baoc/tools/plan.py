@@ -38,8 +38,8 @@ from torch import nn
 from ..blocks import partition
 from ..budget import absolute_time_with_prior_error, format_bytes, format_decimal_bytes, is_absolute_time
 from ..calibration import offload_saves_memory
-from ..costs import CONVERSION_BOUND, AllocationProblem, StatePhases
-from ..costs.options import compose, correction_bytes, prior_correction_risk, split_option
+from ..costs import CONVERSION_BOUND, AllocationProblem, StatePhases, baseline_state_bytes
+from ..costs.options import correction_bytes, split_option
 from ..formats import (
     DEFAULT_MIN_8BIT_NUMEL, RULE_NAMES, format_state_bytes, formats_of, numel_of, resolve_in,
 )  # fmt: skip
@@ -240,7 +240,7 @@ def plan(
     problem = AllocationProblem(
         blocks, device, timed=time_budget is not None, costs="calibrate" if calibrate_time else "prior",
         min_8bit_numel=min_8bit_numel, mask=checked_mask(mask, rule), cache_dir=cache_dir, rule=rule,
-        baseline_bytes=_baseline(blocks, dtypes, rule), corrections=corrections, dtypes=dtypes,
+        baseline_bytes=baseline_state_bytes(blocks, dtypes, rule), corrections=corrections, dtypes=dtypes,
     )  # fmt: skip
     figures, allocations = _format_figures(blocks, device, min_8bit_numel, rule), []
     start_source = risk_source = _prior_source(rule) if initial is None else _initial_source(initial)
@@ -272,13 +272,6 @@ def _check_inputs(
         fix = "calibrate_time=True (--calibrate) to measure the step in seconds on the device."
         raise absolute_time_with_prior_error(time_budget, "time_budget", fix)
     return rule, check_initial(initial, rule, corrections is not None)
-
-
-def _baseline(blocks: Mapping[str, list[tuple[int, ...]]], dtypes: Mapping[str, list[torch.dtype]], rule: str) -> int:
-    """The state torch's optimizer holds in the weights' dtypes (AdamW two buffers, SGD and Lion one):
-    what a fractional budget is of, as the callback takes it."""
-    moments = format_state_bytes("fp32", (1,), rule=rule) // 4
-    return sum(moments * numel_of(s) * (torch.finfo(d).bits // 8) for b in blocks for s, d in zip(blocks[b], dtypes[b]))
 
 
 def _checked_corrections(
@@ -355,10 +348,8 @@ def _steady_risk(
     lacks; without one ``None`` (the start's risk)."""
     if statistics is None:
         return None, start_source
-    risk = prior_risk(blocks, kinds, min_8bit_numel=min_8bit_numel, rule=rule)
-    if paired is not None:  # with corrections: the options' prior, as the controller composes it
-        extra = prior_correction_risk(blocks, paired.dtypes or {}, paired.corrections or [])
-        risk = compose(risk, extra, paired.allowed)
+    # with corrections: the options' prior, as the controller composes it
+    risk = prior_risk(blocks, kinds, min_8bit_numel=min_8bit_numel, rule=rule) if paired is None else paired.start_risk(kinds)
     measured, missing = load_statistics(statistics, list(blocks), rule, paired is not None)
     for b, row in measured.items():
         risk[b] = {f: row[f] for f in row}
