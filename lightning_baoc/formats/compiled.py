@@ -30,7 +30,6 @@ from .adam_math import param_flat
 from .base import StateFormat, StepHyper, factor_dims
 from .correction import reconstruct, split_into
 from .factored_math import EPS_SQUARE, FP32_MAX
-from .fused_adam import fused_available
 from .quant import M_SCALE_MAX, V_SCALE_MAX
 
 _M_KEYS = {kernels.M_FP32: ("exp_avg", None, None), kernels.M_BF16: ("exp_avg", None, None),
@@ -38,7 +37,6 @@ _M_KEYS = {kernels.M_FP32: ("exp_avg", None, None), kernels.M_BF16: ("exp_avg", 
 _V_KEYS = {kernels.V_FP32: ("exp_avg_sq", None, None), kernels.V_BF16: ("exp_avg_sq", None, None),
            kernels.V_UINT8: ("exp_avg_sq", "exp_avg_sq_scale", "exp_avg_sq_exp"),
            kernels.V_FACTORED: (None, None, None)}
-_CPU = torch.device("cpu")
 _NO_CORRECTION = torch.empty(0, dtype=torch.int8)
 
 #: Gradient elements of one batch at most (4 MiB of fp32 gradients): the non-finite test (and the
@@ -158,7 +156,7 @@ def _launch(
         [_NO_CORRECTION if c is None else c for c in corrections],
         [it.salt for it in items], [_key_shift(it.offset) for it in items], seed, m_kind, v_kind, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
         hyper.weight_decay, hyper.decoupled_weight_decay, hyper.maximize, M_SCALE_MAX, V_SCALE_MAX, EPS_SQUARE,
-        FP32_MAX, check_finite, fused_available(_CPU, hyper.decoupled_weight_decay), BATCH_ELEMENTS,
+        FP32_MAX, check_finite, BATCH_ELEMENTS,
     )
     return [items[i] for i in skipped]
 

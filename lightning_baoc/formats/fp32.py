@@ -12,9 +12,10 @@ from .fused_adam import fused_dense_fp32
 
 
 class FP32(StateFormat):
-    """Momentum and second moment in fp32, updated by torch's fused AdamW kernel like
+    """Momentum and second moment in fp32. The eager step runs torch's fused AdamW kernel like
     ``torch.optim.AdamW(fused=True)`` (the foreach step where the kernel cannot serve a parameter:
-    :mod:`lightning_baoc.formats.fused_adam`).
+    :mod:`lightning_baoc.formats.fused_adam`); the compiled CPU step runs its own loop in
+    :func:`~lightning_baoc.formats.adam_math.chunk_adamw`'s order, within an ulp of it per step.
 
     Bytes: ``8 * numel``.
     """
@@ -22,7 +23,7 @@ class FP32(StateFormat):
     name = "fp32"
     has_momentum = True
     summary = "m fp32, v fp32"
-    kernel_kinds = (kernels.M_FP32, kernels.V_FP32)  # ATen's fused AdamW inside the kernel's call
+    kernel_kinds = (kernels.M_FP32, kernels.V_FP32)  # the compiled step's own AdamW (chunk_adamw's order)
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         n = numel_of(shape)

@@ -32,7 +32,7 @@ class Offload(StateFormat):
     has_momentum = True
     offloaded = True
     summary = "m fp32, v fp32, in host memory (updated on the CPU)"
-    kernel_kinds = (kernels.M_FP32, kernels.V_FP32)  # ATen's fused AdamW inside the kernel's call
+    kernel_kinds = (kernels.M_FP32, kernels.V_FP32)  # the compiled step's own AdamW (chunk_adamw's order)
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         n = numel_of(shape)

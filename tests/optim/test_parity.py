@@ -47,8 +47,11 @@ def test_fp32_matches_adamw(foreach: bool) -> None:
 
 
 def test_fp32_equals_fused_adamw_bit_for_bit() -> None:
-    """The fp32 format runs torch's fused kernel on the same inputs (lightning_baoc.formats.fused_adam)."""
-    assert _run_pair(torch.optim.AdamW, {}, {"fused": True}) == 0.0
+    """The eager fp32 step runs torch's fused kernel on the same inputs (lightning_baoc.formats.fused_adam);
+    the compiled CPU step (the default) is the kernel's own AdamW, within rounding of it."""
+    assert _run_pair(torch.optim.AdamW, {"kernels": "eager"}, {"fused": True}) == 0.0
+    diff = _run_pair(torch.optim.AdamW, {"kernels": "auto"}, {"fused": True})
+    assert diff <= 1e-6, diff
 
 
 def test_fp32_matches_adam_with_l2_and_maximize() -> None:
