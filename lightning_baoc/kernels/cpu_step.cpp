@@ -246,6 +246,34 @@ struct Scalars {
   bool maximize;
 };
 
+// AdamW's arithmetic per element in fp32, in the eager step's order (adam_math.chunk_adamw): the one
+// definition every super-block loop uses. The loop's constants, taken from a tensor's Scalars once per
+// super-block; branch-free on the group's options (sign, decay and L2 factors are 1, 1 and 0 when off),
+// so that the loops vectorize whatever the options. `l2` and `small` (the group's Adam L2 decay and
+// ATen's lerp branch) are template constants of the loops that mix 16- and 32-bit lanes (a select on a
+// loop-invariant bool keeps GCC from vectorizing those) and runtime flags elsewhere.
+struct Adam {
+  float gsign, decay, l2_factor, beta2, one_minus_beta2, inv_sqrt_bc2, eps, lr_step, lerp_coeff;
+
+  explicit Adam(const Scalars& s)
+      : gsign(s.maximize ? -1.0f : 1.0f), decay(s.decoupled_decay ? s.decay : 1.0f), l2_factor(s.l2),
+        beta2(s.beta2), one_minus_beta2(s.one_minus_beta2), inv_sqrt_bc2(s.inv_sqrt_bc2), eps(s.eps),
+        lr_step(s.lr_step), lerp_coeff(s.lerp_coeff) {}
+
+  // The gradient the moments see: negated under maximize, plus Adam's L2 decay of the parameter p.
+  float grad(float g, float p, bool l2) const {
+    g = g * gsign;
+    return l2 ? std::fma(p, l2_factor, g) : g;
+  }
+  float decayed(float p) const { return p * decay; }  // the decoupled decay
+  float second_moment(float g, float v0) const { return std::fma(one_minus_beta2 * g, g, v0 * beta2); }
+  float denominator(float root) const { return root * inv_sqrt_bc2 + eps; }
+  // ATen's lerp: m0 + w (g - m0) for w < 0.5, else g + (w - 1)(g - m0)
+  float momentum(float m0, float g, bool small) const { return std::fma(lerp_coeff, g - m0, small ? m0 : g); }
+  // the decayed parameter p moved by the momentum (or, without one, the gradient) over the denominator
+  float update(float p, float direction, float d) const { return p + (lr_step * direction) / d; }
+};
+
 struct Tensors {
   float* p;          // fp32 parameters, or nullptr: 16-bit ones in p16
   const float* g;    // fp32 gradients, or nullptr: 16-bit ones in g16
@@ -455,30 +483,20 @@ inline void store_momentum(const Tensors& t, int64_t sb, int64_t start, int64_t 
 // a loop-invariant bool keeps GCC from vectorizing a loop that mixes 16- and 32-bit lanes).
 template <int64_t V, bool L2, bool SMALL>
 void bf16_pass(const Tensors& t, int64_t start, int64_t n) {
-  const Scalars& s = t.s;
   float* P = t.p + start;
   const float* G = t.g + start;
   uint16_t* M16 = static_cast<uint16_t*>(t.m) + start;
   uint16_t* V16 = static_cast<uint16_t*>(t.v) + start;
   float* V32 = static_cast<float*>(t.v) + start;
   const uint32_t base = static_cast<uint32_t>(start) + t.key;  // the hash's counter, modulo 2**32
-  const float gsign = s.maximize ? -1.0f : 1.0f;
-  const float decay = s.decoupled_decay ? s.decay : 1.0f;
-  const float l2_factor = s.l2, beta2 = s.beta2, one_minus_beta2 = s.one_minus_beta2;
-  const float inv_sqrt_bc2 = s.inv_sqrt_bc2, eps = s.eps, lr_step = s.lr_step, lerp_coeff = s.lerp_coeff;
+  const Adam a(t.s);
   const int32_t count = static_cast<int32_t>(n);
 #pragma omp simd
   for (int32_t j = 0; j < count; ++j) {
-    float g = G[j] * gsign;
-    float p = P[j];
-    if constexpr (L2) g = std::fma(p, l2_factor, g);
-    p = p * decay;
-    const float v0 = V == V_BF16 ? bf16_load(V16[j]) : V32[j];
-    const float v = std::fma(one_minus_beta2 * g, g, v0 * beta2);
-    const float d = std::sqrt(v) * inv_sqrt_bc2 + eps;
-    const float m0 = bf16_load(M16[j]);
-    const float m = std::fma(lerp_coeff, g - m0, SMALL ? m0 : g);
-    P[j] = p + (lr_step * m) / d;
+    const float g = a.grad(G[j], P[j], L2);
+    const float v = a.second_moment(g, V == V_BF16 ? bf16_load(V16[j]) : V32[j]);
+    const float m = a.momentum(bf16_load(M16[j]), g, SMALL);
+    P[j] = a.update(a.decayed(P[j]), m, a.denominator(std::sqrt(v)));
     const uint32_t h = mix_bits(base + static_cast<uint32_t>(j));
     M16[j] = bf16_stochastic(m, h >> 16);
     if constexpr (V == V_BF16) {
@@ -515,7 +533,6 @@ inline void factored_denominators(const Tensors& t, int64_t start, int64_t n, fl
 template <int64_t M, int64_t V, bool L2, bool SMALL, bool FULL>
 void int8_pass(const Tensors& t, int64_t sb, int64_t start, int64_t n, float limit_m, float limit_v) {
   constexpr bool HAS_M = M == M_INT8, CODED_V = V == V_UINT8;
-  const Scalars& s = t.s;
   const int64_t groups = FULL ? SUPER_GROUPS : (n + GROUP - 1) / GROUP;
   float* P = t.p + start;
   const float* G = t.g + start;
@@ -527,37 +544,30 @@ void int8_pass(const Tensors& t, int64_t sb, int64_t start, int64_t n, float lim
   alignas(64) float mbuf[SUPER];
   alignas(64) float vbuf[SUPER];  // the new sqrt(v), or (factored) the denominators
   if constexpr (!CODED_V) factored_denominators(t, start, n, vbuf);
-  const float gsign = s.maximize ? -1.0f : 1.0f;
-  const float decay = s.decoupled_decay ? s.decay : 1.0f;
-  const float l2_factor = s.l2, beta2 = s.beta2, one_minus_beta2 = s.one_minus_beta2;
-  const float inv_sqrt_bc2 = s.inv_sqrt_bc2, eps = s.eps, lr_step = s.lr_step, lerp_coeff = s.lerp_coeff;
+  const Adam ad(t.s);
   for (int64_t k = 0; k < groups; ++k) {
     const int64_t a = k * GROUP, b = FULL ? a + GROUP : std::min(n, a + GROUP);
     const float scale_m = HAS_M ? sm[k] : 0.0f, scale_v = CODED_V ? sv[k] : 0.0f;
 #pragma omp simd
     for (int64_t j = a; j < b; ++j) {
-      float g = G[j] * gsign;
-      float p = P[j];
-      if constexpr (L2) g = std::fma(p, l2_factor, g);
-      p = p * decay;
+      const float g = ad.grad(G[j], P[j], L2);
+      const float p = ad.decayed(P[j]);
       float d;
       if constexpr (CODED_V) {
         const float x = (std::max(static_cast<float>(vc[j]), 0.5f) * INV_255) * scale_v;
-        const float v = std::fma(one_minus_beta2 * g, g, (x * x) * beta2);
-        const float root = std::sqrt(v);
+        const float root = std::sqrt(ad.second_moment(g, x * x));
         vbuf[j] = root;
-        d = root * inv_sqrt_bc2 + eps;
+        d = ad.denominator(root);
       } else {
         d = vbuf[j];
       }
       if constexpr (HAS_M) {
         const float y = static_cast<float>(mc[j]) * INV_127;
-        const float m0 = (y / (-std::fabs(y) + 2.0f)) * scale_m;
-        const float m = std::fma(lerp_coeff, g - m0, SMALL ? m0 : g);
+        const float m = ad.momentum((y / (-std::fabs(y) + 2.0f)) * scale_m, g, SMALL);
         mbuf[j] = m;
-        P[j] = p + (lr_step * m) / d;
+        P[j] = ad.update(p, m, d);
       } else {
-        P[j] = p + (lr_step * g) / d;
+        P[j] = ad.update(p, g, d);
       }
     }
   }
@@ -643,40 +653,29 @@ void superblock(const Tensors& t, int64_t sb, float limit_m, float limit_v) {
 
   // AdamW in fp32, in the eager step's order (adam_math.chunk_adamw, factored_math.factored_update)
   if constexpr (V == V_FACTORED) factored_denominators(t, start, n, denom);
-  // branch-free on the group's options (sign, decay and L2 factors are 1, 1 and 0 when off), so
-  // that the compiler vectorizes this loop whatever the options
-  const float gsign = s.maximize ? -1.0f : 1.0f;
-  const float decay = s.decoupled_decay ? s.decay : 1.0f;
-  const bool l2 = s.l2_decay;
-  const float l2_factor = s.l2, beta2 = s.beta2, one_minus_beta2 = s.one_minus_beta2;
-  const float inv_sqrt_bc2 = s.inv_sqrt_bc2, eps = s.eps, lr_step = s.lr_step, lerp_coeff = s.lerp_coeff;
-  const bool lerp_small = s.lerp_small;
+  const Adam a(s);
+  const bool l2 = s.l2_decay, lerp_small = s.lerp_small;
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
-    float g = G[j] * gsign;
-    float p = P[j];
-    g = l2 ? std::fma(p, l2_factor, g) : g;
-    p = p * decay;
+    const float g = a.grad(G[j], P[j], l2);
+    const float p = a.decayed(P[j]);
     float d;
     if constexpr (V == V_FACTORED) {
       d = denom[j];
     } else {
-      const float v = std::fma(one_minus_beta2 * g, g, vv[j] * beta2);
+      const float v = a.second_moment(g, vv[j]);
       const float root = std::sqrt(v);
       // the 8-bit second moment is encoded from sqrt(v) (v >= 0): keep the root, not v
       vv[j] = (V == V_UINT8) ? root : v;
-      d = root * inv_sqrt_bc2 + eps;
+      d = a.denominator(root);
     }
     if constexpr (M == M_NONE) {
-      p = p + (lr_step * g) / d;
+      P[j] = a.update(p, g, d);
     } else {
-      const float m0 = mm[j];
-      // ATen's lerp: m0 + w (g - m0) for w < 0.5, else g + (w - 1)(g - m0)
-      const float m = std::fma(lerp_coeff, g - m0, lerp_small ? m0 : g);
+      const float m = a.momentum(mm[j], g, lerp_small);
       mm[j] = m;
-      p = p + (lr_step * m) / d;
+      P[j] = a.update(p, m, d);
     }
-    P[j] = p;
   }
   if (t.p_kind != W_FP32) store_master(t, start, n, pbuf);
 
