@@ -22,7 +22,7 @@ from ..optim.sharding import largest_shard_shape, splits_rows
 from ..calibration import withheld_formats
 from ..costs import AllocationProblem, baseline_state_bytes
 from ..formats import RULE_NAMES, formats_of
-from ..formats.correction import WEIGHT_DTYPES
+from ..formats.correction import corrections_refused
 from ..optim import BlockwiseOptimizer
 from ..risk.momentum import shadow_betas
 from ..risk.shadow import ShadowMoments
@@ -151,10 +151,11 @@ class BlocksMixin:
         wanted = [f for f in wanted if f not in sharded_out]
         self._dtypes = dtypes = {b: [named[n].dtype for n in names] for b, names in self.block_params.items()}
         self._baseline = baseline_state_bytes(self._shapes, dtypes, opt.rule)  # torch's buffers, in each dtype
-        if cfg.corrections is not None and not any(d in WEIGHT_DTYPES for row in dtypes.values() for d in row):
+        refused = corrections_refused(dtypes.values()) if cfg.corrections is not None else None
+        if refused:
             raise ValueError(
-                f"BAOC(corrections={list(cfg.corrections)}): the model trains no bf16 or fp16 parameter, and a "
-                f"correction applies to 16-bit weights only (precision='bf16-true'); leave corrections unset"
+                f"BAOC(corrections={list(cfg.corrections)}): {refused}: train them in bf16 (precision='bf16-true'), "
+                f"or leave corrections unset"
             )
         self._problem = AllocationProblem(
             self._shapes,

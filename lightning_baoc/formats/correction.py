@@ -44,6 +44,7 @@ as they are.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 from torch import Tensor
@@ -69,6 +70,21 @@ WEIGHT_DTYPES = {
     torch.bfloat16: WeightDType(7, -126, torch.finfo(torch.bfloat16).max),
     torch.float16: WeightDType(10, -14, torch.finfo(torch.float16).max),
 }
+
+
+def corrections_refused(dtypes: Iterable[Iterable[torch.dtype]]) -> str | None:
+    """Why master-weight corrections cannot be chosen for a model whose blocks train ``dtypes`` (one
+    iterable of parameter dtypes per block): none of them is bf16 or fp16. ``None`` when one is.
+
+    Example:
+        >>> corrections_refused([[torch.float32]])
+        'the model trains no bf16 or fp16 parameter (its weights are float32), and a correction applies to 16-bit weights only'
+    """
+    seen = {d for row in dtypes for d in row}
+    if seen & WEIGHT_DTYPES.keys():
+        return None
+    kinds = "/".join(sorted(str(d).removeprefix("torch.") for d in seen)) or "none"
+    return f"the model trains no bf16 or fp16 parameter (its weights are {kinds}), and a correction applies to 16-bit weights only"
 
 
 def check_correction(name: str) -> int:

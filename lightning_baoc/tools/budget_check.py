@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..formats import RULE_NAMES
-from ..formats.correction import WEIGHT_DTYPES
+from ..formats.correction import corrections_refused
 from ..budget import absolute_time_with_prior_error, format_bytes, is_absolute_time, parse_memory_budget, round_up
 from ..calibration import withheld_formats
 from ..config import Config
@@ -119,10 +119,11 @@ def _problem(
     paired with ``baoc.master_weights.corrections``), or the failed check when there is none."""
     b = config.baoc
     corrections = b.master_weights.corrections
-    if corrections is not None and not any(d in WEIGHT_DTYPES for row in dtypes.values() for d in row):
+    refused = corrections_refused(dtypes.values()) if corrections is not None else None
+    if refused:
         return CheckResult(
-            NAME, False, f"baoc.master_weights.corrections={list(corrections)}: the model trains no bf16 or fp16 "
-            f"parameter (trainer.precision={config.trainer.get('precision')!r}), and a correction applies to 16-bit weights only",
+            NAME, False, f"baoc.master_weights.corrections={list(corrections)}: {refused} "
+            f"(trainer.precision={config.trainer.get('precision')!r})",
             "set trainer.precision: bf16-true, or leave baoc.master_weights.corrections unset",
         )
     timed = b.time_budget is not None

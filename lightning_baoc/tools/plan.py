@@ -43,7 +43,7 @@ from ..costs.options import correction_bytes, split_option
 from ..formats import (
     DEFAULT_MIN_8BIT_NUMEL, RULE_NAMES, format_state_bytes, formats_of, numel_of, resolve_in,
 )  # fmt: skip
-from ..formats.correction import check_correction
+from ..formats.correction import check_correction, corrections_refused
 from ..risk.prior import block_kind, prior_risk
 from ..risk.start import INITIAL_PREFERENCE, AllocationRecord, Initial
 from ..solver import Allocation, BudgetInfeasibleError
@@ -286,9 +286,10 @@ def _checked_corrections(
     if weight_correction != "none":
         raise ValueError(f"corrections={chosen} choose each block's correction: leave weight_correction at 'none' "
                          f"(got {weight_correction!r})")
-    if not any(d in (torch.bfloat16, torch.float16) for row in dtypes.values() for d in row):
-        raise ValueError(f"corrections={chosen}: the weights are not bf16 or fp16 and a correction applies to 16-bit "
-                         f"weights only; plan them as trained with weight_dtype='bf16' (--weight-dtype bf16)")
+    refused = corrections_refused(dtypes.values())
+    if refused:
+        raise ValueError(f"corrections={chosen}: {refused}; plan them as trained with weight_dtype='bf16' "
+                         f"(--weight-dtype bf16)")
     return chosen
 
 
