@@ -57,6 +57,7 @@ FUSED = "torch AdamW fused"
 FOREACH = "torch AdamW foreach"
 BNB = "bitsandbytes AdamW8bit"
 TORCHAO = "torchao AdamW8bit"
+NO_TEST = "fp32, skip_nonfinite=False"
 
 
 #: Where the optimizers step (``--device``).
@@ -86,6 +87,10 @@ def optimizers(model: nn.Module) -> dict[str, tuple[torch.optim.Optimizer, float
             eager = BlockwiseAdamW(model.named_parameters(), state_format=fmt, kernels="eager")
             eager.step()
             out[f"{fmt} (eager)"] = (eager, eager.state_bytes() / n)
+    # what the per-parameter non-finite test costs: the fp32 step without it
+    unchecked = BlockwiseAdamW(model.named_parameters(), state_format="fp32", skip_nonfinite=False)
+    unchecked.step()
+    out[NO_TEST] = (unchecked, unchecked.state_bytes() / n)
     for label, make in ((BNB, _bnb), (TORCHAO, _torchao)):
         try:
             peer = make(model)
