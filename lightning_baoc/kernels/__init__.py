@@ -245,7 +245,7 @@ def use_triton(policy: str, device: torch.device) -> bool:
 
 
 def ops() -> Any:
-    """The loaded operators (``adamw_step``, ``factored_moments``); call after :func:`use_compiled`."""
+    """The loaded operators (``adamw_step``, ``momentum_step``); call after :func:`use_compiled`."""
     return torch.ops.lightning_baoc
 
 

@@ -829,23 +829,29 @@ std::vector<uint8_t> nonfinite_flags(const std::vector<Tensors>& items, size_t i
   return out;
 }
 
-// Adafactor's moments of one tensor (factored_math._update_moments and sqrt_factors): one read of
-// the gradient for the row and column sums of (g k)**2, then the state vectors and the step's
-// factors sqrt(row / mean(row) / bc2) and sqrt(col).
-void factored_moments(const float* g, const float* p, float* row, float* col, int64_t rows, int64_t cols,
-                      float* rf, float* cf, double bias_correction2, double beta2, double weight_decay,
-                      bool decoupled, bool maximize, double eps_square, double fp32_max) {
+// Adafactor's moments of one tensor (factored_math._update_moments and sqrt_factors), in two parts:
+// factored_sums reads the gradient once for the row and column sums of (g k)**2; factored_finish
+// updates the state vectors from them and gives the step's factors sqrt(row / mean(row) / bc2) and
+// sqrt(col). Between the two, nothing is written: the sums also test the gradient (sums_finite).
+struct FactoredSums {
+  std::vector<float> row_sum;   // rows
+  std::vector<float> col_part;  // threads x cols partial column sums, added in a fixed order
+  int64_t threads = 1;
+};
+
+FactoredSums factored_sums(const float* g, const float* p, int64_t rows, int64_t cols, double beta2,
+                           double weight_decay, bool decoupled, bool maximize) {
   const float k = static_cast<float>(std::sqrt((1.0 - beta2) / static_cast<double>(std::max(rows, cols))));
   const bool l2 = weight_decay != 0.0 && !decoupled;
   const float wd = static_cast<float>(weight_decay);
   const float gsign = maximize ? -1.0f : 1.0f;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
-  std::vector<float> row_sum(rows, 0.0f);
-  std::vector<float> col_part(static_cast<size_t>(threads * cols), 0.0f);
+  FactoredSums sums{std::vector<float>(rows, 0.0f), std::vector<float>(static_cast<size_t>(threads * cols), 0.0f),
+                    threads};
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r0 = rows * t / threads, r1 = rows * (t + 1) / threads;
-      float* cs = col_part.data() + t * cols;
+      float* cs = sums.col_part.data() + t * cols;
       alignas(64) float sq[SUPER];
       for (int64_t r = r0; r < r1; ++r) {
         const float* gr = g + r * cols;
@@ -866,19 +872,34 @@ void factored_moments(const float* g, const float* p, float* row, float* col, in
 #pragma omp simd reduction(+ : acc)
           for (int64_t c = 0; c < len; ++c) acc += sq[c];
         }
-        row_sum[r] = acc;
+        sums.row_sum[r] = acc;
       }
     }
   });
+  return sums;
+}
+
+// Whether every row sum is finite. Each gradient element adds its non-negative square to one row sum,
+// so an inf or a NaN in the gradient makes its row's sum inf or NaN: finite sums mean a finite
+// gradient, and the separate test's read of the gradient is saved. The converse does not hold (a
+// finite gradient whose squares overflow): non-finite sums send the caller to the exact test.
+inline bool sums_finite(const FactoredSums& sums) {
+  uint32_t bad = 0;
+  for (float x : sums.row_sum) bad |= static_cast<uint32_t>((bits_of(x) & 0x7F800000u) == 0x7F800000u);
+  return bad == 0;
+}
+
+void factored_finish(const FactoredSums& sums, float* row, float* col, int64_t rows, int64_t cols, float* rf,
+                     float* cf, double bias_correction2, double beta2, double eps_square, double fp32_max) {
   const float b2 = static_cast<float>(beta2);
   const float floor_ = static_cast<float>((1.0 - beta2) * eps_square);
   const float alpha_r = static_cast<float>(static_cast<double>(std::max(rows, cols)) / cols);
   const float alpha_c = static_cast<float>(static_cast<double>(std::max(rows, cols)) / rows);
   const float top = static_cast<float>(fp32_max);
-  for (int64_t r = 0; r < rows; ++r) row[r] = std::min(std::fma(row_sum[r], alpha_r, row[r] * b2) + floor_, top);
+  for (int64_t r = 0; r < rows; ++r) row[r] = std::min(std::fma(sums.row_sum[r], alpha_r, row[r] * b2) + floor_, top);
   for (int64_t c = 0; c < cols; ++c) {
     float sum = 0.0f;
-    for (int64_t t = 0; t < threads; ++t) sum += col_part[t * cols + c];
+    for (int64_t t = 0; t < sums.threads; ++t) sum += sums.col_part[t * cols + c];
     col[c] = std::min(std::fma(sum, alpha_c, col[c] * b2) + floor_, top);
   }
   float mean = 0.0f;
@@ -1042,11 +1063,20 @@ std::vector<int64_t> adamw_step(const std::vector<at::Tensor>& params, const std
   size_t i0 = 0;
   while (i0 < n) {
     const size_t i1 = batch_end(items, i0, batch_elements);
-    std::vector<uint8_t> bad = check_finite ? nonfinite_flags(items, i0, i1) : std::vector<uint8_t>(i1 - i0, 0);
+    // the factored formats test their gradients through their sums (sums_finite), in the same read
+    const bool test_apart = check_finite && v_kind != V_FACTORED;
+    std::vector<uint8_t> bad = test_apart ? nonfinite_flags(items, i0, i1) : std::vector<uint8_t>(i1 - i0, 0);
     std::vector<Tensors> run;
     std::vector<std::vector<float>> factors;  // row and column factors of the factored tensors
     for (size_t i = i0; i < i1; ++i) {
       int64_t* c = counts[i].data_ptr<int64_t>();
+      FactoredSums sums;
+      if (v_kind == V_FACTORED) {
+        sums = factored_sums(items[i].g, items[i].p, rows_state[i].numel(), cols_state[i].numel(), beta2,
+                             weight_decay, decoupled, maximize);
+        bad[i - i0] = check_finite && !sums_finite(sums) &&
+                      scan_streams(items[i].g, items[i].numel, [](const float* x, int64_t len) { return any_nonfinite(x, len); });
+      }
       if (bad[i - i0]) {
         c[2] += 1;
         skipped.push_back(static_cast<int64_t>(i));
@@ -1064,8 +1094,8 @@ std::vector<int64_t> adamw_step(const std::vector<at::Tensor>& params, const std
         const int64_t rows = rows_state[i].numel(), cols = cols_state[i].numel();
         factors.emplace_back(static_cast<size_t>(rows + cols));
         float* rf = factors.back().data();
-        factored_moments(t.g, t.p, rows_state[i].data_ptr<float>(), cols_state[i].data_ptr<float>(), rows, cols, rf,
-                         rf + rows, bc2, beta2, weight_decay, decoupled, maximize, eps_square, fp32_max);
+        factored_finish(sums, rows_state[i].data_ptr<float>(), cols_state[i].data_ptr<float>(), rows, cols, rf,
+                        rf + rows, bc2, beta2, eps_square, fp32_max);
         t.row_factor = rf;
         t.col_factor = rf + rows;
       }

@@ -164,6 +164,36 @@ def test_a_skip_equals_the_eager_skip_and_touches_nothing_else() -> None:
     _same_elementwise(compiled_run, eager_run)
 
 
+@pytest.mark.parametrize("fmt", [name for name in COMPILED if FORMATS[name].factored])
+@pytest.mark.parametrize("value, skipped", [(float("nan"), True), (float("-inf"), True), (3e38, False)],
+                         ids=["nan", "inf", "finite-squares-overflow"])
+def test_the_factored_formats_test_their_gradients_through_their_sums(fmt: str, value: float, skipped: bool) -> None:
+    """The factored formats learn a non-finite gradient from their row sums (no read of their own):
+    an inf or a NaN skips the parameter as the eager step does; a finite gradient whose squares
+    overflow the sums is told apart by the exact test and steps, as in the eager step."""
+    def run(policy: str) -> tuple[BlockwiseAdamW, nn.Parameter]:
+        p = nn.Parameter(torch.randn(40, 70, generator=torch.Generator().manual_seed(0)))
+        opt = BlockwiseAdamW([("w", p)], lr=1e-2, state_format=fmt, min_8bit_numel=0, kernels=policy)
+        gen = torch.Generator().manual_seed(1)
+        for i in range(4):
+            p.grad = torch.randn(40, 70, generator=gen)
+            if i == 2:
+                p.grad[17, 33] = value
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                opt.step()
+        return opt, p
+
+    (compiled_opt, pc), (eager_opt, pe) = run("compiled"), run("eager")
+    assert compiled_opt.formats() == {"w": fmt}
+    assert compiled_opt.nonfinite_counts == eager_opt.nonfinite_counts == ({"w": 1} if skipped else {})
+    assert compiled_opt.step_count("w") == eager_opt.step_count("w") == (3 if skipped else 4)
+    both_finite = torch.isfinite(pc) == torch.isfinite(pe)
+    assert bool(both_finite.all())
+    finite = torch.isfinite(pe)
+    assert torch.allclose(pc[finite], pe[finite], rtol=1e-5, atol=1e-7)
+
+
 def _same_elementwise(a: BlockwiseAdamW, b: BlockwiseAdamW) -> None:
     """Bit-equal but for the factored formats (their sums are ordered differently) and the fp32
     states (the eager step runs torch's fused AdamW, the compiled one its own loop): within ulps,
