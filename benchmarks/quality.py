@@ -817,6 +817,34 @@ def start_comparison(results_dir: Path, workloads: list[str], recipes: list[str]
             + markdown_table(head, lines))
 
 
+def paired_comparison(results_dir: Path, other_dir: Path, workloads: list[str], rows: list[str], recipes: list[str],
+                      seeds: list[int], steps: dict[str, int]) -> str:
+    """The runs of ``results_dir`` against those of ``other_dir`` (another version's cache), paired by
+    seed: per row, the mean of the per-seed differences of the final quality with its standard error,
+    and whether it lies within two of them."""
+    lines = []
+    for w in workloads:
+        scale = 100.0 if WORKLOADS[w].quality_label == "accuracy" else 1.0
+        for recipe in recipes:
+            for row in rows:
+                pairs = [(a["final"], b["final"]) for seed in seeds
+                         if (a := load_cached(results_dir, w, recipe, row, seed, steps[w])) is not None
+                         and (b := load_cached(other_dir, w, recipe, ROWS[row].name, seed, steps[w])) is not None
+                         and a.get("final") is not None and b.get("final") is not None]
+                if len(pairs) < 2:
+                    continue
+                diffs = [a - b for a, b in pairs]
+                mean, sem = statistics.fmean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
+                lines.append([w, recipe, ROWS[row].label, len(pairs), f"{statistics.fmean(b for _, b in pairs) * scale:.4g}",
+                              f"{statistics.fmean(a for a, _ in pairs) * scale:.4g}", f"{mean * scale:+.3g} ± {sem * scale:.2g}",
+                              "yes" if abs(mean) <= 2.0 * sem else "**no**"])
+    if not lines:
+        return ""
+    head = ["workload", "recipe", "row", "seeds", "other runs: mean", "these runs: mean", "paired difference ± sem",
+            "within 2 sem"]
+    return (f"These runs against `{other_dir}`, paired by seed (accuracy in %):\n\n" + markdown_table(head, lines))
+
+
 def _seed_text(seeds: list[int]) -> str:
     """``[0, 1, 2, 3]`` -> ``"0-3"``; otherwise a comma list."""
     if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1)):
@@ -914,6 +942,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"section of docs/{PAGE} the tables go to (default: quality)")
     parser.add_argument("--report-only", action="store_true", help="no training: tables from the cached runs")
     parser.add_argument("--rerun", action="store_true", help="ignore cached results and train again")
+    parser.add_argument("--paired-with", type=Path, default=None, metavar="DIR",
+                        help="also compare these runs with another version's cached runs in DIR, paired by seed")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default: 1: on a shared CPU, threads of models this small wait more "
                         "for each other than they gain)")
@@ -973,6 +1003,10 @@ def main(argv: list[str] | None = None) -> str:
     comparison = start_comparison(args.results_dir, args.workloads, args.recipes, args.seeds, steps, "eager_step")
     if comparison:
         body += "\n\n" + comparison
+    if args.paired_with is not None:
+        paired = paired_comparison(args.results_dir, args.paired_with, args.workloads, args.rows, args.recipes,
+                                   args.seeds, steps)
+        body += "\n\n" + (paired or f"No run of these rows and seeds in both `{args.results_dir}` and `{args.paired_with}`.")
     left_out = [name for name in BAOC_BUDGETS if name not in args.rows]
     if left_out:
         reason = availability(ROWS[left_out[0]])
