@@ -154,7 +154,7 @@ class BlocksMixin:
         refused = corrections_refused(dtypes.values()) if cfg.corrections is not None else None
         if refused:
             raise ValueError(
-                f"BAOC(corrections={list(cfg.corrections)}): {refused}: train them in bf16 (precision='bf16-true'), "
+                f"BAOC(corrections={list(cfg.corrections)}): {refused}: train the weights in bf16 (precision='bf16-true'), "
                 f"or leave corrections unset"
             )
         self._problem = AllocationProblem(

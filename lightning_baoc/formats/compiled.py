@@ -8,7 +8,8 @@ The kernel makes the step's decisions itself, so the optimizer reads no tensor t
 tests each gradient for inf and NaN, advances the parameter's step counts (``Record.counts``) or
 counts its skip, and derives the bias corrections and the rounding key from the new counts. It
 works in batches of :data:`BATCH_ELEMENTS` gradient elements, so that the update reads gradients
-the test (and the factored formats' row and column sums) just brought into the cache.
+the test just brought into the cache (the factored formats' row and column sums, which read them anyway,
+are their test).
 
 Contiguous parameters go through one call over all of them; any other parameter (non-contiguous,
 or 16-bit in a factored format) is stepped alone through an fp32 working copy written back at once, so the copies never exceed one parameter. bf16 and fp16 parameters (with bf16, fp16 or
