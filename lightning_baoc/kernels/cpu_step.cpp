@@ -199,36 +199,45 @@ inline void spread(const float* per_group, int64_t n, float* out) {
   }
 }
 
+// One code each (the element loops below and int8_pass call these): the companded momentum code and
+// the linear code of sqrt(v), decoded with their group's scale or encoded with its reciprocal.
+inline float momentum_value(int8_t code, float scale) {
+  const float y = static_cast<float>(code) * INV_127;
+  return (y / (-std::fabs(y) + 2.0f)) * scale;
+}
+inline float root_value(uint8_t code, float scale) {  // sqrt(v); a code 0 decodes as half a step
+  return (std::max(static_cast<float>(code), 0.5f) * INV_255) * scale;
+}
+inline int8_t momentum_code(float x, float inv) {
+  const float u = std::min(std::max(x * inv, -1.0f), 1.0f);
+  return static_cast<int8_t>(static_cast<int32_t>(std::rint((u / (std::fabs(u) + 1.0f)) * 254.0f)));
+}
+inline uint8_t root_code(float root, float inv) {
+  const float u = std::min(std::max(root * inv, 0.0f), 1.0f);
+  return static_cast<uint8_t>(static_cast<int32_t>(std::rint(u * 255.0f)));
+}
+
 inline void decode_momentum(const int8_t* codes, const float* scale, int64_t n, float* out) {
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    const float y = static_cast<float>(codes[j]) * INV_127;
-    out[j] = (y / (-std::fabs(y) + 2.0f)) * scale[j];
-  }
+  for (int64_t j = 0; j < n; ++j) out[j] = momentum_value(codes[j], scale[j]);
 }
 
 inline void decode_sqrt(const uint8_t* codes, const float* scale, int64_t n, float* out) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
-    const float x = (std::max(static_cast<float>(codes[j]), 0.5f) * INV_255) * scale[j];
+    const float x = root_value(codes[j], scale[j]);
     out[j] = x * x;
   }
 }
 
 inline void encode_momentum(const float* x, const float* inv, int64_t n, int8_t* codes) {
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    const float u = std::min(std::max(x[j] * inv[j], -1.0f), 1.0f);
-    codes[j] = static_cast<int8_t>(static_cast<int32_t>(std::rint((u / (std::fabs(u) + 1.0f)) * 254.0f)));
-  }
+  for (int64_t j = 0; j < n; ++j) codes[j] = momentum_code(x[j], inv[j]);
 }
 
 inline void encode_sqrt(const float* s, const float* inv, int64_t n, uint8_t* codes) {
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    const float u = std::min(std::max(s[j] * inv[j], 0.0f), 1.0f);
-    codes[j] = static_cast<uint8_t>(static_cast<int32_t>(std::rint(u * 255.0f)));
-  }
+  for (int64_t j = 0; j < n; ++j) codes[j] = root_code(s[j], inv[j]);
 }
 
 struct Scalars {
@@ -554,7 +563,7 @@ void int8_pass(const Tensors& t, int64_t sb, int64_t start, int64_t n, float lim
       const float p = ad.decayed(P[j]);
       float d;
       if constexpr (CODED_V) {
-        const float x = (std::max(static_cast<float>(vc[j]), 0.5f) * INV_255) * scale_v;
+        const float x = root_value(vc[j], scale_v);
         const float root = std::sqrt(ad.second_moment(g, x * x));
         vbuf[j] = root;
         d = ad.denominator(root);
@@ -562,8 +571,7 @@ void int8_pass(const Tensors& t, int64_t sb, int64_t start, int64_t n, float lim
         d = vbuf[j];
       }
       if constexpr (HAS_M) {
-        const float y = static_cast<float>(mc[j]) * INV_127;
-        const float m = ad.momentum((y / (-std::fabs(y) + 2.0f)) * scale_m, g, SMALL);
+        const float m = ad.momentum(momentum_value(mc[j], scale_m), g, SMALL);
         mbuf[j] = m;
         P[j] = ad.update(p, m, d);
       } else {
@@ -588,14 +596,8 @@ void int8_pass(const Tensors& t, int64_t sb, int64_t start, int64_t n, float lim
     const float im = HAS_M ? inv_m[k] : 0.0f, iv = CODED_V ? inv_v[k] : 0.0f;
 #pragma omp simd
     for (int64_t j = a; j < b; ++j) {
-      if constexpr (HAS_M) {
-        const float u = std::min(std::max(mbuf[j] * im, -1.0f), 1.0f);
-        mo[j] = static_cast<int8_t>(static_cast<int32_t>(std::rint((u / (std::fabs(u) + 1.0f)) * 254.0f)));
-      }
-      if constexpr (CODED_V) {
-        const float w = std::min(std::max(vbuf[j] * iv, 0.0f), 1.0f);
-        vo[j] = static_cast<uint8_t>(static_cast<int32_t>(std::rint(w * 255.0f)));
-      }
+      if constexpr (HAS_M) mo[j] = momentum_code(mbuf[j], im);
+      if constexpr (CODED_V) vo[j] = root_code(vbuf[j], iv);
     }
   }
 }
@@ -797,6 +799,11 @@ inline bool scan_streams(const T* g, int64_t n, F&& test) {
   return hit || test(g + SCAN_STREAMS * part, n - SCAN_STREAMS * part);
 }
 
+// Whether any of n fp32 gradients is inf or NaN, read in streams.
+inline bool fp32_nonfinite(const float* g, int64_t n) {
+  return scan_streams(g, n, [](const float* x, int64_t len) { return any_nonfinite(x, len); });
+}
+
 // Which tensors of items[i0, i1) hold an inf or a NaN in their gradient: one parallel pass over
 // their super-blocks, each thread's share of a tensor read in streams (a tensor found bad is not
 // read further).
@@ -815,7 +822,7 @@ std::vector<uint8_t> nonfinite_flags(const std::vector<Tensors>& items, size_t i
       const int64_t last = std::min((std::min(end, offsets[i + 1]) - offsets[i]) * SUPER, t.numel);
       bool found;
       if (t.g_kind == W_FP32) {
-        found = scan_streams(t.g + first, last - first, [](const float* x, int64_t len) { return any_nonfinite(x, len); });
+        found = fp32_nonfinite(t.g + first, last - first);
       } else {
         const uint16_t mask = t.g_kind == W_BF16 ? 0x7F80 : 0x7C00;
         found = scan_streams(t.g16 + first, last - first,
@@ -884,9 +891,7 @@ FactoredSums factored_sums(const float* g, const float* p, int64_t rows, int64_t
 // gradient, and the separate test's read of the gradient is saved. The converse does not hold (a
 // finite gradient whose squares overflow): non-finite sums send the caller to the exact test.
 inline bool sums_finite(const FactoredSums& sums) {
-  uint32_t bad = 0;
-  for (float x : sums.row_sum) bad |= static_cast<uint32_t>((bits_of(x) & 0x7F800000u) == 0x7F800000u);
-  return bad == 0;
+  return !any_nonfinite(sums.row_sum.data(), static_cast<int64_t>(sums.row_sum.size()));
 }
 
 void factored_finish(const FactoredSums& sums, float* row, float* col, int64_t rows, int64_t cols, float* rf,
@@ -1075,7 +1080,7 @@ std::vector<int64_t> adamw_step(const std::vector<at::Tensor>& params, const std
         sums = factored_sums(items[i].g, items[i].p, rows_state[i].numel(), cols_state[i].numel(), beta2,
                              weight_decay, decoupled, maximize);
         bad[i - i0] = check_finite && !sums_finite(sums) &&
-                      scan_streams(items[i].g, items[i].numel, [](const float* x, int64_t len) { return any_nonfinite(x, len); });
+                      fp32_nonfinite(items[i].g, items[i].numel);
       }
       if (bad[i - i0]) {
         c[2] += 1;
