@@ -41,3 +41,21 @@ def _rank(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple
 def on_gloo_ranks(fn: Callable[..., None], world: int = 2, *args: Any) -> None:
     """``fn(rank, *args)`` on ``world`` gloo ranks (``fn`` must be a module-level function)."""
     mp.spawn(_rank, args=(world, _free_port(), fn, args), nprocs=world, join=True)
+
+
+def _lightning_rank(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+    # what a launcher (torchrun, SLURM) sets: Lightning then joins these processes instead of starting its own
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0")
+    torch.set_num_threads(1)
+    try:
+        fn(rank, *args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def on_lightning_ranks(fn: Callable[..., None], world: int = 2, *args: Any) -> None:
+    """``fn(rank, *args)`` in ``world`` processes set up as a launcher sets up ranks: a Lightning
+    ``Trainer`` or ``Fabric`` built there (``devices=world``) joins them and starts the process group."""
+    mp.spawn(_lightning_rank, args=(world, _free_port(), fn, args), nprocs=world, join=True)

@@ -2,7 +2,8 @@
 
 Hook by hook (Lightning 2.6; README.md, "The BAOC callback", has the whole lifecycle):
 
-- ``setup``: refuses strategies that own or shard the optimizer (DeepSpeed, FSDP, ModelParallel).
+- ``setup``: refuses strategies that own the optimizer or flatten its parameters (DeepSpeed, FSDP1);
+  ``ModelParallelStrategy`` (FSDP2) runs, each rank holding its shards' states.
 - ``on_fit_start``: installs once: the optimizer ``configure_optimizers`` returned becomes a fp32
   :class:`~lightning_baoc.BlockwiseAdamW` over the same param groups (``strategy.optimizers``
   and every LR scheduler are rebound, so Lightning, the schedulers, ``LearningRateMonitor`` and
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,12 +75,12 @@ def _refused_strategy(strategy: Any) -> str | None:
             f"states per flat parameter, which formats per block do not have. Use strategy='ddp' (or a single "
             f"device) with BAOC; to shard, FSDP2 (ModelParallelStrategy) steps BlockwiseAdamW per shard."
         )
-    if isinstance(strategy, ModelParallelStrategy):
+    if isinstance(strategy, ModelParallelStrategy) and not getattr(strategy, "_save_distributed_checkpoint", True):
         return (
-            f"BAOC cannot run under {name} yet: its risk model and the checkpoints of sharded states in mixed "
-            f"formats are not built for sharded parameters. Use strategy='ddp' (or a single device) with BAOC, "
-            f"or BlockwiseAdamW without BAOC, which steps FSDP2's shards in a format per parameter "
-            f"(docs/optimizer.md, 'Sharded parameters')."
+            f"BAOC cannot run under {name}(save_distributed_checkpoint=False): a full checkpoint gathers every "
+            f"state on rank zero in the layout of torch's AdamW, which compact per-rank states do not have. Keep "
+            f"the default save_distributed_checkpoint=True (each rank saves its shards; resume on the same "
+            f"world size), and export a whole state with BlockwiseAdamW.to_adamw_state_dict() for another one."
         )
     return None
 
@@ -115,6 +117,8 @@ class BAOC(Callback):
         self._at_boundary = True
         self._warned_missing_monitor = False
         self._warned_short_run = False
+        self._restored_early = False
+        self._unwrap: Any = None
 
     __init__ = settings_init("BAOC", _init)
 
@@ -206,6 +210,7 @@ class BAOC(Callback):
                 f"BAOC manages exactly one optimizer; configure_optimizers returned {len(optimizers)}. "
                 f"Return a single torch.optim.AdamW/Adam (several param groups are fine)."
             )
+        self._restore_before_load(trainer)
         old = optimizers[0]
         new = self.controller.install(old, pl_module)
         if new is not old:
@@ -314,6 +319,9 @@ class BAOC(Callback):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.controller.close()
+        if self._unwrap is not None:
+            self._unwrap, unwrap = None, self._unwrap
+            unwrap()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -336,7 +344,51 @@ class BAOC(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._restored_early:  # restored from the same checkpoint in on_fit_start already
+            self._restored_early = False
+            return
         self.controller.load_state_dict(state_dict)
+
+    def _restore_before_load(self, trainer: Trainer) -> None:
+        """Under a strategy that loads the checkpoint after ``on_fit_start`` (``ModelParallelStrategy``:
+        model and optimizer through ``torch.distributed.checkpoint``, into the optimizer this hook
+        installs), this callback's state must be restored before the optimizer's: the load fills a
+        template built from the optimizer's formats, so the optimizer must hold the saved ones by then.
+        Lightning has no hook between the two, so the strategy's ``load_checkpoint`` is wrapped (on
+        this instance, until teardown) to restore the saved allocation from the checkpoint's
+        metadata first; Lightning hands the same state to :meth:`load_state_dict` afterwards, which
+        then has nothing left to do."""
+        strategy = trainer.strategy
+        if not strategy.restore_checkpoint_after_setup or "load_checkpoint" in vars(strategy):
+            return
+        original = strategy.load_checkpoint
+
+        def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+            self._restore_from_metadata(Path(checkpoint_path), type(strategy).__name__)
+            return original(checkpoint_path, *args, **kwargs)
+
+        strategy.load_checkpoint = load_checkpoint  # type: ignore[method-assign]
+        self._unwrap = lambda: vars(strategy).pop("load_checkpoint", None)
+
+    def _restore_from_metadata(self, path: Path, strategy: str) -> None:
+        from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+        self._restored_early = False
+        meta = path / _METADATA_FILENAME
+        if not meta.is_file():
+            raise RuntimeError(
+                f"BAOC cannot resume from {str(path)!r} under {strategy}: it is not a distributed checkpoint "
+                f"directory (no {_METADATA_FILENAME}); resume from a checkpoint this strategy saved with "
+                f"save_distributed_checkpoint=True"
+            )
+        checkpoint = torch.load(meta, map_location="cpu", weights_only=False)
+        states = checkpoint.get("callbacks") or {}
+        found = [k for k in states if k == self.state_key]
+        # else the one BAOC state under another key (see on_load_checkpoint)
+        found = found or [k for k in states if isinstance(k, str) and k.startswith(type(self).__qualname__ + "{")]
+        if len(found) == 1:
+            self.controller.load_state_dict(states[found[0]])
+            self._restored_early = True  # Lightning hands the same state to load_state_dict later
 
     # ------------------------------------------------------------------ internals
 

@@ -16,7 +16,8 @@ from typing import IO, Any, Callable, Mapping
 import torch
 from torch import Tensor
 
-from lightning_baoc.optim.sharding import gather_full, local
+from lightning_baoc.optim.distributed import from_distributed, is_distributed_layout, to_distributed
+from lightning_baoc.optim.sharding import gather_full, is_sharded, local
 from lightning_baoc.formats import Canonical, StepHyper, resolve_in
 from lightning_baoc.optim.pools import Pool, Record
 from lightning_baoc.optim.state import (
@@ -119,10 +120,23 @@ class PersistenceMixin:
         are copies (views of one pool in several dtypes cannot be serialized together). Handed to
         a plain ``torch.optim.AdamW``, the dict fails at load with a message that names BAOC and
         the fix (resume with the callback, or :func:`~lightning_baoc.export_adamw_state_dict`).
+        Over sharded parameters (FSDP2's ``DTensor``) the dict is in the distributed layout
+        (:mod:`lightning_baoc.optim.distributed`), which ``torch.distributed.checkpoint`` saves and
+        loads whole: each rank's compact tensors as its row of a ``DTensor``.
         Hooks registered with torch's ``register_state_dict_pre_hook``/``post_hook`` run as in torch.
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        state_dict = self._local_state_dict()
+        if any(is_sharded(p) for p in self._records):
+            state_dict = to_distributed(state_dict, self)  # type: ignore[arg-type]
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            state_dict = state_dict if result is None else result
+        return state_dict
+
+    def _local_state_dict(self) -> dict[str, Any]:
+        """The state dict of this rank in the single-process layout (:mod:`lightning_baoc.optim.state`)."""
         state: dict[str, Any] = {}
         for p, rec in self._records.items():
             if rec.format is None:
@@ -150,11 +164,7 @@ class PersistenceMixin:
         if corrections or asked:  # dicts without corrections keep the layout of earlier releases
             meta["corrections"] = corrections
             meta["correction_requested"] = asked
-        state_dict = seal_state_dict({"state": state, "param_groups": groups, "baoc": meta})
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            result = post_hook(self, state_dict)
-            state_dict = state_dict if result is None else result
-        return state_dict
+        return seal_state_dict({"state": state, "param_groups": groups, "baoc": meta})
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -179,6 +189,8 @@ class PersistenceMixin:
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             state_dict = state_dict if result is None else result
+        if is_distributed_layout(state_dict):  # a sharded optimizer's dict: this rank's shards
+            state_dict = from_distributed(state_dict, self)  # type: ignore[arg-type]
         undo = self._adopt_assigned(state_dict)
         try:
             plan = plan_load(self, state_dict)
@@ -257,7 +269,8 @@ class PersistenceMixin:
         self.load_state_dict(loaded)
 
     def _apply(self, plan: LoadPlan) -> None:
-        """Commit a validated load: build the new pools first, then swap everything in at once."""
+        """Commit a validated load: build the new pools first, then swap everything in at once (or,
+        where every parameter keeps the format it holds, write the states in place)."""
         merged = [
             {**{k: v for k, v in group.items() if k != "params"}, **update}
             for group, update in zip(self.param_groups, plan.groups)
@@ -281,7 +294,16 @@ class PersistenceMixin:
                 for k, t in target.items():
                     t.copy_(source[k])
 
-        pools, views = self._fresh_pools(formats, fill)
+        held = {p: rec.format for p, rec in self._records.items() if rec.format is not None and rec.views is not None}
+        if held == formats:
+            # the same formats as held (a load into the template torch.distributed.checkpoint filled):
+            # the states are written in place, so the load holds no second copy of them
+            pools = self._pools
+            views = {p: self._records[p].views for p in formats}
+            for p, fmt in formats.items():
+                fill(p, fmt, views[p])
+        else:
+            pools, views = self._fresh_pools(formats, fill)
         corrections = None if plan.corrections is None else {
             p: (kind, None if t is None else t.to(p.device).clone(), asked)
             for p, (kind, t, asked) in plan.corrections.items()
@@ -318,7 +340,7 @@ class PersistenceMixin:
                 f"to_adamw_state_dict exports AdamW's state; {self.label} holds a {self.rule} momentum: "
                 f"save its state_dict(), or read each buffer with param_state(name).exp_avg"
             )
-        out = export_adamw_state_dict(self.state_dict())
+        out = export_adamw_state_dict(self._local_state_dict())
         params = [p for group in self.param_groups for p in group["params"]]
         for index, entry in out["state"].items():  # the whole of a sharded parameter's moments
             for key in ("exp_avg", "exp_avg_sq"):

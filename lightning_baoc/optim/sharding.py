@@ -127,10 +127,16 @@ def splits_rows(p: Tensor) -> bool:
 
 def _one_mesh(params: Any) -> Any:
     """The device mesh of the ``DTensor`` ``params`` (``None`` if none is one); several are refused."""
-    meshes = {id(p.device_mesh): p.device_mesh for p in params if is_sharded(p)}
+    meshes: list[Any] = []
+    for p in params:  # equal meshes are one (fully_shard without a mesh makes a new, equal one per call)
+        if is_sharded(p) and not any(p.device_mesh is m or p.device_mesh == m for m in meshes):
+            meshes.append(p.device_mesh)
     if len(meshes) > 1:
-        raise ValueError("the model's DTensor parameters live on several device meshes; keep them on one")
-    return next(iter(meshes.values()), None)
+        raise ValueError(
+            f"the model's DTensor parameters live on {len(meshes)} different device meshes "
+            f"({', '.join(str(m) for m in meshes[:3])}); shard them over one (pass the same mesh to every fully_shard)"
+        )
+    return meshes[0] if meshes else None
 
 
 def mesh_min(t: Tensor, params: Any) -> None:

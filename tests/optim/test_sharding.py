@@ -58,8 +58,8 @@ def _batch(step: int, rank: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     return (x, y) if rank is None else (x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8])
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, rank: int | None) -> None:
-    for step in range(steps):
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, rank: int | None, start: int = 0) -> None:
+    for step in range(start, start + steps):
         x, y = _batch(step, rank)
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
@@ -272,15 +272,6 @@ def _refusals(mesh) -> None:  # type: ignore[no-untyped-def]
         fine.set_formats({"2.weight": "int8_factored"})
     assert set(fine.formats().values()) == {"int8"}
     fine.step()  # nothing was left half-changed
-    # torch.distributed.checkpoint drops the optimizer's own section: refused at load, saying so
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-    from lightning_baoc import CheckpointError
-
-    int8 = BlockwiseAdamW(model.named_parameters(), lr=1e-3, state_format="int8")
-    int8.step()
-    with pytest.raises(CheckpointError, match=r"torch.distributed.checkpoint.*per rank, or to_adamw_state_dict"):
-        set_optimizer_state_dict(model, int8, get_optimizer_state_dict(model, int8))
     columns = nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(1)]))
     with pytest.raises(ValueError, match=r"placed \(Shard\(dim=1\),\).*Shard this parameter on dim 0"):
         BlockwiseAdamW([("columns", columns)])
@@ -288,6 +279,82 @@ def _refusals(mesh) -> None:  # type: ignore[no-untyped-def]
 
 def test_blockwise_adamw_under_fsdp2_on_two_ranks() -> None:
     on_gloo_ranks(_worker, WORLD)
+
+
+#: One format of each kind on the model's weights (8-bit with and without momentum, bf16), fp32 biases.
+_MIXED = {"0.weight": "int8", "2.weight": "nomomentum_int8", "4.weight": "bf16", "2.bias": "bf16_momentum"}
+
+
+def _mixed_optimizer(model: nn.Module) -> BlockwiseAdamW:
+    opt = BlockwiseAdamW(model.named_parameters(), lr=1e-2, weight_decay=0.1, state_format="fp32", min_8bit_numel=0)
+    opt.set_formats(_MIXED)
+    return opt
+
+
+def _dcp_worker(rank: int, path: str) -> None:
+    """Save through torch.distributed.checkpoint, resume in a fresh model and optimizer: bit-equal."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_baoc import CheckpointError
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = _shard(_model(), mesh)
+    opt = _mixed_optimizer(model)
+    _train(model, opt, 6, rank)
+    saved = get_optimizer_state_dict(model, opt)
+    # every compact tensor of a sharded parameter is a DTensor, one row per rank; keyed by name
+    entry = saved["state"]["0.weight"]
+    assert entry["format"] == "int8" and type(entry["tensors"]["exp_avg"]).__name__ == "DTensor"
+    assert entry["tensors"]["exp_avg"].shape[0] == WORLD and entry["shape"] == [33, 48]
+    dcp.save({"model": get_model_state_dict(model), "optim": saved}, checkpoint_id=path)
+    _train(model, opt, 6, rank, start=6)  # the uninterrupted run goes on
+    expected = opt._local_state_dict()  # noqa: SLF001
+
+    fresh = _shard(_model(), mesh)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.mul_(0.5)  # not the saved weights: the load must bring them
+    resumed = _mixed_optimizer(fresh)
+    assert resumed.step_count("0.weight") == 0
+    target = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, resumed)}
+    dcp.load(target, checkpoint_id=path)
+    set_model_state_dict(fresh, target["model"])
+    set_optimizer_state_dict(fresh, resumed, target["optim"])
+    assert resumed.formats() == opt.formats() and resumed.step_count("0.weight") == 6
+    _train(fresh, resumed, 6, rank, start=6)
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(a.to_local(), b.to_local()), name  # to the bit, on every rank
+    got = resumed._local_state_dict()  # noqa: SLF001
+    for name, entry in expected["state"].items():
+        for key, t in entry["tensors"].items():
+            assert torch.equal(t, got["state"][name]["tensors"][key]), (name, key)
+        assert got["state"][name]["steps"] == entry["steps"] == 12
+    # a saved dict kept in memory loads too (keyed by position, as state_dict() returns it)
+    again = _mixed_optimizer(_shard(_model(), mesh))
+    again.load_state_dict(resumed.state_dict())
+    assert again._local_state_dict()["state"]["0.weight"]["tensors"]["exp_avg"].equal(  # noqa: SLF001
+        got["state"]["0.weight"]["tensors"]["exp_avg"])
+    # a damaged shared field is caught by the layout's checksum, the optimizer left as it was
+    bad = resumed.state_dict()
+    next(iter(bad["state"].values()))["steps"] = 99
+    with pytest.raises(CheckpointError, match="checksum of its formats, counts and param groups"):
+        again.load_state_dict(bad)
+    # another world size is refused, naming the way (to_adamw_state_dict)
+    from lightning_baoc.optim.distributed import _local_row
+
+    with pytest.raises(CheckpointError, match=r"saved by 2 shards, this run has 4.*to_adamw_state_dict"):
+        _local_row(saved["state"]["0.weight"]["tensors"]["exp_avg"], 1, "x", 4)
+
+
+def test_a_sharded_optimizer_resumes_to_the_bit_through_torch_distributed_checkpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    on_gloo_ranks(_dcp_worker, WORLD, str(tmp_path / "dcp"))
 
 
 def _hsdp_worker(rank: int) -> None:

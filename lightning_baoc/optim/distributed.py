@@ -1,0 +1,239 @@
+"""The state dict of an optimizer over sharded parameters, laid out for ``torch.distributed.checkpoint``.
+
+``torch.distributed.checkpoint`` (DCP: Lightning's ``ModelParallelStrategy``, Fabric's FSDP2
+``save``/``load``, ``get_optimizer_state_dict``) treats an optimizer state dict in its own way:
+
+- it keeps only ``"state"`` and ``"param_groups"``, and re-keys the state from parameter positions
+  to the parameters' fully qualified names;
+- a plain tensor or any other value under the same key on every rank is taken as replicated: one
+  rank's copy is written. Only a ``DTensor`` is saved shard by shard.
+
+So when the optimizer holds a ``DTensor`` parameter, ``state_dict()`` returns this *distributed
+layout*, which carries the same content as the single-process layout
+(:mod:`lightning_baoc.optim.state`) in a form DCP saves whole::
+
+    {"state": {position: {"name": str, "format": str, "steps": int, "m_step": int, "step": FOREIGN_STEP,
+                          "shape": global shape, "tensors": {key: DTensor (shards, longest)},
+                          "checksum": DTensor (shards, 1), "requested": str | None, "nonfinite": int,
+                          ["correction": {"kind": str, "tensor": DTensor like the parameter}],
+                          ["correction_requested": str]}},
+     "param_groups": [{hyperparameters..., "params": [positions], "param_names": [names],
+                       "baoc": {"version": 2, "layout": "distributed", "checksum": int, ["rule": str]}}]}
+
+- Every compact tensor of a sharded parameter (8-bit codes, scales, exponents, bf16 or fp32 moments)
+  is this rank's flat tensor as one row of a ``DTensor`` with one row per shard, padded to the
+  longest shard's length and placed like the parameter (``Shard(0)`` over the shard dimension of its
+  mesh, replicated over the others): DCP saves each rank's row. Its length on load follows from the
+  format and this rank's shard, so the padding is dropped exactly. The rows are saved as they are,
+  so a resume on the same world size continues to the bit; another world size takes
+  ``to_adamw_state_dict()`` (whole fp32 moments), which loads into any.
+- The entry checksum of a sharded parameter differs per rank: it is a ``DTensor`` too. Everything
+  else is the same on every rank (formats, counts, requests, non-finite counts, groups) and is
+  covered by the ``"baoc"`` checksum in every group, which leaves out the per-rank checksums.
+- A tensor of a parameter that is not sharded is the same on every rank and stays a plain tensor.
+
+:func:`to_distributed` builds the layout from the single-process one, :func:`from_distributed`
+takes it back (on load, with this rank's shards), so everything else (validation, checksums of
+the tensors, the all-or-nothing load) is the single-process path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+from torch import Tensor
+
+from lightning_baoc.optim.sharding import DTensor, is_sharded, largest_shard_shape, local
+from lightning_baoc.optim.state import STATE_DICT_VERSION, CheckpointError, _digest_value
+
+if TYPE_CHECKING:
+    from lightning_baoc.optim.optimizer import BlockwiseOptimizer
+
+LAYOUT = "distributed"
+
+
+def is_distributed_layout(sd: Any) -> bool:
+    """Whether ``sd`` is a state dict in the distributed layout (see the module)."""
+    if not isinstance(sd, Mapping) or "baoc" in sd:
+        return False
+    groups = sd.get("param_groups")
+    return (
+        isinstance(groups, (list, tuple))
+        and bool(groups)
+        and all(isinstance(g, Mapping) and isinstance(g.get("baoc"), Mapping) for g in groups)
+        and all(g["baoc"].get("layout") == LAYOUT for g in groups)
+    )
+
+
+def _rows(t: Tensor, p: Tensor, longest: int) -> Tensor:
+    """``t`` (this rank's flat tensor) as its row of a ``DTensor`` with one row per shard of ``p``."""
+    row = torch.zeros(1, longest, dtype=t.dtype, device=t.device)
+    row[0, : t.numel()] = t.reshape(-1)
+    shards = _shard_count(p)
+    return DTensor.from_local(row, p.device_mesh, p.placements, run_check=False, shape=(shards, longest),
+                              stride=(longest, 1))
+
+
+def _shard_count(p: Tensor) -> int:
+    from torch.distributed.tensor import Shard
+
+    count = 1
+    for dim, placement in enumerate(p.placements):
+        if isinstance(placement, Shard):
+            count *= p.device_mesh.size(dim)
+    return count
+
+
+def _meta_checksum(entries: Mapping[Any, Mapping[str, Any]], groups: list[dict[str, Any]], meta: Mapping[str, Any]) -> int:
+    """The checksum of what is the same on every rank: the groups, the meta and each entry but its
+    tensors and per-rank checksum."""
+    covered_entries = {
+        str(e["name"]): {k: v for k, v in e.items() if k not in ("tensors", "checksum", "correction")}
+        | {"correction": e["correction"]["kind"] if "correction" in e else None}
+        for e in entries.values()
+    }
+    covered_groups = [{k: v for k, v in g.items() if k not in ("params", "baoc")} for g in groups]
+    return _digest_value({"entries": covered_entries, "groups": covered_groups,
+                          "meta": {k: v for k, v in meta.items() if k != "checksum"}})
+
+
+def to_distributed(sd: dict[str, Any], opt: "BlockwiseOptimizer") -> dict[str, Any]:
+    """The distributed layout of ``sd``, ``opt``'s single-process state dict (see the module)."""
+    meta = sd["baoc"]
+    params = [p for group in opt.param_groups for p in group["params"]]
+    position = {opt.param_name(p): i for i, p in enumerate(params)}
+    corrections = meta.get("corrections", {})
+    asked = meta.get("correction_requested", {})
+    state: dict[int, dict[str, Any]] = {}
+    for name, entry in sd["state"].items():
+        p = params[position[name]]
+        out = {k: v for k, v in entry.items() if k not in ("tensors", "checksum", "shape")}
+        out.update(name=name, shape=[int(s) for s in p.shape], requested=meta["requested"].get(name),
+                   nonfinite=int(meta["nonfinite"].get(name, 0)))
+        if is_sharded(p):
+            fmt = opt.format_registry[entry["format"]]
+            longest = {spec.key: spec.numel for spec in fmt.layout(largest_shard_shape(p))}
+            out["tensors"] = {k: _rows(t, p, longest[k]) for k, t in entry["tensors"].items()}
+            out["checksum"] = _rows(torch.tensor([entry["checksum"]], dtype=torch.int64, device=local(p).device), p, 1)
+        else:
+            out["tensors"], out["checksum"] = entry["tensors"], entry["checksum"]
+        if name in corrections:
+            t = corrections[name]["tensor"]
+            if is_sharded(p):
+                t = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+            out["correction"] = {"kind": corrections[name]["kind"], "tensor": t}
+        if name in asked:
+            out["correction_requested"] = asked[name]
+        state[position[name]] = out
+    groups = []
+    for group, saved in zip(opt.param_groups, sd["param_groups"]):
+        g = {k: v for k, v in saved.items() if k != "params"}
+        g["params"] = [position[n] for n in saved["params"]]
+        g["param_names"] = list(saved["params"])
+        groups.append(g)
+    layout_meta: dict[str, Any] = {"version": meta["version"], "layout": LAYOUT}
+    if "rule" in meta:
+        layout_meta["rule"] = meta["rule"]
+    layout_meta["has_corrections"] = "corrections" in meta
+    layout_meta["checksum"] = _meta_checksum(state, groups, layout_meta)
+    for g in groups:
+        g["baoc"] = dict(layout_meta)
+    return {"state": state, "param_groups": groups}
+
+
+def _invalid(msg: str) -> CheckpointError:
+    return CheckpointError(f"BlockwiseAdamW state dict (distributed layout): {msg}")
+
+
+def _local_row(t: Any, length: int, where: str, shards: int) -> Tensor:
+    """This rank's first ``length`` elements of ``t``, a row of a saved ``DTensor``."""
+    if is_sharded(t):
+        if t.shape[0] != shards:
+            raise _invalid(
+                f"{where} was saved by {t.shape[0]} shards, this run has {shards}: a sharded optimizer state "
+                f"resumes on the same world size; for another, save to_adamw_state_dict() (on every rank) and "
+                f"load that"
+            )
+        t = local(t)
+    if not isinstance(t, Tensor) or t.dim() != 2 or t.shape[0] != 1 or t.shape[1] < length:
+        shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+        raise _invalid(f"{where} is {shape}; expected this rank's row of {length} elements or more")
+    return t[0, :length]
+
+
+def from_distributed(sd: Mapping[str, Any], opt: "BlockwiseOptimizer") -> dict[str, Any]:
+    """The single-process state dict of this rank from ``sd`` in the distributed layout (loaded
+    through DCP, keyed by names, or kept as ``state_dict()`` returned it, keyed by positions)."""
+    groups_in = list(sd["param_groups"])
+    meta_in = dict(groups_in[0]["baoc"])
+    if any(dict(g["baoc"]) != meta_in for g in groups_in):
+        raise _invalid("its param groups disagree on their 'baoc' metadata")
+    if meta_in.get("version") != STATE_DICT_VERSION:
+        raise _invalid(f"version {meta_in.get('version')!r}; this release reads version {STATE_DICT_VERSION}")
+    state_in = sd.get("state")
+    if not isinstance(state_in, Mapping):
+        raise _invalid("'state' is missing")
+    entries = {}
+    for key, entry in state_in.items():
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str):
+            raise _invalid(f"state entry {key!r} carries no parameter name")
+        entries[entry["name"]] = entry
+    groups = []
+    for index, g in enumerate(groups_in):
+        names = g.get("param_names")
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise _invalid(f"param_groups[{index}] lists no 'param_names'")
+        groups.append({**{k: v for k, v in g.items() if k not in ("params", "param_names", "baoc")}, "params": list(names)})
+    # the checksum of what every rank shares (the per-rank tensors are checked by the entries' own)
+    shared_groups = [{**grp, "params": list(g["params"])} for grp, g in zip(groups, groups_in)]
+    for grp, g in zip(shared_groups, groups_in):
+        grp["param_names"] = list(g["param_names"])
+    if _meta_checksum(entries, shared_groups, meta_in) != meta_in.get("checksum"):
+        raise _invalid("the checksum of its formats, counts and param groups does not match: the dict is damaged "
+                       "or was edited (re-save it from the optimizer)")
+    state: dict[str, dict[str, Any]] = {}
+    meta: dict[str, Any] = {"version": meta_in["version"], "requested": {}, "nonfinite": {}}
+    if "rule" in meta_in:
+        meta["rule"] = meta_in["rule"]
+    corrections: dict[str, Any] = {}
+    asked: dict[str, Any] = {}
+    for name, entry in entries.items():
+        p = opt._names.get(name)  # noqa: SLF001
+        if p is None:
+            raise _invalid(f"state entry {name!r} names no parameter of this optimizer: another model")
+        fmt_name = entry.get("format")
+        if fmt_name not in opt.format_registry:
+            raise _invalid(f"state entry {name!r} has format {fmt_name!r}, which this optimizer does not know")
+        mine = local(p)
+        out = {k: v for k, v in entry.items()
+               if k not in ("name", "requested", "nonfinite", "correction", "correction_requested", "tensors", "checksum")}
+        out["shape"] = list(mine.shape)
+        tensors = entry.get("tensors")
+        if not isinstance(tensors, Mapping):
+            raise _invalid(f"state entry {name!r} holds no tensors")
+        if is_sharded(p):
+            lengths = {spec.key: spec.numel for spec in opt.format_registry[fmt_name].layout(tuple(mine.shape))}
+            shards = _shard_count(p)
+            out["tensors"] = {k: _local_row(t, lengths.get(k, 0), f"{name!r} {k!r}", shards).clone()
+                              for k, t in tensors.items()}
+            out["checksum"] = int(_local_row(entry.get("checksum"), 1, f"{name!r} checksum", shards)[0])
+        else:
+            out["tensors"], out["checksum"] = dict(tensors), entry.get("checksum")
+        state[name] = out
+        if entry.get("requested") is not None:
+            meta["requested"][name] = entry["requested"]
+        if entry.get("nonfinite"):
+            meta["nonfinite"][name] = entry["nonfinite"]
+        if "correction" in entry:
+            t = entry["correction"]["tensor"]
+            corrections[name] = {"kind": entry["correction"]["kind"], "tensor": local(t) if is_sharded(t) else t}
+        if "correction_requested" in entry:
+            asked[name] = entry["correction_requested"]
+    if meta_in.get("has_corrections"):
+        meta["corrections"], meta["correction_requested"] = corrections, asked
+    from lightning_baoc.optim.state import meta_checksum
+
+    out_sd = {"state": state, "param_groups": groups, "baoc": meta}
+    meta["checksum"] = meta_checksum(out_sd)
+    return out_sd

@@ -1,0 +1,111 @@
+"""BAOC under Lightning's ``ModelParallelStrategy`` (FSDP2), 2 CPU ranks (gloo).
+
+The LightningModule shards itself in ``configure_model`` (``fully_shard`` per layer over the
+data-parallel mesh); ``configure_optimizers`` returns a plain AdamW, which BAOC takes over. The
+uninterrupted run (8 epochs of 5 optimizer steps, accumulation 2, clipping) warms up, allocates at
+step 12 and re-evaluates; every rank holds the same formats, within the per-rank budget. A second
+run crashes at the start of epoch 4 (after the allocation) and resumes from the last distributed
+checkpoint (``torch.distributed.checkpoint``: a directory of per-rank shards and ``meta.pt``):
+every loss from then on, the allocation, its history, the formats, each rank's weights and its
+compact optimizer state equal the uninterrupted run's, to the bit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from support_distributed import needs_gloo, on_lightning_ranks
+
+pytestmark = needs_gloo
+WORLD = 2
+EPOCHS = 8
+CRASH_AT = 4
+
+
+def _fit(root: Path, crash_at: int | None = None, ckpt_path: str | None = None) -> tuple[Any, Any, Any]:
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_baoc import BAOC
+
+    from support_lightning import Crash, DigitsModule, loaders
+
+    class Sharded(DigitsModule):
+        def configure_model(self) -> None:
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+    L.seed_everything(0, verbose=False)
+    model = Sharded()
+    baoc = BAOC(memory_budget=0.3, warmup_steps=12, sample_every=4, reevaluate_every_n_epochs=3, report=False)
+    checkpoint = ModelCheckpoint(dirpath=root / "ckpt", save_last=True, save_top_k=-1, every_n_epochs=1,
+                                 save_on_train_epoch_end=True)
+    callbacks = [baoc, checkpoint] + ([Crash(crash_at)] if crash_at is not None else [])
+    trainer = L.Trainer(
+        strategy=ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1), accelerator="cpu",
+        devices=WORLD, max_epochs=EPOCHS, accumulate_grad_batches=2, gradient_clip_val=1.0, callbacks=callbacks,
+        deterministic=True, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=str(root),
+    )
+    train, _ = loaders(n_train=320, batch_size=16)  # 10 batches of 16 per rank and epoch
+    if crash_at is not None:
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            trainer.fit(model, train)
+    else:
+        trainer.fit(model, train, ckpt_path=ckpt_path)
+    return model, trainer, baoc
+
+
+def _worker(rank: int, root: str) -> None:
+    import torch.distributed as dist
+
+    base = Path(root)
+    ref_model, ref_trainer, ref_baoc = _fit(base / "uninterrupted")
+    ref_opt = ref_trainer.optimizers[0]
+    assert [h["reason"] for h in ref_baoc.controller.history][:2] == ["warmup", "epoch"]
+    assert ref_baoc.controller.history[0]["step"] == 12
+    assert type(ref_model.net[0].weight).__name__ == "DTensor"
+    # the budget is per rank: this rank's state is within it, and every rank holds the same formats
+    assert ref_opt.state_bytes() <= ref_baoc.controller.memory_budget_bytes()
+    everyone: list[Any] = [None] * WORLD
+    dist.all_gather_object(everyone, ref_opt.formats())
+    assert everyone[0] == everyone[1] and len(set(everyone[0].values())) > 1
+
+    _fit(base / "crashed", crash_at=CRASH_AT)
+    last = base / "crashed" / "ckpt" / "last.ckpt"
+    assert (last / "meta.pt").is_file()  # a distributed checkpoint: per-rank shards and metadata
+    state = next(v for k, v in torch.load(last / "meta.pt", weights_only=False)["callbacks"].items()
+                 if k.startswith("BAOC"))
+    assert state["phase"] == "allocated"
+    model, trainer, baoc = _fit(base / "crashed", ckpt_path=str(last))
+    opt = trainer.optimizers[0]
+    resumed = {k: v for k, v in model.losses.items() if k[0] >= CRASH_AT}
+    expected = {k: v for k, v in ref_model.losses.items() if k[0] >= CRASH_AT}
+    assert resumed.keys() == expected.keys() and len(resumed) == 10 * (EPOCHS - CRASH_AT)
+    assert resumed == expected  # bit-equal on CPU
+    assert baoc.allocation == ref_baoc.allocation
+    assert [h["step"] for h in baoc.controller.history] == [h["step"] for h in ref_baoc.controller.history]
+    assert opt.formats() == ref_opt.formats() and opt.state_bytes() == ref_opt.state_bytes()
+    mine, theirs = opt._local_state_dict(), ref_opt._local_state_dict()  # noqa: SLF001
+    for name, entry in theirs["state"].items():
+        for key, t in entry["tensors"].items():
+            assert torch.equal(t, mine["state"][name]["tensors"][key]), (name, key)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p.to_local(), q.to_local())
+    Path(root, f"rank{rank}.json").write_text(json.dumps({"formats": opt.formats(), "bytes": opt.state_bytes()}))
+
+
+def test_baoc_under_model_parallel_strategy_resumes_from_a_distributed_checkpoint_to_the_bit(tmp_path: Path) -> None:
+    on_lightning_ranks(_worker, WORLD, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert ranks[0]["formats"] == ranks[1]["formats"]
