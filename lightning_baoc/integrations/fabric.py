@@ -17,7 +17,8 @@ needs, without any change to the user's loop:
 
 Fabric branches on ``isinstance`` of its built-in strategies, so ``BAOCStrategy(...)`` returns an
 instance of a subclass of both ``BAOCStrategy`` and the Fabric strategy it extends
-(``SingleDeviceStrategy``, or ``DDPStrategy`` with ``base="ddp"``).
+(``SingleDeviceStrategy``, ``DDPStrategy`` with ``base="ddp"``, ``ModelParallelStrategy`` (FSDP2)
+with ``base="model_parallel"``).
 
 Epochs and validation are the loop's own: call ``strategy.on_train_epoch_end(epoch)`` and
 ``strategy.on_validation_end(value)`` between optimizer steps (or register the strategy as a
@@ -39,10 +40,11 @@ from __future__ import annotations
 import math
 import os
 import weakref
+from pathlib import Path
 from typing import Any, Callable, Literal
 
 import torch
-from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
@@ -51,7 +53,7 @@ from ..controller import AllocationEvent, BAOCController, rebind_scheduler
 from ..report import AllocationReporter
 from ..settings import settings_init, split_settings
 
-_BASES = ("single_device", "ddp")
+_BASES = ("single_device", "ddp", "model_parallel")
 
 
 class BAOCStrategy:
@@ -63,7 +65,9 @@ class BAOCStrategy:
     writes the files), then the strategy's own:
 
     Args:
-        base: the Fabric strategy extended: ``"single_device"`` or ``"ddp"`` (default:
+        base: the Fabric strategy extended: ``"single_device"``, ``"ddp"`` or ``"model_parallel"``
+            (``ModelParallelStrategy``: FSDP2, its ``parallelize_fn`` in ``strategy_kwargs``; set the
+            model up first, then its optimizer with ``fabric.setup_optimizers``) (default:
             ``"single_device"``).
         report_dir: directory for ``baoc_allocation.json``/``.png`` (default: ``None``: the table
             is printed, no files are written).
@@ -90,14 +94,15 @@ class BAOCStrategy:
             return super().__new__(cls)
         if base not in _BASES:
             raise ValueError(f"Invalid base={base!r}; allowed: {list(_BASES)} (the Fabric strategy BAOC extends)")
-        target = _BAOCSingleDeviceStrategy if base == "single_device" else _BAOCDDPStrategy
+        target = {"single_device": _BAOCSingleDeviceStrategy, "ddp": _BAOCDDPStrategy,
+                  "model_parallel": _BAOCModelParallelStrategy}[base]
         return super().__new__(target)
 
     def _init(
         self,
         settings: dict[str, Any],
         *,
-        base: Literal["single_device", "ddp"] = "single_device",
+        base: Literal["single_device", "ddp", "model_parallel"] = "single_device",
         report_dir: str | os.PathLike[str] | None = None,
         strategy_kwargs: dict[str, Any] | None = None,
         risk_fn: Callable[..., Any] | None = None,
@@ -284,6 +289,35 @@ class _BAOCSingleDeviceStrategy(BAOCStrategy, SingleDeviceStrategy):
 
 class _BAOCDDPStrategy(BAOCStrategy, DDPStrategy):
     """BAOCStrategy under DDP (``DDPStrategy``): rank zero decides, the allocation is broadcast."""
+
+
+class _BAOCModelParallelStrategy(BAOCStrategy, ModelParallelStrategy):
+    """BAOCStrategy under FSDP2 (``ModelParallelStrategy``): each rank holds its shards' states.
+
+    ``fabric.load`` of a distributed checkpoint fills a template built from the optimizer's formats,
+    and restores the rest of the state (the controller's) only afterwards, as a plain dict: the
+    controller put in the state is restored here first, from the checkpoint's metadata, so the
+    optimizer holds the saved formats when its state is read, and it stays in the user's state."""
+
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None) -> Any:
+        keys = [k for k, v in state.items() if v is self.controller] if isinstance(state, dict) else []
+        if keys:
+            from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+            meta = Path(self.broadcast(path)) / _METADATA_FILENAME
+            if not meta.is_file():
+                raise RuntimeError(
+                    f"BAOCStrategy cannot restore its controller from {str(path)!r}: not a distributed checkpoint "
+                    f"directory (no {_METADATA_FILENAME}); load one saved with save_distributed_checkpoint=True"
+                )
+            saved = torch.load(meta, map_location="cpu", weights_only=False)
+            if keys[0] not in saved:
+                raise KeyError(f"the checkpoint {str(path)!r} holds no {keys[0]!r} (the BAOC controller's state)")
+            self.controller.load_state_dict(saved[keys[0]])
+        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)  # type: ignore[misc]
+        for k in keys:
+            state[k] = self.controller  # the base strategy put the saved dict in its place
+        return remainder
 
 
 __all__ = ["BAOCStrategy"]

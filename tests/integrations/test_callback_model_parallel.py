@@ -109,3 +109,72 @@ def test_baoc_under_model_parallel_strategy_resumes_from_a_distributed_checkpoin
     on_lightning_ranks(_worker, WORLD, str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     assert ranks[0]["formats"] == ranks[1]["formats"]
+
+
+# ---------------------------------------------------------------------------- Fabric
+
+FABRIC_STEPS = 30
+SAVE_AT = 18  # after the allocation (step 12)
+
+
+def _fabric_run(rank: int, ckpt: Path, resume: bool) -> tuple[list[float], Any, Any]:
+    """A Fabric loop under BAOCStrategy(base="model_parallel"): saves at SAVE_AT, or resumes from there."""
+    import lightning as L
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_baoc import BAOCStrategy
+
+    from support import digits_tensors, mlp
+
+    def parallelize(module: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+        for layer in module:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh["data_parallel"])
+        return fully_shard(module, mesh=mesh["data_parallel"])
+
+    strategy = BAOCStrategy(memory_budget=0.3, warmup_steps=12, sample_every=4, report=False, base="model_parallel",
+                            strategy_kwargs={"parallelize_fn": parallelize, "data_parallel_size": WORLD,
+                                             "tensor_parallel_size": 1})
+    fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
+    fabric.launch()  # the processes exist already (a launcher started them): this joins them
+    fabric.seed_everything(0, verbose=False)
+    model = fabric.setup_module(mlp((64, 128, 128, 10), seed=0))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
+    xtr, ytr, _, _ = digits_tensors()
+    start, losses = 0, []
+    if resume:
+        state = {"model": model, "optimizer": optimizer, "baoc": strategy.controller, "step": 0}
+        fabric.load(ckpt, state)
+        assert state["baoc"] is strategy.controller and strategy.controller.phase == "allocated"
+        start = state["step"]
+    for step in range(start, FABRIC_STEPS):
+        rows = slice(32 * step % 640 + 16 * rank, 32 * step % 640 + 16 * (rank + 1))  # each rank its half
+        loss = torch.nn.functional.cross_entropy(model(xtr[rows]), ytr[rows])
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if step + 1 == SAVE_AT and not resume:
+            fabric.save(ckpt, {"model": model, "optimizer": optimizer, "baoc": strategy.controller, "step": step + 1})
+    return losses, model, strategy
+
+
+def _fabric_worker(rank: int, root: str) -> None:
+    ckpt = Path(root) / "fabric_ckpt"
+    ref_losses, ref_model, ref_strategy = _fabric_run(rank, ckpt, resume=False)
+    assert ref_strategy.controller.history[0]["step"] == 12
+    losses, model, strategy = _fabric_run(rank, ckpt, resume=True)
+    assert losses == ref_losses[SAVE_AT:]  # bit-equal on CPU
+    opt, ref_opt = strategy.controller.optimizer, ref_strategy.controller.optimizer
+    assert opt.formats() == ref_opt.formats() and len(set(opt.formats().values())) > 1
+    assert opt.state_bytes() <= strategy.controller.memory_budget_bytes()
+    mine, theirs = opt._local_state_dict(), ref_opt._local_state_dict()  # noqa: SLF001
+    for name, entry in theirs["state"].items():
+        for key, t in entry["tensors"].items():
+            assert torch.equal(t, mine["state"][name]["tensors"][key]), (name, key)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p.to_local(), q.to_local())
+
+
+def test_baoc_strategy_under_fabric_fsdp2_resumes_from_a_distributed_checkpoint_to_the_bit(tmp_path: Path) -> None:
+    on_lightning_ranks(_fabric_worker, WORLD, str(tmp_path))
