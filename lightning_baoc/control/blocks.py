@@ -18,7 +18,7 @@ from torch import nn
 
 from ..blocks import partition
 from ..budget import format_bytes
-from ..optim.sharding import largest_shard_shape, splits_rows
+from ..optim.sharding import largest_shard_shape
 from ..calibration import withheld_formats
 from ..costs import AllocationProblem, baseline_state_bytes
 from ..formats import RULE_NAMES, formats_of
@@ -145,10 +145,6 @@ class BlocksMixin:
                 f"({type(opt).__name__}); its formats are {list(registry)}: name those"
             )
         wanted = list(cfg.formats) if cfg.formats is not None else list(registry)
-        split = [n for names in self.block_params.values() for n in names if splits_rows(named[n])]
-        sharded_out = {f: f"{split[0]!r} and others are sharded by rows: a factored second moment needs every rank's rows"
-                       for f in wanted if split and registry[f].factored}
-        wanted = [f for f in wanted if f not in sharded_out]
         self._dtypes = dtypes = {b: [named[n].dtype for n in names] for b, names in self.block_params.items()}
         self._baseline = baseline_state_bytes(self._shapes, dtypes, opt.rule)  # torch's buffers, in each dtype
         refused = corrections_refused(dtypes.values()) if cfg.corrections is not None else None
@@ -170,7 +166,7 @@ class BlocksMixin:
             corrections=cfg.corrections,
             dtypes=dtypes,
         )
-        self._withheld = {**self._problem.withheld, **sharded_out}
+        self._withheld = dict(self._problem.withheld)
         self._offered = self._problem.allowed
         self._memory = self._problem.memory
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 from torch import Tensor
@@ -35,6 +35,16 @@ Shape = Sequence[int]
 def numel_of(shape: Shape) -> int:
     """Number of elements of a tensor of ``shape``."""
     return int(math.prod(int(s) for s in shape))
+
+
+def factor_view(shape: Shape) -> tuple[int, int] | None:
+    """The ``(rows, cols)`` view a factored state of a tensor of ``shape`` is held over: as
+    :func:`factor_dims`, but any number of rows (``None`` for 1-D tensors only). A shard of a
+    sharded parameter (its rows on this rank: a few, one or none) keeps the format chosen for the
+    whole parameter, which :func:`factor_dims` decided; its state is held over this view."""
+    if len(shape) < 2:
+        return None
+    return int(shape[0]), numel_of(shape[1:])
 
 
 def factor_dims(shape: Shape) -> tuple[int, int] | None:
@@ -84,6 +94,11 @@ class Canonical:
     exp_avg_sq: Tensor | None = None
     row: Tensor | None = None
     col: Tensor | None = None
+    #: Set when this is the state of one shard (a run of rows) of a parameter whose rows are split
+    #: among ranks (FSDP2): an object with ``rows`` (the whole parameter's) and ``sum_(t)`` (``t``
+    #: summed over the shards in place, a collective), so that the factored forms are the whole
+    #: parameter's: ``row`` holds this shard's rows, ``col`` the columns over every rank's rows.
+    shards: Any = None
 
     def dense_v(self) -> Tensor:
         """The dense second moment; expands a factored one (outer product over the row mean)."""
@@ -91,31 +106,34 @@ class Canonical:
             return self.exp_avg_sq
         if self.row is None or self.col is None:
             raise ValueError("Canonical state holds no second moment")
-        return expand_factored(self.row, self.col).reshape(self.shape)
+        mean = None if self.shards is None else row_mean(self.row, self.shards)
+        return expand_factored(self.row, self.col, mean).reshape(self.shape)
 
     def factored_v(self) -> tuple[Tensor, Tensor]:
         """Row and column means of the second moment (computed from the dense form if needed)."""
         if self.row is not None and self.col is not None:
             return self.row, self.col
-        dims = factor_dims(self.shape)
+        dims = factor_dims(self.shape) if self.shards is None else factor_view(self.shape)
         if dims is None:
             raise ValueError(f"shape {self.shape} has no factored form")
         # Means as sums of v / n: a plain sum of moments near fp32's maximum (gradients of 1e19)
         # overflows; an overflowed (inf) v saturates, as the 8-bit formats store it.
         v = self.dense_v().reshape(-1)
-        means = FactoredMeans(self.shape, v.device)
+        means = FactoredMeans(self.shape, v.device, self.shards)
         means.add(0, v)
-        return means.row, means.col
+        return means.reduced()
 
 
 class FactoredMeans:
     """Row and column means of a dense ``v`` streamed in flat slices (whole rows at once, or any
     range): :meth:`Canonical.factored_v` adds the whole tensor, a streamed conversion one slice at a time."""
 
-    def __init__(self, shape: tuple[int, ...], device: torch.device | None) -> None:
-        self.rows, self.cols = factor_dims(shape)  # type: ignore[misc]
+    def __init__(self, shape: tuple[int, ...], device: torch.device | None, shards: Any = None) -> None:
+        self.rows, self.cols = factor_view(shape)  # type: ignore[misc]
+        self.shards = shards  # a shard's rows (Canonical.shards): column means over every rank's rows
         self.row = torch.zeros(self.rows, dtype=torch.float32, device=device)
         self.col = torch.zeros(self.cols, dtype=torch.float32, device=device)
+        self._col_rows = self.rows if shards is None else shards.rows  # what a column mean divides by
 
     def add(self, start: int, v: Tensor) -> None:
         """Add the flat elements ``[start, start + v.numel())`` of ``v``."""
@@ -125,28 +143,45 @@ class FactoredMeans:
         if start % self.cols == 0 and stop % self.cols == 0:  # whole rows: sum them directly
             block = v.view(-1, self.cols)
             self.row[start // self.cols : stop // self.cols] += block.div(self.cols).sum(dim=1)
-            self.col += block.div_(self.rows).sum(dim=0)
+            self.col += block.div_(self._col_rows).sum(dim=0)
             return
         index = torch.arange(start, stop, device=v.device)
         self.row.index_add_(0, index // self.cols, v.div(self.cols))
-        self.col.index_add_(0, index % self.cols, v.div_(self.rows))
+        self.col.index_add_(0, index % self.cols, v.div_(self._col_rows))
+
+    def reduced(self) -> tuple[Tensor, Tensor]:
+        """The row and column means once every slice is added (a shard's columns summed over the
+        shards: a collective)."""
+        if self.shards is not None:
+            self.shards.sum_(self.col)
+        return self.row, self.col
 
 
-def factored_ratio(row: Tensor) -> Tensor:
+def row_mean(row: Tensor, shards: Any = None) -> Tensor:
+    """The mean of ``row`` (one element), taken without a sum that can overflow; over every
+    shard's rows when ``row`` is a shard's (``shards``: :attr:`Canonical.shards`; a collective)."""
+    mean = row.div(row.numel() if shards is None else shards.rows).sum().reshape(1)
+    if shards is not None:
+        shards.sum_(mean)
+    return mean
+
+
+def factored_ratio(row: Tensor, mean: Tensor | None = None) -> Tensor:
     """``row / mean(row)`` (in ``[0, rows]``), 0 where the mean is 0: the row factor of Adafactor's
-    rank-1 estimate, with a mean taken without a sum that can overflow."""
-    mean = row.div(row.numel()).sum()
+    rank-1 estimate (``mean``: the whole parameter's row mean, :func:`row_mean`, for a shard's rows)."""
+    if mean is None:
+        mean = row.div(row.numel()).sum()
     return torch.where(mean > 0, row / mean, torch.zeros_like(row))
 
 
-def expand_factored(row: Tensor, col: Tensor) -> Tensor:
+def expand_factored(row: Tensor, col: Tensor, mean: Tensor | None = None) -> Tensor:
     """Adafactor's rank-1 estimate ``v[i, j] = row[i] * col[j] / mean(row)`` (exact for rank-1 v).
 
     Computed as ``(row[i] / mean(row)) * col[j]`` so that no product of two moments overflows; a
     row mean of 0 gives 0 without a division, and an estimate beyond fp32's range (up to ``rows``
     times the largest moment, for a v far from rank 1) saturates at fp32's maximum.
     """
-    ratio = factored_ratio(row)
+    ratio = factored_ratio(row, mean)
     return torch.outer(ratio, col).clamp_(max=_FP32_MAX)
 
 
@@ -170,6 +205,9 @@ class StepItem:
     noise_key: int = 0
     #: Steps of the momentum, this one included (1: its first step; SGD starts its buffer there).
     momentum_step: int = 0
+    #: A shard's rows of a parameter split by rows (:attr:`Canonical.shards`): the factored formats
+    #: sum their column statistics and row mean over the shards (one all-reduce per parameter).
+    shards: Any = None
     #: Set where the device decides whether this step happens (a one-element fp32 tensor, nonzero
     #: where the gradient holds inf or NaN: the update is skipped there; ``None``: it happens). The
     #: kernels that serve such items read it themselves (``kernels/triton_step.py``, torch's fused

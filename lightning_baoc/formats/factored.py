@@ -13,7 +13,7 @@ from torch import Tensor
 
 from lightning_baoc import kernels
 
-from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, factor_dims
+from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, factor_view
 from .factored_math import factored_update
 
 
@@ -28,7 +28,7 @@ class Factored(StateFormat):
     kernel_kinds = (kernels.M_NONE, kernels.V_FACTORED)
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
-        dims = factor_dims(shape)
+        dims = factor_view(shape)  # a shard's rows keep the whole parameter's format (formats.base.factor_view)
         if dims is None:
             raise ValueError(f"shape {tuple(shape)} has no factored form; use the fallback {self.fallback!r}")
         rows, cols = dims

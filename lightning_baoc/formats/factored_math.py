@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import math
 from math import gcd
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
 
 from .adam_math import effective_grad, param_flat
-from .base import StepHyper, StepItem, factor_dims, factored_ratio
+from .base import StepHyper, StepItem, factor_dims, factor_view, factored_ratio
 from .quant import SUPER, sqrt_rn
 
 #: Added to squared gradients so that a row of exact zeros keeps a positive estimate (Adafactor's eps1).
@@ -44,7 +44,7 @@ def factored_update(
 ) -> None:
     """AdamW with a factored second moment; momentum through ``load_m``/``store_m`` when given."""
     for item in items:
-        dims = factor_dims(item.param.shape)
+        dims = factor_dims(item.param.shape) if item.shards is None else factor_view(item.param.shape)
         if dims is None:  # the optimizer resolves such shapes to the fallback format
             raise ValueError(f"shape {tuple(item.param.shape)} has no factored form")
         rows, cols = dims
@@ -53,8 +53,8 @@ def factored_update(
         g2d = item.grad.reshape(rows, cols)
         row, col = item.views["exp_avg_sq_row"], item.views["exp_avg_sq_col"]
         blocks = list(row_blocks(rows, cols, hyper.chunk))
-        _update_moments(row, col, g2d, p2d, blocks, hyper)
-        row_factor, col_factor = sqrt_factors(row, col, item.bias_correction2)
+        mean = _update_moments(row, col, g2d, p2d, blocks, hyper, item.shards)
+        row_factor, col_factor = sqrt_factors(row, col, item.bias_correction2, mean)
 
         for r0, r1 in blocks:
             p = p2d[r0:r1]
@@ -74,41 +74,56 @@ def factored_update(
 
 
 def _update_moments(
-    row: Tensor, col: Tensor, g2d: Tensor, p2d: Tensor, blocks: list[tuple[int, int]], hyper: StepHyper
-) -> None:
+    row: Tensor, col: Tensor, g2d: Tensor, p2d: Tensor, blocks: list[tuple[int, int]], hyper: StepHyper,
+    shards: Any = None,
+) -> Tensor | None:
     """``row = beta2 row + (1 - beta2)(mean_j g**2 + EPS_SQUARE)``, ``col`` likewise, in place.
 
     The means are sums of ``(g k)**2`` with ``k**2 = (1 - beta2) / max(rows, cols)``, rescaled
     once: no partial sum exceeds ``(1 - beta2) * max(g**2)``, so the moments stay finite wherever
     AdamW's own ``(1 - beta2) * g * g`` does. A plain mean of ``g**2`` overflows first: at
     ``g = 1e19`` every square is 1e38 and a row of 40 of them sums past fp32's maximum (issue 14).
+
+    ``shards`` (a shard's rows, :attr:`StepItem.shards`): ``rows`` counts every rank's rows, and
+    the column sums and the new row mean are summed over the shards in one all-reduce of
+    ``cols + 1`` floats; returns that mean (``None`` without shards: the caller takes ``row``'s).
     """
     rows, cols = g2d.shape
-    k = math.sqrt((1.0 - hyper.beta2) / max(rows, cols))
+    total = rows if shards is None else shards.rows
+    k = math.sqrt((1.0 - hyper.beta2) / max(total, cols))
     row_sum = torch.empty(rows, dtype=torch.float32, device=row.device)
-    col_sum = torch.zeros(cols, dtype=torch.float32, device=col.device)
+    col_sum = torch.zeros(cols + (shards is not None), dtype=torch.float32, device=col.device)
     for r0, r1 in blocks:
         # mul, not mul_: the effective gradient may be the gradient itself
         sq = effective_grad(g2d[r0:r1], p2d[r0:r1], hyper).mul(k).square_()
         row_sum[r0:r1] = sq.sum(dim=1)
-        col_sum.add_(sq.sum(dim=0))
-    moments_from_sums(row, col, row_sum, col_sum, hyper)
+        col_sum[:cols].add_(sq.sum(dim=0))
+    if shards is None:
+        moments_from_sums(row, col, row_sum, col_sum, hyper)
+        return None
+    _update_row(row, row_sum, max(total, cols) / cols, hyper)
+    col_sum[cols] = row.div(total).sum()  # this shard's part of the new row mean
+    shards.sum_(col_sum)
+    _update_row(col, col_sum[:cols], max(total, cols) / total, hyper)
+    return col_sum[cols:]
+
+
+def _update_row(moment: Tensor, sums: Tensor, alpha: float, hyper: StepHyper) -> None:
+    moment.mul_(hyper.beta2).add_(sums, alpha=alpha).add_((1.0 - hyper.beta2) * EPS_SQUARE)
+    # gradients beyond AdamW's own range (where its v is inf) saturate instead of making the
+    # row/mean ratio below inf / inf = NaN; vectors of rows + cols elements, so this is cheap
+    moment.clamp_(max=FP32_MAX)
 
 
 def moments_from_sums(row: Tensor, col: Tensor, row_sum: Tensor, col_sum: Tensor, hyper: StepHyper) -> None:
     """The factored moments' update from the row and column sums of ``(g k)**2``, in place
     (:func:`_update_moments`; the CUDA step's kernel computes the sums, ``kernels/triton_step.py``)."""
     rows, cols = row.numel(), col.numel()
-    floor = (1.0 - hyper.beta2) * EPS_SQUARE
-    row.mul_(hyper.beta2).add_(row_sum, alpha=max(rows, cols) / cols).add_(floor)
-    col.mul_(hyper.beta2).add_(col_sum, alpha=max(rows, cols) / rows).add_(floor)
-    # gradients beyond AdamW's own range (where its v is inf) saturate instead of making the
-    # row/mean ratio below inf / inf = NaN; vectors of rows + cols elements, so this is cheap
-    row.clamp_(max=FP32_MAX)
-    col.clamp_(max=FP32_MAX)
+    _update_row(row, row_sum, max(rows, cols) / cols, hyper)
+    _update_row(col, col_sum, max(rows, cols) / rows, hyper)
 
 
-def sqrt_factors(row: Tensor, col: Tensor, bias_correction2: float) -> tuple[Tensor, Tensor]:
+def sqrt_factors(row: Tensor, col: Tensor, bias_correction2: float, mean: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Vectors whose outer product is the square root of the bias-corrected rank-1 estimate.
 
     ``sqrt(row[i] * col[j] / (mean(row) * bias_correction2))`` is computed as
@@ -117,5 +132,5 @@ def sqrt_factors(row: Tensor, col: Tensor, bias_correction2: float) -> tuple[Ten
     product ``row[i] * col[j]`` of two moments near 1e38 would), and nothing is divided by a row
     mean of 0: an all-zero row factor gives a zero estimate. No host sync.
     """
-    ratio = factored_ratio(row)  # in [0, rows]
+    ratio = factored_ratio(row, mean)  # in [0, rows] (a shard's rows: over the whole parameter's mean)
     return sqrt_rn(ratio.div_(bias_correction2)), sqrt_rn(col)

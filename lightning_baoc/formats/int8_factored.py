@@ -11,7 +11,7 @@ from torch import Tensor
 
 from lightning_baoc import kernels
 
-from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, factor_dims, numel_of
+from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, factor_view, numel_of
 from .adam_math import chunk_ranges
 from .factored_math import factored_update
 from .int8 import quant_args, quant_specs
@@ -38,7 +38,7 @@ class Int8Factored(StateFormat):
     kernel_kinds = (kernels.M_INT8, kernels.V_FACTORED)
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
-        dims = factor_dims(shape)
+        dims = factor_view(shape)  # a shard's rows keep the whole parameter's format (formats.base.factor_view)
         if dims is None:
             raise ValueError(f"shape {tuple(shape)} has no factored form; use the fallback {self.fallback!r}")
         rows, cols = dims

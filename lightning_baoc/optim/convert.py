@@ -17,14 +17,14 @@ second moment (SGD's and Lion's, :mod:`lightning_baoc.formats.momentum`) convert
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from lightning_baoc.formats import StepHyper, factor_dims
+from lightning_baoc.formats import StepHyper
 from lightning_baoc.formats.adam_math import chunk_ranges
-from lightning_baoc.formats.base import FactoredMeans, StateFormat, factored_ratio, numel_of
+from lightning_baoc.formats.base import FactoredMeans, StateFormat, factor_view, factored_ratio, numel_of, row_mean
 
 _FP32_MAX = torch.finfo(torch.float32).max
 _ROW, _COL = "exp_avg_sq_row", "exp_avg_sq_col"
@@ -41,28 +41,34 @@ def convert_state(
     hyper: StepHyper,
     grad: Tensor | None,
     m_step: int,
+    shards: Any = None,
 ) -> int:
     """Fill ``dst_views`` (zeroed, format ``dst``) from ``src_views`` (format ``src``), slice by slice.
+
+    ``shards``: the state is a shard's rows of a parameter split by rows (``optim.sharding.RowShards``):
+    a factored second moment read or written is the whole parameter's (its row mean and its column
+    means summed over the shards: a collective, so every rank converts the parameter at once).
 
     Returns the momentum's bias-correction count after the conversion (``m_step`` kept when both
     formats hold a momentum, 1 for a momentum created from a finite gradient, else 0).
     """
     n = numel_of(shape)
     device = next((t.device for t in dst_views.values()), None)
-    load_v = _v_reader(src, src_views, shape) if dst.has_second_moment else None
+    load_v = _v_reader(src, src_views, shape, shards) if dst.has_second_moment else None
     load_m: Slice | None = (lambda a, b: src.load_m(src_views, a, b)) if src.has_momentum else None
     if dst.has_momentum and load_m is None:
         load_m, m_step = _momentum_from_gradient(grad, n, hyper)
     elif not dst.has_momentum:
         m_step = 0
     if dst.factored:
-        sums = FactoredMeans(shape, device)
+        sums = FactoredMeans(shape, device, shards)
         for a, b in chunk_ranges(n, hyper.chunk):
             sums.add(a, load_v(a, b).to(device))
             if dst.has_momentum:
                 dst.store_m(load_m(a, b).to(device), dst_views, a, b, hyper)
-        dst_views[_ROW].copy_(sums.row)
-        dst_views[_COL].copy_(sums.col)
+        row, col = sums.reduced()
+        dst_views[_ROW].copy_(row)
+        dst_views[_COL].copy_(col)
         return m_step
     for a, b in chunk_ranges(n, hyper.chunk):
         if dst.has_momentum:
@@ -72,13 +78,14 @@ def convert_state(
     return m_step
 
 
-def _v_reader(fmt: StateFormat, views: dict[str, Tensor], shape: tuple[int, ...]) -> Slice:
+def _v_reader(fmt: StateFormat, views: dict[str, Tensor], shape: tuple[int, ...], shards: Any = None) -> Slice:
     """fp32 ``v`` of the flat elements ``[a, b)``, a new tensor (the store may overwrite it)."""
     if not fmt.factored:
         return lambda a, b: fmt.load_v(views, a, b).clone()
-    rows, cols = factor_dims(shape)  # type: ignore[misc]
+    rows, cols = factor_view(shape)  # type: ignore[misc]
     row, col = views[_ROW], views[_COL]
-    ratio = factored_ratio(row)  # the products expand_factored computes
+    # the products expand_factored computes (a shard's rows: over the whole parameter's row mean)
+    ratio = factored_ratio(row, None if shards is None else row_mean(row, shards))
 
     def load(a: int, b: int) -> Tensor:
         index = torch.arange(a, b, device=row.device)

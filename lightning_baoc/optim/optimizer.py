@@ -44,7 +44,7 @@ from lightning_baoc.optim.pools import PoolsMixin
 from lightning_baoc.optim.pools import Record as _Record
 from lightning_baoc.optim.masters import MasterMixin
 from lightning_baoc.optim.release import ReleaseMixin
-from lightning_baoc.optim.sharding import check_placements, check_sharded_format, local, shard_offset
+from lightning_baoc.optim.sharding import check_placements, local, row_shards, shard_offset
 from lightning_baoc.optim.stepping import StepMixin
 
 
@@ -192,8 +192,7 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
 
     def target_format(self, param: Tensor) -> str:
         """The format ``param``'s state is (or will be) held in, after shape fallbacks."""
-        fmt = resolve_in(self.format_registry, self.requested_format(param), param.shape, self.min_8bit_numel)
-        return check_sharded_format(self.format_registry[fmt], param, self._records[param].name)
+        return resolve_in(self.format_registry, self.requested_format(param), param.shape, self.min_8bit_numel)
 
     def formats(self) -> dict[str, str]:
         """Parameter name -> effective format (held now, or on the first step for fresh ones)."""
@@ -266,9 +265,6 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
             check_format_name(fmt, f"format of {key!r}", self.format_registry)
             for p in resolved[key]:
                 requests[p] = fmt
-        for p, fmt in requests.items():  # refused before anything changes (a sharded parameter's factored format)
-            resolved_fmt = resolve_in(self.format_registry, fmt, p.shape, self.min_8bit_numel)
-            check_sharded_format(self.format_registry[resolved_fmt], p, self._records[p].name)
         for p, fmt in requests.items():
             self._records[p].requested = fmt
         return self._sync_formats()
@@ -343,12 +339,18 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
         return {rec.name: rec.nonfinite for rec in self._records.values() if rec.nonfinite}
 
     def param_state(self, name_or_param: str | Tensor) -> Canonical | None:
-        """A parameter's state decoded to fp32 (``None`` before its first step)."""
+        """A parameter's state decoded to fp32 (``None`` before its first step).
+
+        Of a sharded parameter (FSDP2): this rank's shard. A factored second moment of a shard
+        expands over the whole parameter's row mean, summed over the shards: ``dense_v()`` is then a
+        collective (call it on every rank)."""
         p = self._names[name_or_param] if isinstance(name_or_param, str) else name_or_param
         rec = self._records[p]
         if rec.format is None:
             return None
-        return self.format_registry[rec.format].decode(rec.views, local(p).shape)
+        state = self.format_registry[rec.format].decode(rec.views, local(p).shape)
+        state.shards = row_shards(p) if self.format_registry[rec.format].factored else None
+        return state
 
     def step_count(self, name_or_param: str | Tensor) -> int:
         """Number of steps taken by a parameter."""

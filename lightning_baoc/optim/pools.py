@@ -29,7 +29,7 @@ from torch import Tensor
 
 from lightning_baoc.formats import FORMATS, Canonical, StateFormat, StepHyper
 from lightning_baoc.optim.convert import convert_state
-from lightning_baoc.optim.sharding import local
+from lightning_baoc.optim.sharding import is_sharded, largest_shard_shape, local, row_shards
 
 HOST = torch.device("cpu")
 
@@ -286,10 +286,14 @@ class PoolsMixin:
         """Bytes on ``p``'s device that moving ``p`` to ``fmt`` adds (negative: frees)."""
         old = self._records[p].format
 
+        # a sharded parameter: its largest shard's bytes, the same on every rank, so that every rank
+        # converts in the same order (a factored conversion of a shard is a collective)
+        shape = largest_shard_shape(p) if is_sharded(p) else local(p).shape
+
         def on_device(f: str | None) -> int:
             if f is None or storage_device(f, p.device, self.format_registry) != p.device:
                 return 0
-            return self.format_registry[f].state_bytes(local(p).shape)
+            return self.format_registry[f].state_bytes(shape)
 
         return on_device(fmt) - on_device(old)
 
@@ -375,7 +379,7 @@ class PoolsMixin:
         rec = self._records[p]
         rec.m_step = convert_state(
             self.format_registry[old], rec.views, self.format_registry[new], target, tuple(local(p).shape),
-            self._hyper_for(p), None if p.grad is None else local(p.grad), rec.m_step,
+            self._hyper_for(p), None if p.grad is None else local(p.grad), rec.m_step, row_shards(p),
         )
 
     def _encode(self, p: Tensor, fmt: str, canonical: Canonical, target: dict[str, Tensor]) -> None:
@@ -391,6 +395,7 @@ class PoolsMixin:
             else:
                 canonical.exp_avg = torch.zeros(local(p).shape, dtype=torch.float32, device=p.device)
                 rec.m_step = 0
+        canonical.shards = row_shards(p)  # a shard's rows: factored forms over every rank's rows
         self.format_registry[fmt].encode(canonical, target, hyper)
 
     def _fill_from_source(

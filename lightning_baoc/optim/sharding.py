@@ -15,10 +15,14 @@ part: each rank holds the state of its own shard, in the format chosen for the w
   whole parameter draws for the same elements (its keys shift by :func:`shard_offset`), so the
   element-wise formats round as in one process; quantization groups start at the shard's first
   element, the same groups as in one process when the shard starts on a 1024-element super-block.
-- Factored second moments need the column statistics of the whole matrix (a reduction across the
-  ranks every step): not supported yet over a sharded dimension 0, refused with the alternatives.
+- Factored second moments (``factored``, ``int8_factored``) of a parameter split by rows hold this
+  rank's rows of the row statistics and the column statistics of the whole matrix, the same on every
+  rank: each step sums the column sums of squares and the row mean over the shards in one all-reduce
+  of ``cols + 1`` floats per parameter (:class:`RowShards`), and a conversion to or from them sums
+  the same way, so the state is the one-process state (within float summation order).
 
-The step communicates nothing: it is local to each rank, as FSDP2 expects. ``to_adamw_state_dict``
+The step communicates nothing but the factored formats' sums above: it is local to each rank, as
+FSDP2 expects. ``to_adamw_state_dict``
 gathers the whole fp32 moments (:func:`gather_full`, a collective), and a whole state loads into a
 sharded run by taking each rank's part (:func:`this_shard`), so a state moves between world sizes.
 """
@@ -26,6 +30,7 @@ sharded run by taking each rank's part (:func:`this_shard`), so a state moves be
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
@@ -73,19 +78,6 @@ def shard_offset(p: Tensor) -> int:
     return int(offset[0]) * math.prod(p.shape[1:])
 
 
-def check_sharded_format(fmt: Any, p: Tensor, name: str) -> str:
-    """``fmt.name``, unless ``fmt`` factors the second moment of a parameter split along dimension 0
-    across ranks (its column statistics would need the whole matrix): refused with the alternatives."""
-    if getattr(fmt, "factored", False) and splits_rows(p):
-        raise ValueError(
-            f"parameter {name!r} is sharded along dimension 0 ({tuple(local(p).shape)} of {tuple(p.shape)} on this "
-            f"rank) and its state format {fmt.name!r} factors the second moment, whose column statistics need every "
-            f"rank's rows: not supported for sharded parameters yet. Choose an element-wise format for it "
-            f"(int8, nomomentum_int8, bf16, nomomentum, fp32), e.g. set_formats({{{name!r}: 'int8'}})."
-        )
-    return fmt.name
-
-
 def gather_full(t: Tensor, p: Tensor) -> Tensor:
     """The whole of ``t``, a tensor shaped like this rank's shard of ``p``, assembled from every rank's
     (a collective: every rank calls it, for the same parameters in the same order); ``t`` itself when
@@ -118,6 +110,29 @@ def largest_shard_shape(p: Tensor) -> tuple[int, ...]:
         if isinstance(placement, Shard):
             rows = -(-rows // p.device_mesh.size(dim)) if rows else 0
     return (rows, *shape[1:])
+
+
+@dataclass(frozen=True)
+class RowShards:
+    """A parameter whose rows (dimension 0) are split among the ranks of ``group``: what a factored
+    second moment needs to sum its column statistics and its row mean over every rank's rows."""
+
+    rows: int  # the whole parameter's rows
+    group: Any  # the process group of the shards (FSDP2's mesh dimension; HSDP: within a replica)
+
+    def sum_(self, t: Tensor) -> Tensor:
+        """``t`` <- its sum over the shards, in place (a collective: every rank of ``group`` calls it)."""
+        import torch.distributed as dist
+
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t
+
+
+def row_shards(p: Tensor) -> RowShards | None:
+    """:class:`RowShards` of ``p`` when its rows are split among ranks (:func:`splits_rows`), else ``None``."""
+    if not splits_rows(p):
+        return None
+    return RowShards(int(p.shape[0]), shard_group([p]))
 
 
 def splits_rows(p: Tensor) -> bool:

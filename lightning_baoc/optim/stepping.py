@@ -34,7 +34,7 @@ from lightning_baoc.formats.quant import M_SCALE_MAX, V_SCALE_MAX, name_salt
 from lightning_baoc.formats.fused_adam import MAX_FUSED_STEP, fused_available
 from lightning_baoc.kernels import M_FP32, V_FP32, use_triton
 from lightning_baoc.optim.pools import DeferredFlags, Record
-from lightning_baoc.optim.sharding import is_sharded, local, mesh_min
+from lightning_baoc.optim.sharding import RowShards, is_sharded, local, mesh_min, row_shards
 
 
 class StepMixin:
@@ -69,9 +69,9 @@ class StepMixin:
                     continue
                 rec = self._records[p]
                 fmt = self.format_registry[rec.format]
-                if mine.numel() == 0:  # a rank holding no rows of a sharded parameter: its counts move alike
-                    rec.step, rec.m_step = rec.step + 1, rec.m_step + int(fmt.has_momentum)
-                    continue
+                if mine.numel() == 0 and not fmt.factored:  # a rank holding no rows of a sharded parameter:
+                    rec.step, rec.m_step = rec.step + 1, rec.m_step + int(fmt.has_momentum)  # its counts move alike
+                    continue  # (a factored one steps: it takes part in the sums over the shards)
                 if self._kernel_serves(rec, fmt, mine):
                     rec.settle()
                     item = KernelItem(mine, local(p.grad), rec.views, rec.counts, self._salt(rec), rec.master_correction,
@@ -106,8 +106,14 @@ class StepMixin:
         key = (rec.format, id(rec.views), mine.device, self.kernels)
         known = self._serving.get(rec.name)
         if known is None or known[0] != key:
-            known = self._serving[rec.name] = (key, kernel_serves(fmt, mine, rec.views, self.kernels))
+            # a factored shard of a parameter split by rows sums over the shards: the eager step's
+            serves = kernel_serves(fmt, mine, rec.views, self.kernels) and not (fmt.factored and self._row_shards(rec))
+            known = self._serving[rec.name] = (key, serves)
         return known[1]
+
+    def _row_shards(self, rec: Record) -> RowShards | None:
+        """The shards of ``rec``'s parameter when its rows are split among ranks (else ``None``)."""
+        return row_shards(self._names[rec.name])  # type: ignore[attr-defined]
 
     def _settle_deferred(self) -> None:
         """Settle the counts of the steps whose skips the device decided, and warn of the skipped."""
@@ -236,7 +242,7 @@ class StepMixin:
             return items, corrections  # fp32 moments of fp32 parameters: torch's fused kernel
         from lightning_baoc.kernels import triton_step  # imports triton: only where it runs
 
-        served = [it.skip_flag is not None or triton_step.serves(kinds, it.param, it.grad, it.views, c)
+        served = [it.shards is None and (it.skip_flag is not None or triton_step.serves(kinds, it.param, it.grad, it.views, c))
                   for it, c in zip(items, corrections)]
         if any(served):
             triton_step.adamw_step(kinds, [it for it, ok in zip(items, served) if ok], hyper, M_SCALE_MAX, V_SCALE_MAX,
@@ -274,6 +280,8 @@ class StepMixin:
             mine = local(p)
             records[id(mine)] = rec
             item = StepItem(mine, local(p.grad), rec.views, bc1, bc2, count, self._noise_key(rec), m_step)
+            if self.format_registry[rec.format].factored:
+                item.shards = row_shards(p)
             if p in flags:  # after every read of the counts: a read settles (it waits for the flags)
                 deferred, index, item.skip_flag = flags[p]
                 deferred.records[index] = (rec, self.format_registry[rec.format].has_momentum)

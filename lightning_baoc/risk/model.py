@@ -149,6 +149,9 @@ def _raw_state(opt: BlockwiseAdamW, name: str) -> tuple[Canonical, int, int, Map
     state = opt.param_state(name)
     if state is None:
         return None
+    # the risk model runs on rank zero alone (its decision is broadcast): a shard's factored state is
+    # read over this rank's rows, as every format's state of a sharded parameter is (no collective)
+    state.shards = None
     return state, opt.step_count(name), opt.momentum_step_count(name), opt.param_group_of(name)
 
 
