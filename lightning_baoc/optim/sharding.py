@@ -14,7 +14,8 @@ part: each rank holds the state of its own shard, in the format chosen for the w
 - The states live on each rank's shard. The stochastic rounding of a shard draws the bits the
   whole parameter draws for the same elements (its keys shift by :func:`shard_offset`), so the
   element-wise formats round as in one process; quantization groups start at the shard's first
-  element, the same groups as in one process when the shard starts on a 1024-element super-block.
+  element, the same groups as in one process when the shard starts on a 32-element group (the
+  super-blocks' shared exponents may differ; the scales they store decode to the same values).
 - Factored second moments (``factored``, ``int8_factored``) of a parameter split by rows hold this
   rank's rows of the row statistics and the column statistics of the whole matrix, the same on every
   rank: each step sums the column sums of squares and the row mean over the shards in one all-reduce

@@ -150,23 +150,30 @@ def _sgd_and_bf16_weights(mesh, rank: int) -> None:  # type: ignore[no-untyped-d
 
 
 def _one_and_two_ranks_agree(mesh) -> None:  # type: ignore[no-untyped-def]
-    """The same gradients, whole on one process and sharded on two ranks: the same weights, to the bit,
-    in every element-wise format (rounding keys shifted by the shard's offset), and in the 8-bit ones
-    where each shard starts on a 1024-element super-block (32 rows of 256 here)."""
+    """The same gradients, whole on one process and sharded on the mesh's ranks: the same weights, to
+    the bit, in every element-wise format (rounding keys shifted by the shard's offset), and in the
+    8-bit ones where each shard starts on a 32-element quantization group: shards of 33 rows of 256
+    and 48 rows of 66 on 2 ranks (22 and 32 rows on 3), none on a 1024-element super-block, with
+    gradient rows over 8 orders of magnitude (the super-blocks' shared exponents differ, the scales
+    they store do not)."""
     from torch.distributed.tensor import distribute_tensor
 
     def model() -> nn.Module:
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(256, 64), nn.Tanh(), nn.Linear(64, 256))
+        return nn.Sequential(nn.Linear(256, 66), nn.Tanh(), nn.Linear(66, 96))
 
+    offsets = [-(-p.shape[0] // mesh.size()) * p[0].numel() for p in model().parameters() if p.dim() == 2]
+    assert all(o % 32 == 0 and o % 1024 for o in offsets), offsets
     for fmt in ("fp32", "bf16", "bf16_momentum", "nomomentum", "int8", "nomomentum_int8"):
         single, sharded = model(), _shard(model(), mesh)
-        one = BlockwiseAdamW(single.named_parameters(), lr=1e-2, state_format=fmt)
-        opt = BlockwiseAdamW(sharded.named_parameters(), lr=1e-2, state_format=fmt)
+        # the biases (66 and 96 elements, shards of 33 or 22 and 48 or 32) stay fp32: below min_8bit_numel
+        one = BlockwiseAdamW(single.named_parameters(), lr=1e-2, state_format=fmt, min_8bit_numel=1000)
+        opt = BlockwiseAdamW(sharded.named_parameters(), lr=1e-2, state_format=fmt, min_8bit_numel=1000)
         for step in range(10):
             gen = torch.Generator().manual_seed(step)
             for p, q in zip(single.parameters(), sharded.parameters()):
-                g = torch.randn(p.shape, generator=gen) * 1e-2
+                scale = 10.0 ** torch.randint(-7, 2, p.shape[:1], generator=gen).float()
+                g = torch.randn(p.shape, generator=gen) * scale.view(-1, *([1] * (p.dim() - 1)))
                 p.grad, q.grad = g, distribute_tensor(g, q.device_mesh, q.placements)
             one.step()
             opt.step()
@@ -388,6 +395,17 @@ def _factored_worker(rank: int) -> None:
             assert torch.allclose(two.col, one.col, rtol=1e-5)
             # the whole v expands over the whole parameter's row mean (dense_v of a shard: a collective)
             assert torch.allclose(two.dense_v(), one.dense_v()[offset : offset + rows], rtol=1e-5)
+
+
+def _three_ranks_worker(rank: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _one_and_two_ranks_agree(init_device_mesh("cpu", (3,)))
+
+
+def test_another_sharding_gives_the_same_weights_to_the_bit() -> None:
+    """Three ranks (another place for every shard boundary) end as one process does, as two do."""
+    on_gloo_ranks(_three_ranks_worker, 3)
 
 
 def test_factored_formats_over_shards_split_by_rows_follow_one_process() -> None:
