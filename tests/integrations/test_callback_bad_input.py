@@ -64,7 +64,7 @@ def test_adam_with_l2_is_taken_over(tmp_path: Path) -> None:
     assert opt.state_bytes() <= 0.3 * 8 * sum(p.numel() for p in trainer.lightning_module.parameters())
 
 
-@pytest.mark.parametrize("strategy", ["DeepSpeedStrategy", "FSDPStrategy", "ModelParallelStrategy"])
+@pytest.mark.parametrize("strategy", ["DeepSpeedStrategy", "FSDPStrategy"])
 def test_sharding_strategies_are_refused_at_setup(strategy: str) -> None:
     import lightning.pytorch.strategies as strategies
 
@@ -75,6 +75,18 @@ def test_sharding_strategies_are_refused_at_setup(strategy: str) -> None:
     with pytest.raises(RuntimeError, match=rf"BAOC cannot run under {strategy}.*strategy='ddp'"):
         baoc.setup(trainer, None, "fit")  # type: ignore[arg-type]
     baoc.setup(trainer, None, "validate")  # only training needs the optimizer
+
+
+def test_model_parallel_is_refused_only_with_full_checkpoints() -> None:
+    """FSDP2 runs (tests/integrations/test_callback_model_parallel.py); its full, gathered checkpoints
+    are refused at setup, naming the default that works."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    baoc = BAOC(memory_budget=0.3)
+    full = SimpleNamespace(strategy=ModelParallelStrategy(save_distributed_checkpoint=False), callbacks=[baoc])
+    with pytest.raises(RuntimeError, match=r"save_distributed_checkpoint=False.*Keep the default save_distributed_checkpoint=True"):
+        baoc.setup(full, None, "fit")  # type: ignore[arg-type]
+    baoc.setup(SimpleNamespace(strategy=ModelParallelStrategy(), callbacks=[baoc]), None, "fit")  # type: ignore[arg-type]
 
 
 def test_two_baoc_callbacks_are_refused(tmp_path: Path) -> None:
