@@ -343,6 +343,9 @@ class PersistenceMixin:
         out = export_adamw_state_dict(self._local_state_dict())
         params = [p for group in self.param_groups for p in group["params"]]
         for index, entry in out["state"].items():  # the whole of a sharded parameter's moments
+            state = self.param_state(params[index])  # type: ignore[attr-defined]
+            if state is not None and state.shards is not None:  # a factored shard: over the whole row mean
+                entry["exp_avg_sq"] = state.dense_v().clone()
             for key in ("exp_avg", "exp_avg_sq"):
                 entry[key] = gather_full(entry[key], params[index])
         return out

@@ -277,8 +277,9 @@ def test_blockwise_adamw_under_fsdp2_on_two_ranks() -> None:
     on_gloo_ranks(_worker, WORLD)
 
 
-#: One format of each kind on the model's weights (8-bit with and without momentum, bf16), fp32 biases.
-_MIXED = {"0.weight": "int8", "2.weight": "nomomentum_int8", "4.weight": "bf16", "2.bias": "bf16_momentum"}
+#: One format of each kind: 8-bit with and without momentum, factored (its rows split), bf16; fp32 elsewhere.
+_MIXED = {"0.weight": "int8", "2.weight": "int8_factored", "4.weight": "bf16", "2.bias": "bf16_momentum",
+          "0.bias": "nomomentum_int8"}
 
 
 def _mixed_optimizer(model: nn.Module) -> BlockwiseAdamW:
@@ -395,6 +396,9 @@ def _factored_worker(rank: int) -> None:
             assert torch.allclose(two.col, one.col, rtol=1e-5)
             # the whole v expands over the whole parameter's row mean (dense_v of a shard: a collective)
             assert torch.allclose(two.dense_v(), one.dense_v()[offset : offset + rows], rtol=1e-5)
+            whole, single_export = opts[1].to_adamw_state_dict(), opts[0].to_adamw_state_dict()
+            index = [n for n, _ in single.named_parameters()].index("2.weight")
+            assert torch.allclose(whole["state"][index]["exp_avg_sq"], single_export["state"][index]["exp_avg_sq"], rtol=1e-5)
 
 
 def _three_ranks_worker(rank: int) -> None:
