@@ -67,6 +67,7 @@ from .control.release import ReleaseObservationMixin
 from .control.triggers import TriggersMixin
 from .control.protocol import Broadcast, decide_on_rank_zero
 from .control.start import StartMixin
+from .control.scoring import ScoringMixin
 from .costs import AllocationProblem, with_message
 from .integrations.swap import SUPPORTED_OPTIMIZERS, convert_optimizer, rebind_scheduler
 from .formats import RULE_NAMES, format_state_bytes
@@ -105,7 +106,9 @@ def _training_device(optimizer: BlockwiseOptimizer) -> torch.device:
 # ---------------------------------------------------------------------------- the controller
 
 
-class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, ReleaseObservationMixin, OptionsMixin):
+class BAOCController(
+    BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, ReleaseObservationMixin, OptionsMixin, ScoringMixin
+):
     """The framework-free BAOC lifecycle (see the module docstring for the calls and their order).
 
     Args:
@@ -392,14 +395,11 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, Re
 
     # ------------------------------------------------------------------ allocation
 
-    def _decide(self, reason: str) -> dict[str, Any]:
-        """Rank zero: statistics -> risk -> solve -> hysteresis. Primitives only (broadcast)."""
-        assert self.sampler is not None and self.optimizer is not None
-        stats = {b: {k: float(v) for k, v in s.items()} for b, s in self.sampler.statistics().items()}
-        extra = {"shadow": self.shadow} if self.risk_fn is _default_risk_fn else {}  # a user's risk_fn: as before
-        raw = self._with_corrections(self.risk_fn(
-            self.optimizer, self.block_params, stats, formats=self._formats_offered(), horizon=self.config.horizon, **extra
-        ), measured=True)
+    def _decide(self, reason: str, scored: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
+        """Rank zero: statistics -> risk (``scored``: computed on every rank already) -> solve ->
+        hysteresis. Primitives only (broadcast)."""
+        stats = self._statistics()
+        raw = self._with_corrections(scored if scored is not None else self._risk(stats), measured=True)
         raw.update(self._prior_rows())
         risk = checked_risk(raw, list(self.block_params), self._offered)
         options = capped(risk, self.config.max_block_risk)
@@ -480,7 +480,8 @@ class BAOCController(BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, Re
         """
         self._require_installed("allocate")
         assert self.optimizer is not None and self.sampler is not None
-        decision = decide_on_rank_zero(lambda: self._decide(reason), broadcast, is_global_zero)
+        scored = self._risk_across_shards(is_global_zero)  # every rank at once (a sharded model), else None
+        decision = decide_on_rank_zero(lambda: self._decide(reason, scored), broadcast, is_global_zero)
         opt = self.optimizer
         before = int(opt.state_bytes())
         current = self._current_options()

@@ -33,10 +33,12 @@ def optimizer_risk_table(
     formats: Sequence[str] | None = None,
     horizon: int = DEFAULT_HORIZON,
     shadow: ShadowMoments | None = None,
+    **sharding: bool,
 ) -> dict[str, dict[str, float]]:
     """Block -> format -> risk for the optimizer's own formats: :func:`risk_table` for a
     BlockwiseAdamW, :func:`momentum_risk_table` (measured on ``shadow``, which it needs) for a
-    BlockwiseSGD or BlockwiseLion. The BAOC controller's risk model.
+    BlockwiseSGD or BlockwiseLion. The BAOC controller's risk model. ``sharding``: :func:`risk_details`'
+    ``across_shards`` and ``scores_whole`` (AdamW's formats; the momentum formats score this rank's rows).
 
     Raises:
         ValueError: a BlockwiseSGD or BlockwiseLion without shadow moments.
@@ -48,7 +50,7 @@ def optimizer_risk_table(
                 f"(lightning_baoc.risk.shadow.ShadowMoments); pass shadow="
             )
         return momentum_risk_table(optimizer, blocks, shadow, formats=formats, horizon=horizon)
-    return risk_table(optimizer, blocks, statistics, formats=formats, horizon=horizon, shadow=shadow)  # type: ignore[arg-type]
+    return risk_table(optimizer, blocks, statistics, formats=formats, horizon=horizon, shadow=shadow, **sharding)  # type: ignore[arg-type]
 
 
 __all__ = [

@@ -57,14 +57,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from lightning_baoc.optim.sharding import local
+from lightning_baoc.optim.sharding import local, row_shards
 from lightning_baoc.formats import FORMATS, Canonical, StepHyper, factor_dims, resolve_format
-from lightning_baoc.formats.base import factored_ratio
+from lightning_baoc.formats.base import factor_view, factored_ratio, row_mean
 from lightning_baoc.optim import BlockwiseAdamW
 from lightning_baoc.risk.shadow import ShadowEntry, ShadowMoments
 from lightning_baoc.risk.shadow import sample_segments as _segments
@@ -130,29 +130,52 @@ def _update_terms(m_hat: Tensor, v_hat: Tensor, eps: float, scale: float) -> tup
     return u, float((m_hat * u).sum()) * scale, float((u * u).sum()) * scale, float(noise) * scale
 
 
-def _factored_estimate(v_full: Tensor, dims: tuple[int, int], idx: Tensor | None) -> Tensor:
+def _factored_estimate(v_full: Tensor, dims: tuple[int, int], idx: Tensor | None, shards: Any = None) -> Tensor:
     """The factored formats' rank-1 estimate of ``v`` at the sampled elements, in float64.
 
     Means that cannot overflow (divide, then sum: a plain mean of moments near 1e38 sums past
     fp32's maximum), and the estimate as ``(row / mean(row)) * col``, whose ratio is at most
-    ``rows``: the product ``row * col`` of two moments near 1e38 would be inf.
+    ``rows``: the product ``row * col`` of two moments near 1e38 would be inf. ``shards``: ``v_full``
+    is a shard's rows; the column means and the row mean are the whole parameter's (collectives).
     """
     rows, cols = dims
     v2d = v_full.view(rows, cols)
-    row, col = v2d.div(cols).sum(dim=1), v2d.div(rows).sum(dim=0)
+    row, col = v2d.div(cols).sum(dim=1), v2d.div(rows if shards is None else shards.rows).sum(dim=0)
+    if shards is not None:
+        shards.sum_(col)
     flat = torch.arange(v_full.numel()) if idx is None else idx
-    ratio = factored_ratio(row)
+    ratio = factored_ratio(row, None if shards is None else row_mean(row, shards))
     return ratio[flat // cols].double() * col[flat % cols].double()
 
 
-def _raw_state(opt: BlockwiseAdamW, name: str) -> tuple[Canonical, int, int, Mapping] | None:
+def _raw_state(opt: BlockwiseAdamW, name: str, shards: Any) -> tuple[Canonical, int, int, Mapping] | None:
     state = opt.param_state(name)
     if state is None:
         return None
-    # the risk model runs on rank zero alone (its decision is broadcast): a shard's factored state is
-    # read over this rank's rows, as every format's state of a sharded parameter is (no collective)
-    state.shards = None
+    # a shard's factored state expands over the whole parameter's row mean when every rank scores its
+    # rows (``shards``); read over this rank's rows otherwise (no collective)
+    state.shards = state.shards if shards is not None else None
     return state, opt.step_count(name), opt.momentum_step_count(name), opt.param_group_of(name)
+
+
+Terms = tuple[float, float, float, dict[str, float], dict[str, float], dict[str, tuple[float, float]]]
+
+
+def _summed_over_shards(terms: Terms | None, formats: Sequence[str], shards: Any) -> Terms | None:
+    """``terms`` of one shard's rows summed over every shard (one all-reduce): each is a sum over
+    elements (scaled to the rows sampled), so the sum is the whole parameter's."""
+    progress, update_sq, noise_sq, bias, added, rounding = terms or (0.0, 0.0, 0.0, {}, {}, {})
+    flat = [progress, update_sq, noise_sq, float(terms is not None)]
+    for f in formats:
+        err, usq = rounding.get(f, (0.0, 0.0))
+        flat += [bias.get(f, 0.0), added.get(f, 0.0), err, usq, float(f in rounding)]
+    t = shards.sum_(torch.tensor(flat, dtype=torch.float64))
+    if t[3] == 0:
+        return None
+    out = t.tolist()
+    per = {f: out[4 + 5 * i : 9 + 5 * i] for i, f in enumerate(formats)}
+    return (out[0], out[1], out[2], {f: v[0] for f, v in per.items()}, {f: v[1] for f, v in per.items()},
+            {f: (v[2], v[3]) for f, v in per.items() if v[4] > 0})
 
 
 def _param_terms(
@@ -163,11 +186,14 @@ def _param_terms(
     generator: torch.Generator,
     max_elements: int,
     shadow: ShadowEntry | None = None,
-) -> tuple[float, float, float, dict[str, float], dict[str, float], dict[str, tuple[float, float]]] | None:
+    shards: Any = None,
+) -> Terms | None:
     """progress, ||u||^2, noise^2, per-format ||E[u_f] - u||^2 and added noise^2 of one tensor, and
     for the formats that hold this tensor's v in 8-bit codes, (the part of ``||E[u_f] - u||^2``
-    from elements with non-zero codes, ``||u||^2``): the rounding that is pooled."""
-    raw = _raw_state(opt, name)
+    from elements with non-zero codes, ``||u||^2``): the rounding that is pooled. ``shards``: the
+    tensor is a shard's rows of a parameter split by rows, scored by every rank (the factored
+    estimate over the whole parameter: collectives); the caller sums the terms over the shards."""
+    raw = _raw_state(opt, name, shards)
     if raw is None:
         return None
     state, step, m_step, group = raw
@@ -175,6 +201,11 @@ def _param_terms(
     beta1, beta2 = (float(b) for b in group["betas"])
     eps = float(group["eps"])
     v_full = state.dense_v().reshape(-1).to(torch.float32)
+    if shards is not None and v_full.numel() == 0:  # a rank holding no rows: it takes part in the sums
+        dims = factor_view(local(p).shape)
+        if dims is not None and any(FORMATS[resolve_format(f, p.shape, opt.min_8bit_numel)].factored for f in formats):
+            _factored_estimate(v_full, dims, None, shards)
+        return None
     if shadow is not None and shadow.steps > 0:
         # fp32 AdamW's own moments on the shadow's sample, whatever format holds the state
         idx, v, m = shadow.index, shadow.exp_avg_sq, shadow.exp_avg
@@ -201,7 +232,8 @@ def _param_terms(
 
     # a re-created momentum estimates the same signal (in fp32, as a format would hold it)
     m_src = m if m is not None else (m_hat * bc1).float().clamp_(max=torch.finfo(torch.float32).max)
-    dims = factor_dims(local(p).shape)  # a sharded parameter: its rows here (the state decoded is theirs)
+    # a sharded parameter: its rows here (the state decoded is theirs), held over the whole one's format
+    dims = factor_view(local(p).shape) if factor_dims(p.shape) is not None else None
     factored_v: Tensor | None = None
     bias: dict[str, float] = {}
     added_noise: dict[str, float] = {}
@@ -216,7 +248,7 @@ def _param_terms(
         if spec.factored:
             if factored_v is None:
                 assert dims is not None  # factored formats resolve only for 2-D and larger shapes
-                factored_v = _factored_estimate(v_full, dims, idx)
+                factored_v = _factored_estimate(v_full, dims, idx, shards)
             v_f = factored_v
             m_f = _round_trip("int8", m_src, v, generator)[0] if spec.has_momentum else None
             zero = None
@@ -244,6 +276,8 @@ def risk_details(
     max_elements: int = DEFAULT_MAX_ELEMENTS,
     seed: int = 0,
     shadow: ShadowMoments | None = None,
+    across_shards: bool = False,
+    scores_whole: bool = True,
 ) -> dict[str, BlockRisk]:
     """The risk scores with the terms behind them (see the module docstring for the formula).
 
@@ -259,6 +293,12 @@ def risk_details(
         shadow: fp32 AdamW moments on a sample of each tensor (:class:`ShadowMoments`); where a
             tensor has them, the scores are measured against them instead of the decoded state,
             so the format holding the state does not look free (default: none).
+        across_shards: every rank of a sharded model (FSDP2) calls this at once: the terms of a
+            parameter whose rows are split among ranks are scored by each rank on its rows and
+            summed over the shards (collectives), so they are the whole parameter's (default:
+            ``False``: this rank's rows stand for the whole).
+        scores_whole: with ``across_shards``, whether this rank also scores the parameters not
+            split by rows (rank zero does, and decides; the others need not) (default: ``True``).
     """
     if not isinstance(horizon, int) or horizon < 1:
         raise ValueError(f"Invalid horizon: {horizon!r}; expected an int >= 1 (optimizer steps)")
@@ -281,7 +321,12 @@ def risk_details(
             pooled = rounding.setdefault(block, {})
             for name in names:
                 entry = shadow.entries.get(name) if shadow is not None else None
-                terms = _param_terms(optimizer, name, formats, noise_fraction, generator, max_elements, entry)
+                shards = row_shards(optimizer.named_params[name]) if across_shards else None
+                if shards is None and not scores_whole:
+                    continue  # not split by rows: rank zero, which holds it whole, scores it
+                terms = _param_terms(optimizer, name, formats, noise_fraction, generator, max_elements, entry, shards)
+                if shards is not None:
+                    terms = _summed_over_shards(terms, formats, shards)
                 if terms is None:
                     continue
                 progress, update_sq, noise_sq, bias, added, rounded = terms
@@ -337,8 +382,11 @@ def risk_table(
     max_elements: int = DEFAULT_MAX_ELEMENTS,
     seed: int = 0,
     shadow: ShadowMoments | None = None,
+    across_shards: bool = False,
+    scores_whole: bool = True,
 ) -> dict[str, dict[str, float]]:
-    """Block -> format -> risk (non-negative; 0 for ``fp32`` and ``offload``).
+    """Block -> format -> risk (non-negative; 0 for ``fp32`` and ``offload``; the arguments are
+    :func:`risk_details`').
 
     Example:
         >>> from torch import nn
@@ -350,5 +398,6 @@ def risk_table(
         >>> risk["0"]["fp32"], risk["0"]["int8"] > 0
         (0.0, True)
     """
-    details = risk_details(optimizer, blocks, statistics, formats, horizon, max_elements, seed, shadow)
+    details = risk_details(optimizer, blocks, statistics, formats, horizon, max_elements, seed, shadow, across_shards,
+                           scores_whole)
     return {block: dict(br.risk) for block, br in details.items()}
