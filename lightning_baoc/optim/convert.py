@@ -42,12 +42,16 @@ def convert_state(
     grad: Tensor | None,
     m_step: int,
     shards: Any = None,
+    agree: Callable[[bool], bool] | None = None,
 ) -> int:
     """Fill ``dst_views`` (zeroed, format ``dst``) from ``src_views`` (format ``src``), slice by slice.
 
     ``shards``: the state is a shard's rows of a parameter split by rows (``optim.sharding.RowShards``):
     a factored second moment read or written is the whole parameter's (its row mean and its column
     means summed over the shards: a collective, so every rank converts the parameter at once).
+    ``agree``: turns this rank's finding that the gradient is finite (a momentum re-created from it)
+    into every shard's (a shard's gradient: a collective), so that no shard re-creates a momentum
+    from its gradient while another starts from zero, with another bias-correction count.
 
     Returns the momentum's bias-correction count after the conversion (``m_step`` kept when both
     formats hold a momentum, 1 for a momentum created from a finite gradient, else 0).
@@ -57,7 +61,7 @@ def convert_state(
     load_v = _v_reader(src, src_views, shape, shards) if dst.has_second_moment else None
     load_m: Slice | None = (lambda a, b: src.load_m(src_views, a, b)) if src.has_momentum else None
     if dst.has_momentum and load_m is None:
-        load_m, m_step = _momentum_from_gradient(grad, n, hyper)
+        load_m, m_step = _momentum_from_gradient(grad, n, hyper, agree)
     elif not dst.has_momentum:
         m_step = 0
     if dst.factored:
@@ -94,7 +98,9 @@ def _v_reader(fmt: StateFormat, views: dict[str, Tensor], shape: tuple[int, ...]
     return load
 
 
-def _momentum_from_gradient(grad: Tensor | None, n: int, hyper: StepHyper) -> tuple[Slice, int]:
+def _momentum_from_gradient(
+    grad: Tensor | None, n: int, hyper: StepHyper, agree: Callable[[bool], bool] | None = None
+) -> tuple[Slice, int]:
     """A reader of the re-created momentum ``(1 - beta1) g`` and its bias-correction count.
 
     SGD's and Lion's buffers (``hyper.rule`` other than ``"adamw"``) start empty instead, as they
@@ -102,6 +108,8 @@ def _momentum_from_gradient(grad: Tensor | None, n: int, hyper: StepHyper) -> tu
     """
     flat = grad.detach().reshape(-1) if grad is not None else None
     finite = hyper.rule == "adamw" and flat is not None and all(bool(torch.isfinite(flat[a:b]).all()) for a, b in chunk_ranges(n, hyper.chunk))
+    if agree is not None and hyper.rule == "adamw":
+        finite = agree(finite)
     if not finite:
         return (lambda a, b: torch.zeros(b - a, dtype=torch.float32)), 0
     return (lambda a, b: flat[a:b].to(torch.float32).mul(1.0 - hyper.beta1)), 1

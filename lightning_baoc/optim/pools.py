@@ -29,7 +29,7 @@ from torch import Tensor
 
 from lightning_baoc.formats import FORMATS, Canonical, StateFormat, StepHyper
 from lightning_baoc.optim.convert import convert_state
-from lightning_baoc.optim.sharding import is_sharded, largest_shard_shape, local, row_shards
+from lightning_baoc.optim.sharding import is_sharded, largest_shard_shape, local, mesh_min, row_shards
 
 HOST = torch.device("cpu")
 
@@ -380,6 +380,7 @@ class PoolsMixin:
         rec.m_step = convert_state(
             self.format_registry[old], rec.views, self.format_registry[new], target, tuple(local(p).shape),
             self._hyper_for(p), None if p.grad is None else local(p.grad), rec.m_step, row_shards(p),
+            _agreement(p),
         )
 
     def _encode(self, p: Tensor, fmt: str, canonical: Canonical, target: dict[str, Tensor]) -> None:
@@ -387,7 +388,10 @@ class PoolsMixin:
         hyper = self._hyper_for(p)
         if self.format_registry[fmt].has_momentum and canonical.exp_avg is None:
             grad = None if p.grad is None else local(p.grad)
-            if hyper.rule == "adamw" and grad is not None and bool(torch.isfinite(grad).all()):
+            finite = grad is not None and bool(torch.isfinite(grad).all())
+            agree = _agreement(p)
+            finite = agree(finite) if agree is not None and hyper.rule == "adamw" else finite
+            if hyper.rule == "adamw" and finite:
                 # re-create the momentum as one EMA step of the current gradient; its own bias
                 # correction (m_step = 1) makes m_hat equal that gradient
                 canonical.exp_avg = grad.detach().to(torch.float32).mul(1.0 - hyper.beta1)
@@ -408,6 +412,19 @@ class PoolsMixin:
             return
         for key, t in target.items():
             t.copy_(source[key])
+
+
+def _agreement(p: Tensor) -> Callable[[bool], bool] | None:
+    """For a sharded ``p``: the finding of every shard from this one's (all must hold; a collective)."""
+    if not is_sharded(p):
+        return None
+
+    def agree(ok: bool) -> bool:
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=local(p).device)  # NCCL: on the device
+        mesh_min(flag, [p])
+        return bool(flag.item())
+
+    return agree
 
 
 def _segment_of(views: Mapping[str, Tensor]) -> Tensor:

@@ -161,7 +161,7 @@ def _raw_state(opt: BlockwiseAdamW, name: str, shards: Any) -> tuple[Canonical, 
 Terms = tuple[float, float, float, dict[str, float], dict[str, float], dict[str, tuple[float, float]]]
 
 
-def _summed_over_shards(terms: Terms | None, formats: Sequence[str], shards: Any) -> Terms | None:
+def _summed_over_shards(terms: Terms | None, formats: Sequence[str], shards: Any, device: torch.device) -> Terms | None:
     """``terms`` of one shard's rows summed over every shard (one all-reduce): each is a sum over
     elements (scaled to the rows sampled), so the sum is the whole parameter's."""
     progress, update_sq, noise_sq, bias, added, rounding = terms or (0.0, 0.0, 0.0, {}, {}, {})
@@ -169,7 +169,7 @@ def _summed_over_shards(terms: Terms | None, formats: Sequence[str], shards: Any
     for f in formats:
         err, usq = rounding.get(f, (0.0, 0.0))
         flat += [bias.get(f, 0.0), added.get(f, 0.0), err, usq, float(f in rounding)]
-    t = shards.sum_(torch.tensor(flat, dtype=torch.float64))
+    t = shards.sum_(torch.tensor(flat, dtype=torch.float64, device=device))  # on the device: NCCL's
     if t[3] == 0:
         return None
     out = t.tolist()
@@ -326,7 +326,7 @@ def risk_details(
                     continue  # not split by rows: rank zero, which holds it whole, scores it
                 terms = _param_terms(optimizer, name, formats, noise_fraction, generator, max_elements, entry, shards)
                 if shards is not None:
-                    terms = _summed_over_shards(terms, formats, shards)
+                    terms = _summed_over_shards(terms, formats, shards, local(optimizer.named_params[name]).device)
                 if terms is None:
                     continue
                 progress, update_sq, noise_sq, bias, added, rounded = terms

@@ -355,6 +355,8 @@ def _factored_worker(rank: int) -> None:
     stepped, converted into and out of, with a shard of one row (3 rows on 2 ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    _momentum_recreated_alike(rank)
+
     mesh = init_device_mesh("cpu", (WORLD,))
 
     def model() -> nn.Module:
@@ -410,6 +412,29 @@ def _three_ranks_worker(rank: int) -> None:
 def test_another_sharding_gives_the_same_weights_to_the_bit() -> None:
     """Three ranks (another place for every shard boundary) end as one process does, as two do."""
     on_gloo_ranks(_three_ranks_worker, 3)
+
+
+def _momentum_recreated_alike(rank: int) -> None:
+    """A momentum re-created at a conversion comes from the gradient on every shard or on none: a NaN
+    in one rank's rows leaves every rank's momentum zero, with the same bias-correction count."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = _shard(_model(), init_device_mesh("cpu", (WORLD,)))
+    opt = BlockwiseAdamW(model.named_parameters(), lr=1e-2, state_format="nomomentum", min_8bit_numel=0)
+    _train(model, opt, 3, rank)
+    weight = model[2].weight
+    if rank == 1:
+        weight.grad.to_local()[0, 0] = float("nan")
+    opt.set_formats({"2.weight": "int8"})  # from no momentum: re-created from the gradient, if finite
+    counts: list[int | None] = [None] * WORLD
+    dist.all_gather_object(counts, opt.momentum_step_count("2.weight"))
+    assert counts == [0, 0]
+    assert opt.param_state("2.weight").exp_avg.abs().max().item() == 0.0
+    opt.set_formats({"2.weight": "nomomentum"})
+    weight.grad.to_local().nan_to_num_(0.0)
+    opt.set_formats({"2.weight": "int8"})  # a finite gradient everywhere: one EMA step of it on every rank
+    dist.all_gather_object(counts, opt.momentum_step_count("2.weight"))
+    assert counts == [1, 1]
 
 
 def test_factored_formats_over_shards_split_by_rows_follow_one_process() -> None:
