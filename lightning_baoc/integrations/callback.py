@@ -386,9 +386,15 @@ class BAOC(Callback):
         found = [k for k in states if k == self.state_key]
         # else the one BAOC state under another key (see on_load_checkpoint)
         found = found or [k for k in states if isinstance(k, str) and k.startswith(type(self).__qualname__ + "{")]
-        if len(found) == 1:
-            self.controller.load_state_dict(states[found[0]])
-            self._restored_early = True  # Lightning hands the same state to load_state_dict later
+        if len(found) != 1:
+            raise RuntimeError(
+                f"BAOC cannot resume {str(path)!r} under {strategy}: the checkpoint holds {len(found)} BAOC states "
+                f"(saved without BAOC, or with several), and this strategy loads the optimizer's sharded state into "
+                f"the formats BAOC's state names. Resume it as it was saved (without BAOC), or start a BAOC run from "
+                f"its weights alone (load them in configure_model, without ckpt_path)."
+            )
+        self.controller.load_state_dict(states[found[0]])
+        self._restored_early = True  # Lightning hands the same state to load_state_dict later
 
     # ------------------------------------------------------------------ internals
 

@@ -27,7 +27,7 @@ EPOCHS = 8
 CRASH_AT = 4
 
 
-def _fit(root: Path, crash_at: int | None = None, ckpt_path: str | None = None) -> tuple[Any, Any, Any]:
+def _fit(root: Path, crash_at: int | None = None, ckpt_path: str | None = None, refused: str | None = None) -> tuple[Any, Any, Any]:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -58,9 +58,9 @@ def _fit(root: Path, crash_at: int | None = None, ckpt_path: str | None = None) 
         num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=str(root),
     )
     train, _ = loaders(n_train=320, batch_size=16)  # 10 batches of 16 per rank and epoch
-    if crash_at is not None:
-        with pytest.raises(RuntimeError, match="simulated crash"):
-            trainer.fit(model, train)
+    if crash_at is not None or refused is not None:
+        with pytest.raises(RuntimeError, match=refused or "simulated crash"):
+            trainer.fit(model, train, ckpt_path=ckpt_path)
     else:
         trainer.fit(model, train, ckpt_path=ckpt_path)
     return model, trainer, baoc
@@ -103,6 +103,19 @@ def _worker(rank: int, root: str) -> None:
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(p.to_local(), q.to_local())
     Path(root, f"rank{rank}.json").write_text(json.dumps({"formats": opt.formats(), "bytes": opt.state_bytes()}))
+
+    # a distributed checkpoint without BAOC's state (saved without BAOC) is refused before its optimizer
+    # state is read, naming the ways
+    plain = base / "plain"
+    if rank == 0:
+        import shutil
+
+        shutil.copytree(last, plain)
+        meta = torch.load(plain / "meta.pt", weights_only=False)
+        meta["callbacks"] = {k: v for k, v in meta["callbacks"].items() if not k.startswith("BAOC")}
+        torch.save(meta, plain / "meta.pt")
+    dist.barrier()
+    _fit(base / "plain_run", ckpt_path=str(plain), refused=r"holds 0 BAOC states.*Resume it as it was saved")
 
 
 def test_baoc_under_model_parallel_strategy_resumes_from_a_distributed_checkpoint_to_the_bit(tmp_path: Path) -> None:
