@@ -190,9 +190,8 @@ def _param_terms(
 ) -> Terms | None:
     """progress, ||u||^2, noise^2, per-format ||E[u_f] - u||^2 and added noise^2 of one tensor, and
     for the formats that hold this tensor's v in 8-bit codes, (the part of ``||E[u_f] - u||^2``
-    from elements with non-zero codes, ``||u||^2``): the rounding that is pooled. ``shards``: the
-    tensor is a shard's rows of a parameter split by rows, scored by every rank (the factored
-    estimate over the whole parameter: collectives); the caller sums the terms over the shards."""
+    from elements with non-zero codes, ``||u||^2``): the rounding that is pooled. ``shards``: a
+    shard's rows, scored by every rank (collectives; :func:`_tensor_terms` sums the terms)."""
     raw = _raw_state(opt, name, shards)
     if raw is None:
         return None
@@ -201,11 +200,6 @@ def _param_terms(
     beta1, beta2 = (float(b) for b in group["betas"])
     eps = float(group["eps"])
     v_full = state.dense_v().reshape(-1).to(torch.float32)
-    if shards is not None and v_full.numel() == 0:  # a rank holding no rows: it takes part in the sums
-        dims = factor_view(local(p).shape)
-        if dims is not None and any(FORMATS[resolve_format(f, p.shape, opt.min_8bit_numel)].factored for f in formats):
-            _factored_estimate(v_full, dims, None, shards)
-        return None
     if shadow is not None and shadow.steps > 0:
         # fp32 AdamW's own moments on the shadow's sample, whatever format holds the state
         idx, v, m = shadow.index, shadow.exp_avg_sq, shadow.exp_avg
@@ -232,8 +226,7 @@ def _param_terms(
 
     # a re-created momentum estimates the same signal (in fp32, as a format would hold it)
     m_src = m if m is not None else (m_hat * bc1).float().clamp_(max=torch.finfo(torch.float32).max)
-    # a sharded parameter: its rows here (the state decoded is theirs), held over the whole one's format
-    dims = factor_view(local(p).shape) if factor_dims(p.shape) is not None else None
+    dims = factor_view(local(p).shape) if factor_dims(p.shape) is not None else None  # a shard: its rows
     factored_v: Tensor | None = None
     bias: dict[str, float] = {}
     added_noise: dict[str, float] = {}
@@ -267,6 +260,27 @@ def _param_terms(
     return progress, update_sq, noise_sq, bias, added_noise, rounding
 
 
+def _tensor_terms(
+    opt: BlockwiseAdamW, name: str, formats: Sequence[str], noise_fraction: float | None, generator: torch.Generator,
+    max_elements: int, entry: ShadowEntry | None, across_shards: bool, scores_whole: bool,
+) -> Terms | None:
+    """:func:`_param_terms` of one tensor; of a parameter split by rows (``across_shards``), every
+    rank's terms of its rows summed over the shards (a rank holding none takes part in the sums)."""
+    p = opt.named_params[name]
+    shards = row_shards(p) if across_shards else None
+    if shards is None:  # not split by rows: rank zero, which holds it whole, scores it
+        return _param_terms(opt, name, formats, noise_fraction, generator, max_elements, entry) if scores_whole else None
+    if local(p).numel():
+        terms = _param_terms(opt, name, formats, noise_fraction, generator, max_elements, entry, shards)
+    else:  # no rows here: the collectives of the others' factored forms, no terms
+        terms, state = None, opt.param_state(name)
+        if state is not None:
+            state.dense_v()
+        if any(FORMATS[resolve_format(f, p.shape, opt.min_8bit_numel)].factored for f in formats):
+            _factored_estimate(torch.zeros(0, device=local(p).device), factor_view(local(p).shape), None, shards)  # type: ignore[arg-type]
+    return _summed_over_shards(terms, formats, shards, local(p).device)
+
+
 def risk_details(
     optimizer: BlockwiseAdamW,
     blocks: Mapping[str, Sequence[str]],
@@ -293,10 +307,9 @@ def risk_details(
         shadow: fp32 AdamW moments on a sample of each tensor (:class:`ShadowMoments`); where a
             tensor has them, the scores are measured against them instead of the decoded state,
             so the format holding the state does not look free (default: none).
-        across_shards: every rank of a sharded model (FSDP2) calls this at once: the terms of a
-            parameter whose rows are split among ranks are scored by each rank on its rows and
-            summed over the shards (collectives), so they are the whole parameter's (default:
-            ``False``: this rank's rows stand for the whole).
+        across_shards: every rank of a sharded model (FSDP2) calls this at once: each scores its rows
+            of a parameter split by rows and the terms are summed over the shards (collectives), so
+            they are the whole parameter's (default: ``False``: this rank's rows stand for it).
         scores_whole: with ``across_shards``, whether this rank also scores the parameters not
             split by rows (rank zero does, and decides; the others need not) (default: ``True``).
     """
@@ -321,12 +334,8 @@ def risk_details(
             pooled = rounding.setdefault(block, {})
             for name in names:
                 entry = shadow.entries.get(name) if shadow is not None else None
-                shards = row_shards(optimizer.named_params[name]) if across_shards else None
-                if shards is None and not scores_whole:
-                    continue  # not split by rows: rank zero, which holds it whole, scores it
-                terms = _param_terms(optimizer, name, formats, noise_fraction, generator, max_elements, entry, shards)
-                if shards is not None:
-                    terms = _summed_over_shards(terms, formats, shards, local(optimizer.named_params[name]).device)
+                terms = _tensor_terms(optimizer, name, formats, noise_fraction, generator, max_elements, entry,
+                                      across_shards, scores_whole)
                 if terms is None:
                     continue
                 progress, update_sq, noise_sq, bias, added, rounded = terms
