@@ -7,6 +7,7 @@ Lion with a momentum format per parameter.
 - :mod:`.pools`: per-format contiguous state pools and parameter records;
 - :mod:`.persist`: state dicts, atomic validated loads, copies and pickling;
 - :mod:`.state`: the state-dict layout, checksums, plain-AdamW export, :class:`CheckpointError`;
+- :mod:`.distributed`: the layout of a sharded optimizer's state dict for ``torch.distributed.checkpoint``;
 - :mod:`.validate`: a whole state dict validated before anything changes;
 - :mod:`.args`: ``torch.optim.AdamW``'s constructor arguments, checked as torch does.
 """
@@ -18,6 +19,7 @@ from typing import Any
 from .momentum import BlockwiseLion, BlockwiseSGD
 from .aliases import optimizer_alias, resolve_alias
 from .optimizer import BlockwiseAdamW, BlockwiseOptimizer
+from .distributed import saved_formats
 from .state import CheckpointError, export_adamw_state_dict, load_checkpoint, seal_state_dict
 
 
@@ -35,5 +37,6 @@ __all__ = [
     "export_adamw_state_dict",
     "load_checkpoint",
     "optimizer_alias",
+    "saved_formats",
     "seal_state_dict",
 ]

@@ -34,11 +34,13 @@ layout*, which carries the same content as the single-process layout
 
 :func:`to_distributed` builds the layout from the single-process one, :func:`from_distributed`
 takes it back (on load, with this rank's shards), so everything else (validation, checksums of
-the tensors, the all-or-nothing load) is the single-process path.
+the tensors, the all-or-nothing load) is the single-process path. DCP loads into a template of the
+optimizer's current formats: :func:`saved_formats` reads the saved ones, to set them first.
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
@@ -140,6 +142,32 @@ def to_distributed(sd: dict[str, Any], opt: "BlockwiseOptimizer") -> dict[str, A
     for g in groups:
         g["baoc"] = dict(layout_meta)
     return {"state": state, "param_groups": groups}
+
+
+def saved_formats(checkpoint: str | os.PathLike[str], key: str) -> dict[str, str]:
+    """Parameter name -> format of the optimizer state saved under ``key`` in a distributed checkpoint.
+
+    ``torch.distributed.checkpoint.load`` fills a template built from the optimizer's current formats,
+    so a run resuming a sharded optimizer sets the saved ones first (the BAOC callback and
+    ``BAOCStrategy`` do it from their own state). Reads the checkpoint's metadata and its format
+    entries only; call it on every rank (with a process group, the read is a collective).
+
+    Example:
+        >>> opt.set_formats(saved_formats("ckpt", "optim"))  # doctest: +SKIP
+        >>> state = {"optim": get_optimizer_state_dict(model, opt)}; dcp.load(state, checkpoint_id="ckpt")  # doctest: +SKIP
+    """
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(os.fspath(checkpoint)).read_metadata().state_dict_metadata
+    prefix, suffix = f"{key}.state.", ".format"
+    names = sorted(k[len(prefix) : -len(suffix)] for k in metadata if k.startswith(prefix) and k.endswith(suffix))
+    if not names:
+        held = sorted({k.split(".", 1)[0] for k in metadata})
+        raise KeyError(f"the checkpoint {os.fspath(checkpoint)!r} holds no BlockwiseAdamW state under {key!r} "
+                       f"(its keys: {held})")
+    template: dict[str, Any] = {key: {"state": {name: {"format": ""} for name in names}}}
+    dcp.load(template, checkpoint_id=checkpoint)
+    return {name: str(template[key]["state"][name]["format"]) for name in names}
 
 
 def _invalid(msg: str) -> CheckpointError:
