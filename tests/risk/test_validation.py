@@ -1,4 +1,4 @@
-"""A reduced ``benchmarks/risk_validation.py``: does the risk model predict measured harm?
+"""A reduced ``benchmarks/risk_validation.py`` (its three measured tests are marked slow: ``pytest -m slow``):
 
 A 2-layer character GPT (width 32) on the standard library's source, a shared fp32 warm-up, then
 paired continuations (same data order) at a constant learning rate under a tight budget (0.2 of
@@ -71,12 +71,14 @@ def _mean_and_floor(xs: list[float]) -> tuple[float, float]:
     return statistics.mean(xs), 2 * statistics.stdev(xs) / math.sqrt(len(xs))
 
 
+@pytest.mark.slow  # the measurement behind them: about 100 s on 2 cores (pytest -m slow)
 def test_allocations_use_the_same_memory(measured: dict) -> None:
     for label, fraction in measured["fraction"].items():
         assert fraction <= BUDGET + 1e-9, label
         assert fraction > 0.9 * BUDGET, (label, fraction)  # all spend the budget: a fair comparison
 
 
+@pytest.mark.slow  # the measurement behind them: about 100 s on 2 cores (pytest -m slow)
 def test_risk_min_beats_risk_max_beyond_noise(measured: dict) -> None:
     harm = measured["harm"]
     paired = [hi - lo for hi, lo in zip(harm["risk-max"], harm["risk-min"])]
@@ -85,6 +87,7 @@ def test_risk_min_beats_risk_max_beyond_noise(measured: dict) -> None:
     assert mean > floor, (mean, floor, paired)
 
 
+@pytest.mark.slow  # the measurement behind them: about 100 s on 2 cores (pytest -m slow)
 def test_risk_min_beats_the_median_random_allocation_beyond_noise(measured: dict) -> None:
     harm = measured["harm"]
     randoms = [k for k in harm if k.startswith("random")]
