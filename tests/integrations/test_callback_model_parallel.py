@@ -66,6 +66,16 @@ def _fit(root: Path, crash_at: int | None = None, ckpt_path: str | None = None, 
     return model, trainer, baoc
 
 
+def _same_shards(opt: Any, ref_opt: Any, model: torch.nn.Module, ref_model: torch.nn.Module) -> None:
+    """This rank's compact states and weight shards equal the reference run's, to the bit."""
+    mine, theirs = opt._local_state_dict(), ref_opt._local_state_dict()  # noqa: SLF001
+    for name, entry in theirs["state"].items():
+        for key, t in entry["tensors"].items():
+            assert torch.equal(t, mine["state"][name]["tensors"][key]), (name, key)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p.to_local(), q.to_local())
+
+
 def _worker(rank: int, root: str) -> None:
     import torch.distributed as dist
 
@@ -96,12 +106,7 @@ def _worker(rank: int, root: str) -> None:
     assert baoc.allocation == ref_baoc.allocation
     assert [h["step"] for h in baoc.controller.history] == [h["step"] for h in ref_baoc.controller.history]
     assert opt.formats() == ref_opt.formats() and opt.state_bytes() == ref_opt.state_bytes()
-    mine, theirs = opt._local_state_dict(), ref_opt._local_state_dict()  # noqa: SLF001
-    for name, entry in theirs["state"].items():
-        for key, t in entry["tensors"].items():
-            assert torch.equal(t, mine["state"][name]["tensors"][key]), (name, key)
-    for p, q in zip(model.parameters(), ref_model.parameters()):
-        assert torch.equal(p.to_local(), q.to_local())
+    _same_shards(opt, ref_opt, model, ref_model)
     Path(root, f"rank{rank}.json").write_text(json.dumps({"formats": opt.formats(), "bytes": opt.state_bytes()}))
 
     # a distributed checkpoint without BAOC's state (saved without BAOC) is refused before its optimizer
@@ -181,12 +186,7 @@ def _fabric_worker(rank: int, root: str) -> None:
     opt, ref_opt = strategy.controller.optimizer, ref_strategy.controller.optimizer
     assert opt.formats() == ref_opt.formats() and len(set(opt.formats().values())) > 1
     assert opt.state_bytes() <= strategy.controller.memory_budget_bytes()
-    mine, theirs = opt._local_state_dict(), ref_opt._local_state_dict()  # noqa: SLF001
-    for name, entry in theirs["state"].items():
-        for key, t in entry["tensors"].items():
-            assert torch.equal(t, mine["state"][name]["tensors"][key]), (name, key)
-    for p, q in zip(model.parameters(), ref_model.parameters()):
-        assert torch.equal(p.to_local(), q.to_local())
+    _same_shards(opt, ref_opt, model, ref_model)
 
 
 def test_baoc_strategy_under_fabric_fsdp2_resumes_from_a_distributed_checkpoint_to_the_bit(tmp_path: Path) -> None:
