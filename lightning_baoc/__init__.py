@@ -39,6 +39,7 @@ _EXPORTS: dict[str, str] = {
     "CheckpointError": "lightning_baoc.optim",
     "export_adamw_state_dict": "lightning_baoc.optim",
     "load_checkpoint": "lightning_baoc.optim",
+    "saved_formats": "lightning_baoc.optim",
     "BAOCConfig": "lightning_baoc.settings",
     "SettingError": "lightning_baoc.settings",
 }
@@ -69,7 +70,7 @@ if TYPE_CHECKING:  # what type checkers and documentation tools see
     from lightning_baoc.memory import TrainingMemory, training_memory  # noqa: F401
     from lightning_baoc.formats import FORMATS, MOMENTUM_FORMATS  # noqa: F401
     from lightning_baoc.optim import BlockwiseAdamW, BlockwiseLion, BlockwiseSGD  # noqa: F401
-    from lightning_baoc.optim import CheckpointError, export_adamw_state_dict, load_checkpoint  # noqa: F401
+    from lightning_baoc.optim import CheckpointError, export_adamw_state_dict, load_checkpoint, saved_formats  # noqa: F401
     from lightning_baoc.sampling import GradientSampler  # noqa: F401
     from lightning_baoc.settings import BAOCConfig, SettingError  # noqa: F401
     from lightning_baoc.solver import Allocation, BudgetInfeasibleError, select_boundaries, solve  # noqa: F401
