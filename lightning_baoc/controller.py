@@ -93,9 +93,6 @@ Phase = Literal["warmup", "allocated"]
 RiskFn = Callable[..., Mapping[str, Mapping[str, float]]]
 
 
-#: The risk model the controller uses unless given another.
-_default_risk_fn = optimizer_risk_table
-
 
 def _training_device(optimizer: BlockwiseOptimizer) -> torch.device:
     """The device the optimizer's parameters train on: it decides the formats withheld and what
@@ -139,7 +136,7 @@ class BAOCController(
         elif kwargs:
             raise TypeError(f"pass either config or keyword settings, not both (got {sorted(kwargs)})")
         self.config = config
-        self.risk_fn: RiskFn = risk_fn or _default_risk_fn
+        self.risk_fn: RiskFn = risk_fn or optimizer_risk_table
         self.optimizer: BlockwiseOptimizer | None = None
         self.sampler: GradientSampler | None = None
         self.block_params: dict[str, list[str]] = {}  # the partition (see Attributes)

@@ -106,8 +106,7 @@ class Canonical:
             return self.exp_avg_sq
         if self.row is None or self.col is None:
             raise ValueError("Canonical state holds no second moment")
-        mean = None if self.shards is None else row_mean(self.row, self.shards)
-        return expand_factored(self.row, self.col, mean).reshape(self.shape)
+        return expand_factored(self.row, self.col, row_mean(self.row, self.shards)).reshape(self.shape)
 
     def factored_v(self) -> tuple[Tensor, Tensor]:
         """Row and column means of the second moment (computed from the dense form if needed)."""

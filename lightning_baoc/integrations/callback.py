@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -52,6 +52,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from .checkpoints import distributed_metadata
 from ..controller import AllocationEvent, BAOCController, rebind_scheduler
 from ..optim import BlockwiseAdamW
 from ..report import AllocationReporter
@@ -338,9 +339,13 @@ class BAOC(Callback):
         states = checkpoint.get("callbacks") or {}
         if self.state_key in states:
             return
-        found = [k for k in states if isinstance(k, str) and k.startswith(type(self).__qualname__ + "{")]
+        found = self._other_keys(states)
         if len(found) == 1:
             self.load_state_dict(states[found[0]])
+
+    def _other_keys(self, states: Mapping[str, Any]) -> list[str]:
+        """The keys of BAOC states saved under another state key (other partition settings)."""
+        return [k for k in states if isinstance(k, str) and k.startswith(type(self).__qualname__ + "{")]
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -371,21 +376,9 @@ class BAOC(Callback):
         self._unwrap = lambda: vars(strategy).pop("load_checkpoint", None)
 
     def _restore_from_metadata(self, path: Path, strategy: str) -> None:
-        from lightning.fabric.utilities.load import _METADATA_FILENAME
-
         self._restored_early = False
-        meta = path / _METADATA_FILENAME
-        if not meta.is_file():
-            raise RuntimeError(
-                f"BAOC cannot resume from {str(path)!r} under {strategy}: it is not a distributed checkpoint "
-                f"directory (no {_METADATA_FILENAME}); resume from a checkpoint this strategy saved with "
-                f"save_distributed_checkpoint=True"
-            )
-        checkpoint = torch.load(meta, map_location="cpu", weights_only=False)
-        states = checkpoint.get("callbacks") or {}
-        found = [k for k in states if k == self.state_key]
-        # else the one BAOC state under another key (see on_load_checkpoint)
-        found = found or [k for k in states if isinstance(k, str) and k.startswith(type(self).__qualname__ + "{")]
+        states = distributed_metadata(path, f"BAOC under {strategy}").get("callbacks") or {}
+        found = [self.state_key] if self.state_key in states else self._other_keys(states)
         if len(found) != 1:
             raise RuntimeError(
                 f"BAOC cannot resume {str(path)!r} under {strategy}: the checkpoint holds {len(found)} BAOC states "

@@ -40,7 +40,6 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from pathlib import Path
 from typing import Any, Callable, Literal
 
 import torch
@@ -49,6 +48,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
 
+from .checkpoints import distributed_metadata
 from ..controller import AllocationEvent, BAOCController, rebind_scheduler
 from ..report import AllocationReporter
 from ..settings import settings_init, split_settings
@@ -302,15 +302,7 @@ class _BAOCModelParallelStrategy(BAOCStrategy, ModelParallelStrategy):
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None) -> Any:
         keys = [k for k, v in state.items() if v is self.controller] if isinstance(state, dict) else []
         if keys:
-            from lightning.fabric.utilities.load import _METADATA_FILENAME
-
-            meta = Path(self.broadcast(path)) / _METADATA_FILENAME
-            if not meta.is_file():
-                raise RuntimeError(
-                    f"BAOCStrategy cannot restore its controller from {str(path)!r}: not a distributed checkpoint "
-                    f"directory (no {_METADATA_FILENAME}); load one saved with save_distributed_checkpoint=True"
-                )
-            saved = torch.load(meta, map_location="cpu", weights_only=False)
+            saved = distributed_metadata(self.broadcast(path), "BAOCStrategy")
             if keys[0] not in saved:
                 raise KeyError(f"the checkpoint {str(path)!r} holds no {keys[0]!r} (the BAOC controller's state)")
             self.controller.load_state_dict(saved[keys[0]])

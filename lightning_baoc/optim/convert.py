@@ -89,7 +89,7 @@ def _v_reader(fmt: StateFormat, views: dict[str, Tensor], shape: tuple[int, ...]
     rows, cols = factor_view(shape)  # type: ignore[misc]
     row, col = views[_ROW], views[_COL]
     # the products expand_factored computes (a shard's rows: over the whole parameter's row mean)
-    ratio = factored_ratio(row, None if shards is None else row_mean(row, shards))
+    ratio = factored_ratio(row, row_mean(row, shards))
 
     def load(a: int, b: int) -> Tensor:
         index = torch.arange(a, b, device=row.device)

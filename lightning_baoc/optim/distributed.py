@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch import Tensor
 
-from lightning_baoc.optim.sharding import DTensor, is_sharded, largest_shard_shape, local
+from lightning_baoc.optim.sharding import DTensor, as_dtensor, is_sharded, largest_shard_shape, local, shard_count
 from lightning_baoc.optim.state import STATE_DICT_VERSION, CheckpointError, _digest_value
 
 if TYPE_CHECKING:
@@ -72,22 +72,12 @@ def _rows(t: Tensor, p: Tensor, longest: int) -> Tensor:
     """``t`` (this rank's flat tensor) as its row of a ``DTensor`` with one row per shard of ``p``."""
     row = torch.zeros(1, longest, dtype=t.dtype, device=t.device)
     row[0, : t.numel()] = t.reshape(-1)
-    shards = _shard_count(p)
+    shards = shard_count(p)
     return DTensor.from_local(row, p.device_mesh, p.placements, run_check=False, shape=(shards, longest),
                               stride=(longest, 1))
 
 
-def _shard_count(p: Tensor) -> int:
-    from torch.distributed.tensor import Shard
-
-    count = 1
-    for dim, placement in enumerate(p.placements):
-        if isinstance(placement, Shard):
-            count *= p.device_mesh.size(dim)
-    return count
-
-
-def _meta_checksum(entries: Mapping[Any, Mapping[str, Any]], groups: list[dict[str, Any]], meta: Mapping[str, Any]) -> int:
+def _meta_checksum(entries: Mapping[Any, Mapping[str, Any]], groups: list[Mapping[str, Any]], meta: Mapping[str, Any]) -> int:
     """The checksum of what is the same on every rank: the groups, the meta and each entry but its
     tensors and per-rank checksum."""
     covered_entries = {
@@ -95,6 +85,7 @@ def _meta_checksum(entries: Mapping[Any, Mapping[str, Any]], groups: list[dict[s
         | {"correction": e["correction"]["kind"] if "correction" in e else None}
         for e in entries.values()
     }
+    # positions or names (DCP re-keys them): the names in "param_names" are covered
     covered_groups = [{k: v for k, v in g.items() if k not in ("params", "baoc")} for g in groups]
     return _digest_value({"entries": covered_entries, "groups": covered_groups,
                           "meta": {k: v for k, v in meta.items() if k != "checksum"}})
@@ -122,9 +113,7 @@ def to_distributed(sd: dict[str, Any], opt: "BlockwiseOptimizer") -> dict[str, A
             out["tensors"], out["checksum"] = entry["tensors"], entry["checksum"]
         if name in corrections:
             t = corrections[name]["tensor"]
-            if is_sharded(p):
-                t = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-            out["correction"] = {"kind": corrections[name]["kind"], "tensor": t}
+            out["correction"] = {"kind": corrections[name]["kind"], "tensor": as_dtensor(t, p)}
         if name in asked:
             out["correction_requested"] = asked[name]
         state[position[name]] = out
@@ -214,10 +203,7 @@ def from_distributed(sd: Mapping[str, Any], opt: "BlockwiseOptimizer") -> dict[s
             raise _invalid(f"param_groups[{index}] lists no 'param_names'")
         groups.append({**{k: v for k, v in g.items() if k not in ("params", "param_names", "baoc")}, "params": list(names)})
     # the checksum of what every rank shares (the per-rank tensors are checked by the entries' own)
-    shared_groups = [{**grp, "params": list(g["params"])} for grp, g in zip(groups, groups_in)]
-    for grp, g in zip(shared_groups, groups_in):
-        grp["param_names"] = list(g["param_names"])
-    if _meta_checksum(entries, shared_groups, meta_in) != meta_in.get("checksum"):
+    if _meta_checksum(entries, groups_in, meta_in) != meta_in.get("checksum"):
         raise _invalid("the checksum of its formats, counts and param groups does not match: the dict is damaged "
                        "or was edited (re-save it from the optimizer)")
     state: dict[str, dict[str, Any]] = {}
@@ -242,7 +228,7 @@ def from_distributed(sd: Mapping[str, Any], opt: "BlockwiseOptimizer") -> dict[s
             raise _invalid(f"state entry {name!r} holds no tensors")
         if is_sharded(p):
             lengths = {spec.key: spec.numel for spec in opt.format_registry[fmt_name].layout(tuple(mine.shape))}
-            shards = _shard_count(p)
+            shards = shard_count(p)
             out["tensors"] = {k: _local_row(t, lengths.get(k, 0), f"{name!r} {k!r}", shards).clone()
                               for k, t in tensors.items()}
             out["checksum"] = int(_local_row(entry.get("checksum"), 1, f"{name!r} checksum", shards)[0])

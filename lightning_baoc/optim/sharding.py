@@ -79,14 +79,27 @@ def shard_offset(p: Tensor) -> int:
     return int(offset[0]) * math.prod(p.shape[1:])
 
 
+def as_dtensor(t: Tensor, p: Tensor) -> Tensor:
+    """``t``, a tensor shaped like this rank's shard of ``p``, as the ``DTensor`` placed like ``p``
+    (no copy, no communication); ``t`` itself when ``p`` is not sharded."""
+    if not is_sharded(p):
+        return t
+    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
 def gather_full(t: Tensor, p: Tensor) -> Tensor:
     """The whole of ``t``, a tensor shaped like this rank's shard of ``p``, assembled from every rank's
     (a collective: every rank calls it, for the same parameters in the same order); ``t`` itself when
     ``p`` is not sharded."""
+    return as_dtensor(t, p).full_tensor() if is_sharded(p) else t
+
+
+def shard_count(p: Tensor) -> int:
+    """How many shards ``p``'s rows are split into: the product of the sizes of its mesh dimensions
+    placed ``Shard`` (1 when ``p`` is not sharded)."""
     if not is_sharded(p):
-        return t
-    whole = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-    return whole.full_tensor()
+        return 1
+    return math.prod(p.device_mesh.size(d) for d, placement in enumerate(p.placements) if isinstance(placement, Shard))
 
 
 def this_shard(t: Tensor, p: Tensor) -> Tensor:

@@ -144,7 +144,7 @@ def _factored_estimate(v_full: Tensor, dims: tuple[int, int], idx: Tensor | None
     if shards is not None:
         shards.sum_(col)
     flat = torch.arange(v_full.numel()) if idx is None else idx
-    ratio = factored_ratio(row, None if shards is None else row_mean(row, shards))
+    ratio = factored_ratio(row, row_mean(row, shards))
     return ratio[flat // cols].double() * col[flat % cols].double()
 
 
@@ -154,7 +154,8 @@ def _raw_state(opt: BlockwiseAdamW, name: str, shards: Any) -> tuple[Canonical, 
         return None
     # a shard's factored state expands over the whole parameter's row mean when every rank scores its
     # rows (``shards``); read over this rank's rows otherwise (no collective)
-    state.shards = state.shards if shards is not None else None
+    if shards is None:
+        state.shards = None
     return state, opt.step_count(name), opt.momentum_step_count(name), opt.param_group_of(name)
 
 
