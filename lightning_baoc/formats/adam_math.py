@@ -26,11 +26,25 @@ from .base import StepHyper, StepItem
 from .quant import SUPER, sqrt_rn
 
 
-def chunk_ranges(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
-    """``[start, stop)`` ranges covering ``numel`` elements; starts fall on 8-bit super-blocks."""
+def chunk_ranges(numel: int, chunk: int, lead: int | None = None) -> Iterator[tuple[int, int]]:
+    """``[start, stop)`` ranges covering ``numel`` elements; starts fall on 8-bit super-blocks.
+
+    ``lead`` (a shard's states laid out in the whole parameter's super-blocks, ``int8.frame_lead``):
+    where the first element sits in its super-block; the starts then fall on the whole parameter's
+    super-blocks, and a partial first or last super-block is a range of its own (what a shard shares
+    with its neighbours stays small).
+    """
     chunk = max(SUPER, (chunk // SUPER) * SUPER)
-    for start in range(0, numel, chunk):
-        yield start, min(start + chunk, numel)
+    if lead is None:
+        for start in range(0, numel, chunk):
+            yield start, min(start + chunk, numel)
+        return
+    first = min((-lead) % SUPER, numel)  # the first super-block boundary
+    last = max(first, numel - (numel + lead) % SUPER)  # the last one
+    cuts = [0, *range(first, last, chunk), last, numel]
+    for start, stop in zip(cuts, cuts[1:]):
+        if stop > start:
+            yield start, stop
 
 
 def element_batches(items: list[StepItem], limit: int) -> Iterator[list[StepItem]]:

@@ -284,6 +284,16 @@ class StateFormat(ABC):
         """Exact bytes of state for a parameter of ``shape`` held in this format."""
         return sum(spec.nbytes for spec in self.layout(shape))
 
+    def shard_layout(self, shape: Shape, offset: int = 0) -> tuple[TensorSpec, ...]:
+        """The compact tensors stored for a shard of ``shape`` whose first element is element ``offset``
+        of its parameter's flat order (FSDP2): :meth:`layout`, with the 8-bit formats' groups and
+        super-blocks the whole parameter's (:func:`~.frames.framed_specs`); :meth:`layout` itself at
+        offset 0."""
+        from .frames import framed_specs  # frames builds on this module
+        from .quant import SUPER
+
+        return framed_specs(self.layout(shape), numel_of(shape), offset % SUPER)
+
     @abstractmethod
     def encode(self, state: Canonical, views: dict[str, Tensor], hyper: StepHyper) -> None:
         """Write ``state`` into this format's compact tensors ``views`` (in place)."""

@@ -31,6 +31,7 @@ from .adam_math import param_flat
 from .base import StateFormat, StepHyper, factor_dims
 from .correction import reconstruct, split_into
 from .factored_math import EPS_SQUARE, FP32_MAX
+from .frames import framed
 from .quant import M_SCALE_MAX, V_SCALE_MAX
 
 _M_KEYS = {kernels.M_FP32: ("exp_avg", None, None), kernels.M_BF16: ("exp_avg", None, None),
@@ -60,9 +61,11 @@ class KernelItem(NamedTuple):
 
 
 def kernel_serves(fmt: StateFormat, param: Tensor, views: dict[str, Tensor], policy: str) -> bool:
-    """Whether the compiled kernel steps ``param`` (held in ``fmt`` as ``views``) under ``policy``."""
+    """Whether the compiled kernel steps ``param`` (held in ``fmt`` as ``views``) under ``policy`` (not a
+    shard laid out in the whole parameter's 8-bit groups: :func:`~.frames.framed`, the eager step's)."""
     return (
         (fmt.kernel_kinds is not None or getattr(fmt, "momentum_kind", None) is not None)
+        and not framed(views)
         and param.device.type == "cpu"
         and all(t.device.type == "cpu" for t in views.values())
         and kernels.use_compiled(policy, announce=False)

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .adam_math import chunk_adamw, chunk_ranges, grad_flat, param_flat
 from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, numel_of
+from .frames import finish_stores, frame_lead
 
 
 class ElementwiseFormat(StateFormat):
@@ -52,10 +53,11 @@ class ElementwiseFormat(StateFormat):
         m = state.exp_avg.reshape(-1) if (self.has_momentum and state.exp_avg is not None) else None
         if self.has_momentum and m is None:
             raise ValueError("this format needs a momentum; the optimizer re-creates it before encode")
-        for start, stop in chunk_ranges(n, hyper.chunk):
+        for start, stop in chunk_ranges(n, hyper.chunk, frame_lead(views)):
             if m is not None:
                 self.store_m(m[start:stop].to(torch.float32).clone(), views, start, stop, hyper)
             self.store_v(v[start:stop].to(torch.float32).clone(), views, start, stop, hyper)
+        finish_stores(views)
 
     def decode(self, views: dict[str, Tensor], shape: Shape) -> Canonical:
         n = numel_of(shape)
@@ -70,7 +72,7 @@ class ElementwiseFormat(StateFormat):
             step_hyper = replace(hyper, noise_key=item.noise_key)
             p, write_back = param_flat(item.param)
             g = grad_flat(item.grad)
-            for start, stop in chunk_ranges(p.numel(), hyper.chunk):
+            for start, stop in chunk_ranges(p.numel(), hyper.chunk, frame_lead(item.views)):
                 m = self.load_m(item.views, start, stop) if self.has_momentum else None
                 v = self.load_v(item.views, start, stop)
                 chunk_adamw(
@@ -85,6 +87,7 @@ class ElementwiseFormat(StateFormat):
                 if m is not None:
                     self.store_m(m, item.views, start, stop, step_hyper)
                 self.store_v(v, item.views, start, stop, step_hyper)
+            finish_stores(item.views)
             write_back()
 
 

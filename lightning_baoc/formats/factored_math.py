@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .adam_math import effective_grad, param_flat
 from .base import StepHyper, StepItem, factor_dims, factor_view, factored_ratio
+from .frames import finish_stores, frame_lead
 from .quant import SUPER, sqrt_rn
 
 #: Added to squared gradients so that a row of exact zeros keeps a positive estimate (Adafactor's eps1).
@@ -27,12 +28,19 @@ LoadM = Callable[[dict[str, Tensor], int, int], Tensor]
 StoreM = Callable[[Tensor, dict[str, Tensor], int, int, StepHyper], None]
 
 
-def row_blocks(rows: int, cols: int, chunk: int) -> Iterator[tuple[int, int]]:
-    """Row ranges of about ``chunk`` elements whose element offsets fall on 8-bit super-blocks."""
+def row_blocks(rows: int, cols: int, chunk: int, lead: int | None = None) -> Iterator[tuple[int, int]]:
+    """Row ranges of about ``chunk`` elements whose element offsets fall on 8-bit super-blocks (of the
+    whole parameter, for a shard whose first element sits ``lead`` elements into its super-block:
+    ``int8.frame_lead``; the rows before the first such offset are a range of their own)."""
     step = max(1, chunk // max(cols, 1))
     align = SUPER // gcd(cols, SUPER)
     step = max(align, (step // align) * align)
-    for r0 in range(0, rows, step):
+    first = 0
+    if lead:  # the first row on a super-block: lead is a multiple of gcd(cols, SUPER), as a shard starts on a row
+        first = next((r for r in range(min(align, rows)) if (r * cols + lead) % SUPER == 0), rows)
+        if first:
+            yield 0, first
+    for r0 in range(first, rows, step):
         yield r0, min(r0 + step, rows)
 
 
@@ -52,7 +60,7 @@ def factored_update(
         p2d = p_flat.view(rows, cols)
         g2d = item.grad.reshape(rows, cols)
         row, col = item.views["exp_avg_sq_row"], item.views["exp_avg_sq_col"]
-        blocks = list(row_blocks(rows, cols, hyper.chunk))
+        blocks = list(row_blocks(rows, cols, hyper.chunk, frame_lead(item.views)))
         mean = _update_moments(row, col, g2d, p2d, blocks, hyper, item.shards)
         row_factor, col_factor = sqrt_factors(row, col, item.bias_correction2, mean)
 
@@ -70,6 +78,8 @@ def factored_update(
                 store_m(m.view(-1), item.views, start, stop, hyper)
             else:
                 p.addcdiv_(g, denom, value=-hyper.lr)
+        if store_m is not None:
+            finish_stores(item.views)
         write_back()
 
 

@@ -14,46 +14,8 @@ from lightning_baoc import kernels
 
 from .base import Shape, StepHyper, TensorSpec, numel_of
 from .elementwise import ElementwiseFormat
-from .quant import (
-    EXP_DTYPE,
-    GROUP,
-    SCALE_DTYPE,
-    SUPER,
-    dequantize_momentum,
-    dequantize_sqrt,
-    num_groups,
-    num_supers,
-    quantize_momentum,
-    quantize_sqrt,
-)
-
-
-def group_slice(start: int, stop: int) -> slice:
-    """The scales covering elements ``[start, stop)`` (``start`` on a super-block boundary)."""
-    return slice(start // GROUP, -(-stop // GROUP))
-
-
-def super_slice(start: int, stop: int) -> slice:
-    """The exponents covering elements ``[start, stop)`` (``start`` on a super-block boundary)."""
-    return slice(start // SUPER, -(-stop // SUPER))
-
-
-def quant_args(views: dict[str, Tensor], key: str, start: int, stop: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Codes, scales and exponents of ``key``'s elements ``[start, stop)``."""
-    return (
-        views[key][start:stop],
-        views[key + "_scale"][group_slice(start, stop)],
-        views[key + "_exp"][super_slice(start, stop)],
-    )
-
-
-def quant_specs(key: str, code_dtype: torch.dtype, n: int) -> tuple[TensorSpec, TensorSpec, TensorSpec]:
-    """The three tensors of one 8-bit moment: codes, fp16 group scales, int8 super-block exponents."""
-    return (
-        TensorSpec(key + "_scale", SCALE_DTYPE, num_groups(n)),
-        TensorSpec(key, code_dtype, n),
-        TensorSpec(key + "_exp", EXP_DTYPE, num_supers(n)),
-    )
+from .frames import quant_args, quant_specs, store_quantized
+from .quant import dequantize_momentum, dequantize_sqrt, quantize_momentum, quantize_sqrt
 
 
 class Int8(ElementwiseFormat):
@@ -74,10 +36,10 @@ class Int8(ElementwiseFormat):
         return dequantize_momentum(*quant_args(views, "exp_avg", start, stop))
 
     def store_m(self, m: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
-        quantize_momentum(m, *quant_args(views, "exp_avg", start, stop))
+        store_quantized(quantize_momentum, m, views, "exp_avg", start, stop)
 
     def load_v(self, views: dict[str, Tensor], start: int, stop: int) -> Tensor:
         return dequantize_sqrt(*quant_args(views, "exp_avg_sq", start, stop))
 
     def store_v(self, v: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
-        quantize_sqrt(v, *quant_args(views, "exp_avg_sq", start, stop))
+        store_quantized(quantize_sqrt, v, views, "exp_avg_sq", start, stop)

@@ -14,7 +14,7 @@ from lightning_baoc import kernels
 from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, factor_view, numel_of
 from .adam_math import chunk_ranges
 from .factored_math import factored_update
-from .int8 import quant_args, quant_specs
+from .frames import finish_stores, frame_lead, quant_args, quant_specs, store_quantized
 from .quant import dequantize_momentum, quantize_momentum
 
 
@@ -23,7 +23,7 @@ def _load_m(views: dict[str, Tensor], start: int, stop: int) -> Tensor:
 
 
 def _store_m(m: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
-    quantize_momentum(m, *quant_args(views, "exp_avg", start, stop))
+    store_quantized(quantize_momentum, m, views, "exp_avg", start, stop)
 
 
 class Int8Factored(StateFormat):
@@ -55,8 +55,9 @@ class Int8Factored(StateFormat):
         views["exp_avg_sq_row"].copy_(row)
         views["exp_avg_sq_col"].copy_(col)
         m = state.exp_avg.reshape(-1)
-        for start, stop in chunk_ranges(m.numel(), hyper.chunk):
+        for start, stop in chunk_ranges(m.numel(), hyper.chunk, frame_lead(views)):
             _store_m(m[start:stop].to(torch.float32).clone(), views, start, stop, hyper)
+        finish_stores(views)
 
     def decode(self, views: dict[str, Tensor], shape: Shape) -> Canonical:
         shape = tuple(shape)

@@ -47,7 +47,7 @@ from lightning_baoc import kernels
 
 from .adam_math import chunk_ranges, grad_flat, param_flat
 from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, numel_of
-from .int8 import quant_args, quant_specs
+from .frames import finish_stores, frame_lead, quant_args, quant_specs, store_quantized
 from .quant import bf16_stochastic, dequantize_momentum, quantize_momentum
 
 #: The update rules the momentum formats run.
@@ -67,8 +67,9 @@ class MomentumFormat(StateFormat):
         if state.exp_avg is None:
             raise ValueError("this format needs a momentum; the optimizer re-creates it before encode")
         m = state.exp_avg.reshape(-1)
-        for start, stop in chunk_ranges(m.numel(), hyper.chunk):
+        for start, stop in chunk_ranges(m.numel(), hyper.chunk, frame_lead(views)):
             self.store_m(m[start:stop].to(torch.float32).clone(), views, start, stop, hyper)
+        finish_stores(views)
 
     def decode(self, views: dict[str, Tensor], shape: Shape) -> Canonical:
         shape = tuple(shape)
@@ -91,7 +92,7 @@ class MomentumFormat(StateFormat):
             p, write_back = param_flat(item.param)
             g = grad_flat(item.grad)
             first = item.momentum_step <= 1  # the buffer's first step (SGD starts it as d)
-            for start, stop in chunk_ranges(p.numel(), hyper.chunk):
+            for start, stop in chunk_ranges(p.numel(), hyper.chunk, frame_lead(item.views)):
                 m = self.load_m(item.views, start, stop) if self.has_momentum else None
                 if hyper.rule == "sgd":
                     m = chunk_sgd(p[start:stop], g[start:stop], m, hyper, first)
@@ -99,6 +100,7 @@ class MomentumFormat(StateFormat):
                     chunk_lion(p[start:stop], g[start:stop], m, hyper)
                 if m is not None:
                     self.store_m(m, item.views, start, stop, step_hyper)
+            finish_stores(item.views)
             write_back()
 
 
@@ -194,7 +196,7 @@ class MomentumInt8(MomentumFormat):
         return dequantize_momentum(*quant_args(views, "exp_avg", start, stop))
 
     def store_m(self, m: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
-        quantize_momentum(m, *quant_args(views, "exp_avg", start, stop))
+        store_quantized(quantize_momentum, m, views, "exp_avg", start, stop)
 
 
 class MomentumNone(MomentumFormat):

@@ -14,7 +14,7 @@ from lightning_baoc import kernels
 
 from .base import Shape, StepHyper, TensorSpec, numel_of
 from .elementwise import ElementwiseFormat
-from .int8 import quant_args, quant_specs
+from .frames import quant_args, quant_specs, store_quantized
 from .quant import dequantize_sqrt, quantize_sqrt
 
 
@@ -42,4 +42,4 @@ class NoMomentumInt8(ElementwiseFormat):
         return dequantize_sqrt(*quant_args(views, "exp_avg_sq", start, stop))
 
     def store_v(self, v: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
-        quantize_sqrt(v, *quant_args(views, "exp_avg_sq", start, stop))
+        store_quantized(quantize_sqrt, v, views, "exp_avg_sq", start, stop)

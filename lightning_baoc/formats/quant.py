@@ -93,6 +93,13 @@ def _per_group(x: Tensor, scales: Tensor) -> Tensor:
     return x
 
 
+def _phased(x: Tensor, phase: int) -> Tensor:
+    """``x`` preceded by ``phase`` zeros (a new tensor; ``x`` itself for phase 0): a chunk whose first
+    element sits ``phase`` elements into its 32-element group, laid out on whole groups. A zero
+    changes no group's absolute maximum."""
+    return torch.constant_pad_nd(x, (phase, 0)) if phase else x
+
+
 def _super_rows(groups: Tensor) -> Tensor:
     """Per-group values as one row per super-block (the tail row padded with zeros)."""
     pad = (-groups.numel()) % SUPER_GROUPS
@@ -113,7 +120,9 @@ def group_absmax(x: Tensor) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _store_scales(absmax: Tensor, scales_out: Tensor, exps_out: Tensor, limit: float) -> Tensor:
+def _store_scales(
+    absmax: Tensor, scales_out: Tensor, exps_out: Tensor, limit: float, skip: int = 0, edges: Tensor | None = None
+) -> Tensor:
     """Store fp16 scales with a shared exponent per super-block; return per-group fp32 reciprocals.
 
     Normalizing by the stored (rounded) scale keeps encode and decode in exact agreement; values
@@ -121,54 +130,101 @@ def _store_scales(absmax: Tensor, scales_out: Tensor, exps_out: Tensor, limit: f
     inf input included) and groups under :data:`SCALE_MIN` are stored as 0 (see the module
     docstring), so every stored scale is finite and every returned reciprocal too (0 for a zero
     group: nothing is divided by it).
+
+    ``skip``: the groups of the first super-block before ``absmax``'s first (a chunk starting inside
+    a super-block, :func:`quantize_momentum`'s ``lead``). ``edges``: the maxima of the first and the
+    last super-block over elements beyond this chunk (``edges[1]``, ``edges[3]``; a shard's
+    neighbours', :func:`edge_maxima`), so that a super-block split among shards takes one exponent.
     """
     n = absmax.numel()
-    rows = _super_rows(absmax.clamp(max=limit))
+    rows = _super_rows(_phased(absmax.clamp(max=limit), skip))
+    top = rows.amax(dim=1)
+    if edges is not None:
+        outer = edges.clamp(max=limit)
+        top[:1] = torch.maximum(top[:1], outer[1:2])
+        top[-1:] = torch.maximum(top[-1:], outer[3:4])
     # log2(0) = -inf: an all-zero super-block gets the smallest exponent (its scales are all 0)
-    exps = torch.log2(rows.amax(dim=1)).floor_().sub_(_TOP_EXPONENT).clamp_(_EXP_MIN, _EXP_MAX)
+    exps = torch.log2(top).floor_().sub_(_TOP_EXPONENT).clamp_(_EXP_MIN, _EXP_MAX)
     exps_out.copy_(exps)
     unit = torch.exp2(exps).unsqueeze_(1)  # finite and normal, as is 1 / unit
     scales = rows.div(unit).to(SCALE_DTYPE)
     stored = scales.to(torch.float32).mul_(unit)  # exactly what decoding computes
     flushed = stored < SCALE_MIN
     scales.masked_fill_(flushed, 0.0)
-    scales_out.copy_(scales.view(-1)[:n])
-    return torch.where(flushed, 0.0, stored.reciprocal()).view(-1)[:n]
+    scales_out.copy_(scales.view(-1)[skip : skip + n])
+    return torch.where(flushed, 0.0, stored.reciprocal()).view(-1)[skip : skip + n]
 
 
-def _load_scales(scales: Tensor, exps: Tensor) -> Tensor:
-    """Per-group fp32 scales, fp16 scale * 2**exponent: exact, as the product is normal or 0."""
+def _load_scales(scales: Tensor, exps: Tensor, skip: int = 0) -> Tensor:
+    """Per-group fp32 scales, fp16 scale * 2**exponent: exact, as the product is normal or 0
+    (``skip``: the groups of the first super-block before ``scales``' first)."""
     unit = torch.exp2(exps.to(torch.float32)).unsqueeze_(1)
-    return _super_rows(scales.to(torch.float32)).mul_(unit).view(-1)[: scales.numel()]
+    rows = _super_rows(_phased(scales.to(torch.float32), skip))
+    return rows.mul_(unit).view(-1)[skip : skip + scales.numel()]
 
 
-def quantize_momentum(x: Tensor, codes_out: Tensor, scales_out: Tensor, exps_out: Tensor) -> None:
-    """Companded int8 quantization of a flat fp32 momentum chunk (``x`` is overwritten)."""
-    inv = _store_scales(group_absmax(x), scales_out, exps_out, M_SCALE_MAX)
+def _fold_groups(absmax: Tensor, edges: Tensor | None) -> Tensor:
+    """``absmax`` with the first and last groups' maxima beyond the chunk folded in (``edges[0]``,
+    ``edges[2]``: :func:`_store_scales`)."""
+    if edges is not None:
+        absmax[:1] = torch.maximum(absmax[:1], edges[0:1])
+        absmax[-1:] = torch.maximum(absmax[-1:], edges[2:3])
+    return absmax
+
+
+def edge_maxima(values: Tensor, lead: int = 0) -> Tensor:
+    """The absolute maxima of the first group, the first super-block, the last group and the last
+    super-block of a flat chunk whose first element sits ``lead`` elements into its super-block
+    (4 fp32 values): what a shard shares with its neighbours where its edges cut a group or a
+    super-block (for the second moment, of ``sqrt(v)``)."""
+    groups = group_absmax(_phased(values, lead % GROUP))
+    top = _super_rows(_phased(groups, lead // GROUP)).amax(dim=1)
+    return torch.stack([groups[0], top[0], groups[-1], top[-1]]).to(torch.float32)
+
+
+def quantize_momentum(
+    x: Tensor, codes_out: Tensor, scales_out: Tensor, exps_out: Tensor, lead: int = 0, edges: Tensor | None = None
+) -> None:
+    """Companded int8 quantization of a flat fp32 momentum chunk (``x`` is overwritten).
+
+    ``lead``: where the chunk's first element sits in its super-block (0 but for the first chunk of
+    a shard starting inside one: its groups and super-blocks are the whole parameter's, not the
+    shard's); ``edges``: the maxima beyond the chunk of its first and last groups and super-blocks
+    (a shard's neighbours', :func:`edge_maxima` order; ``None``: none), so that a group split
+    among shards takes one scale, the one-process scale.
+    """
+    phase = lead % GROUP
+    x = _phased(x, phase)
+    inv = _store_scales(_fold_groups(group_absmax(x), edges), scales_out, exps_out, M_SCALE_MAX, lead // GROUP, edges)
     _per_group(x, inv).clamp_(-1.0, 1.0)
     # softsign: y = 2x / (1 + |x|)
     y = x.abs().add_(1.0)
     torch.div(x, y, out=y).mul_(2.0 * 127.0).round_()
-    codes_out.copy_(y)
+    codes_out.copy_(y[phase:])
 
 
-def dequantize_momentum(codes: Tensor, scales: Tensor, exps: Tensor) -> Tensor:
+def dequantize_momentum(codes: Tensor, scales: Tensor, exps: Tensor, lead: int = 0) -> Tensor:
     """Inverse of :func:`quantize_momentum`: a new flat fp32 tensor."""
-    y = codes.to(torch.float32).mul_(1.0 / 127.0)  # a product, not a quotient: one division less per element
+    phase = lead % GROUP
+    y = _phased(codes.to(torch.float32), phase).mul_(1.0 / 127.0)  # a product, not a quotient: one division less per element
     x = y.abs().neg_().add_(2.0)
     torch.div(y, x, out=x)
-    return _per_group(x, _load_scales(scales, exps))
+    return _per_group(x, _load_scales(scales, exps, lead // GROUP))[phase:]
 
 
-def quantize_sqrt(v: Tensor, codes_out: Tensor, scales_out: Tensor, exps_out: Tensor) -> None:
-    """sqrt-companded uint8 quantization of a flat fp32 second-moment chunk (``v`` is overwritten)."""
-    s = sqrt_rn(v.clamp_(min=0.0))
-    inv = _store_scales(group_absmax(s), scales_out, exps_out, V_SCALE_MAX)
+def quantize_sqrt(
+    v: Tensor, codes_out: Tensor, scales_out: Tensor, exps_out: Tensor, lead: int = 0, edges: Tensor | None = None
+) -> None:
+    """sqrt-companded uint8 quantization of a flat fp32 second-moment chunk (``v`` is overwritten;
+    ``lead`` and ``edges`` as :func:`quantize_momentum`'s, over ``sqrt(v)``)."""
+    phase = lead % GROUP
+    s = _phased(sqrt_rn(v.clamp_(min=0.0)), phase)
+    inv = _store_scales(_fold_groups(group_absmax(s), edges), scales_out, exps_out, V_SCALE_MAX, lead // GROUP, edges)
     _per_group(s, inv).clamp_(0.0, 1.0).mul_(255.0).round_()
-    codes_out.copy_(s)
+    codes_out.copy_(s[phase:])
 
 
-def dequantize_sqrt(codes: Tensor, scales: Tensor, exps: Tensor) -> Tensor:
+def dequantize_sqrt(codes: Tensor, scales: Tensor, exps: Tensor, lead: int = 0) -> Tensor:
     """Inverse of :func:`quantize_sqrt`: a new flat fp32 tensor.
 
     Code 0 stands for every ``sqrt(v)`` below half a step (``absmax / 510``); it decodes to that
@@ -177,8 +233,10 @@ def dequantize_sqrt(codes: Tensor, scales: Tensor, exps: Tensor) -> Tensor:
     with ``nomomentum_int8`` diverged that way. The bound caps the step at the size the group's
     precision allows; a group of exact zeros (scale 0) still decodes to 0.
     """
-    s = codes.to(torch.float32).clamp_(min=0.5).mul_(1.0 / 255.0)
-    _per_group(s, _load_scales(scales, exps))
+    phase = lead % GROUP
+    s = _phased(codes.to(torch.float32).clamp_(min=0.5), phase).mul_(1.0 / 255.0)
+    _per_group(s, _load_scales(scales, exps, lead // GROUP))
+    s = s[phase:]
     return s.mul_(s)  # finite: s <= V_SCALE_MAX * (1 + 2**-11) < 2**64 - 2**40
 
 

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from lightning_baoc.formats import StepHyper
 from lightning_baoc.formats.adam_math import chunk_ranges
+from lightning_baoc.formats.frames import finish_stores, frame_lead
 from lightning_baoc.formats.base import FactoredMeans, StateFormat, factor_view, factored_ratio, numel_of, row_mean
 
 _FP32_MAX = torch.finfo(torch.float32).max
@@ -58,6 +59,8 @@ def convert_state(
     """
     n = numel_of(shape)
     device = next((t.device for t in dst_views.values()), None)
+    # a shard laid out in the whole parameter's 8-bit super-blocks: slices start on them
+    lead = frame_lead(dst_views) if frame_lead(src_views) is None else frame_lead(src_views)
     load_v = _v_reader(src, src_views, shape, shards) if dst.has_second_moment else None
     load_m: Slice | None = (lambda a, b: src.load_m(src_views, a, b)) if src.has_momentum else None
     if dst.has_momentum and load_m is None:
@@ -66,19 +69,21 @@ def convert_state(
         m_step = 0
     if dst.factored:
         sums = FactoredMeans(shape, device, shards)
-        for a, b in chunk_ranges(n, hyper.chunk):
+        for a, b in chunk_ranges(n, hyper.chunk, lead):
             sums.add(a, load_v(a, b).to(device))
             if dst.has_momentum:
                 dst.store_m(load_m(a, b).to(device), dst_views, a, b, hyper)
+        finish_stores(dst_views)
         row, col = sums.reduced()
         dst_views[_ROW].copy_(row)
         dst_views[_COL].copy_(col)
         return m_step
-    for a, b in chunk_ranges(n, hyper.chunk):
+    for a, b in chunk_ranges(n, hyper.chunk, lead):
         if dst.has_momentum:
             dst.store_m(load_m(a, b).to(device), dst_views, a, b, hyper)
         if load_v is not None:
             dst.store_v(load_v(a, b).to(device), dst_views, a, b, hyper)
+    finish_stores(dst_views)
     return m_step
 
 

@@ -40,13 +40,24 @@ optimizer's current formats: :func:`saved_formats` reads the saved ones, to set 
 
 from __future__ import annotations
 
+import math
 import os
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from torch import Tensor
 
-from lightning_baoc.optim.sharding import DTensor, as_dtensor, is_sharded, largest_shard_shape, local, shard_count
+from lightning_baoc.formats import StateFormat
+from lightning_baoc.optim.sharding import (
+    DTensor,
+    as_dtensor,
+    flat_shards,
+    is_sharded,
+    largest_shard_shape,
+    local,
+    shard_count,
+    shard_offset,
+)
 from lightning_baoc.optim.state import STATE_DICT_VERSION, CheckpointError, _digest_value
 
 if TYPE_CHECKING:
@@ -66,6 +77,21 @@ def is_distributed_layout(sd: Any) -> bool:
         and all(isinstance(g, Mapping) and isinstance(g.get("baoc"), Mapping) for g in groups)
         and all(g["baoc"].get("layout") == LAYOUT for g in groups)
     )
+
+
+def _longest(fmt: StateFormat, p: Tensor) -> dict[str, int]:
+    """Each compact tensor's longest length over the shards of ``p`` (the rows of its distributed
+    layout): the largest shard's, or, where shards start off an 8-bit super-block, the longest of every
+    shard's layout in the whole parameter's groups (a shard may touch one group more than its size)."""
+    frame = flat_shards(p)
+    if frame is None:
+        return {spec.key: spec.numel for spec in fmt.layout(largest_shard_shape(p))}
+    cols = math.prod(p.shape[1:])
+    longest: dict[str, int] = {}
+    for a, b in zip(frame.starts, frame.starts[1:]):
+        for spec in fmt.shard_layout(((b - a) // cols, *p.shape[1:]), a):
+            longest[spec.key] = max(longest.get(spec.key, 0), spec.numel)
+    return longest
 
 
 def _rows(t: Tensor, p: Tensor, longest: int) -> Tensor:
@@ -106,7 +132,7 @@ def to_distributed(sd: dict[str, Any], opt: "BlockwiseOptimizer") -> dict[str, A
                    nonfinite=int(meta["nonfinite"].get(name, 0)))
         if is_sharded(p):
             fmt = opt.format_registry[entry["format"]]
-            longest = {spec.key: spec.numel for spec in fmt.layout(largest_shard_shape(p))}
+            longest = _longest(fmt, p)
             out["tensors"] = {k: _rows(t, p, longest[k]) for k, t in entry["tensors"].items()}
             out["checksum"] = _rows(torch.tensor([entry["checksum"]], dtype=torch.int64, device=local(p).device), p, 1)
         else:
@@ -227,7 +253,7 @@ def from_distributed(sd: Mapping[str, Any], opt: "BlockwiseOptimizer") -> dict[s
         if not isinstance(tensors, Mapping):
             raise _invalid(f"state entry {name!r} holds no tensors")
         if is_sharded(p):
-            lengths = {spec.key: spec.numel for spec in opt.format_registry[fmt_name].layout(tuple(mine.shape))}
+            lengths = {spec.key: spec.numel for spec in opt.format_registry[fmt_name].shard_layout(tuple(mine.shape), shard_offset(p))}
             shards = shard_count(p)
             out["tensors"] = {k: _local_row(t, lengths.get(k, 0), f"{name!r} {k!r}", shards).clone()
                               for k, t in tensors.items()}

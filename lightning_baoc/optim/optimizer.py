@@ -44,7 +44,7 @@ from lightning_baoc.optim.pools import PoolsMixin
 from lightning_baoc.optim.pools import Record as _Record
 from lightning_baoc.optim.masters import MasterMixin
 from lightning_baoc.optim.release import ReleaseMixin
-from lightning_baoc.optim.sharding import check_placements, local, row_shards, shard_offset
+from lightning_baoc.optim.sharding import check_placements, flat_shards, local, row_shards, shard_offset
 from lightning_baoc.optim.stepping import StepMixin
 
 
@@ -160,7 +160,7 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
                     )
                 check_placements(p, name)
                 self._names[name] = p
-                self._records[p] = _Record(name=name, group=index, shard_offset=shard_offset(p))
+                self._records[p] = _Record(name=name, group=index, shard_offset=shard_offset(p), frame=flat_shards(p))
         except (TypeError, ValueError):
             self.param_groups.pop()
             for p in group["params"]:

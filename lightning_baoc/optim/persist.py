@@ -19,11 +19,13 @@ from torch import Tensor
 from lightning_baoc.optim.distributed import from_distributed, is_distributed_layout, to_distributed
 from lightning_baoc.optim.sharding import gather_full, is_sharded, local
 from lightning_baoc.formats import Canonical, StepHyper, resolve_in
+from lightning_baoc.formats.frames import framed
 from lightning_baoc.optim.pools import Pool, Record
 from lightning_baoc.optim.state import (
     STATE_DICT_VERSION,
     CheckpointError,
-    export_adamw_state_dict,
+    adamw_export,
+    decode_entry,
     load_checkpoint,
     make_entry,
     seal_state_dict,
@@ -340,7 +342,13 @@ class PersistenceMixin:
                 f"to_adamw_state_dict exports AdamW's state; {self.label} holds a {self.rule} momentum: "
                 f"save its state_dict(), or read each buffer with param_state(name).exp_avg"
             )
-        out = export_adamw_state_dict(self._local_state_dict())
+        def decode(name: str, fmt: str, shape: tuple[int, ...], tensors: Mapping[str, Tensor]) -> Canonical:
+            p = self._names[name]  # type: ignore[attr-defined]
+            if framed(self._records[p].views):  # a shard in the whole parameter's 8-bit groups: read as held
+                return self.param_state(p)  # type: ignore[attr-defined]
+            return decode_entry(name, fmt, shape, tensors)
+
+        out = adamw_export(self._local_state_dict(), decode)
         params = [p for group in self.param_groups for p in group["params"]]
         for index, entry in out["state"].items():  # the whole of a sharded parameter's moments
             state = self.param_state(params[index])  # type: ignore[attr-defined]

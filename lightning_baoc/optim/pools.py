@@ -28,6 +28,8 @@ import torch
 from torch import Tensor
 
 from lightning_baoc.formats import FORMATS, Canonical, StateFormat, StepHyper
+from lightning_baoc.formats.base import TensorSpec
+from lightning_baoc.formats.frames import FramedViews
 from lightning_baoc.optim.convert import convert_state
 from lightning_baoc.optim.sharding import is_sharded, largest_shard_shape, local, mesh_min, row_shards
 
@@ -96,6 +98,8 @@ class Record:
     correction_requested: str | None = None  # explicit request; None: the group default
     master_correction: Tensor | None = None  # its int8/int16 tensor, the parameter's shape
     shard_offset: int = 0  # where this rank's shard starts in the global flat parameter (optim/sharding.py)
+    #: a shard of a parameter whose shards do not all start on an 8-bit super-block (sharding.FlatShards)
+    frame: Any = None
     #: the step whose skip the device decides: (its flags, this record's index in them)
     pending: tuple[DeferredFlags, int] | None = None
     _array: Any = field(default=None, init=False, repr=False, compare=False)  # counts as a numpy array (a view)
@@ -223,7 +227,7 @@ class PoolsMixin:
                 continue
             on_host = storage_device(rec.format, p.device, self.format_registry) != p.device
             if on_host == host:
-                per_group[rec.group] += self.format_registry[rec.format].state_bytes(local(p).shape)
+                per_group[rec.group] += sum(spec.nbytes for spec in self._layout(rec.format, p))
         return per_group if by_group else sum(per_group)
 
     @property
@@ -351,9 +355,14 @@ class PoolsMixin:
                 pools[key].segments[p] = _segment_of(views[p])
         return pools, views
 
+    def _layout(self, fmt: str, p: Tensor) -> tuple[TensorSpec, ...]:
+        """The compact tensors of ``p``'s state (of this rank's shard) in ``fmt``."""
+        return self.format_registry[fmt].shard_layout(local(p).shape, self._records[p].shard_offset)
+
     def _allocate_segment(self, fmt: str, p: Tensor) -> dict[str, Tensor]:
-        """Zeroed views of ``p``'s state in ``fmt``, carved from one new ``uint8`` buffer."""
-        layout = self.format_registry[fmt].layout(local(p).shape)
+        """Zeroed views of ``p``'s state in ``fmt``, carved from one new ``uint8`` buffer (a shard's 8-bit
+        states laid out in the whole parameter's groups: :class:`~lightning_baoc.formats.frames.FramedViews`)."""
+        layout = self._layout(fmt, p)
         storage = storage_device(fmt, p.device, self.format_registry)
         offsets: dict[str, int] = {}
         total = 0
@@ -366,7 +375,8 @@ class PoolsMixin:
         buffer = torch.zeros(total, dtype=torch.uint8, device=storage, pin_memory=pin)
         if storage == p.device:  # host memory of an accelerator's parameter is not device state
             self._count_allocated(total)
-        views: dict[str, Tensor] = {}
+        frame = self._records[p].frame
+        views: dict[str, Tensor] = FramedViews(frame) if frame is not None and self.format_registry[fmt].quantized else {}
         for spec in layout:
             if spec.key in offsets:
                 start = offsets[spec.key]

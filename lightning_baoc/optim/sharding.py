@@ -13,28 +13,37 @@ part: each rank holds the state of its own shard, in the format chosen for the w
   shard, so a rank holding few rows keeps the format of the whole.
 - The states live on each rank's shard. The stochastic rounding of a shard draws the bits the
   whole parameter draws for the same elements (its keys shift by :func:`shard_offset`), so the
-  element-wise formats round as in one process; quantization groups start at the shard's first
-  element, the same groups as in one process when the shard starts on a 32-element group (the
-  super-blocks' shared exponents may differ; the scales they store decode to the same values).
+  element-wise formats round as in one process. The 8-bit formats' groups of 32 elements and
+  super-blocks of 1024 are the whole parameter's wherever the shards start: where a shard starts
+  or ends inside one (:class:`FlatShards`), its states are laid out from the whole parameter's
+  (``formats.frames``), and a group or super-block split between shards takes the scale and the
+  exponent of both parts: each write of such a parameter's 8-bit states exchanges the maxima at
+  the shards' edges in one all-reduce of ``4 * moments * shards`` floats, so the codes, scales and
+  exponents are the one-process ones, bit for bit. These parameters take the eager step; where
+  every shard starts on a super-block (a row of a multiple of 1024 elements, or shards of whole
+  super-blocks) nothing is exchanged and the kernels serve them.
 - Factored second moments (``factored``, ``int8_factored``) of a parameter split by rows hold this
   rank's rows of the row statistics and the column statistics of the whole matrix, the same on every
   rank: each step sums the column sums of squares and the row mean over the shards in one all-reduce
   of ``cols + 1`` floats per parameter (:class:`RowShards`), and a conversion to or from them sums
   the same way, so the state is the one-process state (within float summation order).
 
-The step communicates nothing but the factored formats' sums above: it is local to each rank, as
-FSDP2 expects. ``to_adamw_state_dict``
+The step communicates nothing but the factored formats' sums and the 8-bit edges above: it is
+otherwise local to each rank, as FSDP2 expects. ``to_adamw_state_dict``
 gathers the whole fp32 moments (:func:`gather_full`, a collective), and a whole state loads into a
 sharded run by taking each rank's part (:func:`this_shard`), so a state moves between world sizes.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
+
+from lightning_baoc.formats.quant import GROUP, SUPER
 
 try:  # torch >= 2.4: the public path; absent from builds without distributed support
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -192,3 +201,84 @@ def shard_group(params: Any) -> Any:
         raise ValueError(f"the model's DTensor parameters are sharded over several mesh dimensions {sorted(dims)}; "
                          f"gradient sampling assembles shards over one")
     return mesh.get_group(dims.pop() if dims else 0)
+
+
+@dataclass(frozen=True)
+class FlatShards:
+    """A parameter whose shards do not all start on an 8-bit super-block (1024 elements of its flat
+    order): the place of this rank's shard among the shards, and the exchange of the maxima where a
+    shard's edges cut a group or a super-block (the ``frame`` of ``formats.frames.FramedViews``)."""
+
+    offset: int  # where this shard starts in the whole parameter's flat order
+    numel: int  # this shard's elements
+    starts: tuple[int, ...]  # every shard's first element, in shard order, then the whole numel
+    index: int  # this shard's place in ``starts``
+    group: Any  # the process group of the shards
+
+    @property
+    def lead(self) -> int:
+        """Where this shard's first element sits in its super-block."""
+        return self.offset % SUPER
+
+    @property
+    def head_shared(self) -> bool:
+        """Whether a shard before this one holds part of this one's first super-block."""
+        return self.numel > 0 and self.lead != 0
+
+    @property
+    def tail_shared(self) -> bool:
+        """Whether a shard after this one holds part of this one's last super-block."""
+        end = self.offset + self.numel
+        return self.numel > 0 and end % SUPER != 0 and end < self.starts[-1]
+
+    def edges_max_(self, edges: Tensor) -> Tensor:
+        """``edges`` (moments x 4: the maxima of this shard's first group, first super-block, last group
+        and last super-block, ``formats.quant.edge_maxima``) <- the maxima of those groups and
+        super-blocks over every shard holding part of them, in place: one all-reduce of every shard's
+        four maxima per moment (a collective: every rank of ``group`` calls it, a shard without
+        elements too)."""
+        import torch
+        import torch.distributed as dist
+
+        shards = len(self.starts) - 1
+        every = torch.zeros(edges.shape[0], shards, 4, dtype=edges.dtype, device=edges.device)
+        every[:, self.index] = edges
+        dist.all_reduce(every, op=dist.ReduceOp.SUM, group=self.group)  # one slot per shard: a gather
+        for column, sources in enumerate(self._sources):
+            for shard, col in sources:
+                edges[:, column] = torch.maximum(edges[:, column], every[:, shard, col])
+        return edges
+
+    @functools.cached_property
+    def _sources(self) -> list[list[tuple[int, int]]]:
+        """For each of this shard's four edges (first group, first super-block, last group, last
+        super-block): the (shard, edge) pairs of the other shards that hold part of it."""
+        ids = []
+        for a, b in zip(self.starts, self.starts[1:]):
+            ids.append(None if b <= a else (a // GROUP, a // SUPER, (b - 1) // GROUP, (b - 1) // SUPER))
+        mine = ids[self.index]
+        out: list[list[tuple[int, int]]] = []
+        for column in range(4):
+            target = None if mine is None else mine[column]
+            kind = column % 2  # 0: a group, 1: a super-block
+            sources = [(j, c) for j, other in enumerate(ids) if j != self.index and other is not None
+                       for c in (kind, kind + 2) if other[c] == target]
+            out.append(sources)
+        return out
+
+
+def flat_shards(p: Tensor) -> FlatShards | None:
+    """:class:`FlatShards` of ``p`` when its rows are split among ranks and some shard starts off an
+    8-bit super-block; ``None`` otherwise (a parameter not sharded, or sharded on super-blocks)."""
+    if not splits_rows(p):
+        return None
+    rows, cols = int(p.shape[0]), math.prod(p.shape[1:])
+    count = shard_count(p)
+    per = -(-rows // count)  # torch.chunk's rows per shard, as FSDP2 and DTensor's Shard(0) split
+    starts = tuple(min(j * per, rows) * cols for j in range(count)) + (rows * cols,)
+    if all(a % SUPER == 0 for a in starts[1:-1] if a < starts[-1]):
+        return None
+    offset, numel = shard_offset(p), local(p).numel()
+    # an empty shard (torch.chunk leaves the last ones empty) holds nothing to exchange: any empty slot
+    index = next(j for j in range(count) if (starts[j] == offset or not numel) and starts[j + 1] - starts[j] == numel)
+    return FlatShards(offset, numel, starts, index, shard_group([p]))

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import IO, Any, Iterable, Mapping
+from typing import IO, Any, Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor
 
-from lightning_baoc.formats import FORMATS, StateFormat
+from lightning_baoc.formats import FORMATS, Canonical, StateFormat
 from lightning_baoc.formats.base import factor_view
 
 STATE_DICT_VERSION = 2
@@ -295,13 +295,15 @@ def check_layout(
     tensors: Mapping[str, Tensor],
     exact_shape: bool = True,
     registry: Mapping[str, StateFormat] = FORMATS,
+    offset: int = 0,
 ) -> None:
-    """The compact tensors are those ``fmt`` (of ``registry``) stores for ``shape``: keys, dtypes, sizes."""
+    """The compact tensors are those ``fmt`` (of ``registry``) stores for ``shape``: keys, dtypes, sizes
+    (of a shard starting at element ``offset`` of its parameter: :meth:`StateFormat.shard_layout`)."""
     where = f"state of {name!r}"
     # a shard of a sharded parameter may hold one row or none: the layout needs 2 dimensions only
     if registry[fmt].factored and factor_view(shape) is None:
         raise invalid(f"{where}: format {fmt!r} cannot hold shape {shape} (it needs a 2-D or larger shape)")
-    specs = {spec.key: spec for spec in registry[fmt].layout(shape)}
+    specs = {spec.key: spec for spec in registry[fmt].shard_layout(shape, offset)}
     if set(tensors) != set(specs):
         raise invalid(
             f"{where}: tensors {sorted(tensors)} do not match format {fmt!r}, which stores {sorted(specs)}"
@@ -333,6 +335,20 @@ def export_adamw_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
         >>> ckpt = load_checkpoint("last.ckpt")  # doctest: +SKIP
         >>> ckpt["optimizer_states"] = [export_adamw_state_dict(s) for s in ckpt["optimizer_states"]]  # doctest: +SKIP
     """
+    return adamw_export(state_dict, decode_entry)
+
+
+def decode_entry(name: str, fmt: str, shape: tuple[int, ...], tensors: Mapping[str, Tensor]) -> Canonical:
+    """The state of one entry of a state dict, its layout checked (a whole parameter's)."""
+    check_layout(name, fmt, shape, tensors)
+    return FORMATS[fmt].decode(tensors, shape)
+
+
+def adamw_export(
+    state_dict: Mapping[str, Any], decode: Callable[[str, str, tuple[int, ...], Mapping[str, Tensor]], Canonical]
+) -> dict[str, Any]:
+    """:func:`export_adamw_state_dict` with each entry's state read by ``decode(name, format, shape,
+    tensors)`` (the optimizer's own reader of a shard's states: ``BlockwiseAdamW.to_adamw_state_dict``)."""
     sd = require_mapping(state_dict, "state_dict")
     meta = require_mapping(sd.get("baoc"), "'baoc'")
     if meta.get("version") != STATE_DICT_VERSION:
@@ -354,8 +370,7 @@ def export_adamw_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
             if name in sd["state"]:
                 fmt, steps, _, tensors = check_entry_fields(name, sd["state"][name], STATE_DICT_VERSION)
                 shape = tuple(sd["state"][name]["shape"])
-                check_layout(name, fmt, shape, tensors)
-                decoded = FORMATS[fmt].decode(tensors, shape)
+                decoded = decode(name, fmt, shape, tensors)
                 v = decoded.dense_v().reshape(shape).to(torch.float32)
                 m = decoded.exp_avg.reshape(shape) if decoded.exp_avg is not None else torch.zeros_like(v)
                 state[index] = {"step": torch.tensor(float(steps)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}

@@ -30,6 +30,7 @@ from torch import Tensor
 from lightning_baoc.formats import StateFormat, StepHyper, StepItem
 from lightning_baoc.formats.compiled import KernelItem, compiled_step, kernel_serves
 from lightning_baoc.formats.correction import reconstruct, split_into
+from lightning_baoc.formats.frames import framed
 from lightning_baoc.formats.quant import M_SCALE_MAX, V_SCALE_MAX, name_salt
 from lightning_baoc.formats.fused_adam import MAX_FUSED_STEP, fused_available
 from lightning_baoc.kernels import M_FP32, V_FP32, use_triton
@@ -69,9 +70,9 @@ class StepMixin:
                     continue
                 rec = self._records[p]
                 fmt = self.format_registry[rec.format]
-                if mine.numel() == 0 and not fmt.factored:  # a rank holding no rows of a sharded parameter:
+                if mine.numel() == 0 and not (fmt.factored or framed(rec.views)):  # no rows of a sharded parameter:
                     rec.step, rec.m_step = rec.step + 1, rec.m_step + int(fmt.has_momentum)  # its counts move alike
-                    continue  # (a factored one steps: it takes part in the sums over the shards)
+                    continue  # (a factored or framed one steps: it takes part in the exchanges among the shards)
                 if self._kernel_serves(rec, fmt, mine):
                     rec.settle()
                     item = KernelItem(mine, local(p.grad), rec.views, rec.counts, self._salt(rec), rec.master_correction,
@@ -242,7 +243,7 @@ class StepMixin:
             return items, corrections  # fp32 moments of fp32 parameters: torch's fused kernel
         from lightning_baoc.kernels import triton_step  # imports triton: only where it runs
 
-        served = [it.shards is None and (it.skip_flag is not None or triton_step.serves(kinds, it.param, it.grad, it.views, c))
+        served = [it.shards is None and not framed(it.views) and (it.skip_flag is not None or triton_step.serves(kinds, it.param, it.grad, it.views, c))
                   for it, c in zip(items, corrections)]
         if any(served):
             triton_step.adamw_step(kinds, [it for it, ok in zip(items, served) if ok], hyper, M_SCALE_MAX, V_SCALE_MAX,

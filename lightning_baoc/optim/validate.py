@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch import Tensor
 
-from lightning_baoc.optim.sharding import local, this_shard
+from lightning_baoc.optim.sharding import local, shard_offset, this_shard
 from lightning_baoc.formats import Canonical, StateFormat, check_format_name
 from lightning_baoc.formats.correction import CORRECTIONS, WEIGHT_DTYPES, correction_dtype
 from lightning_baoc.optim.args import PERFORMANCE_HINTS
@@ -161,7 +161,8 @@ def _own_entry(name: str, entry: Any, p: Tensor, version: int, registry: Mapping
             f"state of {name!r}: saved for shape {list(entry['shape'])}, the parameter has shape "
             f"{tuple(local(p).shape)}: the state dict is of another model"
         )
-    check_layout(name, fmt, tuple(local(p).shape), tensors, exact_shape=version >= 2, registry=registry)
+    check_layout(name, fmt, tuple(local(p).shape), tensors, exact_shape=version >= 2, registry=registry,
+                 offset=shard_offset(p))
     return LoadedState(fmt, tensors, steps, m_step)
 
 
