@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from .formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, format_state_bytes, formats_of, numel_of, resolve_in
+from .formats.base import as_shape
 from .kernels import step_path
 from .solver import check_mask as _check_mask
 
@@ -222,7 +223,7 @@ def device_state_bytes(
     """
     if formats_of(rule)[_check_name(name, rule)].offloaded and off_device:
         return 0
-    return format_state_bytes(name, tuple(shape), min_8bit_numel, rule)
+    return format_state_bytes(name, as_shape(shape), min_8bit_numel, rule)
 
 
 def _check_name(name: str, rule: str = "adamw") -> str:
@@ -553,7 +554,7 @@ def time_table(
         for f in names:
             total = 0.0
             for s in shapes:
-                real = resolve_in(registry, f, tuple(s), min_8bit_numel)
+                real = resolve_in(registry, f, as_shape(s), min_8bit_numel)
                 if real not in per:
                     raise ValueError(
                         f"no step cost for format {real!r} (what {f!r} becomes for shape {tuple(s)}); "

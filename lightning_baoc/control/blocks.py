@@ -18,7 +18,7 @@ from torch import nn
 
 from ..blocks import partition
 from ..budget import format_bytes
-from ..optim.sharding import largest_shard_shape
+from ..optim.sharding import shard_shape
 from ..calibration import withheld_formats
 from ..costs import AllocationProblem, baseline_state_bytes
 from ..formats import RULE_NAMES, formats_of
@@ -134,9 +134,9 @@ class BlocksMixin:
         cfg = self.config
         named = opt.named_params
         registry = formats_of(opt.rule)
-        # a sharded model (FSDP2) is budgeted per rank, on each tensor's largest shard: met there, met
-        # on every rank
-        self._shapes = {b: [largest_shard_shape(named[n]) for n in names] for b, names in self.block_params.items()}
+        # a sharded model (FSDP2) is budgeted per rank, on each tensor's largest shard (the most any rank
+        # holds: met there, met on every rank), its formats decided on the whole tensor
+        self._shapes = {b: [shard_shape(named[n]) for n in names] for b, names in self.block_params.items()}
         self._numel = {b: sum(math.prod(s) for s in shapes) for b, shapes in self._shapes.items()}
         foreign = [f for f in cfg.formats or () if f not in registry]
         if foreign:

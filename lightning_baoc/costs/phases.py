@@ -33,6 +33,7 @@ from ..budget import format_bytes
 from ..calibration import device_state_bytes, offload_saves_memory
 from .options import correction_bytes, split_option
 from ..formats import DEFAULT_MIN_8BIT_NUMEL, formats_of, resolve_in
+from ..formats.base import as_shape
 from ..solver import Allocation
 
 #: The phases of a run, in order.
@@ -212,7 +213,7 @@ def state_phases(
             corrected = (correction_bytes(s, dtype, old_correction), correction_bytes(s, dtype, new_correction))
             start_bytes, steady_bytes = start_bytes + before + corrected[0], steady_bytes + after + corrected[1]
             largest = max(largest, before + corrected[0], after + corrected[1])
-            converts = resolve_in(registry, old, tuple(s), min_8bit_numel) != resolve_in(registry, new, tuple(s), min_8bit_numel)
+            converts = resolve_in(registry, old, as_shape(s), min_8bit_numel) != resolve_in(registry, new, as_shape(s), min_8bit_numel)
             if converts:
                 transient = max(transient, min(before, after))
             if corrected[0] != corrected[1]:

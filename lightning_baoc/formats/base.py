@@ -63,6 +63,32 @@ def factor_dims(shape: Shape) -> tuple[int, int] | None:
     return rows, cols
 
 
+class ShardShape(tuple):
+    """The shape of the largest shard of a parameter sharded by rows (FSDP2), as an allocation counts
+    it: a tuple of that shape, which also knows ``whole``, the parameter's shape (which formats it can
+    hold: :meth:`StateFormat.accepts`, decided as the optimizer decides, on the whole parameter), and
+    ``shards``, every shard's shape and flat offset (:meth:`StateFormat.state_bytes`: the most any
+    rank holds, its 8-bit groups laid out in the whole parameter's: :meth:`StateFormat.shard_layout`).
+    Equal to, and hashed as, the plain tuple; :func:`as_shape` keeps it where code copies shapes."""
+
+    whole: tuple[int, ...]
+    shards: tuple[tuple[tuple[int, ...], int], ...]
+
+    def __new__(cls, shape: Shape, whole: Shape, shards: Sequence[tuple[Shape, int]]) -> "ShardShape":
+        out = super().__new__(cls, (int(s) for s in shape))
+        out.whole = tuple(int(s) for s in whole)
+        out.shards = tuple((tuple(int(s) for s in sh), int(offset)) for sh, offset in shards)
+        return out
+
+    def __reduce__(self) -> Any:  # pickled (a report, a cache) as the plain shape
+        return (tuple, (tuple(self),))
+
+
+def as_shape(shape: Shape) -> tuple[int, ...]:
+    """``shape`` as a tuple (a :class:`ShardShape` kept as it is)."""
+    return shape if isinstance(shape, ShardShape) else tuple(shape)
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One compact tensor a format stores for a parameter."""
@@ -269,7 +295,9 @@ class StateFormat(ABC):
     kernel_kinds: ClassVar[tuple[int, int] | None] = None
 
     def accepts(self, shape: Shape, min_8bit_numel: int = 0) -> bool:
-        """Whether this format can hold a tensor of ``shape`` (else :attr:`fallback` is used)."""
+        """Whether this format can hold a tensor of ``shape`` (else :attr:`fallback` is used; a
+        :class:`ShardShape`: whether it can hold the whole parameter, as every shard then does)."""
+        shape = getattr(shape, "whole", shape)
         if self.factored and factor_dims(shape) is None:
             return False
         if self.quantized and numel_of(shape) < min_8bit_numel:
@@ -281,7 +309,11 @@ class StateFormat(ABC):
         """The compact tensors stored for a parameter of ``shape``."""
 
     def state_bytes(self, shape: Shape) -> int:
-        """Exact bytes of state for a parameter of ``shape`` held in this format."""
+        """Exact bytes of state for a parameter of ``shape`` held in this format (a :class:`ShardShape`:
+        the most any of its shards holds)."""
+        shards = getattr(shape, "shards", None)
+        if shards:
+            return max(sum(spec.nbytes for spec in self.shard_layout(sh, offset)) for sh, offset in shards)
         return sum(spec.nbytes for spec in self.layout(shape))
 
     def shard_layout(self, shape: Shape, offset: int = 0) -> tuple[TensorSpec, ...]:

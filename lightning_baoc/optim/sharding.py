@@ -43,6 +43,7 @@ from typing import Any
 
 from torch import Tensor
 
+from lightning_baoc.formats.base import ShardShape
 from lightning_baoc.formats.quant import GROUP, SUPER
 
 try:  # torch >= 2.4: the public path; absent from builds without distributed support
@@ -267,15 +268,35 @@ class FlatShards:
         return out
 
 
+def shard_starts(p: Tensor) -> tuple[int, ...]:
+    """Where every shard of ``p`` starts in its flat order, in shard order, then ``p.numel()``: rows
+    split as ``torch.chunk`` splits them (FSDP2's ``fully_shard`` and ``DTensor``'s ``Shard(0)``)."""
+    rows, cols = (int(p.shape[0]), math.prod(p.shape[1:])) if p.dim() else (1, 1)
+    count = shard_count(p)
+    per = -(-rows // count)
+    return tuple(min(j * per, rows) * cols for j in range(count)) + (rows * cols,)
+
+
+def shard_shape(p: Tensor) -> tuple[int, ...]:
+    """The shape an allocation counts for ``p`` on each rank: :func:`largest_shard_shape`, as a
+    ``formats.base.ShardShape`` when ``p``'s rows are split (its formats decided on the whole
+    parameter, its bytes the most any shard holds); ``p``'s shape when it is not sharded."""
+    largest = largest_shard_shape(p)
+    if not splits_rows(p):
+        return largest
+    starts, rest = shard_starts(p), tuple(p.shape[1:])
+    cols = math.prod(rest)
+    shards = [(((b - a) // cols, *rest), a) for a, b in zip(starts, starts[1:]) if b > a]
+    return ShardShape(largest, tuple(p.shape), shards)
+
+
 def flat_shards(p: Tensor) -> FlatShards | None:
     """:class:`FlatShards` of ``p`` when its rows are split among ranks and some shard starts off an
     8-bit super-block; ``None`` otherwise (a parameter not sharded, or sharded on super-blocks)."""
     if not splits_rows(p):
         return None
-    rows, cols = int(p.shape[0]), math.prod(p.shape[1:])
-    count = shard_count(p)
-    per = -(-rows // count)  # torch.chunk's rows per shard, as FSDP2 and DTensor's Shard(0) split
-    starts = tuple(min(j * per, rows) * cols for j in range(count)) + (rows * cols,)
+    starts = shard_starts(p)
+    count = len(starts) - 1
     if all(a % SUPER == 0 for a in starts[1:-1] if a < starts[-1]):
         return None
     offset, numel = shard_offset(p), local(p).numel()

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..blocks import ROOT_BLOCK
 from ..formats import DEFAULT_MIN_8BIT_NUMEL, formats_of, numel_of, resolve_in
+from ..formats.base import as_shape
 
 #: Prior risk of each format over a whole model (expected relative harm if every parameter used
 #: it), for planning without statistics. Ordered by measured harm: int8 costs
@@ -103,7 +104,7 @@ def prior_risk(
         for f in names:
             risk = 0.0
             for s in shapes:
-                real = resolve_in(registry, f, tuple(s), min_8bit_numel)
+                real = resolve_in(registry, f, as_shape(s), min_8bit_numel)
                 weight = PRIOR_KIND_WEIGHT.get(kind, 1.0)
                 if kind == "attention" and not registry[real].has_momentum:
                     weight *= PRIOR_ATTENTION_NO_MOMENTUM

@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW, BlockwiseSGD
-from lightning_baoc.optim.sharding import flat_shards
+from lightning_baoc.formats import format_state_bytes, resolve_format
+from lightning_baoc.optim.sharding import flat_shards, shard_shape
 
 from support_distributed import needs_gloo, on_gloo_ranks
 
@@ -136,6 +137,32 @@ def _sgd(params: dict[str, nn.Parameter], fmt: str) -> BlockwiseSGD:
     return BlockwiseSGD(list(params.items()), lr=1e-2, momentum=0.9, state_format=fmt, min_8bit_numel=0)
 
 
+def _counted_as_held(mesh, world: int) -> None:  # type: ignore[no-untyped-def]
+    """What an allocation counts for a sharded parameter (``shard_shape``) is what the optimizer holds:
+    the format decided on the whole parameter (a 60 x 100 weight takes int8 under min_8bit_numel=4096
+    though each shard holds 3,000 elements), the bytes the most any rank allocates (a shard holding
+    one group more than its size included)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    gen = torch.Generator().manual_seed(1)
+    params = {n: nn.Parameter(distribute_tensor(torch.randn(s, generator=gen), mesh, [Shard(0)]))
+              for n, s in {"mid": (60, 100), "w": (33, 50), "b": (33,)}.items()}
+    opt = BlockwiseAdamW(list(params.items()), lr=1e-2, min_8bit_numel=4096)
+    for p in params.values():
+        p.grad = torch.zeros_like(p)
+    for fmt in ("int8", "nomomentum_int8", "int8_factored", "bf16", "fp32"):
+        opt.set_formats({n: fmt for n in params})
+        opt.step()
+        for name, p in params.items():
+            held = sum(t.nbytes for t in opt._records[p].views.values())  # noqa: SLF001
+            most = [None] * world
+            dist.all_gather_object(most, held)
+            counted = format_state_bytes(fmt, shard_shape(p), min_8bit_numel=4096)
+            assert counted == max(most), (fmt, name, counted, most)
+            assert resolve_format(fmt, shard_shape(p), 4096) == opt.formats()[name], (fmt, name)
+    assert opt.formats()["mid"] == "fp32" and resolve_format("int8", shard_shape(params["mid"]), 4096) == "int8"
+
+
 def _worker(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -147,6 +174,7 @@ def _worker(rank: int, world: int) -> None:
     _run(mesh, _adamw, "int8")
     _run(mesh, _adamw, "nomomentum_int8")
     _run(mesh, _sgd, "int8")
+    _counted_as_held(mesh, world)
     # a shard holds the scales of every group it touches: rank 1 of 33 x 50 starts 18 elements into
     # group 26 and holds 800 elements: 26 groups (25 + 1) where its own count would say 25
     single, sharded = _params(), _params(mesh)
