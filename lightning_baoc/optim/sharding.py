@@ -218,8 +218,8 @@ class FlatShards:
 
     @property
     def lead(self) -> int:
-        """Where this shard's first element sits in its super-block."""
-        return self.offset % SUPER
+        """Where this shard's first element sits in its super-block (0 for a shard without elements)."""
+        return self.offset % SUPER if self.numel else 0
 
     @property
     def head_shared(self) -> bool:

@@ -9,7 +9,8 @@ gradients, hold the same codes, scales and exponents, and end with the same weig
 - int8, nomomentum_int8 and int8_factored (AdamW) and SGD's int8 momentum, stepped; converted between
   formats mid-run (a conversion writes the states too);
 - shapes: a group and a super-block split (33 x 50 on 2 ranks: rank 1 starts at element 850), a
-  parameter whose shards all lie in one group (3 x 5), a bias (33 elements), a 40 x 70 weight;
+  parameter whose shards all lie in one group (3 x 5), a bias (33 elements), a 40 x 70 weight, and a
+  4 x 5 one (on 3 ranks: shards of 2, 2 and no rows; the empty shard takes part in the exchanges);
 - gradients spanning 9 orders of magnitude between rows (the super-blocks' exponents matter);
 - each rank's state bytes are its storage (a shard holds every group it touches: one more at most);
 - the distributed state dict (each rank's row) loads into a fresh sharded run, which continues to
@@ -32,7 +33,7 @@ from support_distributed import needs_gloo, on_gloo_ranks
 
 pytestmark = needs_gloo
 
-SHAPES = {"w": (33, 50), "tiny": (3, 5), "b": (33,), "v": (40, 70)}
+SHAPES = {"w": (33, 50), "tiny": (3, 5), "b": (33,), "v": (40, 70), "four": (4, 5)}
 PLAN = [  # (formats asked before the steps, steps)
     ({}, 6),
     ({"w": "nomomentum_int8", "v": "int8_factored"}, 4),
