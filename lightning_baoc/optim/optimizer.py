@@ -160,7 +160,8 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
                     )
                 check_placements(p, name)
                 self._names[name] = p
-                self._records[p] = _Record(name=name, group=index, shard_offset=shard_offset(p), frame=flat_shards(p))
+                self._records[p] = _Record(name=name, group=index, shard_offset=shard_offset(p), frame=flat_shards(p),
+                                           row_shards=row_shards(p))
         except (TypeError, ValueError):
             self.param_groups.pop()
             for p in group["params"]:
@@ -349,7 +350,7 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
         if rec.format is None:
             return None
         state = self.format_registry[rec.format].decode(rec.views, local(p).shape)
-        state.shards = row_shards(p) if self.format_registry[rec.format].factored else None
+        state.shards = rec.row_shards if self.format_registry[rec.format].factored else None
         return state
 
     def step_count(self, name_or_param: str | Tensor) -> int:

@@ -31,7 +31,7 @@ from lightning_baoc.formats import FORMATS, Canonical, StateFormat, StepHyper
 from lightning_baoc.formats.base import TensorSpec
 from lightning_baoc.formats.frames import FramedViews
 from lightning_baoc.optim.convert import convert_state
-from lightning_baoc.optim.sharding import is_sharded, largest_shard_shape, local, mesh_min, row_shards
+from lightning_baoc.optim.sharding import is_sharded, largest_shard_shape, local, mesh_min
 
 HOST = torch.device("cpu")
 
@@ -100,6 +100,8 @@ class Record:
     shard_offset: int = 0  # where this rank's shard starts in the global flat parameter (optim/sharding.py)
     #: a shard of a parameter whose shards do not all start on an 8-bit super-block (sharding.FlatShards)
     frame: Any = None
+    #: a shard of a parameter whose rows are split among ranks (sharding.RowShards): factored formats sum over them
+    row_shards: Any = None
     #: the step whose skip the device decides: (its flags, this record's index in them)
     pending: tuple[DeferredFlags, int] | None = None
     _array: Any = field(default=None, init=False, repr=False, compare=False)  # counts as a numpy array (a view)
@@ -389,7 +391,7 @@ class PoolsMixin:
         rec = self._records[p]
         rec.m_step = convert_state(
             self.format_registry[old], rec.views, self.format_registry[new], target, tuple(local(p).shape),
-            self._hyper_for(p), None if p.grad is None else local(p.grad), rec.m_step, row_shards(p),
+            self._hyper_for(p), None if p.grad is None else local(p.grad), rec.m_step, rec.row_shards,
             _agreement(p),
         )
 
@@ -409,7 +411,7 @@ class PoolsMixin:
             else:
                 canonical.exp_avg = torch.zeros(local(p).shape, dtype=torch.float32, device=p.device)
                 rec.m_step = 0
-        canonical.shards = row_shards(p)  # a shard's rows: factored forms over every rank's rows
+        canonical.shards = rec.row_shards  # a shard's rows: factored forms over every rank's rows
         self.format_registry[fmt].encode(canonical, target, hyper)
 
     def _fill_from_source(

@@ -35,7 +35,7 @@ from lightning_baoc.formats.quant import M_SCALE_MAX, V_SCALE_MAX, name_salt
 from lightning_baoc.formats.fused_adam import MAX_FUSED_STEP, fused_available
 from lightning_baoc.kernels import M_FP32, V_FP32, use_triton
 from lightning_baoc.optim.pools import DeferredFlags, Record
-from lightning_baoc.optim.sharding import RowShards, is_sharded, local, mesh_min, row_shards
+from lightning_baoc.optim.sharding import is_sharded, local, mesh_min
 
 
 class StepMixin:
@@ -108,13 +108,9 @@ class StepMixin:
         known = self._serving.get(rec.name)
         if known is None or known[0] != key:
             # a factored shard of a parameter split by rows sums over the shards: the eager step's
-            serves = kernel_serves(fmt, mine, rec.views, self.kernels) and not (fmt.factored and self._row_shards(rec))
+            serves = kernel_serves(fmt, mine, rec.views, self.kernels) and not (fmt.factored and rec.row_shards)
             known = self._serving[rec.name] = (key, serves)
         return known[1]
-
-    def _row_shards(self, rec: Record) -> RowShards | None:
-        """The shards of ``rec``'s parameter when its rows are split among ranks (else ``None``)."""
-        return row_shards(self._names[rec.name])  # type: ignore[attr-defined]
 
     def _settle_deferred(self) -> None:
         """Settle the counts of the steps whose skips the device decided, and warn of the skipped."""
@@ -282,7 +278,7 @@ class StepMixin:
             records[id(mine)] = rec
             item = StepItem(mine, local(p.grad), rec.views, bc1, bc2, count, self._noise_key(rec), m_step)
             if self.format_registry[rec.format].factored:
-                item.shards = row_shards(p)
+                item.shards = rec.row_shards
             if p in flags:  # after every read of the counts: a read settles (it waits for the flags)
                 deferred, index, item.skip_flag = flags[p]
                 deferred.records[index] = (rec, self.format_registry[rec.format].has_momentum)
