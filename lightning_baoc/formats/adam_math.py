@@ -29,7 +29,7 @@ from .quant import SUPER, sqrt_rn
 def chunk_ranges(numel: int, chunk: int, lead: int | None = None) -> Iterator[tuple[int, int]]:
     """``[start, stop)`` ranges covering ``numel`` elements; starts fall on 8-bit super-blocks.
 
-    ``lead`` (a shard's states laid out in the whole parameter's super-blocks, ``int8.frame_lead``):
+    ``lead`` (a shard's states laid out in the whole parameter's super-blocks, ``frames.frame_lead``):
     where the first element sits in its super-block; the starts then fall on the whole parameter's
     super-blocks, and a partial first or last super-block is a range of its own (what a shard shares
     with its neighbours stays small).

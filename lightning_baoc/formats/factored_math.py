@@ -31,7 +31,7 @@ StoreM = Callable[[Tensor, dict[str, Tensor], int, int, StepHyper], None]
 def row_blocks(rows: int, cols: int, chunk: int, lead: int | None = None) -> Iterator[tuple[int, int]]:
     """Row ranges of about ``chunk`` elements whose element offsets fall on 8-bit super-blocks (of the
     whole parameter, for a shard whose first element sits ``lead`` elements into its super-block:
-    ``int8.frame_lead``; the rows before the first such offset are a range of their own)."""
+    ``frames.frame_lead``; the rows before the first such offset are a range of their own)."""
     step = max(1, chunk // max(cols, 1))
     align = SUPER // gcd(cols, SUPER)
     step = max(align, (step // align) * align)

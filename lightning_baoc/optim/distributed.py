@@ -253,7 +253,8 @@ def from_distributed(sd: Mapping[str, Any], opt: "BlockwiseOptimizer") -> dict[s
         if not isinstance(tensors, Mapping):
             raise _invalid(f"state entry {name!r} holds no tensors")
         if is_sharded(p):
-            lengths = {spec.key: spec.numel for spec in opt.format_registry[fmt_name].shard_layout(tuple(mine.shape), shard_offset(p))}
+            layout = opt.format_registry[fmt_name].shard_layout(tuple(mine.shape), shard_offset(p))
+            lengths = {spec.key: spec.numel for spec in layout}
             shards = shard_count(p)
             out["tensors"] = {k: _local_row(t, lengths.get(k, 0), f"{name!r} {k!r}", shards).clone()
                               for k, t in tensors.items()}

@@ -239,7 +239,9 @@ class StepMixin:
             return items, corrections  # fp32 moments of fp32 parameters: torch's fused kernel
         from lightning_baoc.kernels import triton_step  # imports triton: only where it runs
 
-        served = [it.shards is None and not framed(it.views) and (it.skip_flag is not None or triton_step.serves(kinds, it.param, it.grad, it.views, c))
+        # not a factored shard of rows split among ranks (it sums over them), nor a framed one (it exchanges its edges)
+        served = [it.shards is None and not framed(it.views)
+                  and (it.skip_flag is not None or triton_step.serves(kinds, it.param, it.grad, it.views, c))
                   for it, c in zip(items, corrections)]
         if any(served):
             triton_step.adamw_step(kinds, [it for it, ok in zip(items, served) if ok], hyper, M_SCALE_MAX, V_SCALE_MAX,
