@@ -96,5 +96,6 @@ def _hsdp_worker(rank: int) -> None:
             assert (math.isnan(got) and math.isnan(value)) or got == pytest.approx(value, rel=1e-6, abs=1e-9), (block, key)
 
 
+@pytest.mark.slow  # 4 processes on the 2 cores of CI: about 12 s (the 2-rank FSDP2 case runs by default)
 def test_hsdp_statistics_equal_the_unsharded_ones() -> None:
     on_gloo_ranks(_hsdp_worker, 4)
