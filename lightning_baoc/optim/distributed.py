@@ -40,7 +40,6 @@ optimizer's current formats: :func:`saved_formats` reads the saved ones, to set 
 
 from __future__ import annotations
 
-import math
 import os
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -51,12 +50,12 @@ from lightning_baoc.formats import StateFormat
 from lightning_baoc.optim.sharding import (
     DTensor,
     as_dtensor,
-    flat_shards,
     is_sharded,
     largest_shard_shape,
     local,
     shard_count,
     shard_offset,
+    shard_shape,
 )
 from lightning_baoc.optim.state import STATE_DICT_VERSION, CheckpointError, _digest_value
 
@@ -81,15 +80,12 @@ def is_distributed_layout(sd: Any) -> bool:
 
 def _longest(fmt: StateFormat, p: Tensor) -> dict[str, int]:
     """Each compact tensor's longest length over the shards of ``p`` (the rows of its distributed
-    layout): the largest shard's, or, where shards start off an 8-bit super-block, the longest of every
-    shard's layout in the whole parameter's groups (a shard may touch one group more than its size)."""
-    frame = flat_shards(p)
-    if frame is None:
-        return {spec.key: spec.numel for spec in fmt.layout(largest_shard_shape(p))}
-    cols = math.prod(p.shape[1:])
+    layout): the longest of every shard's layout in the whole parameter's 8-bit groups (a shard starting
+    inside a group touches one more than its size: ``formats.frames``)."""
+    shards = getattr(shard_shape(p), "shards", None) or [(largest_shard_shape(p), 0)]
     longest: dict[str, int] = {}
-    for a, b in zip(frame.starts, frame.starts[1:]):
-        for spec in fmt.shard_layout(((b - a) // cols, *p.shape[1:]), a):
+    for shape, offset in shards:
+        for spec in fmt.shard_layout(shape, offset):
             longest[spec.key] = max(longest.get(spec.key, 0), spec.numel)
     return longest
 
