@@ -54,7 +54,6 @@ from lightning_baoc.optim.sharding import (
     largest_shard_shape,
     local,
     shard_count,
-    shard_offset,
     shard_shape,
 )
 from lightning_baoc.optim.state import STATE_DICT_VERSION, CheckpointError, _digest_value
@@ -249,7 +248,7 @@ def from_distributed(sd: Mapping[str, Any], opt: "BlockwiseOptimizer") -> dict[s
         if not isinstance(tensors, Mapping):
             raise _invalid(f"state entry {name!r} holds no tensors")
         if is_sharded(p):
-            layout = opt.format_registry[fmt_name].shard_layout(tuple(mine.shape), shard_offset(p))
+            layout = opt._layout(fmt_name, p)  # the shard's framed layout, at the record's offset
             lengths = {spec.key: spec.numel for spec in layout}
             shards = shard_count(p)
             out["tensors"] = {k: _local_row(t, lengths.get(k, 0), f"{name!r} {k!r}", shards).clone()

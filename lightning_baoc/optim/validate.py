@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch import Tensor
 
-from lightning_baoc.optim.sharding import local, shard_offset, this_shard
+from lightning_baoc.optim.sharding import local, this_shard
 from lightning_baoc.formats import Canonical, StateFormat, check_format_name
 from lightning_baoc.formats.correction import CORRECTIONS, WEIGHT_DTYPES, correction_dtype
 from lightning_baoc.optim.args import PERFORMANCE_HINTS
@@ -145,7 +145,8 @@ def _plan_own(opt: "BlockwiseAdamW", sd: Mapping[str, Any]) -> LoadPlan:
     for name, entry in sd["state"].items():
         if name not in names:
             raise invalid(f"the state dict holds state of unknown parameter {name!r}; it was saved from another model")
-        entries[names[name]] = _own_entry(name, entry, names[name], version, opt.format_registry)
+        entries[names[name]] = _own_entry(name, entry, names[name], version, opt.format_registry,
+                                          opt._records[names[name]].shard_offset)
     return LoadPlan(
         groups=groups,
         entries=entries,
@@ -154,7 +155,10 @@ def _plan_own(opt: "BlockwiseAdamW", sd: Mapping[str, Any]) -> LoadPlan:
         corrections=_corrections(meta.get("corrections", {}), meta.get("correction_requested", {}), names),
     )
 
-def _own_entry(name: str, entry: Any, p: Tensor, version: int, registry: Mapping[str, StateFormat]) -> LoadedState:
+def _own_entry(name: str, entry: Any, p: Tensor, version: int, registry: Mapping[str, StateFormat],
+               offset: int) -> LoadedState:
+    """The checked state of parameter ``p`` (its shard, starting at element ``offset`` of the whole, the
+    record's ``shard_offset``)."""
     fmt, steps, m_step, tensors = check_entry_fields(name, entry, version, registry)
     if version >= 2 and list(entry["shape"]) != list(local(p).shape):
         raise invalid(
@@ -162,7 +166,7 @@ def _own_entry(name: str, entry: Any, p: Tensor, version: int, registry: Mapping
             f"{tuple(local(p).shape)}: the state dict is of another model"
         )
     check_layout(name, fmt, tuple(local(p).shape), tensors, exact_shape=version >= 2, registry=registry,
-                 offset=shard_offset(p))
+                 offset=offset)
     return LoadedState(fmt, tensors, steps, m_step)
 
 
