@@ -560,6 +560,7 @@ inline std::pair<__m256i, __m256i> bf16_lanes(const Lanes8& c, float* P, const f
 // result, tested once per 16 lanes.
 template <int64_t V, bool L2, bool SMALL>
 int32_t bf16_pass_avx2(const Tensors& t, int64_t start, int64_t n) {
+  constexpr int32_t PREFETCH = 512;  // elements: measured against 256 and 1024 and none (bf16_momentum -5%)
   float* P = t.p + start;
   const float* G = t.g + start;
   uint16_t* M16 = static_cast<uint16_t*>(t.m) + start;
@@ -571,6 +572,15 @@ int32_t bf16_pass_avx2(const Tensors& t, int64_t start, int64_t n) {
   __m256i counter = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(static_cast<uint32_t>(start) + t.key)),
                                      _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   for (int32_t j = 0; j < count; j += 16) {
+    // the streams PREFETCH elements ahead, a cache line of each per 16 elements (the loop's division and square
+    // root leave too few loads in flight for this CPU's own prefetch; past the tensor's end a prefetch is a no-op)
+    _mm_prefetch(reinterpret_cast<const char*>(P + j + PREFETCH), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(G + j + PREFETCH), _MM_HINT_T0);
+    if (j % 32 == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(M16 + j + PREFETCH), _MM_HINT_T0);
+      if constexpr (V == V_BF16) _mm_prefetch(reinterpret_cast<const char*>(V16 + j + PREFETCH), _MM_HINT_T0);
+    }
+    if constexpr (V != V_BF16) _mm_prefetch(reinterpret_cast<const char*>(V32 + j + PREFETCH), _MM_HINT_T0);
     __m256 m_lo, m_hi, v_lo = _mm256_setzero_ps(), v_hi = _mm256_setzero_ps();
     bf16_widen16(M16 + j, m_lo, m_hi);
     if constexpr (V == V_BF16) bf16_widen16(V16 + j, v_lo, v_hi);
