@@ -487,6 +487,22 @@ inline void store_momentum(const Tensors& t, int64_t sb, int64_t start, int64_t 
   }
 }
 
+// A super-block's weights, gradients, codes and decoded group scales: what the 8-bit loops read.
+template <bool HAS_M, bool CODED_V>
+struct CodedBlock {
+  float* P;
+  const float* G;
+  const int8_t* mc;
+  const uint8_t* vc;
+  float sm[SUPER_GROUPS], sv[SUPER_GROUPS];
+  CodedBlock(const Tensors& t, int64_t sb, int64_t start, int64_t groups)
+      : P(t.p + start), G(t.g + start), mc(static_cast<const int8_t*>(t.m) + start),
+        vc(static_cast<const uint8_t*>(t.v) + start) {
+    if constexpr (HAS_M) load_scales(t.m_scale + start / GROUP, t.m_exp[sb], groups, sm);
+    if constexpr (CODED_V) load_scales(t.v_scale + start / GROUP, t.v_exp[sb], groups, sv);
+  }
+};
+
 // ---- Hand-written AVX2 loops (bf16_pass_avx2, int8_pass_avx2): the same float operations in the same
 // order as the loops they stand for, so the same bits, without what the compiler adds around them
 // (masks before each narrowing, constants spilled to the stack, a round and a truncation where one
@@ -686,13 +702,7 @@ inline __m256i low_bytes32(__m256i a, __m256i b, __m256i c, __m256i d) {
 template <int64_t M, int64_t V, bool L2, bool SMALL>
 void int8_pass_avx2(const Tensors& t, int64_t sb, int64_t start, float limit_m, float limit_v) {
   constexpr bool HAS_M = M == M_INT8, CODED_V = V == V_UINT8;
-  float* P = t.p + start;
-  const float* G = t.g + start;
-  const int8_t* mc = static_cast<const int8_t*>(t.m) + start;
-  const uint8_t* vc = static_cast<const uint8_t*>(t.v) + start;
-  float sm[SUPER_GROUPS], sv[SUPER_GROUPS];
-  if constexpr (HAS_M) load_scales(t.m_scale + start / GROUP, t.m_exp[sb], SUPER_GROUPS, sm);
-  if constexpr (CODED_V) load_scales(t.v_scale + start / GROUP, t.v_exp[sb], SUPER_GROUPS, sv);
+  const CodedBlock<HAS_M, CODED_V> in(t, sb, start, SUPER_GROUPS);
   alignas(64) float mbuf[SUPER];
   alignas(64) float vbuf[SUPER];
   if constexpr (!CODED_V) factored_denominators(t, start, SUPER, vbuf);
@@ -701,17 +711,17 @@ void int8_pass_avx2(const Tensors& t, int64_t sb, int64_t start, float limit_m, 
   const __m256 half = _mm256_set1_ps(0.5f), absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   float max_m[SUPER_GROUPS], max_v[SUPER_GROUPS];
   for (int64_t k = 0; k < SUPER_GROUPS; ++k) {
-    const __m256 scale_m = _mm256_set1_ps(HAS_M ? sm[k] : 0.0f), scale_v = _mm256_set1_ps(CODED_V ? sv[k] : 0.0f);
+    const __m256 scale_m = _mm256_set1_ps(HAS_M ? in.sm[k] : 0.0f), scale_v = _mm256_set1_ps(CODED_V ? in.sv[k] : 0.0f);
     __m256 top_m = _mm256_setzero_ps(), top_v = _mm256_setzero_ps();
     for (int64_t q = 0; q < GROUP; q += 8) {
       const int64_t j = k * GROUP + q;
-      __m256 p = _mm256_loadu_ps(P + j);
-      __m256 g = _mm256_mul_ps(_mm256_loadu_ps(G + j), c.gsign);
+      __m256 p = _mm256_loadu_ps(in.P + j);
+      __m256 g = _mm256_mul_ps(_mm256_loadu_ps(in.G + j), c.gsign);
       if constexpr (L2) g = _mm256_fmadd_ps(p, c.l2, g);
       p = _mm256_mul_ps(p, c.decay);
       __m256 d;
       if constexpr (CODED_V) {
-        const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(vc + j))));
+        const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in.vc + j))));
         const __m256 x = _mm256_mul_ps(_mm256_mul_ps(_mm256_max_ps(code, half), inv255), scale_v);
         const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(c.omb2, g), g, _mm256_mul_ps(_mm256_mul_ps(x, x), c.beta2));
         const __m256 root = _mm256_sqrt_ps(v);
@@ -722,7 +732,7 @@ void int8_pass_avx2(const Tensors& t, int64_t sb, int64_t start, float limit_m, 
         d = _mm256_load_ps(vbuf + j);
       }
       if constexpr (HAS_M) {
-        const __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mc + j)))), inv127);
+        const __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in.mc + j)))), inv127);
         const __m256 m0 = _mm256_mul_ps(_mm256_div_ps(y, _mm256_sub_ps(two, _mm256_and_ps(y, absmask))), scale_m);
         const __m256 m = _mm256_fmadd_ps(c.lerp, _mm256_sub_ps(g, m0), SMALL ? m0 : g);
         _mm256_store_ps(mbuf + j, m);
@@ -731,7 +741,7 @@ void int8_pass_avx2(const Tensors& t, int64_t sb, int64_t start, float limit_m, 
       } else {
         p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c.lr_step, g), d));
       }
-      _mm256_storeu_ps(P + j, p);
+      _mm256_storeu_ps(in.P + j, p);
     }
     max_m[k] = HAS_M ? hmax8(top_m) : 0.0f;
     max_v[k] = CODED_V ? hmax8(top_v) : 0.0f;
@@ -781,27 +791,21 @@ void int8_pass(const Tensors& t, int64_t sb, int64_t start, int64_t n, float lim
   if constexpr (FULL) return int8_pass_avx2<M, V, L2, SMALL>(t, sb, start, limit_m, limit_v);
 #endif
   const int64_t groups = FULL ? SUPER_GROUPS : (n + GROUP - 1) / GROUP;
-  float* P = t.p + start;
-  const float* G = t.g + start;
-  const int8_t* mc = static_cast<const int8_t*>(t.m) + start;
-  const uint8_t* vc = static_cast<const uint8_t*>(t.v) + start;
-  float sm[SUPER_GROUPS], sv[SUPER_GROUPS];
-  if constexpr (HAS_M) load_scales(t.m_scale + start / GROUP, t.m_exp[sb], groups, sm);
-  if constexpr (CODED_V) load_scales(t.v_scale + start / GROUP, t.v_exp[sb], groups, sv);
+  const CodedBlock<HAS_M, CODED_V> in(t, sb, start, groups);
   alignas(64) float mbuf[SUPER];
   alignas(64) float vbuf[SUPER];  // the new sqrt(v), or (factored) the denominators
   if constexpr (!CODED_V) factored_denominators(t, start, n, vbuf);
   const Adam ad(t.s);
   for (int64_t k = 0; k < groups; ++k) {
     const int64_t a = k * GROUP, b = FULL ? a + GROUP : std::min(n, a + GROUP);
-    const float scale_m = HAS_M ? sm[k] : 0.0f, scale_v = CODED_V ? sv[k] : 0.0f;
+    const float scale_m = HAS_M ? in.sm[k] : 0.0f, scale_v = CODED_V ? in.sv[k] : 0.0f;
 #pragma omp simd
     for (int64_t j = a; j < b; ++j) {
-      const float g = ad.grad(G[j], P[j], L2);
-      const float p = ad.decayed(P[j]);
+      const float g = ad.grad(in.G[j], in.P[j], L2);
+      const float p = ad.decayed(in.P[j]);
       float d;
       if constexpr (CODED_V) {
-        const float x = root_value(vc[j], scale_v);
+        const float x = root_value(in.vc[j], scale_v);
         const float root = std::sqrt(ad.second_moment(g, x * x));
         vbuf[j] = root;
         d = ad.denominator(root);
@@ -809,11 +813,11 @@ void int8_pass(const Tensors& t, int64_t sb, int64_t start, int64_t n, float lim
         d = vbuf[j];
       }
       if constexpr (HAS_M) {
-        const float m = ad.momentum(momentum_value(mc[j], scale_m), g, SMALL);
+        const float m = ad.momentum(momentum_value(in.mc[j], scale_m), g, SMALL);
         mbuf[j] = m;
-        P[j] = ad.update(p, m, d);
+        in.P[j] = ad.update(p, m, d);
       } else {
-        P[j] = ad.update(p, g, d);
+        in.P[j] = ad.update(p, g, d);
       }
     }
   }
