@@ -79,25 +79,28 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({4: torch.int32, 2: torch.int16}.get(t.element_size(), t.dtype)) if t.is_floating_point() else t
 
 
-def same_results(fmt: str, namespaces: list[str]) -> list[bool]:
-    """Whether each version's parameters and states equal the first version's, bit for bit, after 12 steps."""
+def same_results(fmt: str, namespaces: list[str], dtype: torch.dtype, correction: str) -> list[bool]:
+    """Whether each version's parameters (and master-weight corrections) and states equal the first
+    version's, bit for bit, after 12 steps."""
     results = []
     for namespace in namespaces:
         torch.manual_seed(0)
-        model = nn.ModuleDict({"a": nn.Linear(1000, 37), "b": nn.Linear(64, 64), "c": nn.Linear(3, 5)})
+        model = nn.ModuleDict({"a": nn.Linear(1000, 37), "b": nn.Linear(64, 64), "c": nn.Linear(3, 5)}).to(dtype)
         opt = BlockwiseAdamW(model.named_parameters(), state_format=fmt, lr=1e-2, min_8bit_numel=0,
-                             skip_nonfinite=False)
+                             skip_nonfinite=False, weight_correction=correction)
         gen = torch.Generator().manual_seed(1)
         params = list(model.parameters())
         for step in range(12):
             for p in params:
-                p.grad = torch.randn(p.shape, generator=gen) * 10.0 ** torch.randint(-8, 3, p.shape, generator=gen)
+                p.grad = (torch.randn(p.shape, generator=gen) * 10.0 ** torch.randint(-8, 3, p.shape, generator=gen)).to(dtype)
             if step in (5, 8):  # squares past fp32's range: saturated 16-bit moments
                 params[2].grad[0, :4] = torch.tensor([3e38, -3e38, 1e20, -1e20])
             if step == 9:
                 params[4].grad[0, 0] = float("nan")
             through(namespace, opt.step)()
         state = [_bits(t) for record in opt.state_dict()["state"].values() for _, t in sorted(record["tensors"].items())]
+        if correction != "none":  # the master-weight corrections beside the weights
+            state += [opt._records[p].master_correction.clone() for p in params]  # noqa: SLF001
         results.append(([_bits(p.detach().clone()) for p in params], state))
     first = results[0]
     return [all(torch.equal(a, b) for a, b in zip(first[0] + first[1], r[0] + r[1])) for r in results]
@@ -111,20 +114,23 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--bf16-weights", action="store_true", help="a bf16 model (fused AdamW's states are bf16)")
+    parser.add_argument("--correction", default="none", help="master-weight correction with --bf16-weights: none, ecc8, ecc16")
     args = parser.parse_args()
+    dtype = torch.bfloat16 if args.bf16_weights else torch.float32
     if not kernels.cpu_kernels().available:
         sys.exit(f"no compiled kernels here: {kernels.cpu_kernels().detail}")
     with tempfile.TemporaryDirectory() as tmp:
         namespaces = [build(v, Path(tmp)) for v in args.versions]
-    equal = {fmt: same_results(fmt, namespaces) for fmt in args.formats}
+    equal = {fmt: same_results(fmt, namespaces, dtype, args.correction) for fmt in args.formats}
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(args.layers)])
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(args.layers)]).to(dtype)
     for p in model.parameters():
-        p.grad = torch.randn_like(p) * 1e-3
+        p.grad = (torch.randn(p.shape) * 1e-3).to(dtype)
     steps: dict[str, Callable[[], None]] = {"torch AdamW fused": torch.optim.AdamW(model.parameters(), fused=True).step}
     for fmt in args.formats:
         for i, namespace in enumerate(namespaces):
-            opt = BlockwiseAdamW(model.named_parameters(), state_format=fmt)
+            opt = BlockwiseAdamW(model.named_parameters(), state_format=fmt, weight_correction=args.correction)
             steps[f"{fmt} / version {i + 1}"] = through(namespace, opt.step)
     rows = {label: [] for label in steps}
     for threads in args.threads:

@@ -23,6 +23,12 @@
 #include <immintrin.h>
 #endif
 
+// Hand-written AVX2 loops (below) where the CPU has AVX2, FMA and F16C but not AVX-512 (which keeps the compiler's
+// 512-bit loops, not measured against these).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#define BAOC_AVX2_LOOPS 1
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -358,11 +364,116 @@ inline float load_weight(uint16_t raw) { return KIND == W_BF16 ? bf16_load(raw) 
 template <int8_t KIND>
 inline uint16_t store_weight(float x) { return KIND == W_BF16 ? bf16_rne(x) : float_to_half(x).x; }
 
+#ifdef BAOC_AVX2_LOOPS
+// std::max(a, b) and std::min(a, b) of the scalar code, NaN in `a` kept: maxps/minps return their second
+// operand when either is NaN.
+inline __m256 max_keep(__m256 a, __m256 b) { return _mm256_max_ps(b, a); }
+inline __m256 min_keep(__m256 a, __m256 b) { return _mm256_min_ps(b, a); }
+
+// load_master_kind and store_master_kind for bf16 weights with a correction, 8 lanes at a time: the same
+// operations (the unit's power of two built from its exponent, as exp2i; its subnormal case only where a
+// weight's unit needs it, which div_pow2's two factors never do for bf16).
+inline __m256 exp2i8(__m256i e) {
+  const __m256i normal = _mm256_slli_epi32(_mm256_add_epi32(_mm256_max_epi32(e, _mm256_set1_epi32(-126)), _mm256_set1_epi32(127)), 23);
+  const __m256i shift = _mm256_min_epi32(_mm256_max_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(149)), _mm256_setzero_si256()), _mm256_set1_epi32(22));
+  const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(1), shift);
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(subnormal, normal, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(-127))));
+}
+
+// unit_exponent<W_BF16, BITS> of 8 weights; `toward`: the points_to_zero mask.
+template <int BITS>
+inline __m256i bf16_unit_exponent8(__m256 w, __m256 toward) {
+  const __m256i b = _mm256_and_si256(_mm256_castps_si256(w), _mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i e = _mm256_max_epi32(_mm256_sub_epi32(_mm256_srli_epi32(b, 23), _mm256_set1_epi32(127)), _mm256_set1_epi32(-126));
+  const __m256i power = _mm256_cmpeq_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFF)), _mm256_setzero_si256());
+  const __m256i finer = _mm256_and_si256(_mm256_and_si256(_mm256_castps_si256(toward), power),
+                                         _mm256_cmpgt_epi32(b, _mm256_set1_epi32(0x00800000)));
+  return _mm256_add_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(7 + BITS)), finer);  // finer: -1 where set
+}
+
+// points_to_zero(residual, w) of 8 lanes, as a mask.
+inline __m256 toward_zero8(__m256 residual, __m256 w) {
+  const __m256 zero = _mm256_setzero_ps();
+  return _mm256_and_ps(_mm256_cmp_ps(residual, zero, _CMP_NEQ_UQ),
+                       _mm256_xor_ps(_mm256_cmp_ps(residual, zero, _CMP_LT_OQ), _mm256_cmp_ps(w, zero, _CMP_LT_OQ)));
+}
+
+// The masters of the first n / 8 * 8 bf16 weights (load_master_kind's operations); how many it read.
+template <int BITS, typename C>
+int64_t load_master_bf16_avx2(const uint16_t* p16, const C* corr, int64_t n, float* out) {
+  const int64_t count = n / 8 * 8;
+  for (int64_t j = 0; j < count; j += 8) {
+    const __m256 w = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p16 + j))), 16));
+    __m256i ci;
+    if constexpr (BITS == 8) {
+      ci = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(corr + j)));
+    } else {
+      ci = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(corr + j)));
+    }
+    const __m256 c = _mm256_cvtepi32_ps(ci);
+    const __m256 unit = exp2i8(bf16_unit_exponent8<BITS>(w, toward_zero8(c, w)));
+    const __m256 x = _mm256_add_ps(w, _mm256_mul_ps(c, unit));
+    _mm256_storeu_ps(out + j, _mm256_blendv_ps(x, w, _mm256_cmp_ps(c, _mm256_setzero_ps(), _CMP_EQ_OQ)));
+  }
+  return count;
+}
+
+// 8 masters split into bf16 words (in 32-bit lanes) and corrections (int32 lanes): store_master_kind's operations.
+template <int BITS>
+inline void split_bf16_8(__m256 x, __m256i& h, __m256i& code) {
+  constexpr float LIMIT = static_cast<float>((1 << (BITS - 1)) - 1);
+  constexpr float MAGIC = 12582912.0f;
+  const __m256 clamped = min_keep(max_keep(x, _mm256_set1_ps(-BF16_MAX)), _mm256_set1_ps(BF16_MAX));
+  const __m256i u = _mm256_castps_si256(clamped);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
+  h = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+  const __m256 w = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+  const __m256 r = _mm256_sub_ps(x, w);
+  const __m256i minus = _mm256_sub_epi32(_mm256_setzero_si256(), bf16_unit_exponent8<BITS>(w, toward_zero8(r, w)));
+  const __m256i first = _mm256_min_epi32(minus, _mm256_set1_epi32(127));  // div_pow2: both factors normal for bf16
+  const __m256i second = _mm256_sub_epi32(minus, first);
+  const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(first, _mm256_set1_epi32(127)), 23));
+  const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(second, _mm256_set1_epi32(127)), 23));
+  __m256 s = _mm256_mul_ps(_mm256_mul_ps(r, f1), f2);
+  s = min_keep(max_keep(s, _mm256_set1_ps(-40000.0f)), _mm256_set1_ps(40000.0f));
+  s = _mm256_sub_ps(_mm256_add_ps(s, _mm256_set1_ps(MAGIC)), _mm256_set1_ps(MAGIC));
+  s = min_keep(max_keep(s, _mm256_set1_ps(-LIMIT)), _mm256_set1_ps(LIMIT));
+  s = _mm256_and_ps(s, _mm256_cmp_ps(s, s, _CMP_ORD_Q));  // NaN -> 0
+  code = _mm256_cvttps_epi32(s);
+}
+
+// The first n / 16 * 16 masters split into bf16 weights and corrections; how many it wrote.
+template <int BITS, typename C>
+int64_t store_master_bf16_avx2(const float* master, int64_t n, uint16_t* p16, C* corr) {
+  const int64_t count = n / 16 * 16;
+  for (int64_t j = 0; j < count; j += 16) {
+    __m256i h0, h1, c0, c1;
+    split_bf16_8<BITS>(_mm256_loadu_ps(master + j), h0, c0);
+    split_bf16_8<BITS>(_mm256_loadu_ps(master + j + 8), h1, c1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16 + j), _mm256_permute4x64_epi64(_mm256_packus_epi32(h0, h1), 0xD8));
+    const __m256i c16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(c0, c1), 0xD8);  // in range: no saturation
+    if constexpr (BITS == 8) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(corr + j),
+                       _mm_packs_epi16(_mm256_castsi256_si128(c16), _mm256_extracti128_si256(c16, 1)));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(corr + j), c16);
+    }
+  }
+  return count;
+}
+#endif
+
 // The fp32 masters of n 16-bit weights from `start` (correction.py `reconstruct`).
 template <int8_t KIND, int BITS, typename C>
 void load_master_kind(const uint16_t* p16, const C* corr, int64_t n, float* out) {
+  int64_t first = 0;
+#ifdef BAOC_AVX2_LOOPS
+  if constexpr (KIND == W_BF16 && BITS != 0) first = load_master_bf16_avx2<BITS>(p16, corr, n, out);
+#endif
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
+  for (int64_t j = first; j < n; ++j) {
     const float w = load_weight<KIND>(p16[j]);
     if constexpr (BITS == 0) {
       out[j] = w;
@@ -380,8 +491,12 @@ void store_master_kind(const float* master, int64_t n, uint16_t* p16, C* corr) {
   constexpr float MAX_VALUE = KIND == W_BF16 ? BF16_MAX : 65504.0f;
   constexpr float LIMIT = BITS ? static_cast<float>((1 << (BITS > 0 ? BITS - 1 : 0)) - 1) : 0.0f;
   constexpr float MAGIC = 12582912.0f;  // 1.5 * 2**23: adding and subtracting it rounds to nearest even
+  int64_t first = 0;
+#ifdef BAOC_AVX2_LOOPS
+  if constexpr (KIND == W_BF16 && BITS != 0) first = store_master_bf16_avx2<BITS>(master, n, p16, corr);
+#endif
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
+  for (int64_t j = first; j < n; ++j) {
     const float x = master[j];
     const uint16_t h = store_weight<KIND>(std::min(std::max(x, -MAX_VALUE), MAX_VALUE));  // NaN stays NaN
     p16[j] = h;
@@ -509,9 +624,7 @@ struct CodedBlock {
 // conversion rounds to nearest even as std::rint does). Measured on the 2-core AMD EPYC test machine at
 // one thread (docs/benchmarks/step-time.md): bf16 1.63x -> 1.39x fused AdamW's step, int8 2.63x -> 2.27x.
 // CPUs with AVX-512 keep the compiler's 512-bit loops, which these were not measured against.
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define BAOC_AVX2_LOOPS 1
-
+#ifdef BAOC_AVX2_LOOPS
 // Adam's constants in 8 lanes.
 struct Lanes8 {
   __m256 gsign, decay, l2, beta2, omb2, isbc2, eps, lr_step, lerp;
@@ -682,10 +795,6 @@ inline float hmax8(__m256 x) {
   return _mm_cvtss_f32(m);
 }
 
-// std::max(a, b) and std::min(a, b) of the scalar code, NaN in `a` kept: maxps/minps return their second
-// operand when either is NaN.
-inline __m256 max_keep(__m256 a, __m256 b) { return _mm256_max_ps(b, a); }
-inline __m256 min_keep(__m256 a, __m256 b) { return _mm256_min_ps(b, a); }
 
 // 32 int32 lanes (4 vectors) truncated to their low bytes, in order (static_cast<int8_t> of each).
 inline __m256i low_bytes32(__m256i a, __m256i b, __m256i c, __m256i d) {
