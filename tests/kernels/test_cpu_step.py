@@ -318,7 +318,7 @@ _PORTABLE = textwrap.dedent(
     kernels.compile_flags = lambda: [f for f in flags if f in ("-O3", "-ffp-contract=off", "-fno-math-errno",
                                                               "-fno-trapping-math", "-fopenmp")]
     print("FLAGS", kernels.compile_flags(), kernels.cpu_kernels().detail)
-    sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", sys.argv[1], "-k", "not portable and not saturation"]))
+    sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[1:], "-k", "not portable and not saturation"]))
     """
 )
 
@@ -327,11 +327,13 @@ _PORTABLE = textwrap.dedent(
 def test_the_portable_kernels_equal_the_eager_step(tmp_path: Path) -> None:
     """The kernels built without the CPU's vector extensions (the compiler's own loops, which CPUs other
     than x86 with AVX2 run, in place of the hand-written AVX2 ones): this file's tests against the eager
-    step pass with them too (a build of about 30 s)."""
+    step pass with them too, and the master-weight corrections' (every bf16 and fp16 weight, split and
+    rebuilt bit for bit; a build of about 30 s)."""
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
     env.pop(kernels.KERNELS_ENV, None)
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", _PORTABLE, __file__], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=900)
+    corrections = str(Path(__file__).resolve().parents[1] / "optim" / "test_weight_corrections.py")
+    out = subprocess.run([sys.executable, "-c", _PORTABLE, __file__, corrections], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=900)
     assert "-mavx2" not in out.stdout and "built in" in out.stdout, out.stdout[-2000:]
     assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
