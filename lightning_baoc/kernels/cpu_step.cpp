@@ -11,8 +11,9 @@
 // bf16-momentum formats do it in one loop per element (bf16_pass) and the 8-bit formats in three loops
 // (int8_pass: decode and AdamW group by group, the scales, the encodes), so that the divisions and
 // square roots run beside the integer work; the other cases go through L1 buffers loop by loop
-// (superblock). On AVX2 CPUs (without AVX-512) bf16_pass and int8_pass run as hand-written vector loops
-// of the same operations (bf16_pass_avx2, int8_pass_avx2). The super-blocks of every tensor of a call are
+// (superblock). On AVX2 CPUs (without AVX-512) bf16_pass, int8_pass and the masters of bf16 weights with a
+// correction run as hand-written vector loops of the same operations (bf16_pass_avx2, int8_pass_avx2,
+// load_master_bf16_avx2, store_master_bf16_avx2). The super-blocks of every tensor of a call are
 // one index range that at::parallel_for divides among the threads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -621,9 +622,10 @@ struct CodedBlock {
 // ---- Hand-written AVX2 loops (bf16_pass_avx2, int8_pass_avx2): the same float operations in the same
 // order as the loops they stand for, so the same bits, without what the compiler adds around them
 // (masks before each narrowing, constants spilled to the stack, a round and a truncation where one
-// conversion rounds to nearest even as std::rint does). Measured on the 2-core AMD EPYC test machine at
-// one thread (docs/benchmarks/step-time.md): bf16 1.63x -> 1.39x fused AdamW's step, int8 2.63x -> 2.27x.
-// CPUs with AVX-512 keep the compiler's 512-bit loops, which these were not measured against.
+// conversion rounds to nearest even as std::rint does). Measured side by side on the 2-core AMD EPYC test
+// machine at one thread (docs/benchmarks/step-time.md, benchmarks/kernel_ab.py): bf16 1.65x -> 1.37x fused
+// AdamW's step, int8 2.64x -> 2.28x; int8 on bf16 weights with ecc8 5.26x -> 2.74x. CPUs with AVX-512 keep
+// the compiler's 512-bit loops, which these were not measured against.
 #ifdef BAOC_AVX2_LOOPS
 // Adam's constants in 8 lanes.
 struct Lanes8 {
