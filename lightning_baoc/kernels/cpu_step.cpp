@@ -627,13 +627,28 @@ struct CodedBlock {
 // AdamW's step, int8 2.64x -> 2.28x; int8 on bf16 weights with ecc8 5.26x -> 2.74x. CPUs with AVX-512 keep
 // the compiler's 512-bit loops, which these were not measured against.
 #ifdef BAOC_AVX2_LOOPS
-// Adam's constants in 8 lanes.
+// Adam's per-element arithmetic (struct Adam's, operation for operation) on 8 lanes: the one definition the
+// AVX2 loops use.
 struct Lanes8 {
   __m256 gsign, decay, l2, beta2, omb2, isbc2, eps, lr_step, lerp;
   explicit Lanes8(const Adam& a)
       : gsign(_mm256_set1_ps(a.gsign)), decay(_mm256_set1_ps(a.decay)), l2(_mm256_set1_ps(a.l2_factor)),
         beta2(_mm256_set1_ps(a.beta2)), omb2(_mm256_set1_ps(a.one_minus_beta2)), isbc2(_mm256_set1_ps(a.inv_sqrt_bc2)),
         eps(_mm256_set1_ps(a.eps)), lr_step(_mm256_set1_ps(a.lr_step)), lerp(_mm256_set1_ps(a.lerp_coeff)) {}
+
+  template <bool L2>
+  __m256 grad(const float* G, __m256 p) const {
+    const __m256 g = _mm256_mul_ps(_mm256_loadu_ps(G), gsign);
+    return L2 ? _mm256_fmadd_ps(p, l2, g) : g;
+  }
+  __m256 decayed(__m256 p) const { return _mm256_mul_ps(p, decay); }
+  __m256 second_moment(__m256 g, __m256 v0) const { return _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g, _mm256_mul_ps(v0, beta2)); }
+  __m256 denominator(__m256 root) const { return _mm256_add_ps(_mm256_mul_ps(root, isbc2), eps); }
+  template <bool SMALL>
+  __m256 momentum(__m256 m0, __m256 g) const { return _mm256_fmadd_ps(lerp, _mm256_sub_ps(g, m0), SMALL ? m0 : g); }
+  __m256 update(__m256 p, __m256 direction, __m256 d) const {
+    return _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(lr_step, direction), d));
+  }
 };
 
 // mix_bits of 8 counters.
@@ -669,15 +684,12 @@ inline __m256i bf16_saturate16(__m256i h) {
 template <int64_t V, bool L2, bool SMALL>
 inline std::pair<__m256i, __m256i> bf16_lanes(const Lanes8& c, float* P, const float* G, __m256 m0, __m256 v0,
                                               float* V32, __m256i counter) {
-  __m256 p = _mm256_loadu_ps(P);
-  __m256 g = _mm256_mul_ps(_mm256_loadu_ps(G), c.gsign);
-  if constexpr (L2) g = _mm256_fmadd_ps(p, c.l2, g);
+  const __m256 p = _mm256_loadu_ps(P);
+  const __m256 g = c.grad<L2>(G, p);
   if constexpr (V != V_BF16) v0 = _mm256_loadu_ps(V32);
-  const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(c.omb2, g), g, _mm256_mul_ps(v0, c.beta2));
-  const __m256 m = _mm256_fmadd_ps(c.lerp, _mm256_sub_ps(g, m0), SMALL ? m0 : g);
-  const __m256 d = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), c.isbc2), c.eps);
-  p = _mm256_add_ps(_mm256_mul_ps(p, c.decay), _mm256_div_ps(_mm256_mul_ps(c.lr_step, m), d));
-  _mm256_storeu_ps(P, p);
+  const __m256 v = c.second_moment(g, v0);
+  const __m256 m = c.momentum<SMALL>(m0, g);
+  _mm256_storeu_ps(P, c.update(c.decayed(p), m, c.denominator(_mm256_sqrt_ps(v))));
   if constexpr (V != V_BF16) _mm256_storeu_ps(V32, v);
   const __m256i h = mix_bits8(counter);
   const __m256i rm = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(m), _mm256_srli_epi32(h, 16)), 16);
@@ -797,7 +809,6 @@ inline float hmax8(__m256 x) {
   return _mm_cvtss_f32(m);
 }
 
-
 // 32 int32 lanes (4 vectors) truncated to their low bytes, in order (static_cast<int8_t> of each).
 inline __m256i low_bytes32(__m256i a, __m256i b, __m256i c, __m256i d) {
   const __m256i mask = _mm256_set1_epi32(0xFF);
@@ -827,30 +838,28 @@ void int8_pass_avx2(const Tensors& t, int64_t sb, int64_t start, float limit_m, 
     for (int64_t q = 0; q < GROUP; q += 8) {
       const int64_t j = k * GROUP + q;
       __m256 p = _mm256_loadu_ps(in.P + j);
-      __m256 g = _mm256_mul_ps(_mm256_loadu_ps(in.G + j), c.gsign);
-      if constexpr (L2) g = _mm256_fmadd_ps(p, c.l2, g);
-      p = _mm256_mul_ps(p, c.decay);
+      const __m256 g = c.grad<L2>(in.G + j, p);
+      p = c.decayed(p);
       __m256 d;
       if constexpr (CODED_V) {
         const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in.vc + j))));
         const __m256 x = _mm256_mul_ps(_mm256_mul_ps(_mm256_max_ps(code, half), inv255), scale_v);
-        const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(c.omb2, g), g, _mm256_mul_ps(_mm256_mul_ps(x, x), c.beta2));
-        const __m256 root = _mm256_sqrt_ps(v);
+        const __m256 root = _mm256_sqrt_ps(c.second_moment(g, _mm256_mul_ps(x, x)));
         _mm256_store_ps(vbuf + j, root);
         top_v = _mm256_max_ps(_mm256_and_ps(root, absmask), top_v);
-        d = _mm256_add_ps(_mm256_mul_ps(root, c.isbc2), c.eps);
+        d = c.denominator(root);
       } else {
         d = _mm256_load_ps(vbuf + j);
       }
       if constexpr (HAS_M) {
         const __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in.mc + j)))), inv127);
         const __m256 m0 = _mm256_mul_ps(_mm256_div_ps(y, _mm256_sub_ps(two, _mm256_and_ps(y, absmask))), scale_m);
-        const __m256 m = _mm256_fmadd_ps(c.lerp, _mm256_sub_ps(g, m0), SMALL ? m0 : g);
+        const __m256 m = c.momentum<SMALL>(m0, g);
         _mm256_store_ps(mbuf + j, m);
         top_m = _mm256_max_ps(_mm256_and_ps(m, absmask), top_m);
-        p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c.lr_step, m), d));
+        p = c.update(p, m, d);
       } else {
-        p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c.lr_step, g), d));
+        p = c.update(p, g, d);
       }
       _mm256_storeu_ps(in.P + j, p);
     }
