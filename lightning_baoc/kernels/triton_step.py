@@ -56,6 +56,12 @@ from . import M_BF16, M_FP32, M_INT8, M_NONE, TRITON_SERVED as SERVED, V_BF16, V
 
 _SUPER = 1024
 
+#: The columns of a tensor's row in the table of a launch (int64 each: addresses, then scalars; a
+#: tensor the kernel does not read for this format is given the parameter's address). The first
+#: super-block of each tensor follows the rows.
+_COLUMNS = ("param", "grad", "correction", "m", "m_scale", "m_exp", "v", "v_scale", "v_exp", "row_factor",
+            "col_factor", "skip_flag", "numel", "cols", "noise_key", "lr_step", "inv_sqrt_bc2")
+
 
 def triton_status() -> tuple[bool, str]:
     """Whether Triton imports, and why not."""
@@ -70,6 +76,7 @@ def _f32(x: float) -> float:
 
 
 if triton is not None:
+    _COLUMN_COUNT = tl.constexpr(len(_COLUMNS))
 
     @triton.jit
     def _u32(value: tl.constexpr):
@@ -217,23 +224,18 @@ if triton is not None:
         u = tl.minimum(tl.maximum(s * inv[:, None], 0.0), 1.0)
         tl.store(v_ptr + idx, _rint(u * 255.0).to(tl.int32).to(tl.uint8), mask=mask)
 
-    @triton.jit(do_not_specialize=["cols", "n", "key"])
-    def _adamw_superblocks(
-        p_ptr, g_ptr, c_ptr, m_ptr, ms_ptr, me_ptr, v_ptr, vs_ptr, ve_ptr, rf_ptr, cf_ptr, skip_ptr, cols, n, key,
+    @triton.jit
+    def _superblock(
+        p_ptr, g_ptr, c_ptr, m_ptr, ms_ptr, me_ptr, v_ptr, vs_ptr, ve_ptr, rf_ptr, cf_ptr, sb, cols, n, key,
         lr_step, decay, l2, beta2, one_minus_beta2, lerp_coeff, inv_sqrt_bc2, eps, gsign, limit_m, limit_v,
         M: tl.constexpr, V: tl.constexpr, LERP_SMALL: tl.constexpr, L2: tl.constexpr,
-        W: tl.constexpr, G: tl.constexpr, CB: tl.constexpr, SKIP: tl.constexpr,
+        W: tl.constexpr, G: tl.constexpr, CB: tl.constexpr,
     ):
-        """One AdamW step of one 1024-element super-block (cpu_step.cpp ``superblock``), as 32 x 32;
-        none where the parameter's skip flag is set (``SKIP``: the device decided its finiteness)."""
-        if SKIP:
-            if tl.load(skip_ptr) != 0.0:
-                return
-        sb = tl.program_id(0)
+        """One AdamW step of super-block ``sb`` of one tensor (cpu_step.cpp ``superblock``), as 32 x 32."""
         rows = tl.arange(0, 32)
-        idx = sb.to(tl.int64) * 1024 + rows[:, None] * 32 + tl.arange(0, 32)[None, :]
+        idx = sb * 1024 + rows[:, None] * 32 + tl.arange(0, 32)[None, :]
         mask = idx < n
-        gidx = sb.to(tl.int64) * 32 + rows
+        gidx = sb * 32 + rows
         gmask = gidx * 32 < n
         # parameters and gradients in fp32: fp32 tensors, or 16-bit ones (the masters rebuilt from corrections)
         if G == 0:
@@ -297,6 +299,54 @@ if triton is not None:
             tl.store(v_ptr + idx, _bf16_stochastic(v, h & _u32(0xFFFF)), mask=mask)
         elif V == 2:
             _encode_sqrt(root, v_ptr, vs_ptr, ve_ptr, idx, mask, sb, gidx, gmask, limit_v)
+
+    @triton.jit
+    def _ptr(row, j: tl.constexpr, DTYPE: tl.constexpr):
+        """Column ``j`` of a tensor's row of the table: an address, as a pointer to ``DTYPE``."""
+        return tl.load(row + j).to(tl.pointer_type(DTYPE))
+
+    @triton.jit
+    def _int32_at(row, j: tl.constexpr):
+        """Column ``j`` of the table as int32 (stored sign-extended)."""
+        return tl.load(row + j).to(tl.int32)
+
+    @triton.jit(do_not_specialize=["count"])
+    def _adamw_tensors(
+        table, count, decay, l2, beta2, one_minus_beta2, lerp_coeff, eps, gsign, limit_m, limit_v,
+        M: tl.constexpr, V: tl.constexpr, LERP_SMALL: tl.constexpr, L2: tl.constexpr,
+        W: tl.constexpr, G: tl.constexpr, CB: tl.constexpr, SKIP: tl.constexpr, SEARCH: tl.constexpr,
+    ):
+        """One AdamW step of ``count`` tensors in one launch, one program per 1024-element super-block:
+        the program finds its tensor among the tensors' first super-blocks (a binary search of
+        ``SEARCH`` halvings) and reads the tensor's addresses and scalars from its row of ``table``
+        (:data:`_COLUMNS`); none where the tensor's skip flag is set (``SKIP``: the device decided its
+        finiteness)."""
+        pid = tl.program_id(0).to(tl.int64)
+        first = table + count * _COLUMN_COUNT
+        lo = tl.zeros((), tl.int64)
+        hi = lo + count
+        for _ in tl.static_range(SEARCH):  # first[lo] <= pid < first[hi]
+            mid = (lo + hi) // 2
+            below = tl.load(first + mid) <= pid
+            lo = tl.where(below, mid, lo)
+            hi = tl.where(below, hi, mid)
+        row = table + lo * _COLUMN_COUNT
+        if SKIP:
+            if tl.load(_ptr(row, 11, tl.float32)) != 0.0:
+                return
+        WT: tl.constexpr = tl.float32 if W == 0 else tl.int16
+        GT: tl.constexpr = tl.float32 if G == 0 else tl.int16
+        CT: tl.constexpr = tl.int8 if CB == 8 else tl.int16
+        MT: tl.constexpr = tl.float32 if M == 1 else (tl.int16 if M == 2 else tl.int8)
+        VT: tl.constexpr = tl.float32 if V == 0 else (tl.int16 if V == 1 else tl.uint8)
+        _superblock(
+            _ptr(row, 0, WT), _ptr(row, 1, GT), _ptr(row, 2, CT), _ptr(row, 3, MT), _ptr(row, 4, tl.float16),
+            _ptr(row, 5, tl.int8), _ptr(row, 6, VT), _ptr(row, 7, tl.float16), _ptr(row, 8, tl.int8),
+            _ptr(row, 9, tl.float32), _ptr(row, 10, tl.float32), pid - tl.load(first + lo), tl.load(row + 13),
+            tl.load(row + 12), _int32_at(row, 14), _int32_at(row, 15).to(tl.float32, bitcast=True), decay, l2,
+            beta2, one_minus_beta2, lerp_coeff, _int32_at(row, 16).to(tl.float32, bitcast=True), eps, gsign,
+            limit_m, limit_v, M, V, LERP_SMALL, L2, W, G, CB,
+        )
 
 
 if triton is not None:
@@ -396,18 +446,34 @@ def _factors(it: Any, hyper: Any, corr: Tensor | None, common: dict[str, Any]) -
     return row_factor, col_factor, cols
 
 
-def _pointers(views: dict[str, Tensor], keys: tuple[str | None, ...], dummy: Tensor) -> list[Tensor]:
-    """The state tensors the kernel reads (16-bit moments as their int16 bits), ``dummy`` where none."""
-    out = []
-    for k in keys:
-        t = views[k] if k is not None else dummy
-        out.append(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)
-    return out
-
-
 def _bits(t: Tensor) -> Tensor:
     """A 16-bit tensor as its int16 bits (what the kernel loads and stores), any other as it is."""
     return t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+def _signed32(bits: int) -> int:
+    """32 bits as a signed int32's value (the table holds them sign-extended)."""
+    return bits - (1 << 32) if bits >= 1 << 31 else bits
+
+
+def _float_bits(x: float) -> int:
+    """The fp32 bits of ``x`` as a signed int32's value."""
+    return struct.unpack("i", struct.pack("f", x))[0]
+
+
+def _row(it: Any, corr: Tensor | None, m_kind: int, v_kind: int, factors: tuple[Tensor, Tensor, int] | None,
+         has_m: bool, lr: float) -> list[int]:
+    """One tensor's row of the launch's table (:data:`_COLUMNS`): its addresses, then its scalars."""
+    p = it.param.data_ptr()
+    views = it.views
+    addresses = [p, it.grad.data_ptr(), p if corr is None else corr.data_ptr()]
+    for keys in (_M_KEYS.get(m_kind, (None, None, None)), _V_KEYS[v_kind]):
+        addresses += [p if k is None else views[k].data_ptr() for k in keys]
+    row_factor, col_factor, cols = factors if factors is not None else (it.param, it.param, 1)
+    addresses += [row_factor.data_ptr(), col_factor.data_ptr(), p if it.skip_flag is None else it.skip_flag.data_ptr()]
+    lr_step = -lr / it.bias_correction1 if has_m else -lr
+    return addresses + [it.param.numel(), cols, _signed32(it.noise_key & 0xFFFFFFFF), _float_bits(lr_step),
+                        _float_bits(1.0 / math.sqrt(it.bias_correction2))]
 
 
 def adamw_step(
@@ -416,7 +482,9 @@ def adamw_step(
 ) -> None:
     """One AdamW step of ``items`` (:class:`~lightning_baoc.formats.StepItem`, all served:
     :func:`serves`), whose counts, bias corrections and rounding keys the optimizer has set;
-    ``corrections``: each 16-bit parameter's master-weight correction, or ``None``."""
+    ``corrections``: each 16-bit parameter's master-weight correction, or ``None``. One launch per
+    kind of tensors (parameter and gradient dtypes, correction width, whether the device decides the
+    skip), over all of them: the addresses and scalars of each tensor travel in one table."""
     m_kind, v_kind = kinds
     has_m = m_kind != M_NONE
     wd, decoupled = hyper.weight_decay, hyper.decoupled_weight_decay
@@ -428,24 +496,30 @@ def adamw_step(
         gsign=-1.0 if hyper.maximize else 1.0, limit_m=_f32(limit_m), limit_v=_f32(limit_v), M=m_kind, V=v_kind,
         LERP_SMALL=small, L2=wd != 0.0 and not decoupled,
     )
+    launches: dict[tuple[int, int, int, bool], tuple[list[int], list[int]]] = {}
+    alive = []  # the factored formats' factors, read by the launches below
     for it, corr in zip(items, corrections or [None] * len(items)):
-        p, g = it.param.detach().view(-1), it.grad.view(-1)
-        n = p.numel()
+        n = it.param.numel()
         if n == 0:
             continue
-        kinds_of = dict(W=_KINDS[p.dtype], G=_KINDS[g.dtype], CB=0 if corr is None else _CORRECTION_BITS[corr.dtype])
-        m, ms, me = _pointers(it.views, _M_KEYS.get(m_kind, (None, None, None)), p)
-        v, vs, ve = _pointers(it.views, _V_KEYS[v_kind], p)
-        row_factor, col_factor, cols = (
-            _factors(it, hyper, corr, {**common, **kinds_of}) if v_kind == V_FACTORED else (p, p, 1)
-        )
-        lr_step = _f32(-hyper.lr / it.bias_correction1 if has_m else -hyper.lr)
-        key = it.noise_key & 0xFFFFFFFF
-        _adamw_superblocks[(triton.cdiv(n, _SUPER),)](
-            _bits(p), _bits(g), p if corr is None else corr.view(-1), m, ms, me, v, vs, ve, row_factor, col_factor,
-            p if it.skip_flag is None else it.skip_flag, cols, n, key - (1 << 32) if key >= 1 << 31 else key,
-            lr_step=lr_step, SKIP=it.skip_flag is not None,
-            inv_sqrt_bc2=_f32(1.0 / math.sqrt(it.bias_correction2)), enable_fp_fusion=False, **kinds_of, **common,
+        key = (_KINDS[it.param.dtype], _KINDS[it.grad.dtype], 0 if corr is None else _CORRECTION_BITS[corr.dtype],
+               it.skip_flag is not None)
+        factors = None
+        if v_kind == V_FACTORED:
+            factors = _factors(it, hyper, corr, {**common, "W": key[0], "G": key[1], "CB": key[2]})
+            alive.append(factors)
+        rows, firsts = launches.setdefault(key, ([], [0]))
+        rows += _row(it, corr, m_kind, v_kind, factors, has_m, hyper.lr)
+        firsts.append(firsts[-1] + (n + _SUPER - 1) // _SUPER)
+    for (w_kind, g_kind, bits, skip), (rows, firsts) in launches.items():
+        count = len(firsts) - 1
+        table = torch.tensor(rows + firsts[:-1], dtype=torch.int64)
+        device = items[0].param.device
+        if device.type == "cuda":  # a copy from pinned memory: no synchronisation with the host
+            table = table.pin_memory().to(device, non_blocking=True)
+        _adamw_tensors[(firsts[-1],)](
+            table, count, W=w_kind, G=g_kind, CB=bits, SKIP=skip, SEARCH=max(count - 1, 1).bit_length(),
+            enable_fp_fusion=False, **common,
         )
 
 

@@ -44,7 +44,7 @@ class StepMixin:
     _records: dict[Tensor, Record]
     _salts: dict[str, int]
     _warned: set[str]
-    _serving: dict[str, tuple[tuple, bool]]
+    _serving: dict[str | tuple[str, str], tuple[tuple, bool]]  # by name, and ("device", name)
     _deferred: list[DeferredFlags]
     skip_nonfinite: bool
     format_registry: Mapping[str, StateFormat]
@@ -135,15 +135,25 @@ class StepMixin:
             on = kernels_on[mine.device] = use_triton(self.kernels, mine.device)
         if not on or mine.numel() == 0:
             return False
-        if kinds == (M_FP32, V_FP32) and mine.dtype == torch.float32:  # torch's fused kernel, found_inf
-            # the states on the parameter's device: offload's host states take the host's decision
-            return (rec.master_correction is None and rec.step == rec.m_step and rec.step < MAX_FUSED_STEP
-                    and all(t.is_contiguous() and t.dtype == torch.float32 and t.device == mine.device
-                            for t in (mine, grad, *rec.views.values()))
-                    and fused_available(mine.device, hyper.decoupled_weight_decay))
-        from lightning_baoc.kernels import triton_step
+        fused = kinds == (M_FP32, V_FP32) and mine.dtype == torch.float32  # torch's fused kernel, found_inf
+        if fused and not (rec.step == rec.m_step and rec.step < MAX_FUSED_STEP):
+            return False
+        # what the kernel serves follows from the tensors' kinds: decided once for them, not every step
+        key = (rec.format, id(rec.views), id(rec.master_correction), mine.device, mine.dtype, grad.dtype, grad.device,
+               mine.is_contiguous(), grad.is_contiguous(), hyper.decoupled_weight_decay)
+        known = self._serving.get(("device", rec.name))
+        if known is None or known[0] != key:
+            if fused:  # the states on the parameter's device: offload's host states take the host's decision
+                serves = (rec.master_correction is None
+                          and all(t.is_contiguous() and t.dtype == torch.float32 and t.device == mine.device
+                                  for t in (mine, grad, *rec.views.values()))
+                          and fused_available(mine.device, hyper.decoupled_weight_decay))
+            else:
+                from lightning_baoc.kernels import triton_step
 
-        return triton_step.serves(kinds, mine, grad, rec.views, rec.master_correction)
+                serves = triton_step.serves(kinds, mine, grad, rec.views, rec.master_correction)
+            known = self._serving[("device", rec.name)] = (key, serves)
+        return known[1]
 
     def _device_flags(self, params: list[Tensor]) -> dict[Tensor, tuple[DeferredFlags, int, Tensor]]:
         """Each parameter's finiteness flag on its device: (the step's flags, its index, its skip flag,
@@ -158,8 +168,8 @@ class StepMixin:
             skip = torch.isfinite(torch.stack(max_abs)).logical_not_().to(torch.float32)
             deferred = DeferredFlags(skip == 0, len(members))
             self._deferred.append(deferred)
-            for i, p in enumerate(members):
-                out[p] = (deferred, i, skip[i : i + 1])
+            for i, (p, flag) in enumerate(zip(members, skip.split(1))):
+                out[p] = (deferred, i, flag)
         return out
 
     def _skip_sharded_nonfinite(self, params: list[Tensor]) -> set[Tensor]:

@@ -167,8 +167,8 @@ TRITON_SERVED = [f for f, fmt in FORMATS.items() if fmt.kernel_kinds in kernels.
 @pytest.mark.parametrize("steps", [1, 50])
 @pytest.mark.parametrize("fmt", TRITON_SERVED)
 def test_the_triton_step_on_cuda_equals_the_eager_step_on_the_cpu(fmt: str, steps: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CUDA step of the element-wise formats runs the Triton kernels (one launch per tensor and
-    step) and computes the eager step's fp32 operations: bit-equal parameters, codes, scales and
+    """The CUDA step of the element-wise formats runs the Triton kernels (one launch per step over the
+    tensors of a format) and computes the eager step's fp32 operations: bit-equal parameters, codes, scales and
     exponents to the eager step on the CPU, for ragged, small, 1-D and whole super-block shapes."""
     pytest.importorskip("triton")
     from lightning_baoc.kernels import triton_step
@@ -204,6 +204,52 @@ def test_the_triton_step_on_cuda_equals_the_eager_step_on_the_cpu(fmt: str, step
             assert float((a != b).double().mean()) <= 1e-4
     if not FORMATS[fmt].factored:  # their row and column sums are ordered otherwise: within the bounds above
         assert not differ  # measured bit-equal on an NVIDIA H200 (Triton 3.6); the bounds above say how far it may go
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16", "nomomentum_int8", "int8_factored"])
+def test_many_tensors_step_in_one_launch_on_cuda(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """41 tensors of 1 to 3000 elements (an empty one among them) in one launch per step, one NaN
+    gradient skipped by its own flag on the device: as the eager step on the CPU (bit-equal for the
+    element-wise formats; the factored ones within the bounds above)."""
+    pytest.importorskip("triton")
+    from lightning_baoc.kernels import triton_step
+
+    grids: list[int] = []
+    real = triton_step._adamw_tensors
+
+    class Counted:
+        def __getitem__(self, grid: tuple[int]):  # type: ignore[no-untyped-def]
+            grids.append(grid[0])
+            return real[grid]
+
+    monkeypatch.setattr(triton_step, "_adamw_tensors", Counted())
+    sizes = [int(x) for x in torch.randint(1, 3000, (40,), generator=torch.Generator().manual_seed(3))] + [0]
+    shapes = [(n // 7, 7) if n % 2 and n >= 14 else (n,) for n in sizes]
+    runs = []
+    for device, policy in ((torch.device("cpu"), "eager"), (CUDA, "auto")):
+        gen = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
+        opt = BlockwiseAdamW([(f"w{i}", p) for i, p in enumerate(params)], lr=1e-2, state_format=fmt, min_8bit_numel=0,
+                             kernels=policy)
+        with pytest.warns(RuntimeWarning, match="non-finite gradient for 'w17'"):
+            for i in range(3):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen).to(device)
+                if i == 1:
+                    params[17].grad.view(-1)[-1] = float("nan")
+                opt.step()
+            assert opt.nonfinite_counts == {"w17": 1}
+        runs.append([t.detach().cpu() for p in params for t in [p, *(v for _, v in sorted(opt._records[p].views.items()))]])
+    assert len(grids) == 3 * (2 if FORMATS[fmt].factored else 1)  # a factored format's 1-D tensors: their own launch
+    assert sum(grids) == 3 * sum(-(-torch.Size(s).numel() // 1024) for s in shapes)
+    for a, b in zip(*runs):
+        if a.numel() == 0 or not FORMATS[fmt].factored:
+            assert torch.equal(a, b), (fmt, a.dtype, int((a != b).sum()))
+        elif a.dtype == torch.float32:
+            assert float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)) <= 4e-6
+        else:
+            d = (a.int() - b.int()).abs()
+            assert int(d.max()) <= 1 and float((d > 0).double().mean()) <= 1e-4
 
 
 @pytest.mark.parametrize("correction", ["none", "ecc8", "ecc16"])
