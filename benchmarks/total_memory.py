@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from _report import command, machine, markdown_table, run_child, write_docs_section
@@ -64,6 +65,7 @@ class Workload:
     steps: int = 6
     threads: int = 1
     device: str = "cpu"
+    history: str = ""  # on a GPU: a folder for each run's CUDA memory history (what is live at the peak)
 
     @property
     def params(self) -> int:
@@ -92,6 +94,8 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     if run == "baseline":
         return {"peak_device": torch.cuda.memory_allocated()} if cuda else {}
+    if cuda and workload.history:  # every allocation and free of the run, with its Python stack
+        torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
     torch.manual_seed(0)
     dtype = torch.float32 if "fp32 weights" in run else torch.bfloat16
     model = nn.Sequential(*[nn.Linear(workload.width, workload.width) for _ in range(workload.layers)]).to(device, dtype)
@@ -128,6 +132,11 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
     if cuda:
         torch.cuda.synchronize()
         out["peak_device"] = torch.cuda.max_memory_allocated()
+        if workload.history:
+            Path(workload.history).mkdir(parents=True, exist_ok=True)
+            slug = "".join(c if c.isalnum() else "_" for c in run.lower())[:80]
+            torch.cuda.memory._dump_snapshot(str(Path(workload.history) / f"{slug}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
     if run.startswith("BAOC"):
         formats = list(optimizer.formats().values())
         out["allocation"] = {f: formats.count(f) for f in sorted(set(formats))}
@@ -175,8 +184,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=Workload.steps)
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the model trains")
     parser.add_argument("--docs", action="store_true", help="write the table into docs/benchmarks/total-memory.md")
+    parser.add_argument("--memory-history", default="", metavar="DIR",
+                        help="on a GPU: write each run's CUDA memory history into DIR (a snapshot to read what is live at the peak)")
     args = parser.parse_args()
-    workload = Workload(layers=args.layers, steps=args.steps, device=args.device)
+    workload = Workload(layers=args.layers, steps=args.steps, device=args.device, history=args.memory_history)
     results = run_all(workload)
     body = (
         f"Bytes per parameter, {workload.params / 1e6:.1f}M parameters ({workload.layers} x "

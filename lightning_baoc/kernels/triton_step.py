@@ -1,13 +1,16 @@
-"""The AdamW step of the compact formats on CUDA: one Triton kernel per tensor.
+"""The AdamW step of the compact formats on CUDA: one Triton launch per format over all its tensors.
 
 The eager step (:mod:`lightning_baoc.formats`) launches a few hundred CUDA kernels per 128K
 elements, and on a GPU it is bound by those launches (on an H200, 21M parameters in int8 took 340x
-the step of ``torch.optim.AdamW(fused=True)``). :func:`adamw_step` runs each parameter's whole step
-as one kernel of one program per 1024-element super-block: decode the moments, AdamW in fp32,
-encode (group absmax, one shared exponent, fp16 scales, codes), each byte read and written once.
-The factored formats first run one kernel for the row and column sums of the squared gradient
-(partial column sums per 16 rows, added in a fixed order: deterministic), then the vectors' update
-as the eager step does it.
+the step of ``torch.optim.AdamW(fused=True)``). :func:`adamw_step` runs the whole step of every tensor
+of a format as one launch of one program per 1024-element super-block: decode the moments, AdamW in
+fp32, encode (group absmax, one shared exponent, fp16 scales, codes), each byte read and written once.
+The tensors' addresses and per-tensor scalars (size, step size, bias correction, rounding key) travel
+in one int64 table, copied to the device from pinned memory; each program finds its tensor by a binary
+search of the tensors' first super-blocks. One launch per kind of tensors: parameter and gradient
+dtypes, correction width, and whether the device decides the skip. The factored formats first run one
+kernel per tensor for the row and column sums of the squared gradient (partial column sums per 16
+rows, added in a fixed order: deterministic), then the vectors' update as the eager step does it.
 
 The kernel computes the operations of the compiled CPU step (``cpu_step.cpp``) in the same order,
 which are the eager step's: divisions and square roots correctly rounded (``div_rn``,
