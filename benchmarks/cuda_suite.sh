@@ -5,13 +5,14 @@
 #
 # from the repository root, with lightning_baoc importable (installed, or this checkout on
 # PYTHONPATH). In order:
-#   1. alone on the GPU (timings and peaks): the optimizer step times against fused AdamW, with fp32
-#      and with bf16 weights; then the total memory of whole runs (peak CUDA allocated, each run in
-#      its own process), with each run's CUDA memory history (what is live at the peak);
-#   2. side by side (none of them is a timing): the CUDA tests, and the quality runs (one process
-#      per workload, recipe and seed; each run cached as JSON under benchmarks/runs/*_cuda, so a run
-#      already in the checkout is not trained again and a second call resumes); then, with the time
-#      left, the peak memory of Lightning runs with BAOC.
+#   1. alone on the GPU (timings): the optimizer step times against fused AdamW, with fp32 and with
+#      bf16 weights;
+#   2. side by side (none of them is a timing): the CUDA tests, then with the time left the peak
+#      memory of Lightning runs with BAOC; the total memory of whole runs (peak CUDA allocated, read
+#      in each run's own process), with each run's CUDA memory history (what is live at the peak);
+#      and the quality runs (one process per workload, recipe and seed; each run cached as JSON under
+#      benchmarks/runs/*_cuda, so a run already in the checkout is not trained again and a second call
+#      resumes).
 # The docs sections they write (`*_cuda`), the runs' caches and the memory histories are packed into
 # OUT_DIR/results.tgz, the logs into OUT_DIR/logs.tgz. SECONDS (default 480) bounds the whole run;
 # parts cut off leave what they cached. Python's fault handler is on: a crash prints every thread's stack.
@@ -38,12 +39,12 @@ torch.cuda.get_device_name(0), 'lightning', lightning.__version__)" >> "$logs/gp
 cat "$logs/gpu.txt"
 
 step="python3 benchmarks/step_time.py --device cuda --threads 1 --rounds 5 --steps 2 --warmup 2"
-part step_time $(( $(left) * 22 / 100 )) $step
-part step_time_bf16 $(( $(left) * 12 / 100 )) $step --bf16-weights
-part total_memory $(( $(left) * 35 / 100 )) python3 benchmarks/total_memory.py --device cuda --docs --memory-history memory_history
+part step_time $(( $(left) * 30 / 100 )) $step
+part step_time_bf16 $(( $(left) * 18 / 100 )) $step --bf16-weights
 
-say "side by side: CUDA tests, quality; then peak memory"
+say "side by side: CUDA tests, then peak memory; total memory; quality"
 rest=$(( $(left) - 30 ))
+part total_memory $rest python3 benchmarks/total_memory.py --device cuda --docs --memory-history memory_history &
 (part tests $rest python3 -m pytest -q -p no:cacheprovider -rs tests/integrations/test_cuda.py \
    tests/optim/test_conversion_memory.py tests/kernels/test_step_decisions.py tests/costs/test_instruments.py \
    tests/test_calibration.py
