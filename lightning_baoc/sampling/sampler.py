@@ -314,12 +314,14 @@ class GradientSampler(SamplerStateMixin):
         if self._thread is not None and self._thread.is_alive():
             return
         # The thread holds only a weak reference to the sampler, so a sampler dropped without
-        # close() is still collected; the finalizer then stops the thread.
+        # close() is still collected; the finalizer then stops the thread. It also runs at the
+        # interpreter's exit, where it lets the thread finish the samples it holds and joins it: a
+        # daemon thread still inside torch's C++ code while the process exits can abort it.
         self._thread = threading.Thread(
             target=_worker_loop, args=(weakref.ref(self), self._queue), name="baoc-gradient-sampler", daemon=True
         )
         self._thread.start()
-        self._finalizer = weakref.finalize(self, self._queue.put, None)
+        self._finalizer = weakref.finalize(self, _stop_worker, self._queue, self._thread)
 
     def _reduce(self, item: tuple[int, int, bool, float | None, list[int], list[Any]]) -> None:
         """Worker side: check one staging buffer; store it as a ring row, or (a follower) its cosines."""
@@ -550,3 +552,12 @@ class GradientSampler(SamplerStateMixin):
             f"GradientSampler(blocks={len(self._blocks)}, sample_every={self.sample_every}, "
             f"capacity={self.capacity}, max_elements={self.max_elements}, max_rows={self.max_rows}, seed={self.seed})"
         )
+
+
+def _stop_worker(work: queue.Queue[Any], thread: threading.Thread) -> None:
+    """Stop a sampler's worker thread (the sampler was collected, or the interpreter exits): the
+    sentinel after the samples it holds, then a join, unless the sampler was collected on that
+    thread itself (it then returns at the sentinel)."""
+    work.put(None)
+    if thread is not threading.current_thread():
+        thread.join()

@@ -511,3 +511,34 @@ def test_docstring_examples_run() -> None:
 
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_an_unclosed_sampler_finishes_its_work_before_the_process_exits(tmp_path: Path) -> None:
+    """A script that never closes its sampler: at exit the worker thread finishes the sample it holds
+    and is joined before the interpreter tears down (a daemon thread still inside torch's C++ code
+    while the process exits can abort it: "terminate called without an active exception")."""
+    import subprocess
+    import sys
+
+    done = tmp_path / "reduced"
+    script = f"""
+import time, torch
+from torch import nn
+from lightning_baoc import GradientSampler
+import lightning_baoc.sampling.sampler as sampling
+
+real = sampling.GradientSampler._reduce
+def slow(self, item):
+    time.sleep(0.5)  # the worker is busy when the main thread reaches the end of the script
+    real(self, item)
+    open({str(done)!r}, "w").write("ok")
+sampling.GradientSampler._reduce = slow
+model = nn.Linear(8, 8)
+sampler = GradientSampler(model, sample_every=1, capacity=4)
+for p in model.parameters():
+    p.grad = torch.randn_like(p)
+assert sampler.sample(0)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert done.read_text() == "ok"  # the worker was joined, not cut off
