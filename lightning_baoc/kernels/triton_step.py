@@ -80,6 +80,9 @@ def _f32(x: float) -> float:
 
 if triton is not None:
     _COLUMN_COUNT = tl.constexpr(len(_COLUMNS))
+    _SKIP_FLAG, _NUMEL, _COLS, _NOISE_KEY, _LR_STEP, _INV_SQRT_BC2 = (
+        tl.constexpr(_COLUMNS.index(name)) for name in ("skip_flag", "numel", "cols", "noise_key", "lr_step", "inv_sqrt_bc2")
+    )
 
     @triton.jit
     def _u32(value: tl.constexpr):
@@ -335,7 +338,7 @@ if triton is not None:
             hi = tl.where(below, hi, mid)
         row = table + lo * _COLUMN_COUNT
         if SKIP:
-            if tl.load(_ptr(row, 11, tl.float32)) != 0.0:
+            if tl.load(_ptr(row, _SKIP_FLAG, tl.float32)) != 0.0:
                 return
         WT: tl.constexpr = tl.float32 if W == 0 else tl.int16
         GT: tl.constexpr = tl.float32 if G == 0 else tl.int16
@@ -345,10 +348,10 @@ if triton is not None:
         _superblock(
             _ptr(row, 0, WT), _ptr(row, 1, GT), _ptr(row, 2, CT), _ptr(row, 3, MT), _ptr(row, 4, tl.float16),
             _ptr(row, 5, tl.int8), _ptr(row, 6, VT), _ptr(row, 7, tl.float16), _ptr(row, 8, tl.int8),
-            _ptr(row, 9, tl.float32), _ptr(row, 10, tl.float32), pid - tl.load(first + lo), tl.load(row + 13),
-            tl.load(row + 12), _int32_at(row, 14), _int32_at(row, 15).to(tl.float32, bitcast=True), decay, l2,
-            beta2, one_minus_beta2, lerp_coeff, _int32_at(row, 16).to(tl.float32, bitcast=True), eps, gsign,
-            limit_m, limit_v, M, V, LERP_SMALL, L2, W, G, CB,
+            _ptr(row, 9, tl.float32), _ptr(row, 10, tl.float32), pid - tl.load(first + lo), tl.load(row + _COLS),
+            tl.load(row + _NUMEL), _int32_at(row, _NOISE_KEY), _int32_at(row, _LR_STEP).to(tl.float32, bitcast=True),
+            decay, l2, beta2, one_minus_beta2, lerp_coeff, _int32_at(row, _INV_SQRT_BC2).to(tl.float32, bitcast=True),
+            eps, gsign, limit_m, limit_v, M, V, LERP_SMALL, L2, W, G, CB,
         )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ if torch.cuda.is_available():  # pragma: no cover - the GPU runs the kernels com
     pytest.skip("CUDA present: tests/integrations/test_cuda.py runs the kernels on the GPU", allow_module_level=True)
 if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it before triton is imported
     pytest.skip("TRITON_INTERPRET=1 is not set", allow_module_level=True)
-pytest.importorskip("triton", reason="triton is not installed (the CUDA step's optional kernels)")
+triton = pytest.importorskip("triton", reason="triton is not installed (the CUDA step's optional kernels)")
 
 import lightning_baoc.optim.stepping as stepping  # noqa: E402
 from lightning_baoc import FORMATS, BlockwiseAdamW, kernels  # noqa: E402
@@ -322,3 +323,44 @@ def test_a_copy_after_a_step_decided_on_the_device_has_its_counts_settled(triton
         assert other.nonfinite_counts == {"w": 1}
         rec = next(iter(other._records.values()))  # noqa: SLF001
         assert rec.pending is None and rec.step == 1
+
+
+_COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lightning_baoc.kernels import M_FP32, V_FP32, triton_step as ts
+
+def compile_(fn, types, constants):
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constants else types.get(n, "fp32") for n in names}
+    src = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constants.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
+
+variants = [dict(M=m, V=v, W=0, G=0, CB=0, SKIP=False) for m, v in sorted(ts.SERVED | {(M_FP32, V_FP32)})]
+variants += [dict(M=3, V=2, W=1, G=1, CB=8, SKIP=True), dict(M=2, V=1, W=2, G=2, CB=16, SKIP=True)]
+for v in variants:
+    compile_(ts._adamw_tensors, {"table": "*i64", "count": "i32"}, dict(v, LERP_SMALL=True, L2=True, SEARCH=3))
+compile_(ts._factored_sums, {"g_ptr": "*fp32", "p_ptr": "*fp32", "c_ptr": "*fp32", "partial_ptr": "*fp32",
+                             "row_sum_ptr": "*fp32", "rows": "i32", "cols": "i32"},
+         dict(L2=True, W=0, G=0, CB=0, BR=16, BC=256))
+print("compiled", len(variants) + 1)
+"""
+
+
+def test_the_kernels_compile_for_a_hopper_gpu(tmp_path: Path) -> None:
+    """The interpreter runs the kernels' Python, not Triton's compiler: this compiles them for an H100
+    (sm_90, through Triton's own ptxas; no GPU needed) in a process without the interpreter, so that a
+    construct the compiler refuses fails here rather than on the first GPU."""
+    import subprocess
+    import sys
+
+    backend = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not backend.exists():
+        pytest.skip("this triton has no CUDA backend (ptxas)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a cold cache: every variant compiled
+    proc = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "compiled 11" in proc.stdout
