@@ -95,11 +95,13 @@ class StepMixin:
             kernels_on: dict[torch.device, bool] = {}  # whether the device kernels run there (asked once per step)
             decided = [p for hyper, ps in eager for p in ps if self._decided_on_device(p, hyper, kernels_on)]
             flags = self._device_flags(decided)
-            # decided already: on the device, or (sharded) across the ranks by _skip_sharded_nonfinite
-            known = set(flags) | ({p for p in every if is_sharded(p)} if self.skip_nonfinite else set())
-            finite = iter(self._finite_mask([p for p in every if p not in known]))
+            # decided already (ids): on the device, or (sharded) across the ranks by _skip_sharded_nonfinite
+            known = set(flags)
+            if self.skip_nonfinite:
+                known.update(id(p) for p in every if is_sharded(p))
+            finite = iter(self._finite_mask([p for p in every if id(p) not in known]))
             for hyper, params in eager:
-                self._eager_step(hyper, params, [True if p in known else next(finite) for p in params], flags)
+                self._eager_step(hyper, params, [True if id(p) in known else next(finite) for p in params], flags)
 
     def _kernel_serves(self, rec: Record, fmt: StateFormat, mine: Tensor) -> bool:
         """:func:`kernel_serves` for ``rec``'s parameter (its local part ``mine``), decided once per
@@ -155,21 +157,21 @@ class StepMixin:
             known = self._serving[("device", rec.name)] = (key, serves)
         return known[1]
 
-    def _device_flags(self, params: list[Tensor]) -> dict[Tensor, tuple[DeferredFlags, int, Tensor]]:
-        """Each parameter's finiteness flag on its device: (the step's flags, its index, its skip flag,
+    def _device_flags(self, params: list[Tensor]) -> dict[int, tuple[DeferredFlags, int, Tensor]]:
+        """Each parameter's (by ``id``) finiteness flag on its device: (the step's flags, its index, its skip flag,
         a one-element fp32 tensor, 1 where the gradient holds inf or NaN). One pass over the gradients
         per device (their largest absolute value: NaN propagates, inf is its own maximum); nothing read."""
         by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
         for p in params:
             by_device[local(p).device].append(p)
-        out: dict[Tensor, tuple[DeferredFlags, int, Tensor]] = {}
+        out: dict[int, tuple[DeferredFlags, int, Tensor]] = {}  # ids: hashing a tensor is a Python call
         for members in by_device.values():
             max_abs = torch._foreach_norm([local(p.grad) for p in members], ord=float("inf"))
             skip = torch.isfinite(torch.stack(max_abs)).logical_not_().to(torch.float32)
             deferred = DeferredFlags(skip == 0, len(members))
             self._deferred.append(deferred)
             for i, (p, flag) in enumerate(zip(members, skip.split(1))):
-                out[p] = (deferred, i, flag)
+                out[id(p)] = (deferred, i, flag)
         return out
 
     def _skip_sharded_nonfinite(self, params: list[Tensor]) -> set[Tensor]:
@@ -261,12 +263,13 @@ class StepMixin:
 
     def _eager_step(
         self, hyper: StepHyper, params: list[Tensor], finite: list[bool],
-        flags: Mapping[Tensor, tuple[DeferredFlags, int, Tensor]] | None = None,
+        flags: Mapping[int, tuple[DeferredFlags, int, Tensor]] | None = None,
     ) -> None:
         """The step of ``params`` but those the compiled CPU kernels serve: the eager step (the
         reference) of those whose gradients' finiteness the host has read (:meth:`_finite_mask`, one
         synchronisation per device and step), the device kernels' of those it decides (``flags``:
-        :meth:`_device_flags`; their counts advance now and a skip is taken back when next read)."""
+        :meth:`_device_flags`, by the parameters' ids; their counts advance now and a skip is taken back
+        when next read)."""
         flags = flags or {}
         if not params:
             return
@@ -280,8 +283,9 @@ class StepMixin:
                 rec.nonfinite += 1
                 skipped.append(rec)
                 continue
+            fmt = self.format_registry[rec.format]
             step = rec.step + 1
-            m_step = rec.m_step + 1 if self.format_registry[rec.format].has_momentum else rec.m_step
+            m_step = rec.m_step + 1 if fmt.has_momentum else rec.m_step
             rec.step, rec.m_step = step, m_step
             bc1 = 1.0 - beta1**m_step if m_step else 1.0
             bc2 = 1.0 - beta2**step
@@ -289,11 +293,12 @@ class StepMixin:
             mine = local(p)
             records[id(mine)] = rec
             item = StepItem(mine, local(p.grad), rec.views, bc1, bc2, count, self._noise_key(rec), m_step)
-            if self.format_registry[rec.format].factored:
+            if fmt.factored:
                 item.shards = rec.row_shards
-            if p in flags:  # after every read of the counts: a read settles (it waits for the flags)
-                deferred, index, item.skip_flag = flags[p]
-                deferred.records[index] = (rec, self.format_registry[rec.format].has_momentum)
+            flag = flags.get(id(p))
+            if flag is not None:  # after every read of the counts: a read settles (it waits for the flags)
+                deferred, index, item.skip_flag = flag
+                deferred.records[index] = (rec, fmt.has_momentum)
                 rec.pending = (deferred, index)
             buckets[(rec.format, mine.device)].append(item)
         if skipped:
