@@ -123,3 +123,24 @@ def controller_steps(ctl, opt, loss_of, start: int, steps: int, before: bool = F
         if event is not None:
             events.append(event)
     return events
+
+
+def record_grids(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[int]:
+    """Replace the Triton kernel ``module.name`` by one that records each launch's grid (its programs) and
+    launches the kernel."""
+    grids: list[int] = []
+    real = getattr(module, name)
+
+    class Recorded:
+        def __getitem__(self, grid: tuple[int, ...]) -> Any:
+            grids.append(grid[0])
+            return real[grid]
+
+    monkeypatch.setattr(module, name, Recorded())
+    return grids
+
+
+def ragged_shapes(count: int = 40, seed: int = 3) -> list[tuple[int, ...]]:
+    """``count`` tensor shapes of 1 to 3000 elements (2-D, 7 columns, where odd and at least 14), and an empty one."""
+    sizes = [int(x) for x in torch.randint(1, 3000, (count,), generator=torch.Generator().manual_seed(seed))] + [0]
+    return [(n // 7, 7) if n % 2 and n >= 14 else (n,) for n in sizes]

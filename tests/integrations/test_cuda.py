@@ -21,6 +21,7 @@ from torch import nn
 
 from lightning_baoc import BAOC, FORMATS, BlockwiseAdamW, BlockwiseLion, BlockwiseSGD, kernels
 
+from support import ragged_shapes, record_grids
 from support_lightning import DigitsModule, fit_crash_resume
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -164,6 +165,26 @@ def test_baoc_under_the_trainer_on_the_gpu_resumes_bit_equal(tmp_path: Path) -> 
 TRITON_SERVED = [f for f, fmt in FORMATS.items() if fmt.kernel_kinds in kernels.TRITON_SERVED]
 
 
+def _states_after(fmt: str, shapes: list[tuple[int, ...]], steps: int, device: torch.device, policy: str,
+                  growth: float = 0.1, nan_at: tuple[int, int] | None = None) -> list[torch.Tensor]:
+    """Parameters and states (on the CPU) after ``steps`` steps in ``fmt`` of tensors of ``shapes`` on
+    ``device``, the gradients drawn on the CPU (scaled by ``1 + growth * step``); ``nan_at``: (step,
+    tensor) whose gradient's last element is NaN."""
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
+    opt = BlockwiseAdamW([(f"w{i}", p) for i, p in enumerate(params)], lr=1e-2, state_format=fmt, min_8bit_numel=0,
+                         kernels=policy)
+    for i in range(steps):
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=gen) * (1.0 + growth * i)).to(device)
+        if nan_at is not None and i == nan_at[0]:
+            params[nan_at[1]].grad.view(-1)[-1] = float("nan")
+        opt.step()
+    if nan_at is not None:
+        assert opt.nonfinite_counts == {f"w{nan_at[1]}": 1}
+    return [t.detach().cpu() for p in params for t in [p, *(v for _, v in sorted(opt._records[p].views.items()))]]
+
+
 @pytest.mark.parametrize("steps", [1, 50])
 @pytest.mark.parametrize("fmt", TRITON_SERVED)
 def test_the_triton_step_on_cuda_equals_the_eager_step_on_the_cpu(fmt: str, steps: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -177,17 +198,7 @@ def test_the_triton_step_on_cuda_equals_the_eager_step_on_the_cpu(fmt: str, step
     real = triton_step.adamw_step
     monkeypatch.setattr(triton_step, "adamw_step", lambda kinds, items, *a: (launches.append(len(items)), real(kinds, items, *a)))
     shapes = [(37, 101), (3, 11), (1000,), (64, 1024)]
-    runs = []
-    for device, policy in ((torch.device("cpu"), "eager"), (CUDA, "auto")):
-        gen = torch.Generator().manual_seed(0)
-        params = [nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
-        opt = BlockwiseAdamW([(f"w{i}", p) for i, p in enumerate(params)], lr=1e-2, state_format=fmt, min_8bit_numel=0,
-                             kernels=policy)
-        for i in range(steps):
-            for p in params:
-                p.grad = (torch.randn(p.shape, generator=gen) * (1.0 + 0.1 * i)).to(device)
-            opt.step()
-        runs.append([t.detach().cpu() for p in params for t in [p, *(v for _, v in sorted(opt._records[p].views.items()))]])
+    runs = [_states_after(fmt, shapes, steps, device, policy) for device, policy in ((torch.device("cpu"), "eager"), (CUDA, "auto"))]
     assert sum(launches) == len(shapes) * steps  # every parameter, every step (a 1-D one in its fallback format)
     differ = []
     for a, b in zip(*runs):
@@ -214,32 +225,11 @@ def test_many_tensors_step_in_one_launch_on_cuda(fmt: str, monkeypatch: pytest.M
     pytest.importorskip("triton")
     from lightning_baoc.kernels import triton_step
 
-    grids: list[int] = []
-    real = triton_step._adamw_tensors
-
-    class Counted:
-        def __getitem__(self, grid: tuple[int]):  # type: ignore[no-untyped-def]
-            grids.append(grid[0])
-            return real[grid]
-
-    monkeypatch.setattr(triton_step, "_adamw_tensors", Counted())
-    sizes = [int(x) for x in torch.randint(1, 3000, (40,), generator=torch.Generator().manual_seed(3))] + [0]
-    shapes = [(n // 7, 7) if n % 2 and n >= 14 else (n,) for n in sizes]
-    runs = []
-    for device, policy in ((torch.device("cpu"), "eager"), (CUDA, "auto")):
-        gen = torch.Generator().manual_seed(0)
-        params = [nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
-        opt = BlockwiseAdamW([(f"w{i}", p) for i, p in enumerate(params)], lr=1e-2, state_format=fmt, min_8bit_numel=0,
-                             kernels=policy)
-        with pytest.warns(RuntimeWarning, match="non-finite gradient for 'w17'"):
-            for i in range(3):
-                for p in params:
-                    p.grad = torch.randn(p.shape, generator=gen).to(device)
-                if i == 1:
-                    params[17].grad.view(-1)[-1] = float("nan")
-                opt.step()
-            assert opt.nonfinite_counts == {"w17": 1}
-        runs.append([t.detach().cpu() for p in params for t in [p, *(v for _, v in sorted(opt._records[p].views.items()))]])
+    grids = record_grids(monkeypatch, triton_step, "_adamw_tensors")
+    shapes = ragged_shapes()
+    with pytest.warns(RuntimeWarning, match="non-finite gradient for 'w17'"):
+        runs = [_states_after(fmt, shapes, 3, device, policy, growth=0.0, nan_at=(1, 17))
+                for device, policy in ((torch.device("cpu"), "eager"), (CUDA, "auto"))]
     assert len(grids) == 3 * (2 if FORMATS[fmt].factored else 1)  # a factored format's 1-D tensors: their own launch
     assert sum(grids) == 3 * sum(-(-torch.Size(s).numel() // 1024) for s in shapes)
     for a, b in zip(*runs):

@@ -32,6 +32,8 @@ import lightning_baoc.optim.stepping as stepping  # noqa: E402
 from lightning_baoc import FORMATS, BlockwiseAdamW, kernels  # noqa: E402
 from lightning_baoc.kernels import triton_step  # noqa: E402
 
+from support import ragged_shapes, record_grids  # noqa: E402
+
 SERVED = [name for name, fmt in FORMATS.items() if fmt.kernel_kinds in triton_step.SERVED]
 SHAPES = [(37, 101), (3, 11), (1000,), (2, 1024)]
 
@@ -113,17 +115,8 @@ def test_many_tensors_take_one_launch(fmt: str, triton_on_cpu: list[int], monkey
     """41 tensors of sizes from 1 to 3000 elements (an empty one among them) in one launch per step:
     each program finds its tensor in the table (a binary search of the tensors' first super-blocks);
     the result equals the eager step's, one NaN gradient skipped by its own tensor's flag alone."""
-    grids: list[int] = []
-    real = triton_step._adamw_tensors
-
-    class Counted:
-        def __getitem__(self, grid: tuple[int]):  # type: ignore[no-untyped-def]
-            grids.append(grid[0])
-            return real[grid]
-
-    monkeypatch.setattr(triton_step, "_adamw_tensors", Counted())
-    sizes = [int(x) for x in torch.randint(1, 3000, (40,), generator=torch.Generator().manual_seed(3))] + [0]
-    shapes = [(n // 7, 7) if n % 2 and n >= 14 else (n,) for n in sizes]
+    grids = record_grids(monkeypatch, triton_step, "_adamw_tensors")
+    shapes = ragged_shapes()
 
     def run(policy: str) -> list[torch.Tensor]:
         gen = torch.Generator().manual_seed(0)
