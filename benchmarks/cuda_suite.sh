@@ -5,8 +5,8 @@
 #
 # from the repository root, with lightning_baoc importable (installed, or this checkout on
 # PYTHONPATH). In order:
-#   1. alone on the GPU (timings): the optimizer step times against fused AdamW, with fp32 and with
-#      bf16 weights;
+#   1. alone on the GPU (timings): where the step's time goes (the host's Python against the kernels),
+#      the optimizer step times against fused AdamW, with fp32 and with bf16 weights;
 #   2. side by side (none of them is a timing): the CUDA tests, then with the time left the peak
 #      memory of Lightning runs with BAOC; the total memory of whole runs (peak CUDA allocated, read
 #      in each run's own process), with each run's CUDA memory history (what is live at the peak);
@@ -38,6 +38,7 @@ python3 -c "import torch, lightning; print('torch', torch.__version__, 'cuda', t
 torch.cuda.get_device_name(0), 'lightning', lightning.__version__)" >> "$logs/gpu.txt" 2>&1
 cat "$logs/gpu.txt"
 
+part cuda_profile 60 python3 benchmarks/cuda_profile.py
 step="python3 benchmarks/step_time.py --device cuda --threads 1 --rounds 5 --steps 2 --warmup 2"
 part step_time $(( $(left) * 30 / 100 )) $step
 part step_time_bf16 $(( $(left) * 18 / 100 )) $step --bf16-weights
