@@ -416,10 +416,8 @@ class GradientSampler(SamplerStateMixin):
         try:
             self.flush()
         finally:
-            self._queue.put(None)
-            self._thread.join()
             if self._finalizer is not None:
-                self._finalizer.detach()
+                self._finalizer()  # _stop_worker, once: the sentinel and the join
             self._thread = None
 
     def __enter__(self) -> GradientSampler:
