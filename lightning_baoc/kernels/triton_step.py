@@ -517,10 +517,12 @@ def adamw_step(
         rows, firsts = launches.setdefault(key, ([], [0]))
         rows += _row(it, corr, m_kind, v_kind, factors, has_m, hyper.lr)
         firsts.append(firsts[-1] + (n + _SUPER - 1) // _SUPER)
+    if not launches:
+        return
+    device = items[0].param.device  # one device per call (the optimizer buckets by device)
     for (w_kind, g_kind, bits, skip), (rows, firsts) in launches.items():
         count = len(firsts) - 1
         table = torch.tensor(rows + firsts[:-1], dtype=torch.int64)
-        device = items[0].param.device
         if device.type == "cuda":  # a copy from pinned memory: no synchronisation with the host
             table = table.pin_memory().to(device, non_blocking=True)
         _adamw_tensors[(firsts[-1],)](

@@ -94,7 +94,8 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
         self._warned: set[str] = set()  # names warned of a skipped update
         # decided once, not on every step: name -> (what the decision follows from, the decision)
         self._targets: dict[str, tuple[tuple, str]] = {}  # the format a parameter's request resolves to
-        self._serving: dict[str, tuple[tuple, bool]] = {}  # whether the compiled CPU step serves it
+        # whether the compiled CPU step (by name) and the device's kernels (("device", name)) serve it
+        self._serving: dict[str | tuple[str, str], tuple[tuple, bool]] = {}
         self._deferred: list = []  # the steps whose skips the device decided, settled at the next step
         self._released: set[Tensor] = set()  # stepped by gradient release since the last step()
         self._release_handles: list[Any] = []
