@@ -112,7 +112,7 @@ def _step_items(
         (direct if _direct(it, factored) else rest).append(it)
     skipped: list[KernelItem] = []
     if direct:  # the kernel reads only sizes and data of these contiguous tensors: no flat views made
-        skipped += launch([it.param.detach() for it in direct], [it.grad for it in direct],
+        skipped += launch([it.param for it in direct], [it.grad for it in direct],
                           direct, hyper, seed, check_finite, [it.correction for it in direct])
     for it in rest:
         work, write_back = _master_flat(it) if it.correction is not None else param_flat(it.param)

@@ -278,7 +278,7 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
         for p, rec in self._records.items():
             if rec.format is None:
                 continue
-            key = (self.requested_format(p), p.shape, self.min_8bit_numel)
+            key = (rec.requested or self.param_groups[rec.group]["state_format"], p.shape, self.min_8bit_numel)
             known = targets.get(rec.name)
             if known is None or known[0] != key:  # resolved once per request, not on every step
                 known = targets[rec.name] = (key, self.target_format(p))
@@ -321,13 +321,18 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with_grad = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        for p in with_grad:
-            if p.grad.is_sparse:
-                raise TypeError(
-                    f"{self.label} does not support sparse gradients (parameter {self._records[p].name!r}); "
-                    f"use torch.optim.SparseAdam for sparse embeddings"
-                )
+        with_grad = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                grad = p.grad  # read once: a property of the tensor
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise TypeError(
+                        f"{self.label} does not support sparse gradients (parameter {self._records[p].name!r}); "
+                        f"use torch.optim.SparseAdam for sparse embeddings"
+                    )
+                with_grad.append(p)
         self._sync_formats()
         self._initialize_new()
         self._sync_corrections()

@@ -65,9 +65,12 @@ class StepMixin:
             owners: dict[int, Tensor] = {}  # id of a local part -> its parameter
             rest: list[Tensor] = []
             for p in group["params"]:
-                mine = local(p)
-                if id(p) not in chosen or p.grad is None or p.numel() == 0:
+                if id(p) not in chosen:
                     continue
+                grad = p.grad  # read once: a property of the tensor
+                if grad is None or p.numel() == 0:
+                    continue
+                mine = local(p)
                 rec = self._records[p]
                 fmt = self.format_registry[rec.format]
                 if mine.numel() == 0 and not (fmt.factored or framed(rec.views)):  # no rows of a sharded parameter:
@@ -75,7 +78,7 @@ class StepMixin:
                     continue  # (a factored or framed one steps: it takes part in the exchanges among the shards)
                 if self._kernel_serves(rec, fmt, mine):
                     rec.settle()
-                    item = KernelItem(mine, local(p.grad), rec.views, rec.counts, self._salt(rec), rec.master_correction,
+                    item = KernelItem(mine, local(grad), rec.views, rec.counts, self._salt(rec), rec.master_correction,
                                       rec.shard_offset)
                     owners[id(mine)] = p
                     compiled[rec.format].append(item)
@@ -178,7 +181,7 @@ class StepMixin:
         """The sharded parameters whose gradient holds inf or NaN on some rank, skipped on every rank
         (counted, warned): one test of their local gradients and one all-reduce per step, so that no
         rank steps a parameter another skips (their shards and step counts would part)."""
-        sharded = [p for p in params if p.grad is not None and is_sharded(p)]
+        sharded = [p for p in params if is_sharded(p) and p.grad is not None]
         if not self.skip_nonfinite or not sharded:
             return set()
         ok = torch.tensor(self._finite_mask(sharded), dtype=torch.int32, device=local(sharded[0].grad).device)
