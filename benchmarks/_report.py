@@ -28,14 +28,22 @@ DOCS = ROOT / "docs"
 def machine() -> str:
     """One line: the GPU where torch sees one, CPU model, cores, memory, Python and torch versions."""
     cpu = platform.processor() or platform.machine()
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
+                key, _, value = line.partition(":")
+                if not key.strip():
+                    break  # the first processor's fields
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    if "model name" in fields:
+        # a virtual machine's CPU may be named only by its line ("AMD EPYC"): its family and model tell one
+        # generation from another (family 23 model 1: Zen 1; family 25 model 17: Zen 4)
+        cpu = fields["model name"]
+        if "cpu family" in fields and "model" in fields:
+            cpu += f" (family {fields['cpu family']}, model {fields['model']})"
     mem = ""
     try:
         pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
