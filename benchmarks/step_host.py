@@ -1,0 +1,127 @@
+"""The host's work of ``BlockwiseAdamW.step()`` per tensor, with the kernels' calls taken out.
+
+On a GPU the compact formats' step is bound by the host's Python per tensor, not by its kernels
+(``benchmarks/cuda_profile.py``: ``int8`` spends nearly all of its step on the host). This measures that
+work on any machine: the model's tensors live on the CPU and the step takes either path with its kernel
+calls replaced by ones that return at once:
+
+* ``compiled``: the CPU path (the C++ kernel's call, ``kernels.ops().adamw_step``, taken out);
+* ``device``: the GPU's path (the device decides each tensor's skip, one Triton launch per format: the
+  launch, ``triton_step._adamw_tensors``, taken out), with the CPU standing in for the GPU.
+
+Everything else runs as it does: the formats' decisions, the counts, the finiteness flags, the launch's
+table. Its device work (the flags' reductions) runs on the CPU's tensors, so the ``device`` figure is
+the host's Python plus that. ``torch.optim.AdamW(fused=True)``'s whole step on the same tensors is the
+yardstick (its kernel included). Each optimizer's steps alternate in rounds; the figure is the median
+over the rounds of each round's fastest step, in microseconds per tensor.
+
+Example::
+
+    python benchmarks/step_host.py --layers 400 --width 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from unittest import mock
+
+import torch
+from torch import nn
+
+from _report import command, machine, markdown_table
+from lightning_baoc import BlockwiseAdamW, kernels
+from lightning_baoc.optim import stepping
+
+
+class _NoKernel:
+    """``kernels.ops()`` whose AdamW step returns at once (nothing skipped)."""
+
+    @staticmethod
+    def adamw_step(*args: object) -> list[int]:
+        return []
+
+
+class _NoLaunch:
+    """A Triton kernel whose launch returns at once."""
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+def _stubbed(path: str, step: Callable[[], object]) -> Callable[[], float]:
+    """``step`` with ``path``'s kernel calls taken out (``path``: compiled or device); it returns the
+    step's time in seconds (the stubs' set-up not counted)."""
+    def run() -> float:
+        with ExitStack() as stack:
+            if path == "compiled":
+                stack.enter_context(mock.patch.object(kernels, "ops", lambda: _NoKernel()))
+            else:
+                from lightning_baoc.kernels import triton_step
+
+                stack.enter_context(mock.patch.object(kernels, "TRITON_DEVICES", {"cuda", "cpu"}))
+                stack.enter_context(mock.patch.object(stepping, "kernel_serves", lambda *args: False))
+                stack.enter_context(mock.patch.object(triton_step, "_adamw_tensors", _NoLaunch()))
+            return _timed(step)()
+    return run
+
+
+def _timed(step: Callable[[], object]) -> Callable[[], float]:
+    """``step``, returning its time in seconds."""
+    def run() -> float:
+        start = time.perf_counter()
+        step()
+        return time.perf_counter() - start
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=400)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--formats", nargs="+", default=["fp32", "bf16", "int8"])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=10, help="steps of each optimizer per round")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    steps: dict[str, Callable[[], float]] = {"torch AdamW fused (whole step)": _timed(torch.optim.AdamW(params, fused=True).step)}
+    for path in ("compiled", "device"):
+        if path == "device":
+            from lightning_baoc.kernels import triton_step
+
+            if not triton_step.triton_status()[0]:
+                print(f"device path left out: {triton_step.triton_status()[1]}")
+                continue
+        for fmt in args.formats:
+            opt = BlockwiseAdamW(model.named_parameters(), state_format=fmt, kernels="compiled" if path == "compiled" else "auto")
+            steps[f"{fmt}, {path} path (host only)"] = _stubbed(path, opt.step)
+    for step in steps.values():  # the states made, the decisions taken
+        step()
+        step()
+    best: dict[str, list[float]] = {label: [] for label in steps}
+    order = list(steps)
+    rng = random.Random(0)
+    for _ in range(args.rounds):
+        rng.shuffle(order)
+        for label in order:
+            best[label].append(min(steps[label]() for _ in range(args.steps)))
+    tensors = len(params)
+    rows = [[label, f"{statistics.median(times) * 1e3:.2f}", f"{statistics.median(times) / tensors * 1e6:.2f}"]
+            for label, times in best.items()]
+    print(f"Host work per step, {tensors} tensors ({args.layers} x Linear({args.width}, {args.width})), 1 torch thread: "
+          f"{args.rounds} rounds of {args.steps} steps of each optimizer; the median over the rounds of each round's fastest step.\n")
+    print(markdown_table(["optimizer / path", "step (ms)", "per tensor (us)"], rows))
+    print(f"\nMachine: {machine()}. Command: `{command()}`")
+
+
+if __name__ == "__main__":
+    main()
