@@ -111,7 +111,9 @@ def _step_items(
     for it in items:
         (direct if _direct(it, factored) else rest).append(it)
     skipped: list[KernelItem] = []
-    if direct:  # the kernel reads only sizes and data of these contiguous tensors: no flat views made
+    # the kernel reads only sizes and data of these contiguous tensors: no flat view nor a detached alias made
+    # (the operator has no autograd kernel, so the parameters themselves pass and nothing is recorded)
+    if direct:
         skipped += launch([it.param for it in direct], [it.grad for it in direct],
                           direct, hyper, seed, check_finite, [it.correction for it in direct])
     for it in rest:

@@ -184,7 +184,10 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
 
     def requested_format(self, param: Tensor) -> str:
         """The format asked for ``param``: its own request or its group's ``state_format``."""
-        rec = self._records[param]
+        return self._requested(self._records[param])
+
+    def _requested(self, rec: _Record) -> str:
+        """:meth:`requested_format` of ``rec``'s parameter (no tensor hashed: the step asks for every one)."""
         return rec.requested or self.param_groups[rec.group]["state_format"]
 
     def holds_state(self, param: Tensor) -> bool:
@@ -278,7 +281,7 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
         for p, rec in self._records.items():
             if rec.format is None:
                 continue
-            key = (rec.requested or self.param_groups[rec.group]["state_format"], p.shape, self.min_8bit_numel)
+            key = (self._requested(rec), p.shape, self.min_8bit_numel)
             known = targets.get(rec.name)
             if known is None or known[0] != key:  # resolved once per request, not on every step
                 known = targets[rec.name] = (key, self.target_format(p))
@@ -321,18 +324,13 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with_grad = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                grad = p.grad  # read once: a property of the tensor
-                if grad is None:
-                    continue
-                if grad.is_sparse:
-                    raise TypeError(
-                        f"{self.label} does not support sparse gradients (parameter {self._records[p].name!r}); "
-                        f"use torch.optim.SparseAdam for sparse embeddings"
-                    )
-                with_grad.append(p)
+        with_grad = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        for p in with_grad:
+            if p.grad.is_sparse:
+                raise TypeError(
+                    f"{self.label} does not support sparse gradients (parameter {self._records[p].name!r}); "
+                    f"use torch.optim.SparseAdam for sparse embeddings"
+                )
         self._sync_formats()
         self._initialize_new()
         self._sync_corrections()
