@@ -52,17 +52,20 @@ def test_calibrate_measures_the_corrections_and_caches_them(tmp_path, monkeypatc
     beside the formats; a cache without it (older) is completed, not measured again whole."""
     from lightning_baoc import calibration
 
-    plain = calibrate("cpu", ["fp32"], numel=1 << 14, steps=2, cache_dir=tmp_path)
+    # 128K elements: ecc8's own work per step (about 0.08 ms on a 2-core EPYC) stands well above the noise, which
+    # at 16K elements once measured it at 0 (the fastest of three steps each, on a shared machine)
+    N = 1 << 17
+    plain = calibrate("cpu", ["fp32"], numel=N, steps=2, cache_dir=tmp_path)
     assert plain.correction_seconds_per_element == {"none": 0.0}
-    cal = calibrate("cpu", ["fp32"], numel=1 << 14, steps=3, cache_dir=tmp_path, corrections=["none", "ecc8", "ecc16"])
+    cal = calibrate("cpu", ["fp32"], numel=N, steps=3, cache_dir=tmp_path, corrections=["none", "ecc8", "ecc16"])
     assert cal.seconds_per_element == plain.seconds_per_element  # the formats from the cache
     added = cal.correction_seconds_per_element
     assert set(added) == {"none", "ecc8", "ecc16"} and added["none"] == 0.0 and added["ecc8"] > 0.0
     monkeypatch.setattr(calibration, "measure_correction_seconds", lambda *a, **k: pytest.fail("measured again"))
-    again = calibrate("cpu", ["fp32"], numel=1 << 14, steps=2, cache_dir=tmp_path, corrections=["ecc8"])
+    again = calibrate("cpu", ["fp32"], numel=N, steps=2, cache_dir=tmp_path, corrections=["ecc8"])
     assert again.correction_seconds_per_element == added
     with pytest.raises(ValueError, match="ecc4"):
-        calibrate("cpu", ["fp32"], numel=1 << 14, cache_dir=tmp_path, corrections=["ecc4"])
+        calibrate("cpu", ["fp32"], numel=N, cache_dir=tmp_path, corrections=["ecc4"])
 
 
 def test_calibrate_default_formats_skip_the_masked(tmp_path) -> None:
