@@ -10,8 +10,9 @@ calls replaced by ones that return at once:
   launch, ``triton_step._adamw_tensors``, taken out), with the CPU standing in for the GPU.
 
 Everything else runs as it does: the formats' decisions, the counts, the finiteness flags, the launch's
-table. Its device work (the flags' reductions) runs on the CPU's tensors, so the ``device`` figure is
-the host's Python plus that. ``torch.optim.AdamW(fused=True)``'s whole step on the same tensors is the
+table. Its device work runs on the CPU's tensors and is in the ``device`` figure: the flags' reductions,
+and torch's fused AdamW for fp32 tensors (one call per tensor, so that each can skip alone), which is
+not taken out. ``torch.optim.AdamW(fused=True)``'s whole step on the same tensors is the
 yardstick (its kernel included). Each optimizer's steps alternate in rounds; the figure is the median
 over the rounds of each round's fastest step, in microseconds per tensor.
 
