@@ -96,9 +96,9 @@ def fused_step_count(item: StepItem, hyper: StepHyper) -> int | None:
     return t
 
 
-def _fusable(item: StepItem, m: Tensor, v: Tensor) -> bool:
-    """Whether the kernel can update ``item`` with moments ``m`` and ``v`` (dtypes, layout, device)."""
-    p, g = item.param, item.grad
+def fusable(p: Tensor, g: Tensor, m: Tensor, v: Tensor) -> bool:
+    """Whether the kernel can update parameter ``p`` from gradient ``g`` with moments ``m`` and ``v``
+    (dtypes, layout, device)."""
     tensors = (p, g, m, v)
     return (
         all(t.dtype == torch.float32 and t.is_contiguous() and t.device == p.device for t in tensors)
@@ -117,7 +117,7 @@ def split_fused(
         t = fused_step_count(it, hyper)
         if (
             t is not None
-            and _fusable(it, it.views[m_key], it.views[v_key])
+            and fusable(it.param, it.grad, it.views[m_key], it.views[v_key])
             and fused_available(it.param.device, hyper.decoupled_weight_decay)
         ):
             fused.append((it, t))

@@ -32,7 +32,7 @@ from lightning_baoc.formats.compiled import KernelItem, compiled_step, kernel_se
 from lightning_baoc.formats.correction import reconstruct, split_into
 from lightning_baoc.formats.frames import framed
 from lightning_baoc.formats.quant import M_SCALE_MAX, V_SCALE_MAX, name_salt
-from lightning_baoc.formats.fused_adam import MAX_FUSED_STEP, fused_available
+from lightning_baoc.formats.fused_adam import MAX_FUSED_STEP, fusable, fused_available
 from lightning_baoc.kernels import M_FP32, V_FP32, use_triton
 from lightning_baoc.optim.pools import DeferredFlags, Record
 from lightning_baoc.optim.sharding import is_sharded, local, mesh_min
@@ -148,10 +148,9 @@ class StepMixin:
                mine.is_contiguous(), grad.is_contiguous(), hyper.decoupled_weight_decay)
         known = self._serving.get(("device", rec.name))
         if known is None or known[0] != key:
-            if fused:  # the states on the parameter's device: offload's host states take the host's decision
+            if fused:  # the fused kernel's own test: offload's host states take the host's decision
                 serves = (rec.master_correction is None
-                          and all(t.is_contiguous() and t.dtype == torch.float32 and t.device == mine.device
-                                  for t in (mine, grad, *rec.views.values()))
+                          and fusable(mine, grad, rec.views["exp_avg"], rec.views["exp_avg_sq"])
                           and fused_available(mine.device, hyper.decoupled_weight_decay))
             else:
                 from lightning_baoc.kernels import triton_step
