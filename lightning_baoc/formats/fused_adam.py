@@ -126,18 +126,30 @@ def split_fused(
     return fused, rest
 
 
-def fused_dense_fp32(items: list[StepItem], hyper: StepHyper, m_key: str, v_key: str) -> None:
+def fused_dense_fp32(
+    items: list[StepItem], hyper: StepHyper, m_key: str, v_key: str, found_inf: Tensor | None = None
+) -> None:
     """One AdamW step of ``items`` (fp32 moments ``views[m_key]``, ``views[v_key]``), in place.
 
     One fused launch per device over the items :func:`split_fused` accepts; the others take
-    :func:`~lightning_baoc.formats.adam_math.foreach_dense_fp32`.
+    :func:`~lightning_baoc.formats.adam_math.foreach_dense_fp32`. ``found_inf`` (a one-element fp32
+    tensor on the items' device): the kernel's own flag, which skips the whole call where set. The
+    optimizer passes it for items whose skips the device decides (``skip_flag``) and steps again those
+    that were finite when it is set (``kernels/triton_step.py``, ``repair``).
     """
-    fused, rest = split_fused(items, hyper, m_key, v_key)
+    if found_inf is None:
+        if any(it.skip_flag is not None for it in items):
+            raise RuntimeError("a step decided on the device reached the fused step without its found_inf flag")
+        fused, rest = split_fused(items, hyper, m_key, v_key)
+    else:  # the device's decision tested the tensors already (optim/stepping.py): only the counts here
+        counted = [(it, fused_step_count(it, hyper)) for it in items]
+        fused = [(it, t) for it, t in counted if t is not None]
+        rest = [it for it, t in counted if t is None]
     by_device: dict[torch.device, list[tuple[StepItem, int]]] = defaultdict(list)
     for it, t in fused:
         by_device[it.param.device].append((it, t))
     for device, batch in by_device.items():
-        _launch(device, batch, hyper, m_key, v_key)
+        _launch(device, batch, hyper, m_key, v_key, found_inf)
     if rest:
         if any(it.skip_flag is not None for it in rest):  # the optimizer sends only what the kernel serves
             raise RuntimeError("a step decided on the device reached the foreach step, which cannot skip it")
@@ -145,7 +157,8 @@ def fused_dense_fp32(items: list[StepItem], hyper: StepHyper, m_key: str, v_key:
 
 
 def _launch(
-    device: torch.device, batch: list[tuple[StepItem, int]], hyper: StepHyper, m_key: str, v_key: str
+    device: torch.device, batch: list[tuple[StepItem, int]], hyper: StepHyper, m_key: str, v_key: str,
+    found_inf: Tensor | None,
 ) -> None:
     """One call of the fused kernel over ``batch`` (all on ``device``)."""
     steps: dict[int, Tensor] = {}
@@ -154,28 +167,19 @@ def _launch(
             steps[t] = torch.full((), float(t), dtype=torch.float32, device=device)  # a fill, not a host copy
     kernel = _kernel(hyper.decoupled_weight_decay)
     assert kernel is not None  # split_fused sent nothing here otherwise
-
-    def call(part: list[tuple[StepItem, int]], found_inf: Tensor | None = None) -> None:
-        kernel(
-            [it.param for it, _ in part],
-            [it.grad for it, _ in part],
-            [it.views[m_key].view_as(it.param) for it, _ in part],
-            [it.views[v_key].view_as(it.param) for it, _ in part],
-            [],
-            [steps[t] for _, t in part],
-            lr=hyper.lr,
-            beta1=hyper.beta1,
-            beta2=hyper.beta2,
-            weight_decay=hyper.weight_decay,
-            eps=hyper.eps,
-            amsgrad=False,
-            maximize=hyper.maximize,
-            found_inf=found_inf,
-        )
-
-    for it, t in batch:  # the device decides whether each steps: its own call, its flag as found_inf
-        if it.skip_flag is not None:
-            call([(it, t)], it.skip_flag)
-    rest = [(it, t) for it, t in batch if it.skip_flag is None]
-    if rest:
-        call(rest)
+    kernel(
+        [it.param for it, _ in batch],
+        [it.grad for it, _ in batch],
+        [it.views[m_key].view_as(it.param) for it, _ in batch],
+        [it.views[v_key].view_as(it.param) for it, _ in batch],
+        [],
+        [steps[t] for _, t in batch],
+        lr=hyper.lr,
+        beta1=hyper.beta1,
+        beta2=hyper.beta2,
+        weight_decay=hyper.weight_decay,
+        eps=hyper.eps,
+        amsgrad=False,
+        maximize=hyper.maximize,
+        found_inf=found_inf,
+    )

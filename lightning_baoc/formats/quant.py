@@ -270,7 +270,13 @@ def name_salt(name: str) -> int:
 
 def stream_key(seed: int, step: int, salt: int) -> int:
     """The 32-bit rounding key of one parameter (``salt``: a hash of its name) at one step."""
-    return mix32(mix32(mix32(seed) ^ (step & _M32)) ^ (salt & _M32))
+    return mix32(_step_key(seed, step) ^ (salt & _M32))
+
+
+@functools.lru_cache(maxsize=256)
+def _step_key(seed: int, step: int) -> int:
+    """The part of :func:`stream_key` that every parameter at one step shares (computed once per step)."""
+    return mix32(mix32(seed) ^ (step & _M32))
 
 
 #: The last slice's 32-bit hashes: the momentum's store and the second moment's of the same slice

@@ -318,15 +318,20 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["count"])
     def _adamw_tensors(
-        table, count, decay, l2, beta2, one_minus_beta2, lerp_coeff, eps, gsign, limit_m, limit_v,
+        table, count, any_flag, decay, l2, beta2, one_minus_beta2, lerp_coeff, eps, gsign, limit_m, limit_v,
         M: tl.constexpr, V: tl.constexpr, LERP_SMALL: tl.constexpr, L2: tl.constexpr,
         W: tl.constexpr, G: tl.constexpr, CB: tl.constexpr, SKIP: tl.constexpr, SEARCH: tl.constexpr,
+        REPAIR: tl.constexpr,
     ):
         """One AdamW step of ``count`` tensors in one launch, one program per 1024-element super-block:
         the program finds its tensor among the tensors' first super-blocks (a binary search of
         ``SEARCH`` halvings) and reads the tensor's addresses and scalars from its row of ``table``
         (:data:`_COLUMNS`); none where the tensor's skip flag is set (``SKIP``: the device decided its
-        finiteness)."""
+        finiteness). ``REPAIR``: nothing at all unless ``any_flag`` (fp32) is set, the step of a batch
+        that torch's fused kernel skipped whole for that flag."""
+        if REPAIR:
+            if tl.load(any_flag) == 0.0:
+                return
         pid = tl.program_id(0).to(tl.int64)
         first = table + count * _COLUMN_COUNT
         lo = tl.zeros((), tl.int64)
@@ -467,30 +472,42 @@ def _float_bits(x: float) -> int:
     return struct.unpack("i", struct.pack("f", x))[0]
 
 
-def _row(it: Any, corr: Tensor | None, m_kind: int, v_kind: int, factors: tuple[Tensor, Tensor, int] | None,
-         has_m: bool, lr: float) -> list[int]:
-    """One tensor's row of the launch's table (:data:`_COLUMNS`): its addresses, then its scalars."""
+def _row(it: Any, corr: Tensor | None, keys: tuple[str | None, ...], factors: tuple[Tensor, Tensor, int] | None,
+         scalars: tuple[int, int]) -> list[int]:
+    """One tensor's row of the launch's table (:data:`_COLUMNS`): its addresses (``keys``: its states' names
+    in the column order, ``None`` for those its format has not), then its scalars (``scalars``: the bits of
+    its step size and of its ``1 / sqrt(bias_correction2)``)."""
     p = it.param.data_ptr()
     views = it.views
     addresses = [p, it.grad.data_ptr(), p if corr is None else corr.data_ptr()]
-    for keys in (_M_KEYS.get(m_kind, (None, None, None)), _V_KEYS[v_kind]):
-        addresses += [p if k is None else views[k].data_ptr() for k in keys]
+    addresses += [p if k is None else views[k].data_ptr() for k in keys]
     row_factor, col_factor, cols = factors if factors is not None else (it.param, it.param, 1)
     addresses += [row_factor.data_ptr(), col_factor.data_ptr(), p if it.skip_flag is None else it.skip_flag.data_ptr()]
-    lr_step = -lr / it.bias_correction1 if has_m else -lr
-    return addresses + [it.param.numel(), cols, _signed32(it.noise_key & 0xFFFFFFFF), _float_bits(lr_step),
-                        _float_bits(1.0 / math.sqrt(it.bias_correction2))]
+    return addresses + [it.param.numel(), cols, _signed32(it.noise_key & 0xFFFFFFFF), *scalars]
+
+
+def _scalars(bias_correction1: float, bias_correction2: float, has_m: bool, lr: float) -> tuple[int, int]:
+    """The bits of a tensor's step size and of its ``1 / sqrt(bias_correction2)`` (its table's last columns)."""
+    lr_step = -lr / bias_correction1 if has_m else -lr
+    return _float_bits(lr_step), _float_bits(1.0 / math.sqrt(bias_correction2))
 
 
 def adamw_step(
     kinds: tuple[int, int], items: list[Any], hyper: Any, limit_m: float, limit_v: float,
-    corrections: list[Tensor | None] | None = None,
+    corrections: list[Tensor | None] | None = None, repair: Tensor | None = None,
 ) -> None:
     """One AdamW step of ``items`` (:class:`~lightning_baoc.formats.StepItem`, all served:
     :func:`serves`), whose counts, bias corrections and rounding keys the optimizer has set;
     ``corrections``: each 16-bit parameter's master-weight correction, or ``None``. One launch per
     kind of tensors (parameter and gradient dtypes, correction width, whether the device decides the
-    skip), over all of them: the addresses and scalars of each tensor travel in one table."""
+    skip), over all of them: the addresses and scalars of each tensor travel in one table.
+
+    ``repair``: a one-element fp32 flag on the device, set where torch's fused kernel skipped these
+    fp32 items (its ``found_inf``: any of them held inf or NaN). The launch then steps those whose own
+    flag is clear, and does nothing where ``repair`` is 0 (the fused kernel stepped them all), so that
+    one fused call serves the batch and each item still skips alone. Every item carries its flag."""
+    if repair is not None and any(it.skip_flag is None for it in items):
+        raise ValueError("adamw_step(repair=...) steps items whose skip the device decides: each needs its skip_flag")
     m_kind, v_kind = kinds
     has_m = m_kind != M_NONE
     wd, decoupled = hyper.weight_decay, hyper.decoupled_weight_decay
@@ -504,6 +521,8 @@ def adamw_step(
     )
     launches: dict[tuple[int, int, int, bool], tuple[list[int], list[int]]] = {}
     alive = []  # the factored formats' factors, read by the launches below
+    keys = _M_KEYS.get(m_kind, (None, None, None)) + _V_KEYS[v_kind]
+    scalars: dict[tuple[float, float], tuple[int, int]] = {}  # by bias corrections: most tensors share them
     for it, corr in zip(items, corrections or [None] * len(items)):
         n = it.param.numel()
         if n == 0:
@@ -515,7 +534,11 @@ def adamw_step(
             factors = _factors(it, hyper, corr, {**common, "W": key[0], "G": key[1], "CB": key[2]})
             alive.append(factors)
         rows, firsts = launches.setdefault(key, ([], [0]))
-        rows += _row(it, corr, m_kind, v_kind, factors, has_m, hyper.lr)
+        bits = scalars.get((it.bias_correction1, it.bias_correction2))
+        if bits is None:
+            bits = scalars[(it.bias_correction1, it.bias_correction2)] = _scalars(
+                it.bias_correction1, it.bias_correction2, has_m, hyper.lr)
+        rows += _row(it, corr, keys, factors, bits)
         firsts.append(firsts[-1] + (n + _SUPER - 1) // _SUPER)
     if not launches:
         return
@@ -526,8 +549,8 @@ def adamw_step(
         if device.type == "cuda":  # a copy from pinned memory: no synchronisation with the host
             table = table.pin_memory().to(device, non_blocking=True)
         _adamw_tensors[(firsts[-1],)](
-            table, count, W=w_kind, G=g_kind, CB=bits, SKIP=skip, SEARCH=max(count - 1, 1).bit_length(),
-            enable_fp_fusion=False, **common,
+            table, count, table if repair is None else repair, W=w_kind, G=g_kind, CB=bits, SKIP=skip,
+            SEARCH=max(count - 1, 1).bit_length(), REPAIR=repair is not None, enable_fp_fusion=False, **common,
         )
 
 

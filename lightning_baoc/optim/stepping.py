@@ -32,7 +32,7 @@ from lightning_baoc.formats.compiled import KernelItem, compiled_step, kernel_se
 from lightning_baoc.formats.correction import reconstruct, split_into
 from lightning_baoc.formats.frames import framed
 from lightning_baoc.formats.quant import M_SCALE_MAX, V_SCALE_MAX, name_salt
-from lightning_baoc.formats.fused_adam import MAX_FUSED_STEP, fusable, fused_available
+from lightning_baoc.formats.fused_adam import MAX_FUSED_STEP, fusable, fused_available, fused_dense_fp32
 from lightning_baoc.kernels import M_FP32, V_FP32, use_triton
 from lightning_baoc.optim.pools import DeferredFlags, Record
 from lightning_baoc.optim.sharding import is_sharded, local, mesh_min
@@ -134,46 +134,51 @@ class StepMixin:
         kinds = self.format_registry[rec.format].kernel_kinds
         if not self.skip_nonfinite or kinds is None or hyper.rule != "adamw" or is_sharded(p):
             return False
-        mine, grad = p, p.grad
-        on = kernels_on.get(mine.device)
+        grad, device = p.grad, p.device
+        on = kernels_on.get(device)
         if on is None:
-            on = kernels_on[mine.device] = use_triton(self.kernels, mine.device)
-        if not on or mine.numel() == 0:
+            on = kernels_on[device] = use_triton(self.kernels, device)
+        if not on or p.numel() == 0:
             return False
-        fused = kinds == (M_FP32, V_FP32) and mine.dtype == torch.float32  # torch's fused kernel, found_inf
-        if fused and not (rec.step == rec.m_step and rec.step < MAX_FUSED_STEP):
-            return False
+        dtype = p.dtype
+        fused = kinds == (M_FP32, V_FP32) and dtype == torch.float32  # torch's fused kernel, found_inf
+        if fused:
+            step, m_step = rec.steps()
+            if not (step == m_step and step < MAX_FUSED_STEP):
+                return False
         # what the kernel serves follows from the tensors' kinds: decided once for them, not every step
-        key = (rec.format, id(rec.views), id(rec.master_correction), mine.device, mine.dtype, grad.dtype, grad.device,
-               mine.is_contiguous(), grad.is_contiguous(), hyper.decoupled_weight_decay)
+        key = (rec.format, id(rec.views), id(rec.master_correction), device, dtype, grad.dtype, grad.device,
+               p.is_contiguous(), grad.is_contiguous(), hyper.decoupled_weight_decay)
         known = self._serving.get(("device", rec.name))
         if known is None or known[0] != key:
             if fused:  # the fused kernel's own test: offload's host states take the host's decision
                 serves = (rec.master_correction is None
-                          and fusable(mine, grad, rec.views["exp_avg"], rec.views["exp_avg_sq"])
-                          and fused_available(mine.device, hyper.decoupled_weight_decay))
+                          and fusable(p, grad, rec.views["exp_avg"], rec.views["exp_avg_sq"])
+                          and fused_available(device, hyper.decoupled_weight_decay))
             else:
                 from lightning_baoc.kernels import triton_step
 
-                serves = triton_step.serves(kinds, mine, grad, rec.views, rec.master_correction)
+                serves = triton_step.serves(kinds, p, grad, rec.views, rec.master_correction)
             known = self._serving[("device", rec.name)] = (key, serves)
         return known[1]
 
-    def _device_flags(self, params: list[Tensor]) -> dict[int, tuple[DeferredFlags, int, Tensor]]:
+    def _device_flags(self, params: list[Tensor]) -> dict[int, tuple[DeferredFlags, int, Tensor, Tensor]]:
         """Each parameter's (by ``id``) finiteness flag on its device: (the step's flags, its index, its skip flag,
-        a one-element fp32 tensor, 1 where the gradient holds inf or NaN). One pass over the gradients
-        per device (their largest absolute value: NaN propagates, inf is its own maximum); nothing read."""
+        a one-element fp32 tensor, 1 where the gradient holds inf or NaN, and the device's flag of any such
+        gradient, the same kind of tensor). One pass over the gradients per device (their largest absolute
+        value: NaN propagates, inf is its own maximum); nothing read."""
         by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
         for p in params:
             by_device[local(p).device].append(p)
-        out: dict[int, tuple[DeferredFlags, int, Tensor]] = {}  # ids: hashing a tensor is a Python call
+        out: dict[int, tuple[DeferredFlags, int, Tensor, Tensor]] = {}  # ids: hashing a tensor is a Python call
         for members in by_device.values():
             max_abs = torch._foreach_norm([local(p.grad) for p in members], ord=float("inf"))
             skip = torch.isfinite(torch.stack(max_abs)).logical_not_().to(torch.float32)
+            any_skip = skip.amax().view(1)
             deferred = DeferredFlags(skip == 0, len(members))
             self._deferred.append(deferred)
             for i, (p, flag) in enumerate(zip(members, skip.split(1))):
-                out[id(p)] = (deferred, i, flag)
+                out[id(p)] = (deferred, i, flag, any_skip)
         return out
 
     def _skip_sharded_nonfinite(self, params: list[Tensor]) -> set[Tensor]:
@@ -242,16 +247,28 @@ class StepMixin:
                 )
 
     def _triton_update(
-        self, fmt: StateFormat, items: list[StepItem], corrections: list[Tensor | None], hyper: StepHyper
+        self, fmt: StateFormat, items: list[StepItem], corrections: list[Tensor | None], hyper: StepHyper,
+        any_skip: Tensor | None = None,
     ) -> tuple[list[StepItem], list[Tensor | None]]:
         """Step the ``items`` (one format, one device; ``corrections``: their master-weight corrections)
-        the Triton kernels serve on a GPU (:mod:`lightning_baoc.kernels.triton_step`); the others."""
+        the Triton kernels serve on a GPU (:mod:`lightning_baoc.kernels.triton_step`); the others.
+        ``any_skip``: the device's flag of any non-finite gradient (:meth:`_device_flags`)."""
         kinds = fmt.kernel_kinds
         if not items or kinds is None or hyper.rule != "adamw" or not use_triton(self.kernels, items[0].param.device):
             return items, corrections
-        if kinds == (M_FP32, V_FP32) and all(it.param.dtype == torch.float32 for it in items):
-            return items, corrections  # fp32 moments of fp32 parameters: torch's fused kernel
         from lightning_baoc.kernels import triton_step  # imports triton: only where it runs
+
+        if kinds == (M_FP32, V_FP32) and all(it.param.dtype == torch.float32 for it in items):
+            # fp32 moments of fp32 parameters: torch's fused kernel, one call for all those decided on the
+            # device, skipped whole where any flag is set; then the finite ones step through the Triton
+            # kernel, which does nothing where no flag is set (a rare step, the same math within ulps)
+            decided = [it for it in items if it.skip_flag is not None]
+            if decided:
+                assert any_skip is not None  # _device_flags gave every decided item its device's flag
+                fused_dense_fp32(decided, hyper, "exp_avg", "exp_avg_sq", found_inf=any_skip)
+                triton_step.adamw_step(kinds, decided, hyper, M_SCALE_MAX, V_SCALE_MAX, None, repair=any_skip)
+            rest = [k for k, it in enumerate(items) if it.skip_flag is None]
+            return [items[k] for k in rest], [corrections[k] for k in rest]
 
         # not a factored shard of rows split among ranks (it sums over them), nor a framed one (it exchanges its edges)
         served = [it.shards is None and not framed(it.views)
@@ -265,7 +282,7 @@ class StepMixin:
 
     def _eager_step(
         self, hyper: StepHyper, params: list[Tensor], finite: list[bool],
-        flags: Mapping[int, tuple[DeferredFlags, int, Tensor]] | None = None,
+        flags: Mapping[int, tuple[DeferredFlags, int, Tensor, Tensor]] | None = None,
     ) -> None:
         """The step of ``params`` but those the compiled CPU kernels serve: the eager step (the
         reference) of those whose gradients' finiteness the host has read (:meth:`_finite_mask`, one
@@ -277,6 +294,8 @@ class StepMixin:
             return
         beta1, beta2 = hyper.beta1, hyper.beta2  # the group's (SGD's momentum is its beta1)
         buckets: dict[tuple[str, torch.device], list[StepItem]] = defaultdict(list)
+        any_skip: dict[torch.device, Tensor] = {}  # each device's flag of any non-finite gradient
+        powers: dict[tuple[float, int], float] = {}  # the bias corrections, computed once per count
         skipped: list[Record] = []
         records: dict[int, Record] = {}  # id of a local part -> its parameter's record
         for p, ok in zip(params, finite):
@@ -286,29 +305,31 @@ class StepMixin:
                 skipped.append(rec)
                 continue
             fmt = self.format_registry[rec.format]
-            step = rec.step + 1
-            m_step = rec.m_step + 1 if fmt.has_momentum else rec.m_step
-            rec.step, rec.m_step = step, m_step
-            bc1 = 1.0 - beta1**m_step if m_step else 1.0
-            bc2 = 1.0 - beta2**step
+            step, m_step = rec.advance(fmt.has_momentum)
+            bc1 = powers.get((beta1, m_step))
+            if bc1 is None:
+                bc1 = powers[(beta1, m_step)] = 1.0 - beta1**m_step if m_step else 1.0
+            bc2 = powers.get((beta2, step))
+            if bc2 is None:
+                bc2 = powers[(beta2, step)] = 1.0 - beta2**step
             count = step if m_step == step else None  # one count for both corrections
             mine = local(p)
             records[id(mine)] = rec
-            item = StepItem(mine, local(p.grad), rec.views, bc1, bc2, count, self._noise_key(rec), m_step)
+            item = StepItem(mine, local(p.grad), rec.views, bc1, bc2, count, self._noise_key(rec, step=step), m_step)
             if fmt.factored:
                 item.shards = rec.row_shards
             flag = flags.get(id(p))
             if flag is not None:  # after every read of the counts: a read settles (it waits for the flags)
-                deferred, index, item.skip_flag = flag
+                deferred, index, item.skip_flag, any_skip[mine.device] = flag
                 deferred.records[index] = (rec, fmt.has_momentum)
                 rec.pending = (deferred, index)
             buckets[(rec.format, mine.device)].append(item)
         if skipped:
             self._warn_skipped(skipped)
-        for (fmt, _device), items in buckets.items():
+        for (fmt, device), items in buckets.items():
             state_format = self.format_registry[fmt]
             corrections = [records[id(it.param)].master_correction for it in items]
-            items, corrections = self._triton_update(state_format, items, corrections, hyper)
+            items, corrections = self._triton_update(state_format, items, corrections, hyper, any_skip.get(device))
             plain = [it for it, c in zip(items, corrections) if c is None]
             if plain:
                 state_format.update(plain, hyper)

@@ -196,7 +196,8 @@ def test_the_triton_step_on_cuda_equals_the_eager_step_on_the_cpu(fmt: str, step
 
     launches: list[int] = []
     real = triton_step.adamw_step
-    monkeypatch.setattr(triton_step, "adamw_step", lambda kinds, items, *a: (launches.append(len(items)), real(kinds, items, *a)))
+    monkeypatch.setattr(triton_step, "adamw_step",
+                        lambda kinds, items, *a, **k: (launches.append(len(items)), real(kinds, items, *a, **k)))
     shapes = [(37, 101), (3, 11), (1000,), (64, 1024)]
     runs = [_states_after(fmt, shapes, steps, device, policy) for device, policy in ((torch.device("cpu"), "eager"), (CUDA, "auto"))]
     assert sum(launches) == len(shapes) * steps  # every parameter, every step (a 1-D one in its fallback format)
@@ -240,6 +241,31 @@ def test_many_tensors_step_in_one_launch_on_cuda(fmt: str, monkeypatch: pytest.M
         else:
             d = (a.int() - b.int()).abs()
             assert int(d.max()) <= 1 and float((d > 0).double().mean()) <= 1e-4
+
+
+def test_fp32_tensors_take_one_fused_call_and_each_skips_alone_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 states on CUDA: torch's fused AdamW once per step over all 41 tensors, its ``found_inf`` the flag
+    of any non-finite gradient, and one Triton launch that steps the finite ones at a step the fused call
+    skipped (and does nothing at the others): the eager step on the CPU within fp32 rounding, the NaN's
+    tensor untouched at its step, no host synchronisation."""
+    pytest.importorskip("triton")
+    from lightning_baoc.kernels import triton_step
+
+    calls: list[int] = []
+    real = torch._fused_adamw_
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: (calls.append(len(a[0])), real(*a, **k))[1])
+    grids = record_grids(monkeypatch, triton_step, "_adamw_tensors")
+    shapes = ragged_shapes()
+    with pytest.warns(RuntimeWarning, match="non-finite gradient for 'w17'"):
+        cpu = _states_after("fp32", shapes, 3, torch.device("cpu"), "eager", growth=0.0, nan_at=(1, 17))
+        calls.clear()
+        cuda = _states_after("fp32", shapes, 3, CUDA, "auto", growth=0.0, nan_at=(1, 17))
+    served = sum(1 for s in shapes if torch.Size(s).numel())
+    assert calls == [served] * 3 and len(grids) == 3  # one fused call and one Triton launch per step
+    for a, b in zip(cpu, cuda):
+        assert a.shape == b.shape
+        if a.numel():
+            assert float((a - b).abs().max()) <= 1e-6 * max(float(a.abs().max()), 1e-30)
 
 
 @pytest.mark.parametrize("correction", ["none", "ecc8", "ecc16"])
