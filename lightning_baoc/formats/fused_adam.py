@@ -170,8 +170,8 @@ def _launch(
     kernel(
         [it.param for it, _ in batch],
         [it.grad for it, _ in batch],
-        [it.views[m_key].view_as(it.param) for it, _ in batch],
-        [it.views[v_key].view_as(it.param) for it, _ in batch],
+        [_shaped(it.views[m_key], it.param) for it, _ in batch],
+        [_shaped(it.views[v_key], it.param) for it, _ in batch],
         [],
         [steps[t] for _, t in batch],
         lr=hyper.lr,
@@ -183,3 +183,9 @@ def _launch(
         maximize=hyper.maximize,
         found_inf=found_inf,
     )
+
+
+def _shaped(state: Tensor, param: Tensor) -> Tensor:
+    """``state`` (a flat view of the pool) in ``param``'s shape, as the kernel pairs them: a view made only
+    where the shapes differ (a 1-D parameter takes its state as it is)."""
+    return state if state.shape == param.shape else state.view_as(param)

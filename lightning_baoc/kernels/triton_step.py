@@ -35,6 +35,7 @@ through Triton's interpreter on the CPU (``TRITON_INTERPRET=1``) against the eag
 
 from __future__ import annotations
 
+import array
 import math
 import struct
 from typing import Any
@@ -545,7 +546,8 @@ def adamw_step(
     device = items[0].param.device  # one device per call (the optimizer buckets by device)
     for (w_kind, g_kind, bits, skip), (rows, firsts) in launches.items():
         count = len(firsts) - 1
-        table = torch.tensor(rows + firsts[:-1], dtype=torch.int64)
+        rows += firsts[:-1]
+        table = torch.frombuffer(array.array("q", rows), dtype=torch.int64)  # a copy of the ints: no Python loop
         if device.type == "cuda":  # a copy from pinned memory: no synchronisation with the host
             table = table.pin_memory().to(device, non_blocking=True)
         _adamw_tensors[(firsts[-1],)](
