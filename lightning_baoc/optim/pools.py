@@ -46,24 +46,25 @@ class DeferredFlags:
     when a count is next read: at the next step, by which time the copy is done, or at a checkpoint.
     """
 
-    def __init__(self, flags: Tensor, size: int) -> None:
+    def __init__(self, skip: Tensor, size: int) -> None:
         #: (record, whether its format had a momentum) of each flag, set as the step launches
         self.records: list[tuple[Record, bool] | None] = [None] * size
-        if flags.device.type == "cuda":
-            self._host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-            self._host.copy_(flags, non_blocking=True)
+        if skip.device.type == "cuda":
+            self._host = torch.empty(skip.shape, dtype=skip.dtype, pin_memory=True)
+            self._host.copy_(skip, non_blocking=True)
             self._event: Any = torch.cuda.Event()
             self._event.record()
         else:
-            self._host, self._event = flags, None
+            self._host, self._event = skip, None
         self._values: Any = None
 
     def values(self) -> Any:
-        """The flags as a host array (waits for the copy only if it is not done yet)."""
+        """Whether each parameter stepped (its gradient was finite), a host array: waits for the copy
+        of the skip flags (``skip``: nonzero where the kernel skipped) only if it is not done yet."""
         if self._values is None:
             if self._event is not None and not self._event.query():
                 self._event.synchronize()
-            self._values = self._host.numpy()
+            self._values = self._host.numpy() == 0
         return self._values
 
     def skipped(self) -> list[Record]:

@@ -164,21 +164,22 @@ class StepMixin:
 
     def _device_flags(self, params: list[Tensor]) -> dict[int, tuple[DeferredFlags, int, Tensor, Tensor]]:
         """Each parameter's (by ``id``) finiteness flag on its device: (the step's flags, its index, its skip flag,
-        a one-element fp32 tensor, 1 where the gradient holds inf or NaN, and the device's flag of any such
-        gradient, the same kind of tensor). One pass over the gradients per device (their largest absolute
-        value: NaN propagates, inf is its own maximum); nothing read."""
+        a one-element fp32 tensor, 1 where the gradient holds inf or NaN, and the device's skip flags, one per
+        parameter). One pass over the gradients per device (their largest absolute value: NaN propagates, inf
+        is its own maximum), and two operations on the device to make the flags (on a GPU each operation's
+        launch costs more than its work); nothing read."""
         by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
         for p in params:
             by_device[local(p).device].append(p)
         out: dict[int, tuple[DeferredFlags, int, Tensor, Tensor]] = {}  # ids: hashing a tensor is a Python call
         for members in by_device.values():
-            max_abs = torch._foreach_norm([local(p.grad) for p in members], ord=float("inf"))
-            skip = torch.isfinite(torch.stack(max_abs)).logical_not_().to(torch.float32)
-            any_skip = skip.amax().view(1)
-            deferred = DeferredFlags(skip == 0, len(members))
+            max_abs = torch._foreach_norm([local(p.grad) for p in members], ord=float("inf"), dtype=torch.float32)
+            # x * 0 is 0 for finite x and NaN for inf and NaN: 1 where the gradient was not finite
+            skip = torch.stack(max_abs).mul_(0.0).nan_to_num_(nan=1.0)
+            deferred = DeferredFlags(skip, len(members))
             self._deferred.append(deferred)
             for i, (p, flag) in enumerate(zip(members, skip.split(1))):
-                out[id(p)] = (deferred, i, flag, any_skip)
+                out[id(p)] = (deferred, i, flag, skip)
         return out
 
     def _skip_sharded_nonfinite(self, params: list[Tensor]) -> set[Tensor]:
@@ -252,7 +253,7 @@ class StepMixin:
     ) -> tuple[list[StepItem], list[Tensor | None]]:
         """Step the ``items`` (one format, one device; ``corrections``: their master-weight corrections)
         the Triton kernels serve on a GPU (:mod:`lightning_baoc.kernels.triton_step`); the others.
-        ``any_skip``: the device's flag of any non-finite gradient (:meth:`_device_flags`)."""
+        ``any_skip``: the device's skip flags (:meth:`_device_flags`), one per parameter decided there."""
         kinds = fmt.kernel_kinds
         if not items or kinds is None or hyper.rule != "adamw" or not use_triton(self.kernels, items[0].param.device):
             return items, corrections
@@ -264,9 +265,10 @@ class StepMixin:
             # kernel, which does nothing where no flag is set (a rare step, the same math within ulps)
             decided = [it for it in items if it.skip_flag is not None]
             if decided:
-                assert any_skip is not None  # _device_flags gave every decided item its device's flag
-                fused_dense_fp32(decided, hyper, "exp_avg", "exp_avg_sq", found_inf=any_skip)
-                triton_step.adamw_step(kinds, decided, hyper, M_SCALE_MAX, V_SCALE_MAX, None, repair=any_skip)
+                assert any_skip is not None  # _device_flags gave every decided item its device's flags
+                found_inf = any_skip.amax().view(1)  # any parameter's, on this device (a superset of these: still exact)
+                fused_dense_fp32(decided, hyper, "exp_avg", "exp_avg_sq", found_inf=found_inf)
+                triton_step.adamw_step(kinds, decided, hyper, M_SCALE_MAX, V_SCALE_MAX, None, repair=found_inf)
             rest = [k for k, it in enumerate(items) if it.skip_flag is None]
             return [items[k] for k in rest], [corrections[k] for k in rest]
 
@@ -294,7 +296,7 @@ class StepMixin:
             return
         beta1, beta2 = hyper.beta1, hyper.beta2  # the group's (SGD's momentum is its beta1)
         buckets: dict[tuple[str, torch.device], list[StepItem]] = defaultdict(list)
-        any_skip: dict[torch.device, Tensor] = {}  # each device's flag of any non-finite gradient
+        any_skip: dict[torch.device, Tensor] = {}  # each device's skip flags (_device_flags)
         powers: dict[tuple[float, int], float] = {}  # the bias corrections, computed once per count
         skipped: list[Record] = []
         records: dict[int, Record] = {}  # id of a local part -> its parameter's record

@@ -264,8 +264,8 @@ def test_fp32_tensors_take_one_fused_call_and_each_skips_alone_on_cuda(monkeypat
     assert calls == [served] * 3 and len(grids) == 3  # one fused call and one Triton launch per step
     for a, b in zip(cpu, cuda):
         assert a.shape == b.shape
-        if a.numel():
-            assert float((a - b).abs().max()) <= 1e-6 * max(float(a.abs().max()), 1e-30)
+        if a.numel():  # the bound of fp32 on CUDA against the CPU (test_every_format_steps_on_cuda_as_on_the_cpu)
+            assert float((a - b).abs().max()) <= 1e-5 * max(1.0, float(a.abs().max()))
 
 
 @pytest.mark.parametrize("correction", ["none", "ecc8", "ecc16"])
