@@ -235,8 +235,9 @@ class StepItem:
     shards: Any = None
     #: Set where the device decides whether this step happens (a one-element fp32 tensor, nonzero
     #: where the gradient holds inf or NaN: the update is skipped there; ``None``: it happens). The
-    #: kernels that serve such items read it themselves (``kernels/triton_step.py``, torch's fused
-    #: AdamW as its ``found_inf``), so the host reads nothing to launch them.
+    #: kernels that serve such items read it themselves (``kernels/triton_step.py``; torch's fused AdamW
+    #: reads the flag of any of its items as its ``found_inf``, and the Triton kernel then steps the ones
+    #: whose own flag is clear), so the host reads nothing to launch them.
     skip_flag: Tensor | None = None
 
 

@@ -22,7 +22,8 @@ of two, and then only in the exponent byte; the stored scale (fp16 scale times t
 codes are the same, since the fp16 rounding is relative.
 
 Served: every format with a kernel (``kernel_kinds``) but ``offload``; the fp32 pair only for 16-bit
-parameters (torch's fused kernel serves fp32 ones); fp32, bf16 and fp16 parameters and gradients,
+parameters (torch's fused kernel serves fp32 ones, and this kernel steps them only at a step that kernel
+skipped for another tensor's flag: ``repair``); fp32, bf16 and fp16 parameters and gradients,
 contiguous, with the states on the parameter's device. A 16-bit parameter's fp32 master is rebuilt
 from the weight and its master-weight correction (``formats/correction.py``) per super-block, stepped
 and split again in the same pass. An item with a ``skip_flag`` (its finiteness decided on the device:

@@ -8,7 +8,8 @@ the eager step here: the host reads which gradients are finite (:meth:`StepMixin
 synchronisation per device and step), advances the counts, computes the bias corrections and the
 rounding key, and runs each format's ``update``. On a GPU the Triton kernels
 (:mod:`lightning_baoc.kernels.triton_step`) and torch's fused AdamW serve the formats instead, and read
-each gradient's finiteness flag on the device (:meth:`StepMixin._device_flags`): the host advances the
+each gradient's finiteness flag on the device (:meth:`StepMixin._device_flags`; fp32 takes one fused call
+whose ``found_inf`` is the flag of any, then the Triton kernel steps the finite ones where it was set): the host advances the
 counts as if the step happened and takes a skip back when a count is next read
 (:class:`~lightning_baoc.optim.pools.DeferredFlags`), so it reads nothing to launch them. Both work on each parameter's local part (the
 shard of a ``DTensor`` parameter on this rank: :mod:`lightning_baoc.optim.sharding`).
