@@ -152,21 +152,29 @@ def test_many_tensors_take_one_launch(fmt: str, triton_on_cpu: list[int], monkey
     assert sum(grids) == 3 * numel  # one program per super-block of every tensor
 
 
-def test_fp32_tensors_take_one_fused_call_and_each_skips_alone(triton_on_cpu: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
-    """fp32 states decided on the device: torch's fused AdamW once per step over all 41 tensors (the flag of
-    any non-finite gradient as its ``found_inf``), then one Triton launch that steps the finite ones where
-    the fused call skipped them all, and does nothing at the other steps: the eager step within fp32
-    rounding (bit-equal but at the step with the NaN), the NaN's tensor untouched at its step."""
+@pytest.mark.parametrize(
+    "options", [{}, {"weight_decay": 0.1, "decoupled_weight_decay": False}, {"maximize": True, "weight_decay": 0.1}],
+    ids=["adamw", "adam-l2", "maximize"],
+)
+def test_fp32_tensors_take_one_fused_call_and_each_skips_alone(
+    options: dict, triton_on_cpu: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp32 states decided on the device: torch's fused AdamW (or Adam, for L2 decay) once per step over all
+    41 tensors (the flag of any non-finite gradient as its ``found_inf``), then one Triton launch that steps
+    the finite ones where the fused call skipped them all, and does nothing at the other steps: the eager
+    step within fp32 rounding (bit-equal but at the step with the NaN), the NaN's tensor untouched at its step."""
     calls: list[int] = []
-    real = torch._fused_adamw_
-    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: (calls.append(len(a[0])), real(*a, **k))[1])
+    name = "_fused_adam_" if options.get("decoupled_weight_decay") is False else "_fused_adamw_"
+    real = getattr(torch, name)
+    monkeypatch.setattr(torch, name, lambda *a, **k: (calls.append(len(a[0])), real(*a, **k))[1])
     grids = record_grids(monkeypatch, triton_step, "_adamw_tensors")
     shapes = ragged_shapes()
 
     def run(policy: str, nan: bool) -> list[torch.Tensor]:
         gen = torch.Generator().manual_seed(0)
         params = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
-        opt = BlockwiseAdamW([(f"w{i}", p) for i, p in enumerate(params)], lr=1e-2, state_format="fp32", kernels=policy)
+        opt = BlockwiseAdamW([(f"w{i}", p) for i, p in enumerate(params)], lr=1e-2, state_format="fp32", kernels=policy,
+                             **options)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # the NaN's warning
             for i in range(3):
