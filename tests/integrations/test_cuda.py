@@ -246,8 +246,9 @@ def test_many_tensors_step_in_one_launch_on_cuda(fmt: str, monkeypatch: pytest.M
 def test_fp32_tensors_take_one_fused_call_and_each_skips_alone_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """fp32 states on CUDA: torch's fused AdamW once per step over all 41 tensors, its ``found_inf`` the flag
     of any non-finite gradient, and one Triton launch that steps the finite ones at a step the fused call
-    skipped (and does nothing at the others): the eager step on the CPU within fp32 rounding, the NaN's
-    tensor untouched at its step, no host synchronisation."""
+    skipped (and does nothing at the others): the eager step on the CPU, which skips the NaN's tensor alone,
+    within the bound of fp32 on CUDA (torch's CUDA kernel rounds ``1 - beta2`` in fp32: its second moments
+    differ from the CPU's by 1.3e-5 relative, measured on an H100)."""
     pytest.importorskip("triton")
     from lightning_baoc.kernels import triton_step
 
