@@ -137,17 +137,58 @@ def _load() -> KernelStatus:
     return KernelStatus(False, f"the build failed: {first}")
 
 
+#: A build lock older than this (seconds) was left by a process that stopped while it held it: a build
+#: takes tens of seconds, and torch waits for the lock to go without a limit.
+STALE_LOCK_SECONDS = 300.0
+
+
+def _build_directory(name: str) -> Path | None:
+    """Where torch builds and caches the extension ``name`` (``None`` where this torch does not say)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # private: how torch names its cache
+
+        return Path(_get_build_directory(name, verbose=False))
+    except (ImportError, TypeError, OSError):
+        return None
+
+
+def _wait_for_build_lock(directory: Path | None, poll: float = 0.5) -> None:
+    """Wait while another process builds in ``directory`` (its ``lock`` file), as torch would, but not
+    forever: a lock that stays past :data:`STALE_LOCK_SECONDS` of age was left by a process that stopped
+    while building (killed, interrupted), and is removed with a warning that names it."""
+    if directory is None:
+        return
+    lock = directory / "lock"
+    said = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except OSError:  # no lock: nobody is building
+            return
+        if age > STALE_LOCK_SECONDS:
+            lock.unlink(missing_ok=True)
+            warnings.warn(
+                f"lightning_baoc: removed a stale lock of the CPU kernels' build ({lock}, {age:.0f} s old), left by "
+                f"a process that stopped while it held it; loading (or building) them now.",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+            return
+        if not said:
+            said = True
+            log.info("lightning_baoc: waiting for another process's build of the CPU kernels (%s); delete the lock "
+                     "if no other process is building", lock)
+        time.sleep(poll)
+
+
 def _build(flags: list[str], ldflags: list[str]) -> KernelStatus | str:
     """Build or load the kernels with ``flags``: their status, or the compiler's first error."""
     from torch.utils.cpp_extension import load
 
     name = _build_name(flags)
-    try:
-        from torch.utils.cpp_extension import _get_build_directory  # private: how torch names its cache
-
-        cached = any(Path(_get_build_directory(name, verbose=False)).glob("*.so"))
-    except (ImportError, TypeError, OSError):
-        cached = False
+    directory = _build_directory(name)
+    cached = directory is not None and any(directory.glob("*.so"))
+    _wait_for_build_lock(directory)
     start = time.perf_counter()
     try:
         load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=ldflags, is_python_module=False,

@@ -270,6 +270,37 @@ def test_a_compiler_without_openmp_builds_the_kernels_for_one_thread(monkeypatch
     assert not failed.available and failed.detail == "the build failed: error: no matching function"
 
 
+def test_a_stale_build_lock_is_removed_and_a_live_one_waited_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch waits for its build directory's lock without a limit: a process killed while it held it (an
+    interrupted first step) would hang every later one. A lock older than STALE_LOCK_SECONDS is removed
+    with a warning that names it; a younger one is waited for until its builder removes it."""
+    import threading
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - 2 * kernels.STALE_LOCK_SECONDS
+    os.utime(lock, (old, old))
+    with pytest.warns(RuntimeWarning, match="removed a stale lock of the CPU kernels' build .*lock"):
+        kernels._wait_for_build_lock(tmp_path, poll=0.01)  # noqa: SLF001 - the wait itself
+    assert not lock.exists()
+
+    lock.touch()  # a live build: its builder removes the lock after 0.3 s
+    threading.Timer(0.3, lock.unlink).start()
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kernels._wait_for_build_lock(tmp_path, poll=0.01)  # noqa: SLF001
+    assert 0.25 <= time.perf_counter() - start < 5.0
+
+    lock.touch()  # nobody removes it: it goes stale while waited for
+    monkeypatch.setattr(kernels, "STALE_LOCK_SECONDS", 0.3)
+    with pytest.warns(RuntimeWarning, match="stale lock"):
+        kernels._wait_for_build_lock(tmp_path, poll=0.01)  # noqa: SLF001
+    assert not lock.exists()
+    kernels._wait_for_build_lock(None)  # noqa: SLF001 - a torch that does not say where it builds
+
+
 def _saturation(bits: torch.Tensor, noise: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """bf16 stochastic rounding of the fp32 values ``bits`` (int64, 32-bit patterns) under ``noise``, as
     int: the eager step's (quant.bf16_stochastic: the 32-bit sum masked, clamped to bf16's range,
