@@ -265,7 +265,9 @@ class StepMixin:
             # device, skipped whole where any flag is set; then the finite ones step through the Triton
             # kernel, which does nothing where no flag is set (a rare step, the same math within ulps)
             decided = [it for it in items if it.skip_flag is not None]
-            if decided:
+            if len(decided) == 1:  # alone (gradient release steps one at a time): its own flag, nothing to repair
+                fused_dense_fp32(decided, hyper, "exp_avg", "exp_avg_sq", found_inf=decided[0].skip_flag)
+            elif decided:
                 assert any_skip is not None  # _device_flags gave every decided item its device's flags
                 found_inf = any_skip.amax().view(1)  # any parameter's, on this device (a superset of these: still exact)
                 fused_dense_fp32(decided, hyper, "exp_avg", "exp_avg_sq", found_inf=found_inf)

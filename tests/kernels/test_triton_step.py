@@ -202,6 +202,35 @@ def test_fp32_tensors_take_one_fused_call_and_each_skips_alone(
             _assert_bit_equal(decided, eager)
 
 
+def test_a_lone_fp32_tensor_takes_its_own_flag_without_a_triton_launch(triton_on_cpu: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """One fp32 tensor decided on the device (as gradient release steps them, one at a time): torch's fused
+    call with the tensor's own flag as its ``found_inf`` and no Triton launch; bit-equal to the eager step,
+    the step with a NaN skipped."""
+    calls: list[int] = []
+    real = torch._fused_adamw_
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: (calls.append(len(a[0])), real(*a, **k))[1])
+
+    def run(policy: str) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(0)
+        p = nn.Parameter(torch.randn(37, 101, generator=gen))
+        opt = BlockwiseAdamW([("w", p)], lr=1e-2, state_format="fp32", kernels=policy)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the NaN's warning
+            for i in range(3):
+                p.grad = torch.randn(p.shape, generator=gen)
+                if i == 1:
+                    p.grad[3, 5] = float("nan")
+                opt.step()
+            assert opt.nonfinite_counts == {"w": 1} and opt.step_count("w") == 2
+        return [p.detach().clone(), *(v.clone() for _, v in sorted(opt._records[p].views.items()))]  # noqa: SLF001
+
+    eager = run("eager")
+    calls.clear()
+    decided = run("auto")
+    assert calls == [1, 1, 1] and triton_on_cpu == []  # a fused call per step, skipped by its own flag at the NaN
+    _assert_bit_equal(decided, eager)
+
+
 @pytest.mark.parametrize(
     "options", [{"maximize": True}, {"weight_decay": 0.1, "decoupled_weight_decay": False}, {"betas": (0.4, 0.99)}],
     ids=["maximize", "adam-l2", "large-momentum-weight"],
