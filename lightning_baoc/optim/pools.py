@@ -125,13 +125,6 @@ class Record:
             counts[1] -= int(deferred.records[index][1])  # type: ignore[index] - set as the step launched
             counts[2] += 1
 
-    def steps(self) -> tuple[int, int]:
-        """(:attr:`step`, :attr:`m_step`) in one read."""
-        if self.pending is not None:
-            self.settle()
-        counts = self._counts()
-        return int(counts[0]), int(counts[1])
-
     def advance(self, momentum: bool) -> tuple[int, int]:
         """Count one step (and one of the momentum's, where the format has one): the new (step, m_step)."""
         if self.pending is not None:

@@ -144,7 +144,7 @@ class StepMixin:
         dtype = p.dtype
         fused = kinds == (M_FP32, V_FP32) and dtype == torch.float32  # torch's fused kernel, found_inf
         if fused:
-            step, m_step = rec.steps()
+            step, m_step = rec.step, rec.m_step  # the first read settles a pending skip
             if not (step == m_step and step < MAX_FUSED_STEP):
                 return False
         # what the kernel serves follows from the tensors' kinds: decided once for them, not every step
