@@ -1208,6 +1208,39 @@ struct FactoredSums {
   int64_t threads = 1;
 };
 
+// One row's sum of (g k)**2, each square also added to its column's sum in `cs`: one pass over the row.
+// ROW_LANES partial sums (element c in part[c % ROW_LANES]), added pairwise at the end: a single running
+// sum waited on its own addition at every element.
+constexpr int64_t ROW_LANES = 32;
+inline float row_squares(const float* gr, const float* pr, int64_t cols, float gsign, bool l2, float wd, float k,
+                         float* cs) {
+  alignas(64) float part[ROW_LANES] = {};
+  const int64_t whole = cols / ROW_LANES * ROW_LANES;
+  for (int64_t c0 = 0; c0 < whole; c0 += ROW_LANES) {
+#pragma omp simd
+    for (int64_t j = 0; j < ROW_LANES; ++j) {
+      float x = gr[c0 + j] * gsign;
+      x = l2 ? std::fma(pr[c0 + j], wd, x) : x;
+      x = x * k;
+      const float sq = x * x;
+      cs[c0 + j] += sq;
+      part[j] += sq;
+    }
+  }
+  for (int64_t j = 0; whole + j < cols; ++j) {
+    float x = gr[whole + j] * gsign;
+    x = l2 ? std::fma(pr[whole + j], wd, x) : x;
+    x = x * k;
+    const float sq = x * x;
+    cs[whole + j] += sq;
+    part[j] += sq;
+  }
+  for (int64_t width = ROW_LANES / 2; width >= 1; width /= 2) {
+    for (int64_t j = 0; j < width; ++j) part[j] += part[j + width];
+  }
+  return part[0];
+}
+
 FactoredSums factored_sums(const float* g, const float* p, int64_t rows, int64_t cols, double beta2,
                            double weight_decay, bool decoupled, bool maximize) {
   const float k = static_cast<float>(std::sqrt((1.0 - beta2) / static_cast<double>(std::max(rows, cols))));
@@ -1221,27 +1254,8 @@ FactoredSums factored_sums(const float* g, const float* p, int64_t rows, int64_t
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r0 = rows * t / threads, r1 = rows * (t + 1) / threads;
       float* cs = sums.col_part.data() + t * cols;
-      alignas(64) float sq[SUPER];
       for (int64_t r = r0; r < r1; ++r) {
-        const float* gr = g + r * cols;
-        const float* pr = p + r * cols;
-        float acc = 0.0f;
-        for (int64_t c0 = 0; c0 < cols; c0 += SUPER) {  // (g k)**2 of a slice of the row, then its sums
-          const int64_t len = std::min(SUPER, cols - c0);
-#pragma omp simd
-          for (int64_t c = 0; c < len; ++c) {
-            float x = gr[c0 + c] * gsign;
-            x = l2 ? std::fma(pr[c0 + c], wd, x) : x;
-            x = x * k;
-            sq[c] = x * x;
-          }
-          float* col_slice = cs + c0;
-#pragma omp simd
-          for (int64_t c = 0; c < len; ++c) col_slice[c] += sq[c];
-#pragma omp simd reduction(+ : acc)
-          for (int64_t c = 0; c < len; ++c) acc += sq[c];
-        }
-        sums.row_sum[r] = acc;
+        sums.row_sum[r] = row_squares(g + r * cols, p + r * cols, cols, gsign, l2, wd, k, cs);
       }
     }
   });
