@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -267,6 +268,61 @@ def test_fp32_tensors_take_one_fused_call_and_each_skips_alone_on_cuda(monkeypat
         assert a.shape == b.shape
         if a.numel():  # the bound of fp32 on CUDA against the CPU (test_every_format_steps_on_cuda_as_on_the_cpu)
             assert float((a - b).abs().max()) <= 1e-5 * max(1.0, float(a.abs().max()))
+
+
+def test_a_lone_fp32_tensor_takes_its_own_flag_on_cuda_and_release_steps_as_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 states on CUDA stepped one tensor at a time (a one-parameter optimizer, gradient release): torch's
+    fused AdamW per tensor with the tensor's own flag as its ``found_inf`` and no Triton launch. A lone tensor
+    skips its NaN step as the eager step on the CPU does (within fp32's CUDA bound); a model trained with
+    gradient release ends bit-equal to the same training through ``step()`` (one fused call over all)."""
+    pytest.importorskip("triton")
+    from lightning_baoc.kernels import triton_step
+
+    calls: list[int] = []
+    real = torch._fused_adamw_
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: (calls.append(len(a[0])), real(*a, **k))[1])
+    grids = record_grids(monkeypatch, triton_step, "_adamw_tensors")
+
+    def lone(device: torch.device, policy: str) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(0)
+        p = nn.Parameter(torch.randn(37, 101, generator=gen).to(device))
+        opt = BlockwiseAdamW([("w", p)], lr=1e-2, state_format="fp32", kernels=policy)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the NaN's warning
+            for i in range(3):
+                g = torch.randn(p.shape, generator=gen)
+                if i == 1:
+                    g[3, 5] = float("nan")
+                p.grad = g.to(device)
+                opt.step()
+            assert opt.nonfinite_counts == {"w": 1} and opt.step_count("w") == 2
+        return [p.detach().cpu(), *(v.cpu() for _, v in sorted(opt._records[p].views.items()))]  # noqa: SLF001
+
+    cpu = lone(torch.device("cpu"), "eager")
+    calls.clear()
+    cuda = lone(CUDA, "auto")
+    assert calls == [1, 1, 1] and grids == []
+    for a, b in zip(cpu, cuda):
+        assert float((a - b).abs().max()) <= 1e-5 * max(1.0, float(a.abs().max()))
+
+    finals = []
+    for release in (False, True):
+        calls.clear()
+        model = _model(CUDA)
+        opt = BlockwiseAdamW(model.named_parameters(), lr=1e-3, state_format="fp32")
+        if release:
+            opt.release_gradients()
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            opt.zero_grad()
+            model(torch.randn(16, 256, generator=gen).to(CUDA)).square().mean().backward()
+            opt.step()
+        served = len(list(model.parameters()))
+        assert calls == ([1] * served * 4 if release else [served] * 4)
+        finals.append([p.detach().clone() for p in model.parameters()])
+    assert len(grids) == 4  # the batched call's repair launch, one per step(); none under release
+    for a, b in zip(*finals):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("correction", ["none", "ecc8", "ecc16"])
