@@ -827,7 +827,10 @@ void int8_pass_avx2(const Tensors& t, int64_t sb, int64_t start, float limit_m, 
   const CodedBlock<HAS_M, CODED_V> in(t, sb, start, SUPER_GROUPS);
   alignas(64) float mbuf[SUPER];
   alignas(64) float vbuf[SUPER];
-  if constexpr (!CODED_V) factored_denominators(t, start, SUPER, vbuf);
+  // the factored denominators: computed in the loop 8 at a time where no 8 straddle a row, else beforehand
+  const bool in_rows = !CODED_V && t.cols % 8 == 0;
+  if (!CODED_V && !in_rows) factored_denominators(t, start, SUPER, vbuf);
+  int64_t row = CODED_V ? 0 : start / t.cols, col = CODED_V ? 0 : start % t.cols;
   const Lanes8 c{Adam(t.s)};
   const __m256 inv127 = _mm256_set1_ps(INV_127), inv255 = _mm256_set1_ps(INV_255), two = _mm256_set1_ps(2.0f);
   const __m256 half = _mm256_set1_ps(0.5f), absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -848,6 +851,13 @@ void int8_pass_avx2(const Tensors& t, int64_t sb, int64_t start, float limit_m, 
         _mm256_store_ps(vbuf + j, root);
         top_v = _mm256_max_ps(_mm256_and_ps(root, absmask), top_v);
         d = c.denominator(root);
+      } else if (in_rows) {  // factored_denominators' operations
+        d = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(t.row_factor[row]), _mm256_loadu_ps(t.col_factor + col)), c.eps);
+        col += 8;
+        if (col == t.cols) {
+          col = 0;
+          ++row;
+        }
       } else {
         d = _mm256_load_ps(vbuf + j);
       }
