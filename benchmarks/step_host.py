@@ -11,8 +11,9 @@ calls replaced by ones that return at once:
 
 Everything else runs as it does: the formats' decisions, the counts, the finiteness flags, the launch's
 table. Its device work runs on the CPU's tensors and is in the ``device`` figure: the flags' reductions,
-and torch's fused AdamW for fp32 tensors (one call per tensor, so that each can skip alone), which is
-not taken out. ``torch.optim.AdamW(fused=True)``'s whole step on the same tensors is the
+and torch's fused AdamW for fp32 tensors (one call over all of them, whose ``found_inf`` is the flag of
+any; the Triton launch that then steps the finite ones where it is set is taken out), which is not taken
+out. ``torch.optim.AdamW(fused=True)``'s whole step on the same tensors is the
 yardstick (its kernel included). Each optimizer's steps alternate in rounds; the figure is the median
 over the rounds of each round's fastest step, in microseconds per tensor.
 
