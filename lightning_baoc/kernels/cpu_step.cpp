@@ -1224,24 +1224,24 @@ struct FactoredSums {
 constexpr int64_t ROW_LANES = 32;
 inline float row_squares(const float* gr, const float* pr, int64_t cols, float gsign, bool l2, float wd, float k,
                          float* cs) {
+  const auto square = [=](int64_t c) {  // (g k)**2 of element c, the gradient as the moments see it
+    float x = gr[c] * gsign;
+    x = l2 ? std::fma(pr[c], wd, x) : x;
+    x = x * k;
+    return x * x;
+  };
   alignas(64) float part[ROW_LANES] = {};
   const int64_t whole = cols / ROW_LANES * ROW_LANES;
   for (int64_t c0 = 0; c0 < whole; c0 += ROW_LANES) {
 #pragma omp simd
     for (int64_t j = 0; j < ROW_LANES; ++j) {
-      float x = gr[c0 + j] * gsign;
-      x = l2 ? std::fma(pr[c0 + j], wd, x) : x;
-      x = x * k;
-      const float sq = x * x;
+      const float sq = square(c0 + j);
       cs[c0 + j] += sq;
       part[j] += sq;
     }
   }
   for (int64_t j = 0; whole + j < cols; ++j) {
-    float x = gr[whole + j] * gsign;
-    x = l2 ? std::fma(pr[whole + j], wd, x) : x;
-    x = x * k;
-    const float sq = x * x;
+    const float sq = square(whole + j);
     cs[whole + j] += sq;
     part[j] += sq;
   }
