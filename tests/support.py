@@ -5,6 +5,7 @@ Importable from any test module (``tests`` is on the test ``pythonpath``): ``fro
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -144,3 +145,24 @@ def ragged_shapes(count: int = 40, seed: int = 3) -> list[tuple[int, ...]]:
     """``count`` tensor shapes of 1 to 3000 elements (2-D, 7 columns, where odd and at least 14), and an empty one."""
     sizes = [int(x) for x in torch.randint(1, 3000, (count,), generator=torch.Generator().manual_seed(seed))] + [0]
     return [(n // 7, 7) if n % 2 and n >= 14 else (n,) for n in sizes]
+
+
+def lone_fp32_steps(device: torch.device, policy: str) -> list[torch.Tensor]:
+    """One fp32 parameter alone in its optimizer (as gradient release steps it), three steps on ``device``
+    with a NaN in the second gradient (drawn on the CPU, the same on every device): its weight and states on
+    the CPU, the skip checked (one non-finite count, two steps)."""
+    from lightning_baoc import BlockwiseAdamW
+
+    gen = torch.Generator().manual_seed(0)
+    p = nn.Parameter(torch.randn(37, 101, generator=gen).to(device))
+    opt = BlockwiseAdamW([("w", p)], lr=1e-2, state_format="fp32", kernels=policy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the NaN's warning
+        for i in range(3):
+            g = torch.randn(p.shape, generator=gen)
+            if i == 1:
+                g[3, 5] = float("nan")
+            p.grad = g.to(device)
+            opt.step()
+        assert opt.nonfinite_counts == {"w": 1} and opt.step_count("w") == 2
+    return [p.detach().cpu(), *(v.cpu() for _, v in sorted(opt._records[p].views.items()))]  # noqa: SLF001

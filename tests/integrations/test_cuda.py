@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from torch import nn
 
 from lightning_baoc import BAOC, FORMATS, BlockwiseAdamW, BlockwiseLion, BlockwiseSGD, kernels
 
-from support import ragged_shapes, record_grids
+from support import lone_fp32_steps, ragged_shapes, record_grids
 from support_lightning import DigitsModule, fit_crash_resume
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -283,24 +282,9 @@ def test_a_lone_fp32_tensor_takes_its_own_flag_on_cuda_and_release_steps_as_step
     monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: (calls.append(len(a[0])), real(*a, **k))[1])
     grids = record_grids(monkeypatch, triton_step, "_adamw_tensors")
 
-    def lone(device: torch.device, policy: str) -> list[torch.Tensor]:
-        gen = torch.Generator().manual_seed(0)
-        p = nn.Parameter(torch.randn(37, 101, generator=gen).to(device))
-        opt = BlockwiseAdamW([("w", p)], lr=1e-2, state_format="fp32", kernels=policy)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # the NaN's warning
-            for i in range(3):
-                g = torch.randn(p.shape, generator=gen)
-                if i == 1:
-                    g[3, 5] = float("nan")
-                p.grad = g.to(device)
-                opt.step()
-            assert opt.nonfinite_counts == {"w": 1} and opt.step_count("w") == 2
-        return [p.detach().cpu(), *(v.cpu() for _, v in sorted(opt._records[p].views.items()))]  # noqa: SLF001
-
-    cpu = lone(torch.device("cpu"), "eager")
+    cpu = lone_fp32_steps(torch.device("cpu"), "eager")
     calls.clear()
-    cuda = lone(CUDA, "auto")
+    cuda = lone_fp32_steps(CUDA, "auto")
     assert calls == [1, 1, 1] and grids == []
     for a, b in zip(cpu, cuda):
         assert float((a - b).abs().max()) <= 1e-5 * max(1.0, float(a.abs().max()))

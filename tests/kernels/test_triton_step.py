@@ -32,7 +32,7 @@ import lightning_baoc.optim.stepping as stepping  # noqa: E402
 from lightning_baoc import FORMATS, BlockwiseAdamW, kernels  # noqa: E402
 from lightning_baoc.kernels import triton_step  # noqa: E402
 
-from support import ragged_shapes, record_grids  # noqa: E402
+from support import lone_fp32_steps, ragged_shapes, record_grids  # noqa: E402
 
 SERVED = [name for name, fmt in FORMATS.items() if fmt.kernel_kinds in triton_step.SERVED]
 SHAPES = [(37, 101), (3, 11), (1000,), (2, 1024)]
@@ -210,23 +210,10 @@ def test_a_lone_fp32_tensor_takes_its_own_flag_without_a_triton_launch(triton_on
     real = torch._fused_adamw_
     monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: (calls.append(len(a[0])), real(*a, **k))[1])
 
-    def run(policy: str) -> list[torch.Tensor]:
-        gen = torch.Generator().manual_seed(0)
-        p = nn.Parameter(torch.randn(37, 101, generator=gen))
-        opt = BlockwiseAdamW([("w", p)], lr=1e-2, state_format="fp32", kernels=policy)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # the NaN's warning
-            for i in range(3):
-                p.grad = torch.randn(p.shape, generator=gen)
-                if i == 1:
-                    p.grad[3, 5] = float("nan")
-                opt.step()
-            assert opt.nonfinite_counts == {"w": 1} and opt.step_count("w") == 2
-        return [p.detach().clone(), *(v.clone() for _, v in sorted(opt._records[p].views.items()))]  # noqa: SLF001
-
-    eager = run("eager")
+    cpu = torch.device("cpu")
+    eager = lone_fp32_steps(cpu, "eager")
     calls.clear()
-    decided = run("auto")
+    decided = lone_fp32_steps(cpu, "auto")
     assert calls == [1, 1, 1] and triton_on_cpu == []  # a fused call per step, skipped by its own flag at the NaN
     _assert_bit_equal(decided, eager)
 
