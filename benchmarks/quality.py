@@ -941,7 +941,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--section", default="quality",
                         help=f"section of docs/{PAGE} the tables go to (default: quality)")
     parser.add_argument("--report-only", action="store_true", help="no training: tables from the cached runs")
-    parser.add_argument("--rerun", action="store_true", help="ignore cached results and train again")
+    parser.add_argument("--rerun", action="store_true", help="train the rows named by --rows again, ignoring their cached runs (fp32, added "
+                        "as the reference when not named, comes from the cache)")
     parser.add_argument("--paired-with", type=Path, default=None, metavar="DIR",
                         help="also compare these runs with another version's cached runs in DIR, paired by seed")
     parser.add_argument("--threads", type=int, default=1,
@@ -967,6 +968,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if "--steps" not in explicit:
             args.steps = ["6"]
         args.docs = False
+    args.named_rows = list(args.rows)  # what --rerun trains again
     if "fp32" not in args.rows:
         args.rows = ["fp32", *args.rows]  # the reference of "steps to fp32's final"
     return args
@@ -991,7 +993,8 @@ def main(argv: list[str] | None = None) -> str:
                     for row in rows:
                         if row.name in unavailable:
                             continue
-                        result = run_cached(args.results_dir, w, recipe, row, seed, steps[w], args.rerun)
+                        result = run_cached(args.results_dir, w, recipe, row, seed, steps[w],
+                                            args.rerun and row.name in args.named_rows)
                         final = result.get("final")
                         print(f"{w} {recipe} {row.name} seed {seed}: {result['status']}"
                               + (f", {WORKLOADS[w].quality_metric} {final:.4f}" if final is not None else "")

@@ -129,6 +129,12 @@ def test_quick_run_table_measurement_and_cache(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(Q, "train_one", lambda *a, **k: pytest.fail("cached runs must not be trained again"))
     assert Q.main(["--quick", "--results-dir", str(tmp_path)]).split("Command:")[1] == report.split("Command:")[1]
 
+    # --rerun trains the rows named by --rows again; fp32, added as the reference, comes from the cache.
+    trained = []
+    monkeypatch.setattr(Q, "train_one", lambda workload, recipe, row, seed, steps: trained.append(row.name) or int8)
+    Q.main(["--quick", "--rows", "int8", "--rerun", "--results-dir", str(tmp_path)])
+    assert trained == ["int8"]
+
 
 def test_steps_argument() -> None:
     assert Q.parse_steps(["300"], ["vit_digits"])["vit_digits"] == 300
