@@ -126,6 +126,22 @@ def controller_steps(ctl, opt, loss_of, start: int, steps: int, before: bool = F
     return events
 
 
+def record_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the tensors of each launch of the Triton step (``triton_step._launch``: the planned step's
+    and :func:`~lightning_baoc.kernels.triton_step.adamw_step`'s), and launch it."""
+    from lightning_baoc.kernels import triton_step
+
+    launches: list[int] = []
+    real = triton_step._launch
+
+    def counted(table, count, *args, **kwargs):  # type: ignore[no-untyped-def]
+        launches.append(count)
+        return real(table, count, *args, **kwargs)
+
+    monkeypatch.setattr(triton_step, "_launch", counted)
+    return launches
+
+
 def record_grids(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[int]:
     """Replace the Triton kernel ``module.name`` by one that records each launch's grid (its programs) and
     launches the kernel."""

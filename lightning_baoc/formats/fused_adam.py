@@ -161,19 +161,30 @@ def _launch(
     found_inf: Tensor | None,
 ) -> None:
     """One call of the fused kernel over ``batch`` (all on ``device``)."""
+    fused_call(device, [it.param for it, _ in batch], [it.grad for it, _ in batch],
+               [shaped(it.views[m_key], it.param) for it, _ in batch],
+               [shaped(it.views[v_key], it.param) for it, _ in batch], [t for _, t in batch], hyper, found_inf)
+
+
+def fused_call(
+    device: torch.device, params: list[Tensor], grads: list[Tensor], ms: list[Tensor], vs: list[Tensor],
+    counts: list[int], hyper: StepHyper, found_inf: Tensor | None,
+) -> None:
+    """One call of the fused kernel (served: :func:`fusable`, :func:`fused_available`) over ``params``
+    with their gradients, moments in the parameters' shapes and step counts, all on ``device``."""
     steps: dict[int, Tensor] = {}
-    for _, t in batch:
+    for t in counts:
         if t not in steps:
             steps[t] = torch.full((), float(t), dtype=torch.float32, device=device)  # a fill, not a host copy
     kernel = _kernel(hyper.decoupled_weight_decay)
     assert kernel is not None  # split_fused sent nothing here otherwise
     kernel(
-        [it.param for it, _ in batch],
-        [it.grad for it, _ in batch],
-        [_shaped(it.views[m_key], it.param) for it, _ in batch],
-        [_shaped(it.views[v_key], it.param) for it, _ in batch],
+        params,
+        grads,
+        ms,
+        vs,
         [],
-        [steps[t] for _, t in batch],
+        [steps[t] for t in counts],
         lr=hyper.lr,
         beta1=hyper.beta1,
         beta2=hyper.beta2,
@@ -185,7 +196,7 @@ def _launch(
     )
 
 
-def _shaped(state: Tensor, param: Tensor) -> Tensor:
+def shaped(state: Tensor, param: Tensor) -> Tensor:
     """``state`` (a flat view of the pool) in ``param``'s shape, as the kernel pairs them: a view made only
     where the shapes differ (a 1-D parameter takes its state as it is)."""
     return state if state.shape == param.shape else state.view_as(param)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import zlib
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -271,6 +272,18 @@ def name_salt(name: str) -> int:
 def stream_key(seed: int, step: int, salt: int) -> int:
     """The 32-bit rounding key of one parameter (``salt``: a hash of its name) at one step."""
     return mix32(_step_key(seed, step) ^ (salt & _M32))
+
+
+def stream_keys(seed: int, steps: list[int], salts: np.ndarray, which: np.ndarray) -> np.ndarray:
+    """:func:`stream_key` of many parameters at once (numpy ``uint64``): parameter ``i`` at step
+    ``steps[which[i]]`` with salt ``salts[i]``; the same bits, with one Python hash per distinct step."""
+    m32 = np.uint64(_M32)
+    x = np.array([_step_key(seed, s) for s in steps], dtype=np.uint64)[which] ^ (salts & m32)
+    x ^= x >> np.uint64(16)
+    x = (x * np.uint64(0x21F0AAAD)) & m32  # products below 2**64: exact in uint64
+    x ^= x >> np.uint64(15)
+    x = (x * np.uint64(0x735A2D97)) & m32
+    return x ^ (x >> np.uint64(15))
 
 
 @functools.lru_cache(maxsize=256)

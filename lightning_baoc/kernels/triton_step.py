@@ -66,6 +66,7 @@ _SUPER = 1024
 #: super-block of each tensor follows the rows.
 _COLUMNS = ("param", "grad", "correction", "m", "m_scale", "m_exp", "v", "v_scale", "v_exp", "row_factor",
             "col_factor", "skip_flag", "numel", "cols", "noise_key", "lr_step", "inv_sqrt_bc2")
+_SKIP_COLUMN, _NUMEL_COLUMN, _KEY_COLUMN = (_COLUMNS.index(name) for name in ("skip_flag", "numel", "noise_key"))
 
 
 def triton_status() -> tuple[bool, str]:
@@ -488,10 +489,37 @@ def _row(it: Any, corr: Tensor | None, keys: tuple[str | None, ...], factors: tu
     return addresses + [it.param.numel(), cols, _signed32(it.noise_key & 0xFFFFFFFF), *scalars]
 
 
-def _scalars(bias_correction1: float, bias_correction2: float, has_m: bool, lr: float) -> tuple[int, int]:
+def step_scalars(bias_correction1: float, bias_correction2: float, has_m: bool, lr: float) -> tuple[int, int]:
     """The bits of a tensor's step size and of its ``1 / sqrt(bias_correction2)`` (its table's last columns)."""
     lr_step = -lr / bias_correction1 if has_m else -lr
     return _float_bits(lr_step), _float_bits(1.0 / math.sqrt(bias_correction2))
+
+
+def _common(kinds: tuple[int, int], hyper: Any, limit_m: float, limit_v: float) -> dict[str, Any]:
+    """The launch's scalars and format constants shared by every tensor of a step."""
+    m_kind, v_kind = kinds
+    wd, decoupled = hyper.weight_decay, hyper.decoupled_weight_decay
+    w = _f32(1.0 - hyper.beta1)
+    small = abs(w) < 0.5
+    return dict(
+        decay=_f32(1.0 - hyper.lr * wd) if wd != 0.0 and decoupled else 1.0, l2=_f32(wd), beta2=_f32(hyper.beta2),
+        one_minus_beta2=_f32(1.0 - hyper.beta2), lerp_coeff=w if small else _f32(w - 1.0), eps=_f32(hyper.eps),
+        gsign=-1.0 if hyper.maximize else 1.0, limit_m=_f32(limit_m), limit_v=_f32(limit_v), M=m_kind, V=v_kind,
+        LERP_SMALL=small, L2=wd != 0.0 and not decoupled,
+    )
+
+
+def _launch(table: Tensor, count: int, blocks: int, kind: tuple[int, int, int, bool], common: dict[str, Any],
+            device: torch.device, repair: Tensor | None) -> None:
+    """One launch over the ``count`` tensors of ``table`` (host int64: their rows, then their first
+    super-blocks; ``blocks`` super-blocks in all), of one ``kind`` (W, G, CB, SKIP)."""
+    w_kind, g_kind, bits, skip = kind
+    if device.type == "cuda":  # a copy from pinned memory: no synchronisation with the host
+        table = table.pin_memory().to(device, non_blocking=True)
+    _adamw_tensors[(blocks,)](
+        table, count, table if repair is None else repair, W=w_kind, G=g_kind, CB=bits, SKIP=skip,
+        SEARCH=max(count - 1, 1).bit_length(), REPAIR=repair is not None, enable_fp_fusion=False, **common,
+    )
 
 
 def adamw_step(
@@ -512,15 +540,7 @@ def adamw_step(
         raise ValueError("adamw_step(repair=...) steps items whose skip the device decides: each needs its skip_flag")
     m_kind, v_kind = kinds
     has_m = m_kind != M_NONE
-    wd, decoupled = hyper.weight_decay, hyper.decoupled_weight_decay
-    w = _f32(1.0 - hyper.beta1)
-    small = abs(w) < 0.5
-    common = dict(
-        decay=_f32(1.0 - hyper.lr * wd) if wd != 0.0 and decoupled else 1.0, l2=_f32(wd), beta2=_f32(hyper.beta2),
-        one_minus_beta2=_f32(1.0 - hyper.beta2), lerp_coeff=w if small else _f32(w - 1.0), eps=_f32(hyper.eps),
-        gsign=-1.0 if hyper.maximize else 1.0, limit_m=_f32(limit_m), limit_v=_f32(limit_v), M=m_kind, V=v_kind,
-        LERP_SMALL=small, L2=wd != 0.0 and not decoupled,
-    )
+    common = _common(kinds, hyper, limit_m, limit_v)
     launches: dict[tuple[int, int, int, bool], tuple[list[int], list[int]]] = {}
     alive = []  # the factored formats' factors, read by the launches below
     keys = _M_KEYS.get(m_kind, (None, None, None)) + _V_KEYS[v_kind]
@@ -538,23 +558,71 @@ def adamw_step(
         rows, firsts = launches.setdefault(key, ([], [0]))
         bits = scalars.get((it.bias_correction1, it.bias_correction2))
         if bits is None:
-            bits = scalars[(it.bias_correction1, it.bias_correction2)] = _scalars(
+            bits = scalars[(it.bias_correction1, it.bias_correction2)] = step_scalars(
                 it.bias_correction1, it.bias_correction2, has_m, hyper.lr)
         rows += _row(it, corr, keys, factors, bits)
         firsts.append(firsts[-1] + (n + _SUPER - 1) // _SUPER)
     if not launches:
         return
     device = items[0].param.device  # one device per call (the optimizer buckets by device)
-    for (w_kind, g_kind, bits, skip), (rows, firsts) in launches.items():
-        count = len(firsts) - 1
+    for kind, (rows, firsts) in launches.items():
         rows += firsts[:-1]
         table = torch.frombuffer(array.array("q", rows), dtype=torch.int64)  # a copy of the ints: no Python loop
-        if device.type == "cuda":  # a copy from pinned memory: no synchronisation with the host
-            table = table.pin_memory().to(device, non_blocking=True)
-        _adamw_tensors[(firsts[-1],)](
-            table, count, table if repair is None else repair, W=w_kind, G=g_kind, CB=bits, SKIP=skip,
-            SEARCH=max(count - 1, 1).bit_length(), REPAIR=repair is not None, enable_fp_fusion=False, **common,
-        )
+        _launch(table, len(firsts) - 1, firsts[-1], kind, common, device, repair)
 
 
-__all__ = ["SERVED", "adamw_step", "serves", "triton_status"]
+class Table:
+    """The launches of a fixed list of tensors of one format, planned once and launched at every step.
+
+    What stays from step to step is written once: each tensor's addresses (parameter, correction,
+    states), size and launch kind. Each step fills the columns that change (the gradients' addresses,
+    the skip flags', the rounding keys, the step sizes) with numpy over all rows at once, so the host's
+    work per tensor is the few Python reads its caller makes. Only the non-factored formats (the factored
+    ones compute their factors per tensor and step) and items whose skip the device decides.
+    """
+
+    def __init__(self, kinds: tuple[int, int], params: list[Tensor], grad_dtypes: list[torch.dtype],
+                 views: list[dict[str, Tensor]], corrections: list[Tensor | None]) -> None:
+        import numpy as np
+
+        if kinds[1] == V_FACTORED:
+            raise ValueError("Table serves the non-factored formats: the factored ones compute factors per step")
+        self.kinds = kinds
+        keys = _M_KEYS.get(kinds[0], (None, None, None)) + _V_KEYS[kinds[1]]
+        rows, self.kind = [], []
+        for p, g_dtype, v, corr in zip(params, grad_dtypes, views, corrections):
+            ptr = p.data_ptr()
+            row = [ptr, 0, ptr if corr is None else corr.data_ptr()]
+            row += [ptr if k is None else v[k].data_ptr() for k in keys]
+            row += [ptr, ptr, 0, p.numel(), 1, 0, 0, 0]
+            rows.append(row)
+            self.kind.append((_KINDS[p.dtype], _KINDS[g_dtype], 0 if corr is None else _CORRECTION_BITS[corr.dtype], True))
+        self.rows = np.array(rows, dtype=np.int64).reshape(len(rows), len(_COLUMNS))
+        self.blocks = (self.rows[:, _NUMEL_COLUMN] + _SUPER - 1) // _SUPER
+
+    def launch(self, hyper: Any, limit_m: float, limit_v: float, device: torch.device, grads: list[int],
+               skips: Any, keys: Any, step_bits: Any, select: Any = None, repair: Tensor | None = None) -> None:
+        """Step the tensors (or those of ``select``, indices into them): ``grads``, their gradients'
+        addresses; ``skips``, their skip flags' addresses; ``keys``, their rounding keys; ``step_bits``,
+        ``[k, 2]``: the bits of their step sizes and of their ``1 / sqrt(bias_correction2)``
+        (:func:`step_scalars`): numpy arrays (the gradients' addresses a list), one entry per selected tensor."""
+        import numpy as np
+
+        rows = self.rows.copy() if select is None else self.rows[select]  # (indexing copies)
+        rows[:, 1] = grads
+        rows[:, _SKIP_COLUMN] = skips
+        rows[:, _KEY_COLUMN] = np.where(keys >= 1 << 31, keys - (1 << 32), keys)  # sign-extended int32
+        rows[:, _KEY_COLUMN + 1 :] = step_bits
+        kinds = self.kind if select is None else [self.kind[i] for i in select]
+        blocks = self.blocks if select is None else self.blocks[select]
+        common = _common(self.kinds, hyper, limit_m, limit_v)
+        for kind in dict.fromkeys(kinds):
+            mine = [i for i, k in enumerate(kinds) if k == kind]
+            part = rows if len(mine) == len(kinds) else rows[mine]
+            sizes = blocks if len(mine) == len(kinds) else blocks[mine]
+            firsts = np.cumsum(sizes)
+            flat = np.concatenate([part.reshape(-1), [0], firsts[:-1]])  # the rows, then each first super-block
+            _launch(torch.from_numpy(flat), len(mine), int(firsts[-1]), kind, common, device, repair)
+
+
+__all__ = ["SERVED", "Table", "adamw_step", "serves", "triton_status"]

@@ -100,6 +100,7 @@ class MasterMixin:
             new = None if store is None else torch.zeros(mine.shape, dtype=store, device=p.device)
             if new is not None and rec.master_correction is not None:
                 split_into(reconstruct(mine, rec.master_correction), mine.clone(), new)
+            self._drop_plans()  # type: ignore[attr-defined] - a plan holds the old correction
             rec.master_correction = new
             rec.correction = target
         return changes

@@ -97,6 +97,7 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
         # whether the compiled CPU step (by name) and the device's kernels (("device", name)) serve it
         self._serving: dict[str | tuple[str, str], tuple[tuple, bool]] = {}
         self._deferred: list = []  # the steps whose skips the device decided, settled at the next step
+        self._plans: dict = {}  # the device's step plans (optim/device_plan.py), dropped when states are replaced
         self._released: set[Tensor] = set()  # stepped by gradient release since the last step()
         self._release_handles: list[Any] = []
         self._gradient_observers: OrderedDict[int, Callable[[Tensor], None]] = OrderedDict()  # see add_gradient_observer

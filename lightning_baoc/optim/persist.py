@@ -73,6 +73,7 @@ class PersistenceMixin:
         state = {k: v for k, v in self.__dict__.items() if k not in _RUNTIME_ONLY}
         state["_deferred"] = []
         state["_serving"] = {}  # keyed by this process's state tensors: decided again in a copy
+        state["_plans"] = {}  # they hold this process's state tensors: planned again in a copy
         # gradient release: hooks live on this process's parameters; the copy registers its own
         state["_release_handles"], state["_released"] = [], set()
         state["_gradient_observers"] = OrderedDict()  # like hooks: the copy has none
@@ -97,6 +98,7 @@ class PersistenceMixin:
         state.setdefault("_deferred", [])
         state.setdefault("_targets", {})
         state.setdefault("_serving", {})
+        state.setdefault("_plans", {})
         state.pop("_generators", None)  # pickles of earlier releases: the rounding is keyed now
         state.setdefault("kernels", "auto")
         super().__setstate__(state)  # torch's: hooks, the profiled step
@@ -108,6 +110,7 @@ class PersistenceMixin:
 
         self._live_bytes = 0  # the copy holds no state until its pools are built
         self._pools, views = self._fresh_pools(formats, fill)
+        self._drop_plans()  # type: ignore[attr-defined] - a plan holds the old views
         for p, v in views.items():
             self._records[p].views = v
         if release_on:
@@ -314,6 +317,7 @@ class PersistenceMixin:
         for group, update in zip(self.param_groups, plan.groups):
             group.update(update)
         self._pools = pools
+        self._drop_plans()  # type: ignore[attr-defined] - a plan holds the old views
         self._live_bytes = 0  # recounted below, once the records point at the new pools
         for p, rec in self._records.items():
             loaded = plan.entries.get(p)

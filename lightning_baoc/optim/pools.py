@@ -328,6 +328,7 @@ class PoolsMixin:
                     del self._pools[old_key]
         pool = self._pools.setdefault((fmt, dev), Pool(fmt, storage_device(fmt, p.device, self.format_registry)))
         pool.segments[p] = _segment_of(views)
+        self._drop_plans()  # type: ignore[attr-defined] - a plan holds the old views
         rec.views = views
         rec.format = fmt
         self._mark_state(p)

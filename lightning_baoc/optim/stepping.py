@@ -35,6 +35,7 @@ from lightning_baoc.formats.frames import framed
 from lightning_baoc.formats.quant import M_SCALE_MAX, V_SCALE_MAX, name_salt
 from lightning_baoc.formats.fused_adam import MAX_FUSED_STEP, fusable, fused_available, fused_dense_fp32
 from lightning_baoc.kernels import M_FP32, V_FP32, use_triton
+from lightning_baoc.optim.device_plan import DevicePlan
 from lightning_baoc.optim.pools import DeferredFlags, Record
 from lightning_baoc.optim.sharding import is_sharded, local, mesh_min
 
@@ -47,6 +48,7 @@ class StepMixin:
     _warned: set[str]
     _serving: dict[str | tuple[str, str], tuple[tuple, bool]]  # by name, and ("device", name)
     _deferred: list[DeferredFlags]
+    _plans: dict[tuple[int, tuple[int, ...]], DevicePlan]  # the device's step plans, by group and parameters
     skip_nonfinite: bool
     format_registry: Mapping[str, StateFormat]
     label: str
@@ -59,8 +61,8 @@ class StepMixin:
         self._settle_deferred()
         skipped_sharded = self._skip_sharded_nonfinite(params)
         chosen = {id(p) for p in params if not skipped_sharded or p not in skipped_sharded}  # ids: hashing a tensor is a Python call
-        eager: list[tuple[StepHyper, list[Tensor]]] = []
-        for group in self.param_groups:
+        eager: list[tuple[int, StepHyper, list[Tensor]]] = []
+        for index, group in enumerate(self.param_groups):
             hyper = self._hyper(group)
             compiled: dict[str, list[KernelItem]] = defaultdict(list)
             owners: dict[int, Tensor] = {}  # id of a local part -> its parameter
@@ -93,19 +95,54 @@ class StepMixin:
                 if skipped:
                     self._warn_skipped([self._records[owners[id(it.param)]] for it in skipped])
             if rest:
-                eager.append((hyper, rest))
+                eager.append((index, hyper, rest))
         if eager:
-            every = [p for _, params in eager for p in params]
             kernels_on: dict[torch.device, bool] = {}  # whether the device kernels run there (asked once per step)
-            decided = [p for hyper, ps in eager for p in ps if self._decided_on_device(p, hyper, kernels_on)]
+            planned, unplanned = [], []  # the device's planned steps; the others, by group
+            for index, hyper, params in eager:
+                plan, others = self._planned(index, hyper, params, kernels_on)
+                if plan:
+                    planned.append((hyper, plan))
+                if others:
+                    unplanned.append((hyper, others))
+            every = [p for _, params in unplanned for p in params]
+            decided = [e.param for _, plan in planned for e in plan]
+            decided += [p for hyper, ps in unplanned for p in ps if self._decided_on_device(p, hyper, kernels_on)]
             flags = self._device_flags(decided)
             # decided already (ids): on the device, or (sharded) across the ranks by _skip_sharded_nonfinite
             known = set(flags)
             if self.skip_nonfinite:
                 known.update(id(p) for p in every if is_sharded(p))
             finite = iter(self._finite_mask([p for p in every if id(p) not in known]))
-            for hyper, params in eager:
+            for hyper, plan in planned:
+                DevicePlan.step(plan, hyper, self.seed, flags)
+            for hyper, params in unplanned:
                 self._eager_step(hyper, params, [True if id(p) in known else next(finite) for p in params], flags)
+
+    def _planned(self, index: int, hyper: StepHyper, params: list[Tensor], kernels_on: dict[torch.device, bool],
+                 ) -> tuple[list, list[Tensor]]:
+        """The entries of ``params`` (the eager step's of group ``index``) that step through the device's
+        plan (:class:`~lightning_baoc.optim.device_plan.DevicePlan`, built on first use and kept while
+        it holds), and the others."""
+        if not self.skip_nonfinite or hyper.rule != "adamw":
+            return [], params
+        conditions = (self.kernels, hyper.decoupled_weight_decay)
+        key = (index, tuple(id(p) for p in params))
+        plan = self._plans.get(key)
+        chosen = plan.select(conditions) if plan is not None else None
+        if chosen is None:
+            if len(self._plans) > 2 * len(self._records) + 8:  # steps of ever new subsets: keep the cache small
+                self._plans.clear()
+            plan = self._plans[key] = DevicePlan(
+                self, params, [self._device_route(p, hyper, kernels_on) for p in params], conditions)
+            chosen = plan.select(conditions)
+            assert chosen is not None  # a plan holds for the step it was built for
+        return chosen
+
+    def _drop_plans(self) -> None:
+        """Forget the device's step plans: a parameter's states or correction were replaced (a plan holds
+        the tensors it read: it would keep the old ones alive)."""
+        self._plans.clear()
 
     def _kernel_serves(self, rec: Record, fmt: StateFormat, mine: Tensor) -> bool:
         """:func:`kernel_serves` for ``rec``'s parameter (its local part ``mine``), decided once per
@@ -131,22 +168,29 @@ class StepMixin:
         (:class:`~lightning_baoc.optim.pools.DeferredFlags`), so the host reads nothing to launch it.
         The Triton kernels and torch's fused AdamW do; the eager formats' steps, a sharded parameter
         (decided across ranks) and ``skip_nonfinite=False`` (nothing to decide) do not."""
+        route = self._device_route(p, hyper, kernels_on)
+        if route == "fused":  # the kernel derives both bias corrections from one count
+            rec = self._records[p]
+            step, m_step = rec.step, rec.m_step  # the first read settles a pending skip
+            return step == m_step and step < MAX_FUSED_STEP
+        return route is not None
+
+    def _device_route(self, p: Tensor, hyper: StepHyper, kernels_on: dict[torch.device, bool]) -> str | None:
+        """Which kernel serves ``p``'s step on its device, deciding its skip there: ``"fused"`` (torch's
+        fused AdamW, fp32: where its counts allow, :meth:`_decided_on_device`), ``"triton"``, or ``None``
+        (the host decides)."""
         rec = self._records[p]
         kinds = self.format_registry[rec.format].kernel_kinds
         if not self.skip_nonfinite or kinds is None or hyper.rule != "adamw" or is_sharded(p):
-            return False
+            return None
         grad, device = p.grad, p.device
         on = kernels_on.get(device)
         if on is None:
             on = kernels_on[device] = use_triton(self.kernels, device)
         if not on or p.numel() == 0:
-            return False
+            return None
         dtype = p.dtype
         fused = kinds == (M_FP32, V_FP32) and dtype == torch.float32  # torch's fused kernel, found_inf
-        if fused:
-            step, m_step = rec.step, rec.m_step  # the first read settles a pending skip
-            if not (step == m_step and step < MAX_FUSED_STEP):
-                return False
         # what the kernel serves follows from the tensors' kinds: decided once for them, not every step
         key = (rec.format, id(rec.views), id(rec.master_correction), device, dtype, grad.dtype, grad.device,
                p.is_contiguous(), grad.is_contiguous(), hyper.decoupled_weight_decay)
@@ -161,26 +205,28 @@ class StepMixin:
 
                 serves = triton_step.serves(kinds, p, grad, rec.views, rec.master_correction)
             known = self._serving[("device", rec.name)] = (key, serves)
-        return known[1]
+        if not known[1]:
+            return None
+        return "fused" if fused else "triton"
 
-    def _device_flags(self, params: list[Tensor]) -> dict[int, tuple[DeferredFlags, int, Tensor, Tensor]]:
-        """Each parameter's (by ``id``) finiteness flag on its device: (the step's flags, its index, its skip flag,
-        a one-element fp32 tensor, 1 where the gradient holds inf or NaN, and the device's skip flags, one per
-        parameter). One pass over the gradients per device (their largest absolute value: NaN propagates, inf
+    def _device_flags(self, params: list[Tensor]) -> dict[int, tuple[DeferredFlags, int, None, Tensor]]:
+        """Each parameter's (by ``id``) finiteness flag on its device: (the step's flags, its index, ``None``
+        (its one-element view, made where needed: :meth:`_eager_step`), and the device's skip flags, fp32, one
+        per parameter, 1 where its gradient holds inf or NaN). One pass over the gradients per device (their largest absolute value: NaN propagates, inf
         is its own maximum), and two operations on the device to make the flags (on a GPU each operation's
         launch costs more than its work); nothing read."""
         by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
         for p in params:
             by_device[local(p).device].append(p)
-        out: dict[int, tuple[DeferredFlags, int, Tensor, Tensor]] = {}  # ids: hashing a tensor is a Python call
+        out: dict[int, tuple[DeferredFlags, int, None, Tensor]] = {}  # ids: hashing a tensor is a Python call
         for members in by_device.values():
             max_abs = torch._foreach_norm([local(p.grad) for p in members], ord=float("inf"), dtype=torch.float32)
             # x * 0 is 0 for finite x and NaN for inf and NaN: 1 where the gradient was not finite
             skip = torch.stack(max_abs).mul_(0.0).nan_to_num_(nan=1.0)
             deferred = DeferredFlags(skip, len(members))
             self._deferred.append(deferred)
-            for i, (p, flag) in enumerate(zip(members, skip.split(1))):
-                out[id(p)] = (deferred, i, flag, skip)
+            for i, p in enumerate(members):
+                out[id(p)] = (deferred, i, None, skip)
         return out
 
     def _skip_sharded_nonfinite(self, params: list[Tensor]) -> set[Tensor]:
@@ -287,7 +333,7 @@ class StepMixin:
 
     def _eager_step(
         self, hyper: StepHyper, params: list[Tensor], finite: list[bool],
-        flags: Mapping[int, tuple[DeferredFlags, int, Tensor, Tensor]] | None = None,
+        flags: Mapping[int, tuple[DeferredFlags, int, Tensor | None, Tensor]] | None = None,
     ) -> None:
         """The step of ``params`` but those the compiled CPU kernels serve: the eager step (the
         reference) of those whose gradients' finiteness the host has read (:meth:`_finite_mask`, one
@@ -325,7 +371,8 @@ class StepMixin:
                 item.shards = rec.row_shards
             flag = flags.get(id(p))
             if flag is not None:  # after every read of the counts: a read settles (it waits for the flags)
-                deferred, index, item.skip_flag, any_skip[mine.device] = flag
+                deferred, index, _, skip = flag
+                item.skip_flag, any_skip[mine.device] = skip[index : index + 1], skip
                 deferred.records[index] = (rec, fmt.has_momentum)
                 rec.pending = (deferred, index)
             buckets[(rec.format, mine.device)].append(item)

@@ -21,7 +21,7 @@ from torch import nn
 
 from lightning_baoc import BAOC, FORMATS, BlockwiseAdamW, BlockwiseLion, BlockwiseSGD, kernels
 
-from support import lone_fp32_steps, ragged_shapes, record_grids
+from support import lone_fp32_steps, ragged_shapes, record_grids, record_launches
 from support_lightning import DigitsModule, fit_crash_resume
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -192,12 +192,7 @@ def test_the_triton_step_on_cuda_equals_the_eager_step_on_the_cpu(fmt: str, step
     tensors of a format) and computes the eager step's fp32 operations: bit-equal parameters, codes, scales and
     exponents to the eager step on the CPU, for ragged, small, 1-D and whole super-block shapes."""
     pytest.importorskip("triton")
-    from lightning_baoc.kernels import triton_step
-
-    launches: list[int] = []
-    real = triton_step.adamw_step
-    monkeypatch.setattr(triton_step, "adamw_step",
-                        lambda kinds, items, *a, **k: (launches.append(len(items)), real(kinds, items, *a, **k)))
+    launches = record_launches(monkeypatch)
     shapes = [(37, 101), (3, 11), (1000,), (64, 1024)]
     runs = [_states_after(fmt, shapes, steps, device, policy) for device, policy in ((torch.device("cpu"), "eager"), (CUDA, "auto"))]
     assert sum(launches) == len(shapes) * steps  # every parameter, every step (a 1-D one in its fallback format)

@@ -32,7 +32,7 @@ import lightning_baoc.optim.stepping as stepping  # noqa: E402
 from lightning_baoc import FORMATS, BlockwiseAdamW, kernels  # noqa: E402
 from lightning_baoc.kernels import triton_step  # noqa: E402
 
-from support import lone_fp32_steps, ragged_shapes, record_grids  # noqa: E402
+from support import lone_fp32_steps, ragged_shapes, record_grids, record_launches  # noqa: E402
 
 SERVED = [name for name, fmt in FORMATS.items() if fmt.kernel_kinds in triton_step.SERVED]
 SHAPES = [(37, 101), (3, 11), (1000,), (2, 1024)]
@@ -43,15 +43,7 @@ def triton_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """CPU parameters take the Triton step (not the compiled C++ one); the launches are counted."""
     monkeypatch.setattr(kernels, "TRITON_DEVICES", {"cuda", "cpu"})
     monkeypatch.setattr(stepping, "kernel_serves", lambda *args: False)
-    launches: list[int] = []
-    real = triton_step.adamw_step
-
-    def counted(kinds, items, *args, **kwargs):  # type: ignore[no-untyped-def]
-        launches.append(len(items))
-        return real(kinds, items, *args, **kwargs)
-
-    monkeypatch.setattr(triton_step, "adamw_step", counted)
-    return launches
+    return record_launches(monkeypatch)
 
 
 def _run(fmt: str, shapes: list[tuple[int, ...]], steps: int, policy: str, **options: object) -> list[torch.Tensor]:
@@ -246,7 +238,7 @@ def test_items_the_kernel_does_not_serve_take_the_eager_step(triton_on_cpu: list
         return [a.detach().clone(), b.detach().float(), c.detach().clone()]
 
     _assert_bit_equal(run("auto"), run("eager"))
-    assert triton_on_cpu == [2, 2]  # b and c took the kernel
+    assert triton_on_cpu == [1, 1, 1, 1]  # b and c took the kernel: a launch per weight dtype, per step
 
 
 #: Every 16-bit case: the default run takes each format with ecc8 and ecc16 in bf16 and ecc8 in fp16;

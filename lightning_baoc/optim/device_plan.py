@@ -1,0 +1,197 @@
+"""The GPU's step of one param group, planned once and replayed: the host's work per tensor cut to a few reads.
+
+On a GPU the kernels of a step take a fraction of a millisecond; what the host does per tensor to launch
+them (decide which kernel serves it, read its states' addresses, build its row of the launch's table,
+compute its rounding key) took tens of microseconds per tensor in Python, most of the step
+(``docs/benchmarks/step-time.md``). A :class:`DevicePlan` does that work once for the tensors of a
+param group whose skips the device decides (:meth:`StepMixin._decided_on_device
+<lightning_baoc.optim.stepping.StepMixin._decided_on_device>`): the Triton kernels' non-factored formats
+(:class:`~lightning_baoc.kernels.triton_step.Table`) and torch's fused kernel for fp32 tensors. Each step
+then checks that nothing the plan read has changed, advances the counts, and fills the columns that
+change (the gradients' addresses, the skip flags', the rounding keys and the step sizes, with numpy
+over all rows at once). The results are those of the unplanned step, bit for bit
+(``tests/optim/test_device_plan.py``).
+
+A plan holds the tensors it read (the states' views, the corrections): the optimizer drops its plans
+whenever a parameter's states or correction are replaced (a conversion, a load), so that no plan keeps
+an old state alive past it, and a plan whose tensors are not the records' any more is rebuilt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_baoc.formats import StepHyper
+from lightning_baoc.formats.fused_adam import MAX_FUSED_STEP, fused_call, shaped
+from lightning_baoc.formats.quant import M_SCALE_MAX, V_SCALE_MAX, stream_keys
+from lightning_baoc.kernels import M_NONE
+from lightning_baoc.optim.pools import DeferredFlags, Record
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass(eq=False)
+class _Entry:
+    """One tensor of a plan and what the plan read of it."""
+
+    param: Tensor
+    rec: Record
+    format: str
+    views: dict[str, Tensor]
+    correction: Tensor | None
+    address: int  # the parameter's data
+    grad_dtype: torch.dtype
+    has_momentum: bool
+    salt: int
+    fused: bool  # torch's fused kernel (fp32), else the Triton kernel
+    moments: tuple[Tensor, Tensor] | None = None  # fused: the moments in the parameter's shape
+    launch: _Launch | None = None  # the launch of its format and device (fused: the repair's)
+    row: int = 0  # its row in that launch's table
+
+
+@dataclass(eq=False)
+class _Launch:
+    """The tensors of one format and device: their table and what their rounding keys read of them."""
+
+    table: Any  # kernels.triton_step.Table
+    salts: np.ndarray  # uint64: their names' hashes
+    offsets: np.ndarray  # uint64: their shards' offsets
+
+
+class DevicePlan:
+    """The tensors of one param group whose skips the device decides, planned for their step.
+
+    ``routes``: each parameter's route from :meth:`StepMixin._device_route
+    <lightning_baoc.optim.stepping.StepMixin._device_route>` (``"fused"``, ``"triton"`` or ``None``);
+    ``conditions``: what the routes were decided under (the optimizer's policy and the group's rule), checked
+    at every step.
+    """
+
+    def __init__(self, opt: Any, params: list[Tensor], routes: list[str | None], conditions: tuple) -> None:
+        from lightning_baoc.kernels.triton_step import Table
+
+        self.conditions = conditions
+        self.entries: list[_Entry] = []
+        self.others: list[Tensor] = []  # the parameters the plan leaves to the unplanned step
+        by_format: dict[tuple[str, torch.device], list[_Entry]] = {}
+        for p, route in zip(params, routes):
+            rec = opt._records[p]
+            fmt = opt.format_registry[rec.format]
+            if route is None or (route == "triton" and fmt.factored):  # factors per tensor: the unplanned step
+                self.others.append(p)
+                continue
+            entry = _Entry(p, rec, rec.format, rec.views, rec.master_correction, p.data_ptr(), p.grad.dtype,
+                           fmt.has_momentum, opt._salt(rec), route == "fused")
+            if entry.fused:  # and a table for the Triton kernel's repair
+                entry.moments = (shaped(rec.views["exp_avg"], p), shaped(rec.views["exp_avg_sq"], p))
+            by_format.setdefault((rec.format, p.device), []).append(entry)
+            self.entries.append(entry)
+        for (name, _), entries in by_format.items():
+            table = Table(opt.format_registry[name].kernel_kinds, [e.param for e in entries],
+                          [e.grad_dtype for e in entries], [e.views for e in entries], [e.correction for e in entries])
+            launch = _Launch(table, np.array([e.salt & _M32 for e in entries], dtype=np.uint64),
+                             np.array([e.rec.shard_offset for e in entries], dtype=np.uint64))
+            for row, e in enumerate(entries):
+                e.launch, e.row = launch, row
+
+    def select(self, conditions: tuple) -> tuple[list[_Entry], list[Tensor]] | None:
+        """The entries that step on the device this step, and the parameters left to the unplanned step
+        (the plan's others, and fp32 tensors whose counts the fused kernel cannot take); ``None`` where
+        the plan is out of date (its conditions, a record's states, a parameter's data or a gradient's
+        dtype or layout changed): build it again."""
+        if conditions != self.conditions:
+            return None
+        stepping, others = [], list(self.others)
+        for e in self.entries:
+            p, rec = e.param, e.rec
+            grad = p.grad
+            if (rec.views is not e.views or rec.master_correction is not e.correction or rec.format != e.format
+                    or p.data_ptr() != e.address or grad.dtype != e.grad_dtype or not grad.is_contiguous()):
+                return None
+            if e.fused:
+                step, m_step = rec.step, rec.m_step
+                if not (step == m_step and step < MAX_FUSED_STEP):  # the kernel's one count: the host decides
+                    others.append(p)
+                    continue
+            stepping.append(e)
+        return stepping, others
+
+    @staticmethod
+    def step(entries: list[_Entry], hyper: StepHyper, seed: int,
+             flags: Mapping[int, tuple[DeferredFlags, int, Tensor | None, Tensor]]) -> None:
+        """Step ``entries`` (from :meth:`select`) with their flags (:meth:`StepMixin._device_flags
+        <lightning_baoc.optim.stepping.StepMixin._device_flags>`): their counts advance now, a skip is
+        taken back when next read (:class:`~lightning_baoc.optim.pools.DeferredFlags`)."""
+        pairs: dict[tuple[int, int], int] = {}  # (step, m_step) -> its index: most tensors share one
+        pair_of, indices = [], []
+        launches: dict[int, tuple[list[int], Tensor]] = {}  # by launch: its entries (indices) and the device's flags
+        for k, e in enumerate(entries):
+            rec = e.rec
+            step, m_step = rec.advance(e.has_momentum)
+            pair_of.append(pairs.setdefault((step, m_step), len(pairs)))
+            deferred, index, _, skip = flags[id(e.param)]
+            deferred.records[index] = (rec, e.has_momentum)
+            rec.pending = (deferred, index)
+            indices.append(index)
+            launches.setdefault(id(e.launch), ([], skip))[0].append(k)
+        run = _Step(list(pairs), hyper, seed, np.array(pair_of, dtype=np.int64), np.array(indices, dtype=np.int64))
+        for members, skip in launches.values():
+            mine = [entries[k] for k in members]
+            if mine[0].fused:
+                run.fused(mine, members, skip)
+            else:
+                run.launch(mine, members, skip)
+
+
+class _Step:
+    """What the launches of one plan's step share: the distinct counts (``pairs``: (step, m_step)), each
+    entry's (``pair_of``, into ``pairs``) and its index in its device's skip flags (``indices``)."""
+
+    def __init__(self, pairs: list[tuple[int, int]], hyper: StepHyper, seed: int, pair_of: np.ndarray,
+                 indices: np.ndarray) -> None:
+        self.pairs, self.hyper, self.seed, self.pair_of, self.indices = pairs, hyper, seed, pair_of, indices
+        self.corrections = [(1.0 - hyper.beta1**m if m else 1.0, 1.0 - hyper.beta2**s) for s, m in pairs]
+
+    def launch(self, entries: list[_Entry], members: list[int], skip: Tensor, repair: Tensor | None = None) -> None:
+        """The Triton launch of ``entries`` (rows of one table, in its order; ``members``: their indices in
+        the step; ``skip``: their device's skip flags)."""
+        from lightning_baoc.kernels.triton_step import step_scalars
+
+        launch = entries[0].launch
+        assert launch is not None  # every entry has its launch
+        table = launch.table
+        select = None if len(entries) == len(table.kind) else np.array([e.row for e in entries], dtype=np.int64)
+        which = np.array(members, dtype=np.int64)
+        pair_of = self.pair_of[which]
+        salts = launch.salts if select is None else launch.salts[select]
+        offsets = launch.offsets if select is None else launch.offsets[select]
+        keys = (stream_keys(self.seed, [s for s, _ in self.pairs], salts, pair_of) + offsets) & np.uint64(_M32)
+        has_m = table.kinds[0] != M_NONE  # one format per table
+        bits = np.array([step_scalars(bc1, bc2, has_m, self.hyper.lr) for bc1, bc2 in self.corrections],
+                        dtype=np.int64).reshape(-1, 2)
+        flags = skip.data_ptr() + 4 * self.indices[which]  # fp32 elements of the device's flags
+        table.launch(self.hyper, M_SCALE_MAX, V_SCALE_MAX, entries[0].param.device,
+                     [e.param.grad.data_ptr() for e in entries], flags, keys.astype(np.int64), bits[pair_of], select,
+                     repair)
+
+    def fused(self, entries: list[_Entry], members: list[int], skip: Tensor) -> None:
+        """fp32 tensors of one device: one call of torch's fused kernel, skipped whole where any flag of
+        the device is set; then the Triton kernel steps the finite ones where it was (``repair``), as
+        the unplanned step does. A tensor alone takes its own flag, with nothing to repair."""
+        if len(entries) == 1:
+            index = int(self.indices[members[0]])
+            found_inf = skip[index : index + 1]
+        else:
+            found_inf = skip.amax().view(1)  # any parameter's, on this device (a superset of these: still exact)
+        moments = [e.moments for e in entries]
+        fused_call(entries[0].param.device, [e.param for e in entries], [e.param.grad for e in entries],
+                   [m for m, _ in moments], [v for _, v in moments],  # type: ignore[misc] - set for fused entries
+                   [self.pairs[int(self.pair_of[k])][0] for k in members], self.hyper, found_inf)
+        if len(entries) > 1:
+            self.launch(entries, members, skip, repair=found_inf)
