@@ -10,10 +10,10 @@ calls replaced by ones that return at once:
   launch, ``triton_step._adamw_tensors``, taken out), with the CPU standing in for the GPU.
 
 Everything else runs as it does: the formats' decisions, the counts, the finiteness flags, the launch's
-table. Its device work runs on the CPU's tensors and is in the ``device`` figure: the flags' reductions,
-and torch's fused AdamW for fp32 tensors (one call over all of them, whose ``found_inf`` is the flag of
-any; the Triton launch that then steps the finite ones where it is set is taken out), which is not taken
-out. ``torch.optim.AdamW(fused=True)``'s whole step on the same tensors is the
+table. Its device work runs on the CPU's tensors and is in the ``device`` figure: the flags' reductions (timed
+alone on the row ``finiteness flags``), and torch's fused AdamW for fp32 tensors (one call over all of them,
+whose ``found_inf`` is the flag of any; the Triton launch that then steps the finite ones where it is set is
+taken out), which is not taken out. ``torch.optim.AdamW(fused=True)``'s whole step on the same tensors is the
 yardstick (its kernel included). Each optimizer's steps alternate in rounds; the figure is the median
 over the rounds of each round's fastest step, in microseconds per tensor.
 
@@ -96,6 +96,11 @@ def main() -> None:
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     steps: dict[str, Callable[[], float]] = {"torch AdamW fused (whole step)": _timed(torch.optim.AdamW(params, fused=True).step)}
+    # the device path's finiteness flags (StepMixin._device_flags): device work, a few launches on a GPU, a pass
+    # over every gradient here, and in the device path's figures
+    grads = [p.grad for p in params]
+    steps["finiteness flags (device work)"] = _timed(
+        lambda: torch.stack(torch._foreach_norm(grads, ord=float("inf"), dtype=torch.float32)).mul_(0.0).nan_to_num_(nan=1.0))
     for path in ("compiled", "device"):
         if path == "device":
             from lightning_baoc.kernels import triton_step
