@@ -599,6 +599,8 @@ class Table:
             self.kind.append((_KINDS[p.dtype], _KINDS[g_dtype], 0 if corr is None else _CORRECTION_BITS[corr.dtype], True))
         self.rows = np.array(rows, dtype=np.int64).reshape(len(rows), len(_COLUMNS))
         self.blocks = (self.rows[:, _NUMEL_COLUMN] + _SUPER - 1) // _SUPER
+        self.by_kind = {kind: np.array([i for i, k in enumerate(self.kind) if k == kind], dtype=np.int64)
+                        for kind in dict.fromkeys(self.kind)}  # the rows of each launch, when all tensors step
 
     def launch(self, hyper: Any, limit_m: float, limit_v: float, device: torch.device, grads: list[int],
                skips: Any, keys: Any, step_bits: Any, select: Any = None, repair: Tensor | None = None) -> None:
@@ -613,13 +615,16 @@ class Table:
         rows[:, _SKIP_COLUMN] = skips
         rows[:, _KEY_COLUMN] = np.where(keys >= 1 << 31, keys - (1 << 32), keys)  # sign-extended int32
         rows[:, _KEY_COLUMN + 1 :] = step_bits
-        kinds = self.kind if select is None else [self.kind[i] for i in select]
         blocks = self.blocks if select is None else self.blocks[select]
+        by_kind = self.by_kind
+        if select is not None:
+            kinds = [self.kind[i] for i in select]
+            by_kind = {kind: np.array([i for i, k in enumerate(kinds) if k == kind], dtype=np.int64)
+                       for kind in dict.fromkeys(kinds)}
         common = _common(self.kinds, hyper, limit_m, limit_v)
-        for kind in dict.fromkeys(kinds):
-            mine = [i for i, k in enumerate(kinds) if k == kind]
-            part = rows if len(mine) == len(kinds) else rows[mine]
-            sizes = blocks if len(mine) == len(kinds) else blocks[mine]
+        for kind, mine in by_kind.items():
+            whole = len(mine) == len(rows)
+            part, sizes = (rows, blocks) if whole else (rows[mine], blocks[mine])
             firsts = np.cumsum(sizes)
             flat = np.concatenate([part.reshape(-1), [0], firsts[:-1]])  # the rows, then each first super-block
             _launch(torch.from_numpy(flat), len(mine), int(firsts[-1]), kind, common, device, repair)
