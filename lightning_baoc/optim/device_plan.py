@@ -124,7 +124,7 @@ class DevicePlan:
 
     @staticmethod
     def step(entries: list[_Entry], hyper: StepHyper, seed: int,
-             flags: Mapping[int, tuple[DeferredFlags, int, Tensor | None, Tensor]]) -> None:
+             flags: Mapping[int, tuple[DeferredFlags, int, Tensor]]) -> None:
         """Step ``entries`` (from :meth:`select`) with their flags (:meth:`StepMixin._device_flags
         <lightning_baoc.optim.stepping.StepMixin._device_flags>`): their counts advance now, a skip is
         taken back when next read (:class:`~lightning_baoc.optim.pools.DeferredFlags`)."""
@@ -135,7 +135,7 @@ class DevicePlan:
             rec = e.rec
             step, m_step = rec.advance(e.has_momentum)
             pair_of.append(pairs.setdefault((step, m_step), len(pairs)))
-            deferred, index, _, skip = flags[id(e.param)]
+            deferred, index, skip = flags[id(e.param)]
             deferred.records[index] = (rec, e.has_momentum)
             rec.pending = (deferred, index)
             indices.append(index)

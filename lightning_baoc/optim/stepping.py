@@ -9,13 +9,15 @@ synchronisation per device and step), advances the counts, computes the bias cor
 rounding key, and runs each format's ``update``. On a GPU the Triton kernels
 (:mod:`lightning_baoc.kernels.triton_step`) and torch's fused AdamW serve the formats instead, and read
 each gradient's finiteness flag on the device (:meth:`StepMixin._device_flags`; fp32 takes one fused call
-whose ``found_inf`` is the flag of any, then the Triton kernel steps the finite ones where it was set): the host advances the
-counts as if the step happened and takes a skip back when a count is next read
-(:class:`~lightning_baoc.optim.pools.DeferredFlags`), so it reads nothing to launch them. Both work on each parameter's local part (the
-shard of a ``DTensor`` parameter on this rank: :mod:`lightning_baoc.optim.sharding`).
+whose ``found_inf`` is the flag of any, then the Triton kernel steps the finite ones where it was set): the
+host advances the counts as if the step happened and takes a skip back when a count is next read
+(:class:`~lightning_baoc.optim.pools.DeferredFlags`), so it reads nothing to launch them. The host's work of
+those steps is planned once per param group and replayed (:mod:`lightning_baoc.optim.device_plan`). Both work
+on each parameter's local part (the shard of a ``DTensor`` parameter on this rank:
+:mod:`lightning_baoc.optim.sharding`).
 
 :class:`StepMixin` expects ``_records``, ``skip_nonfinite``, ``_noise_key`` and the ``_salts``,
-``_warned`` and ``_serving`` tables of the optimizer it is mixed into.
+``_warned``, ``_serving`` and ``_plans`` tables of the optimizer it is mixed into.
 """
 
 from __future__ import annotations
@@ -119,8 +121,9 @@ class StepMixin:
             for hyper, params in unplanned:
                 self._eager_step(hyper, params, [True if id(p) in known else next(finite) for p in params], flags)
 
-    def _planned(self, index: int, hyper: StepHyper, params: list[Tensor], kernels_on: dict[torch.device, bool],
-                 ) -> tuple[list, list[Tensor]]:
+    def _planned(
+        self, index: int, hyper: StepHyper, params: list[Tensor], kernels_on: dict[torch.device, bool]
+    ) -> tuple[list, list[Tensor]]:
         """The entries of ``params`` (the eager step's of group ``index``) that step through the device's
         plan (:class:`~lightning_baoc.optim.device_plan.DevicePlan`, built on first use and kept while
         it holds), and the others."""
@@ -209,16 +212,16 @@ class StepMixin:
             return None
         return "fused" if fused else "triton"
 
-    def _device_flags(self, params: list[Tensor]) -> dict[int, tuple[DeferredFlags, int, None, Tensor]]:
-        """Each parameter's (by ``id``) finiteness flag on its device: (the step's flags, its index, ``None``
-        (its one-element view, made where needed: :meth:`_eager_step`), and the device's skip flags, fp32, one
-        per parameter, 1 where its gradient holds inf or NaN). One pass over the gradients per device (their largest absolute value: NaN propagates, inf
-        is its own maximum), and two operations on the device to make the flags (on a GPU each operation's
+    def _device_flags(self, params: list[Tensor]) -> dict[int, tuple[DeferredFlags, int, Tensor]]:
+        """Each parameter's (by ``id``) finiteness flag on its device: (the step's flags, its index in them, and
+        the device's skip flags, fp32, one per parameter, 1 where its gradient holds inf or NaN; a parameter's
+        flag is the element at its index). One pass over the gradients per device (their largest absolute
+        value: NaN propagates, inf is its own maximum), and two operations on the device to make the flags (on a GPU each operation's
         launch costs more than its work); nothing read."""
         by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
         for p in params:
             by_device[local(p).device].append(p)
-        out: dict[int, tuple[DeferredFlags, int, None, Tensor]] = {}  # ids: hashing a tensor is a Python call
+        out: dict[int, tuple[DeferredFlags, int, Tensor]] = {}  # ids: hashing a tensor is a Python call
         for members in by_device.values():
             max_abs = torch._foreach_norm([local(p.grad) for p in members], ord=float("inf"), dtype=torch.float32)
             # x * 0 is 0 for finite x and NaN for inf and NaN: 1 where the gradient was not finite
@@ -226,7 +229,7 @@ class StepMixin:
             deferred = DeferredFlags(skip, len(members))
             self._deferred.append(deferred)
             for i, p in enumerate(members):
-                out[id(p)] = (deferred, i, None, skip)
+                out[id(p)] = (deferred, i, skip)
         return out
 
     def _skip_sharded_nonfinite(self, params: list[Tensor]) -> set[Tensor]:
@@ -333,7 +336,7 @@ class StepMixin:
 
     def _eager_step(
         self, hyper: StepHyper, params: list[Tensor], finite: list[bool],
-        flags: Mapping[int, tuple[DeferredFlags, int, Tensor | None, Tensor]] | None = None,
+        flags: Mapping[int, tuple[DeferredFlags, int, Tensor]] | None = None,
     ) -> None:
         """The step of ``params`` but those the compiled CPU kernels serve: the eager step (the
         reference) of those whose gradients' finiteness the host has read (:meth:`_finite_mask`, one
@@ -371,7 +374,7 @@ class StepMixin:
                 item.shards = rec.row_shards
             flag = flags.get(id(p))
             if flag is not None:  # after every read of the counts: a read settles (it waits for the flags)
-                deferred, index, _, skip = flag
+                deferred, index, skip = flag
                 item.skip_flag, any_skip[mine.device] = skip[index : index + 1], skip
                 deferred.records[index] = (rec, fmt.has_momentum)
                 rec.pending = (deferred, index)
