@@ -70,6 +70,11 @@ class DeferredFlags:
     def skipped(self) -> list[Record]:
         """The records whose update was skipped, their counts settled."""
         flags = self.values()
+        if flags.all():  # the common step: nothing to take back, each record's pending step forgotten
+            for entry in self.records:
+                if entry is not None and entry[0].pending is not None and entry[0].pending[0] is self:
+                    entry[0].pending = None
+            return []
         out = []
         for i, entry in enumerate(self.records):
             if entry is not None:
