@@ -6,7 +6,7 @@ compute its rounding key) took tens of microseconds per tensor in Python, most o
 (``docs/benchmarks/step-time.md``). A :class:`DevicePlan` does that work once for the tensors of a
 param group whose skips the device decides (:meth:`StepMixin._decided_on_device
 <lightning_baoc.optim.stepping.StepMixin._decided_on_device>`): the Triton kernels' non-factored formats
-(:class:`~lightning_baoc.kernels.triton_step.Table`) and torch's fused kernel for fp32 tensors. Each step
+(:class:`~lightning_baoc.kernels.triton_table.Table`) and torch's fused kernel for fp32 tensors. Each step
 then checks that nothing the plan read has changed, advances the counts, and fills the columns that
 change (the gradients' addresses, the skip flags', the rounding keys and the step sizes, with numpy
 over all rows at once). The results are those of the unplanned step, bit for bit
@@ -59,7 +59,7 @@ class _Entry:
 class _Launch:
     """The tensors of one format and device: their table and what their rounding keys read of them."""
 
-    table: Any  # kernels.triton_step.Table
+    table: Any  # kernels.triton_table.Table
     salts: np.ndarray  # uint64: their names' hashes
     offsets: np.ndarray  # uint64: their shards' offsets
 
@@ -74,7 +74,7 @@ class DevicePlan:
     """
 
     def __init__(self, opt: Any, params: list[Tensor], routes: list[str | None], conditions: tuple) -> None:
-        from lightning_baoc.kernels.triton_step import Table
+        from lightning_baoc.kernels.triton_table import Table
 
         self.conditions = conditions
         self.entries: list[_Entry] = []

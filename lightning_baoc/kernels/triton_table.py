@@ -1,0 +1,74 @@
+"""The launch table of a fixed list of tensors, for the Triton step's kernel (:mod:`.triton_step`): what
+stays from step to step written once, what changes filled per step with numpy over all rows.
+
+The table's layout (its columns, :data:`triton_step._COLUMNS`, the launch kinds) is the kernel's; the
+device's planned step (:mod:`lightning_baoc.optim.device_plan`) keeps one table per format and device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_baoc.kernels import triton_step as ts
+
+
+class Table:
+    """The launches of a fixed list of tensors of one format, planned once and launched at every step.
+
+    What stays from step to step is written once: each tensor's addresses (parameter, correction,
+    states), size and launch kind. Each step fills the columns that change (the gradients' addresses,
+    the skip flags', the rounding keys, the step sizes) with numpy over all rows at once, so the host's
+    work per tensor is the few Python reads its caller makes. Only the non-factored formats (the factored
+    ones compute their factors per tensor and step) and items whose skip the device decides.
+    """
+
+    def __init__(self, kinds: tuple[int, int], params: list[Tensor], grad_dtypes: list[torch.dtype],
+                 views: list[dict[str, Tensor]], corrections: list[Tensor | None]) -> None:
+        if kinds[1] == ts.V_FACTORED:
+            raise ValueError("Table serves the non-factored formats: the factored ones compute factors per step")
+        self.kinds = kinds
+        keys = ts._M_KEYS.get(kinds[0], (None, None, None)) + ts._V_KEYS[kinds[1]]
+        rows, self.kind = [], []
+        for p, g_dtype, v, corr in zip(params, grad_dtypes, views, corrections):
+            ptr = p.data_ptr()
+            row = [ptr, 0, ptr if corr is None else corr.data_ptr()]
+            row += [ptr if k is None else v[k].data_ptr() for k in keys]
+            row += [ptr, ptr, 0, p.numel(), 1, 0, 0, 0]
+            rows.append(row)
+            self.kind.append((ts._KINDS[p.dtype], ts._KINDS[g_dtype], 0 if corr is None else ts._CORRECTION_BITS[corr.dtype], True))
+        self.rows = np.array(rows, dtype=np.int64).reshape(len(rows), len(ts._COLUMNS))
+        self.blocks = (self.rows[:, ts._NUMEL_COLUMN] + ts._SUPER - 1) // ts._SUPER
+        self.by_kind = {kind: np.array([i for i, k in enumerate(self.kind) if k == kind], dtype=np.int64)
+                        for kind in dict.fromkeys(self.kind)}  # the rows of each launch, when all tensors step
+
+    def launch(self, hyper: Any, limit_m: float, limit_v: float, device: torch.device, grads: list[int],
+               skips: Any, keys: Any, step_bits: Any, select: Any = None, repair: Tensor | None = None) -> None:
+        """Step the tensors (or those of ``select``, indices into them): ``grads``, their gradients'
+        addresses; ``skips``, their skip flags' addresses; ``keys``, their rounding keys; ``step_bits``,
+        ``[k, 2]``: the bits of their step sizes and of their ``1 / sqrt(bias_correction2)``
+        (:func:`~.triton_step.step_scalars`): numpy arrays (the gradients' addresses a list), one entry per selected tensor."""
+        rows = self.rows.copy() if select is None else self.rows[select]  # (indexing copies)
+        rows[:, 1] = grads
+        rows[:, ts._SKIP_COLUMN] = skips
+        rows[:, ts._KEY_COLUMN] = np.where(keys >= 1 << 31, keys - (1 << 32), keys)  # sign-extended int32
+        rows[:, ts._KEY_COLUMN + 1 :] = step_bits
+        blocks = self.blocks if select is None else self.blocks[select]
+        by_kind = self.by_kind
+        if select is not None:
+            kinds = [self.kind[i] for i in select]
+            by_kind = {kind: np.array([i for i, k in enumerate(kinds) if k == kind], dtype=np.int64)
+                       for kind in dict.fromkeys(kinds)}
+        common = ts._common(self.kinds, hyper, limit_m, limit_v)
+        for kind, mine in by_kind.items():
+            whole = len(mine) == len(rows)
+            part, sizes = (rows, blocks) if whole else (rows[mine], blocks[mine])
+            firsts = np.cumsum(sizes)
+            flat = np.concatenate([part.reshape(-1), [0], firsts[:-1]])  # the rows, then each first super-block
+            ts._launch(torch.from_numpy(flat), len(mine), int(firsts[-1]), kind, common, device, repair)
+
+
+__all__ = ["Table"]
