@@ -235,3 +235,16 @@ def test_rounding_noise_is_uniform_and_keyed() -> None:
     # a slice's noise is the whole stream's noise at those indices
     part = quant.rounding_bits(1000, 5000, 0, quant.stream_key(0, 1, 7), torch.device("cpu"))
     assert torch.equal(part, noise[1000:5000])
+
+
+def test_stream_keys_are_stream_key_for_many_parameters_at_once() -> None:
+    """The device's planned step computes its tensors' rounding keys with numpy: the same bits as one at a time."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(0)
+    salts = [int(x) for x in torch.randint(0, 2**32, (257,), generator=gen, dtype=torch.int64)] + [0, 2**32 - 1]
+    steps = [1, 2, 1000, 2**31 + 5]
+    which = [i % len(steps) for i in range(len(salts))]
+    for seed in (0, 7, 2**32 - 1):
+        keys = quant.stream_keys(seed, steps, np.array(salts, dtype=np.uint64), np.array(which, dtype=np.int64))
+        assert [int(k) for k in keys] == [quant.stream_key(seed, steps[w], s) for s, w in zip(salts, which)]
