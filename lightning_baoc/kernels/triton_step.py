@@ -475,15 +475,27 @@ def _float_bits(x: float) -> int:
     return struct.unpack("i", struct.pack("f", x))[0]
 
 
+def _state_addresses(param: Tensor, views: dict[str, Tensor], corr: Tensor | None,
+                     keys: tuple[str | None, ...]) -> list[int]:
+    """A tensor's correction and state addresses in the table's column order (the parameter's address for
+    those its format has not): shared by :func:`_row` and the planned step's table."""
+    p = param.data_ptr()
+    return [p if corr is None else corr.data_ptr()] + [p if k is None else views[k].data_ptr() for k in keys]
+
+
+def _launch_kind(param: Tensor, grad_dtype: torch.dtype, corr: Tensor | None, skip: bool) -> tuple[int, int, int, bool]:
+    """The launch a tensor goes to: (W, G, CB, SKIP), its weight and gradient dtypes, correction width, and
+    whether the device decides its skip."""
+    return _KINDS[param.dtype], _KINDS[grad_dtype], 0 if corr is None else _CORRECTION_BITS[corr.dtype], skip
+
+
 def _row(it: Any, corr: Tensor | None, keys: tuple[str | None, ...], factors: tuple[Tensor, Tensor, int] | None,
          scalars: tuple[int, int]) -> list[int]:
     """One tensor's row of the launch's table (:data:`_COLUMNS`): its addresses (``keys``: its states' names
     in the column order, ``None`` for those its format has not), then its scalars (``scalars``: the bits of
     its step size and of its ``1 / sqrt(bias_correction2)``)."""
     p = it.param.data_ptr()
-    views = it.views
-    addresses = [p, it.grad.data_ptr(), p if corr is None else corr.data_ptr()]
-    addresses += [p if k is None else views[k].data_ptr() for k in keys]
+    addresses = [p, it.grad.data_ptr(), *_state_addresses(it.param, it.views, corr, keys)]
     row_factor, col_factor, cols = factors if factors is not None else (it.param, it.param, 1)
     addresses += [row_factor.data_ptr(), col_factor.data_ptr(), p if it.skip_flag is None else it.skip_flag.data_ptr()]
     return addresses + [it.param.numel(), cols, _signed32(it.noise_key & 0xFFFFFFFF), *scalars]
@@ -549,8 +561,7 @@ def adamw_step(
         n = it.param.numel()
         if n == 0:
             continue
-        key = (_KINDS[it.param.dtype], _KINDS[it.grad.dtype], 0 if corr is None else _CORRECTION_BITS[corr.dtype],
-               it.skip_flag is not None)
+        key = _launch_kind(it.param, it.grad.dtype, corr, it.skip_flag is not None)
         factors = None
         if v_kind == V_FACTORED:
             factors = _factors(it, hyper, corr, {**common, "W": key[0], "G": key[1], "CB": key[2]})

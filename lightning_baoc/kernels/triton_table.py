@@ -35,11 +35,8 @@ class Table:
         rows, self.kind = [], []
         for p, g_dtype, v, corr in zip(params, grad_dtypes, views, corrections):
             ptr = p.data_ptr()
-            row = [ptr, 0, ptr if corr is None else corr.data_ptr()]
-            row += [ptr if k is None else v[k].data_ptr() for k in keys]
-            row += [ptr, ptr, 0, p.numel(), 1, 0, 0, 0]
-            rows.append(row)
-            self.kind.append((ts._KINDS[p.dtype], ts._KINDS[g_dtype], 0 if corr is None else ts._CORRECTION_BITS[corr.dtype], True))
+            rows.append([ptr, 0, *ts._state_addresses(p, v, corr, keys), ptr, ptr, 0, p.numel(), 1, 0, 0, 0])
+            self.kind.append(ts._launch_kind(p, g_dtype, corr, True))
         self.rows = np.array(rows, dtype=np.int64).reshape(len(rows), len(ts._COLUMNS))
         self.blocks = (self.rows[:, ts._NUMEL_COLUMN] + ts._SUPER - 1) // ts._SUPER
         self.by_kind = {kind: np.array([i for i, k in enumerate(self.kind) if k == kind], dtype=np.int64)
