@@ -10,10 +10,11 @@ calls replaced by ones that return at once:
   launch, ``triton_step._adamw_tensors``, taken out), with the CPU standing in for the GPU.
 
 Everything else runs as it does: the formats' decisions, the counts, the finiteness flags, the launch's
-table. Its device work runs on the CPU's tensors and is in the ``device`` figure: the flags' reductions (timed
-alone on the row ``finiteness flags``), and torch's fused AdamW for fp32 tensors (one call over all of them,
-whose ``found_inf`` is the flag of any; the Triton launch that then steps the finite ones where it is set is
-taken out), which is not taken out. ``torch.optim.AdamW(fused=True)``'s whole step on the same tensors is the
+table. Of its device work, the flags' reduction over the gradients (``torch._foreach_norm``: a pass over every
+gradient here, one launch per step on a GPU) is taken out too (it returns zeros, all finite), and timed alone
+on the row ``finiteness flags``; torch's fused AdamW for fp32 tensors (one call over all of them, whose
+``found_inf`` is the flag of any; the Triton launch that then steps the finite ones where it is set is taken
+out) is not taken out, so the ``fp32`` device figure holds its kernel's work. ``torch.optim.AdamW(fused=True)``'s whole step on the same tensors is the
 yardstick (its kernel included). Each optimizer's steps alternate in rounds; the figure is the median
 over the rounds of each round's fastest step, in microseconds per tensor.
 
@@ -48,6 +49,18 @@ class _NoKernel:
         return []
 
 
+class _FiniteNorms:
+    """``torch._foreach_norm`` that returns zeros at once (every gradient finite), the same tensors each call."""
+
+    def __init__(self) -> None:
+        self.zeros: dict[int, list[torch.Tensor]] = {}
+
+    def __call__(self, tensors: list[torch.Tensor], *args: object, **kwargs: object) -> list[torch.Tensor]:
+        if len(tensors) not in self.zeros:
+            self.zeros[len(tensors)] = [torch.zeros(()) for _ in tensors]
+        return self.zeros[len(tensors)]
+
+
 class _NoLaunch:
     """A Triton kernel whose launch returns at once."""
 
@@ -58,6 +71,8 @@ class _NoLaunch:
 def _stubbed(path: str, step: Callable[[], object]) -> Callable[[], float]:
     """``step`` with ``path``'s kernel calls taken out (``path``: compiled or device); it returns the
     step's time in seconds (the stubs' set-up not counted)."""
+    norms = _FiniteNorms()
+
     def run() -> float:
         with ExitStack() as stack:
             if path == "compiled":
@@ -68,6 +83,7 @@ def _stubbed(path: str, step: Callable[[], object]) -> Callable[[], float]:
                 stack.enter_context(mock.patch.object(kernels, "TRITON_DEVICES", {"cuda", "cpu"}))
                 stack.enter_context(mock.patch.object(stepping, "kernel_serves", lambda *args: False))
                 stack.enter_context(mock.patch.object(triton_step, "_adamw_tensors", _NoLaunch()))
+                stack.enter_context(mock.patch.object(torch, "_foreach_norm", norms))
             return _timed(step)()
     return run
 
@@ -97,7 +113,7 @@ def main() -> None:
         p.grad = torch.randn_like(p) * 1e-3
     steps: dict[str, Callable[[], float]] = {"torch AdamW fused (whole step)": _timed(torch.optim.AdamW(params, fused=True).step)}
     # the device path's finiteness flags (StepMixin._device_flags): device work, a few launches on a GPU, a pass
-    # over every gradient here, and in the device path's figures
+    # over every gradient here, taken out of the device path's figures
     grads = [p.grad for p in params]
     steps["finiteness flags (device work)"] = _timed(
         lambda: torch.stack(torch._foreach_norm(grads, ord=float("inf"), dtype=torch.float32)).mul_(0.0).nan_to_num_(nan=1.0))

@@ -19,7 +19,7 @@ an old state alive past it, and a plan whose tensors are not the records' any mo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,43 @@ from lightning_baoc.kernels import M_NONE
 from lightning_baoc.optim.pools import DeferredFlags, Record
 
 _M32 = 0xFFFFFFFF
+
+
+class CountsStore:
+    """The step counts of an optimizer's records as the rows of one host array, so that a device plan
+    advances all of its tensors' counts with one numpy operation.
+
+    A record's ``counts`` tensor is its row (a view: the compiled step, the getters and checkpoints read
+    and write it as before). Records that are not rows yet (new, or made by a load) join at a plan's
+    build: the array is made again with every current record of the optimizer, each rebound to its new
+    row, so the plans built before see their records' counts changed and are built again. The store
+    holds no record (the ids and the rows it gave), so a record dropped by a load frees its states.
+    """
+
+    def __init__(self) -> None:
+        self.array: np.ndarray = np.zeros((0, 3), dtype=np.int64)
+        self._views: list[Tensor] = []  # each row as the tensor its record holds
+        self._rows: dict[int, int] = {}  # id of a record -> its row
+
+    def _row(self, rec: Record) -> int | None:
+        row = self._rows.get(id(rec))
+        return row if row is not None and rec.counts is self._views[row] else None
+
+    def rows(self, records: list[Record], every: Iterable[Record]) -> tuple[np.ndarray, np.ndarray]:
+        """The array and the rows of ``records`` in it; where one is not a row yet, the array is made again
+        from ``every`` record of the optimizer (``records`` among them) and each is rebound to its row."""
+        rows = [self._row(rec) for rec in records]
+        if None in rows:
+            members = list({id(rec): rec for rec in [*every, *records]}.values())
+            for rec in members:
+                rec.settle()  # a skip decided on the device, taken back before the counts move
+            counts = torch.stack([rec.counts for rec in members]) if members else torch.zeros(0, 3, dtype=torch.int64)
+            self.array, self._views = counts.numpy(), list(counts.unbind())
+            self._rows = {id(rec): i for i, rec in enumerate(members)}
+            for rec, view in zip(members, self._views):
+                rec.use_counts(view)
+            rows = [self._rows[id(rec)] for rec in records]
+        return self.array, np.array(rows, dtype=np.int64)
 
 
 @dataclass(eq=False)
@@ -53,6 +90,7 @@ class _Entry:
     moments: tuple[Tensor, Tensor] | None = None  # fused: the moments in the parameter's shape
     launch: _Launch | None = None  # the launch of its format and device (fused: the repair's)
     row: int = 0  # its row in that launch's table
+    counts: Tensor | None = None  # its record's counts as planned: a row of the CountsStore's array
 
 
 @dataclass(eq=False)
@@ -92,6 +130,14 @@ class DevicePlan:
                 entry.moments = (shaped(rec.views["exp_avg"], p), shaped(rec.views["exp_avg_sq"], p))
             by_format.setdefault((rec.format, p.device), []).append(entry)
             self.entries.append(entry)
+        # the entries' counts are rows of the optimizer's one host array (CountsStore): a step advances
+        # them all with one numpy operation
+        self.array, self.index = opt._count_store.rows([e.rec for e in self.entries], opt._records.values())
+        for e in self.entries:
+            e.counts = e.rec.counts
+        self.momentum = np.array([e.has_momentum for e in self.entries], dtype=np.int64)
+        self.fused = np.array([i for i, e in enumerate(self.entries) if e.fused], dtype=np.int64)
+        self.every = np.arange(len(self.entries), dtype=np.int64)
         for (name, _), entries in by_format.items():
             table = Table(opt.format_registry[name].kernel_kinds, [e.param for e in entries],
                           [e.grad_dtype for e in entries], [e.views for e in entries], [e.correction for e in entries])
@@ -100,47 +146,73 @@ class DevicePlan:
             for row, e in enumerate(entries):
                 e.launch, e.row = launch, row
 
-    def select(self, conditions: tuple) -> tuple[list[_Entry], list[Tensor]] | None:
+    def select(self, conditions: tuple) -> tuple[Chosen, list[Tensor]] | None:
         """The entries that step on the device this step, and the parameters left to the unplanned step
         (the plan's others, and fp32 tensors whose counts the fused kernel cannot take); ``None`` where
-        the plan is out of date (its conditions, a record's states, a parameter's data or a gradient's
-        dtype or layout changed): build it again."""
+        the plan is out of date (its conditions, a record's states or counts, a parameter's data or a
+        gradient's dtype or layout changed): build it again."""
         if conditions != self.conditions:
             return None
-        stepping, others = [], list(self.others)
         for e in self.entries:
             p, rec = e.param, e.rec
             grad = p.grad
-            if (rec.views is not e.views or rec.master_correction is not e.correction or rec.format != e.format
-                    or p.data_ptr() != e.address or grad.dtype != e.grad_dtype or not grad.is_contiguous()):
+            if (rec.counts is not e.counts or rec.views is not e.views or rec.master_correction is not e.correction
+                    or rec.format != e.format or p.data_ptr() != e.address or grad.dtype != e.grad_dtype
+                    or not grad.is_contiguous()):
                 return None
-            if e.fused:
-                step, m_step = rec.step, rec.m_step
-                if not (step == m_step and step < MAX_FUSED_STEP):  # the kernel's one count: the host decides
-                    others.append(p)
-                    continue
-            stepping.append(e)
-        return stepping, others
+            if rec.pending is not None:  # settled at the step's start: only a step of a subset leaves one
+                rec.settle()
+        rows, entries, others = self.every, self.entries, self.others
+        if len(self.fused):  # the fused kernel's one count: where it cannot take them, the host decides
+            counts = self.array[self.index[self.fused]]
+            held = self.fused[(counts[:, 0] != counts[:, 1]) | (counts[:, 0] >= MAX_FUSED_STEP)]
+            if len(held):
+                rows = np.setdiff1d(self.every, held)
+                entries = [self.entries[i] for i in rows.tolist()]
+                others = others + [self.entries[i].param for i in held.tolist()]
+        return Chosen(self, rows, entries), others
 
-    @staticmethod
-    def step(entries: list[_Entry], hyper: StepHyper, seed: int,
-             flags: Mapping[int, tuple[DeferredFlags, int, Tensor]]) -> None:
-        """Step ``entries`` (from :meth:`select`) with their flags (:meth:`StepMixin._device_flags
-        <lightning_baoc.optim.stepping.StepMixin._device_flags>`): their counts advance now, a skip is
-        taken back when next read (:class:`~lightning_baoc.optim.pools.DeferredFlags`)."""
-        pairs: dict[tuple[int, int], int] = {}  # (step, m_step) -> its index: most tensors share one
-        pair_of, indices = [], []
+
+@dataclass(eq=False)
+class Chosen:
+    """The entries of a plan that step on the device this step (``rows``: their indices in the plan, ascending)."""
+
+    plan: DevicePlan
+    rows: np.ndarray
+    entries: list[_Entry]
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def params(self) -> list[Tensor]:
+        return [e.param for e in self.entries]
+
+    def step(self, hyper: StepHyper, seed: int, flags: Mapping[int, tuple[DeferredFlags, int, Tensor]]) -> None:
+        """Step the entries with their flags (:meth:`StepMixin._device_flags
+        <lightning_baoc.optim.stepping.StepMixin._device_flags>`): their counts advance now (one numpy
+        operation over the plan's counts), a skip is taken back when next read
+        (:class:`~lightning_baoc.optim.pools.DeferredFlags`)."""
+        plan, rows = self.plan, self.rows
+        array, at = plan.array, plan.index[rows]
+        array[at, 0] += 1
+        array[at, 1] += plan.momentum[rows]
+        keys = array[at, 0] << 32 | array[at, 1]  # (step, m_step): most tensors share one
+        if len(keys) and (keys == keys[0]).all():
+            distinct, pair_of = keys[:1], np.zeros(len(keys), dtype=np.int64)
+        else:
+            distinct, pair_of = np.unique(keys, return_inverse=True)
+        pairs = [(int(k >> 32), int(k & _M32)) for k in distinct.tolist()]
+        entries = self.entries
+        indices = []
         launches: dict[int, tuple[list[int], Tensor]] = {}  # by launch: its entries (indices) and the device's flags
         for k, e in enumerate(entries):
-            rec = e.rec
-            step, m_step = rec.advance(e.has_momentum)
-            pair_of.append(pairs.setdefault((step, m_step), len(pairs)))
             deferred, index, skip = flags[id(e.param)]
-            deferred.records[index] = (rec, e.has_momentum)
-            rec.pending = (deferred, index)
+            deferred.records[index] = (e.rec, e.has_momentum)
+            e.rec.pending = (deferred, index)
             indices.append(index)
             launches.setdefault(id(e.launch), ([], skip))[0].append(k)
-        run = _Step(list(pairs), hyper, seed, np.array(pair_of, dtype=np.int64), np.array(indices, dtype=np.int64))
+        run = _Step(pairs, hyper, seed, pair_of.astype(np.int64, copy=False), np.array(indices, dtype=np.int64))
         for members, skip in launches.values():
             mine = [entries[k] for k in members]
             if mine[0].fused:

@@ -38,6 +38,7 @@ from lightning_baoc.formats.quant import stream_key
 from lightning_baoc.optim.args import PERFORMANCE_HINTS, check_torch_options
 from lightning_baoc.optim.args import to_float as _float
 from lightning_baoc.optim.args import validate_hyper as _validate_hyper
+from lightning_baoc.optim.device_plan import CountsStore
 from lightning_baoc.optim.persist import PersistenceMixin
 from lightning_baoc.optim.pools import Pool as _Pool
 from lightning_baoc.optim.pools import PoolsMixin
@@ -98,6 +99,7 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
         self._serving: dict[str | tuple[str, str], tuple[tuple, bool]] = {}
         self._deferred: list = []  # the steps whose skips the device decided, settled at the next step
         self._plans: dict = {}  # the device's step plans (optim/device_plan.py), dropped when states are replaced
+        self._count_store = CountsStore()  # the records' counts as rows of one array, for the plans
         self._released: set[Tensor] = set()  # stepped by gradient release since the last step()
         self._release_handles: list[Any] = []
         self._gradient_observers: OrderedDict[int, Callable[[Tensor], None]] = OrderedDict()  # see add_gradient_observer

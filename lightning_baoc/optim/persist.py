@@ -16,6 +16,7 @@ from typing import IO, Any, Callable, Mapping
 import torch
 from torch import Tensor
 
+from lightning_baoc.optim.device_plan import CountsStore
 from lightning_baoc.optim.distributed import from_distributed, is_distributed_layout, to_distributed
 from lightning_baoc.optim.sharding import gather_full, is_sharded, local
 from lightning_baoc.formats import Canonical, StepHyper, resolve_in
@@ -74,11 +75,12 @@ class PersistenceMixin:
         state["_deferred"] = []
         state["_serving"] = {}  # keyed by this process's state tensors: decided again in a copy
         state["_plans"] = {}  # they hold this process's state tensors: planned again in a copy
+        state["_count_store"] = CountsStore()  # each copied record holds its own counts (below)
         # gradient release: hooks live on this process's parameters; the copy registers its own
         state["_release_handles"], state["_released"] = [], set()
         state["_gradient_observers"] = OrderedDict()  # like hooks: the copy has none
         state["_release_on"] = bool(self.__dict__.get("_release_handles"))
-        state["_records"] = {p: dataclasses.replace(rec, views=None, pending=None) for p, rec in self._records.items()}
+        state["_records"] = {p: dataclasses.replace(rec, views=None, pending=None, counts=rec.counts.clone()) for p, rec in self._records.items()}
         state["_pools"] = {}
         state["_external_names"] = {}  # ids of this process's tensors mean nothing in a copy
         state["_saved_views"] = {
@@ -99,6 +101,7 @@ class PersistenceMixin:
         state.setdefault("_targets", {})
         state.setdefault("_serving", {})
         state.setdefault("_plans", {})
+        state.setdefault("_count_store", CountsStore())
         state.pop("_generators", None)  # pickles of earlier releases: the rounding is keyed now
         state.setdefault("kernels", "auto")
         super().__setstate__(state)  # torch's: hooks, the profiled step

@@ -118,6 +118,11 @@ class Record:
             self._array = self.counts.numpy()
         return self._array
 
+    def use_counts(self, counts: Tensor) -> None:
+        """Hold the counts in ``counts`` (a host int64 tensor of 3, holding this record's counts already): a
+        row of a device plan's counts (optim/device_plan.py), which advances them all at once."""
+        self.counts, self._array = counts, None
+
     def settle(self) -> None:
         """Take a step the device skipped (a non-finite gradient) back out of the counts."""
         if self.pending is None:

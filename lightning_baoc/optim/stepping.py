@@ -37,7 +37,7 @@ from lightning_baoc.formats.frames import framed
 from lightning_baoc.formats.quant import M_SCALE_MAX, V_SCALE_MAX, name_salt
 from lightning_baoc.formats.fused_adam import MAX_FUSED_STEP, fusable, fused_available, fused_dense_fp32
 from lightning_baoc.kernels import M_FP32, V_FP32, use_triton
-from lightning_baoc.optim.device_plan import DevicePlan
+from lightning_baoc.optim.device_plan import Chosen, DevicePlan
 from lightning_baoc.optim.pools import DeferredFlags, Record
 from lightning_baoc.optim.sharding import is_sharded, local, mesh_min
 
@@ -102,13 +102,13 @@ class StepMixin:
             kernels_on: dict[torch.device, bool] = {}  # whether the device kernels run there (asked once per step)
             planned, unplanned = [], []  # the device's planned steps; the others, by group
             for index, hyper, params in eager:
-                plan, others = self._planned(index, hyper, params, kernels_on)
-                if plan:
-                    planned.append((hyper, plan))
+                chosen, others = self._planned(index, hyper, params, kernels_on)
+                if chosen:
+                    planned.append((hyper, chosen))
                 if others:
                     unplanned.append((hyper, others))
             every = [p for _, params in unplanned for p in params]
-            decided = [e.param for _, plan in planned for e in plan]
+            decided = [p for _, chosen in planned for p in chosen.params]
             decided += [p for hyper, ps in unplanned for p in ps if self._decided_on_device(p, hyper, kernels_on)]
             flags = self._device_flags(decided)
             # decided already (ids): on the device, or (sharded) across the ranks by _skip_sharded_nonfinite
@@ -116,19 +116,19 @@ class StepMixin:
             if self.skip_nonfinite:
                 known.update(id(p) for p in every if is_sharded(p))
             finite = iter(self._finite_mask([p for p in every if id(p) not in known]))
-            for hyper, plan in planned:
-                DevicePlan.step(plan, hyper, self.seed, flags)
+            for hyper, chosen in planned:
+                chosen.step(hyper, self.seed, flags)
             for hyper, params in unplanned:
                 self._eager_step(hyper, params, [True if id(p) in known else next(finite) for p in params], flags)
 
     def _planned(
         self, index: int, hyper: StepHyper, params: list[Tensor], kernels_on: dict[torch.device, bool]
-    ) -> tuple[list, list[Tensor]]:
+    ) -> tuple[Chosen | tuple[()], list[Tensor]]:
         """The entries of ``params`` (the eager step's of group ``index``) that step through the device's
         plan (:class:`~lightning_baoc.optim.device_plan.DevicePlan`, built on first use and kept while
-        it holds), and the others."""
+        it holds; empty: none), and the others."""
         if not self.skip_nonfinite or hyper.rule != "adamw":
-            return [], params
+            return (), params
         conditions = (self.kernels, hyper.decoupled_weight_decay)
         key = (index, tuple(id(p) for p in params))
         plan = self._plans.get(key)

@@ -6,10 +6,12 @@ dropped when a conversion replaces the states it holds."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import weakref
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -150,3 +152,27 @@ def test_a_plan_whose_tensors_changed_is_built_again(builds: list[int], monkeypa
     assert builds == [2, 2, 2]  # the first step, the new data, the new layout
     for x, y in zip(planned, run(False)):
         assert torch.equal(x, y)
+
+
+def test_the_plans_advance_rows_of_one_counts_array(builds: list[int]) -> None:
+    """Every record's counts are a row of the optimizer's one counts array (a plan advances its rows with
+    one numpy operation): two subsets stepping in turn keep their two plans, neither rebinding the other's
+    counts; the counts are the steps each parameter took; a deep copy holds counts of its own."""
+    gen = torch.Generator().manual_seed(0)
+    params = {name: nn.Parameter(torch.randn(32, 32, generator=gen)) for name in "abc"}
+    opt = BlockwiseAdamW(list(params.items()), state_format="int8", min_8bit_numel=0)
+    for step in range(6):
+        for name, p in params.items():
+            p.grad = None if step % 2 and name == "c" else torch.randn(32, 32, generator=gen)
+        opt.step()
+    assert builds == [3, 2]  # one plan per subset, each kept
+    array = opt._count_store.array  # noqa: SLF001 - the store itself
+    records = opt._records.values()  # noqa: SLF001
+    assert all(np.shares_memory(rec.counts.numpy(), array) for rec in records)
+    assert {rec.name: (rec.step, rec.m_step) for rec in records} == {"a": (6, 6), "b": (6, 6), "c": (3, 3)}
+    twin = copy.deepcopy(opt)
+    for p in twin.param_groups[0]["params"]:
+        p.grad = torch.randn(32, 32, generator=gen)
+    twin.step()
+    assert {rec.name: rec.step for rec in twin._records.values()} == {"a": 7, "b": 7, "c": 4}  # noqa: SLF001
+    assert {rec.name: rec.step for rec in records} == {"a": 6, "b": 6, "c": 3}
