@@ -119,8 +119,8 @@ class Record:
         return self._array
 
     def use_counts(self, counts: Tensor) -> None:
-        """Hold the counts in ``counts`` (a host int64 tensor of 3, holding this record's counts already): a
-        row of a device plan's counts (optim/device_plan.py), which advances them all at once."""
+        """Hold the counts in ``counts`` (a host int64 tensor of 3 holding this record's counts already): a row
+        of the optimizer's ``CountsStore`` (optim/device_plan.py), whose plans advance many rows at once."""
         self.counts, self._array = counts, None
 
     def settle(self) -> None:
