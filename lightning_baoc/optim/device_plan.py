@@ -160,8 +160,8 @@ class DevicePlan:
                     or rec.format != e.format or p.data_ptr() != e.address or grad.dtype != e.grad_dtype
                     or not grad.is_contiguous()):
                 return None
-            if rec.pending is not None:  # settled at the step's start: only a step of a subset leaves one
-                rec.settle()
+            if rec.pending is not None:  # a guard: the step's start settles every pending skip, and one left
+                rec.settle()  # here would be lost when this step sets its own
         rows, entries, others = self.every, self.entries, self.others
         if len(self.fused):  # the fused kernel's one count: where it cannot take them, the host decides
             counts = self.array[self.index[self.fused]]
