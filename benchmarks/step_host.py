@@ -14,9 +14,10 @@ table. Of its device work, the flags' reduction over the gradients (``torch._for
 gradient here, one launch per step on a GPU) is taken out too (it returns zeros, all finite), and timed alone
 on the row ``finiteness flags``; torch's fused AdamW for fp32 tensors (one call over all of them, whose
 ``found_inf`` is the flag of any; the Triton launch that then steps the finite ones where it is set is taken
-out) is not taken out, so the ``fp32`` device figure holds its kernel's work. ``torch.optim.AdamW(fused=True)``'s whole step on the same tensors is the
-yardstick (its kernel included). Each optimizer's steps alternate in rounds; the figure is the median
-over the rounds of each round's fastest step, in microseconds per tensor.
+out) is not taken out, so the ``fp32`` device figure holds its kernel's work.
+``torch.optim.AdamW(fused=True)``'s whole step on the same tensors is the yardstick (its kernel included).
+Each optimizer's steps alternate in rounds; the figure is the median over the rounds of each round's fastest
+step, in microseconds per tensor.
 
 Example::
 

@@ -80,7 +80,8 @@ class PersistenceMixin:
         state["_release_handles"], state["_released"] = [], set()
         state["_gradient_observers"] = OrderedDict()  # like hooks: the copy has none
         state["_release_on"] = bool(self.__dict__.get("_release_handles"))
-        state["_records"] = {p: dataclasses.replace(rec, views=None, pending=None, counts=rec.counts.clone()) for p, rec in self._records.items()}
+        state["_records"] = {p: dataclasses.replace(rec, views=None, pending=None, counts=rec.counts.clone())
+                             for p, rec in self._records.items()}
         state["_pools"] = {}
         state["_external_names"] = {}  # ids of this process's tensors mean nothing in a copy
         state["_saved_views"] = {
