@@ -9,6 +9,12 @@ rounds, and its ratio to ``torch.optim.AdamW(fused=True)`` the median over round
 median divided by fused AdamW's round median, measured in the same round. Results go into the
 section ``step_time`` of ``docs/benchmarks/step-time.md``.
 
+A step's time on a CPU also depends on where its tensors land in physical memory: the same code on
+fresh allocations of the same shapes has measured 1.18x to 1.39x fused AdamW (``bf16`` at 1 thread).
+``--layouts N`` builds the model and every optimizer N times (N such allocations, each optimizer
+against the fused AdamW of its own copy), times them all in the same shuffled rounds and pools the
+ratios; the page then also gives each format's range of per-layout medians.
+
 Beside the times: the machine's memory bandwidth at each thread count (a 512 MiB ``copy_``, bytes
 read and written per second) and the rate at which fused AdamW moves its 28 bytes per parameter
 (it reads parameter, gradient and both moments and writes three of them); and how the compiled
@@ -19,6 +25,7 @@ Run from the repository root:
 
     python benchmarks/step_time.py            # 21M parameters, 1 and 2 threads, 15 rounds of 3 steps
     python benchmarks/step_time.py --quick    # a 2M-parameter smoke run (writes no docs page)
+    python benchmarks/step_time.py --layouts 3   # three copies of the model and optimizers, ratios pooled
     python benchmarks/step_time.py --bf16-weights   # bf16 weights: master-weight corrections (its own section)
     python benchmarks/step_time.py --momentum       # SGD and Lion against torch's fused SGD (its own section)
     python benchmarks/step_time.py --device cuda --threads 1   # on a GPU (sections *_cuda; steps synchronized)
@@ -40,7 +47,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -202,25 +209,45 @@ def time_steps(step: Callable[[], object], steps: int) -> list[float]:
     return times
 
 
-def interleaved(
-    opts: dict[str, torch.optim.Optimizer], rounds: int, steps: int, seed: int = 0, reference: str = FUSED
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Round-robin timing: label -> median step (s), and label -> median ratio to the ``reference``
-    optimizer's step in the same round (fused AdamW's by default)."""
-    order = list(opts)
-    rng = random.Random(seed)
-    times: dict[str, list[float]] = {label: [] for label in opts}
-    ratios: dict[str, list[float]] = {label: [] for label in opts}
-    for _ in range(rounds):
-        rng.shuffle(order)
-        medians = {label: statistics.median(time_steps(opts[label].step, steps)) for label in order}
-        for label, median in medians.items():
+class Timing(NamedTuple):
+    """What :func:`interleaved` measured, per label."""
+
+    seconds: dict[str, float]  # median step over every round and layout
+    ratios: dict[str, float]  # median over rounds and layouts of the step / the reference's in the same ones
+    layouts: dict[str, list[float]]  # each layout's median ratio
+
+
+def pooled(medians: list[dict[tuple[str, int], float]], reference: str) -> Timing:
+    """Pool rounds of (label, layout) -> median step: each step against the reference's of its own round and layout."""
+    labels = sorted({label for round_ in medians for label, _ in round_})
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    ratios: dict[str, list[float]] = {label: [] for label in labels}
+    by_layout: dict[str, dict[int, list[float]]] = {label: {} for label in labels}
+    for round_ in medians:
+        for (label, layout), median in round_.items():
+            ratio = median / round_[(reference, layout)]
             times[label].append(median)
-            ratios[label].append(median / medians[reference])
-    return (
+            ratios[label].append(ratio)
+            by_layout[label].setdefault(layout, []).append(ratio)
+    return Timing(
         {label: statistics.median(t) for label, t in times.items()},
         {label: statistics.median(r) for label, r in ratios.items()},
+        {label: [statistics.median(by_layout[label][k]) for k in sorted(by_layout[label])] for label in labels},
     )
+
+
+def interleaved(
+    opts: dict[str, list[torch.optim.Optimizer]], rounds: int, steps: int, seed: int = 0, reference: str = FUSED
+) -> Timing:
+    """Round-robin timing of label -> one optimizer per layout: every (label, layout) steps ``steps``
+    times per round, in an order shuffled each round; pooled by :func:`pooled`."""
+    order = [(label, k) for label, group in opts.items() for k in range(len(group))]
+    rng = random.Random(seed)
+    medians = []
+    for _ in range(rounds):
+        rng.shuffle(order)
+        medians.append({(label, k): statistics.median(time_steps(opts[label][k].step, steps)) for label, k in order})
+    return pooled(medians, reference)
 
 
 def main() -> None:
@@ -231,6 +258,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=3, help="timed steps of each optimizer per round")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--layouts", type=int, default=1,
+                        help="copies of the model and optimizers (fresh allocations), timed side by side and pooled")
     parser.add_argument("--quick", action="store_true", help="small model, few rounds, no docs update")
     parser.add_argument("--bf16-weights", action="store_true",
                         help="bf16 weights: torch AdamW against BlockwiseAdamW with master-weight corrections "
@@ -246,29 +275,27 @@ def main() -> None:
         raise SystemExit("--device cuda: no CUDA device is visible to torch here")
     if args.quick:
         args.layers, args.width, args.warmup, args.rounds, args.steps = 8, 512, 1, 3, 1
-    model = build(args.layers, args.width)
-    if args.bf16_weights:
-        model = model.to(torch.bfloat16)
-    n = sum(p.numel() for p in model.parameters())
-    if args.momentum:
-        built = momentum_optimizers(model)
-    else:
-        built = bf16_optimizers(model) if args.bf16_weights else optimizers(model)
+    if args.layouts < 1:
+        raise SystemExit("--layouts: at least 1")
+    layouts = [build_layout(args) for _ in range(args.layouts)]
+    n = sum(p.numel() for p in layouts[0][0].parameters())
+    built = layouts[0][1]
     reference = SGD_FUSED if args.momentum else FUSED
     print(f"lightning_baoc from {Path(sys.modules['lightning_baoc'].__file__).parent}", flush=True)
-    opts = {label: opt for label, (opt, _) in built.items()}
+    opts = {label: [layout[1][label][0] for layout in layouts if label in layout[1]] for label in built}
     default_threads = torch.get_num_threads()
-    results: dict[int, tuple[dict[str, float], dict[str, float]]] = {}
+    results: dict[int, Timing] = {}
     speeds: dict[int, float] = {}
     for threads in args.threads:
         torch.set_num_threads(threads)
         speeds[threads] = bandwidth()
-        for opt in opts.values():
-            time_steps(opt.step, args.warmup)
+        for group in opts.values():
+            for opt in group:
+                time_steps(opt.step, args.warmup)
         results[threads] = interleaved(opts, args.rounds, args.steps, reference=reference)
         for label in opts:
-            print(f"{threads} thread(s), {label}: {results[threads][0][label] * 1e3:.1f} ms, "
-                  f"{results[threads][1][label]:.2f}x {reference}", flush=True)
+            print(f"{threads} thread(s), {label}: {results[threads].seconds[label] * 1e3:.1f} ms, "
+                  f"{results[threads].ratios[label]:.2f}x {reference}", flush=True)
     torch.set_num_threads(default_threads)
     headers = ["optimizer / format", "state (+ correction) bytes/param" if args.bf16_weights else "state bytes/param"]
     for threads in args.threads:
@@ -278,16 +305,16 @@ def main() -> None:
     for label, (_, bpp) in built.items():
         row: list[object] = [label, f"{bpp:.3f}"]
         for threads in args.threads:
-            seconds, ratios = results[threads]
-            row += [f"{seconds[label] * 1e3:.1f}", f"{ratios[label]:.2f}x"]
+            row += [f"{results[threads].seconds[label] * 1e3:.1f}", f"{results[threads].ratios[label]:.2f}x"]
         rows.append(row)
     table = markdown_table(headers, rows)
     moved, who = (20, "fused SGD") if args.momentum else (14 if args.bf16_weights else 28, "fused AdamW")
     floor = "; ".join(
         f"{t} {'thread' if t == 1 else 'threads'}: copy {speeds[t] / 1e9:.1f} GB/s, {who} "
-        f"{moved * n / results[t][0][reference] / 1e9:.1f} GB/s"
+        f"{moved * n / results[t].seconds[reference] / 1e9:.1f} GB/s"
         for t in args.threads
     )
+    spread = layout_spread(results, [label for label in built if label != reference]) if args.layouts > 1 else ""
     status = kernels.cpu_kernels()
     compiled = f"compiled kernels: {status.detail}" if status.available else f"compiled kernels unavailable ({status.detail})"
     if DEVICE.type == "cuda":
@@ -296,6 +323,7 @@ def main() -> None:
         compiled = f"CUDA step kernels: {triton_status()[1]} (rows marked eager: the eager step)"
     missing = "; ".join(f"{label}: unavailable ({why})" for label, why in UNAVAILABLE.items())
     notes = f"Memory traffic per second: {floor}. {compiled.capitalize()}." + (f" {missing}." if missing else "")
+    notes += spread
     print(table)
     print(notes)
     section = "step_time_momentum" if args.momentum else "step_time_bf16" if args.bf16_weights else "step_time"
@@ -310,10 +338,38 @@ def main() -> None:
             f"at {' and '.join(str(t) for t in args.threads)} torch threads: {args.rounds} rounds, each "
             f"optimizer {args.steps} steps per round in a shuffled order, after {args.warmup} warm-up steps; "
             f"median step over the rounds, and median over the rounds of the ratio to {reference}'s "
-            f"step in the same round.\n\n"
+            f"step in the same round{layouts_text(args.layouts)}.\n\n"
             f"{'On the GPU: ' if DEVICE.type == 'cuda' else ''}Machine: {machine()} (default). Command: `{_command()}\n\n{table}\n\n{notes}"
         )
         write_docs_section("benchmarks/step-time.md", section, body)
+
+
+def build_layout(args: argparse.Namespace) -> tuple[nn.Module, dict[str, tuple[torch.optim.Optimizer, float]]]:
+    """One copy of the model (fresh allocations, the same values) and every optimizer over it."""
+    model = build(args.layers, args.width)
+    if args.bf16_weights:
+        model = model.to(torch.bfloat16)
+    if args.momentum:
+        return model, momentum_optimizers(model)
+    return model, bf16_optimizers(model) if args.bf16_weights else optimizers(model)
+
+
+def layouts_text(layouts: int) -> str:
+    if layouts == 1:
+        return ""
+    return (f", over {layouts} layouts (the model and every optimizer built {layouts} times: each optimizer's "
+            f"ratio to the fused optimizer of its own copy, pooled over rounds and layouts)")
+
+
+def layout_spread(results: dict[int, Timing], labels: list[str]) -> str:
+    """The range of per-layout median ratios of each label, at each thread count."""
+    parts = []
+    for threads, timing in results.items():
+        ranges = "; ".join(
+            f"{label} {min(timing.layouts[label]):.2f}-{max(timing.layouts[label]):.2f}x" for label in labels
+        )
+        parts.append(f" Per-layout median ratios (lowest-highest), {threads} {'thread' if threads == 1 else 'threads'}: {ranges}.")
+    return "".join(parts)
 
 
 def _command() -> str:

@@ -1,0 +1,44 @@
+"""``benchmarks/step_time.py``: the ratios pool each optimizer against the fused AdamW of its own round
+and layout, and ``--layouts`` builds fresh allocations of the same model."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+import step_time as S
+
+
+def test_each_ratio_is_taken_against_the_reference_of_its_own_round_and_layout() -> None:
+    # layout 1 is twice as slow for both, round 1 three times as slow: every ratio is 1.5
+    rounds = [
+        {("ref", 0): 1.0, ("x", 0): 1.5, ("ref", 1): 2.0, ("x", 1): 3.0},
+        {("ref", 0): 3.0, ("x", 0): 4.5, ("ref", 1): 6.0, ("x", 1): 9.0},
+    ]
+    timing = S.pooled(rounds, "ref")
+    assert timing.ratios == {"ref": 1.0, "x": 1.5}
+    assert timing.layouts == {"ref": [1.0, 1.0], "x": [1.5, 1.5]}
+    assert timing.seconds["x"] == pytest.approx(3.75)  # the median of 1.5, 3.0, 4.5, 9.0
+
+
+def test_the_layouts_give_their_own_medians() -> None:
+    rounds = [{("ref", 0): 1.0, ("x", 0): 1.2, ("ref", 1): 1.0, ("x", 1): 1.4} for _ in range(3)]
+    rounds.append({("ref", 0): 1.0, ("x", 0): 1.3, ("ref", 1): 1.0, ("x", 1): 1.3})
+    timing = S.pooled(rounds, "ref")
+    assert timing.layouts["x"] == pytest.approx([1.2, 1.4])
+    assert timing.ratios["x"] == pytest.approx(1.3)  # the median of 1.2 x 3, 1.3 x 2, 1.4 x 3
+    text = S.layout_spread({1: timing}, ["x"])
+    assert "1 thread: x 1.20-1.40x." in text
+
+
+def test_each_layout_is_a_fresh_allocation_of_the_same_model() -> None:
+    args = argparse.Namespace(layers=2, width=32, bf16_weights=False, momentum=True)
+    (a, opts_a), (b, opts_b) = S.build_layout(args), S.build_layout(args)
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb) and torch.equal(pa.grad, pb.grad)
+        assert pa.data_ptr() != pb.data_ptr()
+    assert opts_a.keys() == opts_b.keys()
+    for label in opts_a:
+        assert opts_a[label][0] is not opts_b[label][0]
