@@ -1,7 +1,9 @@
 """Two or more versions of the CPU kernels (``lightning_baoc/kernels/cpu_step.cpp``) side by side: each
 version is built as its own extension (its operators under a namespace of their own), and
-``BlockwiseAdamW`` optimizers of the chosen formats step through each version in interleaved rounds
-beside ``torch.optim.AdamW(fused=True)``, as in ``benchmarks/step_time.py``. It also checks that the
+a ``BlockwiseAdamW`` optimizer of each chosen format steps through each version in interleaved rounds
+beside ``torch.optim.AdamW(fused=True)``, as in ``benchmarks/step_time.py``. The versions step the same
+optimizer, so the same tensors at the same places in memory: on a CPU, fresh allocations of the same shapes
+alone move a step's time by more than most kernel changes (``step_time.py --layouts``). It also checks that the
 versions give the same bits: every version takes the same 12 steps (gradients from 1e-8 to 1e2, some
 large enough to saturate the 16-bit moments, one non-finite) on a model of ragged and whole super-blocks,
 and its parameters and states are compared bit for bit with the first version's.
@@ -129,8 +131,9 @@ def main() -> None:
         p.grad = (torch.randn(p.shape) * 1e-3).to(dtype)
     steps: dict[str, Callable[[], None]] = {"torch AdamW fused": torch.optim.AdamW(model.parameters(), fused=True).step}
     for fmt in args.formats:
+        # one optimizer per format that every version steps: the same tensors at the same places in memory
+        opt = BlockwiseAdamW(model.named_parameters(), state_format=fmt, weight_correction=args.correction)
         for i, namespace in enumerate(namespaces):
-            opt = BlockwiseAdamW(model.named_parameters(), state_format=fmt, weight_correction=args.correction)
             steps[f"{fmt} / version {i + 1}"] = through(namespace, opt.step)
     rows = {label: [] for label in steps}
     for threads in args.threads:
