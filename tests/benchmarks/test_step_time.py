@@ -4,6 +4,7 @@ and layout, and ``--layouts`` builds fresh allocations of the same model."""
 from __future__ import annotations
 
 import argparse
+import time
 
 import pytest
 import torch
@@ -42,3 +43,21 @@ def test_each_layout_is_a_fresh_allocation_of_the_same_model() -> None:
     assert opts_a.keys() == opts_b.keys()
     for label in opts_a:
         assert opts_a[label][0] is not opts_b[label][0]
+
+
+class _Sleeper:
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.steps = seconds, 0
+
+    def step(self) -> None:
+        self.steps += 1
+        time.sleep(self.seconds)
+
+
+def test_a_label_missing_from_one_layout_is_timed_in_the_others_against_their_own_reference() -> None:
+    ref = [_Sleeper(0.002), _Sleeper(0.002)]
+    peer = _Sleeper(0.004)
+    timing = S.interleaved({"ref": ref, "peer": [None, peer]}, rounds=2, steps=1, reference="ref")
+    assert [o.steps for o in ref] == [2, 2] and peer.steps == 2
+    assert len(timing.layouts["peer"]) == 1 and len(timing.layouts["ref"]) == 2
+    assert 1.3 < timing.ratios["peer"] < 4.0
