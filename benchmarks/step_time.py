@@ -296,13 +296,12 @@ def main() -> None:
                 time_steps(opt.step, args.warmup)
         results[threads] = interleaved(opts, args.rounds, args.steps, reference=reference)
         for label in opts:
-            print(f"{threads} thread(s), {label}: {results[threads].seconds[label] * 1e3:.1f} ms, "
+            print(f"{_threads(threads)}, {label}: {results[threads].seconds[label] * 1e3:.1f} ms, "
                   f"{results[threads].ratios[label]:.2f}x {reference}", flush=True)
     torch.set_num_threads(default_threads)
     headers = ["optimizer / format", "state (+ correction) bytes/param" if args.bf16_weights else "state bytes/param"]
     for threads in args.threads:
-        unit = "thread" if threads == 1 else "threads"
-        headers += [f"{threads} {unit}: median step (ms)", f"{threads} {unit}: vs {reference}"]
+        headers += [f"{_threads(threads)}: median step (ms)", f"{_threads(threads)}: vs {reference}"]
     rows = []
     for label, (_, bpp) in built.items():
         row: list[object] = [label, f"{bpp:.3f}"]
@@ -312,7 +311,7 @@ def main() -> None:
     table = markdown_table(headers, rows)
     moved, who = (20, "fused SGD") if args.momentum else (14 if args.bf16_weights else 28, "fused AdamW")
     floor = "; ".join(
-        f"{t} {'thread' if t == 1 else 'threads'}: copy {speeds[t] / 1e9:.1f} GB/s, {who} "
+        f"{_threads(t)}: copy {speeds[t] / 1e9:.1f} GB/s, {who} "
         f"{moved * n / results[t].seconds[reference] / 1e9:.1f} GB/s"
         for t in args.threads
     )
@@ -370,8 +369,13 @@ def layout_spread(results: dict[int, Timing], labels: list[str]) -> str:
         ranges = "; ".join(
             f"{label} {min(timing.layouts[label]):.2f}-{max(timing.layouts[label]):.2f}x" for label in labels
         )
-        parts.append(f" Per-layout median ratios (lowest-highest), {threads} {'thread' if threads == 1 else 'threads'}: {ranges}.")
+        parts.append(f" Per-layout median ratios (lowest-highest), {_threads(threads)}: {ranges}.")
     return "".join(parts)
+
+
+def _threads(count: int) -> str:
+    """'1 thread' or 'N threads'."""
+    return f"{count} thread" if count == 1 else f"{count} threads"
 
 
 def _command() -> str:
