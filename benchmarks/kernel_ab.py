@@ -21,7 +21,7 @@ command; writes nothing.
 once and replayed with the same arguments, against ``torch._fused_adamw_`` over the same tensors, so the
 step's Python is left out. With a small model (``--layers 1 --width 256``: 65,536 weights, whose states fit
 in L2) it measures the kernels' arithmetic apart from memory; the replayed calls still include the operator
-call itself (about 20 us on the Zen 4 test machine, 5 us for the fused AdamW operator):
+call itself (about 15 us on the Zen 4 test machine, 4 us for the fused AdamW operator):
 
     python benchmarks/kernel_ab.py --versions lightning_baoc/kernels/cpu_step.cpp --formats int8 \
         --layers 1 --width 256 --steps 300 --rounds 31 --kernel-only
