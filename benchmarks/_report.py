@@ -86,6 +86,16 @@ def write_docs_section(page: str, name: str, body: str) -> Path:
     return path
 
 
+def file_text(spec: str) -> str:
+    """The text of ``spec``: a file, or ``REV:PATH`` for a file of this repository at a git revision."""
+    if Path(spec).is_file():
+        return Path(spec).read_text()
+    rev, sep, path = spec.partition(":")
+    if not sep:
+        raise FileNotFoundError(f"{spec}: no such file (a file at a git revision is written REV:PATH)")
+    return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+
+
 def markdown_table(headers: list[str], rows: list[list[object]]) -> str:
     """A GitHub markdown table."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]

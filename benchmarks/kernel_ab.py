@@ -33,7 +33,6 @@ import argparse
 import hashlib
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,26 +43,16 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import command, machine, markdown_table  # noqa: E402
+from _report import command, file_text, machine, markdown_table  # noqa: E402
 
 from lightning_baoc import BlockwiseAdamW, kernels  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def source(version: str) -> str:
-    """The kernel source of ``version``: a file, or ``REV:PATH`` at a git revision."""
-    if Path(version).is_file():
-        return Path(version).read_text()
-    rev, _, path = version.partition(":")
-    return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
 
 
 def build(version: str, where: Path) -> str:
     """Build ``version`` with the kernels' own flags under an operator namespace of its own; its name."""
     from torch.utils.cpp_extension import load
 
-    text = source(version)
+    text = file_text(version)
     tag = "baoc_ab_" + hashlib.sha1((text + " ".join(kernels.compile_flags())).encode()).hexdigest()[:10]
     text = text.replace("TORCH_LIBRARY(lightning_baoc,", f"TORCH_LIBRARY({tag},")
     text = text.replace("TORCH_LIBRARY_IMPL(lightning_baoc,", f"TORCH_LIBRARY_IMPL({tag},")
