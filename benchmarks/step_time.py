@@ -252,7 +252,8 @@ def interleaved(
     return pooled(medians, reference)
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
+    """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=20)
     parser.add_argument("--width", type=int, default=1024)
@@ -270,7 +271,11 @@ def main() -> None:
                         help="SGD and Lion: torch's SGD against BlockwiseSGD and BlockwiseLion in every momentum format "
                              "(section step_time_momentum)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the model and the optimizers live")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = _arguments()
     global DEVICE
     DEVICE = torch.device(args.device)
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
