@@ -60,7 +60,8 @@ from lightning_baoc.solver import solve
 from momentum_risk_validation import (
     SPEND, _cell, allocations_in_range, parse_run_arguments, publish, run_warm_up, summarize, verdict,
 )
-from risk_validation import EVAL_POINTS, Task, _count, _train, digits_task
+from _tasks import Task, digits_task
+from risk_validation import EVAL_POINTS, _count, _train
 
 #: The reference continuation's correction on every block (and the warm-up's): the exact fp32 master for bf16.
 REFERENCE = "ecc16"
@@ -68,7 +69,7 @@ REFERENCE = "ecc16"
 BETAS = (0.9, 0.999)
 #: The continuation's constant learning rate (see the module docstring).
 LR = 1e-4
-#: The warm-up's learning rate: the digits task's AdamW rate (``risk_validation.digits_task``).
+#: The warm-up's learning rate: the digits task's AdamW rate (``_tasks.digits_task``).
 WARMUP_LR = 3e-3
 #: The corrections' budget, a fraction of ecc16 on every block (see the module docstring).
 BUDGET = 0.35
@@ -87,7 +88,7 @@ class BF16Net(nn.Module):
 
 
 def bf16_digits_task(lr: float) -> Task:
-    """``risk_validation.digits_task`` (data, batches, held-out loss, the MLP and its initialization) with
+    """``_tasks.digits_task`` (data, batches, held-out loss, the MLP and its initialization) with
     the model in bf16 and learning rate ``lr``."""
     base = digits_task()
     return dataclasses.replace(base, make_model=lambda: BF16Net(base.make_model()), lr=lr)

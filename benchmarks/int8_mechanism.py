@@ -29,12 +29,11 @@ from pathlib import Path
 import torch
 
 from _report import command, machine, markdown_table, write_docs_section
+from _tasks import chargpt_task, ddpm_task
 from risk_validation import (
     EVAL_POINTS,
     Runs,
     _train,
-    chargpt_task,
-    ddpm_task,
     largest_blocks,
     mean_sem,
     restore,

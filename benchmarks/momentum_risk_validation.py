@@ -53,7 +53,8 @@ from lightning_baoc.formats import MOMENTUM_FORMATS, resolve_in
 from lightning_baoc.risk.momentum import momentum_risk_table, shadow_betas
 from lightning_baoc.risk.shadow import ShadowMoments
 from lightning_baoc.solver import solve
-from risk_validation import EVAL_POINTS, Task, _count, _train, digits_task, mean_sem, riskiest, spearman
+from _tasks import Task, digits_task
+from risk_validation import EVAL_POINTS, _count, _train, mean_sem, riskiest, spearman
 
 #: The momentum formats offered to every block.
 FORMATS = ("fp32", "bf16", "int8", "none")

@@ -1,12 +1,11 @@
 """Does the risk model predict measured harm? Two tests on real tasks, paired runs.
 
-Every run starts from one shared warm-up (model and BlockwiseAdamW state; fp32, or with ``--start prior`` in
-the training controller's start allocation within ``--budget``, the risks then measured against the shadow
-moments the controller keeps), switches some
-blocks to cheaper formats, trains ``--steps`` more steps on a data order shared by all runs of that
-order, and reports the held-out loss. Harm = held-out loss minus that of the fp32 continuation with
-the same data order (paired), averaged over ``--orders`` data orders; the noise floor is the
-standard error of that mean.
+Every run starts from one shared warm-up (model and BlockwiseAdamW state; fp32, or with ``--start prior`` in the
+training controller's start allocation within ``--budget``, the risks then measured against the shadow moments the
+controller keeps), switches some blocks to cheaper formats, trains ``--steps`` more steps on a data order shared by
+all runs of that order, and reports the held-out loss. Harm = held-out loss minus that of the fp32 continuation
+with the same data order (paired), averaged over ``--orders`` data orders; the noise floor is the standard error of
+that mean.
 
 (i) allocation level: at a tight budget (``--budget``, a fraction of fp32 AdamW state), the
     risk-minimizing allocation against the risk-maximizing one of the same budget and against
@@ -16,9 +15,9 @@ standard error of that mean.
     (bootstrap over data orders). ``--more-orders FORMAT=N`` measures one format on more data orders
     where its single-block harms sit close to the noise floor.
 
-Tasks: ``digits`` (an 8-layer MLP on scikit-learn's digits), ``chargpt`` (a 4-layer character
-GPT on the Python standard library's source) and ``ddpm`` (a small diffusion UNet on digits). Constant learning rate (the stress recipe, where
-state-format harms show).
+Tasks: ``digits`` (an 8-layer MLP on scikit-learn's digits), ``chargpt`` (a 4-layer character GPT on the Python
+standard library's source) and ``ddpm`` (a small diffusion UNet on digits). Constant learning rate (the stress
+recipe, where state-format harms show).
 
 Run from the repository root:
 
@@ -37,13 +36,13 @@ import math
 import statistics as stats
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from _models import CharGPT
 from _report import command, machine, markdown_table, write_docs_section
+from _tasks import Task, chargpt_task, ddpm_task, digits_task
 from lightning_baoc import FORMATS, BlockwiseAdamW, partition
 from lightning_baoc.formats import format_state_bytes
 from lightning_baoc.risk import block_kind, prior_risk, risk_details
@@ -51,117 +50,6 @@ from lightning_baoc.risk.shadow import ShadowMoments
 from lightning_baoc.solver import solve
 
 CHEAP = ["nomomentum", "int8", "factored", "nomomentum_int8", "int8_factored", "bf16"]
-
-
-@dataclass
-class Task:
-    name: str
-    make_model: Callable[[], nn.Module]
-    loss: Callable[[nn.Module, int, torch.Generator], torch.Tensor]  # training loss of one batch
-    heldout: Callable[[nn.Module], float]
-    lr: float
-
-
-def digits_task() -> Task:
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    xtr, ytr, xte, yte = x[order[:1400]], y[order[:1400]], x[order[1400:]], y[order[1400:]]
-
-    def make() -> nn.Module:
-        torch.manual_seed(0)
-        layers: list[nn.Module] = [nn.Linear(64, 128), nn.GELU()]
-        for _ in range(6):
-            layers += [nn.Linear(128, 128), nn.GELU()]
-        layers.append(nn.Linear(128, 10))
-        return nn.Sequential(*layers)
-
-    def loss(model: nn.Module, step: int, gen: torch.Generator) -> torch.Tensor:
-        idx = torch.randint(0, len(xtr), (32,), generator=gen)
-        return nn.functional.cross_entropy(model(xtr[idx]), ytr[idx])
-
-    def heldout(model: nn.Module) -> float:
-        with torch.no_grad():
-            return nn.functional.cross_entropy(model(xte), yte).item()
-
-    return Task("digits", make, loss, heldout, lr=3e-3)
-
-
-def chargpt_task(n_layer: int = 4, n_embd: int = 128, eval_seqs: int = 64) -> Task:
-    import inspect
-    import argparse as a, json.decoder as j, textwrap as t, string as s, csv as c, difflib as d, configparser as cp
-
-    text = "".join(inspect.getsource(m) for m in (a, j, t, s, c, d, cp))
-    chars = sorted(set(text))
-    lookup = {ch: i for i, ch in enumerate(chars)}
-    data = torch.tensor([lookup[ch] for ch in text], dtype=torch.int64)
-    split = int(0.9 * len(data))
-    train, val = data[:split], data[split:]
-    block = 64
-    vgen = torch.Generator().manual_seed(1234)
-    vstarts = torch.randint(len(val) - block - 1, (eval_seqs,), generator=vgen)
-    vx = torch.stack([val[i : i + block] for i in vstarts])
-    vy = torch.stack([val[i + 1 : i + 1 + block] for i in vstarts])
-
-    def make() -> nn.Module:
-        torch.manual_seed(0)
-        return CharGPT(vocab_size=len(chars), block_size=block, n_layer=n_layer, n_head=4, n_embd=n_embd)
-
-    def loss(model: nn.Module, step: int, gen: torch.Generator) -> torch.Tensor:
-        starts = torch.randint(len(train) - block - 1, (32,), generator=gen)
-        x = torch.stack([train[i : i + block] for i in starts])
-        y = torch.stack([train[i + 1 : i + 1 + block] for i in starts])
-        return model(x, y)[1]
-
-    def heldout(model: nn.Module) -> float:
-        with torch.no_grad():
-            return model(vx, vy)[1].item()
-
-    return Task("chargpt", make, loss, heldout, lr=2e-3)
-
-
-def ddpm_task(channels: int = 32, eval_pairs: int = 8, lr: float = 6e-3) -> Task:
-    """A small DDPM on scikit-learn's digits: ``examples/workloads.py``'s ``TinyUNet`` (eps prediction,
-    linear beta schedule over 1000 steps), batches of 64 with fresh ``(t, noise)`` draws. Held-out:
-    the denoising MSE on the 397 validation images, each at ``eval_pairs`` fixed ``(t, noise)``
-    draws, so evaluation noise is small next to the effects measured."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-    from sklearn.datasets import load_digits
-    from workloads import TinyUNet
-
-    images = torch.tensor(load_digits().images, dtype=torch.float32)[:, None] / 16.0 * 2.0 - 1.0
-    order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))
-    xtr, xte = images[order[:1400]], images[order[1400:]]
-    betas = torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64)
-    abar = torch.cumprod(1.0 - betas, dim=0).float()
-    vgen = torch.Generator().manual_seed(1234)
-    vx = xte.repeat(eval_pairs, 1, 1, 1)
-    vt = torch.randint(1000, (len(vx),), generator=vgen)
-    vn = torch.randn(vx.shape, generator=vgen)
-
-    def denoising(model: nn.Module, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-        a = abar[t][:, None, None, None]
-        return nn.functional.mse_loss(model(a.sqrt() * x0 + (1.0 - a).sqrt() * noise, t), noise)
-
-    def make() -> nn.Module:
-        torch.manual_seed(0)
-        return TinyUNet(channels)
-
-    def loss(model: nn.Module, step: int, gen: torch.Generator) -> torch.Tensor:
-        idx = torch.randint(len(xtr), (64,), generator=gen)
-        t = torch.randint(1000, (64,), generator=gen)
-        return denoising(model, xtr[idx], t, torch.randn((64, 1, 8, 8), generator=gen))
-
-    def heldout(model: nn.Module) -> float:
-        with torch.no_grad():
-            return denoising(model, vx, vt, vn).item()
-
-    return Task("ddpm", make, loss, heldout, lr=lr)
 
 
 def _train(
@@ -373,7 +261,8 @@ def mean_sem(xs: list[float]) -> tuple[float, float]:
     return stats.mean(xs), stats.stdev(xs) / math.sqrt(len(xs))
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
+    """The command line (``--quick``: a smoke run's sizes)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--task", choices=["digits", "chargpt", "ddpm"], default="digits")
     parser.add_argument("--warmup", type=int, default=300)
@@ -415,13 +304,29 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.warmup, args.steps, args.orders, args.random, args.blocks = 50, 50, 2, 2, 3
+    return args
+
+
+def _task(args: argparse.Namespace) -> Task:
+    if args.task == "chargpt":
+        return chargpt_task(args.layers, args.embd, args.eval_seqs)
+    return {"digits": digits_task, "ddpm": ddpm_task}[args.task]()
+
+
+class Harms:
+    """An allocation's harm per data order: its held-out loss (``which``: 0 end, 1 path) minus fp32's."""
+
+    def __init__(self, run: Runs, base: dict[int, tuple[float, float]], orders: list[int]) -> None:
+        self.run, self.base, self.orders = run, base, orders
+
+    def __call__(self, formats: dict[str, str], which: int, over: list[int] | None = None) -> list[float]:
+        return [self.run(formats, o)[which] - self.base[o][which] for o in (self.orders if over is None else over)]
+
+
+def main() -> None:
+    args = _arguments()
     torch.set_num_threads(args.threads)
-    if args.task == "digits":
-        task = digits_task()
-    elif args.task == "chargpt":
-        task = chargpt_task(args.layers, args.embd, args.eval_seqs)
-    else:
-        task = ddpm_task()
+    task = _task(args)
     model = task.make_model()
     blocks = partition(model)
     start = start_allocation(model, blocks, args.budget) if args.start == "prior" else None
@@ -447,124 +352,31 @@ def main() -> None:
                     run({b: f}, o)
     print(f"fp32 continuation held-out loss (end, path) by order: {base}", flush=True)
     base_end = [base[o][0] for o in orders]
-
-    def harms_of_run(formats: dict[str, str], which: int, over: list[int] | None = None) -> list[float]:
-        return [run(formats, o)[which] - base[o][which] for o in (orders if over is None else over)]
-
+    harms = Harms(run, base, orders)
     # (i) allocation level, measured at the end of the continuation
-    lo = solve(risk, memory, args.budget)
-    allocations = {"risk-min": lo.formats, "risk-max": riskiest(risk, memory, args.budget)}
-    for k in range(args.random):
-        gen = torch.Generator().manual_seed(100 + k)
-        rnd = {b: {f: float(torch.rand(1, generator=gen)) for f in r} for b, r in risk.items()}
-        allocations[f"random {k}"] = solve(rnd, memory, args.budget).formats
-    alloc_rows, harms_of = [], {}
-    for label, alloc in allocations.items():
-        harms = harms_of_run(alloc, 0)
-        harms_of[label] = harms
-        mem = sum(memory[b][f] for b, f in alloc.items()) / sum(memory[b]["fp32"] for b in memory)
-        predicted = sum(risk[b][f] for b, f in alloc.items())
-        m, s = mean_sem(harms)
-        counts = ", ".join(f"{f} {n}" for f, n in sorted(_count(alloc.values()).items()))
-        alloc_rows.append([label, f"{mem:.3f}", f"{predicted:.4g}", f"{m:+.4f}", f"{s:.4f}", counts])
-        print(alloc_rows[-1], flush=True)
+    alloc_rows, harms_of = _allocation_rows(_allocations(args, risk, memory), harms, risk, memory)
     random_means = [stats.mean(harms_of[k]) for k in harms_of if k.startswith("random")]
     median_random = stats.median(random_means) if random_means else math.nan
-
-    model_text = (
-        f"a {args.layers}-layer character GPT (width {args.embd}, {sum(p.numel() for p in model.parameters()):,} "
-        f"parameters), held-out set {args.eval_seqs} x 64 tokens"
-        if args.task == "chargpt"
-        else f"a small DDPM UNet on digits ({sum(p.numel() for p in model.parameters()):,} parameters), held-out "
-        f"denoising MSE on 397 images x 8 fixed (t, noise) draws"
-        if args.task == "ddpm"
-        else f"an 8-layer MLP ({sum(p.numel() for p in model.parameters()):,} parameters)"
-    )
-    warm_text = "fp32 warm-up" if start is None else (
-        f"warm-up in the start allocation (least prior risk at budget {args.budget}: "
-        + ", ".join(f"{f} {n}" for f, n in sorted(_count(start.values()).items())) + "; risks against shadow moments)"
-    )
+    texts = (_model_text(args, model), _warm_text(args, start))
     if args.allocations_only:
-        allocation_report(args, task, start, base_end, model_text, warm_text, median_random, harms_of, alloc_rows)
+        allocation_report(args, task, start, base_end, *texts, median_random, harms_of, alloc_rows)
         return
-
     # (ii) block level: the largest 2-D blocks; harm at the end and along the whole continuation
     block_rows = []
     for b in chosen:
         for f in args.formats:
             row = [b, f, f"{risk[b][f]:.3g}"]
             for which in (0, 1):
-                m, s = mean_sem(harms_of_run({b: f}, which, orders_of[f]))
+                m, s = mean_sem(harms({b: f}, which, orders_of[f]))
                 row += [f"{m:+.5f}", f"{s:.5f}"]
             block_rows.append(row)
             print(block_rows[-1], flush=True)
-
-    def correlations(start: int = 0) -> list[list[object]]:
-        """The Spearman rows of (ii), from the harms measured on each format's data orders from ``start`` on."""
-        corr_rows = []
-        for which, name in ((0, "end"), (1, "path")):
-            pairs = [(f, risk[b][f], harms_of_run({b: f}, which, orders_of[f][start:]))
-                     for f in args.formats for b in chosen]
-            for label in [*args.formats, "all"]:
-                sub = [x for x in pairs if label == "all" or x[0] == label]
-                c = harm_correlation([p for _, p, _ in sub], [h for _, _, h in sub], [f for f, _, _ in sub])
-                corr_rows.append([name, label, _with_floor(c.rho, c.rho_sd), len(sub), f"{c.above}/{len(sub)}",
-                                  f"{c.gains}/{len(sub)}", _with_floor(c.rho_above, c.rho_above_sd)])
-        return corr_rows
-
-    corr_rows = correlations()
-    replicate_text = ""
-    if 0 < args.replicate_from < len(orders):
-        k = args.replicate_from
-        replicate_text = (
-            f"\n\nThe same over data orders {k}..{len(orders) - 1}"
-            + "".join(f" ({f}: {k}..{len(o) - 1})" for f, o in orders_of.items() if len(o) > len(orders))
-            + " alone: the risk model's 8-bit v term was last changed after "
-            f"orders 0..{k - 1} had been measured, so these orders test it on data it was not shaped on:\n\n"
-            + markdown_table(["harm", "formats", "Spearman", "pairs", "harms above noise", "gains",
-                              "Spearman over harms above noise"], correlations(k))
-        )
-
     group_text = ""
     if args.groups:
         group_text = "\n\n" + momentum_groups(run, base, orders, chosen, risk, shapes, blocks, args.groups)
-
-    paired = [harms_of["risk-max"][i] - harms_of["risk-min"][i] for i in range(len(orders))]
-    pm, ps = mean_sem(paired)
-    vs_random = [
-        stats.median(harms_of[k][i] for k in harms_of if k.startswith("random")) - harms_of["risk-min"][i]
-        for i in range(len(orders))
-    ]
-    rm, rs = mean_sem(vs_random)
-    more = {f: len(o) for f, o in orders_of.items() if len(o) > args.orders}
-    more_text = (
-        " In (ii), " + ", ".join(f"`{f}` is measured on {n} data orders" for f, n in more.items())
-        + ": its single-block harms sit close to the noise floor, which falls as one over the square root of the "
-        "orders."
-        if more else ""
-    )
     summary = (
-        f"Task `{task.name}`, {model_text}: {warm_text} {args.warmup} steps, then {args.steps} steps at constant lr "
-        f"{task.lr}, {args.orders} data orders (paired). Harm = held-out loss minus the fp32 continuation's "
-        f"on the same order, mean and standard error (the noise floor) over orders; 'end' is the mean of "
-        f"{EVAL_POINTS} evaluations over the last fifth, 'path' the mean of {2 * EVAL_POINTS} evaluations spread "
-        f"over the whole continuation. Budget {args.budget} of fp32 AdamW state. fp32 continuation held-out loss "
-        f"(end): {stats.mean(base_end):.4f} (spread over orders {max(base_end) - min(base_end):.4f}).{more_text}\n\n"
-        f"(i) allocations, harm at the end (median of the random ones: {median_random:+.4f}); paired by order, "
-        f"risk-max minus risk-min {pm:+.4f} +- {ps:.4f} (sem), median random minus risk-min "
-        f"{rm:+.4f} +- {rs:.4f}:\n\n"
-        + markdown_table(["allocation", "memory / fp32", "predicted risk", "harm", "sem", "blocks per format"], alloc_rows)
-        + "\n\n(ii) one block at a time, Spearman(predicted risk, measured harm); 'harms above noise' counts "
-        "harms beyond +2 sem, 'gains' held-out losses below fp32's by more than 2 sem, and the last column is "
-        "the Spearman over the harms above noise alone. Beside each Spearman, its noise floor: the standard "
-        "deviation over 400 redraws of the data orders with replacement (one redraw per format, shared by its "
-        "blocks, as the runs are paired):\n\n"
-        + markdown_table(["harm", "formats", "Spearman", "pairs", "harms above noise", "gains", "Spearman over harms above noise"],
-                         corr_rows)
-        + replicate_text
-        + "\n\n<details markdown=\"1\"><summary>block-level runs</summary>\n\n"
-        + markdown_table(["block", "format", "predicted risk", "harm (end)", "sem", "harm (path)", "sem"], block_rows)
-        + "\n\n</details>"
+        _summary_head(args, task, *texts, base_end, median_random, harms_of, orders_of, alloc_rows)
+        + _block_text(args, harms, orders_of, chosen, risk, block_rows)
         + group_text
     )
     print(summary)
@@ -576,13 +388,135 @@ def main() -> None:
         )
 
 
-def allocation_report(args: argparse.Namespace, task: Any, start: Any, base_end: list[float], model_text: str,
-                      warm_text: str, median_random: float, harms_of: dict[str, list[float]], alloc_rows: list) -> None:
-    """Print (i) alone and write it into its docs section (``--allocations-only``)."""
-    n = len(base_end)
+def _allocations(args: argparse.Namespace, risk: dict, memory: dict) -> dict[str, dict[str, str]]:
+    """(i)'s allocations at the budget: the least and the most risky, and ``--random`` random ones (the
+    solver's on random risks)."""
+    allocations = {"risk-min": solve(risk, memory, args.budget).formats,
+                   "risk-max": riskiest(risk, memory, args.budget)}
+    for k in range(args.random):
+        gen = torch.Generator().manual_seed(100 + k)
+        rnd = {b: {f: float(torch.rand(1, generator=gen)) for f in r} for b, r in risk.items()}
+        allocations[f"random {k}"] = solve(rnd, memory, args.budget).formats
+    return allocations
+
+
+def _allocation_rows(allocations: dict[str, dict[str, str]], harms: Harms, risk: dict,
+                     memory: dict) -> tuple[list[list[object]], dict[str, list[float]]]:
+    """(i)'s table rows, and each allocation's harms by order (at the end)."""
+    rows, harms_of = [], {}
+    for label, alloc in allocations.items():
+        harms_of[label] = harms(alloc, 0)
+        mem = sum(memory[b][f] for b, f in alloc.items()) / sum(memory[b]["fp32"] for b in memory)
+        predicted = sum(risk[b][f] for b, f in alloc.items())
+        m, s = mean_sem(harms_of[label])
+        counts = ", ".join(f"{f} {n}" for f, n in sorted(_count(alloc.values()).items()))
+        rows.append([label, f"{mem:.3f}", f"{predicted:.4g}", f"{m:+.4f}", f"{s:.4f}", counts])
+        print(rows[-1], flush=True)
+    return rows, harms_of
+
+
+def _paired(harms_of: dict[str, list[float]], n: int) -> tuple[float, float, float, float]:
+    """Paired by order: risk-max minus risk-min, and the median random minus risk-min (mean, sem each)."""
     pm, ps = mean_sem([harms_of["risk-max"][i] - harms_of["risk-min"][i] for i in range(n)])
     randoms = [k for k in harms_of if k.startswith("random")]
     rm, rs = mean_sem([stats.median(harms_of[k][i] for k in randoms) - harms_of["risk-min"][i] for i in range(n)])
+    return pm, ps, rm, rs
+
+
+def _model_text(args: argparse.Namespace, model: nn.Module) -> str:
+    size = f"{sum(p.numel() for p in model.parameters()):,}"
+    if args.task == "chargpt":
+        return (f"a {args.layers}-layer character GPT (width {args.embd}, {size} parameters), held-out set "
+                f"{args.eval_seqs} x 64 tokens")
+    if args.task == "ddpm":
+        return (f"a small DDPM UNet on digits ({size} parameters), held-out denoising MSE on 397 images x 8 fixed "
+                "(t, noise) draws")
+    return f"an 8-layer MLP ({size} parameters)"
+
+
+def _warm_text(args: argparse.Namespace, start: dict[str, str] | None) -> str:
+    if start is None:
+        return "fp32 warm-up"
+    counts = ", ".join(f"{f} {n}" for f, n in sorted(_count(start.values()).items()))
+    return f"warm-up in the start allocation (least prior risk at budget {args.budget}: {counts}; risks against " \
+        "shadow moments)"
+
+
+def _summary_head(args: argparse.Namespace, task: Task, model_text: str, warm_text: str, base_end: list[float],
+                  median_random: float, harms_of: dict[str, list[float]], orders_of: dict[str, list[int]],
+                  alloc_rows: list[list[object]]) -> str:
+    """The task, the recipe and (i)'s table."""
+    pm, ps, rm, rs = _paired(harms_of, len(base_end))
+    more = {f: len(o) for f, o in orders_of.items() if len(o) > args.orders}
+    more_text = (
+        " In (ii), " + ", ".join(f"`{f}` is measured on {n} data orders" for f, n in more.items())
+        + ": its single-block harms sit close to the noise floor, which falls as one over the square root of the "
+        "orders."
+        if more else ""
+    )
+    return (
+        f"Task `{task.name}`, {model_text}: {warm_text} {args.warmup} steps, then {args.steps} steps at constant lr "
+        f"{task.lr}, {args.orders} data orders (paired). Harm = held-out loss minus the fp32 continuation's "
+        f"on the same order, mean and standard error (the noise floor) over orders; 'end' is the mean of "
+        f"{EVAL_POINTS} evaluations over the last fifth, 'path' the mean of {2 * EVAL_POINTS} evaluations spread "
+        f"over the whole continuation. Budget {args.budget} of fp32 AdamW state. fp32 continuation held-out loss "
+        f"(end): {stats.mean(base_end):.4f} (spread over orders {max(base_end) - min(base_end):.4f}).{more_text}\n\n"
+        f"(i) allocations, harm at the end (median of the random ones: {median_random:+.4f}); paired by order, "
+        f"risk-max minus risk-min {pm:+.4f} +- {ps:.4f} (sem), median random minus risk-min "
+        f"{rm:+.4f} +- {rs:.4f}:\n\n"
+        + markdown_table(["allocation", "memory / fp32", "predicted risk", "harm", "sem", "blocks per format"], alloc_rows)
+    )
+
+
+CORRELATION_HEADERS = ["harm", "formats", "Spearman", "pairs", "harms above noise", "gains",
+                       "Spearman over harms above noise"]
+
+
+def _correlations(args: argparse.Namespace, harms: Harms, orders_of: dict[str, list[int]], chosen: list[str],
+                  risk: dict, start: int = 0) -> list[list[object]]:
+    """The Spearman rows of (ii), from the harms measured on each format's data orders from ``start`` on."""
+    rows = []
+    for which, name in ((0, "end"), (1, "path")):
+        pairs = [(f, risk[b][f], harms({b: f}, which, orders_of[f][start:])) for f in args.formats for b in chosen]
+        for label in [*args.formats, "all"]:
+            sub = [x for x in pairs if label == "all" or x[0] == label]
+            c = harm_correlation([p for _, p, _ in sub], [h for _, _, h in sub], [f for f, _, _ in sub])
+            rows.append([name, label, _with_floor(c.rho, c.rho_sd), len(sub), f"{c.above}/{len(sub)}",
+                         f"{c.gains}/{len(sub)}", _with_floor(c.rho_above, c.rho_above_sd)])
+    return rows
+
+
+def _block_text(args: argparse.Namespace, harms: Harms, orders_of: dict[str, list[int]], chosen: list[str],
+                risk: dict, block_rows: list[list[object]]) -> str:
+    """(ii): the correlations, over every order and over the held-out orders, and the block-level runs."""
+    replicate_text = ""
+    if 0 < args.replicate_from < args.orders:
+        k = args.replicate_from
+        replicate_text = (
+            f"\n\nThe same over data orders {k}..{args.orders - 1}"
+            + "".join(f" ({f}: {k}..{len(o) - 1})" for f, o in orders_of.items() if len(o) > args.orders)
+            + " alone: the risk model's 8-bit v term was last changed after "
+            f"orders 0..{k - 1} had been measured, so these orders test it on data it was not shaped on:\n\n"
+            + markdown_table(CORRELATION_HEADERS, _correlations(args, harms, orders_of, chosen, risk, k))
+        )
+    return (
+        "\n\n(ii) one block at a time, Spearman(predicted risk, measured harm); 'harms above noise' counts "
+        "harms beyond +2 sem, 'gains' held-out losses below fp32's by more than 2 sem, and the last column is "
+        "the Spearman over the harms above noise alone. Beside each Spearman, its noise floor: the standard "
+        "deviation over 400 redraws of the data orders with replacement (one redraw per format, shared by its "
+        "blocks, as the runs are paired):\n\n"
+        + markdown_table(CORRELATION_HEADERS, _correlations(args, harms, orders_of, chosen, risk))
+        + replicate_text
+        + "\n\n<details markdown=\"1\"><summary>block-level runs</summary>\n\n"
+        + markdown_table(["block", "format", "predicted risk", "harm (end)", "sem", "harm (path)", "sem"], block_rows)
+        + "\n\n</details>"
+    )
+
+
+def allocation_report(args: argparse.Namespace, task: Any, start: Any, base_end: list[float], model_text: str,
+                      warm_text: str, median_random: float, harms_of: dict[str, list[float]], alloc_rows: list) -> None:
+    """Print (i) alone and write it into its docs section (``--allocations-only``)."""
+    pm, ps, rm, rs = _paired(harms_of, len(base_end))
     summary = (
         f"Task `{task.name}`, {model_text}: {warm_text} {args.warmup} steps, then {args.steps} steps at constant lr "
         f"{task.lr}, {args.orders} data orders (paired). Harm = held-out loss minus the fp32 continuation's "
