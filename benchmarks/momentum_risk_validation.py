@@ -88,7 +88,7 @@ def make_optimizer(optimizer: str, model: nn.Module, lr: float) -> BlockwiseSGD 
 
 
 def momentum_digits_task(lr: float) -> Task:
-    """``risk_validation.digits_task`` (data, batches, held-out loss, architecture) with He initialization
+    """``_tasks.digits_task`` (data, batches, held-out loss, architecture) with He initialization
     (SGD does not leave the plateau of torch's default one) and learning rate ``lr``."""
     base = digits_task()
 
