@@ -25,6 +25,7 @@ import argparse
 import json
 import statistics as stats
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -87,7 +88,8 @@ def direction_distortion(m: torch.Tensor, v: torch.Tensor, v_q: torch.Tensor, ep
     return float(((u_q - u) ** 2).sum()), float((u * u).sum())
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
+    """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--task", choices=["chargpt", "ddpm"], default="ddpm")
     parser.add_argument("--warmup", type=int, default=300)
@@ -101,7 +103,55 @@ def main() -> None:
     parser.add_argument("--results-dir", type=Path, default=Path(__file__).parent / "runs")
     parser.add_argument("--no-docs", "--no-readme", dest="no_docs", action="store_true",
                         help="print the table only (--no-readme: former name)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+class CustomRuns:
+    """Held-out losses (end) of torch-Adam continuations with a change applied to one block after every step,
+    cached beside ``risk_validation.py``'s runs: ``"none"`` (the plain continuation), ``"v"`` (v alone
+    re-encoded in 8 bits) or ``"bump"`` (the block's steps ``1 + bump`` times larger)."""
+
+    def __init__(self, task: Any, warm: tuple[bytes, bytes], blocks: dict[str, list[str]], args: argparse.Namespace,
+                 config: dict) -> None:
+        self.task, self.warm, self.blocks, self.steps, self.factor = task, warm, blocks, args.steps, args.bump
+        self.path = args.results_dir / f"int8_mechanism_{args.task}.json"
+        self.cache = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.mine = self.cache.setdefault(json.dumps({**config, "bump": args.bump}, sort_keys=True), {})
+
+    def __call__(self, kind: str, block: str, order: int) -> float:
+        key = json.dumps([kind, block, order])
+        if key not in self.mine:
+            net, warm_opt = restore(self.task, self.warm)
+            targets = [dict(net.named_parameters())[n] for n in self.blocks[block]]
+            before: list[torch.Tensor] = []
+
+            def v_alone(opt: torch.optim.Optimizer) -> None:
+                for p in targets:
+                    opt.state[p]["exp_avg_sq"].copy_(round_trip_v(opt.state[p]["exp_avg_sq"]))
+
+            def bump(opt: torch.optim.Optimizer) -> None:
+                with torch.no_grad():
+                    for p, q in zip(targets, before):
+                        p.add_(p - q, alpha=self.factor)
+
+            stepper = _Stepper(net, warm_opt, self.task.lr, {"v": v_alone, "bump": bump}.get(kind))
+            if kind == "bump":
+                inner = stepper.step
+
+                def step() -> None:
+                    before[:] = [p.detach().clone() for p in targets]
+                    inner()
+
+                stepper.step = step  # type: ignore[method-assign]
+            gen = torch.Generator().manual_seed(order)
+            self.mine[key] = _train(self.task, net, stepper, self.steps, gen, EVAL_POINTS)[0]
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(self.cache))
+        return self.mine[key]
+
+
+def main() -> None:
+    args = _arguments()
     torch.set_num_threads(1)
     task = chargpt_task(args.layers, args.embd, args.eval_seqs) if args.task == "chargpt" else ddpm_task()
     model = task.make_model()
@@ -113,50 +163,40 @@ def main() -> None:
     config = run_config(args)
     runs = Runs(task, warm, blocks, args.steps, args.results_dir / f"risk_validation_{args.task}.json", config)
     base = {o: runs({}, o) for o in orders}
-
-    cache_path = args.results_dir / f"int8_mechanism_{args.task}.json"
-    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
-    mine = cache.setdefault(json.dumps({**config, "bump": args.bump}, sort_keys=True), {})
-
-    def custom(kind: str, block: str, order: int) -> float:
-        """Held-out loss (end) of a torch-Adam continuation with ``kind`` applied to ``block``."""
-        key = json.dumps([kind, block, order])
-        if key not in mine:
-            net, warm_opt = restore(task, warm)
-            targets = [dict(net.named_parameters())[n] for n in blocks[block]]
-            before: list[torch.Tensor] = []
-
-            def v_alone(opt: torch.optim.Optimizer) -> None:
-                for p in targets:
-                    opt.state[p]["exp_avg_sq"].copy_(round_trip_v(opt.state[p]["exp_avg_sq"]))
-
-            def bump(opt: torch.optim.Optimizer) -> None:
-                with torch.no_grad():
-                    for p, q in zip(targets, before):
-                        p.add_(p - q, alpha=args.bump)
-
-            stepper = _Stepper(net, warm_opt, task.lr, {"v": v_alone, "bump": bump}.get(kind))
-            if kind == "bump":
-                inner = stepper.step
-
-                def step() -> None:
-                    before[:] = [p.detach().clone() for p in targets]
-                    inner()
-
-                stepper.step = step  # type: ignore[method-assign]
-            mine[key] = _train(task, net, stepper, args.steps, torch.Generator().manual_seed(order), EVAL_POINTS)[0]
-            cache_path.parent.mkdir(parents=True, exist_ok=True)
-            cache_path.write_text(json.dumps(cache))
-        return mine[key]
+    custom = CustomRuns(task, warm, blocks, args, config)
 
     # the torch Adam continuation must reproduce BlockwiseAdamW's fp32 one, or the harms are not paired
     plain = custom("none", chosen[0], orders[0])
     if abs(plain - base[orders[0]][0]) > 1e-6 * abs(base[orders[0]][0]):
         raise RuntimeError(f"torch Adam continuation {plain} != BlockwiseAdamW fp32 {base[orders[0]][0]}")
 
-    # one round trip, and the distortion along training (int8 on all chosen blocks, shadow fp32 m, v)
+    shares, once, along = _distortions(task, warm, blocks, chosen, args.steps)
+    rows, table = [], {}
+    for b in chosen:
+        int8 = [runs({b: "int8"}, o)[0] - base[o][0] for o in orders]
+        v_only = [custom("v", b, o) - base[o][0] for o in orders]
+        bumped = [custom("bump", b, o) - base[o][0] for o in orders]
+        table[b] = {
+            "share": shares[b], "once": once[b][0] / once[b][1], "along": stats.mean(along[b]),
+            "int8": mean_sem(int8), "v": mean_sem(v_only), "bump": mean_sem(bumped),
+        }
+        t = table[b]
+        rows.append([b, f"{t['share']:.3f}", f"{t['once']:.2e}", f"{t['along']:.4f}",
+                     *(f"{t[k][0]:+.6f} +- {t[k][1]:.6f}" for k in ("int8", "v", "bump"))])
+        print(rows[-1], flush=True)
+    summary = _summary(args, task, chosen, table, rows)
+    print(summary)
+    if not args.no_docs:
+        write_docs_section("benchmarks/int8-mechanism.md", f"int8_mechanism_{task.name}",
+                           f"Machine: {machine()}. Command: `{command()}`\n\n{summary}")
+
+
+def _distortions(task: Any, warm: tuple[bytes, bytes], blocks: dict[str, list[str]], chosen: list[str],
+                 steps: int) -> tuple[dict[str, float], dict[str, list[float]], dict[str, list[float]]]:
+    """Each block's share of progress, the distortion of one round trip of v (error and norm summed over the
+    block's tensors), and the distortion along training (int8 on all chosen blocks, shadow fp32 m, v)."""
     _, warm_opt = restore(task, warm)
-    shares = {b: d.share for b, d in risk_details(warm_opt, blocks, horizon=args.steps).items()}
+    shares = {b: d.share for b, d in risk_details(warm_opt, blocks, horizon=steps).items()}
     once: dict[str, list[float]] = {b: [0.0, 0.0] for b in chosen}
     for b in chosen:
         for name in blocks[b]:
@@ -172,9 +212,9 @@ def main() -> None:
     names = [n for b in chosen for n in blocks[b]]
     shadow = {n: [opt.param_state(n).exp_avg.clone().float(), opt.param_state(n).dense_v().clone().float()] for n in names}
     opt.set_formats({b: "int8" for b in chosen}, blocks=blocks)
-    along = {b: [] for b in chosen}
+    along: dict[str, list[float]] = {b: [] for b in chosen}
     gen = torch.Generator().manual_seed(0)
-    for step in range(args.steps):
+    for step in range(steps):
         opt.zero_grad(set_to_none=True)
         task.loss(net, step, gen).backward()
         for n in names:
@@ -190,25 +230,15 @@ def main() -> None:
                     e, s = direction_distortion(m, v, opt.param_state(n).dense_v().float())
                     err, usq = err + e, usq + s
                 along[b].append(err / usq)
+    return shares, once, along
 
-    rows, table = [], {}
-    for b in chosen:
-        int8 = [runs({b: "int8"}, o)[0] - base[o][0] for o in orders]
-        v_only = [custom("v", b, o) - base[o][0] for o in orders]
-        bumped = [custom("bump", b, o) - base[o][0] for o in orders]
-        table[b] = {
-            "share": shares[b], "once": once[b][0] / once[b][1], "along": stats.mean(along[b]),
-            "int8": mean_sem(int8), "v": mean_sem(v_only), "bump": mean_sem(bumped),
-        }
-        t = table[b]
-        rows.append([b, f"{t['share']:.3f}", f"{t['once']:.2e}", f"{t['along']:.4f}",
-                     *(f"{t[k][0]:+.6f} +- {t[k][1]:.6f}" for k in ("int8", "v", "bump"))])
-        print(rows[-1], flush=True)
+
+def _summary(args: argparse.Namespace, task: Any, chosen: list[str], table: dict[str, dict], rows: list) -> str:
     harm = [table[b]["int8"][0] for b in chosen]
     rho = {k: spearman([table[b][k] for b in chosen], harm) for k in ("once", "along", "share")}
     agree = max(abs(table[b]["v"][0] - table[b]["int8"][0]) for b in chosen)
     bump_max = max(abs(table[b]["bump"][0]) for b in chosen)
-    summary = (
+    return (
         f"Task `{task.name}`: fp32 warm-up {args.warmup} steps, then {args.steps} steps, {args.orders} paired data "
         f"orders; the {len(chosen)} largest 2-D blocks, one at a time; harm at the end, mean +- sem.\n\n"
         + markdown_table(["block", "share of progress", "distortion, one round trip", "distortion along training",
@@ -217,11 +247,6 @@ def main() -> None:
         f"share of progress {rho['share']:+.2f}. Re-encoding v alone matches int8's harm within {agree:.1e} "
         f"on every block; {1 + args.bump:.2f}x larger steps move the loss by at most {bump_max:.1e}."
     )
-    print(summary)
-    if not args.no_docs:
-        write_docs_section("benchmarks/int8-mechanism.md", f"int8_mechanism_{task.name}",
-                           f"Machine: {machine()}. Command: `{command()}`\n\n{summary}")
-
 
 if __name__ == "__main__":
     main()
