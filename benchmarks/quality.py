@@ -14,7 +14,7 @@ optimizer-state choice a user could make), train from the same seeds and report
 
 Rows: ``fp32`` (the module's own ``torch.optim.AdamW``); the uniform formats of
 ``BlockwiseAdamW`` (``bf16``, ``int8``, ``nomomentum``, ``factored``); ``fp16_nomomentum``, a naive
-fp16-state AdamW without momentum (:class:`NaiveFP16AdamW`, defined here); the peers a user would
+fp16-state AdamW without momentum (:class:`NaiveFP16AdamW`, in ``_quality_rows.py``); the peers a user would
 pick (bitsandbytes ``AdamW8bit``, torchao ``AdamW8bit``, Adam-mini), each ``unavailable: <reason>``
 when it does not import or run on this machine; and the ``BAOC`` callback at budgets 0.5, 0.35 and
 0.25 (``pending`` while ``lightning_baoc.BAOC`` does not import). Every run is cached as JSON under
@@ -34,7 +34,6 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import math
@@ -45,20 +44,42 @@ import time
 import traceback
 import warnings
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import lightning as L
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 from _report import DOCS, command, machine, markdown_table, write_docs_section  # noqa: E402
-from lightning_baoc import BlockwiseAdamW  # noqa: E402
 from lightning_baoc.optim import BlockwiseOptimizer  # noqa: E402
 from workloads import RECIPES, WORKLOADS, Workload, build  # noqa: E402
+from _quality_rows import (  # noqa: E402
+    BAOC_BUDGETS,
+    RECORDED_FAMILIES,
+    ROWS,
+    NaiveFP16AdamW,  # noqa: F401  (the rows' reference optimizer, imported from here by the tests)
+    Row,
+    _adamw_kwargs,  # noqa: F401  (bf16_weights.py builds its fp32 rows with it)
+    _baoc_class,
+    _version,
+    availability,
+    measured_state_bytes,
+)
+from _quality_tables import (  # noqa: E402
+    Summary,
+    _fmt_bytes,
+    _fmt_quality,
+    _mean_sd,
+    _noise,
+    _seed_text,
+    save_plot,
+    steps_to_reach,
+    summarize,
+    targets_table,
+)
 
 HERE = Path(__file__).resolve().parent
 PAGE = "benchmarks/quality.md"  # the docs page (under docs/) the tables go to
@@ -67,7 +88,6 @@ PAGE = "benchmarks/quality.md"  # the docs page (under docs/) the tables go to
 # 2 CPU cores, most of it the char GPT.
 DEFAULT_STEPS = {"vit_digits": 1000, "char_gpt": 1000, "ddpm_digits": 1000}
 RECIPE_NAMES = ("realistic", "stress")
-BAOC_BUDGETS = {"baoc_0.5": 0.5, "baoc_0.35": 0.35, "baoc_0.25": 0.25}
 CACHE_VERSION = 1  # bump when a change makes cached runs incomparable
 # BAOC rows only: 2 since format conversions encode their pools in a fixed order (before, the
 # stochastic-rounding noise of a conversion depended on the process's string-hash seed, so a BAOC
@@ -76,12 +96,6 @@ CACHE_VERSION = 1  # bump when a change makes cached runs incomparable
 # since the compiled CPU step and its numerics (stochastic rounding keyed by seed, name and step;
 # a correctly rounded square root; two divisions as products by exact reciprocals).
 BAOC_CACHE_VERSION = 4
-# BAOC rows of past versions, kept beside today's: never trained again (the code that ran them is
-# gone), read from the cache under their suffixed names. Suffix -> (cache version, label).
-RECORDED_FAMILIES = {
-    "fp32_warmup": (2, "fp32 warm-up (recorded)"),
-    "eager_step": (3, "eager step (recorded)"),
-}
 RECORDED_BAOC = {f"{name}_{suffix}": suffix for name in BAOC_BUDGETS for suffix in RECORDED_FAMILIES}
 #: Lightning's accelerator of the runs (``--accelerator``); runs elsewhere than the CPU record it in
 #: their config, so a cache never mixes devices.
@@ -116,262 +130,6 @@ def machine_of(results: Iterable[dict[str, Any]]) -> str:
     """The machine the cached ``results`` were trained on, as they recorded it (this one where none did)."""
     seen = sorted({r["machine"] for r in results if r.get("machine")})
     return "; ".join(seen) if seen else machine()
-
-
-# ------------------------------------------------------------------------ reference optimizer
-
-
-class NaiveFP16AdamW(torch.optim.Optimizer):
-    """AdamW as a naive user would shrink it: no momentum, second moment stored in fp16.
-
-    The reference for the paper's "uniform low precision (FP16 / no momentum)" row, 2 bytes per
-    parameter. Per step, with ``g`` the gradient and ``v`` the fp16 state:
-
-        v <- fp16_round_to_nearest(beta2 * v + (1 - beta2) * g^2)
-        p <- p * (1 - lr * weight_decay) - lr * g / (sqrt(v / (1 - beta2^t)) + eps)
-
-    The math runs in fp32; only the stored ``v`` is fp16 (round to nearest, as ``Tensor.half()``),
-    so ``g^2`` under fp16's smallest subnormal (6e-8, i.e. ``|g|`` < 2.4e-4) is lost and the update
-    divides a raw gradient by little more than ``eps``. ``betas[0]`` is accepted for AdamW's
-    signature and ignored. Slow, readable, not for production.
-
-    Args:
-        params: Parameters or param groups.
-        lr: Learning rate (default: 1e-3).
-        betas: ``(beta1, beta2)``; beta1 is unused (default: (0.9, 0.999)).
-        eps: Added to the denominator (default: 1e-8).
-        weight_decay: Decoupled weight decay (default: 1e-2).
-
-    Example:
-        >>> opt = NaiveFP16AdamW(nn.Linear(4, 4).parameters(), lr=1e-3)
-    """
-
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-    ) -> None:
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr=}")
-        if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta2 parameter: {betas[1]=}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, (_, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float16)
-                state["step"] += 1
-                g = p.grad.float()
-                v = state["exp_avg_sq"].float().mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-                state["exp_avg_sq"].copy_(v)  # round to nearest fp16: the naive part
-                denom = (state["exp_avg_sq"].float() / (1.0 - beta2 ** state["step"])).sqrt_().add_(eps)
-                p.mul_(1.0 - lr * wd)
-                p.add_((g / denom).to(p.dtype), alpha=-lr)
-        return loss
-
-
-# ------------------------------------------------------------------------------ measurement
-
-
-def _leaf_tensors(value: Any) -> Iterator[Tensor]:
-    """Plain tensors inside a state value, through tensor subclasses (torchao's 8-bit states)."""
-    if not isinstance(value, Tensor):
-        return
-    if type(value) is not Tensor and hasattr(value, "__tensor_flatten__"):
-        names, _ = value.__tensor_flatten__()
-        for name in names:
-            yield from _leaf_tensors(getattr(value, name))
-    else:
-        yield value
-
-
-def measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of optimizer state really allocated by ``optimizer``.
-
-    ``BlockwiseAdamW``: its ``state_bytes()`` (tested to equal its pools' storage). Any other
-    optimizer: the sum of ``untyped_storage().nbytes()`` over the unique storages of the tensors in
-    ``optimizer.state`` (tensor subclasses flattened to their inner tensors; tensors sharing a
-    storage, e.g. a quantization map, counted once). The per-tensor ``step`` counters are left out,
-    as ``BlockwiseAdamW.state_bytes()`` leaves them out: they are bookkeeping of a few bytes per
-    tensor, not per element. So fp32 ``torch.optim.AdamW`` measures exactly 8 bytes per parameter.
-    """
-    if isinstance(optimizer, BlockwiseOptimizer):  # BlockwiseAdamW, BlockwiseSGD, BlockwiseLion
-        return int(optimizer.state_bytes())
-    storages: dict[tuple[str, int], int] = {}
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if key == "step":
-                continue
-            for t in _leaf_tensors(value):
-                storage = t.untyped_storage()
-                if storage.nbytes():
-                    storages[(str(t.device), storage.data_ptr())] = storage.nbytes()
-    return sum(storages.values())
-
-
-# -------------------------------------------------------------------------------------- rows
-
-
-@dataclass(frozen=True)
-class Row:
-    """One optimizer-state choice.
-
-    Attributes:
-        name: Key on the command line and in the cache.
-        label: Text in the table.
-        make: Builds the optimizer for a module (None: the module's own ``torch.optim.AdamW``).
-        budget: BAOC's memory budget (BAOC rows only).
-        module: Python package the row needs, for the availability check and its version.
-        recorded: the row is read from the cache only, never trained (a past version's runs).
-        precision: Lightning's ``precision`` of the run (``"bf16-true"``: bf16 weights and gradients).
-        baoc: More keyword arguments of ``BAOC`` as ``(name, value)`` pairs (BAOC rows only).
-    """
-
-    name: str
-    label: str
-    make: Callable[[Workload], torch.optim.Optimizer] | None = None
-    budget: float | None = None
-    module: str | None = None
-    recorded: bool = False
-    precision: str = "32-true"
-    baoc: tuple[tuple[str, Any], ...] = ()  # more arguments of BAOC (BAOC rows only)
-
-
-def _adamw_kwargs(module: Workload) -> dict[str, Any]:
-    r = module.recipe
-    return dict(lr=r.lr, betas=r.betas, eps=r.eps, weight_decay=r.weight_decay)
-
-
-def _blockwise(fmt: str) -> Callable[[Workload], torch.optim.Optimizer]:
-    def make(module: Workload) -> torch.optim.Optimizer:
-        return BlockwiseAdamW(module.param_groups(), **_adamw_kwargs(module), state_format=fmt, param_names=module)
-
-    return make
-
-
-def _naive_fp16(module: Workload) -> torch.optim.Optimizer:
-    return NaiveFP16AdamW(module.param_groups(), **_adamw_kwargs(module))
-
-
-def _bnb(module: Workload) -> torch.optim.Optimizer:
-    import bitsandbytes as bnb
-
-    return bnb.optim.AdamW8bit(module.param_groups(), **_adamw_kwargs(module))  # default min_8bit_size=4096
-
-
-def _torchao(module: Workload) -> torch.optim.Optimizer:
-    from torchao.optim import AdamW8bit
-
-    return AdamW8bit(module.param_groups(), **_adamw_kwargs(module))  # block 256; < 4096 elements stay fp32
-
-
-def _adam_mini(module: Workload) -> torch.optim.Optimizer:
-    from adam_mini import Adam_mini
-
-    # Adam-mini finds blocks by parameter names; its README asks users to add their own names. It
-    # takes named parameters, not groups, and picks weight decay by name (none for norm/ln/bias),
-    # so the ViT's cls_token / pos_embed are decayed here, unlike in the AdamW groups.
-    # dim / n_heads: the transformer's width and heads (unused by the conv UNet: no q/k names).
-    hp = module.hparams
-    dim = int(hp.get("dim", hp.get("n_embd", 64)))
-    heads = int(hp.get("heads", hp.get("n_head", 1)))
-    opt = Adam_mini(module.named_parameters(), **_adamw_kwargs(module), dim=dim, n_heads=heads, verbose=False)
-    opt.wqk_names.add("qkv")  # fused q, k, v: one second moment per head of each
-    opt.embd_names.add("wpe")  # the GPT's position embedding
-    return opt
-
-
-ROWS: dict[str, Row] = {
-    r.name: r
-    for r in [
-        Row("fp32", "fp32 AdamW (torch)"),
-        Row("bf16", "uniform bf16 (BlockwiseAdamW)", _blockwise("bf16")),
-        Row("fp16_nomomentum", "uniform fp16 v, no momentum (naive reference)", _naive_fp16),
-        Row("int8", "uniform int8 (BlockwiseAdamW)", _blockwise("int8")),
-        Row("nomomentum", "uniform no momentum (BlockwiseAdamW)", _blockwise("nomomentum")),
-        Row("factored", "uniform factored (BlockwiseAdamW)", _blockwise("factored")),
-        Row("bnb_adamw8bit", "bitsandbytes AdamW8bit", _bnb, module="bitsandbytes"),
-        Row("torchao_adamw8bit", "torchao AdamW8bit", _torchao, module="torchao"),
-        Row("adam_mini", "Adam-mini", _adam_mini, module="adam_mini"),
-        *(row for name, b in BAOC_BUDGETS.items()  # each beside its runs recorded by past versions
-          for row in (Row(name, f"BAOC, budget {b}", budget=b),
-                      *(Row(f"{name}_{suffix}", f"BAOC, budget {b}, {label}", budget=b, recorded=True)
-                        for suffix, (_, label) in RECORDED_FAMILIES.items()))),
-    ]
-}
-
-
-def _baoc_class() -> Any:
-    from lightning_baoc import BAOC  # raises ImportError while the callback does not exist
-
-    return BAOC
-
-
-def availability(row: Row) -> str | None:
-    """None if ``row`` can run here, else ``"unavailable: <reason>"`` / ``"pending: <reason>"``.
-
-    A peer must import and take a few steps on the CPU over a 128 x 128 ``Linear`` (big enough for
-    its 8-bit path) with finite results.
-    """
-    if row.recorded:
-        return None
-    if row.budget is not None:
-        try:
-            _baoc_class()
-        except ImportError as err:
-            return f"pending: lightning_baoc.BAOC does not import yet ({err})"
-        return None
-    if row.module is None:
-        return None
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            importlib.import_module(row.module)
-            probe = _Probe()
-            opt = row.make(probe)  # type: ignore[misc]
-            for _ in range(3):
-                opt.zero_grad()
-                probe.net(torch.randn(8, 128)).square().mean().backward()
-                opt.step()
-        if not all(torch.isfinite(p).all() for p in probe.parameters()):
-            return "unavailable: non-finite parameters after 3 CPU steps"
-    except Exception as err:  # any failure to import or run makes the row unavailable, with its reason
-        return f"unavailable: {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
-    return None
-
-
-class _Probe(Workload):
-    """A 128 x 128 Linear with the ViT's recipe, for :func:`availability`."""
-
-    name = "vit_digits"
-
-    def __init__(self) -> None:
-        super().__init__("realistic", 10)
-        self.net = nn.Linear(128, 128)
-
-
-def _version(module: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(module.replace("_", "-"))
-    except PackageNotFoundError:
-        return "not installed"
 
 
 # ------------------------------------------------------------------------------------ one run
@@ -534,180 +292,6 @@ def load_cached(
     return cached if found == config else None
 
 
-# -------------------------------------------------------------------------------- summarizing
-
-
-@dataclass
-class Summary:
-    """The seeds of one (workload, recipe, row) reduced to table cells."""
-
-    runs: int = 0
-    finals: list[float] | None = None
-    diverged: int = 0
-    errors: list[str] | None = None
-    state_bytes: list[int] | None = None
-    params: int | None = None
-    curve: list[tuple[int, float]] | None = None
-    seconds: list[float] | None = None
-
-
-def summarize(results: list[dict[str, Any]]) -> Summary:
-    """Final qualities, divergences, state bytes and the seed-mean curve of a row's runs."""
-    s = Summary(runs=len(results), finals=[], errors=[], state_bytes=[], seconds=[])
-    curves = []
-    for r in results:
-        if r["status"] == "error":
-            s.errors.append(r["error"])
-            continue
-        s.params = r["params"]
-        s.state_bytes.append(r["state_bytes"])
-        s.seconds.append(r["seconds"])
-        if r["status"] == "diverged":
-            s.diverged += 1
-        else:
-            s.finals.append(r["final"])
-            curves.append({step: value for step, value in r["curve"]})
-    if curves:
-        common = sorted(set.intersection(*(set(c) for c in curves)))
-        s.curve = [(step, statistics.fmean(c[step] for c in curves)) for step in common]
-    return s
-
-
-def steps_to_reach(curve: list[tuple[int, float]] | None, target: float, higher_is_better: bool) -> int | None:
-    """First step of ``curve`` at least as good as ``target``; None if never."""
-    for step, value in curve or []:
-        if (value >= target) if higher_is_better else (value <= target):
-            return step
-    return None
-
-
-def _num(value: float, digits: int) -> str:
-    return f"{value:.3g}" if abs(value) >= 1e4 else f"{value:.{digits}f}"
-
-
-def _fmt_quality(s: Summary, label: str) -> str:
-    if s.runs == 0:
-        return "not run"
-    if s.errors and len(s.errors) == s.runs:
-        return f"error: {s.errors[0]}"
-    parts = []
-    if s.finals:
-        digits = 2 if label == "accuracy" else (3 if label == "perplexity" else 4)
-        scale = 100.0 if label == "accuracy" else 1.0
-        unit = "%" if label == "accuracy" else ""
-        values = [v * scale for v in s.finals]
-        std = f" ± {_num(statistics.stdev(values), digits)}{unit}" if len(values) > 1 else ""
-        parts.append(f"{_num(statistics.fmean(values), digits)}{unit}{std} (n={len(values)})")
-    if s.diverged:
-        parts.append(f"diverged in {s.diverged}/{s.runs - len(s.errors or [])}")
-    if s.errors:
-        parts.append(f"error in {len(s.errors)}")
-    return "; ".join(parts)
-
-
-def _fmt_bytes(values: list[int] | None, params: int | None) -> tuple[str, str]:
-    if not values or not params:
-        return "-", "-"
-    lo, hi = min(values), max(values)
-    fp32 = 8 * params
-    if lo == hi:
-        return f"{lo:,}", f"{lo / fp32:.3f}"
-    mean = statistics.fmean(values)
-    return f"{mean:,.0f} ({lo:,}-{hi:,})", f"{mean / fp32:.3f}"
-
-
-#: A row "fits" a BAOC budget when its measured state is at most this much over the budget.
-FIT_TOLERANCE = 0.01
-#: Rows that are one format for every tensor (what "uniform formats that fit" means).
-_UNIFORM = ("bf16", "fp16_nomomentum", "int8", "nomomentum", "factored")
-#: Where int8 has not been measured: the budget below which uniform int8 does not fit.
-INT8_RATIO = 0.27
-
-
-def _mean_sd(s: Summary) -> tuple[float, float, int] | None:
-    """Mean, sample std and count of a row's finite finals; None without finals (or with a diverged seed)."""
-    if not s.finals or s.diverged:
-        return None
-    return statistics.fmean(s.finals), statistics.stdev(s.finals) if len(s.finals) > 1 else 0.0, len(s.finals)
-
-
-def _noise(a: tuple[float, float, int], b: tuple[float, float, int]) -> float:
-    """Two standard errors of the difference of two seed means."""
-    return 2.0 * math.sqrt(a[1] ** 2 / a[2] + b[1] ** 2 / b[2])
-
-
-def targets_table(w: str, sums: dict[tuple[str, str], Summary], rows: list[str], recipes: list[str]) -> str:
-    """The quality targets, judged on the cached runs of one workload.
-
-    * parity: BAOC at 0.35 worse than fp32 AdamW by at most one fp32 std and 0.5% (relative);
-    * at each budget: BAOC no worse than the best uniform format or peer that fits the budget
-      (measured state <= budget x (1 + FIT_TOLERANCE)) beyond noise (two standard errors of the
-      difference of the seed means);
-    * below uniform int8's measured state (budget 0.25): better than each fitting uniform format
-      that is worse than fp32 beyond noise.
-
-    "Worse" is signed by the workload's direction (lower accuracy, higher loss or perplexity).
-    """
-    cls = WORKLOADS[w]
-    scale = 100.0 if cls.quality_label == "accuracy" else 1.0
-    unit = " pt" if scale != 1.0 else ""
-
-    def worse(a: float, b: float) -> float:  # how much worse a is than b
-        return (b - a) if cls.higher_is_better else (a - b)
-
-    def ratio(row: str) -> float | None:
-        byts = [b for r in recipes for b in (sums[r, row].state_bytes or [])]
-        params = next((sums[r, row].params for r in recipes if sums[r, row].params), None)
-        return statistics.fmean(byts) / (8 * params) if byts and params else None
-
-    ratios = {r: x for r in rows if ROWS[r].budget is None and r != "fp32" and (x := ratio(r)) is not None}
-    int8_ratio = ratios.get("int8", INT8_RATIO)
-    lines = []
-    for recipe in recipes:
-        ref = _mean_sd(sums[recipe, "fp32"]) if "fp32" in rows else None
-        if ref is None:
-            continue
-        if "baoc_0.35" in rows and (b := _mean_sd(sums[recipe, "baoc_0.35"])) is not None:
-            d = worse(b[0], ref[0])
-            ok = d <= ref[1] and d <= 0.005 * abs(ref[0])
-            tail = ""
-            a_curve, r_curve = sums[recipe, "baoc_0.35"].curve or [], sums[recipe, "fp32"].curve or []
-            if len(a_curve) >= 3 and len(r_curve) >= 3:  # the same, on the mean of the last 3 validations
-                d3 = worse(statistics.fmean(v for _, v in a_curve[-3:]), statistics.fmean(v for _, v in r_curve[-3:]))
-                tail = f"; over the last 3 validations {d3 * scale:+.4g}{unit}"
-            lines.append([recipe, "BAOC 0.35 no worse than fp32 AdamW by 1 std or 0.5%",
-                          f"{d * scale:+.4g}{unit} ({d / abs(ref[0]):+.2%}); fp32 std {ref[1] * scale:.3g}{unit}{tail}",
-                          "met" if ok else "missed"])
-        for name, budget in BAOC_BUDGETS.items():
-            if name not in rows or (b := _mean_sd(sums[recipe, name])) is None:
-                continue
-            fits = [r for r, x in ratios.items() if x <= budget * (1 + FIT_TOLERANCE)]
-            fitting = [(r, m) for r in fits if (m := _mean_sd(sums[recipe, r])) is not None]
-            dead = [r for r in fits if sums[recipe, r].diverged]
-            if fitting:
-                best_row, best = min(fitting, key=lambda rm: worse(rm[1][0], 0.0))
-                d, n = worse(b[0], best[0]), _noise(b, best)
-                lines.append([recipe, f"BAOC {budget} vs best that fits ({ROWS[best_row].label})",
-                              f"{d * scale:+.4g}{unit} (noise {n * scale:.3g}{unit})",
-                              "met" if d <= n else "missed"])
-            if budget < int8_ratio:  # below int8: only formats without an 8-bit momentum fit uniformly
-                degraded = [(r, m) for r, m in fitting if r in _UNIFORM
-                            and worse(m[0], ref[0]) > _noise(m, ref)]
-                for r, m in degraded:
-                    d, n = worse(m[0], b[0]), _noise(b, m)
-                    lines.append([recipe, f"BAOC {budget} clearly better than {ROWS[r].label} (degraded)",
-                                  f"{d * scale:+.4g}{unit} better (noise {n * scale:.3g}{unit})",
-                                  "met" if d > n else "missed"])
-                for r in dead:
-                    lines.append([recipe, f"BAOC {budget} clearly better than {ROWS[r].label}",
-                                  "that row diverged", "met"])
-    if not lines:
-        return ""
-    return (f"Targets on {w} (from the runs above; noise = two standard errors of the difference of the seed "
-            "means):\n\n" + markdown_table(["recipe", "target", "measured", "verdict"], lines))
-
-
-
 def tables(results_dir: Path, workloads: list[str], rows: list[str], recipes: list[str], seeds: list[int],
            steps: dict[str, int], unavailable: dict[str, str]) -> tuple[str, dict[str, Any]]:
     """The markdown tables (one per workload) from the cached runs, and the data for the plot."""
@@ -843,64 +427,6 @@ def paired_comparison(results_dir: Path, other_dir: Path, workloads: list[str], 
     head = ["workload", "recipe", "row", "seeds", "other runs: mean", "these runs: mean", "paired difference ± sem",
             "within 2 sem"]
     return (f"These runs against `{other_dir}`, paired by seed (accuracy in %):\n\n" + markdown_table(head, lines))
-
-
-def _seed_text(seeds: list[int]) -> str:
-    """``[0, 1, 2, 3]`` -> ``"0-3"``; otherwise a comma list."""
-    if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1)):
-        return f"{seeds[0]}-{seeds[-1]}"
-    return ", ".join(map(str, seeds)) or "none"
-
-
-def save_plot(plot: dict[Any, Any], workloads: list[str], recipes: list[str], path: Path) -> None:
-    """State bytes (x fp32 AdamW) against quality, one panel per workload and recipe.
-
-    One colour per row across panels, error bars of one std. A row whose quality is far off fp32's
-    (accuracy under half of it, loss or perplexity over 1.5 times it) is drawn at the panel's edge
-    with a triangle, so it does not squash the others.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = list(dict.fromkeys(label for points in plot.values() for label, *_ in points))
-    colors = {label: plt.get_cmap("tab20")(i % 20) for i, label in enumerate(labels)}
-    fig, axes = plt.subplots(len(recipes), len(workloads), figsize=(4.5 * len(workloads) + 3.4, 3.6 * len(recipes)),
-                             squeeze=False)
-    for j, w in enumerate(workloads):
-        higher = WORKLOADS[w].higher_is_better
-        scale = 100.0 if WORKLOADS[w].quality_label == "accuracy" else 1.0
-        for i, recipe in enumerate(recipes):
-            ax = axes[i][j]
-            points = plot.get((w, recipe), [])
-            ref = next((y for label, _, y, _ in points if label == ROWS["fp32"].label), None)
-            def far(y: float) -> bool:
-                return ref is not None and ((y < 0.5 * ref) if higher else (y > 1.5 * ref))
-
-            near = [(y, err) for _, _, y, err in points if not far(y)]
-            if near:
-                lo, hi = min(y - e for y, e in near) * scale, max(y + e for y, e in near) * scale
-                pad = 0.15 * (hi - lo) + 1e-3 * abs(hi)
-                ax.set_ylim(lo - pad, hi + pad)
-            for label, x, y, err in points:
-                if far(y):
-                    edge = ax.get_ylim()[0] if higher else ax.get_ylim()[1]
-                    ax.plot(x, edge, "v" if higher else "^", color=colors[label], markersize=9, clip_on=False)
-                    ax.annotate(f"{y * scale:.3g}", (x, edge), fontsize=7, xytext=(5, 4 if higher else -10),
-                                textcoords="offset points")
-                else:
-                    ax.errorbar(x, y * scale, yerr=err * scale, fmt="o", color=colors[label], capsize=3)
-            ax.set_title(f"{w}, {recipe}", fontsize=10)
-            ax.set_xlabel("optimizer-state bytes / fp32 AdamW")
-            ax.set_ylabel(WORKLOADS[w].quality_label + (" (%)" if scale != 1.0 else ""))
-            ax.grid(alpha=0.3)
-    handles = [plt.Line2D([], [], marker="o", linestyle="", color=colors[label]) for label in labels]
-    fig.legend(handles, labels, loc="center right", fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1 - 3.2 / fig.get_figwidth(), 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------------------- main
