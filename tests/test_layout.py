@@ -1,5 +1,5 @@
 """The package layout diagram of ``docs/architecture.md`` is in step with the package tree, and the
-size limits hold (modules under 600 lines, functions at most 80)."""
+size limits hold in the package, the benchmarks and the tests (modules under 600 lines, functions at most 80)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ PACKAGE = ROOT / "lightning_baoc"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
+#: Where the size limits hold (the examples' ``workloads.py``, named by the configs' class paths, is not yet split).
+SIZED = (PACKAGE, ROOT / "benchmarks", ROOT / "tests")
 
 
 def _layout_block() -> str:
@@ -41,7 +43,7 @@ def test_layout_diagram_names_every_module_and_package_and_nothing_else() -> Non
 
 def test_modules_and_functions_stay_within_the_size_limits() -> None:
     too_long = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted(p for folder in SIZED for p in folder.rglob("*.py")):
         source = path.read_text()
         name = path.relative_to(ROOT).as_posix()
         if source.count("\n") > MAX_MODULE_LINES:
