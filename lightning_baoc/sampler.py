@@ -27,16 +27,14 @@ from .sampling.layout import _check_int as _check_int
 from .sampling.layout import _Segment as _Segment
 from .sampling.layout import draw_indices
 from .sampling.reduce import _worker_loop as _worker_loop
-from .sampling.sampler import (
-    DEFAULT_CAPACITY,
-    DEFAULT_MAX_ELEMENTS,
-    DEFAULT_MAX_ROWS,
-    DEFAULT_SAMPLE_EVERY,
-    STAGING_SLOTS,
-    STATE_VERSION,
-    BlockHistory,
-    GradientSampler,
-)
+from .sampling.sampler import DEFAULT_CAPACITY as DEFAULT_CAPACITY
+from .sampling.sampler import DEFAULT_MAX_ELEMENTS as DEFAULT_MAX_ELEMENTS
+from .sampling.sampler import DEFAULT_MAX_ROWS as DEFAULT_MAX_ROWS
+from .sampling.sampler import DEFAULT_SAMPLE_EVERY as DEFAULT_SAMPLE_EVERY
+from .sampling.sampler import STAGING_SLOTS as STAGING_SLOTS
+from .sampling.sampler import STATE_VERSION as STATE_VERSION
+from .sampling.sampler import BlockHistory as BlockHistory
+from .sampling.sampler import GradientSampler
 
 # ``doctest.testmod`` of this module runs the examples of the names it re-exports, as before.
 __test__ = {"GradientSampler": GradientSampler, "draw_indices": draw_indices}
