@@ -14,7 +14,7 @@ Prints the validation perplexity and loss, and the optimizer-state bytes when th
 
 from __future__ import annotations
 
-from workloads import run_workload_cli
+from workload_cli import run_workload_cli
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

@@ -19,7 +19,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from workloads import run_workload_cli
+from workload_cli import run_workload_cli
 
 
 def save_samples(module: object, path: Path, n: int = 64, seed: int = 0) -> None:

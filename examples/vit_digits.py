@@ -13,7 +13,7 @@ Prints the validation accuracy and loss, and the optimizer-state bytes when the 
 
 from __future__ import annotations
 
-from workloads import run_workload_cli
+from workload_cli import run_workload_cli
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
