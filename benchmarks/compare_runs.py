@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import command, file_text, markdown_table  # noqa: E402
+from risk_validation import mean_sem  # noqa: E402
 
 FP32 = "[]"  # the allocation of the fp32 continuation: no block changed
 
@@ -62,7 +62,7 @@ def _runs(cache: dict[str, list[float]], metric: int) -> dict[str, dict[int, flo
 
 def _harm(runs: dict[int, float], fp32: dict[int, float], orders: list[int]) -> Harm:
     harms = [runs[o] - fp32[o] for o in orders]
-    return Harm(statistics.fmean(harms), statistics.stdev(harms) / math.sqrt(len(harms)), len(harms))
+    return Harm(*mean_sem(harms), len(harms))  # the tables' own mean and standard error
 
 
 def compare(old: dict[str, list[float]], new: dict[str, list[float]], metric: int = 0) -> list[Comparison]:
