@@ -301,3 +301,42 @@ def test_fp32_with_its_own_momentum_count_is_within_ulps_of_the_eager_step() -> 
     # divides by sqrt(bc2)), many ulps only of values that cancel to near zero (measured: 5.8e-8 of
     # the largest value, 0.5% of elements beyond 4 ulps)
     assert float((pc - pe).abs().max() / pe.abs().max()) <= 1e-6
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "nomomentum_int8"])
+def test_every_batch_tests_its_gradients_before_it_steps(monkeypatch: pytest.MonkeyPatch, fmt: str,
+                                                         threads: int) -> None:
+    """Batches of 3,000 elements over tensors of ragged sizes (under a super-block, over a batch): an
+    inf or a NaN at a tensor's first, middle or last element, in the first batch or a later one,
+    skips that tensor and no other, as the eager step does, at 1 and 2 threads."""
+    monkeypatch.setattr(compiled, "BATCH_ELEMENTS", 3000)
+    shapes = [(700,), (37, 110), (5000,), (1024,), (3, 1500), (2100,), (64, 64), (9,)]
+    bad = {2: [(0, -1), (4, 2250)], 3: [(2, 0), (7, -1)], 4: [(6, -1), (5, 0), (1, 2000)]}
+
+    def run(policy: str) -> tuple[BlockwiseAdamW, list[nn.Parameter]]:
+        gen = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+        opt = BlockwiseAdamW([(f"p{i}", p) for i, p in enumerate(params)], lr=1e-2, weight_decay=0.1,
+                             state_format=fmt, min_8bit_numel=0, kernels=policy)
+        for step in range(6):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen) * 0.1
+            for k, (i, where) in enumerate(bad.get(step, [])):
+                params[i].grad.view(-1)[where] = float("nan") if k % 2 else float("-inf")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                opt.step()
+        return opt, params
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        (compiled_opt, _), (eager_opt, _) = run("compiled"), run("eager")
+    finally:
+        torch.set_num_threads(saved)
+    skips = {f"p{i}": sum(1 for hits in bad.values() for j, _ in hits if j == i) for i in range(len(shapes))}
+    assert compiled_opt.nonfinite_counts == {name: n for name, n in skips.items() if n}
+    for name, n in skips.items():
+        assert compiled_opt.step_count(name) == 6 - n
+    _same_elementwise(compiled_opt, eager_opt)
