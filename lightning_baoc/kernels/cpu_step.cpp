@@ -840,9 +840,34 @@ void int8_pass_avx2(const Tensors& t, int64_t sb, int64_t start, float limit_m, 
   const Lanes8 c{Adam(t.s)};
   const __m256 inv127 = _mm256_set1_ps(INV_127), inv255 = _mm256_set1_ps(INV_255), two = _mm256_set1_ps(2.0f);
   const __m256 half = _mm256_set1_ps(0.5f), absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  // the old momentum m0 of 8 elements from j (scale: their group's), and the square of the old root of v
+  const auto momentum0 = [&](int64_t j, __m256 scale) {
+    const __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in.mc + j)))), inv127);
+    return _mm256_mul_ps(_mm256_div_ps(y, _mm256_sub_ps(two, _mm256_and_ps(y, absmask))), scale);
+  };
+  const auto second0 = [&](int64_t j, __m256 scale) {
+    const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in.vc + j))));
+    const __m256 x = _mm256_mul_ps(_mm256_mul_ps(_mm256_max_ps(code, half), inv255), scale);
+    return _mm256_mul_ps(x, x);
+  };
+  // With a coded second moment, the moments are decoded in a loop of their own first, into the buffers the
+  // AdamW loop then overwrites element for element: short independent chains, the momentum's division no
+  // longer ahead of the update's in one long chain. Side by side (1 thread, the operator calls alone, median
+  // ratio to fused AdamW's of 21-31 interleaved rounds): int8 2.60x -> 2.46x at 65K weights (in L2), 2.41x ->
+  // 2.14x at 1M, 2.08x -> 1.97x at 21M; nomomentum_int8 unchanged. int8_factored keeps its decode in the AdamW
+  // loop (1.50x -> 1.59x at 21M when split).
+  if constexpr (CODED_V) {
+    for (int64_t k = 0; k < SUPER_GROUPS; ++k) {
+      const __m256 scale_m = _mm256_set1_ps(HAS_M ? in.sm[k] : 0.0f), scale_v = _mm256_set1_ps(in.sv[k]);
+      for (int64_t j = k * GROUP; j < (k + 1) * GROUP; j += 8) {
+        _mm256_store_ps(vbuf + j, second0(j, scale_v));
+        if constexpr (HAS_M) _mm256_store_ps(mbuf + j, momentum0(j, scale_m));
+      }
+    }
+  }
   float max_m[SUPER_GROUPS], max_v[SUPER_GROUPS];
   for (int64_t k = 0; k < SUPER_GROUPS; ++k) {
-    const __m256 scale_m = _mm256_set1_ps(HAS_M ? in.sm[k] : 0.0f), scale_v = _mm256_set1_ps(CODED_V ? in.sv[k] : 0.0f);
+    const __m256 scale_m = _mm256_set1_ps(HAS_M && !CODED_V ? in.sm[k] : 0.0f);
     __m256 top_m = _mm256_setzero_ps(), top_v = _mm256_setzero_ps();
     for (int64_t q = 0; q < GROUP; q += 8) {
       const int64_t j = k * GROUP + q;
@@ -860,11 +885,9 @@ void int8_pass_avx2(const Tensors& t, int64_t sb, int64_t start, float limit_m, 
       p = c.decayed(p);
       __m256 d;
       if constexpr (CODED_V) {
-        const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in.vc + j))));
-        const __m256 x = _mm256_mul_ps(_mm256_mul_ps(_mm256_max_ps(code, half), inv255), scale_v);
-        const __m256 root = _mm256_sqrt_ps(c.second_moment(g, _mm256_mul_ps(x, x)));
+        const __m256 root = _mm256_sqrt_ps(c.second_moment(g, _mm256_load_ps(vbuf + j)));
         _mm256_store_ps(vbuf + j, root);
-        top_v = _mm256_max_ps(_mm256_and_ps(root, absmask), top_v);
+        top_v = _mm256_max_ps(root, top_v);  // a root is +0 or more, or NaN (which max_ps passes over)
         d = c.denominator(root);
       } else if (in_rows) {  // factored_denominators' operations
         d = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(t.row_factor[row]), _mm256_loadu_ps(t.col_factor + col)), c.eps);
@@ -877,9 +900,7 @@ void int8_pass_avx2(const Tensors& t, int64_t sb, int64_t start, float limit_m, 
         d = _mm256_load_ps(vbuf + j);
       }
       if constexpr (HAS_M) {
-        const __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in.mc + j)))), inv127);
-        const __m256 m0 = _mm256_mul_ps(_mm256_div_ps(y, _mm256_sub_ps(two, _mm256_and_ps(y, absmask))), scale_m);
-        const __m256 m = c.momentum<SMALL>(m0, g);
+        const __m256 m = c.momentum<SMALL>(CODED_V ? _mm256_load_ps(mbuf + j) : momentum0(j, scale_m), g);
         _mm256_store_ps(mbuf + j, m);
         top_m = _mm256_max_ps(_mm256_and_ps(m, absmask), top_m);
         p = c.update(p, m, d);
