@@ -818,7 +818,7 @@ inline __m256i low_bytes32(__m256i a, __m256i b, __m256i c, __m256i d) {
 }
 
 // int8_pass of a whole super-block by hand in AVX2: the same operations in the same order, 8 lanes at a
-// time, the group maxima taken in the first loop (the maximum of the non-NaN magnitudes, as group_absmax's),
+// time, the group maxima taken in the AdamW loop (the maximum of the non-NaN magnitudes, as group_absmax's),
 // the codes converted by cvtps2dq (to nearest even, as std::rint) and truncated to their low byte (as the
 // static_cast, so that a NaN's code is 0 as there).
 // How far ahead int8_pass_avx2 prefetches, in elements: side by side on the 2-core Zen 4 test machine, every
