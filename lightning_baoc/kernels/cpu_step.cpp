@@ -852,10 +852,10 @@ void int8_pass_avx2(const Tensors& t, int64_t sb, int64_t start, float limit_m, 
   };
   // With a coded second moment, the moments are decoded in a loop of their own first, into the buffers the
   // AdamW loop then overwrites element for element: short independent chains, the momentum's division no
-  // longer ahead of the update's in one long chain. Side by side (1 thread, the operator calls alone, median
-  // ratio to fused AdamW's of 21-31 interleaved rounds): int8 2.60x -> 2.46x at 65K weights (in L2), 2.41x ->
-  // 2.14x at 1M, 2.08x -> 1.97x at 21M; nomomentum_int8 unchanged. int8_factored keeps its decode in the AdamW
-  // loop (1.50x -> 1.59x at 21M when split).
+  // longer ahead of the update's in one long chain. Bit-equal; side by side with the version before
+  // (benchmarks/kernel_ab.py --kernel-only, 1 thread, median ratio to fused AdamW's call over 31 rounds): int8
+  // 2.92x -> 2.68x at 65K weights (in L2), 2.51x -> 2.22x at 1M, 2.21x -> 2.07x at 21M; nomomentum_int8
+  // unchanged. int8_factored keeps its decode in the AdamW loop (split, it lost: 1.50x -> 1.59x at 21M).
   if constexpr (CODED_V) {
     for (int64_t k = 0; k < SUPER_GROUPS; ++k) {
       const __m256 scale_m = _mm256_set1_ps(HAS_M ? in.sm[k] : 0.0f), scale_v = _mm256_set1_ps(in.sv[k]);
