@@ -5,16 +5,16 @@ state measured on the optimizer's real tensors."""
 from __future__ import annotations
 
 import importlib
-import sys
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from _report import examples_on_path
+
+examples_on_path()
 
 from lightning_baoc import BlockwiseAdamW  # noqa: E402
 from lightning_baoc.optim import BlockwiseOptimizer  # noqa: E402

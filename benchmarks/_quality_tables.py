@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))  # workloads, whatever is imported first
+from _report import examples_on_path, markdown_table
+
+examples_on_path()
 
 from _quality_rows import BAOC_BUDGETS, ROWS  # noqa: E402
-from _report import markdown_table  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 

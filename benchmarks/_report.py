@@ -25,6 +25,13 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 
 
+def examples_on_path() -> None:
+    """Put ``examples/`` (the workloads the benchmarks train: ``workloads.py``) first on ``sys.path``."""
+    path = str(ROOT / "examples")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+
 def machine() -> str:
     """One line: the GPU where torch sees one, CPU model, cores, memory, Python and torch versions."""
     cpu = platform.processor() or platform.machine()

@@ -6,7 +6,6 @@ the packages or is generated: scikit-learn's digits and the Python standard libr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -90,10 +89,10 @@ def ddpm_task(channels: int = 32, eval_pairs: int = 8, lr: float = 6e-3) -> Task
     linear beta schedule over 1000 steps), batches of 64 with fresh ``(t, noise)`` draws. Held-out:
     the denoising MSE on the 397 validation images, each at ``eval_pairs`` fixed ``(t, noise)``
     draws, so evaluation noise is small next to the effects measured."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from _report import examples_on_path
     from sklearn.datasets import load_digits
+
+    examples_on_path()
     from workloads import TinyUNet
 
     images = torch.tensor(load_digits().images, dtype=torch.float32)[:, None] / 16.0 * 2.0 - 1.0

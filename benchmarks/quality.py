@@ -51,9 +51,10 @@ import lightning as L
 import torch
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from _report import DOCS, command, examples_on_path, machine, markdown_table, write_docs_section
 
-from _report import DOCS, command, machine, markdown_table, write_docs_section  # noqa: E402
+examples_on_path()
+
 from lightning_baoc.optim import BlockwiseOptimizer  # noqa: E402
 from workloads import RECIPES, WORKLOADS, Workload, build  # noqa: E402
 from _quality_rows import (  # noqa: E402
