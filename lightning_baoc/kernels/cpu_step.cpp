@@ -840,15 +840,10 @@ void int8_pass_avx2(const Tensors& t, int64_t sb, int64_t start, float limit_m, 
   const Lanes8 c{Adam(t.s)};
   const __m256 inv127 = _mm256_set1_ps(INV_127), inv255 = _mm256_set1_ps(INV_255), two = _mm256_set1_ps(2.0f);
   const __m256 half = _mm256_set1_ps(0.5f), absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  // the old momentum m0 of 8 elements from j (scale: their group's), and the square of the old root of v
+  // the old momentum m0 of 8 elements from j (scale: their group's)
   const auto momentum0 = [&](int64_t j, __m256 scale) {
     const __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in.mc + j)))), inv127);
     return _mm256_mul_ps(_mm256_div_ps(y, _mm256_sub_ps(two, _mm256_and_ps(y, absmask))), scale);
-  };
-  const auto second0 = [&](int64_t j, __m256 scale) {
-    const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in.vc + j))));
-    const __m256 x = _mm256_mul_ps(_mm256_mul_ps(_mm256_max_ps(code, half), inv255), scale);
-    return _mm256_mul_ps(x, x);
   };
   // With a coded second moment, the moments are decoded in a loop of their own first, into the buffers the
   // AdamW loop then overwrites element for element: short independent chains, the momentum's division no
@@ -860,7 +855,10 @@ void int8_pass_avx2(const Tensors& t, int64_t sb, int64_t start, float limit_m, 
     for (int64_t k = 0; k < SUPER_GROUPS; ++k) {
       const __m256 scale_m = _mm256_set1_ps(HAS_M ? in.sm[k] : 0.0f), scale_v = _mm256_set1_ps(in.sv[k]);
       for (int64_t j = k * GROUP; j < (k + 1) * GROUP; j += 8) {
-        _mm256_store_ps(vbuf + j, second0(j, scale_v));
+        // the square of the old root of v
+        const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in.vc + j))));
+        const __m256 root0 = _mm256_mul_ps(_mm256_mul_ps(_mm256_max_ps(code, half), inv255), scale_v);
+        _mm256_store_ps(vbuf + j, _mm256_mul_ps(root0, root0));
         if constexpr (HAS_M) _mm256_store_ps(mbuf + j, momentum0(j, scale_m));
       }
     }
