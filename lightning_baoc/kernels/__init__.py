@@ -57,6 +57,7 @@ class KernelStatus:
     available: bool
     detail: str  # "built in 41.2 s", "loaded from the cache", or the reason they are not available
     build_seconds: float = 0.0
+    fix: str = "Install a C++ compiler and ninja"  # what makes them available, where they are not
 
 
 _STATUS: KernelStatus | None = None
@@ -193,6 +194,11 @@ def _build(flags: list[str], ldflags: list[str]) -> KernelStatus | str:
     try:
         load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=ldflags, is_python_module=False,
              verbose=False)
+    except OSError as err:  # the build directory: not a directory, not writable, the disk full
+        where = os.environ.get("TORCH_EXTENSIONS_DIR")
+        return KernelStatus(False, f"their build directory cannot be written ({err})", 0.0,
+                            f"Set TORCH_EXTENSIONS_DIR to a writable directory (now {where!r})" if where
+                            else "Set TORCH_EXTENSIONS_DIR to a writable directory")
     except Exception as err:  # a compiler error, a linker error: the eager step still works
         return _first_error(str(err)) or type(err).__name__
     seconds = time.perf_counter() - start
@@ -216,7 +222,7 @@ def use_compiled(policy: str, announce: bool = True) -> bool:
         return False
     status = cpu_kernels()
     return _choose(policy, status.available, status.detail, "compiled" if status.available else "eager", announce,
-                   "compiled CPU step kernels", "Install a C++ compiler and ninja",
+                   "compiled CPU step kernels", status.fix,
                    "same results, several times slower on the CPU", "compiled CPU kernels")
 
 

@@ -189,6 +189,18 @@ def test_compiled_policy_without_kernels_names_the_reason(monkeypatch: pytest.Mo
         BlockwiseAdamW([nn.Parameter(torch.zeros(4))], kernels="compiled")
 
 
+def test_a_build_directory_that_cannot_be_written_names_its_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TORCH_EXTENSIONS_DIR under a file: not a compiler's failure, and the message says what to set."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "a-file" / "ext"))
+    status = kernels._build(kernels.compile_flags(), [])  # noqa: SLF001 - the build itself, not the process's cached status
+    assert isinstance(status, kernels.KernelStatus) and not status.available
+    assert "build directory cannot be written" in status.detail and "TORCH_EXTENSIONS_DIR" in status.fix
+    monkeypatch.setattr(kernels, "_STATUS", status)
+    with pytest.raises(RuntimeError, match="build directory cannot be written.*Set TORCH_EXTENSIONS_DIR to a writable"):
+        BlockwiseAdamW([nn.Parameter(torch.zeros(4))], kernels="compiled")
+
+
 _NO_COMPILER = textwrap.dedent(
     """
     import warnings, torch
