@@ -53,11 +53,22 @@ def test_calibrate_measures_the_corrections_and_caches_them(tmp_path, monkeypatc
     from lightning_baoc import calibration
 
     # 128K elements: ecc8's own work per step (about 0.08 ms on a 2-core EPYC) stands well above the noise, which
-    # at 16K elements once measured it at 0 (the fastest of three steps each, on a shared machine)
+    # at 16K elements once measured it at 0 (the fastest of three steps each, on a shared machine). One thread: with
+    # both cores busy elsewhere, every 2-thread step waited for its second thread (12-16 ms, not 0.3), the fastest of
+    # nine included, and ecc8 measured 0 in 2 of 6 runs; the fastest of nine 1-thread steps put it at 0.10-0.19 ms
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _corrections_measured_once_and_cached(tmp_path, monkeypatch, calibration)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _corrections_measured_once_and_cached(tmp_path, monkeypatch, calibration) -> None:
     N = 1 << 17
     plain = calibrate("cpu", ["fp32"], numel=N, steps=2, cache_dir=tmp_path)
     assert plain.correction_seconds_per_element == {"none": 0.0}
-    cal = calibrate("cpu", ["fp32"], numel=N, steps=3, cache_dir=tmp_path, corrections=["none", "ecc8", "ecc16"])
+    cal = calibrate("cpu", ["fp32"], numel=N, steps=9, cache_dir=tmp_path, corrections=["none", "ecc8", "ecc16"])
     assert cal.seconds_per_element == plain.seconds_per_element  # the formats from the cache
     added = cal.correction_seconds_per_element
     assert set(added) == {"none", "ecc8", "ecc16"} and added["none"] == 0.0 and added["ecc8"] > 0.0
