@@ -24,6 +24,8 @@ from lightning_baoc.formats.correction import (
     ulp,
 )
 
+from support import one_thread  # noqa: F401 - one_thread applies to the module
+
 MAX_PATTERN = {torch.bfloat16: 0x7F7F, torch.float16: 0x7BFF}  # the largest finite magnitude
 
 

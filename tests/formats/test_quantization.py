@@ -16,7 +16,7 @@ from lightning_baoc.formats import quant
 from lightning_baoc.formats.bf16 import BF16
 from lightning_baoc.formats.quant import bf16_round_nearest
 
-from support import mlp
+from support import mlp, one_thread  # noqa: F401 - one_thread applies to the module
 
 
 def _groups(x: torch.Tensor) -> tuple[torch.Tensor, int]:

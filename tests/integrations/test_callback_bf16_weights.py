@@ -17,6 +17,8 @@ from torch import nn
 
 from lightning_baoc import BAOC, BlockwiseAdamW, training_memory
 
+from support import one_thread  # noqa: F401 - one_thread applies to the module
+
 
 class _BF16Model(pl.LightningModule):
     def __init__(self, correction: str = "ecc8", lr: float = 1e-3) -> None:

@@ -21,6 +21,8 @@ from torch import nn
 
 from lightning_baoc import BAOC, BlockwiseAdamW, GradientRelease
 
+from support import one_thread  # noqa: F401 - one_thread applies to the module
+
 
 class _Model(pl.LightningModule):
     def __init__(self, correction: str = "none") -> None:

@@ -8,7 +8,7 @@ from torch import nn
 
 from lightning_baoc import BlockwiseAdamW
 
-from support import mlp
+from support import mlp, one_thread  # noqa: F401 - one_thread applies to the module
 
 STEPS = 200
 

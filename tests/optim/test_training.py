@@ -11,7 +11,7 @@ import pytest
 
 from lightning_baoc import FORMATS
 
-from support import train_digits
+from support import one_thread, train_digits  # noqa: F401 - one_thread applies to the module
 
 STEPS = 600
 

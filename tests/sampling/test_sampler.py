@@ -19,6 +19,8 @@ from lightning_baoc import GradientSampler, partition
 from lightning_baoc import statistics as S
 from lightning_baoc.sampler import draw_indices
 
+from support import one_thread  # noqa: F401 - one_thread applies to the module
+
 GradFn = Callable[[int, str, nn.Parameter], "torch.Tensor | None"]
 
 
