@@ -21,6 +21,8 @@ from lightning_baoc.calibration import (
 from lightning_baoc.formats import format_state_bytes
 from lightning_baoc.solver import BudgetInfeasibleError, solve
 
+from support import one_thread  # noqa: F401 - one_thread applies to the module
+
 SHAPES = {"emb": [(512, 64)], "fc": [(64, 176), (176,)], "norm": [(64,)]}
 
 
@@ -53,18 +55,10 @@ def test_calibrate_measures_the_corrections_and_caches_them(tmp_path, monkeypatc
     from lightning_baoc import calibration
 
     # 128K elements: ecc8's own work per step (about 0.08 ms on a 2-core EPYC) stands well above the noise, which
-    # at 16K elements once measured it at 0 (the fastest of three steps each, on a shared machine). One thread: with
-    # both cores busy elsewhere, every 2-thread step waited for its second thread (12-16 ms, not 0.3), the fastest of
-    # nine included, and ecc8 measured 0 in 2 of 6 runs; the fastest of nine 1-thread steps put it at 0.10-0.19 ms
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _corrections_measured_once_and_cached(tmp_path, monkeypatch, calibration)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _corrections_measured_once_and_cached(tmp_path, monkeypatch, calibration) -> None:
+    # at 16K elements once measured it at 0 (the fastest of three steps each, on a shared machine). One thread (the
+    # module's one_thread): with both cores busy elsewhere, every 2-thread step waited for its second thread (12-16
+    # ms, not 0.3), the fastest of nine included, and ecc8 measured 0 in 2 of 6 runs; the fastest of nine 1-thread
+    # steps put it at 0.10-0.19 ms
     N = 1 << 17
     plain = calibrate("cpu", ["fp32"], numel=N, steps=2, cache_dir=tmp_path)
     assert plain.correction_seconds_per_element == {"none": 0.0}
