@@ -13,8 +13,15 @@ repository root:
     python benchmarks/compare_runs.py HEAD~1:benchmarks/runs/risk_validation_chargpt.json \\
         benchmarks/runs/risk_validation_chargpt.json
 
-Either file may be ``REV:PATH``, the file at a git revision. Prints one table per configuration, with the
-command; writes nothing.
+The allocation-level results files of ``momentum_risk_validation.py`` and ``correction_risk_validation.py``
+(``benchmarks/runs/<name>.json``, regenerated with ``--json OTHER``) hold each allocation's harms by data
+order; they are compared the same way, allocation by allocation:
+
+    python benchmarks/compare_runs.py benchmarks/runs/momentum_risk_validation_digits_sgd.json OTHER
+
+Either file may be ``REV:PATH``, the file at a git revision. Prints one table per configuration (one per
+allocation-level file), with the number of allocations whose harms are identical order by order (a rerun on
+bit-equal numerics), and the command; writes nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ class Comparison(NamedTuple):
     allocation: str
     old: Harm
     new: Harm
+    identical: bool = False  # every paired run the same number in both files
 
     @property
     def z(self) -> float:
@@ -75,11 +83,28 @@ def compare(old: dict[str, list[float]], new: dict[str, list[float]], metric: in
     for allocation in sorted(a.keys() & b.keys() - {FP32}):
         orders = sorted(a[allocation].keys() & b[allocation].keys() & a[FP32].keys() & b[FP32].keys())
         if len(orders) >= 2:
-            out.append(Comparison(allocation, _harm(a[allocation], a[FP32], orders), _harm(b[allocation], b[FP32], orders)))
+            same = all(a[k][o] == b[k][o] for k in (allocation, FP32) for o in orders)
+            out.append(Comparison(allocation, _harm(a[allocation], a[FP32], orders), _harm(b[allocation], b[FP32], orders),
+                                  same))
+    return out
+
+
+def compare_allocations(old: dict, new: dict, metric: str = "end") -> list[Comparison]:
+    """Two allocation-level results files: each allocation both hold, its harms (already taken against the
+    reference continuation of each data order) over the orders both hold."""
+    a, b = old["allocations"], new["allocations"]
+    out = []
+    for label in sorted(a.keys() & b.keys()):
+        x, y = a[label][f"harm_{metric}"], b[label][f"harm_{metric}"]
+        n = min(len(x), len(y))
+        if n >= 2:
+            out.append(Comparison(label, Harm(*mean_sem(x[:n]), n), Harm(*mean_sem(y[:n]), n), x[:n] == y[:n]))
     return out
 
 
 def _name(allocation: str, width: int = 70) -> str:
+    if not allocation.startswith("["):  # a label of an allocation-level results file
+        return allocation
     text = ", ".join(f"{block} {fmt}" for block, fmt in json.loads(allocation))
     return text if len(text) <= width else text[: width - 3] + "..."
 
@@ -87,7 +112,8 @@ def _name(allocation: str, width: int = 70) -> str:
 def report(config: str, comparisons: list[Comparison], shown: int) -> str:
     within = sum(c.z <= 2 for c in comparisons)
     lines = [f"Configuration {config}: {len(comparisons)} allocations compared, {within} within 2 combined standard "
-             f"errors ({within / len(comparisons):.0%})." if comparisons else f"Configuration {config}: nothing to compare."]
+             f"errors ({within / len(comparisons):.0%}), {sum(c.identical for c in comparisons)} identical order by order."
+             if comparisons else f"Configuration {config}: nothing to compare."]
     worst = sorted(comparisons, key=lambda c: -c.z)[:shown]
     if worst:
         rows = [[_name(c.allocation), c.old.orders, f"{c.old.mean:+.5f} +- {c.old.se:.5f}",
@@ -105,6 +131,11 @@ def main() -> None:
     parser.add_argument("--shown", type=int, default=5, help="allocations listed per configuration, largest z first")
     args = parser.parse_args()
     old, new = json.loads(file_text(args.old)), json.loads(file_text(args.new))
+    if "allocations" in old and "allocations" in new:  # allocation-level results files
+        config = {k: old.get(k) for k in ("task", "optimizer", "lr", "budget", "steps", "orders") if k in old}
+        print(report(json.dumps(config), compare_allocations(old, new, args.metric), args.shown) + "\n")
+        print(f"Command: `{command()}`")
+        return
     common = sorted(old.keys() & new.keys())
     if not common:
         sys.exit(f"the two files share no configuration: {sorted(old)} against {sorted(new)}")

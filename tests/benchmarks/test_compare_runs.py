@@ -64,3 +64,32 @@ def test_a_file_is_read_from_disk_or_at_a_git_revision(tmp_path) -> None:
     assert "[project]" in file_text("HEAD:pyproject.toml")
     with pytest.raises(FileNotFoundError, match="REV:PATH"):
         file_text(str(tmp_path / "missing.json"))
+
+
+def _results(harms: dict[str, list[float]]) -> dict:
+    """An allocation-level results file as momentum_risk_validation.py and correction_risk_validation.py write it."""
+    return {"task": "digits", "allocations": {label: {"harm_end": h, "harm_path": [x + 1.0 for x in h]}
+                                              for label, h in harms.items()}}
+
+
+def test_allocation_level_results_files_are_compared_label_by_label() -> None:
+    old = _results({"risk-min": [0.1, 0.2, 0.3], "risk-max": [0.5, 0.6, 0.7], "random 0": [0.4, 0.4]})
+    new = _results({"risk-min": [0.1, 0.2, 0.3], "risk-max": [0.9, 1.0, 1.1, 1.2], "random 1": [0.0, 0.1]})
+    by = {c.allocation: c for c in C.compare_allocations(old, new)}
+    assert set(by) == {"risk-min", "risk-max"}  # the labels both files hold
+    assert by["risk-min"].identical and by["risk-min"].z == 0.0
+    big = by["risk-max"]  # the orders both hold: the fourth (new only) is left out
+    assert not big.identical and big.new.orders == 3 and big.new.mean == pytest.approx(1.0)
+    assert big.z == pytest.approx(0.4 / math.hypot(big.old.se, big.new.se))
+    assert C.compare_allocations(old, new, "path")[0].old.mean == pytest.approx(1.6)  # harm_path read
+    text = C.report("cfg", list(by.values()), shown=5)
+    assert "2 allocations compared, 1 within 2 combined standard errors (50%), 1 identical order by order" in text
+    assert "| risk-max |" in text
+
+
+def test_identical_runs_are_counted_in_a_cache_too() -> None:
+    runs = {FP32: {0: 1.0, 1: 2.0}, X: {0: 1.5, 1: 2.5}, Y: {0: 1.2, 1: 2.1}}
+    moved = {**runs, Y: {0: 1.2, 1: 2.1 + 1e-12}}
+    by = {c.allocation: c for c in C.compare(_cache(runs), _cache(moved))}
+    assert by[X].identical and not by[Y].identical  # one ulp-sized difference is not identical
+    assert "2 within 2 combined standard errors (100%), 1 identical order by order" in C.report("cfg", list(by.values()), 5)
