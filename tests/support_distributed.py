@@ -4,8 +4,8 @@
 local port), calls ``fn(rank, *args)`` and destroys the group; an assertion failing on any rank
 fails the test with that rank's traceback. :data:`needs_gloo` skips where torch has no gloo.
 
-A rank that finished cleanly leaves through ``os._exit(0)``, not the interpreter's shutdown: about one
-run in 50 of a loaded 2-core machine, rank 0 (the one serving the rendezvous store) aborted in
+A rank that finished cleanly leaves through ``os._exit(0)``, not the interpreter's shutdown: in 4 of 275
+runs of a sharded-sampling test on a loaded 2-core machine, rank 0 (the one serving the rendezvous store) aborted in
 torch's C++ teardown after its Python code had returned ("terminate called without an active
 exception", the fault handler's stack with no Python frame), which failed a test whose every
 assertion had passed. A failing rank still exits through the interpreter, its traceback reported.
