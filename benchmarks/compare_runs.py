@@ -132,15 +132,15 @@ def main() -> None:
     args = parser.parse_args()
     old, new = json.loads(file_text(args.old)), json.loads(file_text(args.new))
     if "allocations" in old and "allocations" in new:  # allocation-level results files
-        config = {k: old.get(k) for k in ("task", "optimizer", "lr", "budget", "steps", "orders") if k in old}
-        print(report(json.dumps(config), compare_allocations(old, new, args.metric), args.shown) + "\n")
-        print(f"Command: `{command()}`")
-        return
-    common = sorted(old.keys() & new.keys())
-    if not common:
-        sys.exit(f"the two files share no configuration: {sorted(old)} against {sorted(new)}")
-    for config in common:
-        print(report(config, compare(old[config], new[config], ["end", "path"].index(args.metric)), args.shown) + "\n")
+        config = {k: old[k] for k in ("task", "optimizer", "lr", "budget", "steps", "orders") if k in old}
+        tables = [(json.dumps(config), compare_allocations(old, new, args.metric))]
+    else:
+        common = sorted(old.keys() & new.keys())
+        if not common:
+            sys.exit(f"the two files share no configuration: {sorted(old)} against {sorted(new)}")
+        tables = [(c, compare(old[c], new[c], ["end", "path"].index(args.metric))) for c in common]
+    for config, comparisons in tables:
+        print(report(config, comparisons, args.shown) + "\n")
     print(f"Command: `{command()}`")
 
 
