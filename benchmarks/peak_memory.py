@@ -69,7 +69,7 @@ def load_the_code() -> None:
     import torch
     from torch import nn
 
-    from lightning_baoc.controller import BAOCController
+    from lightning_baoc.control.controller import BAOCController
 
     model = nn.Sequential(nn.Linear(2048, 64), nn.Linear(64, 64), nn.Linear(64, 2048))
     ctl = BAOCController(memory_budget=0.3, warmup_steps=3, sample_every=1, calibration="prior")
@@ -228,7 +228,7 @@ def trace(workload: Workload, budget: float = 0.25, steps: int = 8) -> dict[str,
     from torch import nn
     from torch.profiler import ProfilerActivity, profile
 
-    from lightning_baoc.controller import BAOCController
+    from lightning_baoc.control.controller import BAOCController
 
     torch.manual_seed(0)
     torch.set_num_threads(workload.threads)

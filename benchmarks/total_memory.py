@@ -78,7 +78,7 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
     from torch import nn
 
     from lightning_baoc import BlockwiseAdamW, training_memory
-    from lightning_baoc.controller import BAOCController
+    from lightning_baoc.control.controller import BAOCController
 
     torch.set_num_threads(workload.threads)
     device = torch.device(workload.device)

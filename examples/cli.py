@@ -34,11 +34,11 @@ from lightning.pytorch.cli import LightningCLI
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `workloads` by class path, from anywhere
 
 from lightning_baoc import BAOC  # noqa: E402
-from lightning_baoc.config import BAOCSection  # noqa: E402
+from lightning_baoc.config.files import BAOCSection  # noqa: E402
 
 
 class BAOCLightningCLI(LightningCLI):
-    """LightningCLI with an optional ``baoc`` section (:class:`~lightning_baoc.config.BAOCSection`).
+    """LightningCLI with an optional ``baoc`` section (:class:`~lightning_baoc.config.files.BAOCSection`).
 
     The section is parsed, type-checked and validated by jsonargparse like the ``trainer``
     section (an unknown key is an error naming it); when it is set, a

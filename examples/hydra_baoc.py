@@ -1,8 +1,8 @@
 """Train an example workload with BAOC from a Hydra config: the templates in ``configs/`` as they are.
 
 Hydra composes ``configs/<name>.yaml`` with command-line overrides (the same dotlists that
-``lightning_baoc.config.load_config`` takes without Hydra); the composed config is validated by
-``lightning_baoc.config.parse_config`` (an unknown key or a bad value names the key), the BAOC
+``lightning_baoc.config.files.load_config`` takes without Hydra); the composed config is validated by
+``lightning_baoc.config.files.parse_config`` (an unknown key or a bad value names the key), the BAOC
 callback comes from ``BAOC.from_config``, and the model and data from the config's ``model`` /
 ``data`` sections (``examples/workloads.py``). Hydra is optional: ``pip install hydra-core`` (or
 ``pip install -e ".[examples]"``). About a minute on 2 CPU cores:
@@ -33,7 +33,7 @@ except ImportError:  # an optional dependency: say how to get it
 MISSING_HYDRA = (
     "examples/hydra_baoc.py needs Hydra, an optional dependency: pip install hydra-core "
     '(or pip install -e ".[examples]"). Without Hydra, the same configs and dotlist overrides load with '
-    "lightning_baoc.config.load_config('configs/vision.yaml', ['baoc.memory_budget=0.25'])."
+    "lightning_baoc.config.files.load_config('configs/vision.yaml', ['baoc.memory_budget=0.25'])."
 )
 
 
@@ -42,8 +42,8 @@ def train(cfg: Any) -> dict[str, float]:
     import lightning as L
 
     from lightning_baoc import BAOC
-    from lightning_baoc.check import build_component
-    from lightning_baoc.config import parse_config
+    from lightning_baoc.tools.check import build_component
+    from lightning_baoc.config.files import parse_config
 
     config = parse_config(cfg, source="the Hydra config")
     if config.model is None or config.data is None:

@@ -17,31 +17,31 @@ _EXPORTS: dict[str, str] = {
     "BlockwiseSGD": "lightning_baoc.optim",
     "BlockwiseLion": "lightning_baoc.optim",
     "MOMENTUM_FORMATS": "lightning_baoc.formats",
-    "partition": "lightning_baoc.blocks",
+    "partition": "lightning_baoc.sampling.blocks",
     "GradientSampler": "lightning_baoc.sampling",
     "solve": "lightning_baoc.solver",
     "Allocation": "lightning_baoc.solver",
     "BudgetInfeasibleError": "lightning_baoc.solver",
-    "parse_memory_budget": "lightning_baoc.budget",
-    "parse_time_budget": "lightning_baoc.budget",
+    "parse_memory_budget": "lightning_baoc.config.budget",
+    "parse_time_budget": "lightning_baoc.config.budget",
     "select_boundaries": "lightning_baoc.solver",
     "BAOC": "lightning_baoc.integrations.callback",
     "BAOCStrategy": "lightning_baoc.integrations.fabric",
     "GradientRelease": "lightning_baoc.integrations.release",
-    "training_memory": "lightning_baoc.memory",
-    "TrainingMemory": "lightning_baoc.memory",
-    "BAOCSection": "lightning_baoc.config",
-    "Config": "lightning_baoc.config",
-    "ConfigError": "lightning_baoc.config",
-    "json_schema": "lightning_baoc.config",
-    "load_config": "lightning_baoc.config",
-    "parse_config": "lightning_baoc.config",
+    "training_memory": "lightning_baoc.costs.memory",
+    "TrainingMemory": "lightning_baoc.costs.memory",
+    "BAOCSection": "lightning_baoc.config.files",
+    "Config": "lightning_baoc.config.files",
+    "ConfigError": "lightning_baoc.config.files",
+    "json_schema": "lightning_baoc.config.files",
+    "load_config": "lightning_baoc.config.files",
+    "parse_config": "lightning_baoc.config.files",
     "CheckpointError": "lightning_baoc.optim",
     "export_adamw_state_dict": "lightning_baoc.optim",
     "load_checkpoint": "lightning_baoc.optim",
     "saved_formats": "lightning_baoc.optim",
-    "BAOCConfig": "lightning_baoc.settings",
-    "SettingError": "lightning_baoc.settings",
+    "BAOCConfig": "lightning_baoc.config.settings",
+    "SettingError": "lightning_baoc.config.settings",
 }
 
 __all__ = list(_EXPORTS)
@@ -61,16 +61,16 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and documentation tools see
-    from lightning_baoc.blocks import partition  # noqa: F401
-    from lightning_baoc.budget import parse_memory_budget, parse_time_budget  # noqa: F401
+    from lightning_baoc.sampling.blocks import partition  # noqa: F401
+    from lightning_baoc.config.budget import parse_memory_budget, parse_time_budget  # noqa: F401
     from lightning_baoc.integrations.callback import BAOC  # noqa: F401
-    from lightning_baoc.config import BAOCSection, Config, ConfigError, json_schema, load_config, parse_config  # noqa: F401
+    from lightning_baoc.config.files import BAOCSection, Config, ConfigError, json_schema, load_config, parse_config  # noqa: F401
     from lightning_baoc.integrations.fabric import BAOCStrategy  # noqa: F401
     from lightning_baoc.integrations.release import GradientRelease  # noqa: F401
-    from lightning_baoc.memory import TrainingMemory, training_memory  # noqa: F401
+    from lightning_baoc.costs.memory import TrainingMemory, training_memory  # noqa: F401
     from lightning_baoc.formats import FORMATS, MOMENTUM_FORMATS  # noqa: F401
     from lightning_baoc.optim import BlockwiseAdamW, BlockwiseLion, BlockwiseSGD  # noqa: F401
     from lightning_baoc.optim import CheckpointError, export_adamw_state_dict, load_checkpoint, saved_formats  # noqa: F401
     from lightning_baoc.sampling import GradientSampler  # noqa: F401
-    from lightning_baoc.settings import BAOCConfig, SettingError  # noqa: F401
+    from lightning_baoc.config.settings import BAOCConfig, SettingError  # noqa: F401
     from lightning_baoc.solver import Allocation, BudgetInfeasibleError, select_boundaries, solve  # noqa: F401

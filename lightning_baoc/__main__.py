@@ -18,7 +18,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-from .budget import MEMORY_BUDGET_FORMS, TIME_BUDGET_FORMS
+from lightning_baoc.config.budget import MEMORY_BUDGET_FORMS, TIME_BUDGET_FORMS
 
 
 def _literal(text: str) -> str:
@@ -33,7 +33,7 @@ _PLAIN_STEP = "the fp32 optimizer-step time of the plain optimizer (AdamW; SGD/L
 
 
 def _add_plan(parser: argparse.ArgumentParser) -> None:
-    from .blocks import GRANULARITIES
+    from lightning_baoc.sampling.blocks import GRANULARITIES
     from .formats import RULE_FORMATS, RULE_NAMES
     from .formats.correction import CORRECTIONS
     from .tools.presets import PRESETS
@@ -106,7 +106,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     from .tools.plan import plan, render
 
-    from .budget import absolute_time_with_prior_error, is_absolute_time
+    from lightning_baoc.config.budget import absolute_time_with_prior_error, is_absolute_time
 
     if args.time_budget is not None and not args.calibrate and is_absolute_time(args.time_budget):
         raise absolute_time_with_prior_error(
@@ -162,7 +162,7 @@ def _add_schema(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_schema(args: argparse.Namespace) -> int:
-    from .config import schema_text
+    from lightning_baoc.config.files import schema_text
 
     text = schema_text()
     if args.output:

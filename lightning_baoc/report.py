@@ -1,6 +1,6 @@
 """Allocation reports: a rich table, ``baoc_allocation.json``, a PNG figure and logger scalars.
 
-Everything here is a pure function of an :class:`~lightning_baoc.controller.AllocationEvent` (or
+Everything here is a pure function of an :class:`~lightning_baoc.control.controller.AllocationEvent` (or
 of the JSON record built from it), so the Lightning callback and the Fabric strategy report the
 same way; they call it on rank zero only.
 
@@ -52,9 +52,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from .budget import format_bytes
+from lightning_baoc.config.budget import format_bytes
 from .control.events import AllocationEvent
-from .settings import ReportSetting
+from lightning_baoc.config.settings import ReportSetting
 
 #: File names written into the log directory.
 JSON_NAME = "baoc_allocation.json"

@@ -12,13 +12,11 @@ import lightning_baoc
 
 ROOT = Path(__file__).resolve().parent.parent
 #: the modules that adapt the core to Lightning, the only ones allowed to import it: the callbacks
-#: (BAOC, GradientRelease) and the Fabric strategy, and their old paths
+#: (BAOC, GradientRelease) and the Fabric strategy
 INTEGRATIONS = {
     "lightning_baoc.integrations.callback",
     "lightning_baoc.integrations.fabric",
     "lightning_baoc.integrations.release",
-    "lightning_baoc.callback",
-    "lightning_baoc.fabric",
 }
 
 
@@ -29,7 +27,7 @@ def _core_modules() -> list[str]:
 
 def test_core_modules_import_without_lightning_in_a_fresh_process() -> None:
     modules = _core_modules()
-    assert "lightning_baoc.solver" in modules and "lightning_baoc.controller" in modules
+    assert "lightning_baoc.solver" in modules and "lightning_baoc.control.controller" in modules
     code = (
         "import importlib, sys\n"
         f"for name in {modules!r}:\n"

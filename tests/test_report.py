@@ -12,8 +12,8 @@ import pytest
 from rich.console import Console
 
 from lightning_baoc import BAOC
-from lightning_baoc.controller import AllocationEvent
-from lightning_baoc.planner import load_statistics
+from lightning_baoc.control.controller import AllocationEvent
+from lightning_baoc.tools.plan import load_statistics
 from lightning_baoc.report import (
     ALLOCATION_SCHEMA,
     CORRECTION_HATCHES,

@@ -3,7 +3,7 @@ parameters by identity, their tables (shapes, the user's baseline, the
 :class:`~lightning_baoc.costs.AllocationProblem`), the gradient sampler over them, the warm-up
 formats, and parameters that join the optimizer after install.
 
-A mixin of :class:`~lightning_baoc.controller.BAOCController`: the lifecycle owns the attributes.
+A mixin of :class:`~lightning_baoc.control.controller.BAOCController`: the lifecycle owns the attributes.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..blocks import partition
-from ..budget import format_bytes
+from lightning_baoc.sampling.blocks import partition
+from lightning_baoc.config.budget import format_bytes
 from ..optim.sharding import shard_shape
-from ..calibration import withheld_formats
+from lightning_baoc.costs.calibration import withheld_formats
 from ..costs import AllocationProblem, baseline_state_bytes
 from ..formats import RULE_NAMES, formats_of
 from ..formats.correction import corrections_refused
@@ -30,7 +30,7 @@ from ..sampling import GradientSampler
 from ..costs.instruments import InstrumentSizes
 from .protocol import Broadcast
 
-log = logging.getLogger("lightning_baoc.controller")
+log = logging.getLogger("lightning_baoc.control.controller")
 
 
 def _stepped(optimizer: BlockwiseOptimizer, param: torch.Tensor) -> bool:

@@ -1,7 +1,7 @@
 """The controller's checkpointed state: what :meth:`BAOCController.state_dict` saves, and how a
 resume re-applies it (the saved formats, the settings that shaped them, a changed partition).
 
-A mixin of :class:`~lightning_baoc.controller.BAOCController`: the lifecycle owns the attributes,
+A mixin of :class:`~lightning_baoc.control.controller.BAOCController`: the lifecycle owns the attributes,
 this module owns their persistence.
 """
 
@@ -12,9 +12,9 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from ..settings import plain
+from lightning_baoc.config.settings import plain
 
-log = logging.getLogger("lightning_baoc.controller")
+log = logging.getLogger("lightning_baoc.control.controller")
 
 #: Format version of :meth:`BAOCController.state_dict`.
 STATE_VERSION = 1

@@ -9,7 +9,7 @@ allocation sets both (:meth:`~lightning_baoc.BlockwiseAdamW.set_formats`,
 :meth:`~lightning_baoc.BlockwiseAdamW.set_weight_corrections`), corrections that shrink before the
 states convert and those that grow after, so the held bytes only fall while the budget falls.
 
-A mixin of :class:`~lightning_baoc.controller.BAOCController`: the lifecycle owns the attributes.
+A mixin of :class:`~lightning_baoc.control.controller.BAOCController`: the lifecycle owns the attributes.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 With gradient release (``BlockwiseAdamW.release_gradients()``) each parameter steps inside its
 post-accumulate-grad hook during backward and its gradient is freed at once, so nothing is left for
-:meth:`~lightning_baoc.controller.BAOCController.observe` after backward. The adapters open the step's
+:meth:`~lightning_baoc.control.controller.BAOCController.observe` after backward. The adapters open the step's
 observation before backward (:meth:`ReleaseObservationMixin.open_released_step`); the optimizer's
-gradient observer (:meth:`~lightning_baoc.optim.release.ReleaseMixin.add_gradient_observer`) feeds
+gradient observer (:meth:`~lightning_baoc.optim.gradient_release.ReleaseMixin.add_gradient_observer`) feeds
 each gradient to the sampler and takes its shadow-moment sample inside the hook, just before the
 parameter steps; :meth:`ReleaseObservationMixin.close_released_step` completes the step (parameters
 that kept their gradient, the shadow's samples applied with one synchronization). The numbers are
@@ -21,7 +21,7 @@ from ..optim import BlockwiseOptimizer
 
 
 class ReleaseObservationMixin:
-    """Gradient-release observation of :class:`~lightning_baoc.controller.BAOCController`."""
+    """Gradient-release observation of :class:`~lightning_baoc.control.controller.BAOCController`."""
 
     optimizer: BlockwiseOptimizer | None
     sampler: Any

@@ -18,7 +18,7 @@ from ..risk import optimizer_risk_table
 
 
 class ScoringMixin:
-    """The risk of the live state for :class:`~lightning_baoc.controller.BAOCController`."""
+    """The risk of the live state for :class:`~lightning_baoc.control.controller.BAOCController`."""
 
     # provided by the controller this is mixed into
     sampler: Any

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 
 from torch import nn
 
-from lightning_baoc.budget import parse_memory_budget, parse_time_budget
+from lightning_baoc.config.budget import parse_memory_budget, parse_time_budget
 from lightning_baoc.control.checkpoint import plain as _plain
 from lightning_baoc.optim import BlockwiseOptimizer
 from lightning_baoc.risk.prior import block_kind

@@ -1,7 +1,7 @@
 """When to re-evaluate the allocation: every ``reevaluate_every_n_epochs`` epochs, and when
 ``monitor`` has not improved for ``patience`` validation checks.
 
-A mixin of :class:`~lightning_baoc.controller.BAOCController`; a trigger only makes a
+A mixin of :class:`~lightning_baoc.control.controller.BAOCController`; a trigger only makes a
 re-evaluation pending, which runs at the next step boundary.
 """
 

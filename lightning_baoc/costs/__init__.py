@@ -1,5 +1,5 @@
 """What an allocation costs and the problem it solves: memory and time tables, calibration, the
-hardware mask and the one rule of withheld formats (:mod:`lightning_baoc.calibration`), and
+hardware mask and the one rule of withheld formats (:mod:`lightning_baoc.costs.calibration`), and
 :class:`AllocationProblem`, the one builder of the solver's problem used by the training
 controller, ``lightning-baoc check`` and ``lightning-baoc plan``, and the optimizer state of a
 run's phases (start, warm-up, conversion, steady: :mod:`lightning_baoc.costs.phases`), and the

@@ -16,7 +16,7 @@ A run holds its optimizer state in three allocations over time, and the budget m
 - **steady**: the allocation the run trains in after warm-up.
 
 :class:`StatePhases` holds those figures per tensor as the optimizer allocates them (the memory
-table's rule, :func:`~lightning_baoc.calibration.device_state_bytes`: fallbacks per tensor,
+table's rule, :func:`~lightning_baoc.costs.calibration.device_state_bytes`: fallbacks per tensor,
 ``offload`` off an accelerator's memory); :meth:`~lightning_baoc.costs.AllocationProblem.phases`
 solves both allocations and builds it, for ``lightning-baoc plan`` and ``lightning-baoc check``.
 """
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from ..budget import format_bytes
-from ..calibration import device_state_bytes, offload_saves_memory
+from lightning_baoc.config.budget import format_bytes
+from lightning_baoc.costs.calibration import device_state_bytes, offload_saves_memory
 from .options import correction_bytes, split_option
 from ..formats import DEFAULT_MIN_8BIT_NUMEL, formats_of, resolve_in
 from ..formats.base import as_shape

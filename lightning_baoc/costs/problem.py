@@ -2,7 +2,7 @@
 
 :class:`AllocationProblem` turns the blocks' parameter shapes, the device, the format menu and the
 budgets into what :func:`~lightning_baoc.solve` needs: the formats offered (the menu less
-:func:`~lightning_baoc.calibration.withheld_formats`, the one rule of what is withheld, and a
+:func:`~lightning_baoc.costs.calibration.withheld_formats`, the one rule of what is withheld, and a
 user's mask), the memory table, the time table (priced by a calibration of the device or by the
 prior costs), and the budgets in the units of those tables. The training controller,
 ``lightning-baoc check`` and ``lightning-baoc plan`` all build one, so they cannot disagree on
@@ -25,7 +25,7 @@ from typing import Any, Literal, Union
 
 import torch
 
-from ..budget import (
+from lightning_baoc.config.budget import (
     absolute_time_with_prior_error,
     format_bytes,
     is_absolute_time,
@@ -33,7 +33,7 @@ from ..budget import (
     parse_time_budget,
     round_up,
 )
-from ..calibration import (
+from lightning_baoc.costs.calibration import (
     PRIOR_CORRECTION_COST,
     PRIOR_STEP_COSTS,
     Calibration,
@@ -114,8 +114,8 @@ class AllocationProblem:
             (:mod:`lightning_baoc.costs.options`: options ``"int8+ecc8"``; default: ``None``, formats
             alone); needs ``dtypes``. Under a time budget an option's step time is its format's
             plus what its correction adds per element of the block's 16-bit weights
-            (:data:`~lightning_baoc.calibration.PRIOR_CORRECTION_COST`, or measured by
-            :func:`~lightning_baoc.calibration.calibrate` with ``corrections``; given costs name it
+            (:data:`~lightning_baoc.costs.calibration.PRIOR_CORRECTION_COST`, or measured by
+            :func:`~lightning_baoc.costs.calibration.calibrate` with ``corrections``; given costs name it
             ``"+ecc8"``).
         dtypes: block -> the dtypes of its parameters, in block order (the corrections' bytes).
 

@@ -2,7 +2,7 @@
 
 - :mod:`lightning_baoc.integrations.callback`: :class:`~lightning_baoc.BAOC`, the Lightning callback;
 - :mod:`lightning_baoc.integrations.fabric`: :class:`~lightning_baoc.BAOCStrategy`, for Fabric loops;
-- :mod:`lightning_baoc.integrations.swap`: the optimizer swap and LR-scheduler rebinding (torch only);
+- :mod:`lightning_baoc.optim.swap`: the optimizer swap and LR-scheduler rebinding (torch only);
 - :mod:`lightning_baoc.integrations.checkpoints`: the metadata of a distributed checkpoint, read before its load.
 
 The callback and the strategy are the only modules that import Lightning; this package imports

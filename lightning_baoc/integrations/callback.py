@@ -1,4 +1,4 @@
-"""BAOC: the Lightning callback, a thin adapter over :class:`~lightning_baoc.controller.BAOCController`.
+"""BAOC: the Lightning callback, a thin adapter over :class:`~lightning_baoc.control.controller.BAOCController`.
 
 Hook by hook (Lightning 2.6; README.md, "The BAOC callback", has the whole lifecycle):
 
@@ -53,10 +53,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from .checkpoints import distributed_metadata
-from ..controller import AllocationEvent, BAOCController, rebind_scheduler
+from lightning_baoc.control.controller import AllocationEvent, BAOCController, rebind_scheduler
 from ..optim import BlockwiseAdamW
 from ..report import AllocationReporter
-from ..settings import settings_init, split_settings
+from lightning_baoc.config.settings import settings_init, split_settings
 
 
 def _refused_strategy(strategy: Any) -> str | None:
@@ -94,7 +94,7 @@ class BAOC(Callback):
     allocation of least total risk within the budgets and converts the optimizer's states in
     place. Re-evaluates every ``reevaluate_every_n_epochs`` epochs and when ``monitor`` plateaus.
 
-    The arguments are the settings of :data:`lightning_baoc.settings.SETTINGS`, in its order
+    The arguments are the settings of :data:`lightning_baoc.config.settings.SETTINGS`, in its order
     (``memory_budget`` first, the only one required): ``__init__``'s signature, annotations and
     docstring are generated from it, so ``help(BAOC.__init__)`` and LightningCLI's
     ``--trainer.callbacks.help lightning_baoc.BAOC`` list each with its type, default and help.
@@ -131,8 +131,8 @@ class BAOC(Callback):
 
         Args:
             config: a path to a YAML template (``configs/vision.yaml``), a
-                :class:`~lightning_baoc.config.Config` or
-                :class:`~lightning_baoc.config.BAOCSection`, or a mapping / OmegaConf
+                :class:`~lightning_baoc.config.files.Config` or
+                :class:`~lightning_baoc.config.files.BAOCSection`, or a mapping / OmegaConf
                 ``DictConfig`` holding either a whole config (with a ``baoc`` key) or the
                 ``baoc`` section alone.
             overrides: OmegaConf dotlist overrides, applied to a file only
@@ -146,7 +146,7 @@ class BAOC(Callback):
             >>> baoc.config.memory_budget  # doctest: +SKIP
             0.25
         """
-        from ..config import baoc_kwargs, load_config
+        from lightning_baoc.config.files import baoc_kwargs, load_config
 
         if isinstance(config, (str, os.PathLike)):
             config = load_config(config, overrides)

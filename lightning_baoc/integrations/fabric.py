@@ -24,7 +24,7 @@ Epochs and validation are the loop's own: call ``strategy.on_train_epoch_end(epo
 ``strategy.on_validation_end(value)`` between optimizer steps (or register the strategy as a
 Fabric callback, ``Fabric(strategy=s, callbacks=[s])``, and use ``fabric.call``; the strategy then
 also finds ``fabric.loggers`` for its scalars). Checkpoints: put ``strategy.controller`` (the
-:class:`~lightning_baoc.controller.BAOCController`, which has ``state_dict``/``load_state_dict``),
+:class:`~lightning_baoc.control.controller.BAOCController`, which has ``state_dict``/``load_state_dict``),
 under a key of your choice, into the state given to ``fabric.save``/``fabric.load``.
 
 Example:
@@ -49,9 +49,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .checkpoints import distributed_metadata
-from ..controller import AllocationEvent, BAOCController, rebind_scheduler
+from lightning_baoc.control.controller import AllocationEvent, BAOCController, rebind_scheduler
 from ..report import AllocationReporter
-from ..settings import settings_init, split_settings
+from lightning_baoc.config.settings import settings_init, split_settings
 
 _BASES = ("single_device", "ddp", "model_parallel")
 
@@ -60,7 +60,7 @@ class BAOCStrategy:
     """A Fabric strategy that runs the BAOC lifecycle (see the module docstring).
 
     The arguments are ``memory_budget`` and, keyword-only, the other settings of
-    :data:`lightning_baoc.settings.SETTINGS` (``__init__`` is generated from it, as
+    :data:`lightning_baoc.config.settings.SETTINGS` (``__init__`` is generated from it, as
     :class:`~lightning_baoc.BAOC`'s is; ``report`` prints the table and, with ``report_dir``,
     writes the files), then the strategy's own:
 
@@ -76,9 +76,8 @@ class BAOCStrategy:
         risk_fn: a risk model replacing :func:`lightning_baoc.risk.risk_table` (default: ``None``).
 
     Attributes:
-        controller: the :class:`~lightning_baoc.controller.BAOCController` (checkpoint it) (the
+        controller: the :class:`~lightning_baoc.control.controller.BAOCController` (checkpoint it) (the
             name :class:`~lightning_baoc.BAOC` gives it too).
-        baoc: the same object, read-only (its former name, kept).
         last_record: the JSON record of the last allocation (``None`` before the first).
         last_metrics: its logger scalars (``{}`` before the first).
 
@@ -228,11 +227,6 @@ class BAOCStrategy:
     def _baoc_report(self, event: AllocationEvent) -> None:
         is_zero = bool(self.is_global_zero)  # type: ignore[attr-defined]
         self.reporter(event, self.controller.history, self.report_dir, is_zero, self._baoc_loggers, rank_zero_info)
-
-    @property
-    def baoc(self) -> BAOCController:
-        """The controller, :attr:`controller` (its former name, kept; read-only)."""
-        return self.controller
 
     @property
     def report(self) -> bool:

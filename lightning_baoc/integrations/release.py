@@ -1,7 +1,7 @@
 """GradientRelease: the Lightning callback that turns on gradient release for a BlockwiseAdamW
 (or BlockwiseSGD, BlockwiseLion).
 
-Gradient release (:mod:`lightning_baoc.optim.release`) steps each parameter during backward and
+Gradient release (:mod:`lightning_baoc.optim.gradient_release`) steps each parameter during backward and
 frees its gradient at once. Lightning runs the closure (forward, backward) inside
 ``optimizer.step``, so the hooks step the parameters while backward runs and the ``step`` that
 follows opens the next window. What release cannot do, the callback refuses at ``setup``, before

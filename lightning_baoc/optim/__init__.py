@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .momentum import BlockwiseLion, BlockwiseSGD
+from lightning_baoc.optim.sgd_lion import BlockwiseLion, BlockwiseSGD
 from .aliases import optimizer_alias, resolve_alias
 from .optimizer import BlockwiseAdamW, BlockwiseOptimizer
 from .distributed import saved_formats
-from .state import CheckpointError, export_adamw_state_dict, load_checkpoint, seal_state_dict
+from lightning_baoc.optim.checkpoint import CheckpointError, export_adamw_state_dict, load_checkpoint, seal_state_dict
 
 
 def __getattr__(attr: str) -> Any:

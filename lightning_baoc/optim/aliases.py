@@ -8,7 +8,7 @@ the public path.
 
 from __future__ import annotations
 
-from lightning_baoc.optim.momentum import BlockwiseSGD
+from lightning_baoc.optim.sgd_lion import BlockwiseSGD
 from lightning_baoc.optim.optimizer import PUBLIC_MODULE, BlockwiseAdamW, BlockwiseOptimizer
 
 #: Alias class-name prefix of each base class (AdamW's keeps the prefix older pickles name).

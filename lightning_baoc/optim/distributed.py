@@ -10,7 +10,7 @@
 
 So when the optimizer holds a ``DTensor`` parameter, ``state_dict()`` returns this *distributed
 layout*, which carries the same content as the single-process layout
-(:mod:`lightning_baoc.optim.state`) in a form DCP saves whole::
+(:mod:`lightning_baoc.optim.checkpoint`) in a form DCP saves whole::
 
     {"state": {position: {"name": str, "format": str, "steps": int, "m_step": int, "step": FOREIGN_STEP,
                           "shape": global shape, "tensors": {key: DTensor (shards, longest)},
@@ -56,7 +56,7 @@ from lightning_baoc.optim.sharding import (
     shard_count,
     shard_shape,
 )
-from lightning_baoc.optim.state import STATE_DICT_VERSION, CheckpointError, _digest_value
+from lightning_baoc.optim.checkpoint import STATE_DICT_VERSION, CheckpointError, _digest_value
 
 if TYPE_CHECKING:
     from lightning_baoc.optim.optimizer import BlockwiseOptimizer
@@ -268,7 +268,7 @@ def from_distributed(sd: Mapping[str, Any], opt: "BlockwiseOptimizer") -> dict[s
             asked[name] = entry["correction_requested"]
     if meta_in.get("has_corrections"):
         meta["corrections"], meta["correction_requested"] = corrections, asked
-    from lightning_baoc.optim.state import meta_checksum
+    from lightning_baoc.optim.checkpoint import meta_checksum
 
     out_sd = {"state": state, "param_groups": groups, "baoc": meta}
     meta["checksum"] = meta_checksum(out_sd)

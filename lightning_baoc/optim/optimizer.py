@@ -44,7 +44,7 @@ from lightning_baoc.optim.pools import Pool as _Pool
 from lightning_baoc.optim.pools import PoolsMixin
 from lightning_baoc.optim.pools import Record as _Record
 from lightning_baoc.optim.masters import MasterMixin
-from lightning_baoc.optim.release import ReleaseMixin
+from lightning_baoc.optim.gradient_release import ReleaseMixin
 from lightning_baoc.optim.sharding import check_placements, flat_shards, local, row_shards, shard_offset
 from lightning_baoc.optim.stepping import StepMixin
 
@@ -588,12 +588,3 @@ PUBLIC_MODULE = "lightning_baoc.optim"
 BlockwiseOptimizer.__module__ = PUBLIC_MODULE
 BlockwiseAdamW.__module__ = PUBLIC_MODULE
 
-
-def __getattr__(attr: str) -> Any:
-    """The class aliases' old path (``lightning_baoc.optim.optimizer.optimizer_alias``), kept working:
-    they live in :mod:`lightning_baoc.optim.aliases`."""
-    if attr in ("optimizer_alias", "resolve_alias"):
-        from lightning_baoc.optim import aliases
-
-        return getattr(aliases, attr)
-    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")

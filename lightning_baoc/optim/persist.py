@@ -1,7 +1,7 @@
 """Persistence of :class:`~lightning_baoc.optim.BlockwiseAdamW`: state dicts, loads, copies, pickles.
 
 :class:`PersistenceMixin` holds the optimizer's ``state_dict``/``load_state_dict`` (layout and
-checksums: :mod:`lightning_baoc.optim.state`; validation: :mod:`lightning_baoc.optim.validate`)
+checksums: :mod:`lightning_baoc.optim.checkpoint`; validation: :mod:`lightning_baoc.optim.validate`)
 and its ``copy.deepcopy``/``pickle`` support. A load validates everything first and then commits
 at once, so a refused dict leaves the optimizer unchanged.
 """
@@ -22,7 +22,7 @@ from lightning_baoc.optim.sharding import gather_full, is_sharded, local
 from lightning_baoc.formats import Canonical, StepHyper, resolve_in
 from lightning_baoc.formats.frames import framed
 from lightning_baoc.optim.pools import Pool, Record
-from lightning_baoc.optim.state import (
+from lightning_baoc.optim.checkpoint import (
     STATE_DICT_VERSION,
     CheckpointError,
     adamw_export,
@@ -125,7 +125,7 @@ class PersistenceMixin:
     def state_dict(self) -> dict[str, Any]:
         """Compact state keyed by parameter name; loads under ``torch.load(weights_only=True)``.
 
-        Layout and checksums: :mod:`lightning_baoc.optim.state`. 8-bit states stay 8-bit. Tensors
+        Layout and checksums: :mod:`lightning_baoc.optim.checkpoint`. 8-bit states stay 8-bit. Tensors
         are copies (views of one pool in several dtypes cannot be serialized together). Handed to
         a plain ``torch.optim.AdamW``, the dict fails at load with a message that names BAOC and
         the fix (resume with the callback, or :func:`~lightning_baoc.export_adamw_state_dict`).
@@ -145,7 +145,7 @@ class PersistenceMixin:
         return state_dict
 
     def _local_state_dict(self) -> dict[str, Any]:
-        """The state dict of this rank in the single-process layout (:mod:`lightning_baoc.optim.state`)."""
+        """The state dict of this rank in the single-process layout (:mod:`lightning_baoc.optim.checkpoint`)."""
         state: dict[str, Any] = {}
         for p, rec in self._records.items():
             if rec.format is None:

@@ -1,7 +1,7 @@
 """The step of :meth:`BlockwiseAdamW.step <lightning_baoc.optim.BlockwiseAdamW.step>`, compiled and eager.
 
 ``step`` sends the (param group, format) buckets the compiled CPU kernels serve to
-:func:`~lightning_baoc.formats.compiled.compiled_step`: the kernel tests each gradient for inf and
+:func:`~lightning_baoc.kernels.compiled.compiled_step`: the kernel tests each gradient for inf and
 NaN, advances the step counts or counts the skip, and says which it skipped, so nothing is read
 from a tensor to launch it. Every other parameter (CUDA, a policy of ``"eager"``, no compiler) takes
 the eager step here: the host reads which gradients are finite (:meth:`StepMixin._finite_mask`, one
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from lightning_baoc.formats import StateFormat, StepHyper, StepItem
-from lightning_baoc.formats.compiled import KernelItem, compiled_step, kernel_serves
+from lightning_baoc.kernels.compiled import KernelItem, compiled_step, kernel_serves
 from lightning_baoc.formats.correction import reconstruct, split_into
 from lightning_baoc.formats.frames import framed
 from lightning_baoc.formats.quant import M_SCALE_MAX, V_SCALE_MAX, name_salt

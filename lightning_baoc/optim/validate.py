@@ -3,7 +3,7 @@
 The whole dict is checked against the optimizer (groups, hyperparameters, every entry's format,
 counts, shape, tensors and checksum) and turned into a :class:`LoadPlan`;
 ``BlockwiseAdamW.load_state_dict`` commits it only after building the new pools, so every
-problem raises :class:`~lightning_baoc.optim.state.CheckpointError` with the optimizer untouched.
+problem raises :class:`~lightning_baoc.optim.checkpoint.CheckpointError` with the optimizer untouched.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from lightning_baoc.optim.sharding import local, this_shard
 from lightning_baoc.formats import Canonical, StateFormat, check_format_name
 from lightning_baoc.formats.correction import CORRECTIONS, WEIGHT_DTYPES, correction_dtype
 from lightning_baoc.optim.args import PERFORMANCE_HINTS
-from lightning_baoc.optim.state import (
+from lightning_baoc.optim.checkpoint import (
     READABLE_VERSIONS,
     check_entry_fields,
     check_layout,
@@ -112,7 +112,7 @@ def _plan_own(opt: "BlockwiseAdamW", sd: Mapping[str, Any]) -> LoadPlan:
                 "the checksum of the state dict's metadata (param groups, parameter names, "
                 "requested formats, non-finite counts, entries) does not match: the "
                 "checkpoint is corrupted, or was edited (re-seal a deliberate edit with "
-                "lightning_baoc.optim.state.seal_state_dict)"
+                "lightning_baoc.optim.checkpoint.seal_state_dict)"
             )
     rule = meta.get("rule", "adamw")  # dicts of BlockwiseAdamW carry no rule
     if rule != opt.rule:

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from ..blocks import ROOT_BLOCK
+from lightning_baoc.sampling.blocks import ROOT_BLOCK
 from ..formats import DEFAULT_MIN_8BIT_NUMEL, formats_of, numel_of, resolve_in
 from ..formats.base import as_shape
 

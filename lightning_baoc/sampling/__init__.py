@@ -16,7 +16,7 @@ queue, checks it for non-finite values, reduces the row norms to one coefficient
 block and the pair of consecutive steps to one cosine per block, and writes the sample into a ring
 buffer holding the last ``capacity`` sampling steps.
 :meth:`GradientSampler.statistics` reduces the ring buffer with the pure functions of
-:mod:`lightning_baoc.statistics`.
+:mod:`lightning_baoc.sampling.statistics`.
 
 Where to call it: once per optimizer step, where the gradients are final. In Lightning that is
 ``on_before_optimizer_step``: gradients there are accumulated over the whole accumulation window,
@@ -36,8 +36,6 @@ The package, module by module:
 - :mod:`~lightning_baoc.sampling.state`: the sampler's checkpoint (``state_dict``, ``load_state_dict``);
 - :mod:`~lightning_baoc.sampling.reduce`: the worker thread's loop and its reductions (validity,
   cosines, anisotropy).
-
-``lightning_baoc.sampler``, the module this package replaced, still gives the same names.
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .. import statistics as S
+from lightning_baoc.sampling import statistics as S
 from ..optim.sharding import is_sharded, local, shard_group
-from ..blocks import partition
+from lightning_baoc.sampling.blocks import partition
 from .gather import _gather, _merge
 from .layout import _Block, _check_blocks, _check_int, _plan_blocks
 from .state import STATE_VERSION, SamplerStateMixin  # noqa: F401 - STATE_VERSION: its public path
@@ -476,10 +476,10 @@ class GradientSampler(SamplerStateMixin):
         - ``stability``: directional stability at lag 1, the mean cosine similarity of the
           gradients of consecutive optimizer steps (each ring sample with the step after it, see
           ``sample_every``); ``persistence``: the same at lag ``sample_every``,
-          :func:`~lightning_baoc.statistics.directional_stability` of consecutive ring samples;
-        - ``anisotropy``: :func:`~lightning_baoc.statistics.scale_anisotropy`, the mean over
+          :func:`~lightning_baoc.sampling.statistics.directional_stability` of consecutive ring samples;
+        - ``anisotropy``: :func:`~lightning_baoc.sampling.statistics.scale_anisotropy`, the mean over
           samples of the CV of row norms (numel-weighted over the block's matrices);
-        - ``snr``: :func:`~lightning_baoc.statistics.gradient_snr`, the gradient
+        - ``snr``: :func:`~lightning_baoc.sampling.statistics.gradient_snr`, the gradient
           **signal-to-noise ratio** over the ring (higher = less noise; its former name ``noise``
           is still read from older reports, see :data:`lightning_baoc.report.RENAMED_STATS`), and
           ``noise_fraction = 1 / (1 + snr)`` in ``[0, 1]``, the share of the gradient's power

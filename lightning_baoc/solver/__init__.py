@@ -42,22 +42,15 @@ The package, module by module (pure Python and numpy: no torch here):
 - :mod:`~lightning_baoc.solver.pipeline`: the steps in order, on a built problem;
 - :mod:`~lightning_baoc.solver.segments`: :func:`select_boundaries` and the segmented solve;
 - :mod:`~lightning_baoc.solver.reference`: :func:`reference_solve`, the brute-force reference;
-- here: :func:`solve`, and every name importable from ``lightning_baoc.solver``.
+- here: :func:`solve`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-# ``x as x``: names importable from here before the split into modules, kept so.
-from ..budget import ceil_significant as ceil_significant
-from ..budget import format_bytes as format_bytes
-from ..budget import format_seconds as format_seconds
-from ..budget import parse_memory_budget, parse_time_budget
-from .infeasible import ERROR_SEARCH_NODES as ERROR_SEARCH_NODES
+from lightning_baoc.config.budget import parse_memory_budget, parse_time_budget
 from .pipeline import _METHODS, AUTO_EXACT_BLOCKS, Method, _solve_problem
-from .pipeline import AUTO_EXACT_NODES as AUTO_EXACT_NODES
-from .problem import TIME_BUDGET_RTOL as TIME_BUDGET_RTOL
 from .problem import (
     KNOWN_FORMATS,
     Allocation,
@@ -92,12 +85,12 @@ def solve(
         memory: block -> format -> state bytes (finite, >= 0), for every format ``risk`` allows.
         memory_budget: a fraction in (0, 1] of the fp32 AdamW state memory (the sum of the
             ``"fp32"`` entries of ``memory``), or absolute: an int of bytes or a string like
-            ``"6GB"`` / ``"512MiB"`` (see :func:`~lightning_baoc.budget.parse_memory_budget`).
+            ``"6GB"`` / ``"512MiB"`` (see :func:`~lightning_baoc.config.budget.parse_memory_budget`).
         time: block -> format -> optimizer-step seconds, or ``None`` (default: ``None``).
         time_budget: a multiple >= 1.0 of the fp32 AdamW step time (``1.10``) or an absolute time
             like ``"12ms"``; needs ``time`` (default: ``None``: no time limit).
         mask: formats to exclude everywhere, as names or name -> reason (e.g. from
-            :func:`~lightning_baoc.calibration.hardware_mask`); reported in
+            :func:`~lightning_baoc.costs.calibration.hardware_mask`); reported in
             :attr:`Allocation.masked` (default: ``None``).
         method: ``"auto"`` (greedy, then an exact search on small problems), ``"greedy"`` (the
             frontier greedy with local improvement only) or ``"exact"`` (branch-and-bound to proven

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from ..budget import ceil_significant, format_bytes, format_seconds
+from lightning_baoc.config.budget import ceil_significant, format_bytes, format_seconds
 from .problem import TIME_BUDGET_RTOL, BudgetInfeasibleError, _Problem, _Scaled
 from .relaxation import _frontier_choice
 from .search import _branch_and_bound

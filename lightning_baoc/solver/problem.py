@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..budget import parse_memory_budget, parse_time_budget
+from lightning_baoc.config.budget import parse_memory_budget, parse_time_budget
 
 #: The format names of :data:`lightning_baoc.FORMATS`, in its order (kept here so the solver
 #: imports no torch; a test holds the two equal). Tables may also use other names.
@@ -479,7 +479,7 @@ def _parse_budgets(p: _Problem, memory_budget: object, time_budget: object) -> t
         if p.time is None:
             raise ValueError(
                 f"time_budget={time_budget!r} was given without a time table; pass time= "
-                f"(block -> format -> seconds), e.g. from lightning_baoc.calibration.time_table"
+                f"(block -> format -> seconds), e.g. from lightning_baoc.costs.calibration.time_table"
             )
         tb = parse_time_budget(time_budget, p.fp32_time) * (1.0 + TIME_BUDGET_RTOL)
     return mb, tb

@@ -27,9 +27,9 @@ from torch import nn
 
 from ..formats import RULE_NAMES
 from ..formats.correction import corrections_refused
-from ..budget import absolute_time_with_prior_error, format_bytes, is_absolute_time, parse_memory_budget, round_up
-from ..calibration import withheld_formats
-from ..config import Config
+from lightning_baoc.config.budget import absolute_time_with_prior_error, format_bytes, is_absolute_time, parse_memory_budget, round_up
+from lightning_baoc.costs.calibration import withheld_formats
+from lightning_baoc.config.files import Config
 from ..costs import AllocationProblem, StatePhases, baseline_state_bytes
 from ..costs.options import split_option
 from ..risk.prior import block_kind

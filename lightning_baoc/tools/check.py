@@ -5,7 +5,7 @@ training anything: the model is built on the ``meta`` device (shapes only). Each
 fails, and every failure says how to fix it:
 
 1. **formats served**: the formats the config allows (``baoc.allowed_configs``) that the device
-   cannot serve (:func:`~lightning_baoc.calibration.hardware_mask`: ``offload`` on a CPU or MPS,
+   cannot serve (:func:`~lightning_baoc.costs.calibration.hardware_mask`: ``offload`` on a CPU or MPS,
    bf16 on CUDA devices without native bf16).
 2. **blocks**: the model partitions into blocks with ``baoc.block_id`` (every pattern matches).
 3. **memory budget**: some allocation of the allowed formats meets the budgets on this model
@@ -43,10 +43,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..blocks import partition_report
-from ..budget import format_bytes
-from ..calibration import hardware_mask
-from ..config import Config, load_config
+from lightning_baoc.sampling.blocks import partition_report
+from lightning_baoc.config.budget import format_bytes
+from lightning_baoc.costs.calibration import hardware_mask
+from lightning_baoc.config.files import Config, load_config
 from ..formats import RULE_FORMATS, RULE_NAMES, formats_of
 from .budget_check import check_budget
 from .models import build_component, default_device, resolve_model
@@ -154,7 +154,7 @@ def run_checks(
     """Run the checklist of a config on a model (any device; ``meta`` is enough) for ``device``.
 
     Args:
-        config: a loaded :class:`~lightning_baoc.config.Config`.
+        config: a loaded :class:`~lightning_baoc.config.files.Config`.
         model: the model (only parameter names, shapes and ``requires_grad`` are read).
         device: the training device (decides the hardware mask) (default: ``"cpu"``).
         optimizer: the optimizer the module returns, ``"adamw"``, ``"sgd"`` or ``"lion"``: its formats
@@ -164,7 +164,7 @@ def run_checks(
         One :class:`CheckResult` per check, in the order of the module docstring.
 
     Example:
-        >>> from lightning_baoc.config import parse_config
+        >>> from lightning_baoc.config.files import parse_config
         >>> cfg = parse_config({"baoc": {"memory_budget": 0.3, "allowed_configs": ["fp32", "int8", "offload"]}})
         >>> [r.status for r in run_checks(cfg, nn.Linear(256, 256, device="meta"), "cpu")][:1]
         ['FAIL']

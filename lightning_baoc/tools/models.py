@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ComponentConfig, Config
+from lightning_baoc.config.files import ComponentConfig, Config
 from .presets import build_model
 
 def build_component(component: ComponentConfig, device: str | torch.device = "meta", section: str = "model") -> Any:

@@ -3,7 +3,7 @@
 The model is built on the ``meta`` device (shapes only, no memory): a preset (a LLaMA-7B-shaped
 decoder, a ViT-B/16, a tiny decoder for tests; :mod:`lightning_baoc.tools.presets`) or any
 ``package.module:factory``. Its parameters are partitioned into blocks
-(:func:`lightning_baoc.blocks.partition`), and the plan reports the parameter count, the fp32 state
+(:func:`lightning_baoc.sampling.blocks.partition`), and the plan reports the parameter count, the fp32 state
 of the optimizer planned for (``optimizer``: AdamW's two moments, 8 bytes per parameter, by default;
 ``"sgd"`` or ``"lion"``: their one momentum buffer, 4 bytes), every uniform format of that
 optimizer's registry (:func:`~lightning_baoc.formats.formats_of`) with its exact bytes (fallbacks for
@@ -22,7 +22,7 @@ the **start** allocation the controller sets at install (least prior risk, or ``
 ``baoc_allocation.json``'s blocks) or, without one, is the start's (the documented prior,
 :func:`lightning_baoc.risk.prior_risk`, or ``initial``'s): the run is then expected to stay where it
 started. Step time comes from a calibration of the local device (``calibrate=True``) or the prior
-:data:`~lightning_baoc.calibration.PRIOR_STEP_COSTS` of the optimizer.
+:data:`~lightning_baoc.costs.calibration.PRIOR_STEP_COSTS` of the optimizer.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..blocks import partition
-from ..budget import absolute_time_with_prior_error, format_bytes, format_decimal_bytes, is_absolute_time
-from ..calibration import offload_saves_memory
+from lightning_baoc.sampling.blocks import partition
+from lightning_baoc.config.budget import absolute_time_with_prior_error, format_bytes, format_decimal_bytes, is_absolute_time
+from lightning_baoc.costs.calibration import offload_saves_memory
 from ..costs import CONVERSION_BOUND, AllocationProblem, StatePhases, baseline_state_bytes
 from ..costs.options import correction_bytes, split_option
 from ..formats import (
@@ -205,7 +205,7 @@ def plan(
             time (``"12ms"``) with ``calibrate_time=True`` (the prior costs have no unit).
         device: the training device planned for; decides the hardware mask and whether ``offload``
             saves device memory (default: ``"cuda"``).
-        granularity: block granularity of :func:`~lightning_baoc.blocks.partition` (default: ``"module"``).
+        granularity: block granularity of :func:`~lightning_baoc.sampling.blocks.partition` (default: ``"module"``).
         statistics: a statistics file: the steady allocation's risk (default: the start's).
         initial: the start as ``BAOC(initial=...)``: a ``baoc_allocation.json`` or a mapping block -> format.
         mask: formats to exclude besides the hardware mask (default: none).

@@ -5,7 +5,7 @@
   (These are cheap structural checks, no renderer needed; the diagrams were also parsed by
   mermaid itself when written.)
 - In ``docs/architecture.md``, every name written in backticks in the prose (``BlockwiseAdamW.set_formats``,
-  ``risk_details``, ``on_fit_start``, ``sample_every``, ``int8``, ``lightning_baoc/sampler.py``) and every
+  ``risk_details``, ``on_fit_start``, ``sample_every``, ``int8``, ``lightning_baoc/sampling/__init__.py``) and every
   dotted name or ``name()`` call in its diagrams must resolve: to an object of the package
   (imported, then ``getattr`` along the dots; instance attributes and dataclass fields count), to
   a Lightning hook or attribute, to an argument of ``BAOC``, to a state format, or to a file of

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_baoc import BAOC, BlockwiseAdamW, BudgetInfeasibleError
-from lightning_baoc.calibration import memory_table
+from lightning_baoc.costs.calibration import memory_table
 
 from support_lightning import DigitsModule, loaders, make_trainer, one_thread  # noqa: F401
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lightning_baoc import FORMATS, BlockwiseAdamW, kernels
-from lightning_baoc.formats import compiled
+from lightning_baoc.kernels import compiled
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_kernels().available, reason=f"no compiled kernels: {kernels.cpu_kernels().detail}")
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW
-from lightning_baoc.controller import convert_optimizer
+from lightning_baoc.control.controller import convert_optimizer
 
 from support import mlp
 
@@ -330,14 +330,6 @@ def test_state_dict_hooks_run_as_in_torch() -> None:
     assert sd["extra"] == 7
     opt.load_state_dict(sd)
     assert calls == ["save-pre", "load-post"]
-
-
-def test_the_class_aliases_old_path_still_imports() -> None:
-    from lightning_baoc.optim import aliases
-    from lightning_baoc.optim.optimizer import optimizer_alias, resolve_alias
-
-    assert optimizer_alias is aliases.optimizer_alias and resolve_alias is aliases.resolve_alias
-    assert optimizer_alias("AdamW").__name__ == "AdamW"
 
 
 def test_torch_distributed_checkpoint_does_not_step_a_trained_optimizer() -> None:

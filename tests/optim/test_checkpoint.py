@@ -173,7 +173,7 @@ def test_state_dict_of_version_1_still_loads() -> None:
 
 
 def _with_generators(sd: dict, generators: dict[str, torch.Tensor]) -> dict:
-    from lightning_baoc.optim.state import seal_state_dict
+    from lightning_baoc.optim.checkpoint import seal_state_dict
 
     sd["baoc"]["generators"] = generators
     return seal_state_dict(sd)
@@ -204,7 +204,7 @@ def copy_sd(sd: dict) -> dict:
 
 def test_failed_load_leaves_the_optimizer_unchanged() -> None:
     from lightning_baoc import CheckpointError
-    from lightning_baoc.optim.state import seal_state_dict
+    from lightning_baoc.optim.checkpoint import seal_state_dict
 
     _, other = _trained(widths=(64, 32, 10))  # same names, other shapes
     model, opt = _trained()
@@ -231,7 +231,7 @@ def test_failed_load_leaves_the_optimizer_unchanged() -> None:
 @pytest.mark.parametrize("kind", ["blockwise", "torch"])
 def test_invalid_hyperparameters_in_a_state_dict_are_refused(edit: Any, match: str, kind: str) -> None:
     from lightning_baoc import CheckpointError
-    from lightning_baoc.optim.state import seal_state_dict
+    from lightning_baoc.optim.checkpoint import seal_state_dict
 
     model, opt = _trained()
     if kind == "blockwise":
@@ -261,7 +261,7 @@ def test_invalid_hyperparameters_in_a_state_dict_are_refused(edit: Any, match: s
 )
 def test_malformed_state_entries_are_named(edit: Any, match: str) -> None:
     from lightning_baoc import CheckpointError
-    from lightning_baoc.optim.state import seal_state_dict
+    from lightning_baoc.optim.checkpoint import seal_state_dict
 
     _, opt = _trained()
     sd = opt.state_dict()
@@ -323,7 +323,7 @@ def test_truncated_file_is_named_as_such(tmp_path: Any) -> None:
 
 
 def test_checksum_is_exact_for_any_chunking_and_large_bytes() -> None:
-    from lightning_baoc.optim.state import digest_bytes
+    from lightning_baoc.optim.checkpoint import digest_bytes
 
     gen = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (10_007,), generator=gen, dtype=torch.int64).to(torch.uint8)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW, CheckpointError, load_checkpoint
-from lightning_baoc.optim.state import seal_state_dict
+from lightning_baoc.optim.checkpoint import seal_state_dict
 
 from support import mlp, one_thread  # noqa: F401 - one_thread applies to the module
 

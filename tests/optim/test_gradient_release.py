@@ -1,4 +1,4 @@
-"""Gradient release (``lightning_baoc/optim/release.py``, ``lightning_baoc.GradientRelease``).
+"""Gradient release (``lightning_baoc/optim/gradient_release.py``, ``lightning_baoc.GradientRelease``).
 
 - Each parameter steps in backward exactly as ``step()`` would: bit-equal on the compiled and the
   eager step, fp32, int8, factored and bf16 weights with a correction; gradients are gone after
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW, GradientRelease
-from lightning_baoc.optim.release import GradientAccumulationError
+from lightning_baoc.optim.gradient_release import GradientAccumulationError
 
 CASES = [("int8", torch.float32, "none"), ("fp32", torch.float32, "none"), ("int8_factored", torch.float32, "none"),
          ("bf16", torch.bfloat16, "ecc8"), ("int8", torch.bfloat16, "ecc16")]

@@ -1,4 +1,4 @@
-"""BlockwiseSGD and BlockwiseLion (``lightning_baoc/optim/momentum.py``, ``formats/momentum.py``).
+"""BlockwiseSGD and BlockwiseLion (``lightning_baoc/optim/sgd_lion.py``, ``formats/momentum.py``).
 
 - Parity: fp32 SGD equals ``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay,
   maximize, none) within 1e-6 over 200 steps (to the bit, in practice); fp32 Lion equals the
@@ -342,7 +342,7 @@ def test_errors_name_the_problem_and_the_fix() -> None:
 
 
 def test_baoc_takes_the_momentum_optimizers_over() -> None:
-    from lightning_baoc.integrations.swap import convert_optimizer
+    from lightning_baoc.optim.swap import convert_optimizer
 
     model = _model()
     own = BlockwiseSGD(model.named_parameters(), lr=0.1, momentum=0.9)

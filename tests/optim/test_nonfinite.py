@@ -270,7 +270,7 @@ def test_overflowed_fp32_state_converts_to_a_finite_compact_state(fmt: str) -> N
 def test_sampler_statistics_of_1e19_gradients_are_those_of_unit_gradients() -> None:
     """Gradients scaled by 1e19 are finite: the sampler's row norms and cosines must not overflow
     into a dropped, 'non-finite' sample (the statistics are scale-invariant)."""
-    from lightning_baoc.sampler import GradientSampler
+    from lightning_baoc.sampling import GradientSampler
 
     stats = {}
     for scale in (1.0, 1e19, 1e30):

@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_baoc import BlockwiseAdamW
 from lightning_baoc.formats.correction import error_bound
-from lightning_baoc.optim.state import CheckpointError, seal_state_dict
+from lightning_baoc.optim.checkpoint import CheckpointError, seal_state_dict
 
 
 def _bf16_pair() -> tuple[nn.Linear, nn.Linear]:

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from lightning_baoc import GradientSampler, partition
-from lightning_baoc import statistics as S
-from lightning_baoc.sampler import draw_indices
+from lightning_baoc.sampling import statistics as S
+from lightning_baoc.sampling import draw_indices
 
 from support import one_thread  # noqa: F401 - one_thread applies to the module
 
@@ -506,12 +506,12 @@ def test_overhead_at_the_default_interval_is_small() -> None:
     assert row["buffer_mb"] < 0.6 * result["blocks"]
 
 
-def test_docstring_examples_run() -> None:
+@pytest.mark.parametrize("name", ["sampler", "layout"])
+def test_docstring_examples_run(name: str) -> None:
     import doctest
+    import importlib
 
-    import lightning_baoc.sampler as module
-
-    result = doctest.testmod(module)
+    result = doctest.testmod(importlib.import_module(f"lightning_baoc.sampling.{name}"))
     assert result.attempted > 0 and result.failed == 0
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from lightning_baoc import FORMATS
-from lightning_baoc.budget import format_bytes, parse_memory_budget, parse_time_budget
+from lightning_baoc.config.budget import format_bytes, parse_memory_budget, parse_time_budget
 from lightning_baoc.solver import (
     KNOWN_FORMATS,
     Allocation,

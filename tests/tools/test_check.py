@@ -1,4 +1,4 @@
-"""``lightning-baoc check`` (``lightning_baoc.check``): the pre-training checklist of a config for a
+"""``lightning-baoc check`` (``lightning_baoc.tools.check``): the pre-training checklist of a config for a
 model and a device, its PASS/FAIL lines with their fixes, and its exit codes."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 from lightning_baoc.__main__ import main
-from lightning_baoc.check import (
+from lightning_baoc.tools.check import (
     MAX_SAMPLER_OVERHEAD,
     CheckResult,
     run_checks,
     sampler_overhead,
 )
-from lightning_baoc.config import load_config, parse_config, schema_text
+from lightning_baoc.config.files import load_config, parse_config, schema_text
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -52,7 +52,7 @@ def test_an_infeasible_budget_fails_naming_the_smallest_feasible_budget(capsys: 
     code, out = _check(capsys, "--config", config, "--device", "cpu", *narrow)
     assert code == 1 and "memory budget" in out and "FAIL" in out
     cfg = load_config(config, narrow)
-    from lightning_baoc.check import resolve_model
+    from lightning_baoc.tools.check import resolve_model
 
     model, _ = resolve_model(cfg)
     result = _by_name(run_checks(cfg, model, "cpu"))["memory budget"]
@@ -108,7 +108,7 @@ def test_sampler_overhead_estimate_reproduces_its_measured_anchor() -> None:
         from _models import CharGPT
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    from lightning_baoc.blocks import partition_report
+    from lightning_baoc.sampling.blocks import partition_report
 
     with torch.device("meta"):
         model = CharGPT(vocab_size=100, block_size=64, n_layer=6, n_head=4, n_embd=128)
@@ -199,8 +199,8 @@ def test_the_memory_line_reports_every_phase_and_the_warm_up_holds_the_budget() 
     """The warm-up figure is what the run really holds after install and a step: within 0.25 of the
     baseline, where the fp32 warm-up of before (8 bytes per element) held all of it."""
     from lightning_baoc import BlockwiseAdamW
-    from lightning_baoc.controller import BAOCController
-    from lightning_baoc.planner import build_model
+    from lightning_baoc.control.controller import BAOCController
+    from lightning_baoc.tools.presets import build_model
 
     cfg = parse_config({"baoc": {"memory_budget": 0.25}})
     result = _by_name(run_checks(cfg, build_model("tiny"), "cpu"))["memory budget"]
@@ -251,7 +251,7 @@ def test_a_warm_up_above_the_budget_fails_the_check(
     code, out = _check(capsys, *args)
     assert code == 1 and "1 failed: memory budget" in out
     cfg = load_config(args[1], args[-1:])
-    from lightning_baoc.check import resolve_model
+    from lightning_baoc.tools.check import resolve_model
 
     result = _by_name(run_checks(cfg, resolve_model(cfg)[0], "cpu"))["memory budget"]
     assert not result.passed
@@ -302,8 +302,8 @@ def test_bf16_true_weights_are_budgeted_as_the_run_budgets_them(corrections: lis
     """``trainer.precision: bf16-true``: a fractional budget is of torch AdamW's state in bf16 (the
     controller's baseline, half of fp32's), and with ``master_weights.corrections`` the planned start
     is the controller's, states and corrections, byte for byte."""
-    from lightning_baoc.controller import BAOCController
-    from lightning_baoc.planner import build_model
+    from lightning_baoc.control.controller import BAOCController
+    from lightning_baoc.tools.presets import build_model
 
     baoc: dict = {"memory_budget": 0.3}
     if corrections is not None:

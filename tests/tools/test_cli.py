@@ -20,10 +20,10 @@ import pytest
 from torch import nn
 
 from lightning_baoc.__main__ import SUBCOMMANDS, main
-from lightning_baoc.budget import SMALL_INT_BUDGET, format_bytes, format_seconds, parse_memory_budget
-from lightning_baoc.check import run_checks
-from lightning_baoc.config import parse_config
-from lightning_baoc.planner import plan
+from lightning_baoc.config.budget import SMALL_INT_BUDGET, format_bytes, format_seconds, parse_memory_budget
+from lightning_baoc.tools.check import run_checks
+from lightning_baoc.config.files import parse_config
+from lightning_baoc.tools.plan import plan
 from lightning_baoc.solver import BudgetInfeasibleError, solve
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,9 +12,11 @@ import torch
 
 from lightning_baoc import FORMATS, BlockwiseAdamW
 from lightning_baoc.__main__ import main
-from lightning_baoc.blocks import partition
+from lightning_baoc.sampling.blocks import partition
 from lightning_baoc.formats import format_state_bytes, resolve_format
-from lightning_baoc.planner import block_kind, build_model, plan
+from lightning_baoc.risk.prior import block_kind
+from lightning_baoc.tools.presets import build_model
+from lightning_baoc.tools.plan import plan
 
 LLAMA_7B_PARAMS = 6_738_415_616  # 32000*4096*2 + 32*(4*4096^2 + 3*4096*11008 + 2*4096) + 4096
 
@@ -89,12 +91,12 @@ def test_tiny_plan_equals_real_allocation() -> None:
 def test_vit_preset_and_factory_models() -> None:
     vit = plan("vit-b16")
     assert 86_000_000 < vit.params < 87_000_000
-    same = plan("lightning_baoc.planner:ViT")
-    assert same.params == vit.params and same.model == "lightning_baoc.planner:ViT"
+    same = plan("lightning_baoc.tools.presets:ViT")
+    assert same.params == vit.params and same.model == "lightning_baoc.tools.presets:ViT"
     with pytest.raises(ValueError, match=r"Unknown model 'gpt5'; allowed: a preset \['llama-7b', 'tiny', 'vit-b16'\]"):
         plan("gpt5")
     with pytest.raises(ValueError, match="has no attribute 'nothing'"):
-        plan("lightning_baoc.planner:nothing")
+        plan("lightning_baoc.tools.presets:nothing")
     with pytest.raises(ValueError, match="cannot import 'no_such_pkg.mod'"):
         plan("no_such_pkg.mod:build")
 
@@ -194,7 +196,7 @@ def _one_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
 
 def test_the_planned_start_is_the_controllers_as_measured() -> None:
     """The start (and warm-up) phase is what a run holds after install and a real step, format by format."""
-    from lightning_baoc.controller import BAOCController
+    from lightning_baoc.control.controller import BAOCController
 
     budget = 0.3
     p = plan("tiny", [budget], device="cpu")
@@ -274,7 +276,7 @@ def test_cli_prints_every_phase_of_llama_7b_at_a_quarter(capsys, tmp_path) -> No
 
 def test_initial_record_starts_the_plan_where_the_run_starts(tmp_path) -> None:
     """``plan(initial=...)`` / ``--initial`` mirror ``BAOC(initial=...)``."""
-    from lightning_baoc.controller import BAOCController
+    from lightning_baoc.control.controller import BAOCController
 
     names = list(partition(build_model("tiny")))
     record = {"blocks": [{"name": b, "risk": {"fp32": 0.0, "factored": 0.001}} for b in names]}
@@ -357,7 +359,7 @@ def test_corrections_plan_the_controllers_start_and_the_measured_training_memory
     from torch import nn
 
     from lightning_baoc import training_memory
-    from lightning_baoc.controller import BAOCController
+    from lightning_baoc.control.controller import BAOCController
     from lightning_baoc.costs.options import split_option
 
     corrections = ["none", "ecc8", "ecc16"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_baoc import FORMATS
-from lightning_baoc.calibration import (
+from lightning_baoc.costs.calibration import (
     PRIOR_STEP_COST,
     Calibration,
     cache_path,
@@ -52,7 +52,7 @@ def test_calibrate_measures_caches_and_reuses(tmp_path) -> None:
 def test_calibrate_measures_the_corrections_and_caches_them(tmp_path, monkeypatch) -> None:
     """A correction's cost is what it adds to int8's step over bf16 weights, measured once and cached
     beside the formats; a cache without it (older) is completed, not measured again whole."""
-    from lightning_baoc import calibration
+    from lightning_baoc.costs import calibration
 
     # 128K elements: ecc8's own work per step (about 0.08 ms on a 2-core EPYC) stands well above the noise, which
     # at 16K elements once measured it at 0 (the fastest of three steps each, on a shared machine). One thread (the

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW
-from lightning_baoc.controller import BAOCController
+from lightning_baoc.control.controller import BAOCController
 from lightning_baoc.report import build_record
 
 from support import one_thread  # noqa: F401  (one intra-op thread: see there)

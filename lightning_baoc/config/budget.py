@@ -229,7 +229,7 @@ def is_absolute_time(value: object) -> bool:
 def absolute_time_with_prior_error(value: object, argument: str, fix: str) -> ValueError:
     """The error for an absolute time budget where step times are the unitless prior costs.
 
-    The prior costs (:data:`~lightning_baoc.calibration.PRIOR_STEP_COST`) are relative to the fp32
+    The prior costs (:data:`~lightning_baoc.costs.calibration.PRIOR_STEP_COST`) are relative to the fp32
     AdamW step and carry no unit, so seconds cannot be compared with them: one rule and one message
     for the callback, ``plan`` and ``check``.
 

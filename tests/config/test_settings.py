@@ -1,4 +1,4 @@
-"""Each setting is declared once (``lightning_baoc.settings.SETTINGS``): the callback's and the
+"""Each setting is declared once (``lightning_baoc.config.settings.SETTINGS``): the callback's and the
 Fabric strategy's signatures, ``BAOCConfig``, the config loader and the JSON Schema derive from it,
 and one validator refuses a bad value with the same error from Python and from a config file."""
 
@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from lightning_baoc import BAOC, BAOCStrategy
-from lightning_baoc.config import BAOC_ARGUMENTS, ConfigError, baoc_kwargs, json_schema, parse_config, parse_section
-from lightning_baoc.controller import MIN_SAMPLES, BAOCConfig
-from lightning_baoc.settings import CONTROLLER_SETTINGS, REQUIRED, SETTING, SETTINGS, SettingError
+from lightning_baoc.config.files import BAOC_ARGUMENTS, ConfigError, baoc_kwargs, json_schema, parse_config, parse_section
+from lightning_baoc.control.controller import MIN_SAMPLES, BAOCConfig
+from lightning_baoc.config.settings import CONTROLLER_SETTINGS, REQUIRED, SETTING, SETTINGS, SettingError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _nest(key: str, value: Any) -> dict[str, Any]:
@@ -134,8 +134,8 @@ NEW_SETTINGS = '''\
 CHECKS = '''
 import inspect
 from lightning_baoc import BAOC, BAOCStrategy
-from lightning_baoc.config import BAOC_ARGUMENTS, ConfigError, json_schema, parse_config
-from lightning_baoc.settings import SettingError
+from lightning_baoc.config.files import BAOC_ARGUMENTS, ConfigError, json_schema, parse_config
+from lightning_baoc.config.settings import SettingError
 
 for cls in (BAOC, BAOCStrategy):
     params = inspect.signature(cls.__init__).parameters
@@ -175,7 +175,7 @@ print("picked up")
 def test_a_new_setting_reaches_every_consumer_with_no_other_edit(tmp_path: Path) -> None:
     """A copy of the package whose only change is three more entries in ``SETTINGS``."""
     shutil.copytree(ROOT / "lightning_baoc", tmp_path / "lightning_baoc", ignore=shutil.ignore_patterns("__pycache__"))
-    path = tmp_path / "lightning_baoc" / "settings.py"
+    path = tmp_path / "lightning_baoc" / "config" / "settings.py"
     text = path.read_text()
     end = "\n)\n\n#: Config sections"
     assert text.count(end) == 1, "the declaration's end moved: update this test's marker"

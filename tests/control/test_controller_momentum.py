@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_baoc import MOMENTUM_FORMATS, BlockwiseLion, BlockwiseSGD, BudgetInfeasibleError
-from lightning_baoc.controller import BAOCConfig, BAOCController
+from lightning_baoc.control.controller import BAOCConfig, BAOCController
 from lightning_baoc.risk import optimizer_risk_table
 
 from support import controller_steps, one_thread  # noqa: F401  (one_thread: see there)

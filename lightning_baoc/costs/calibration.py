@@ -11,7 +11,7 @@
 - :func:`hardware_mask` names the formats a device cannot serve well, with the reason. On a CPU
   (and on unified-memory devices) host memory *is* the device's memory: ``offload`` saves nothing
   there, so it is masked; and :func:`memory_table` counts its bytes in full on such devices, so
-  even unmasked it never makes a budget look met (``tests/test_calibration.py``).
+  even unmasked it never makes a budget look met (``tests/costs/test_calibration.py``).
 - :func:`withheld_formats` is the one rule of what the solver is not offered: the hardware mask,
   and ``offload`` on an accelerator when no time budget prices its slower step. The training
   controller, ``lightning-baoc check`` and ``lightning-baoc plan`` all apply it.
@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from .formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, format_state_bytes, formats_of, numel_of, resolve_in
-from .formats.base import as_shape
-from .kernels import step_path
-from .solver import check_mask as _check_mask
+from lightning_baoc.formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, format_state_bytes, formats_of, numel_of, resolve_in
+from lightning_baoc.formats.base import as_shape
+from lightning_baoc.kernels import step_path
+from lightning_baoc.solver import check_mask as _check_mask
 
 Shape = Sequence[int]
 #: block name -> the shapes of its parameters
@@ -350,7 +350,7 @@ def measure_step_seconds(
     round-robin over the formats, so a change of machine load hits every format alike.
     """
     # imported here: the optimizers import this package's formats
-    from .optim import BlockwiseAdamW, BlockwiseLion, BlockwiseSGD
+    from lightning_baoc.optim import BlockwiseAdamW, BlockwiseLion, BlockwiseSGD
 
     names = [_check_name(f, rule) for f in formats]
     make = {
@@ -404,8 +404,8 @@ def measure_correction_seconds(
         >>> measure_correction_seconds(["ecc8"], numel=1 << 16)  # doctest: +SKIP
         {'ecc8': 0.0011}
     """
-    from .formats.correction import check_correction
-    from .optim import BlockwiseAdamW
+    from lightning_baoc.formats.correction import check_correction
+    from lightning_baoc.optim import BlockwiseAdamW
 
     for c in corrections:
         check_correction(c)
@@ -475,7 +475,7 @@ def calibrate(
         if formats is None
         else [_check_name(f, rule) for f in formats]
     )
-    from .formats.correction import check_correction
+    from lightning_baoc.formats.correction import check_correction
 
     for c in corrections:
         check_correction(c)

@@ -1,4 +1,4 @@
-"""The pure reducers of lightning_baoc.statistics on synthetic streams with known answers."""
+"""The pure reducers of lightning_baoc.sampling.statistics on synthetic streams with known answers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_baoc import statistics as S
+from lightning_baoc.sampling import statistics as S
 
 
 def noisy_stream(snr: float, t: int = 32, k: int = 4096, seed: int = 0) -> torch.Tensor:
@@ -194,7 +194,7 @@ def test_update_share_is_the_fraction_of_squared_norm() -> None:
 def test_docstring_examples_run() -> None:
     import doctest
 
-    import lightning_baoc.statistics as module
+    import lightning_baoc.sampling.statistics as module
 
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

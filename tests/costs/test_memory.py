@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW, training_memory
-from lightning_baoc.controller import BAOCController
+from lightning_baoc.control.controller import BAOCController
 from lightning_baoc.report import allocation_table, build_record, validate_record
 
 

@@ -1,6 +1,6 @@
 """Per-block gradient statistics as pure reducers over tensors (no Lightning, no state).
 
-The :class:`~lightning_baoc.sampler.GradientSampler` feeds these with the sampled gradients of one
+The :class:`~lightning_baoc.sampling.GradientSampler` feeds these with the sampled gradients of one
 block; the risk model reads the numbers. Every statistic here is invariant to a positive rescaling
 of the gradients that is constant over the samples it reduces (cosines, coefficients of variation
 and signal-to-noise ratios are ratios of like powers), so gradients that still carry an fp16 loss

@@ -1,4 +1,4 @@
-"""Configs (``lightning_baoc.config``): the templates in ``configs/``, strict loading with dotlist
+"""Configs (``lightning_baoc.config.files``): the templates in ``configs/``, strict loading with dotlist
 overrides, the generated JSON Schema, ``BAOC.from_config``, and the per-block risk cap
 (``risk_thresholds.max_block_risk``) in the controller."""
 
@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from lightning_baoc import BAOC, FORMATS
-from lightning_baoc.config import (
+from lightning_baoc.config.files import (
     BAOC_ARGUMENTS,
     BAOCSection,
     Config,
@@ -30,9 +30,9 @@ from lightning_baoc.config import (
     parse_section,
     schema_text,
 )
-from lightning_baoc.controller import BAOCConfig, BAOCController
+from lightning_baoc.control.controller import BAOCConfig, BAOCController
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 TEMPLATES = sorted(CONFIGS.glob("*.yaml"))
 SCHEMA_FILE = CONFIGS / "baoc.schema.json"

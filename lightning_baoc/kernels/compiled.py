@@ -27,12 +27,12 @@ from torch import Tensor
 
 from lightning_baoc import kernels
 
-from .adam_math import param_flat
-from .base import StateFormat, StepHyper, factor_dims
-from .correction import reconstruct, split_into
-from .factored_math import EPS_SQUARE, FP32_MAX
-from .frames import framed
-from .quant import M_SCALE_MAX, V_SCALE_MAX
+from lightning_baoc.formats.adam_math import param_flat
+from lightning_baoc.formats.base import StateFormat, StepHyper, factor_dims
+from lightning_baoc.formats.correction import reconstruct, split_into
+from lightning_baoc.formats.factored_math import EPS_SQUARE, FP32_MAX
+from lightning_baoc.formats.frames import framed
+from lightning_baoc.formats.quant import M_SCALE_MAX, V_SCALE_MAX
 
 _M_KEYS = {kernels.M_FP32: ("exp_avg", None, None), kernels.M_BF16: ("exp_avg", None, None),
            kernels.M_INT8: ("exp_avg", "exp_avg_scale", "exp_avg_exp")}

@@ -2,7 +2,7 @@
 offload rule on an accelerator, time budgets priced with the prior, optimizers that name their
 parameters their own way, bf16 parameters, and checkpoints resumed under changed settings.
 
-Every test drives :class:`~lightning_baoc.controller.BAOCController` with a plain PyTorch loop on
+Every test drives :class:`~lightning_baoc.control.controller.BAOCController` with a plain PyTorch loop on
 a small MLP; the Lightning-level counterparts are in ``tests/integrations/test_callback_edge_cases.py``.
 """
 
@@ -17,12 +17,13 @@ import torch
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW, BudgetInfeasibleError
-from lightning_baoc import controller as controller_module
-from lightning_baoc.calibration import OFFLOAD_NEEDS_TIME_BUDGET, hardware_mask, withheld_formats
-from lightning_baoc.check import run_checks
-from lightning_baoc.config import parse_config
-from lightning_baoc.controller import BAOCConfig, BAOCController
-from lightning_baoc.planner import block_kind, plan, prior_risk
+from lightning_baoc.control import controller as controller_module
+from lightning_baoc.costs.calibration import OFFLOAD_NEEDS_TIME_BUDGET, hardware_mask, withheld_formats
+from lightning_baoc.tools.check import run_checks
+from lightning_baoc.config.files import parse_config
+from lightning_baoc.control.controller import BAOCConfig, BAOCController
+from lightning_baoc.risk.prior import block_kind, prior_risk
+from lightning_baoc.tools.plan import plan
 
 from support import one_thread  # noqa: F401  (one intra-op thread: see there)
 

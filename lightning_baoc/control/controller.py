@@ -1,7 +1,7 @@
 """The BAOC lifecycle, free of any training framework: sample -> risk -> solve -> set_formats.
 
-:class:`BAOCController` holds everything the Lightning callback (:mod:`lightning_baoc.callback`)
-and the Fabric strategy (:mod:`lightning_baoc.fabric`) share; the adapters only translate their
+:class:`BAOCController` holds everything the Lightning callback (:mod:`lightning_baoc.integrations.callback`)
+and the Fabric strategy (:mod:`lightning_baoc.integrations.fabric`) share; the adapters only translate their
 framework's hooks into six calls:
 
 1. :meth:`~BAOCController.install` once, before training: the user's ``torch.optim.AdamW`` /
@@ -35,7 +35,7 @@ framework's hooks into six calls:
 Budgets: a fractional memory budget is a fraction of the state the user's own
 ``torch.optim.AdamW`` would hold (:attr:`~BAOCController.baseline_state_bytes`: two moments in
 each parameter's dtype), over every parameter trained, those added later included. The formats
-offered to the solver follow one rule, :func:`lightning_baoc.calibration.withheld_formats`: the
+offered to the solver follow one rule, :func:`lightning_baoc.costs.calibration.withheld_formats`: the
 hardware mask, and ``offload`` only with a time budget.
 
 Distributed training: every rank runs the same calls. Decisions (the feasibility check, the
@@ -57,28 +57,28 @@ from typing import Any, Callable, Literal, Mapping
 import torch
 from torch import nn
 
-from .budget import format_bytes, parse_memory_budget
-from .control.blocks import BlocksMixin
-from .control.checkpoint import ALLOCATION_SETTINGS, CheckpointMixin
-from .control.decision import capped, checked_risk, keeps_current
-from .control.events import AllocationEvent
-from .control.options import OptionsMixin
-from .control.release import ReleaseObservationMixin
-from .control.triggers import TriggersMixin
-from .control.protocol import Broadcast, decide_on_rank_zero
-from .control.start import StartMixin
-from .control.scoring import ScoringMixin
-from .costs import AllocationProblem, with_message
-from .integrations.swap import SUPPORTED_OPTIMIZERS, convert_optimizer, rebind_scheduler
-from .formats import RULE_NAMES, format_state_bytes
-from .optim import BlockwiseOptimizer
-from .memory import training_memory
-from .risk import optimizer_risk_table
-from .risk.prior import block_kind, prior_risk
-from .risk.shadow import ShadowMoments
-from .sampler import GradientSampler
-from .settings import MIN_SAMPLES, BAOCConfig
-from .solver import Allocation, BudgetInfeasibleError
+from lightning_baoc.config.budget import format_bytes, parse_memory_budget
+from lightning_baoc.control.blocks import BlocksMixin
+from lightning_baoc.control.checkpoint import ALLOCATION_SETTINGS, CheckpointMixin
+from lightning_baoc.control.decision import capped, checked_risk, keeps_current
+from lightning_baoc.control.events import AllocationEvent
+from lightning_baoc.control.options import OptionsMixin
+from lightning_baoc.control.release import ReleaseObservationMixin
+from lightning_baoc.control.triggers import TriggersMixin
+from lightning_baoc.control.protocol import Broadcast, decide_on_rank_zero
+from lightning_baoc.control.start import StartMixin
+from lightning_baoc.control.scoring import ScoringMixin
+from lightning_baoc.costs import AllocationProblem, with_message
+from lightning_baoc.optim.swap import SUPPORTED_OPTIMIZERS, convert_optimizer, rebind_scheduler
+from lightning_baoc.formats import RULE_NAMES, format_state_bytes
+from lightning_baoc.optim import BlockwiseOptimizer
+from lightning_baoc.costs.memory import training_memory
+from lightning_baoc.risk import optimizer_risk_table
+from lightning_baoc.risk.prior import block_kind, prior_risk
+from lightning_baoc.risk.shadow import ShadowMoments
+from lightning_baoc.sampling import GradientSampler
+from lightning_baoc.config.settings import MIN_SAMPLES, BAOCConfig
+from lightning_baoc.solver import Allocation, BudgetInfeasibleError
 
 log = logging.getLogger(__name__)
 

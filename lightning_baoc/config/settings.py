@@ -9,7 +9,7 @@ from :data:`SETTINGS`, in its order:
 - the signatures of ``BAOC.__init__`` and ``BAOCStrategy.__init__`` (:func:`settings_init`), with
   annotations LightningCLI validates and a docstring whose ``Args:`` it shows as help;
 - the ``baoc`` section of a config file: its dataclasses, loader, defaults and JSON Schema
-  (:mod:`lightning_baoc.config`).
+  (:mod:`lightning_baoc.config.files`).
 
 Adding a setting is one entry here (and its use in the controller). :func:`check_settings` is the
 only validator: a bad value raises :class:`SettingError`, which names the setting; the config
@@ -29,10 +29,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, Union
 
-from .blocks import GRANULARITIES
-from .budget import absolute_time_with_prior_error, is_absolute_time, parse_memory_budget, parse_time_budget
-from .formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, MOMENTUM_FORMATS
-from .sampler import DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS
+from lightning_baoc.sampling.blocks import GRANULARITIES
+from lightning_baoc.config.budget import absolute_time_with_prior_error, is_absolute_time, parse_memory_budget, parse_time_budget
+from lightning_baoc.formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, MOMENTUM_FORMATS
+from lightning_baoc.sampling import DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS
 
 class _Required:
     def __repr__(self) -> str:
@@ -552,7 +552,7 @@ def settings_init(
     init.__qualname__ = f"{owner}.__init__"
     init.__module__ = body.__module__
     init.__annotations__ = {p.name: p.annotation for p in params[1:]} | {"return": None}
-    init.__doc__ = f"Build {owner} from its settings (lightning_baoc.settings.SETTINGS).\n\n{args_section(settings)}\n"
+    init.__doc__ = f"Build {owner} from its settings (lightning_baoc.config.settings.SETTINGS).\n\n{args_section(settings)}\n"
     return init
 
 

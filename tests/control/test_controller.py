@@ -1,4 +1,4 @@
-"""The framework-free BAOC lifecycle (``lightning_baoc.controller``): install, warm-up, allocation,
+"""The framework-free BAOC lifecycle (``lightning_baoc.control.controller``): install, warm-up, allocation,
 hysteresis, budgets, rank-zero decisions and checkpoints, driven by a plain PyTorch loop."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_baoc import FORMATS, BlockwiseAdamW, BudgetInfeasibleError
-from lightning_baoc.controller import (
+from lightning_baoc.control.controller import (
     BAOCConfig,
     BAOCController,
     convert_optimizer,

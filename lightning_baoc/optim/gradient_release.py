@@ -65,7 +65,7 @@ class ReleaseMixin:
 
     def release_gradients(self, enabled: bool = True) -> None:
         """Step each parameter in a post-accumulate-grad hook and free its gradient (``enabled``),
-        or stop doing so (``False``). See :mod:`lightning_baoc.optim.release` for the contract."""
+        or stop doing so (``False``). See :mod:`lightning_baoc.optim.gradient_release` for the contract."""
         for handle in self._release_handles:
             handle.remove()
         self._release_handles = []

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW
-from lightning_baoc.controller import BAOCController
+from lightning_baoc.control.controller import BAOCController
 
 from support_distributed import needs_gloo, on_gloo_ranks
 

@@ -2,7 +2,7 @@
 :class:`~lightning_baoc.BlockwiseSGD`) over the same param groups, and LR schedulers follow it.
 
 Torch plumbing, no training framework: the Lightning callback and the Fabric strategy call it at
-install (through :meth:`~lightning_baoc.controller.BAOCController.install`), and so can any loop.
+install (through :meth:`~lightning_baoc.control.controller.BAOCController.install`), and so can any loop.
 """
 
 from __future__ import annotations

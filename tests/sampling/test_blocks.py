@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_baoc import partition
-from lightning_baoc.blocks import ROOT_BLOCK, partition_report
+from lightning_baoc.sampling.blocks import ROOT_BLOCK, partition_report
 
 
 class Attention(nn.Module):
@@ -109,7 +109,7 @@ def test_frozen_parameters_are_left_out_and_reported(caplog: pytest.LogCaptureFi
     model = TinyGPT()
     model.wte.weight.requires_grad_(False)
     model.h[0].ln.bias.requires_grad_(False)
-    with caplog.at_level(logging.INFO, logger="lightning_baoc.blocks"):
+    with caplog.at_level(logging.INFO, logger="lightning_baoc.sampling.blocks"):
         blocks = partition(model)
     assert "wte" not in blocks
     assert blocks["h.0.ln"] == ["h.0.ln.weight"]
@@ -197,7 +197,7 @@ def test_non_module_is_a_type_error() -> None:
 def test_docstring_examples_run() -> None:
     import doctest
 
-    import lightning_baoc.blocks as module
+    import lightning_baoc.sampling.blocks as module
 
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
