@@ -44,7 +44,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 if "TRITON_INTERPRET" not in os.environ:  # set before triton is imported: CPU tensors through its interpreter
     os.environ["TRITON_INTERPRET"] = "1"

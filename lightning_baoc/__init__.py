@@ -61,16 +61,35 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and documentation tools see
-    from lightning_baoc.sampling.blocks import partition  # noqa: F401
     from lightning_baoc.config.budget import parse_memory_budget, parse_time_budget  # noqa: F401
-    from lightning_baoc.integrations.callback import BAOC  # noqa: F401
-    from lightning_baoc.config.files import BAOCSection, Config, ConfigError, json_schema, load_config, parse_config  # noqa: F401
-    from lightning_baoc.integrations.fabric import BAOCStrategy  # noqa: F401
-    from lightning_baoc.integrations.release import GradientRelease  # noqa: F401
+    from lightning_baoc.config.files import (  # noqa: F401
+        BAOCSection,
+        Config,
+        ConfigError,
+        json_schema,
+        load_config,
+        parse_config,
+    )
+    from lightning_baoc.config.settings import BAOCConfig, SettingError  # noqa: F401
     from lightning_baoc.costs.memory import TrainingMemory, training_memory  # noqa: F401
     from lightning_baoc.formats import FORMATS, MOMENTUM_FORMATS  # noqa: F401
-    from lightning_baoc.optim import BlockwiseAdamW, BlockwiseLion, BlockwiseSGD  # noqa: F401
-    from lightning_baoc.optim import CheckpointError, export_adamw_state_dict, load_checkpoint, saved_formats  # noqa: F401
+    from lightning_baoc.integrations.callback import BAOC  # noqa: F401
+    from lightning_baoc.integrations.fabric import BAOCStrategy  # noqa: F401
+    from lightning_baoc.integrations.release import GradientRelease  # noqa: F401
+    from lightning_baoc.optim import (  # noqa: F401  # noqa: F401
+        BlockwiseAdamW,
+        BlockwiseLion,
+        BlockwiseSGD,
+        CheckpointError,
+        export_adamw_state_dict,
+        load_checkpoint,
+        saved_formats,
+    )
     from lightning_baoc.sampling import GradientSampler  # noqa: F401
-    from lightning_baoc.config.settings import BAOCConfig, SettingError  # noqa: F401
-    from lightning_baoc.solver import Allocation, BudgetInfeasibleError, select_boundaries, solve  # noqa: F401
+    from lightning_baoc.sampling.blocks import partition  # noqa: F401
+    from lightning_baoc.solver import (  # noqa: F401
+        Allocation,
+        BudgetInfeasibleError,
+        select_boundaries,
+        solve,
+    )

@@ -33,10 +33,10 @@ _PLAIN_STEP = "the fp32 optimizer-step time of the plain optimizer (AdamW; SGD/L
 
 
 def _add_plan(parser: argparse.ArgumentParser) -> None:
+    from lightning_baoc.formats import RULE_FORMATS, RULE_NAMES
+    from lightning_baoc.formats.correction import CORRECTIONS
     from lightning_baoc.sampling.blocks import GRANULARITIES
-    from .formats import RULE_FORMATS, RULE_NAMES
-    from .formats.correction import CORRECTIONS
-    from .tools.presets import PRESETS
+    from lightning_baoc.tools.presets import PRESETS
 
     which = parser.add_mutually_exclusive_group()
     which.add_argument(
@@ -104,9 +104,11 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
 def _run_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .tools.plan import plan, render
-
-    from lightning_baoc.config.budget import absolute_time_with_prior_error, is_absolute_time
+    from lightning_baoc.config.budget import (
+        absolute_time_with_prior_error,
+        is_absolute_time,
+    )
+    from lightning_baoc.tools.plan import plan, render
 
     if args.time_budget is not None and not args.calibrate and is_absolute_time(args.time_budget):
         raise absolute_time_with_prior_error(
@@ -146,13 +148,13 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _add_check(parser: argparse.ArgumentParser) -> None:
-    from .tools.check import add_arguments
+    from lightning_baoc.tools.check import add_arguments
 
     add_arguments(parser)
 
 
 def _run_check(args: argparse.Namespace) -> int:
-    from .tools.check import run
+    from lightning_baoc.tools.check import run
 
     return run(args)
 

@@ -53,8 +53,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from lightning_baoc.config.budget import format_bytes
-from .control.events import AllocationEvent
 from lightning_baoc.config.settings import ReportSetting
+from lightning_baoc.control.events import AllocationEvent
 
 #: File names written into the log directory.
 JSON_NAME = "baoc_allocation.json"

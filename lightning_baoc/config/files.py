@@ -47,8 +47,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-from .settings import (
-    SECTIONS, SETTINGS, Mismatch, Setting, SettingError, arg_doc, check_settings, conform, plain, type_name,
+from lightning_baoc.config.settings import (
+    SECTIONS,
+    SETTINGS,
+    Mismatch,
+    Setting,
+    SettingError,
+    arg_doc,
+    check_settings,
+    conform,
+    plain,
+    type_name,
 )
 
 #: ``$id``-less draft of the generated schema.

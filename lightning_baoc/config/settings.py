@@ -6,12 +6,14 @@ A :class:`Setting` holds a setting's argument name, its key in a config file's `
 from :data:`SETTINGS`, in its order:
 
 - :class:`BAOCConfig`, the controller's validated settings (all but the adapters' own ``report``);
-- the signatures of ``BAOC.__init__`` and ``BAOCStrategy.__init__`` (:func:`settings_init`), with
-  annotations LightningCLI validates and a docstring whose ``Args:`` it shows as help;
+- the checks of ``BAOC.__init__`` and ``BAOCStrategy.__init__``, whose signatures spell every setting
+  out (annotations LightningCLI validates, a docstring whose ``Args:`` it shows as help) and are held
+  to this table by ``tests/config/test_settings.py`` (:func:`settings_of` gathers their arguments);
 - the ``baoc`` section of a config file: its dataclasses, loader, defaults and JSON Schema
   (:mod:`lightning_baoc.config.files`).
 
-Adding a setting is one entry here (and its use in the controller). :func:`check_settings` is the
+Adding a setting is one entry here, its parameter in the two signatures (the test names what is
+missing), and its use in the controller. :func:`check_settings` is the
 only validator: a bad value raises :class:`SettingError`, which names the setting; the config
 loader adds the key and the file.
 """
@@ -29,10 +31,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, Union
 
-from lightning_baoc.sampling.blocks import GRANULARITIES
-from lightning_baoc.config.budget import absolute_time_with_prior_error, is_absolute_time, parse_memory_budget, parse_time_budget
+from lightning_baoc.config.budget import (
+    absolute_time_with_prior_error,
+    is_absolute_time,
+    parse_memory_budget,
+    parse_time_budget,
+)
 from lightning_baoc.formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, MOMENTUM_FORMATS
 from lightning_baoc.sampling import DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS
+from lightning_baoc.sampling.blocks import GRANULARITIES
+
 
 class _Required:
     def __repr__(self) -> str:
@@ -516,44 +524,17 @@ def args_section(settings: Sequence[Setting] = SETTINGS) -> str:
     return "\n".join(["Args:", *(arg_doc(s.name, s.help, s.default) for s in settings)])
 
 
-def settings_init(
-    owner: str, body: Callable[..., None], settings: Sequence[Setting] = SETTINGS, keyword_only: bool = False
-) -> Callable[..., None]:
-    """An ``__init__`` whose parameters are ``settings`` (then ``body``'s own keyword arguments).
+def settings_of(arguments: Mapping[str, Any], settings: Sequence[Setting] = SETTINGS) -> dict[str, Any]:
+    """The settings among a written-out ``__init__``'s arguments (its ``locals()``), by name, in the table's order.
 
-    Built like :mod:`dataclasses` builds ``__init__``: a real function, so ``inspect.signature``,
-    the annotations (``Literal[...]`` for fixed sets) and the ``Args:`` of its docstring are what
-    LightningCLI validates and shows. It calls ``body(self, {name: value, ...}, **own)``.
+    ``BAOC.__init__`` and ``BAOCStrategy.__init__`` spell every setting out (their source is what a reader,
+    ``inspect`` and LightningCLI see); ``tests/config/test_settings.py`` holds their signatures to :data:`SETTINGS`.
 
-    Args:
-        owner: the class name, for ``__qualname__`` and the docstring.
-        body: ``body(self, settings, *, <own keyword arguments with defaults>)``.
-        settings: the settings, in order (default: :data:`SETTINGS`).
-        keyword_only: every parameter after the first is keyword-only (default: ``False``).
+    Example:
+        >>> list(settings_of({"self": None, **{s.name: s.default for s in SETTINGS}}))[:3]
+        ['memory_budget', 'time_budget', 'warmup_steps']
     """
-    hints = typing.get_type_hints(body)
-    own = list(inspect.signature(body).parameters.values())[2:]
-    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    for i, s in enumerate(settings):
-        kind = inspect.Parameter.KEYWORD_ONLY if keyword_only and i else inspect.Parameter.POSITIONAL_OR_KEYWORD
-        default = inspect.Parameter.empty if s.required else s.default
-        params.append(inspect.Parameter(s.name, kind, default=default, annotation=s.type))
-    params += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=hints.get(p.name, p.annotation)) for p in own]
-    source = [p.name + ("" if p.default is p.empty else f"=__defaults__[{p.name!r}]") for p in params]
-    star = next((i for i, p in enumerate(params) if p.kind is p.KEYWORD_ONLY), None)
-    if star is not None:
-        source.insert(star, "*")
-    values = ", ".join(f"{s.name!r}: {s.name}" for s in settings)
-    keywords = "".join(f", {p.name}={p.name}" for p in own)
-    code = f"def __init__({', '.join(source)}):\n    __body__(self, {{{values}}}{keywords})\n"
-    namespace: dict[str, Any] = {"__defaults__": {p.name: p.default for p in params}, "__body__": body}
-    exec(code, namespace)  # noqa: S102 - the source is built above from identifiers only
-    init = namespace["__init__"]
-    init.__qualname__ = f"{owner}.__init__"
-    init.__module__ = body.__module__
-    init.__annotations__ = {p.name: p.annotation for p in params[1:]} | {"return": None}
-    init.__doc__ = f"Build {owner} from its settings (lightning_baoc.config.settings.SETTINGS).\n\n{args_section(settings)}\n"
-    return init
+    return {s.name: arguments[s.name] for s in settings}
 
 
 #: The controller's settings (:data:`SETTINGS` without the adapters' own).
@@ -595,5 +576,5 @@ def split_settings(values: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
 __all__ = [
     "BAOCConfig", "CONTROLLER_SETTINGS", "FormatName", "MIN_SAMPLES", "REQUIRED", "ReportSetting",
     "SECTIONS", "SETTING", "SETTINGS", "Setting", "SettingError", "arg_doc", "args_section",
-    "check_setting", "check_settings", "settings_init", "split_settings",
+    "check_setting", "check_settings", "settings_of", "split_settings",
 ]

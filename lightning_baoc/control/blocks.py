@@ -8,27 +8,27 @@ A mixin of :class:`~lightning_baoc.control.controller.BAOCController`: the lifec
 
 from __future__ import annotations
 
-import math
 import logging
+import math
 import warnings
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from lightning_baoc.sampling.blocks import partition
 from lightning_baoc.config.budget import format_bytes
-from ..optim.sharding import shard_shape
+from lightning_baoc.control.protocol import Broadcast
+from lightning_baoc.costs import AllocationProblem, baseline_state_bytes
 from lightning_baoc.costs.calibration import withheld_formats
-from ..costs import AllocationProblem, baseline_state_bytes
-from ..formats import RULE_NAMES, formats_of
-from ..formats.correction import corrections_refused
-from ..optim import BlockwiseOptimizer
-from ..risk.momentum import shadow_betas
-from ..risk.shadow import ShadowMoments
-from ..sampling import GradientSampler
-from ..costs.instruments import InstrumentSizes
-from .protocol import Broadcast
+from lightning_baoc.costs.instruments import InstrumentSizes
+from lightning_baoc.formats import RULE_NAMES, formats_of
+from lightning_baoc.formats.correction import corrections_refused
+from lightning_baoc.optim import BlockwiseOptimizer
+from lightning_baoc.optim.sharding import shard_shape
+from lightning_baoc.risk.momentum import shadow_betas
+from lightning_baoc.risk.shadow import ShadowMoments
+from lightning_baoc.sampling import GradientSampler
+from lightning_baoc.sampling.blocks import partition
 
 log = logging.getLogger("lightning_baoc.control.controller")
 

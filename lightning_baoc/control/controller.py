@@ -58,26 +58,30 @@ import torch
 from torch import nn
 
 from lightning_baoc.config.budget import format_bytes, parse_memory_budget
+from lightning_baoc.config.settings import MIN_SAMPLES, BAOCConfig
 from lightning_baoc.control.blocks import BlocksMixin
 from lightning_baoc.control.checkpoint import ALLOCATION_SETTINGS, CheckpointMixin
 from lightning_baoc.control.decision import capped, checked_risk, keeps_current
 from lightning_baoc.control.events import AllocationEvent
 from lightning_baoc.control.options import OptionsMixin
-from lightning_baoc.control.release import ReleaseObservationMixin
-from lightning_baoc.control.triggers import TriggersMixin
 from lightning_baoc.control.protocol import Broadcast, decide_on_rank_zero
-from lightning_baoc.control.start import StartMixin
+from lightning_baoc.control.release import ReleaseObservationMixin
 from lightning_baoc.control.scoring import ScoringMixin
+from lightning_baoc.control.start import StartMixin
+from lightning_baoc.control.triggers import TriggersMixin
 from lightning_baoc.costs import AllocationProblem, with_message
-from lightning_baoc.optim.swap import SUPPORTED_OPTIMIZERS, convert_optimizer, rebind_scheduler
+from lightning_baoc.costs.memory import training_memory
 from lightning_baoc.formats import RULE_NAMES, format_state_bytes
 from lightning_baoc.optim import BlockwiseOptimizer
-from lightning_baoc.costs.memory import training_memory
+from lightning_baoc.optim.swap import (
+    SUPPORTED_OPTIMIZERS,
+    convert_optimizer,
+    rebind_scheduler,
+)
 from lightning_baoc.risk import optimizer_risk_table
 from lightning_baoc.risk.prior import block_kind, prior_risk
 from lightning_baoc.risk.shadow import ShadowMoments
 from lightning_baoc.sampling import GradientSampler
-from lightning_baoc.config.settings import MIN_SAMPLES, BAOCConfig
 from lightning_baoc.solver import Allocation, BudgetInfeasibleError
 
 log = logging.getLogger(__name__)

@@ -19,10 +19,15 @@ from typing import Any
 
 import torch
 
-from ..costs.options import compose, option, prior_correction_risk, split_option
-from ..formats.correction import CORRECTION_BITS, WEIGHT_DTYPES
-from ..optim import BlockwiseOptimizer
-from ..risk.correction import correction_risk_table
+from lightning_baoc.costs.options import (
+    compose,
+    option,
+    prior_correction_risk,
+    split_option,
+)
+from lightning_baoc.formats.correction import CORRECTION_BITS, WEIGHT_DTYPES
+from lightning_baoc.optim import BlockwiseOptimizer
+from lightning_baoc.risk.correction import correction_risk_table
 
 Table = Mapping[str, Mapping[str, float]]
 

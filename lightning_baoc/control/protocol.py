@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..solver import BudgetInfeasibleError
+from lightning_baoc.solver import BudgetInfeasibleError
 
 #: ``broadcast(obj) -> obj`` from rank zero (``strategy.broadcast``); identity on one process.
 Broadcast = Callable[[Any], Any]

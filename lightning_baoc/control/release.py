@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..optim import BlockwiseOptimizer
+from lightning_baoc.optim import BlockwiseOptimizer
 
 
 class ReleaseObservationMixin:

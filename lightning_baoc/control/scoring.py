@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..optim.sharding import splits_rows
-from ..risk import optimizer_risk_table
+from lightning_baoc.optim.sharding import splits_rows
+from lightning_baoc.risk import optimizer_risk_table
 
 
 class ScoringMixin:

@@ -30,8 +30,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..formats.quant import SUPER
-from ..sampling import DEFAULT_MAX_ROWS, STAGING_SLOTS
+from lightning_baoc.formats.quant import SUPER
+from lightning_baoc.sampling import DEFAULT_MAX_ROWS, STAGING_SLOTS
 
 #: Allowance of the instruments below which they keep their settings (bytes).
 INSTRUMENT_FLOOR = 16 * 2**20

@@ -31,10 +31,10 @@ import torch
 
 from lightning_baoc.config.budget import format_bytes
 from lightning_baoc.costs.calibration import device_state_bytes, offload_saves_memory
-from .options import correction_bytes, split_option
-from ..formats import DEFAULT_MIN_8BIT_NUMEL, formats_of, resolve_in
-from ..formats.base import as_shape
-from ..solver import Allocation
+from lightning_baoc.costs.options import correction_bytes, split_option
+from lightning_baoc.formats import DEFAULT_MIN_8BIT_NUMEL, formats_of, resolve_in
+from lightning_baoc.formats.base import as_shape
+from lightning_baoc.solver import Allocation
 
 #: The phases of a run, in order.
 PHASES = ("start", "warm-up", "conversion", "steady")

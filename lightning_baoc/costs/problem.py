@@ -42,14 +42,27 @@ from lightning_baoc.costs.calibration import (
     time_table,
     withheld_formats,
 )
-from ..formats import DEFAULT_MIN_8BIT_NUMEL, RULE_NAMES, formats_of
-from ..risk.shadow import DEFAULT_SHADOW_ELEMENTS
-from ..risk.start import Initial, prefer_initial, start_risk
-from ..sampling import DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS
-from ..solver import Allocation, BudgetInfeasibleError, solve
-from .instruments import DEFAULT_INSTRUMENT_SHARE, InstrumentSizes, instrument_allowance, size_instruments
-from .options import SEPARATOR, compose, correction_table, correction_time_table, options, prior_correction_risk, split_option
-from .phases import StatePhases, state_phases
+from lightning_baoc.costs.instruments import (
+    DEFAULT_INSTRUMENT_SHARE,
+    InstrumentSizes,
+    instrument_allowance,
+    size_instruments,
+)
+from lightning_baoc.costs.options import (
+    SEPARATOR,
+    compose,
+    correction_table,
+    correction_time_table,
+    options,
+    prior_correction_risk,
+    split_option,
+)
+from lightning_baoc.costs.phases import StatePhases, state_phases
+from lightning_baoc.formats import DEFAULT_MIN_8BIT_NUMEL, RULE_NAMES, formats_of
+from lightning_baoc.risk.shadow import DEFAULT_SHADOW_ELEMENTS
+from lightning_baoc.risk.start import Initial, prefer_initial, start_risk
+from lightning_baoc.sampling import DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS
+from lightning_baoc.solver import Allocation, BudgetInfeasibleError, solve
 
 Shape = Sequence[int]
 Table = Mapping[str, Mapping[str, float]]

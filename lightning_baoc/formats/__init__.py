@@ -10,17 +10,26 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Mapping
 
-from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, factor_dims, numel_of
-from .bf16 import BF16
-from .bf16_momentum import BF16Momentum
-from .factored import Factored
-from .fp32 import FP32
-from .int8 import Int8
-from .int8_factored import Int8Factored
-from .momentum import MOMENTUM_FORMATS
-from .nomomentum import NoMomentum
-from .nomomentum_int8 import NoMomentumInt8
-from .offload import Offload
+from lightning_baoc.formats.base import (
+    Canonical,
+    Shape,
+    StateFormat,
+    StepHyper,
+    StepItem,
+    TensorSpec,
+    factor_dims,
+    numel_of,
+)
+from lightning_baoc.formats.bf16 import BF16
+from lightning_baoc.formats.bf16_momentum import BF16Momentum
+from lightning_baoc.formats.factored import Factored
+from lightning_baoc.formats.fp32 import FP32
+from lightning_baoc.formats.int8 import Int8
+from lightning_baoc.formats.int8_factored import Int8Factored
+from lightning_baoc.formats.momentum import MOMENTUM_FORMATS
+from lightning_baoc.formats.nomomentum import NoMomentum
+from lightning_baoc.formats.nomomentum_int8 import NoMomentumInt8
+from lightning_baoc.formats.offload import Offload
 
 #: Tensors with fewer elements stay out of the 8-bit formats by default (bitsandbytes keeps
 #: tensors under 4096 elements in 32 bit: their bytes are negligible and their scales are not).

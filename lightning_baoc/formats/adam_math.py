@@ -22,8 +22,8 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
-from .base import StepHyper, StepItem
-from .quant import SUPER, sqrt_rn
+from lightning_baoc.formats.base import StepHyper, StepItem
+from lightning_baoc.formats.quant import SUPER, sqrt_rn
 
 
 def chunk_ranges(numel: int, chunk: int, lead: int | None = None) -> Iterator[tuple[int, int]]:

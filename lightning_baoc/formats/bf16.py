@@ -13,10 +13,9 @@ import torch
 from torch import Tensor
 
 from lightning_baoc import kernels
-
-from .base import Shape, StepHyper, TensorSpec, numel_of
-from .elementwise import ElementwiseFormat
-from .quant import bf16_stochastic
+from lightning_baoc.formats.base import Shape, StepHyper, TensorSpec, numel_of
+from lightning_baoc.formats.elementwise import ElementwiseFormat
+from lightning_baoc.formats.quant import bf16_stochastic
 
 
 class BF16(ElementwiseFormat):

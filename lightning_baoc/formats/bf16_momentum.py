@@ -6,10 +6,9 @@ import torch
 from torch import Tensor
 
 from lightning_baoc import kernels
-
-from .base import Shape, StepHyper, TensorSpec, numel_of
-from .elementwise import ElementwiseFormat, Fp32SecondMoment
-from .quant import bf16_stochastic
+from lightning_baoc.formats.base import Shape, StepHyper, TensorSpec, numel_of
+from lightning_baoc.formats.elementwise import ElementwiseFormat, Fp32SecondMoment
+from lightning_baoc.formats.quant import bf16_stochastic
 
 
 class BF16Momentum(Fp32SecondMoment, ElementwiseFormat):

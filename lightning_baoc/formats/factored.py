@@ -12,9 +12,16 @@ import torch
 from torch import Tensor
 
 from lightning_baoc import kernels
-
-from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, factor_view
-from .factored_math import factored_update
+from lightning_baoc.formats.base import (
+    Canonical,
+    Shape,
+    StateFormat,
+    StepHyper,
+    StepItem,
+    TensorSpec,
+    factor_view,
+)
+from lightning_baoc.formats.factored_math import factored_update
 
 
 class Factored(StateFormat):

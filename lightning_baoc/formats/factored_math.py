@@ -15,10 +15,16 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor
 
-from .adam_math import effective_grad, param_flat
-from .base import StepHyper, StepItem, factor_dims, factor_view, factored_ratio
-from .frames import finish_stores, frame_lead
-from .quant import SUPER, sqrt_rn
+from lightning_baoc.formats.adam_math import effective_grad, param_flat
+from lightning_baoc.formats.base import (
+    StepHyper,
+    StepItem,
+    factor_dims,
+    factor_view,
+    factored_ratio,
+)
+from lightning_baoc.formats.frames import finish_stores, frame_lead
+from lightning_baoc.formats.quant import SUPER, sqrt_rn
 
 #: Added to squared gradients so that a row of exact zeros keeps a positive estimate (Adafactor's eps1).
 EPS_SQUARE = 1e-30

@@ -6,9 +6,16 @@ import torch
 from torch import Tensor
 
 from lightning_baoc import kernels
-
-from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, numel_of
-from .fused_adam import fused_dense_fp32
+from lightning_baoc.formats.base import (
+    Canonical,
+    Shape,
+    StateFormat,
+    StepHyper,
+    StepItem,
+    TensorSpec,
+    numel_of,
+)
+from lightning_baoc.formats.fused_adam import fused_dense_fp32
 
 
 class FP32(StateFormat):

@@ -23,8 +23,18 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import Tensor
 
-from .base import TensorSpec
-from .quant import EXP_DTYPE, GROUP, SCALE_DTYPE, SUPER, edge_maxima, num_groups, num_supers, quantize_momentum, sqrt_rn
+from lightning_baoc.formats.base import TensorSpec
+from lightning_baoc.formats.quant import (
+    EXP_DTYPE,
+    GROUP,
+    SCALE_DTYPE,
+    SUPER,
+    edge_maxima,
+    num_groups,
+    num_supers,
+    quantize_momentum,
+    sqrt_rn,
+)
 
 
 def group_slice(start: int, stop: int, lead: int = 0) -> slice:

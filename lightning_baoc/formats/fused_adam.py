@@ -31,8 +31,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .adam_math import foreach_dense_fp32
-from .base import StepHyper, StepItem
+from lightning_baoc.formats.adam_math import foreach_dense_fp32
+from lightning_baoc.formats.base import StepHyper, StepItem
 
 #: Largest step count passed to the kernel: it reads the count as an fp32 number, exact up to 2**24.
 MAX_FUSED_STEP = 1 << 24

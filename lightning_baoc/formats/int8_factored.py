@@ -10,12 +10,26 @@ import torch
 from torch import Tensor
 
 from lightning_baoc import kernels
-
-from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, factor_view, numel_of
-from .adam_math import chunk_ranges
-from .factored_math import factored_update
-from .frames import finish_stores, frame_lead, quant_args, quant_specs, store_quantized
-from .quant import dequantize_momentum, quantize_momentum
+from lightning_baoc.formats.adam_math import chunk_ranges
+from lightning_baoc.formats.base import (
+    Canonical,
+    Shape,
+    StateFormat,
+    StepHyper,
+    StepItem,
+    TensorSpec,
+    factor_view,
+    numel_of,
+)
+from lightning_baoc.formats.factored_math import factored_update
+from lightning_baoc.formats.frames import (
+    finish_stores,
+    frame_lead,
+    quant_args,
+    quant_specs,
+    store_quantized,
+)
+from lightning_baoc.formats.quant import dequantize_momentum, quantize_momentum
 
 
 def _load_m(views: dict[str, Tensor], start: int, stop: int) -> Tensor:

@@ -9,9 +9,8 @@ import torch
 from torch import Tensor
 
 from lightning_baoc import kernels
-
-from .base import Shape, StepHyper, TensorSpec, numel_of
-from .elementwise import ElementwiseFormat, Fp32SecondMoment
+from lightning_baoc.formats.base import Shape, StepHyper, TensorSpec, numel_of
+from lightning_baoc.formats.elementwise import ElementwiseFormat, Fp32SecondMoment
 
 
 class NoMomentum(Fp32SecondMoment, ElementwiseFormat):

@@ -17,10 +17,17 @@ import torch
 from torch import Tensor
 
 from lightning_baoc import kernels
-
-from .adam_math import element_batches
-from .base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, numel_of
-from .fused_adam import fused_dense_fp32
+from lightning_baoc.formats.adam_math import element_batches
+from lightning_baoc.formats.base import (
+    Canonical,
+    Shape,
+    StateFormat,
+    StepHyper,
+    StepItem,
+    TensorSpec,
+    numel_of,
+)
+from lightning_baoc.formats.fused_adam import fused_dense_fp32
 
 HOST = torch.device("cpu")
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import FORMATS
-from .base import Canonical, StepHyper, factor_dims
-from .factored_math import EPS_SQUARE
+from lightning_baoc.formats import FORMATS
+from lightning_baoc.formats.base import Canonical, StepHyper, factor_dims
+from lightning_baoc.formats.factored_math import EPS_SQUARE
 
 
 def reference_step(

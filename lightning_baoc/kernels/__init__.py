@@ -146,7 +146,9 @@ STALE_LOCK_SECONDS = 300.0
 def _build_directory(name: str) -> Path | None:
     """Where torch builds and caches the extension ``name`` (``None`` where this torch does not say)."""
     try:
-        from torch.utils.cpp_extension import _get_build_directory  # private: how torch names its cache
+        from torch.utils.cpp_extension import (
+            _get_build_directory,  # private: how torch names its cache
+        )
 
         return Path(_get_build_directory(name, verbose=False))
     except (ImportError, TypeError, OSError):
@@ -283,7 +285,7 @@ def use_triton(policy: str, device: torch.device) -> bool:
     """
     if policy == "eager" or device.type not in TRITON_DEVICES:
         return False
-    from . import triton_step
+    from lightning_baoc.kernels import triton_step
 
     available, detail = triton_step.triton_status()
     return _choose(policy, available, detail, f"triton-{available}", True, "Triton step kernels",

@@ -26,7 +26,6 @@ import torch
 from torch import Tensor
 
 from lightning_baoc import kernels
-
 from lightning_baoc.formats.adam_math import param_flat
 from lightning_baoc.formats.base import StateFormat, StepHyper, factor_dims
 from lightning_baoc.formats.correction import reconstruct, split_into

@@ -8,8 +8,12 @@ the public path.
 
 from __future__ import annotations
 
+from lightning_baoc.optim.optimizer import (
+    PUBLIC_MODULE,
+    BlockwiseAdamW,
+    BlockwiseOptimizer,
+)
 from lightning_baoc.optim.sgd_lion import BlockwiseSGD
-from lightning_baoc.optim.optimizer import PUBLIC_MODULE, BlockwiseAdamW, BlockwiseOptimizer
 
 #: Alias class-name prefix of each base class (AdamW's keeps the prefix older pickles name).
 _PREFIXES: dict[str, type[BlockwiseOptimizer]] = {"_BlockwiseAs": BlockwiseAdamW, "_BlockwiseSGDAs": BlockwiseSGD}

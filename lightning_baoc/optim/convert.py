@@ -24,8 +24,15 @@ from torch import Tensor
 
 from lightning_baoc.formats import StepHyper
 from lightning_baoc.formats.adam_math import chunk_ranges
+from lightning_baoc.formats.base import (
+    FactoredMeans,
+    StateFormat,
+    factor_view,
+    factored_ratio,
+    numel_of,
+    row_mean,
+)
 from lightning_baoc.formats.frames import finish_stores, frame_lead
-from lightning_baoc.formats.base import FactoredMeans, StateFormat, factor_view, factored_ratio, numel_of, row_mean
 
 _FP32_MAX = torch.finfo(torch.float32).max
 _ROW, _COL = "exp_avg_sq_row", "exp_avg_sq_col"

@@ -47,6 +47,11 @@ import torch
 from torch import Tensor
 
 from lightning_baoc.formats import StateFormat
+from lightning_baoc.optim.checkpoint import (
+    STATE_DICT_VERSION,
+    CheckpointError,
+    _digest_value,
+)
 from lightning_baoc.optim.sharding import (
     DTensor,
     as_dtensor,
@@ -56,7 +61,6 @@ from lightning_baoc.optim.sharding import (
     shard_count,
     shard_shape,
 )
-from lightning_baoc.optim.checkpoint import STATE_DICT_VERSION, CheckpointError, _digest_value
 
 if TYPE_CHECKING:
     from lightning_baoc.optim.optimizer import BlockwiseOptimizer

@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from lightning_baoc.optim.sharding import is_sharded
 from lightning_baoc.optim.pools import Record
+from lightning_baoc.optim.sharding import is_sharded
 
 
 class GradientAccumulationError(RuntimeError):

@@ -27,9 +27,15 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import Tensor
 
-from lightning_baoc.optim.sharding import local
-from lightning_baoc.formats.correction import WEIGHT_DTYPES, check_correction, correction_dtype, reconstruct, split_into
+from lightning_baoc.formats.correction import (
+    WEIGHT_DTYPES,
+    check_correction,
+    correction_dtype,
+    reconstruct,
+    split_into,
+)
 from lightning_baoc.optim.pools import Record
+from lightning_baoc.optim.sharding import local
 
 
 def correction_for(name: str, dtype: torch.dtype) -> str:

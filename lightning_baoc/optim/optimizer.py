@@ -23,31 +23,36 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
+from lightning_baoc import kernels as _kernels
 from lightning_baoc.formats import (
     DEFAULT_MIN_8BIT_NUMEL,
     FORMATS,
     Canonical,
-    StepHyper,
     StateFormat,
+    StepHyper,
     check_format_name,
     resolve_in,
 )
-from lightning_baoc import kernels as _kernels
 from lightning_baoc.formats.base import DEFAULT_CHUNK
 from lightning_baoc.formats.quant import stream_key
 from lightning_baoc.optim.args import PERFORMANCE_HINTS, check_torch_options
 from lightning_baoc.optim.args import to_float as _float
 from lightning_baoc.optim.args import validate_hyper as _validate_hyper
 from lightning_baoc.optim.device_plan import CountsStore
+from lightning_baoc.optim.gradient_release import ReleaseMixin
+from lightning_baoc.optim.masters import MasterMixin
 from lightning_baoc.optim.persist import PersistenceMixin
 from lightning_baoc.optim.pools import Pool as _Pool
 from lightning_baoc.optim.pools import PoolsMixin
 from lightning_baoc.optim.pools import Record as _Record
-from lightning_baoc.optim.masters import MasterMixin
-from lightning_baoc.optim.gradient_release import ReleaseMixin
-from lightning_baoc.optim.sharding import check_placements, flat_shards, local, row_shards, shard_offset
+from lightning_baoc.optim.sharding import (
+    check_placements,
+    flat_shards,
+    local,
+    row_shards,
+    shard_offset,
+)
 from lightning_baoc.optim.stepping import StepMixin
-
 
 #: Mixed into the rounding key of a conversion, so that it never reuses a step's noise.
 _CONVERSION_SALT = 0x5A17C0DE

@@ -16,12 +16,8 @@ from typing import IO, Any, Callable, Mapping
 import torch
 from torch import Tensor
 
-from lightning_baoc.optim.device_plan import CountsStore
-from lightning_baoc.optim.distributed import from_distributed, is_distributed_layout, to_distributed
-from lightning_baoc.optim.sharding import gather_full, is_sharded, local
 from lightning_baoc.formats import Canonical, StepHyper, resolve_in
 from lightning_baoc.formats.frames import framed
-from lightning_baoc.optim.pools import Pool, Record
 from lightning_baoc.optim.checkpoint import (
     STATE_DICT_VERSION,
     CheckpointError,
@@ -31,6 +27,14 @@ from lightning_baoc.optim.checkpoint import (
     make_entry,
     seal_state_dict,
 )
+from lightning_baoc.optim.device_plan import CountsStore
+from lightning_baoc.optim.distributed import (
+    from_distributed,
+    is_distributed_layout,
+    to_distributed,
+)
+from lightning_baoc.optim.pools import Pool, Record
+from lightning_baoc.optim.sharding import gather_full, is_sharded, local
 from lightning_baoc.optim.validate import LoadPlan, plan_load
 
 #: Attributes that only tie an optimizer to its process (hooks, an LR scheduler's wrapper of

@@ -31,12 +31,17 @@ import torch
 from torch import Tensor
 
 from lightning_baoc.formats import StateFormat, StepHyper, StepItem
-from lightning_baoc.kernels.compiled import KernelItem, compiled_step, kernel_serves
 from lightning_baoc.formats.correction import reconstruct, split_into
 from lightning_baoc.formats.frames import framed
+from lightning_baoc.formats.fused_adam import (
+    MAX_FUSED_STEP,
+    fusable,
+    fused_available,
+    fused_dense_fp32,
+)
 from lightning_baoc.formats.quant import M_SCALE_MAX, V_SCALE_MAX, name_salt
-from lightning_baoc.formats.fused_adam import MAX_FUSED_STEP, fusable, fused_available, fused_dense_fp32
 from lightning_baoc.kernels import M_FP32, V_FP32, use_triton
+from lightning_baoc.kernels.compiled import KernelItem, compiled_step, kernel_serves
 from lightning_baoc.optim.device_plan import Chosen, DevicePlan
 from lightning_baoc.optim.pools import DeferredFlags, Record
 from lightning_baoc.optim.sharding import is_sharded, local, mesh_min
@@ -307,7 +312,9 @@ class StepMixin:
         kinds = fmt.kernel_kinds
         if not items or kinds is None or hyper.rule != "adamw" or not use_triton(self.kernels, items[0].param.device):
             return items, corrections
-        from lightning_baoc.kernels import triton_step  # imports triton: only where it runs
+        from lightning_baoc.kernels import (
+            triton_step,  # imports triton: only where it runs
+        )
 
         if kinds == (M_FP32, V_FP32) and all(it.param.dtype == torch.float32 for it in items):
             # fp32 moments of fp32 parameters: torch's fused kernel, one call for all those decided on the

@@ -15,9 +15,12 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch import Tensor
 
-from lightning_baoc.optim.sharding import local, this_shard
 from lightning_baoc.formats import Canonical, StateFormat, check_format_name
-from lightning_baoc.formats.correction import CORRECTIONS, WEIGHT_DTYPES, correction_dtype
+from lightning_baoc.formats.correction import (
+    CORRECTIONS,
+    WEIGHT_DTYPES,
+    correction_dtype,
+)
 from lightning_baoc.optim.args import PERFORMANCE_HINTS
 from lightning_baoc.optim.checkpoint import (
     READABLE_VERSIONS,
@@ -28,6 +31,7 @@ from lightning_baoc.optim.checkpoint import (
     require_count,
     require_mapping,
 )
+from lightning_baoc.optim.sharding import local, this_shard
 
 if TYPE_CHECKING:
     from lightning_baoc.optim.optimizer import BlockwiseAdamW

@@ -62,10 +62,16 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from lightning_baoc.optim.sharding import local, row_shards
-from lightning_baoc.formats import FORMATS, Canonical, StepHyper, factor_dims, resolve_format
+from lightning_baoc.formats import (
+    FORMATS,
+    Canonical,
+    StepHyper,
+    factor_dims,
+    resolve_format,
+)
 from lightning_baoc.formats.base import factor_view, factored_ratio, row_mean
 from lightning_baoc.optim import BlockwiseAdamW
+from lightning_baoc.optim.sharding import local, row_shards
 from lightning_baoc.risk.shadow import ShadowEntry, ShadowMoments
 from lightning_baoc.risk.shadow import sample_segments as _segments
 

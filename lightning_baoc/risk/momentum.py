@@ -49,8 +49,8 @@ from typing import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from lightning_baoc.optim.sharding import local
 from lightning_baoc.formats import MOMENTUM_FORMATS, Canonical, StepHyper, resolve_in
+from lightning_baoc.optim.sharding import local
 from lightning_baoc.risk.model import DEFAULT_HORIZON, BlockRisk
 from lightning_baoc.risk.shadow import ShadowMoments
 

@@ -12,9 +12,14 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
+from lightning_baoc.formats import (
+    DEFAULT_MIN_8BIT_NUMEL,
+    formats_of,
+    numel_of,
+    resolve_in,
+)
+from lightning_baoc.formats.base import as_shape
 from lightning_baoc.sampling.blocks import ROOT_BLOCK
-from ..formats import DEFAULT_MIN_8BIT_NUMEL, formats_of, numel_of, resolve_in
-from ..formats.base import as_shape
 
 #: Prior risk of each format over a whole model (expected relative harm if every parameter used
 #: it), for planning without statistics. Ordered by measured harm: int8 costs

@@ -23,8 +23,8 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
-from lightning_baoc.optim.sharding import local
 from lightning_baoc.formats.quant import SUPER
+from lightning_baoc.optim.sharding import local
 
 #: Elements of each tensor shadowed (16 segments of 1024); smaller tensors are shadowed whole.
 DEFAULT_SHADOW_ELEMENTS = 1 << 14

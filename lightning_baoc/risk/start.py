@@ -23,8 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Iterable, Union
 
-from ..formats import DEFAULT_MIN_8BIT_NUMEL, RULE_FORMATS
-from .prior import prior_risk
+from lightning_baoc.formats import DEFAULT_MIN_8BIT_NUMEL, RULE_FORMATS
+from lightning_baoc.risk.prior import prior_risk
 
 #: Added to the prior risk of every format but the one ``initial`` names for a block, so that the
 #: solver keeps the named format wherever the budgets allow (prior risks are shares, below 1).

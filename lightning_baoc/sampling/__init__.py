@@ -40,8 +40,8 @@ The package, module by module:
 
 from __future__ import annotations
 
-from .layout import draw_indices
-from .sampler import (
+from lightning_baoc.sampling.layout import draw_indices
+from lightning_baoc.sampling.sampler import (
     DEFAULT_CAPACITY,
     DEFAULT_MAX_ELEMENTS,
     DEFAULT_MAX_ROWS,

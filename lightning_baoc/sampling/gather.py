@@ -14,8 +14,7 @@ import torch
 from torch import Tensor
 
 from lightning_baoc.optim.sharding import is_sharded, local, shard_offset
-
-from .layout import _Segment
+from lightning_baoc.sampling.layout import _Segment
 
 _FP32_MAX = torch.finfo(torch.float32).max
 

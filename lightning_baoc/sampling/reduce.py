@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .layout import _Block
+from lightning_baoc.sampling.layout import _Block
 
 if TYPE_CHECKING:
-    from .sampler import GradientSampler
+    from lightning_baoc.sampling.sampler import GradientSampler
 
 
 @dataclass

@@ -17,13 +17,26 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_baoc.optim.sharding import is_sharded, local, shard_group
 from lightning_baoc.sampling import statistics as S
-from ..optim.sharding import is_sharded, local, shard_group
 from lightning_baoc.sampling.blocks import partition
-from .gather import _gather, _merge
-from .layout import _Block, _check_blocks, _check_int, _plan_blocks
-from .state import STATE_VERSION, SamplerStateMixin  # noqa: F401 - STATE_VERSION: its public path
-from .reduce import COSINE_SLICE, _anisotropy, _block_slices, _cosines, _ReductionMaps, _valid_blocks, _worker_loop
+from lightning_baoc.sampling.gather import _gather, _merge
+from lightning_baoc.sampling.layout import (
+    _Block,
+    _check_blocks,
+    _check_int,
+    _plan_blocks,
+)
+from lightning_baoc.sampling.reduce import (
+    COSINE_SLICE,
+    _anisotropy,
+    _block_slices,
+    _cosines,
+    _ReductionMaps,
+    _valid_blocks,
+    _worker_loop,
+)
+from lightning_baoc.sampling.state import STATE_VERSION, SamplerStateMixin  # noqa: F401 - STATE_VERSION: its public path
 
 #: Staging buffers in flight between the hot path and the worker. Two let the hot path fill one
 #: while the worker reduces the other; the hot path waits (a "stall", counted) only if the worker

@@ -50,8 +50,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from lightning_baoc.config.budget import parse_memory_budget, parse_time_budget
-from .pipeline import _METHODS, AUTO_EXACT_BLOCKS, Method, _solve_problem
-from .problem import (
+from lightning_baoc.solver.pipeline import (
+    _METHODS,
+    AUTO_EXACT_BLOCKS,
+    Method,
+    _solve_problem,
+)
+from lightning_baoc.solver.problem import (
     KNOWN_FORMATS,
     Allocation,
     BudgetInfeasibleError,
@@ -60,8 +65,8 @@ from .problem import (
     _parse_budgets,
     check_mask,
 )
-from .reference import reference_solve
-from .segments import _solve_segmented, select_boundaries
+from lightning_baoc.solver.reference import reference_solve
+from lightning_baoc.solver.segments import _solve_segmented, select_boundaries
 
 
 def solve(

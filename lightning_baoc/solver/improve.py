@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .problem import _Accept, _Problem, _raw_ok, _Scaled, _zero_inf
-from .search import _branch_and_bound
+from lightning_baoc.solver.problem import _Accept, _Problem, _raw_ok, _Scaled, _zero_inf
+from lightning_baoc.solver.search import _branch_and_bound
 
 
 def _improve(p: _Problem, s: _Scaled, x: np.ndarray, mb: float, tb: float | None, rounds: int = 64) -> np.ndarray:

@@ -14,9 +14,14 @@ import math
 import numpy as np
 
 from lightning_baoc.config.budget import ceil_significant, format_bytes, format_seconds
-from .problem import TIME_BUDGET_RTOL, BudgetInfeasibleError, _Problem, _Scaled
-from .relaxation import _frontier_choice
-from .search import _branch_and_bound
+from lightning_baoc.solver.problem import (
+    TIME_BUDGET_RTOL,
+    BudgetInfeasibleError,
+    _Problem,
+    _Scaled,
+)
+from lightning_baoc.solver.relaxation import _frontier_choice
+from lightning_baoc.solver.search import _branch_and_bound
 
 #: Node limit when computing the smallest feasible budgets for an error message on problems too
 #: large to finish: the message then gives the best budget found, marked as not proven minimal.

@@ -15,9 +15,9 @@ from typing import Literal
 
 import numpy as np
 
-from .improve import _TIE_MIN_GAP, _improve, _tie_search
-from .infeasible import ERROR_SEARCH_NODES, _infeasible
-from .problem import (
+from lightning_baoc.solver.improve import _TIE_MIN_GAP, _improve, _tie_search
+from lightning_baoc.solver.infeasible import ERROR_SEARCH_NODES, _infeasible
+from lightning_baoc.solver.problem import (
     TIME_BUDGET_RTOL,
     Allocation,
     _Accept,
@@ -26,11 +26,11 @@ from .problem import (
     _raw_memory,
     _raw_ok,
     _raw_time,
-    _scaled,
     _Scaled,
+    _scaled,
 )
-from .relaxation import _greedy
-from .search import _branch_and_bound
+from lightning_baoc.solver.relaxation import _greedy
+from lightning_baoc.solver.search import _branch_and_bound
 
 #: ``method="auto"`` improves the greedy answer by branch-and-bound on problems with at most this
 #: many blocks that have a choice, within :data:`AUTO_EXACT_NODES` search nodes in all; small

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .problem import _FEAS_EPS, _Accept, _zero_inf
-from .relaxation import _frontier
+from lightning_baoc.solver.problem import _FEAS_EPS, _Accept, _zero_inf
+from lightning_baoc.solver.relaxation import _frontier
 
 
 @dataclass

@@ -14,8 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from .pipeline import _solve_problem
-from .problem import Allocation, Table, _build, _parse_budgets, _Problem
+from lightning_baoc.solver.pipeline import _solve_problem
+from lightning_baoc.solver.problem import (
+    Allocation,
+    Table,
+    _build,
+    _parse_budgets,
+    _Problem,
+)
 
 
 def select_boundaries(

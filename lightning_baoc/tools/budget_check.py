@@ -25,16 +25,22 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..formats import RULE_NAMES
-from ..formats.correction import corrections_refused
-from lightning_baoc.config.budget import absolute_time_with_prior_error, format_bytes, is_absolute_time, parse_memory_budget, round_up
-from lightning_baoc.costs.calibration import withheld_formats
+from lightning_baoc.config.budget import (
+    absolute_time_with_prior_error,
+    format_bytes,
+    is_absolute_time,
+    parse_memory_budget,
+    round_up,
+)
 from lightning_baoc.config.files import Config
-from ..costs import AllocationProblem, StatePhases, baseline_state_bytes
-from ..costs.options import split_option
-from ..risk.prior import block_kind
-from ..solver import BudgetInfeasibleError
-from .result import CheckResult
+from lightning_baoc.costs import AllocationProblem, StatePhases, baseline_state_bytes
+from lightning_baoc.costs.calibration import withheld_formats
+from lightning_baoc.costs.options import split_option
+from lightning_baoc.formats import RULE_NAMES
+from lightning_baoc.formats.correction import corrections_refused
+from lightning_baoc.risk.prior import block_kind
+from lightning_baoc.solver import BudgetInfeasibleError
+from lightning_baoc.tools.result import CheckResult
 
 NAME = "memory budget"
 

@@ -43,14 +43,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_baoc.sampling.blocks import partition_report
 from lightning_baoc.config.budget import format_bytes
-from lightning_baoc.costs.calibration import hardware_mask
 from lightning_baoc.config.files import Config, load_config
-from ..formats import RULE_FORMATS, RULE_NAMES, formats_of
-from .budget_check import check_budget
-from .models import build_component, default_device, resolve_model
-from .result import CheckResult
+from lightning_baoc.costs.calibration import hardware_mask
+from lightning_baoc.formats import RULE_FORMATS, RULE_NAMES, formats_of
+from lightning_baoc.sampling.blocks import partition_report
+from lightning_baoc.tools.budget_check import check_budget
+from lightning_baoc.tools.models import build_component, default_device, resolve_model
+from lightning_baoc.tools.result import CheckResult
 
 #: The sampler's design budget: its cost per training step, as a fraction of the step
 #: (``benchmarks/sampler_overhead.py``: sampling at every step costs about 3% on a 1.2M-parameter GPT).

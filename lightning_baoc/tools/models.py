@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from lightning_baoc.config.files import ComponentConfig, Config
-from .presets import build_model
+from lightning_baoc.tools.presets import build_model
+
 
 def build_component(component: ComponentConfig, device: str | torch.device = "meta", section: str = "model") -> Any:
     """Instantiate a config's ``model`` (or ``data``) section, ``class_path(**init_args)``, on ``device``.

@@ -35,20 +35,40 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_baoc.sampling.blocks import partition
-from lightning_baoc.config.budget import absolute_time_with_prior_error, format_bytes, format_decimal_bytes, is_absolute_time
+from lightning_baoc.config.budget import (
+    absolute_time_with_prior_error,
+    format_bytes,
+    format_decimal_bytes,
+    is_absolute_time,
+)
+from lightning_baoc.costs import (
+    CONVERSION_BOUND,
+    AllocationProblem,
+    StatePhases,
+    baseline_state_bytes,
+)
 from lightning_baoc.costs.calibration import offload_saves_memory
-from ..costs import CONVERSION_BOUND, AllocationProblem, StatePhases, baseline_state_bytes
-from ..costs.options import correction_bytes, split_option
-from ..formats import (
-    DEFAULT_MIN_8BIT_NUMEL, RULE_NAMES, format_state_bytes, formats_of, numel_of, resolve_in,
+from lightning_baoc.costs.options import correction_bytes, split_option
+from lightning_baoc.formats import (
+    DEFAULT_MIN_8BIT_NUMEL,
+    RULE_NAMES,
+    format_state_bytes,
+    formats_of,
+    numel_of,
+    resolve_in,
 )  # fmt: skip
-from ..formats.correction import check_correction, corrections_refused
-from ..risk.prior import block_kind, prior_risk
-from ..risk.start import INITIAL_PREFERENCE, AllocationRecord, Initial
-from ..solver import Allocation, BudgetInfeasibleError
-from .plan_inputs import check_initial, check_optimizer, checked_mask, load_statistics
-from .presets import build_model
+from lightning_baoc.formats.correction import check_correction, corrections_refused
+from lightning_baoc.risk.prior import block_kind, prior_risk
+from lightning_baoc.risk.start import INITIAL_PREFERENCE, AllocationRecord, Initial
+from lightning_baoc.sampling.blocks import partition
+from lightning_baoc.solver import Allocation, BudgetInfeasibleError
+from lightning_baoc.tools.plan_inputs import (
+    check_initial,
+    check_optimizer,
+    checked_mask,
+    load_statistics,
+)
+from lightning_baoc.tools.presets import build_model
 
 # ---------------------------------------------------------------------------- the plan
 

@@ -9,10 +9,10 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 
-from ..costs.options import split_option
-from ..formats import RULE_FORMATS, RULE_NAMES, formats_of
-from ..risk.start import AllocationRecord, Initial, read_record
-from ..solver import check_mask
+from lightning_baoc.costs.options import split_option
+from lightning_baoc.formats import RULE_FORMATS, RULE_NAMES, formats_of
+from lightning_baoc.risk.start import AllocationRecord, Initial, read_record
+from lightning_baoc.solver import check_mask
 
 # ---------------------------------------------------------------------------- the optimizer planned for
 

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 
-
 @dataclass(frozen=True)
 class DecoderConfig:
     """A LLaMA-style decoder: RMSNorm, bias-free projections, SwiGLU MLP, untied head."""

@@ -1,6 +1,7 @@
-"""Each setting is declared once (``lightning_baoc.config.settings.SETTINGS``): the callback's and the
-Fabric strategy's signatures, ``BAOCConfig``, the config loader and the JSON Schema derive from it,
-and one validator refuses a bad value with the same error from Python and from a config file."""
+"""Each setting is declared once (``lightning_baoc.config.settings.SETTINGS``): ``BAOCConfig``, the config
+loader and the JSON Schema derive from it; the callback's and the Fabric strategy's ``__init__`` spell
+every setting out and are held to it here (name, order, type, default, help); one validator refuses
+a bad value with the same error from Python and from a config file."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +49,8 @@ def test_every_setting_is_in_every_consumer_with_the_same_default(s: Any) -> Non
     default = inspect.Parameter.empty if s.default is REQUIRED else s.default
     for cls in (BAOC, BAOCStrategy):
         p = _params(cls)[s.name]
-        assert p.default == default and type(p.default) is type(default) and p.annotation == s.type, cls
+        assert p.default == default and type(p.default) is type(default), cls
+        assert typing.get_type_hints(cls.__init__)[s.name] == s.type, cls
     schema = _at(json_schema()["properties"]["baoc"], s.key)
     assert schema["description"] == s.help
     assert BAOC_ARGUMENTS[s.name] == s.key
@@ -70,9 +73,21 @@ def test_the_signatures_keep_their_order_and_memory_budget_first() -> None:
     assert (baoc.config.memory_budget, baoc.config.warmup_steps) == (0.3, 50)
     with pytest.raises(TypeError, match="memory_budget"):
         BAOC()  # type: ignore[call-arg]
-    doc = " ".join(BAOC.__init__.__doc__.split())
-    assert all(" ".join(s.help.split()) in doc for s in SETTINGS)  # LightningCLI's help
+    for cls in (BAOC, BAOCStrategy):
+        doc = " ".join(cls.__init__.__doc__.split())
+        for s in SETTINGS:  # LightningCLI's help: each setting's text and default
+            default = "" if s.default is REQUIRED else f" (default: ``{s.default!r}``)"
+            assert f"{s.name}: {' '.join(s.help.split())}{default}" in doc, (cls, s.name)
     assert MIN_SAMPLES == SETTING["capacity"].minimum
+
+
+def test_the_adapters_init_is_source_that_names_every_setting() -> None:
+    """Written out, not generated: ``inspect.getsource`` (a reader, go-to-definition) finds each parameter."""
+    for cls in (BAOC, BAOCStrategy):
+        source = inspect.getsource(cls.__init__)
+        assert source.lstrip().startswith("def __init__(")
+        missing = [s.name for s in SETTINGS if f"\n        {s.name}: " not in source]
+        assert not missing, (cls, missing)
 
 
 # ---------------------------------------------------------------------------- one validator, one error
@@ -139,9 +154,8 @@ from lightning_baoc.config.settings import SettingError
 
 for cls in (BAOC, BAOCStrategy):
     params = inspect.signature(cls.__init__).parameters
-    assert params["quantile"].default == 0.5 and params["quantile"].annotation is float, cls
+    assert params["quantile"].default == 0.5 and params["quantile"].annotation == "float", cls
     assert params["style"].default is None and params["floor"].default == 2, cls
-assert "A made-up knob of the sampler. (default: 0.5)" in BAOC.__init__.__doc__
 baoc = BAOC(memory_budget=0.3, quantile=0.25, style="fancy")
 assert (baoc.config.quantile, baoc.config.style, baoc.config.floor) == (0.25, "fancy", 2)
 assert BAOC_ARGUMENTS["quantile"] == "sampler.quantile"
@@ -172,14 +186,28 @@ print("picked up")
 '''
 
 
-def test_a_new_setting_reaches_every_consumer_with_no_other_edit(tmp_path: Path) -> None:
-    """A copy of the package whose only change is three more entries in ``SETTINGS``."""
+NEW_PARAMETERS = '''\
+        quantile: float = 0.5,
+        style: Optional[Literal["plain", "fancy"]] = None,
+        floor: int = 2,
+'''
+
+
+def test_a_new_setting_reaches_every_consumer_with_its_entry_and_its_two_parameters(tmp_path: Path) -> None:
+    """A copy of the package whose only changes are three more entries in ``SETTINGS`` and their
+    parameters in ``BAOC.__init__`` and ``BAOCStrategy.__init__``."""
     shutil.copytree(ROOT / "lightning_baoc", tmp_path / "lightning_baoc", ignore=shutil.ignore_patterns("__pycache__"))
     path = tmp_path / "lightning_baoc" / "config" / "settings.py"
     text = path.read_text()
     end = "\n)\n\n#: Config sections"
     assert text.count(end) == 1, "the declaration's end moved: update this test's marker"
     path.write_text(text.replace(end, f"\n{NEW_SETTINGS})\n\n#: Config sections"))
+    for adapter in ("callback.py", "fabric.py"):
+        path = tmp_path / "lightning_baoc" / "integrations" / adapter
+        text = path.read_text()
+        last = "        initial: Union[str, dict[str, str], None] = None,\n"
+        assert text.count(last) == 1, f"{adapter}: the signature's last setting moved: update this test's marker"
+        path.write_text(text.replace(last, last + NEW_PARAMETERS))
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     run = subprocess.run([sys.executable, "-c", CHECKS], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "picked up" in run.stdout, run.stderr[-3000:]
