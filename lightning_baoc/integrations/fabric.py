@@ -131,77 +131,11 @@ class BAOCStrategy:
         """Build the strategy; every setting is checked here (a bad one raises :class:`~lightning_baoc.SettingError`
         naming it).
 
+        The settings, ``memory_budget`` to ``initial``, are :class:`~lightning_baoc.BAOC`'s, with the same types,
+        defaults and meaning (``help(BAOC.__init__)`` describes each); here every one after ``memory_budget`` is
+        keyword-only. Then the strategy's own:
+
         Args:
-            memory_budget: Optimizer-state memory allowed: a fraction in (0, 1] of the
-                state torch.optim.AdamW would hold on the parameters trained (8 bytes
-                per fp32 parameter, 4 per bf16 one; parameters added later included)
-                (0.35 or '35%'), or an absolute size: an int of bytes or a string with a
-                unit ('6GB', '512MiB').
-            time_budget: Optimizer-step time allowed: a multiple >= 1 of the fp32 AdamW
-                step (1.2 or '1.2x') or an absolute time ('12ms', with calibration
-                'auto' only). null: no limit. (default: ``None``)
-            warmup_steps: Optimizer steps, sampled, before the first allocation from
-                measured statistics (>= sample_every + 2); they run in the start
-                allocation, within the budgets (see 'initial'). (default: ``200``)
-            sample_every: Sample the gradients every N optimizer steps during warm-up
-                (and the step after, for the lag-1 cosine). (default: ``10``)
-            granularity: Block granularity: 'module' (one block per module that owns
-                parameters), 'layer' (one block per repeated layer, e.g. a transformer
-                block) or 'param' (one block per tensor). (default: ``'module'``)
-            blocks: Named blocks: block name -> glob or list of globs over parameter
-                names (fnmatch, case-sensitive), matched before 'granularity'. Every
-                glob must match a trainable parameter. (default: ``None``)
-            formats: The optimizer-state formats the solver may pick (the optimizer's:
-                AdamW's, or SGD's and Lion's fp32, bf16, int8, none). null: every format
-                of the optimizer the device serves. (default: ``None``)
-            corrections: Master-weight corrections the solver pairs with the formats of
-                bf16/fp16 weights, per block, their bytes in the memory budget. null:
-                the optimizer's own, outside the budget. (default: ``None``)
-            reevaluate_every_n_epochs: Re-evaluate the allocation every N epochs. null:
-                never on a schedule. (default: ``None``)
-            monitor: A validation metric (as logged with self.log); a plateau of it
-                triggers a re-evaluation. (default: ``None``)
-            mode: 'min' if 'monitor' improves downwards (loss, perplexity), 'max' if
-                upwards. (default: ``'min'``)
-            patience: Validation checks without improvement of 'monitor' before a
-                re-evaluation. (default: ``3``)
-            min_delta: Smallest change of 'monitor' counted as an improvement. (default:
-                ``0.0``)
-            hysteresis: A re-evaluation migrates only if the new allocation lowers the
-                total risk by more than this fraction (or the current one breaks a
-                budget); keeps allocations from flapping. (default: ``0.1``)
-            horizon: Optimizer steps over which the risk model lets zero-mean update
-                noise average out. (default: ``200``)
-            sparse_sampling: After warm-up, sample N times less often. (default: ``4``)
-            capacity: Sampling steps kept in the ring buffer (the statistics' window).
-                (default: ``32``)
-            max_elements: Gradient elements sampled per block (a fixed random subset).
-                (default: ``4096``)
-            instrument_share: Share of the user's AdamW state (or 16 MiB if more) the
-                sampler's ring and the risk model's shadow may hold, outside the budget:
-                above it max_elements and the shadow shrink. (default: ``0.02``)
-            min_8bit_numel: Tensors with fewer elements stay out of the 8-bit formats
-                (as bitsandbytes). (default: ``4096``)
-            calibration: 'auto': measure each format's step cost on the device once
-                (cached); 'prior': built-in relative costs (a time budget must then be
-                relative). (default: ``'auto'``)
-            calibration_cache_dir: Cache directory of 'auto'. null: the user cache
-                directory. (default: ``None``)
-            report: Print the allocation table and write baoc_allocation.json / .png
-                into the log directory. true: the PNG when matplotlib is installed (else
-                a warning); 'json': no PNG; 'png': the PNG required (refused at start
-                without matplotlib); false: no report. (default: ``True``)
-            seed: Seed of the gradient sampling and of stochastic rounding. (default:
-                ``0``)
-            max_block_risk: Cap on the risk of one block: a format whose risk on a block
-                exceeds it is never chosen for that block (risks are share-weighted: the
-                block risks add up to the total risk). Lifted, with a warning, when the
-                memory budget cannot be met otherwise. null: no cap. (default: ``None``)
-            initial: The allocation the warm-up starts in: a previous run's
-                baoc_allocation.json (its measured risks replace the prior) or a mapping
-                block -> format (kept wherever the budgets allow). With corrections, a
-                block names an option, 'int8+ecc8' (or 'int8': no correction). null: the
-                allocation of least prior risk within the budgets. (default: ``None``)
             base: the Fabric strategy extended: ``"single_device"``, ``"ddp"`` or ``"model_parallel"``
                 (``ModelParallelStrategy``: FSDP2, its ``parallelize_fn`` in ``strategy_kwargs``) (default:
                 ``"single_device"``).
