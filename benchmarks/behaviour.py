@@ -46,9 +46,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
-if "TRITON_INTERPRET" not in os.environ:  # set before triton is imported: CPU tensors through its interpreter
-    os.environ["TRITON_INTERPRET"] = "1"
-
 import torch
 from torch import nn
 
@@ -124,8 +121,10 @@ def _try_import(name: str) -> Any:
 
 
 def _backends() -> list[str]:
+    """The CPU backends: the eager and compiled steps, and the Triton step in Triton's interpreter where
+    triton is installed (``record`` sets ``TRITON_INTERPRET=1`` before triton is imported)."""
     found = ["eager", "compiled"]
-    if _try_import("triton") is not None and not torch.cuda.is_available():
+    if os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available() and _try_import("triton") is not None:
         found.append("triton")
     return found
 
@@ -445,6 +444,8 @@ def scenario_fsdp2() -> dict[str, Any]:
 
 
 def record(path: Path, only: list[str]) -> None:
+    if not torch.cuda.is_available() and "triton" not in sys.modules:  # CPU tensors through Triton's interpreter
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     torch.set_num_threads(1)
     result: dict[str, Any] = {}
     for name in only:
