@@ -1,15 +1,16 @@
 """Train an example workload with BAOC from a Hydra config: the templates in ``configs/`` as they are.
 
 Hydra composes ``configs/<name>.yaml`` with command-line overrides (the same dotlists that
-``lightning_baoc.config.files.load_config`` takes without Hydra); the composed config is validated by
-``lightning_baoc.config.files.parse_config`` (an unknown key or a bad value names the key), the BAOC
-callback comes from ``BAOC.from_config``, and the model and data from the config's ``model`` /
-``data`` sections (``examples/workloads.py``). Hydra is optional: ``pip install hydra-core`` (or
+``lightning_baoc.config.files.load_config`` takes without Hydra; the keys are BAOC's arguments:
+``baoc.sample_every=5``); the composed config is validated by ``lightning_baoc.config.files.parse_config``
+(every unknown key and bad value at once, each named), the BAOC callback comes from
+``BAOC.from_config``, and the model and data from the config's ``model`` / ``data`` sections
+(``examples/workloads.py``). Hydra is optional: ``pip install hydra-core`` (or
 ``pip install -e ".[examples]"``). About a minute on 2 CPU cores:
 
     python examples/hydra_baoc.py                                        # configs/vision.yaml, 300 steps
     python examples/hydra_baoc.py baoc.memory_budget=0.25 trainer.max_steps=200
-    python examples/hydra_baoc.py --config-name language baoc.risk_thresholds.max_block_risk=0.05
+    python examples/hydra_baoc.py --config-name language baoc.max_block_risk=0.05
     python examples/hydra_baoc.py --config-name diffusion --multirun baoc.memory_budget=0.5,0.35,0.25
 
 Hydra's own output (logs, the composed config) goes to ``lightning_logs/hydra/`` unless

@@ -1,10 +1,13 @@
-"""Typed BAOC configs: the dataclasses behind the YAML templates, loading with overrides, JSON Schema.
+"""Typed BAOC configs: the dataclass behind the YAML templates, loading with overrides, JSON Schema.
 
-A config file (``configs/vision.yaml``, ``configs/language.yaml``, ``configs/diffusion.yaml``)
-holds a ``baoc`` section in the vocabulary of the BAOC paper, and optionally the sections a
-``LightningCLI`` config has (``trainer``, ``model``, ``data``, ``seed_everything``, ``ckpt_path``),
-so one file serves :func:`load_config`, ``examples/cli.py`` (LightningCLI), ``examples/hydra_baoc.py``
-(Hydra) and ``lightning-baoc check``:
+A config file (``configs/vision.yaml``, ``configs/language.yaml``, ``configs/diffusion.yaml``) holds a
+``baoc`` section whose keys are the settings' names, the arguments of :class:`~lightning_baoc.BAOC`:
+one word for each setting in Python (``BAOC(sample_every=5)``), in a file (``baoc.sample_every``), in a
+dotlist override (``baoc.sample_every=5``), in LightningCLI (``--baoc.sample_every``), in the JSON
+Schema and in every message. Optionally it holds the sections a ``LightningCLI`` config has
+(``trainer``, ``model``, ``data``, ``seed_everything``, ``ckpt_path``), so one file serves
+:func:`load_config`, ``examples/cli.py`` (LightningCLI), ``examples/hydra_baoc.py`` (Hydra) and
+``lightning-baoc check``:
 
 .. code-block:: yaml
 
@@ -12,32 +15,34 @@ so one file serves :func:`load_config`, ``examples/cli.py`` (LightningCLI), ``ex
       memory_budget: 0.35            # fraction of fp32 AdamW state memory, or "6GB"
       time_budget: null              # multiple of the fp32 optimizer step, or "12ms"
       warmup_steps: 200
-      allowed_configs: [fp32, bf16_momentum, bf16, int8, int8_factored, nomomentum, factored]
-      block_id: {granularity: layer, patterns: {embeddings: ["wte.*", "wpe.*"]}}
-      risk_thresholds: {max_block_risk: null, hysteresis: 0.1, horizon: 200}
-      re_evaluation_trigger: {every_n_epochs: null, monitor: val_loss, mode: min, patience: 3, min_delta: 0.0}
-      sampler: {sample_every: 10, sparse_sampling: 4, capacity: 32, max_elements: 4096, instrument_share: 0.02}
+      formats: [fp32, bf16_momentum, bf16, int8, int8_factored, nomomentum, factored]
+      granularity: layer
+      blocks: {embeddings: ["wte.*", "wpe.*"]}
+      monitor: val_loss
+      sample_every: 10
 
-The section is derived from :data:`lightning_baoc.config.settings.SETTINGS`, where each setting is declared
-once with its argument name and its key here: :class:`BAOCSection` and one dataclass per section of
-keys (:class:`SamplerConfig` for ``sampler.*``...), :data:`BAOC_ARGUMENTS` (argument -> key:
-``formats`` <- ``allowed_configs``, ``blocks`` <- ``block_id.patterns``, ``calibration`` <-
-``calibration.mode``...), the checks of the values (:func:`lightning_baoc.config.settings.check_settings`,
-the callback's own validator) and the JSON Schema (:func:`json_schema`). :func:`baoc_kwargs` and
-:meth:`BAOC.from_config <lightning_baoc.BAOC.from_config>` turn a section into the callback.
+The section is :class:`BAOCSection`, a dataclass generated from
+:data:`lightning_baoc.config.settings.SETTINGS` (a field per setting, its type, default and help); its
+values are checked by the callback's own validator (:func:`~lightning_baoc.config.settings.check_setting`,
+:func:`~lightning_baoc.config.settings.rule_errors`), and the JSON Schema (:func:`json_schema`) is
+generated from it. :func:`baoc_kwargs` and :meth:`BAOC.from_config <lightning_baoc.BAOC.from_config>`
+turn a section into the callback.
 
-Loading is strict: an unknown key anywhere (also in ``trainer``, checked against
-``lightning.Trainer``'s arguments) and a value of the wrong type or out of range raise
-:class:`ConfigError`, whose message names the key (``baoc.sampler.sample_every``) and where it
-came from (the file, or the dotlist override that set it). Overrides are OmegaConf dotlists
-(``baoc.memory_budget=0.25``); Hydra is not needed. The committed ``configs/baoc.schema.json`` is
-regenerated with ``python -m lightning_baoc schema > configs/baoc.schema.json``.
+Loading is strict and reports every error of a config at once: an unknown key anywhere (also in
+``trainer``, checked against ``lightning.Trainer``'s arguments) with its closest known key, a missing
+``baoc.memory_budget``, a value of the wrong type or out of range with the setting's message. One
+:class:`ConfigError` lists them all; each names the key (``baoc.sample_every``) and where it came from
+(the file, or the dotlist override that set it). A key of 0.1.0's nested section
+(``baoc.sampler.sample_every``, :data:`RETIRED_KEYS`) is an unknown key whose message names the key
+that replaced it. Overrides are OmegaConf dotlists (``baoc.memory_budget=0.25``); Hydra is not needed.
+:func:`lightning_cli_errors` runs the same checks on a LightningCLI config, before jsonargparse sees it.
+The committed ``configs/baoc.schema.json`` is regenerated with
+``python -m lightning_baoc schema > configs/baoc.schema.json``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import inspect
 import os
@@ -48,110 +53,135 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 from lightning_baoc.config.settings import (
-    SECTIONS,
+    SETTING,
     SETTINGS,
     Mismatch,
     Setting,
     SettingError,
-    arg_doc,
-    check_settings,
+    args_section,
+    check_setting,
     conform,
+    did_you_mean,
     plain,
+    rule_errors,
     type_name,
 )
 
 #: ``$id``-less draft of the generated schema.
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
+#: The keys of version 0.1.0's nested ``baoc`` section (the BAOC paper's vocabulary) -> the setting
+#: that replaced each. They are not read: a file that still uses one gets an error naming the new key.
+RETIRED_KEYS: dict[str, str] = {
+    "allowed_configs": "formats",
+    "block_id.granularity": "granularity",
+    "block_id.patterns": "blocks",
+    "master_weights.corrections": "corrections",
+    "re_evaluation_trigger.every_n_epochs": "reevaluate_every_n_epochs",
+    "re_evaluation_trigger.monitor": "monitor",
+    "re_evaluation_trigger.mode": "mode",
+    "re_evaluation_trigger.patience": "patience",
+    "re_evaluation_trigger.min_delta": "min_delta",
+    "risk_thresholds.hysteresis": "hysteresis",
+    "risk_thresholds.horizon": "horizon",
+    "risk_thresholds.max_block_risk": "max_block_risk",
+    "sampler.sample_every": "sample_every",
+    "sampler.sparse_sampling": "sparse_sampling",
+    "sampler.capacity": "capacity",
+    "sampler.max_elements": "max_elements",
+    "sampler.instrument_share": "instrument_share",
+    "calibration.mode": "calibration",
+    "calibration.cache_dir": "calibration_cache_dir",
+}
+_RETIRED_SECTIONS = {key.split(".")[0] for key in RETIRED_KEYS if "." in key}
+
+#: How ``lightning.pytorch.cli.LightningCLI`` configs name the callback in ``trainer.callbacks``.
+BAOC_CLASS_PATHS = ("lightning_baoc.BAOC", "lightning_baoc.integrations.callback.BAOC", "BAOC")
+
 
 class ConfigError(ValueError):
-    """An unknown key or a bad value in a config; the message names the key and its source.
+    """The errors of a config: unknown keys and bad values, every one found, each naming its key and source.
+
+    With one error, the message is that error (``"vision.yaml: baoc.sample_every: invalid value 0;
+    expected an int >= 1"``); with several, a line per error under a count.
 
     Attributes:
-        key: the dotted key (``"baoc.sampler.sample_every"``), or ``""`` for the whole config.
-        source: where the value came from: a file name, ``"override 'k=v'"`` or ``"<dict>"``.
-        setting: the ``BAOC`` argument of a ``baoc`` key (``"sample_every"``), else ``""``.
+        errors: every error, each a :class:`ConfigError` of one key (a single error lists itself).
+        key: the dotted key (``"baoc.sample_every"``), or ``""`` for the whole config; of the first
+            error when there are several.
+        source: where the value came from: a file name, ``"override 'k=v'"``, ``"argument '--k=v'"``
+            or ``"<dict>"``.
+        setting: the setting of a ``baoc`` key (``"sample_every"``), else ``""``.
+        suggestion: the key meant, for an unknown key with a close one (``"baoc.sample_every"``), else ``""``.
 
     Example:
         >>> try:
-        ...     parse_config({"baoc": {"memory_budget": 0.3, "warmup": 100}})
+        ...     parse_config({"baoc": {"memory_budget": 0.3, "warmup": 100, "sample_every": 0}})
         ... except ConfigError as err:
-        ...     print(err.key)
-        baoc.warmup
+        ...     print(err)
+        ...     print([e.key for e in err.errors], err.errors[0].suggestion)
+        2 errors in <dict>:
+          <dict>: baoc.warmup: unknown key (did you mean baoc.warmup_steps?)
+          <dict>: baoc.sample_every: invalid value 0; expected an int >= 1
+        ['baoc.warmup', 'baoc.sample_every'] baoc.warmup_steps
     """
 
-    def __init__(self, message: str, key: str = "", source: str = "", setting: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        key: str = "",
+        source: str = "",
+        setting: str = "",
+        suggestion: str = "",
+        errors: Sequence[ConfigError] | None = None,
+    ) -> None:
         super().__init__(message)
         self.key = key
         self.source = source
         self.setting = setting
+        self.suggestion = suggestion
+        self.errors: list[ConfigError] = list(errors) if errors else [self]
+
+    @classmethod
+    def of(cls, errors: Sequence[ConfigError], where: str = "the config") -> ConfigError:
+        """One error for ``errors``: the error itself if there is one, else a count and a line per error."""
+        if not errors:
+            raise ValueError("ConfigError.of needs at least one error")
+        if len(errors) == 1:
+            return errors[0]
+        first = errors[0]
+        lines = "\n".join(f"  {e}" for e in errors)
+        return cls(f"{len(errors)} errors in {where}:\n{lines}", first.key, first.source, first.setting, first.suggestion, errors)
 
 
-def _help(text: str) -> dict[str, Any]:
-    """Field metadata: the description (schema, docs)."""
-    return {"help": text}
+def _help(text: str, **more: Any) -> dict[str, Any]:
+    """Field metadata: the description (schema, docs), and ``missing``: the message when it is left out."""
+    return {"help": text, **more}
 
 
 # ---------------------------------------------------------------------------- the baoc section
 
 
-def _dataclass(name: str, doc: str, fields: list[tuple[str, Any, Any]], module: str | None) -> type:
-    """A dataclass whose docstring's ``Args:`` (jsonargparse's help) are the fields' help texts."""
-    args = [arg_doc(n, f.metadata["setting"].help if "setting" in f.metadata else f.metadata["help"], f.default) for n, _, f in fields]
-    cls = dataclasses.make_dataclass(name, fields, namespace={"__doc__": "\n".join([doc, "", "Args:", *args, ""])})
-    if module is not None:
-        cls.__module__ = module  # pickles, and jsonargparse finds it, as a class written out
+def _section_class() -> type:
+    """:class:`BAOCSection` from :data:`~lightning_baoc.config.settings.SETTINGS`: a field per setting,
+    under its name, carrying ``{"setting": s}`` as metadata; nothing is validated here."""
+    fields = [
+        (s.name, s.type, field(metadata={"setting": s}) if s.required else field(default=s.default, metadata={"setting": s}))
+        for s in SETTINGS
+    ]
+    doc = (
+        "The ``baoc`` section of a config: every setting of the BAOC callback, under its argument's name.\n\n"
+        "Generated from :data:`~lightning_baoc.config.settings.SETTINGS`; :func:`parse_section` validates.\n\n"
+        + args_section(SETTINGS)
+        + "\n\nExample:\n    >>> parse_section({'memory_budget': 0.3, 'sample_every': 5}).sample_every\n    5\n"
+    )
+    cls = dataclasses.make_dataclass("BAOCSection", fields, namespace={"__doc__": doc})
+    cls.__module__ = __name__  # pickles, and jsonargparse finds it, as a class written out
     return cls
 
 
-def section_dataclass(settings: Sequence[Setting] = SETTINGS, module: str | None = None) -> type:
-    """The ``baoc`` section's dataclass from ``settings``: a field per setting under its key, a
-    nested dataclass per dotted prefix (``sampler`` -> ``SamplerConfig``), in first-appearance order.
-
-    Fields carry ``{"setting": s}`` as metadata; nothing here is validated (see :func:`parse_section`).
-
-    Example:
-        >>> [f.name for f in dataclasses.fields(section_dataclass())][:4]
-        ['memory_budget', 'time_budget', 'warmup_steps', 'sampler']
-    """
-    layout: dict[str, Any] = {}
-    for s in settings:
-        head, _, leaf = s.key.partition(".")
-        if leaf:
-            layout.setdefault(head, {})[leaf] = s
-        else:
-            layout[head] = s
-
-    def leaf_field(s: Setting) -> Any:
-        if s.required:
-            return field(metadata={"setting": s})
-        return field(default=s.default, metadata={"setting": s})
-
-    fields: list[tuple[str, Any, Any]] = []
-    for name, item in layout.items():
-        if isinstance(item, Setting):
-            fields.append((name, item.type, leaf_field(item)))
-            continue
-        doc = SECTIONS.get(name, f"The ``{name}`` settings.")
-        cls_name = "".join(part.capitalize() for part in name.split("_")) + "Config"
-        nested = _dataclass(cls_name, doc, [(k, s.type, leaf_field(s)) for k, s in item.items()], module)
-        fields.append((name, nested, field(default_factory=nested, metadata=_help(doc))))
-    doc = "The ``baoc`` section of a config: every setting of the BAOC callback."
-    return _dataclass("BAOCSection", doc, fields, module)
-
-
-#: The ``baoc`` section (:func:`section_dataclass` of :data:`~lightning_baoc.config.settings.SETTINGS`).
-BAOCSection = section_dataclass(module=__name__)
-_NESTED = {f.type.__name__: f.type for f in dataclasses.fields(BAOCSection) if dataclasses.is_dataclass(f.type)}
-globals().update(_NESTED)  # each nested dataclass is a name of this module, for pickle and jsonargparse
-BlockIdConfig: type = _NESTED["BlockIdConfig"]
-RiskThresholdsConfig: type = _NESTED["RiskThresholdsConfig"]
-ReEvaluationTriggerConfig: type = _NESTED["ReEvaluationTriggerConfig"]
-SamplerConfig: type = _NESTED["SamplerConfig"]
-CalibrationConfig: type = _NESTED["CalibrationConfig"]
-
-#: ``BAOC`` argument -> the config key it comes from (under ``baoc``).
-BAOC_ARGUMENTS: dict[str, str] = {s.name: s.key for s in SETTINGS}
+#: The ``baoc`` section (generated from :data:`~lightning_baoc.config.settings.SETTINGS`).
+BAOCSection = _section_class()
 
 
 @dataclass
@@ -188,7 +218,12 @@ class Config:
         {}
     """
 
-    baoc: BAOCSection = field(metadata=_help("BAOC settings: the budgets, the formats, blocks, triggers."))
+    baoc: BAOCSection = field(  # type: ignore[valid-type]
+        metadata=_help(
+            "BAOC settings: the budgets, the formats, blocks, triggers.",
+            missing="the config needs a 'baoc' section (at least baoc.memory_budget)",
+        )
+    )
     seed_everything: Union[int, bool, None] = field(
         default=None, metadata=_help("LightningCLI's global seed (true: a random one).")
     )
@@ -208,115 +243,105 @@ class Config:
     ckpt_path: str | None = field(default=None, metadata=_help("A checkpoint to resume from."))
 
 
-# ---------------------------------------------------------------------------- loading
+# ---------------------------------------------------------------------------- checking, every error
 
 
 class _Source:
     """Names where a key's value came from: the file, or the dotlist override that set it."""
 
-    def __init__(self, name: str, overrides: Mapping[str, str] | None = None) -> None:
+    def __init__(self, name: str, labels: Mapping[str, str] | None = None) -> None:
         self.name = name
-        self.overrides = dict(overrides or {})
+        self.labels = dict(labels or {})  # dotted key -> "override 'k=v'"
 
     def of(self, key: str) -> str:
-        for okey, text in self.overrides.items():
+        for okey, label in reversed(list(self.labels.items())):  # the last override of a key set it
             if key == okey or key.startswith(okey + ".") or okey.startswith(key + "."):
-                return f"override {text!r}"
+                return label
         return self.name
 
 
-def _fail(source: _Source, key: str, message: str, setting: str = "") -> ConfigError:
-    where = source.of(key)
-    return ConfigError(f"{where}: {key}: {message}", key=key, source=where, setting=setting)
+def _suggest(old: str) -> tuple[str | None, bool]:
+    """The setting meant by the unknown ``baoc`` key ``old`` (dotted below ``baoc``), and whether
+    ``old`` is one of :data:`RETIRED_KEYS` (the key renamed) rather than a near miss."""
+    if old in RETIRED_KEYS:
+        return RETIRED_KEYS[old], True
+    names = [s.name for s in SETTINGS]
+    if "." not in old and (close := did_you_mean(old, names)):
+        return close, False
+    if close := did_you_mean(old, list(RETIRED_KEYS)):  # a near miss of an old key: "sampler.every"
+        return RETIRED_KEYS[close], False
+    head, _, leaf = old.rpartition(".")
+    return did_you_mean(old.replace(".", "_"), names) or (did_you_mean(leaf, names) if head else None), False
 
 
-def _check_keys(cls: type, data: Mapping[str, Any], prefix: str, source: _Source) -> dict[str, Any]:
-    """``cls``'s fields by name; a key of ``data`` that is none of them is an error."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    dot = f"{prefix}." if prefix else ""
-    for k in data:
-        if k not in fields:
-            close = difflib.get_close_matches(str(k), list(fields), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            where = f"in {prefix!r}" if prefix else "at the top level"
-            raise _fail(source, f"{dot}{k}", f"unknown key{hint}; allowed keys {where}: {list(fields)}")
-    return fields
+class _Errors:
+    """Every error of one config, each with its key and where it came from."""
+
+    def __init__(self, source: _Source) -> None:
+        self.source = source
+        self.found: list[ConfigError] = []
+
+    def add(self, key: str, message: str, setting: str = "", suggestion: str = "") -> None:
+        where = self.source.of(key)
+        self.found.append(ConfigError(f"{where}: {key}: {message}", key, where, setting, suggestion))
+
+    def unknown(self, key: str, known: Sequence[str], prefix: str, note: str = "", listed: bool = True) -> None:
+        """``key`` (dotted, under ``prefix``) is none of ``known``: its closest one, else (``listed``) them all."""
+        dot = f"{prefix}." if prefix else ""
+        close = did_you_mean(key.rpartition(".")[2], known)
+        if close:
+            self.add(key, f"unknown key (did you mean {dot}{close}?){note}", suggestion=f"{dot}{close}")
+        elif listed:
+            where = f"of {prefix}" if prefix else "at the top level"
+            self.add(key, f"unknown key{note}; the keys {where}: {list(known)}")
+        else:
+            self.add(key, f"unknown key{note}")
+
+    def unknown_setting(self, key: str, old: str, prefix: str) -> None:
+        """``key`` (``prefix`` + ``.`` + ``old``) is no setting: the setting meant, or the list."""
+        new, renamed = _suggest(old)
+        if new is None:
+            self.add(key, f"unknown key; the keys of {prefix}: {[s.name for s in SETTINGS]}")
+        elif renamed:
+            self.add(key, f"unknown key; the key is now {prefix}.{new}", suggestion=f"{prefix}.{new}")
+        else:
+            self.add(key, f"unknown key (did you mean {prefix}.{new}?)", suggestion=f"{prefix}.{new}")
 
 
-def _raw_settings(cls: type, data: Any, prefix: str, source: _Source) -> dict[str, Any]:
-    """Argument name -> value of the settings a section mapping holds (unchecked)."""
+def _section(data: Any, prefix: str, errors: _Errors, whole: bool = True) -> dict[str, Any]:
+    """The checked settings of a ``baoc`` section (name -> value), every error added to ``errors``.
+
+    ``whole``: the section is complete, so a missing required setting and the rules between settings
+    are errors too (a LightningCLI config merged from several sources checks each one alone).
+    """
     if not isinstance(data, Mapping):
-        raise _fail(source, prefix, f"invalid value {data!r}; expected a mapping")
-    out: dict[str, Any] = {}
-    for name, f in _check_keys(cls, data, prefix, source).items():
-        s = f.metadata.get("setting")
-        if name not in data:
-            if s is not None and s.required:
-                raise _fail(source, f"{prefix}.{name}", f"missing; expected {type_name(s.type, s)}: {s.help}", s.name)
-        elif s is not None:
-            out[s.name] = data[name]
-        else:
-            out.update(_raw_settings(f.type, data[name], f"{prefix}.{name}", source))
-    return out
-
-
-def _settings_of(cls: type) -> list[Setting]:
-    out: list[Setting] = []
-    for f in dataclasses.fields(cls):
-        out += [f.metadata["setting"]] if "setting" in f.metadata else _settings_of(f.type)
-    return out
-
-
-def _instance(cls: type, values: Mapping[str, Any]) -> Any:
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        s = f.metadata.get("setting")
-        if s is None:
-            kwargs[f.name] = _instance(f.type, values)
-        elif s.name in values:
-            kwargs[f.name] = values[s.name]
-    return cls(**kwargs)
-
-
-def _section(cls: type, data: Any, prefix: str, source: _Source) -> Any:
-    """A section instance from a mapping, every value checked by the settings' own validator."""
-    settings = _settings_of(cls)
-    try:
-        values = check_settings(_raw_settings(cls, data, prefix, source), settings)
-    except SettingError as err:
-        key = {s.name: s.key for s in settings}[err.setting]
-        raise _fail(source, f"{prefix}.{key}", err.config_message, err.setting) from None
-    return _instance(cls, values)
-
-
-def _component(hint: Any) -> type | None:
-    """The dataclass a field holds (``ComponentConfig | None`` -> ``ComponentConfig``), if any."""
-    options = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
-    return next((o for o in options if dataclasses.is_dataclass(o)), None)
-
-
-def _build(cls: type, data: Mapping[str, Any], prefix: str, source: _Source) -> Any:
-    """An instance of dataclass ``cls`` from a mapping; unknown and missing keys are errors."""
-    hints = typing.get_type_hints(cls)
-    dot = f"{prefix}." if prefix else ""
-    kwargs = {}
-    for name, f in _check_keys(cls, data, prefix, source).items():
-        key, hint = f"{dot}{name}", hints[name]
-        if name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise _fail(source, key, f"missing; expected {type_name(hint)}: {f.metadata.get('help', '')}")
-            continue
-        value, component = data[name], _component(hint)
-        if component is BAOCSection:
-            kwargs[name] = _section(component, value, key, source)
-        elif component is not None and isinstance(value, Mapping):
-            kwargs[name] = _build(component, value, key, source)
-        else:
+        errors.add(prefix, f"invalid value {data!r}; expected a mapping of settings")
+        return {}
+    checked: dict[str, Any] = {}
+    failed: set[str] = set()
+    for k, value in data.items():
+        name, key = str(k), f"{prefix}.{k}"
+        if name in _RETIRED_SECTIONS and isinstance(value, Mapping):  # 0.1.0's nested section
+            for leaf in value:
+                errors.unknown_setting(f"{key}.{leaf}", f"{name}.{leaf}", prefix)
+            failed.add(name)
+        elif name in SETTING:
             try:
-                kwargs[name] = conform(value, hint)
-            except Mismatch as bad:
-                raise _fail(source, key, f"invalid value {value!r} ({type(value).__name__}); {bad.detail}") from None
-    return cls(**kwargs)
+                checked[name] = check_setting(SETTING[name], value)
+            except SettingError as err:
+                errors.add(key, err.config_message, name)
+                failed.add(name)
+        else:
+            errors.unknown_setting(key, name, prefix)
+    if not whole:
+        return checked
+    for s in SETTINGS:
+        if s.required and s.name not in data:
+            errors.add(f"{prefix}.{s.name}", f"missing; expected {type_name(s.type, s)}: {s.help}", s.name)
+    values = {**{s.name: s.default for s in SETTINGS if not s.required}, **checked}
+    for err in rule_errors({k: v for k, v in values.items() if k not in failed}):
+        errors.add(f"{prefix}.{err.setting}", err.config_message, err.setting)
+    return checked
 
 
 @functools.lru_cache(maxsize=1)
@@ -326,21 +351,69 @@ def _trainer_arguments() -> tuple[str, ...]:
     return tuple(p for p in inspect.signature(Trainer.__init__).parameters if p != "self")
 
 
+def _trainer(data: Any, prefix: str, errors: _Errors) -> None:
+    """The keys of a ``trainer`` section, against ``lightning.Trainer``'s arguments."""
+    if not isinstance(data, Mapping):
+        errors.add(prefix, f"invalid value {data!r}; expected a mapping of lightning.Trainer arguments")
+        return
+    allowed = _trainer_arguments()
+    for k in data:
+        if str(k) not in allowed:
+            errors.unknown(f"{prefix}.{k}", allowed, prefix, note=": not an argument of lightning.Trainer", listed=False)
+
+
+def _component(hint: Any) -> type | None:
+    """The dataclass a field holds (``ComponentConfig | None`` -> ``ComponentConfig``), if any."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
+    return next((o for o in options if dataclasses.is_dataclass(o)), None)
+
+
+def _build(cls: type, data: Any, prefix: str, errors: _Errors) -> Any:
+    """An instance of dataclass ``cls`` from a mapping, every error added to ``errors`` (then ``None``)."""
+    if not isinstance(data, Mapping):
+        errors.add(prefix, f"invalid value {data!r}; expected a mapping")
+        return None
+    before = len(errors.found)
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    dot = f"{prefix}." if prefix else ""
+    kwargs = {}
+    for k, value in data.items():
+        name, key = str(k), f"{dot}{k}"
+        if name not in fields:
+            errors.unknown(key, list(fields), prefix)
+            continue
+        hint, component = hints[name], _component(hints[name])
+        if component is BAOCSection:
+            count = len(errors.found)
+            checked = _section(value, key, errors)
+            kwargs[name] = BAOCSection(**checked) if len(errors.found) == count else None
+        elif cls is Config and name == "trainer":
+            _trainer(value, key, errors)
+            kwargs[name] = value
+        elif component is not None and isinstance(value, Mapping):
+            kwargs[name] = _build(component, value, key, errors)
+        else:
+            try:
+                kwargs[name] = conform(value, hint)
+            except Mismatch as bad:
+                errors.add(key, f"invalid value {value!r} ({type(value).__name__}); {bad.detail}")
+    for name, f in fields.items():
+        if name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            missing = f.metadata.get("missing") or f"expected {type_name(hints[name])}: {f.metadata.get('help', '')}"
+            errors.add(f"{dot}{name}", f"missing; {missing}")
+    return cls(**kwargs) if len(errors.found) == before else None
+
+
 def _parse(data: Any, source: _Source) -> Config:
     if not isinstance(data, Mapping):
         raise ConfigError(
             f"{source.name}: expected a mapping with a 'baoc' section, got {type(data).__name__}", source=source.name
         )
-    if "baoc" not in data:
-        raise _fail(source, "baoc", "missing: the config needs a 'baoc' section (at least baoc.memory_budget)")
-    config: Config = _build(Config, data, "", source)
-    if config.trainer:
-        allowed = _trainer_arguments()
-        for k in config.trainer:
-            if k not in allowed:
-                close = difflib.get_close_matches(k, allowed, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise _fail(source, f"trainer.{k}", f"unknown key{hint}: not an argument of lightning.Trainer")
+    errors = _Errors(source)
+    config = _build(Config, data, "", errors)
+    if errors.found:
+        raise ConfigError.of(errors.found, source.name)
     return config
 
 
@@ -352,24 +425,69 @@ def parse_config(data: Mapping[str, Any] | Any, source: str = "<dict>") -> Confi
         source: named in error messages (default: ``"<dict>"``).
 
     Raises:
-        ConfigError: an unknown key, a missing ``baoc.memory_budget``, or a bad value; the message
-            names the key and ``source``.
+        ConfigError: every unknown key (with its closest known key), a missing
+            ``baoc.memory_budget``, every bad value; each names its key and ``source``.
 
     Example:
-        >>> parse_config({"baoc": {"memory_budget": "35%", "sampler": {"sample_every": 5}}}).baoc.sampler
-        SamplerConfig(sample_every=5, sparse_sampling=4, capacity=32, max_elements=4096, instrument_share=0.02)
+        >>> parse_config({"baoc": {"memory_budget": "35%", "sample_every": 5}}).baoc.sample_every
+        5
     """
     return _parse(plain(data), _Source(source))
 
 
-def parse_section(data: Mapping[str, Any] | Any, source: str = "<dict>") -> BAOCSection:
+def parse_section(data: Mapping[str, Any] | Any, source: str = "<dict>") -> BAOCSection:  # type: ignore[valid-type]
     """A validated :class:`BAOCSection` from the ``baoc`` section alone (keys named ``baoc.*``).
 
     Example:
-        >>> parse_section({"memory_budget": 0.3, "allowed_configs": ["fp32", "int8"]}).allowed_configs
+        >>> parse_section({"memory_budget": 0.3, "formats": ["fp32", "int8"]}).formats
         ['fp32', 'int8']
     """
     return _parse({"baoc": plain(data)}, _Source(source)).baoc
+
+
+def lightning_cli_errors(data: Mapping[str, Any] | Any, source: str = "<dict>") -> list[ConfigError]:
+    """Every error of the BAOC settings and ``trainer`` keys of one LightningCLI input (a config file
+    or an argument), before jsonargparse parses it; an empty list when there is none.
+
+    Checked as :func:`load_config` checks them: the ``baoc`` section (``examples/cli.py``'s) and the
+    ``init_args`` of every BAOC in ``trainer.callbacks`` (the same keys: BAOC's arguments), unknown keys
+    with their closest known key and bad values with the setting's message; the keys of ``trainer``
+    against ``lightning.Trainer``'s arguments. Sections of a subcommand (``fit: {trainer: ...}``) too.
+    A LightningCLI config is merged from several files and arguments, so each input is checked alone:
+    a missing setting and the rules between settings are left to the merged section, which
+    :meth:`BAOC.from_config <lightning_baoc.BAOC.from_config>` (or ``BAOC(...)``) checks. The other
+    sections are jsonargparse's.
+
+    Example:
+        >>> [str(e) for e in lightning_cli_errors({"trainer": {"max_step": 10}}, "my.yaml")]
+        ['my.yaml: trainer.max_step: unknown key (did you mean trainer.max_steps?): not an argument of lightning.Trainer']
+    """
+    data = plain(data)
+    errors = _Errors(_Source(source))
+    if not isinstance(data, Mapping):
+        return []
+
+    def check(node: Mapping[str, Any], dot: str) -> None:
+        if node.get("baoc") is not None:
+            _section(node["baoc"], f"{dot}baoc", errors, whole=False)
+        trainer = node.get("trainer")
+        if trainer is None:
+            return
+        _trainer(trainer, f"{dot}trainer", errors)
+        callbacks = trainer.get("callbacks") if isinstance(trainer, Mapping) else None
+        items = [callbacks] if isinstance(callbacks, Mapping) else callbacks if isinstance(callbacks, list) else []
+        for i, item in enumerate(items):
+            if isinstance(item, Mapping) and item.get("class_path") in BAOC_CLASS_PATHS and "init_args" in item:
+                _section(item["init_args"], f"{dot}trainer.callbacks[{i}].init_args", errors, whole=False)
+
+    check(data, "")
+    for subcommand in ("fit", "validate", "test", "predict"):
+        if isinstance(data.get(subcommand), Mapping):
+            check(data[subcommand], f"{subcommand}.")
+    return errors.found
+
+
+# ---------------------------------------------------------------------------- loading
 
 
 def _parse_overrides(overrides: Sequence[str]) -> tuple[Any, dict[str, str]]:
@@ -377,17 +495,16 @@ def _parse_overrides(overrides: Sequence[str]) -> tuple[Any, dict[str, str]]:
 
     if isinstance(overrides, str):
         raise TypeError(f"overrides must be a list of 'key=value' strings, got the string {overrides!r}")
-    keys: dict[str, str] = {}
+    labels: dict[str, str] = {}
     for text in overrides:
         if not isinstance(text, str) or "=" not in text or not text.split("=", 1)[0].strip():
             raise ConfigError(
                 f"override {text!r}: expected 'key=value' with a dotted key, e.g. 'baoc.memory_budget=0.25'",
                 source=f"override {text!r}",
             )
-        key = text.split("=", 1)[0].strip().lstrip("+~")
-        keys[key] = text
+        labels[text.split("=", 1)[0].strip().lstrip("+~")] = f"override {text!r}"
     try:
-        return OmegaConf.from_dotlist([t.lstrip("+") for t in overrides]), keys
+        return OmegaConf.from_dotlist([t.lstrip("+") for t in overrides]), labels
     except Exception as err:  # noqa: BLE001 - OmegaConf raises several grammar errors
         raise ConfigError(f"overrides {list(overrides)!r}: {err}", source="overrides") from None
 
@@ -398,15 +515,16 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
     Args:
         path: a YAML file with a ``baoc`` section (e.g. ``configs/vision.yaml``).
         overrides: OmegaConf dotlist overrides, applied in order (``"baoc.memory_budget=0.25"``,
-            ``"baoc.allowed_configs=[fp32,int8]"``) (default: none). ``${...}`` interpolations are
+            ``"baoc.formats=[fp32,int8]"``) (default: none). ``${...}`` interpolations are
             resolved after merging.
 
     Returns:
         The :class:`Config`.
 
     Raises:
-        ConfigError: the file cannot be read or parsed, a key is unknown, or a value is bad; the
-            message names the key, and the file or the override that set it.
+        ConfigError: the file cannot be read or parsed, or it holds errors: every unknown key (with
+            its closest known key) and every bad value, each naming its key, and the file or the
+            override that set it (:attr:`ConfigError.errors` lists them).
 
     Example:
         >>> cfg = load_config("configs/vision.yaml", ["baoc.memory_budget=0.25"])  # doctest: +SKIP
@@ -425,29 +543,18 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
     if OmegaConf.is_list(loaded):
         raise ConfigError(f"{name}: expected a mapping with a 'baoc' section, got a list", source=name)
     merged = loaded
-    keys: dict[str, str] = {}
+    labels: dict[str, str] = {}
     if overrides:
-        dotlist, keys = _parse_overrides(overrides)
+        dotlist, labels = _parse_overrides(overrides)
         merged = OmegaConf.merge(loaded, dotlist)
-    source = _Source(name, keys)
     try:
         data = OmegaConf.to_container(merged, resolve=True)
     except Exception as err:  # noqa: BLE001 - interpolation errors
         raise ConfigError(f"{name}: cannot resolve an interpolation: {err}", source=name) from None
-    return _parse(data, source)
+    return _parse(data, _Source(name, labels))
 
 
-def _kwargs(section: Any) -> dict[str, Any]:
-    out = {}
-    for s in _settings_of(type(section)):
-        value = section
-        for part in s.key.split("."):
-            value = getattr(value, part)
-        out[s.name] = value
-    return out
-
-
-def baoc_kwargs(config: Config | BAOCSection | Mapping[str, Any] | Any) -> dict[str, Any]:
+def baoc_kwargs(config: Config | BAOCSection | Mapping[str, Any] | Any) -> dict[str, Any]:  # type: ignore[valid-type]
     """The keyword arguments of :class:`~lightning_baoc.BAOC` that a config asks for.
 
     Args:
@@ -455,7 +562,7 @@ def baoc_kwargs(config: Config | BAOCSection | Mapping[str, Any] | Any) -> dict[
             whole config (with ``baoc``) or of the ``baoc`` section alone. It is validated again.
 
     Example:
-        >>> kw = baoc_kwargs({"memory_budget": 0.3, "sampler": {"sample_every": 5}, "warmup_steps": 50})
+        >>> kw = baoc_kwargs({"memory_budget": 0.3, "sample_every": 5, "warmup_steps": 50})
         >>> kw["memory_budget"], kw["sample_every"], kw["warmup_steps"], kw["formats"]
         (0.3, 5, 50, None)
     """
@@ -463,14 +570,16 @@ def baoc_kwargs(config: Config | BAOCSection | Mapping[str, Any] | Any) -> dict[
         config = config.baoc
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         # instances (possibly built by LightningCLI / by hand) go through the same checks
-        return _kwargs(parse_section(dataclasses.asdict(config), source=type(config).__name__))
-    data = plain(config)
-    if not isinstance(data, Mapping):
-        raise TypeError(
-            f"config must be a Config, a BAOCSection or a mapping, got {type(config).__name__}; "
-            f"load a file with load_config(path)"
-        )
-    return _kwargs(parse_config(data).baoc if "baoc" in data else parse_section(data))
+        config = parse_section(dataclasses.asdict(config), source=type(config).__name__)
+    else:
+        data = plain(config)
+        if not isinstance(data, Mapping):
+            raise TypeError(
+                f"config must be a Config, a BAOCSection or a mapping, got {type(config).__name__}; "
+                f"load a file with load_config(path)"
+            )
+        config = parse_config(data).baoc if "baoc" in data else parse_section(data)
+    return {s.name: getattr(config, s.name) for s in SETTINGS}
 
 
 # ---------------------------------------------------------------------------- JSON Schema
@@ -550,7 +659,7 @@ def _dataclass_schema(cls: type) -> dict[str, Any]:
     return out
 
 
-def json_schema(section: type | None = None) -> dict[str, Any]:
+def json_schema() -> dict[str, Any]:
     """The JSON Schema of a config file, generated from :class:`Config` and its dataclasses.
 
     Types, allowed values (format names from :data:`~lightning_baoc.FORMATS`), ranges, defaults
@@ -559,24 +668,15 @@ def json_schema(section: type | None = None) -> dict[str, Any]:
     :func:`load_config`, not by the schema. Regenerate the committed copy with
     ``python -m lightning_baoc schema > configs/baoc.schema.json``.
 
-    Args:
-        section: the ``baoc`` section's dataclass (default: :class:`BAOCSection`; another one
-            from :func:`section_dataclass`).
-
     Example:
         >>> schema = json_schema()
-        >>> schema["required"], schema["properties"]["baoc"]["properties"]["allowed_configs"]["anyOf"][0]["items"]["enum"][0]
+        >>> schema["required"], schema["properties"]["baoc"]["properties"]["formats"]["anyOf"][0]["items"]["enum"][0]
         (['baoc'], 'fp32')
     """
-    schema = _dataclass_schema(Config)
-    if section is not None:
-        schema["properties"]["baoc"] = {
-            "description": Config.__dataclass_fields__["baoc"].metadata["help"], **_dataclass_schema(section)
-        }
     return {
         "$schema": SCHEMA_DIALECT,
         "$comment": "Generated by `python -m lightning_baoc schema` from lightning_baoc/config/settings.py; do not edit.",
-        **schema,
+        **_dataclass_schema(Config),
         "title": "lightning_baoc config",
     }
 
@@ -589,21 +689,17 @@ def schema_text() -> str:
 
 
 __all__ = [
-    "BAOC_ARGUMENTS",
     "BAOCSection",
-    "BlockIdConfig",
-    "CalibrationConfig",
+    "BAOC_CLASS_PATHS",
     "ComponentConfig",
     "Config",
     "ConfigError",
-    "ReEvaluationTriggerConfig",
-    "RiskThresholdsConfig",
-    "SamplerConfig",
+    "RETIRED_KEYS",
     "baoc_kwargs",
     "json_schema",
+    "lightning_cli_errors",
     "load_config",
     "parse_config",
     "parse_section",
     "schema_text",
-    "section_dataclass",
 ]

@@ -1,27 +1,30 @@
 """Every setting of BAOC, declared once: :data:`SETTINGS`, and the one validator that checks them.
 
-A :class:`Setting` holds a setting's argument name, its key in a config file's ``baoc`` section
-(the BAOC paper's vocabulary: ``sampler.sample_every``, ``risk_thresholds.hysteresis``), its type
-(``Literal[...]`` where it takes a fixed set), default, range and help. Everything else is derived
-from :data:`SETTINGS`, in its order:
+A :class:`Setting` holds a setting's name, its type (``Literal[...]`` where it takes a fixed set),
+default, range and help. The name is the one word for the setting everywhere: the argument of
+``BAOC`` and ``BAOCStrategy``, the key of a config file's ``baoc`` section (``baoc.sample_every``),
+a dotlist override (``baoc.sample_every=5``), LightningCLI's option (``--baoc.sample_every``), the
+JSON Schema's property and every error message. Everything else is derived from :data:`SETTINGS`,
+in its order:
 
 - :class:`BAOCConfig`, the controller's validated settings (all but the adapters' own ``report``);
 - the checks of ``BAOC.__init__`` and ``BAOCStrategy.__init__``, whose signatures spell every setting
   out (annotations LightningCLI validates, a docstring whose ``Args:`` it shows as help) and are held
   to this table by ``tests/config/test_settings.py`` (:func:`settings_of` gathers their arguments);
-- the ``baoc`` section of a config file: its dataclasses, loader, defaults and JSON Schema
+- the ``baoc`` section of a config file: its dataclass, loader, defaults and JSON Schema
   (:mod:`lightning_baoc.config.files`).
 
 Adding a setting is one entry here, its parameter in the two signatures (the test names what is
 missing), and its use in the controller. :func:`check_settings` is the
 only validator: a bad value raises :class:`SettingError`, which names the setting; the config
-loader adds the key and the file.
+loader adds the file (or the override) and reports every error of a config at once
+(:func:`check_setting` for each value, :func:`rule_errors` for the rules between them).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import difflib
 import math
 import os
 import textwrap
@@ -65,7 +68,7 @@ class SettingError(ValueError, TypeError):
     """A setting's value refused; a ``ValueError`` (and a ``TypeError``, as a wrong type is).
 
     Attributes:
-        setting: the argument name (``"sample_every"``); :data:`SETTINGS` has its config key.
+        setting: the setting's name (``"sample_every"``), its argument and its config key alike.
         config_message: the message a config file's loader shows after the key.
 
     Example:
@@ -87,8 +90,8 @@ class Setting:
     """One setting, as the callback, the Fabric strategy and a config file's ``baoc`` section take it.
 
     Args:
-        name: the argument of ``BAOC``, ``BAOCStrategy`` and :class:`BAOCConfig`.
-        key: its dotted path in a config's ``baoc`` section (``"sampler.sample_every"``).
+        name: the argument of ``BAOC``, ``BAOCStrategy`` and :class:`BAOCConfig`, and the key of a
+            config's ``baoc`` section.
         type: the type (``Literal[...]`` for a fixed set; a list of a ``Literal`` takes each once).
         help: one paragraph: the CLI help, the docstrings and the schema's description.
         default: the default (:data:`REQUIRED`: none).
@@ -100,14 +103,15 @@ class Setting:
             raises ``ValueError``/``TypeError`` naming the setting (default: ``None``).
         controller: a setting of the controller (:class:`BAOCConfig`), or only of the adapters
             (default: ``True``).
+        allowed: what a list of choices takes, in words, for an error naming a value outside them
+            (default: ``None``: the list of choices).
 
     Example:
-        >>> SETTING["sample_every"].key
-        'sampler.sample_every'
+        >>> SETTING["sample_every"].default
+        10
     """
 
     name: str
-    key: str
     type: Any
     help: str
     default: Any = REQUIRED
@@ -117,6 +121,7 @@ class Setting:
     min_items: int | None = None
     syntax: Callable[[Any, str], Any] | None = None
     controller: bool = True
+    allowed: str | None = None
 
     @property
     def required(self) -> bool:
@@ -132,12 +137,20 @@ def _time_budget_syntax(value: Any, name: str) -> None:
     parse_time_budget(value, fp32_seconds=1.0, argument=name)
 
 
+#: What ``formats`` takes: the optimizer is not known until install (which checks the formats are
+#: its own), so both lists are named; ``none`` (no momentum buffer) is SGD's and Lion's only.
+FORMATS_ALLOWED = (
+    f"AdamW's formats: {list(FORMATS)}; SGD's and Lion's: {list(MOMENTUM_FORMATS)} (list formats of the "
+    f"optimizer configure_optimizers returns)"
+)
+
+
 # ---------------------------------------------------------------------------- the declaration
 
-#: Every setting, in the order of ``BAOC``'s arguments (config sections follow first appearance).
+#: Every setting, in the order of ``BAOC``'s arguments (and of a config's ``baoc`` section, the schema, the docs).
 SETTINGS: tuple[Setting, ...] = (
     Setting(
-        "memory_budget", "memory_budget", Union[int, float, str],
+        "memory_budget", Union[int, float, str],
         "Optimizer-state memory allowed: a fraction in (0, 1] of the state torch.optim.AdamW would hold on "
         "the parameters trained (8 bytes per fp32 parameter, 4 per bf16 one; parameters added later "
         "included) (0.35 or '35%'), or an absolute size: an int of bytes or a string with a unit ('6GB', "
@@ -145,139 +158,139 @@ SETTINGS: tuple[Setting, ...] = (
         exclusive_minimum=0, fraction_maximum=1.0, syntax=_memory_budget_syntax,
     ),
     Setting(
-        "time_budget", "time_budget", Union[float, str, None],
+        "time_budget", Union[float, str, None],
         "Optimizer-step time allowed: a multiple >= 1 of the fp32 AdamW step (1.2 or '1.2x') or an "
         "absolute time ('12ms', with calibration 'auto' only). null: no limit.",
         default=None, minimum=1.0, syntax=_time_budget_syntax,
     ),
     Setting(
-        "warmup_steps", "warmup_steps", int,
+        "warmup_steps", int,
         "Optimizer steps, sampled, before the first allocation from measured statistics (>= sample_every + "
         "2); they run in the start allocation, within the budgets (see 'initial').",
         default=200, minimum=1,
     ),
     Setting(
-        "sample_every", "sampler.sample_every", int,
+        "sample_every", int,
         "Sample the gradients every N optimizer steps during warm-up (and the step after, for the lag-1 "
         "cosine).",
         default=10, minimum=1,
     ),
     Setting(
-        "granularity", "block_id.granularity", Literal[GRANULARITIES],  # type: ignore[valid-type]
+        "granularity", Literal[GRANULARITIES],  # type: ignore[valid-type]
         "Block granularity: 'module' (one block per module that owns parameters), 'layer' (one block per "
         "repeated layer, e.g. a transformer block) or 'param' (one block per tensor).",
         default="module",
     ),
     Setting(
-        "blocks", "block_id.patterns", Optional[dict[str, Union[str, list[str]]]],
+        "blocks", Optional[dict[str, Union[str, list[str]]]],
         "Named blocks: block name -> glob or list of globs over parameter names (fnmatch, case-sensitive), "
         "matched before 'granularity'. Every glob must match a trainable parameter.",
         default=None,
     ),
     Setting(
-        "formats", "allowed_configs", Optional[list[FormatName]],  # type: ignore[valid-type]
+        "formats", Optional[list[FormatName]],  # type: ignore[valid-type]
         "The optimizer-state formats the solver may pick (the optimizer's: AdamW's, or SGD's and Lion's "
         "fp32, bf16, int8, none). null: every format of the optimizer the device serves.",
-        default=None, min_items=1,
+        default=None, min_items=1, allowed=FORMATS_ALLOWED,
     ),
     Setting(
-        "corrections", "master_weights.corrections", Optional[list[Literal["none", "ecc8", "ecc16"]]],
+        "corrections", Optional[list[Literal["none", "ecc8", "ecc16"]]],
         "Master-weight corrections the solver pairs with the formats of bf16/fp16 weights, per block, their "
         "bytes in the memory budget. null: the optimizer's own, outside the budget.", default=None, min_items=1,
     ),
     Setting(
-        "reevaluate_every_n_epochs", "re_evaluation_trigger.every_n_epochs", Optional[int],
+        "reevaluate_every_n_epochs", Optional[int],
         "Re-evaluate the allocation every N epochs. null: never on a schedule.",
         default=None, minimum=1,
     ),
     Setting(
-        "monitor", "re_evaluation_trigger.monitor", Optional[str],
+        "monitor", Optional[str],
         "A validation metric (as logged with self.log); a plateau of it triggers a re-evaluation.",
         default=None,
     ),
     Setting(
-        "mode", "re_evaluation_trigger.mode", Literal["min", "max"],
+        "mode", Literal["min", "max"],
         "'min' if 'monitor' improves downwards (loss, perplexity), 'max' if upwards.",
         default="min",
     ),
     Setting(
-        "patience", "re_evaluation_trigger.patience", int,
+        "patience", int,
         "Validation checks without improvement of 'monitor' before a re-evaluation.",
         default=3, minimum=1,
     ),
     Setting(
-        "min_delta", "re_evaluation_trigger.min_delta", float,
+        "min_delta", float,
         "Smallest change of 'monitor' counted as an improvement.",
         default=0.0, minimum=0.0,
     ),
     Setting(
-        "hysteresis", "risk_thresholds.hysteresis", float,
+        "hysteresis", float,
         "A re-evaluation migrates only if the new allocation lowers the total risk by more than this "
         "fraction (or the current one breaks a budget); keeps allocations from flapping.",
         default=0.1, minimum=0.0,
     ),
     Setting(
-        "horizon", "risk_thresholds.horizon", int,
+        "horizon", int,
         "Optimizer steps over which the risk model lets zero-mean update noise average out.",
         default=200, minimum=1,
     ),
     Setting(
-        "sparse_sampling", "sampler.sparse_sampling", int,
+        "sparse_sampling", int,
         "After warm-up, sample N times less often.",
         default=4, minimum=1,
     ),
     Setting(
-        "capacity", "sampler.capacity", int,
+        "capacity", int,
         "Sampling steps kept in the ring buffer (the statistics' window).",
         default=DEFAULT_CAPACITY, minimum=MIN_SAMPLES,
     ),
     Setting(
-        "max_elements", "sampler.max_elements", int,
+        "max_elements", int,
         "Gradient elements sampled per block (a fixed random subset).",
         default=DEFAULT_MAX_ELEMENTS, minimum=1,
     ),
     Setting(
-        "instrument_share", "sampler.instrument_share", float,
+        "instrument_share", float,
         "Share of the user's AdamW state (or 16 MiB if more) the sampler's ring and the risk model's shadow "
         "may hold, outside the budget: above it max_elements and the shadow shrink.", default=0.02, minimum=0.0,
     ),
     Setting(
-        "min_8bit_numel", "min_8bit_numel", int,
+        "min_8bit_numel", int,
         "Tensors with fewer elements stay out of the 8-bit formats (as bitsandbytes).",
         default=DEFAULT_MIN_8BIT_NUMEL, minimum=0,
     ),
     Setting(
-        "calibration", "calibration.mode", Literal["auto", "prior"],
+        "calibration", Literal["auto", "prior"],
         "'auto': measure each format's step cost on the device once (cached); 'prior': built-in relative "
         "costs (a time budget must then be relative).",
         default="auto",
     ),
     Setting(
-        "calibration_cache_dir", "calibration.cache_dir", Optional[str],
+        "calibration_cache_dir", Optional[str],
         "Cache directory of 'auto'. null: the user cache directory.",
         default=None,
     ),
     Setting(
-        "report", "report", ReportSetting,
+        "report", ReportSetting,
         "Print the allocation table and write baoc_allocation.json / .png into the log directory. true: the "
         "PNG when matplotlib is installed (else a warning); 'json': no PNG; 'png': the PNG required "
         "(refused at start without matplotlib); false: no report.",
         default=True, controller=False,
     ),
     Setting(
-        "seed", "seed", int,
+        "seed", int,
         "Seed of the gradient sampling and of stochastic rounding.",
         default=0, minimum=0,
     ),
     Setting(
-        "max_block_risk", "risk_thresholds.max_block_risk", Optional[float],
+        "max_block_risk", Optional[float],
         "Cap on the risk of one block: a format whose risk on a block exceeds it is never chosen for that "
         "block (risks are share-weighted: the block risks add up to the total risk). Lifted, with a "
         "warning, when the memory budget cannot be met otherwise. null: no cap.",
         default=None, minimum=0.0,
     ),
     Setting(
-        "initial", "initial", Optional[Union[str, dict[str, str]]],
+        "initial", Optional[Union[str, dict[str, str]]],
         "The allocation the warm-up starts in: a previous run's baoc_allocation.json (its measured risks "
         "replace the prior) or a mapping block -> format (kept wherever the budgets allow). With corrections, "
         "a block names an option, 'int8+ecc8' (or 'int8': no correction). null: the allocation of least "
@@ -285,16 +298,6 @@ SETTINGS: tuple[Setting, ...] = (
         default=None,
     ),
 )
-
-#: Config sections (the first part of a dotted key) -> what the section is about.
-SECTIONS: dict[str, str] = {
-    "block_id": "How parameters are grouped into blocks, the unit that gets one state format.",
-    "risk_thresholds": "Limits on risk, and how much better a re-allocation must be to happen.",
-    "re_evaluation_trigger": "When the allocation is decided again, with fresh statistics, after the first one.",
-    "sampler": "The gradient sampler: how often and how much of each block's gradient is sampled.",
-    "calibration": "Where the per-format step costs of a time budget come from.",
-    "master_weights": "The master weights of bf16/fp16 parameters: the corrections the solver may pick.",
-}
 
 #: Argument name -> :class:`Setting`.
 SETTING: dict[str, Setting] = {s.name: s for s in SETTINGS}
@@ -394,13 +397,37 @@ def _number(value: Any, hint: Any, s: Setting | None) -> Any:
     return hint(value)
 
 
+def did_you_mean(word: Any, choices: Sequence[str]) -> str | None:
+    """The choice closest to ``word`` (difflib, case-insensitive), or ``None`` if none is close.
+
+    Example:
+        >>> did_you_mean("int4", ["fp32", "int8", "factored"])
+        'int8'
+    """
+    if not isinstance(word, str):
+        return None
+    lowered = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(word.lower(), list(lowered), n=1)
+    return lowered[close[0]] if close else None
+
+
+def _unknown(names: Sequence[Any], choices: Sequence[str]) -> str:
+    """``'int4' (did you mean 'int8'?), 3``: each unknown name with its closest choice."""
+    out = []
+    for name in names:
+        close = did_you_mean(name, choices)
+        out.append(f"{name!r} (did you mean {close!r}?)" if close else repr(name))
+    return ", ".join(out)
+
+
 def _list(value: Any, hint: Any, s: Setting | None) -> list[Any]:
     (item,) = typing.get_args(hint)
     if typing.get_origin(item) is Literal:  # a list of choices: known names, each once
         allowed = list(typing.get_args(item))
         unknown = [v for v in value if not (isinstance(v, str) and v in allowed)]
         if unknown:
-            raise Mismatch(f"unknown {unknown}; allowed: {allowed}")
+            takes = s.allowed if s is not None and s.allowed else f"allowed: {allowed}"
+            raise Mismatch(f"unknown {_unknown(unknown, allowed)}; {takes}")
         duplicated = sorted({v for v in value if value.count(v) > 1})
         if duplicated:
             raise Mismatch(f"{duplicated} listed twice; list each once")
@@ -422,7 +449,8 @@ def conform(value: Any, hint: Any, s: Setting | None = None) -> Any:
         allowed = list(typing.get_args(hint))
         if isinstance(value, str) and value in allowed:
             return value
-        raise Mismatch(f"allowed: {allowed}")
+        close = did_you_mean(value, [str(a) for a in allowed])
+        raise Mismatch(f"allowed: {allowed}" + (f" (did you mean {close!r}?)" if close else ""))
     if origin in (Union, types.UnionType):
         # An exact type first: an int stays an int where int is allowed (a memory budget in bytes).
         for option in sorted(typing.get_args(hint), key=lambda o: o is not type(value)):
@@ -465,25 +493,31 @@ def check_setting(s: Setting, value: Any) -> Any:
     return out
 
 
-def _check_together(values: Mapping[str, Any]) -> None:
-    """The rules between settings (each error names the setting to change)."""
+def rule_errors(values: Mapping[str, Any]) -> list[SettingError]:
+    """The rules between settings that checked ``values`` (name -> value) break, each error naming the
+    setting to change. A rule whose settings are not all in ``values`` is not applied.
+
+    Example:
+        >>> [err.setting for err in rule_errors({"sample_every": 10, "warmup_steps": 5})]
+        ['warmup_steps']
+    """
+    errors = []
     sample_every, warmup_steps = values.get("sample_every"), values.get("warmup_steps")
-    if sample_every is None or warmup_steps is None:
-        return
     # Two ring samples (steps 0 and sample_every) and the follower of the second (lag-1 cosine).
-    least = sample_every + (2 if sample_every > 1 else 1)
-    if warmup_steps < least:
-        raise SettingError(
+    least = None if sample_every is None else sample_every + (2 if sample_every > 1 else 1)
+    if least is not None and warmup_steps is not None and warmup_steps < least:
+        errors.append(SettingError(
             "warmup_steps",
             f"Invalid warmup_steps={warmup_steps} for sample_every={sample_every}: the statistics need "
             f"{MIN_SAMPLES} gradient samples, taken at steps 0 and {sample_every}; use warmup_steps >= {least} "
             f"or a smaller sample_every",
-        )
+        ))
     if values.get("calibration") == "prior" and is_absolute_time(values.get("time_budget")):
         err = absolute_time_with_prior_error(
             values["time_budget"], "time_budget", "calibration='auto' to measure the step in seconds on the device."
         )
-        raise SettingError("time_budget", str(err))
+        errors.append(SettingError("time_budget", str(err)))
+    return errors
 
 
 def check_settings(values: Mapping[str, Any], settings: Sequence[Setting] = SETTINGS) -> dict[str, Any]:
@@ -504,7 +538,9 @@ def check_settings(values: Mapping[str, Any], settings: Sequence[Setting] = SETT
         raise TypeError(f"unknown setting(s) {unknown}; the settings: {list(by_name)}")
     out = {k: check_setting(by_name[k], v) for k, v in values.items()}
     defaults = {s.name: s.default for s in settings if not s.required}
-    _check_together({**defaults, **out})
+    broken = rule_errors({**defaults, **out})
+    if broken:
+        raise broken[0]
     return out
 
 
@@ -574,7 +610,7 @@ def split_settings(values: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
 
 
 __all__ = [
-    "BAOCConfig", "CONTROLLER_SETTINGS", "FormatName", "MIN_SAMPLES", "REQUIRED", "ReportSetting",
-    "SECTIONS", "SETTING", "SETTINGS", "Setting", "SettingError", "arg_doc", "args_section",
-    "check_setting", "check_settings", "settings_of", "split_settings",
+    "BAOCConfig", "CONTROLLER_SETTINGS", "FORMATS_ALLOWED", "FormatName", "MIN_SAMPLES", "REQUIRED",
+    "ReportSetting", "SETTING", "SETTINGS", "Setting", "SettingError", "arg_doc", "args_section",
+    "check_setting", "check_settings", "did_you_mean", "rule_errors", "settings_of", "split_settings",
 ]

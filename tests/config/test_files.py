@@ -1,9 +1,11 @@
 """Configs (``lightning_baoc.config.files``): the templates in ``configs/``, strict loading with dotlist
-overrides, the generated JSON Schema, ``BAOC.from_config``, and the per-block risk cap
-(``risk_thresholds.max_block_risk``) in the controller."""
+overrides (every error of a config at once, each with its suggestion), the generated JSON Schema,
+``BAOC.from_config``, ``lightning-baoc check`` on a bad config, and the per-block risk cap
+(``max_block_risk``) in the controller."""
 
 from __future__ import annotations
 
+import doctest
 import inspect
 import json
 import warnings
@@ -18,18 +20,22 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from lightning_baoc import BAOC, FORMATS
+from lightning_baoc.__main__ import main as lightning_baoc_main
+from lightning_baoc.config import files, settings
 from lightning_baoc.config.files import (
-    BAOC_ARGUMENTS,
+    RETIRED_KEYS,
     BAOCSection,
     Config,
     ConfigError,
     baoc_kwargs,
     json_schema,
+    lightning_cli_errors,
     load_config,
     parse_config,
     parse_section,
     schema_text,
 )
+from lightning_baoc.config.settings import SETTING, SETTINGS
 from lightning_baoc.control.controller import BAOCConfig, BAOCController
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,9 +86,10 @@ def test_schema_is_a_valid_json_schema_generated_from_the_dataclasses() -> None:
     assert set(schema["properties"]) == set(Config.__dataclass_fields__)
     assert all(p.get("description") for p in baoc["properties"].values())
     assert baoc["required"] == ["memory_budget"] and baoc["additionalProperties"] is False
-    items = baoc["properties"]["allowed_configs"]["anyOf"][0]["items"]["enum"]
+    assert list(baoc["properties"]) == [s.name for s in SETTINGS]  # flat: the keys are the arguments, in order
+    items = baoc["properties"]["formats"]["anyOf"][0]["items"]["enum"]
     assert items == [*FORMATS, "none"]  # AdamW's formats, then SGD's and Lion's own (none; the rest are shared)
-    assert baoc["properties"]["sampler"]["properties"]["sample_every"]["minimum"] == 1
+    assert baoc["properties"]["sample_every"]["minimum"] == 1
 
 
 @pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: p.stem)
@@ -100,28 +107,38 @@ def test_every_template_loads_and_builds_a_callback(template: Path) -> None:
     assert cfg.trainer["max_steps"] == cfg.model.init_args["max_steps"]  # ${trainer.max_steps} resolved
     baoc = BAOC.from_config(template)
     assert baoc.config.memory_budget == cfg.baoc.memory_budget
-    assert baoc.config.formats == cfg.baoc.allowed_configs and "offload" not in baoc.config.formats
-    assert baoc.config.blocks == cfg.baoc.block_id.patterns
-    assert baoc.config.monitor == cfg.baoc.re_evaluation_trigger.monitor
+    assert baoc.config.formats == cfg.baoc.formats and "offload" not in baoc.config.formats
+    assert baoc.config.blocks == cfg.baoc.blocks and baoc.config.monitor == cfg.baoc.monitor
+    assert baoc_kwargs(cfg) == {s.name: getattr(cfg.baoc, s.name) for s in SETTINGS}
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: p.stem)
+def test_every_template_value_has_a_comment(template: Path) -> None:
+    lines = template.read_text().splitlines()
+    section = lines[lines.index("baoc:") + 1 : lines.index("", lines.index("baoc:"))]
+    for i, line in enumerate(section):
+        if line.startswith("  ") and not line.startswith("   ") and not line.lstrip().startswith("#"):
+            assert section[i - 1].lstrip().startswith("#"), f"{template.name}: {line!r} has no comment"
 
 
 @pytest.mark.parametrize(
-    "edit, key",
+    "edit, key, says",
     [
-        (lambda d: d["baoc"].update(memroy_budget=0.3), "baoc.memroy_budget"),
-        (lambda d: d["baoc"]["sampler"].update(every=3), "baoc.sampler.every"),
-        (lambda d: d["baoc"]["risk_thresholds"].update(max_risk=0.1), "baoc.risk_thresholds.max_risk"),
-        (lambda d: d.update(optimizer={"lr": 1}), "optimizer"),
-        (lambda d: d["trainer"].update(max_step=10), "trainer.max_step"),
-        (lambda d: d["model"].update(args={}), "model.args"),
+        (lambda d: d["baoc"].update(memroy_budget=0.3), "baoc.memroy_budget", " (did you mean baoc.memory_budget?)"),
+        (lambda d: d["baoc"].update(sampler={"every": 3}), "baoc.sampler.every", " (did you mean baoc.sample_every?)"),
+        (lambda d: d["baoc"].update(sampler={"sample_every": 3}), "baoc.sampler.sample_every",
+         "; the key is now baoc.sample_every"),
+        (lambda d: d.update(optimizer={"lr": 1}), "optimizer", "; the keys at the top level: ['baoc', "),
+        (lambda d: d["trainer"].update(max_step=10), "trainer.max_step", " (did you mean trainer.max_steps?)"),
+        (lambda d: d["model"].update(args={}), "model.args", " (did you mean model.init_args?)"),
     ],
-    ids=["baoc", "sampler", "risk_thresholds", "top-level", "trainer", "model"],
+    ids=["baoc", "old-section-typo", "old-key", "top-level", "trainer", "model"],
 )
-def test_an_unknown_key_in_a_template_is_an_error_naming_the_key(tmp_path: Path, edit: Any, key: str) -> None:
+def test_an_unknown_key_in_a_template_is_an_error_naming_the_key(tmp_path: Path, edit: Any, key: str, says: str) -> None:
     path = _edited(tmp_path, CONFIGS / "vision.yaml", edit)
     with pytest.raises(ConfigError, match="unknown key") as info:
         load_config(path)
-    assert info.value.key == key and key in str(info.value) and str(path) in str(info.value)
+    assert info.value.key == key and str(info.value).startswith(f"{path}: {key}: unknown key{says}"), info.value
     if not key.startswith("trainer."):  # the schema leaves trainer's keys to Trainer's signature
         assert not _validator().is_valid(yaml.safe_load(path.read_text()))
 
@@ -133,14 +150,14 @@ def test_an_unknown_key_in_a_template_is_an_error_naming_the_key(tmp_path: Path,
         (lambda d: d["baoc"].update(memory_budget=-1), "baoc.memory_budget", "> 0"),
         (lambda d: d["baoc"].update(memory_budget="3 parsecs"), "baoc.memory_budget", "Unknown unit"),
         (lambda d: d["baoc"].update(time_budget=0.5), "baoc.time_budget", ">= 1.0"),
-        (lambda d: d["baoc"].update(allowed_configs=["fp32", "int4"]), "baoc.allowed_configs", "int4"),
-        (lambda d: d["baoc"].update(allowed_configs="int8"), "baoc.allowed_configs", "a list"),
-        (lambda d: d["baoc"]["sampler"].update(sample_every=0), "baoc.sampler.sample_every", ">= 1"),
+        (lambda d: d["baoc"].update(formats=["fp32", "int4"]), "baoc.formats", "int4"),
+        (lambda d: d["baoc"].update(formats="int8"), "baoc.formats", "a list"),
+        (lambda d: d["baoc"].update(sample_every=0), "baoc.sample_every", ">= 1"),
         (lambda d: d["baoc"].update(warmup_steps="long"), "baoc.warmup_steps", "an int"),
-        (lambda d: d["baoc"]["block_id"].update(granularity="row"), "baoc.block_id.granularity", "allowed"),
-        (lambda d: d["baoc"]["re_evaluation_trigger"].update(mode="up"), "baoc.re_evaluation_trigger.mode", "allowed"),
-        (lambda d: d["baoc"]["risk_thresholds"].update(hysteresis=-0.1), "baoc.risk_thresholds.hysteresis", ">= 0"),
-        (lambda d: d["baoc"]["risk_thresholds"].update(max_block_risk=-1), "baoc.risk_thresholds.max_block_risk", ">= 0"),
+        (lambda d: d["baoc"].update(granularity="row"), "baoc.granularity", "allowed"),
+        (lambda d: d["baoc"].update(mode="up"), "baoc.mode", "allowed"),
+        (lambda d: d["baoc"].update(hysteresis=-0.1), "baoc.hysteresis", ">= 0"),
+        (lambda d: d["baoc"].update(max_block_risk=-1), "baoc.max_block_risk", ">= 0"),
         (lambda d: d["baoc"].update(report="yes"), "baoc.report", "a boolean"),
         (lambda d: d["baoc"].pop("memory_budget"), "baoc.memory_budget", "missing"),
     ],
@@ -161,6 +178,122 @@ def test_cross_field_rules_name_the_key() -> None:
     assert info.value.key == "baoc.warmup_steps"
 
 
+# ---------------------------------------------------------------------------- every error at once
+
+
+def _many_typos(d: dict) -> None:
+    d["baoc"]["sampel_every"] = d["baoc"].pop("sample_every")  # a typo in baoc
+    d["baoc"]["sampler"] = {"capacity": 16}  # 0.1.0's nested key
+    d["baoc"]["formats"] = ["fp32", "int4"]  # a bad value
+    d["trainer"]["max_step"] = 100  # a typo in trainer
+    d["model"]["init_arg"] = d["model"].pop("init_args")  # a typo in model
+
+
+def test_every_error_of_a_file_is_reported_at_once_each_with_its_suggestion(tmp_path: Path) -> None:
+    path = _edited(tmp_path, CONFIGS / "vision.yaml", _many_typos)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    err = info.value
+    assert isinstance(err, ValueError)
+    assert str(err) == "\n".join([
+        f"5 errors in {path}:",
+        f"  {path}: baoc.formats: invalid value ['fp32', 'int4']; unknown 'int4' (did you mean 'int8'?); "
+        f"{settings.FORMATS_ALLOWED}",
+        f"  {path}: baoc.sampel_every: unknown key (did you mean baoc.sample_every?)",
+        f"  {path}: baoc.sampler.capacity: unknown key; the key is now baoc.capacity",
+        f"  {path}: trainer.max_step: unknown key (did you mean trainer.max_steps?): not an argument of lightning.Trainer",
+        f"  {path}: model.init_arg: unknown key (did you mean model.init_args?)",
+    ])
+    assert [e.key for e in err.errors] == [  # in the file's order
+        "baoc.formats", "baoc.sampel_every", "baoc.sampler.capacity", "trainer.max_step", "model.init_arg"]
+    assert [e.suggestion for e in err.errors] == [
+        "", "baoc.sample_every", "baoc.capacity", "trainer.max_steps", "model.init_args"]
+    assert {e.source for e in err.errors} == {str(path)} and err.errors[0].setting == "formats"
+    assert (err.key, err.source) == (err.errors[0].key, err.errors[0].source)  # the first error's
+
+
+def test_every_error_of_the_overrides_is_reported_naming_its_override() -> None:
+    overrides = ["baoc.sampel_every=5", "baoc.sampler.sample_every=5", "baoc.memory_budget=2.5", "trainer.max_step=3"]
+    with pytest.raises(ConfigError) as info:
+        load_config(CONFIGS / "vision.yaml", overrides)
+    assert str(info.value) == "\n".join([
+        f"4 errors in {CONFIGS / 'vision.yaml'}:",
+        "  override 'baoc.memory_budget=2.5': baoc.memory_budget: invalid value 2.5; a fraction must be <= 1.0 "
+        "(an absolute size is an int of bytes or a string with a unit, e.g. '6GB')",
+        "  override 'baoc.sampel_every=5': baoc.sampel_every: unknown key (did you mean baoc.sample_every?)",
+        "  override 'baoc.sampler.sample_every=5': baoc.sampler.sample_every: unknown key; the key is now "
+        "baoc.sample_every",
+        "  override 'trainer.max_step=3': trainer.max_step: unknown key (did you mean trainer.max_steps?): not an "
+        "argument of lightning.Trainer",
+    ])
+    assert [e.source for e in info.value.errors] == [f"override {o!r}" for o in [overrides[2], *overrides[:2], overrides[3]]]
+
+
+@pytest.mark.parametrize("old", list(RETIRED_KEYS))
+def test_a_key_of_the_old_nested_section_names_the_key_that_replaced_it(old: str) -> None:
+    new = RETIRED_KEYS[old]
+    value = SETTING[new].default
+    head, _, leaf = old.partition(".")
+    with pytest.raises(ConfigError) as info:
+        parse_config({"baoc": {"memory_budget": 0.3, head: {leaf: value} if leaf else value}}, source="old.yaml")
+    assert str(info.value) == f"old.yaml: baoc.{old}: unknown key; the key is now baoc.{new}"
+    assert info.value.suggestion == f"baoc.{new}"
+    assert getattr(parse_section({"memory_budget": 0.3, new: value}), new) == value  # the new key holds it
+
+
+def test_missing_budget_and_rules_between_settings_are_listed_with_the_rest() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"baoc": {"warmup_steps": 5, "granualrity": "layer"}, "seed_everything": "x"})
+    assert [e.key for e in info.value.errors] == [
+        "baoc.granualrity", "baoc.memory_budget", "baoc.warmup_steps", "seed_everything"]
+    assert str(info.value.errors[1]).startswith("<dict>: baoc.memory_budget: missing; expected an int > 0 or a finite number > 0")
+    assert str(info.value.errors[2]) == (
+        "<dict>: baoc.warmup_steps: Invalid warmup_steps=5 for sample_every=10: the statistics need 2 gradient "
+        "samples, taken at steps 0 and 10; use warmup_steps >= 12 or a smaller sample_every"
+    )
+    # a rule is not applied to a value already refused (sample_every=0 is not "taken at step 0")
+    with pytest.raises(ConfigError) as info:
+        parse_config({"baoc": {"memory_budget": 0.3, "warmup_steps": 5, "sample_every": 0}})
+    assert [e.key for e in info.value.errors] == ["baoc.sample_every"]
+
+
+def test_lightning_baoc_check_lists_every_error_of_a_config(tmp_path: Path, capsys: Any) -> None:
+    def two_typos(d: dict) -> None:
+        d["baoc"]["hysterisis"] = d["baoc"].pop("hysteresis")
+        d["trainer"]["max_epoch"] = 3
+
+    path = _edited(tmp_path, CONFIGS / "vision.yaml", two_typos)
+    with pytest.raises(SystemExit) as info:
+        lightning_baoc_main(["check", "--config", str(path), "--model", "tiny", "--device", "cpu"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == "\n".join([
+        f"lightning-baoc check: error: 2 errors in {path}:",
+        f"  {path}: baoc.hysterisis: unknown key (did you mean baoc.hysteresis?)",
+        f"  {path}: trainer.max_epoch: unknown key (did you mean trainer.max_epochs?): not an argument of lightning.Trainer",
+        "",
+    ])
+
+
+def test_lightning_cli_errors_checks_each_input_alone() -> None:
+    # one input of a merged LightningCLI config: no setting is missing, no rule between settings applies
+    assert lightning_cli_errors({"baoc": {"warmup_steps": 5}, "trainer": {"max_steps": 3}}, "a.yaml") == []
+    data = {
+        "fit": {"baoc": {"sampel_every": 3}},
+        "trainer": {"callbacks": [{"class_path": "lightning_baoc.BAOC", "init_args": {"sampler": {"sample_every": 3}}},
+                                  {"class_path": "lightning.pytorch.callbacks.EarlyStopping", "init_args": {"x": 1}}]},
+    }
+    assert [str(e) for e in lightning_cli_errors(data, "b.yaml")] == [
+        "b.yaml: trainer.callbacks[0].init_args.sampler.sample_every: unknown key; the key is now "
+        "trainer.callbacks[0].init_args.sample_every",
+        "b.yaml: fit.baoc.sampel_every: unknown key (did you mean fit.baoc.sample_every?)",
+    ]
+
+
+def test_the_config_modules_examples_hold() -> None:
+    for module in (files, settings):
+        assert doctest.testmod(module).failed == 0, module.__name__
+
+
 def test_an_int_budget_stays_bytes_and_a_float_a_fraction() -> None:
     assert parse_section({"memory_budget": 1_000_000}).memory_budget == 1_000_000
     assert isinstance(parse_section({"memory_budget": 1_000_000}).memory_budget, int)
@@ -173,12 +306,12 @@ def test_an_int_budget_stays_bytes_and_a_float_a_fraction() -> None:
 
 def test_a_dotlist_override_changes_the_budget() -> None:
     base = load_config(CONFIGS / "vision.yaml")
-    cfg = load_config(CONFIGS / "vision.yaml", ["baoc.memory_budget=0.25", "baoc.sampler.sample_every=5"])
+    cfg = load_config(CONFIGS / "vision.yaml", ["baoc.memory_budget=0.25", "baoc.sample_every=5"])
     assert base.baoc.memory_budget == 0.35 and cfg.baoc.memory_budget == 0.25
-    assert cfg.baoc.sampler.sample_every == 5
+    assert cfg.baoc.sample_every == 5
     assert BAOC.from_config(CONFIGS / "vision.yaml", ["baoc.memory_budget=0.25"]).config.memory_budget == 0.25
-    listed = load_config(CONFIGS / "vision.yaml", ["baoc.allowed_configs=[fp32,int8]", "baoc.memory_budget=6MB"])
-    assert listed.baoc.allowed_configs == ["fp32", "int8"] and listed.baoc.memory_budget == "6MB"
+    listed = load_config(CONFIGS / "vision.yaml", ["baoc.formats=[fp32,int8]", "baoc.memory_budget=6MB"])
+    assert listed.baoc.formats == ["fp32", "int8"] and listed.baoc.memory_budget == "6MB"
     # interpolations resolve after the overrides
     assert load_config(CONFIGS / "vision.yaml", ["trainer.max_steps=50"]).model.init_args["max_steps"] == 50
 
@@ -207,22 +340,22 @@ def test_a_malformed_override_and_a_missing_file_are_clear_errors(tmp_path: Path
 
 def test_every_baoc_argument_comes_from_the_config_with_the_same_default() -> None:
     params = {k: p for k, p in inspect.signature(BAOC.__init__).parameters.items() if k != "self"}
-    assert set(BAOC_ARGUMENTS) == set(params)
+    assert list(BAOCSection.__dataclass_fields__) == list(params)  # the keys are the arguments, in order
     kwargs = baoc_kwargs({"memory_budget": 0.3})
     for name, p in params.items():
         if p.default is not inspect.Parameter.empty:
             assert kwargs[name] == p.default, name
     # the config settings are BAOCConfig's too (report is the callback's own)
-    assert set(BAOC_ARGUMENTS) - {"report"} == set(BAOCConfig.__dataclass_fields__)
+    assert set(params) - {"report"} == set(BAOCConfig.__dataclass_fields__)
 
 
 def test_from_config_takes_a_section_a_mapping_or_a_dictconfig() -> None:
-    section = {"memory_budget": "30%", "warmup_steps": 40, "risk_thresholds": {"max_block_risk": 0.05}}
+    section = {"memory_budget": "30%", "warmup_steps": 40, "max_block_risk": 0.05}
     for source in (section, {"baoc": section}, OmegaConf.create({"baoc": section}), parse_section(section)):
         baoc = BAOC.from_config(source)
         assert baoc.config.memory_budget == "30%" and baoc.config.max_block_risk == 0.05
-    with pytest.raises(ConfigError, match="baoc.sampler"):
-        BAOC.from_config({"memory_budget": 0.3, "sampler": {"capacity": 1}})
+    with pytest.raises(ConfigError, match=r"baoc\.capacity: invalid value 1; expected an int >= 2"):
+        BAOC.from_config({"memory_budget": 0.3, "capacity": 1})
     with pytest.raises(TypeError, match="applies to a config file"):
         BAOC.from_config(section, ["baoc.memory_budget=0.2"])
 
@@ -297,10 +430,11 @@ def _hydra_example() -> Any:
     import importlib
     import sys
 
+    before = list(sys.path)
     try:
         return importlib.import_module("hydra_baoc")
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
+    finally:  # what its import put on sys.path (once: a second import finds the module cached)
+        sys.path[:] = before
 
 
 def test_hydra_example_says_how_to_get_hydra_when_it_is_missing(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
@@ -317,7 +451,7 @@ def test_hydra_example_trains_from_a_composed_template(tmp_path: Path) -> None:
 
     example = _hydra_example()
     overrides = [
-        "baoc.memory_budget=0.3", "baoc.warmup_steps=8", "baoc.sampler.sample_every=3", "baoc.report=false",
+        "baoc.memory_budget=0.3", "baoc.warmup_steps=8", "baoc.sample_every=3", "baoc.report=false",
         "trainer.max_steps=12", "trainer.val_check_interval=6", "data.init_args.batch_size=32",
         f"trainer.default_root_dir={tmp_path}", "+trainer.enable_progress_bar=false",
     ]
@@ -326,9 +460,14 @@ def test_hydra_example_trains_from_a_composed_template(tmp_path: Path) -> None:
     metrics = example.train(cfg)
     assert "val_acc" in metrics
     with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
-        bad = compose(config_name="vision", overrides=["baoc.sampler.sample_every=0"])
-    with pytest.raises(ConfigError, match="baoc.sampler.sample_every"):
+        bad = compose(config_name="vision", overrides=["baoc.sample_every=0", "+baoc.sampel_every=3"])
+    with pytest.raises(ConfigError) as info:
         example.train(bad)
+    assert str(info.value) == (
+        "2 errors in the Hydra config:\n"
+        "  the Hydra config: baoc.sample_every: invalid value 0; expected an int >= 1\n"
+        "  the Hydra config: baoc.sampel_every: unknown key (did you mean baoc.sample_every?)"
+    )
 
 
 @pytest.mark.parametrize("value", [True, False, "json", "png"])

@@ -18,23 +18,11 @@ from typing import Any
 import pytest
 
 from lightning_baoc import BAOC, BAOCStrategy
-from lightning_baoc.config.files import BAOC_ARGUMENTS, ConfigError, baoc_kwargs, json_schema, parse_config, parse_section
-from lightning_baoc.control.controller import MIN_SAMPLES, BAOCConfig
+from lightning_baoc.config.files import BAOCSection, ConfigError, baoc_kwargs, json_schema, parse_config, parse_section
 from lightning_baoc.config.settings import CONTROLLER_SETTINGS, REQUIRED, SETTING, SETTINGS, SettingError
+from lightning_baoc.control.controller import MIN_SAMPLES, BAOCConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _nest(key: str, value: Any) -> dict[str, Any]:
-    """``{"a": {"b": value}}`` for the key ``"a.b"``."""
-    head, _, rest = key.partition(".")
-    return {head: _nest(rest, value) if rest else value}
-
-
-def _at(tree: Any, key: str, attribute: bool = False) -> Any:
-    for part in key.split("."):
-        tree = getattr(tree, part) if attribute else tree["properties"][part]
-    return tree
 
 
 def _params(cls: type) -> dict[str, inspect.Parameter]:
@@ -51,15 +39,16 @@ def test_every_setting_is_in_every_consumer_with_the_same_default(s: Any) -> Non
         p = _params(cls)[s.name]
         assert p.default == default and type(p.default) is type(default), cls
         assert typing.get_type_hints(cls.__init__)[s.name] == s.type, cls
-    schema = _at(json_schema()["properties"]["baoc"], s.key)
+    # one name everywhere: the argument is the config key, the dataclass field and the schema's property
+    schema = json_schema()["properties"]["baoc"]["properties"][s.name]
     assert schema["description"] == s.help
-    assert BAOC_ARGUMENTS[s.name] == s.key
+    assert BAOCSection.__dataclass_fields__[s.name].metadata["setting"] is s
     if s.default is REQUIRED:
-        assert s.key in json_schema()["properties"]["baoc"]["required"]
+        assert s.name in json_schema()["properties"]["baoc"]["required"]
         return
     assert schema["default"] == json.loads(json.dumps(s.default))
     section = parse_section({"memory_budget": 0.3})
-    assert _at(section, s.key, attribute=True) == s.default
+    assert getattr(section, s.name) == s.default
     assert baoc_kwargs(section)[s.name] == s.default
     if s.controller:
         assert getattr(BAOCConfig(memory_budget=0.3), s.name) == s.default
@@ -107,7 +96,7 @@ def test_every_setting_has_a_bad_value_below() -> None:
 
 @pytest.mark.parametrize("name", list(BAD))
 def test_a_bad_value_is_the_same_error_from_python_and_from_yaml(name: str) -> None:
-    value, key = BAD[name], SETTING[name].key
+    value = BAD[name]
     kwargs = {"memory_budget": 0.3, name: value}
     with pytest.raises(SettingError) as python:
         BAOC(**kwargs)
@@ -116,10 +105,36 @@ def test_a_bad_value_is_the_same_error_from_python_and_from_yaml(name: str) -> N
         BAOCStrategy(**kwargs)
     assert str(fabric.value) == str(python.value)
     with pytest.raises(ConfigError) as yaml:
-        parse_config({"baoc": {"memory_budget": 0.3, **_nest(key, value)}}, source="vision.yaml")
-    assert yaml.value.key == f"baoc.{key}" and yaml.value.setting == name
-    assert str(yaml.value) == f"vision.yaml: baoc.{key}: {python.value.config_message}"
+        parse_config({"baoc": {"memory_budget": 0.3, name: value}}, source="vision.yaml")
+    assert yaml.value.key == f"baoc.{name}" and yaml.value.setting == name
+    assert str(yaml.value) == f"vision.yaml: baoc.{name}: {python.value.config_message}"
     assert python.value.config_message == f"invalid value {value!r}; " + str(python.value).split("; ", 1)[1]
+
+
+def test_an_unknown_format_names_adamws_formats_and_sgd_and_lions_with_the_closest() -> None:
+    # the optimizer is not known before install: both lists, and none (no momentum buffer) only in SGD's and Lion's
+    message = (
+        "Invalid formats=['fp32', 'int4']; unknown 'int4' (did you mean 'int8'?); AdamW's formats: ['fp32', "
+        "'bf16_momentum', 'bf16', 'nomomentum', 'int8', 'int8_factored', 'nomomentum_int8', 'factored', 'offload']; "
+        "SGD's and Lion's: ['fp32', 'bf16', 'int8', 'none'] (list formats of the optimizer configure_optimizers returns)"
+    )
+    with pytest.raises(SettingError) as python:
+        BAOC(memory_budget=0.3, formats=["fp32", "int4"])
+    assert str(python.value) == message
+    with pytest.raises(ConfigError) as yaml:
+        parse_config({"baoc": {"memory_budget": 0.3, "formats": ["fp32", "int4"]}}, source="vision.yaml")
+    assert str(yaml.value) == "vision.yaml: baoc.formats: invalid value " + message.split("=", 1)[1]
+    with pytest.raises(SettingError, match=r"unknown 'nomomentun' \(did you mean 'nomomentum'\?\), 'fp64';"):
+        BAOC(memory_budget=0.3, formats=["nomomentun", "fp64"])
+
+
+def test_a_choice_outside_its_literal_gets_the_closest_one() -> None:
+    with pytest.raises(SettingError) as info:
+        BAOC(memory_budget=0.3, granularity="modul")
+    assert str(info.value) == "Invalid granularity='modul'; allowed: ['module', 'layer', 'param'] (did you mean 'module'?)"
+    with pytest.raises(SettingError) as info:
+        BAOC(memory_budget=0.3, corrections=["ecc4"])
+    assert str(info.value) == "Invalid corrections=['ecc4']; unknown 'ecc4' (did you mean 'ecc8'?); allowed: ['none', 'ecc8', 'ecc16']"
 
 
 def test_a_rule_between_settings_is_the_same_error_too() -> None:
@@ -141,15 +156,15 @@ def test_a_setting_error_is_a_value_error_and_a_type_error() -> None:
 # ---------------------------------------------------------------------------- a new setting: one edit
 
 NEW_SETTINGS = '''\
-    Setting("quantile", "sampler.quantile", float, "A made-up knob of the sampler.", default=0.5, minimum=0.0),
-    Setting("style", "style", Optional[Literal["plain", "fancy"]], "A made-up top-level choice.", default=None),
-    Setting("floor", "noise.floor", int, "A made-up knob in a new section.", default=2, minimum=1),
+    Setting("quantile", float, "A made-up knob of the sampler.", default=0.5, minimum=0.0),
+    Setting("style", Optional[Literal["plain", "fancy"]], "A made-up choice.", default=None),
+    Setting("floor", int, "A made-up count.", default=2, minimum=1),
 '''
 
 CHECKS = '''
 import inspect
 from lightning_baoc import BAOC, BAOCStrategy
-from lightning_baoc.config.files import BAOC_ARGUMENTS, ConfigError, json_schema, parse_config
+from lightning_baoc.config.files import BAOCSection, ConfigError, json_schema, parse_config
 from lightning_baoc.config.settings import SettingError
 
 for cls in (BAOC, BAOCStrategy):
@@ -158,17 +173,17 @@ for cls in (BAOC, BAOCStrategy):
     assert params["style"].default is None and params["floor"].default == 2, cls
 baoc = BAOC(memory_budget=0.3, quantile=0.25, style="fancy")
 assert (baoc.config.quantile, baoc.config.style, baoc.config.floor) == (0.25, "fancy", 2)
-assert BAOC_ARGUMENTS["quantile"] == "sampler.quantile"
+assert {"quantile", "style", "floor"} <= set(BAOCSection.__dataclass_fields__)
 
 schema = json_schema()["properties"]["baoc"]["properties"]
-assert schema["sampler"]["properties"]["quantile"] == {
+assert schema["quantile"] == {
     "description": "A made-up knob of the sampler.", "type": "number", "minimum": 0.0, "default": 0.5}
 assert schema["style"]["anyOf"][0] == {"enum": ["plain", "fancy"]}
-assert schema["noise"]["title"] == "NoiseConfig" and schema["noise"]["properties"]["floor"]["minimum"] == 1
+assert schema["floor"]["minimum"] == 1
 
-config = {"baoc": {"memory_budget": 0.3, "sampler": {"quantile": 0.75}, "style": "plain", "noise": {"floor": 3}}}
+config = {"baoc": {"memory_budget": 0.3, "quantile": 0.75, "style": "plain", "floor": 3}}
 cfg = parse_config(config)
-assert (cfg.baoc.sampler.quantile, cfg.baoc.style, cfg.baoc.noise.floor) == (0.75, "plain", 3)
+assert (cfg.baoc.quantile, cfg.baoc.style, cfg.baoc.floor) == (0.75, "plain", 3)
 built = BAOC.from_config(cfg)
 assert (built.config.quantile, built.config.style, built.config.floor) == (0.75, "plain", 3)
 
@@ -177,11 +192,12 @@ try:
 except SettingError as err:
     python = err
 try:
-    parse_config({"baoc": {"memory_budget": 0.3, "sampler": {"quantile": -1.0}}})
+    parse_config({"baoc": {"memory_budget": 0.3, "quantile": -1.0, "quantil": 1}})
 except ConfigError as err:
     yaml = err
-assert python.setting == yaml.setting == "quantile" and yaml.key == "baoc.sampler.quantile", (python, yaml)
-assert str(yaml).endswith(python.config_message)
+assert python.setting == yaml.setting == "quantile" and yaml.key == "baoc.quantile", (python, yaml)
+assert str(yaml.errors[1]) == "<dict>: baoc.quantil: unknown key (did you mean baoc.quantile?)", yaml
+assert str(yaml.errors[0]).endswith(python.config_message)
 print("picked up")
 '''
 
@@ -199,9 +215,9 @@ def test_a_new_setting_reaches_every_consumer_with_its_entry_and_its_two_paramet
     shutil.copytree(ROOT / "lightning_baoc", tmp_path / "lightning_baoc", ignore=shutil.ignore_patterns("__pycache__"))
     path = tmp_path / "lightning_baoc" / "config" / "settings.py"
     text = path.read_text()
-    end = "\n)\n\n#: Config sections"
+    end = "\n)\n\n#: Argument name -> "
     assert text.count(end) == 1, "the declaration's end moved: update this test's marker"
-    path.write_text(text.replace(end, f"\n{NEW_SETTINGS})\n\n#: Config sections"))
+    path.write_text(text.replace(end, f"\n{NEW_SETTINGS})\n\n#: Argument name -> "))
     for adapter in ("callback.py", "fabric.py"):
         path = tmp_path / "lightning_baoc" / "integrations" / adapter
         text = path.read_text()

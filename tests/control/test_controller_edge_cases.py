@@ -216,10 +216,10 @@ def test_one_offload_rule_for_controller_check_and_plan() -> None:
     assert plan(model, [0.3], device="cuda").masked["offload"] == OFFLOAD_NEEDS_TIME_BUDGET
     assert "offload" not in plan(model, [0.3], device="cuda", time_budget=30).masked
     # check: a budget only offload could meet fails without a time budget and passes with one
-    base = {"memory_budget": 0.004, "allowed_configs": ["fp32", "factored", "offload"]}
+    base = {"memory_budget": 0.004, "formats": ["fp32", "factored", "offload"]}
     without = {r.name: r for r in run_checks(parse_config({"baoc": base}), model, "cuda")}["memory budget"]
     assert without.status == "FAIL" and "offload withheld" in without.detail
-    timed = parse_config({"baoc": {**base, "time_budget": 30, "calibration": {"mode": "prior"}}})
+    timed = parse_config({"baoc": {**base, "time_budget": 30, "calibration": "prior"}})
     assert {r.name: r for r in run_checks(timed, model, "cuda")}["memory budget"].status == "PASS"
 
 

@@ -48,7 +48,7 @@ def test_check_passes_on_the_example_configs(capsys: pytest.CaptureFixture[str],
 
 def test_an_infeasible_budget_fails_naming_the_smallest_feasible_budget(capsys: pytest.CaptureFixture[str]) -> None:
     config = str(CONFIGS / "vision.yaml")
-    narrow = ["baoc.allowed_configs=[fp32,int8]", "baoc.memory_budget=0.1"]
+    narrow = ["baoc.formats=[fp32,int8]", "baoc.memory_budget=0.1"]
     code, out = _check(capsys, "--config", config, "--device", "cpu", *narrow)
     assert code == 1 and "memory budget" in out and "FAIL" in out
     cfg = load_config(config, narrow)
@@ -69,15 +69,15 @@ def test_an_infeasible_budget_fails_naming_the_smallest_feasible_budget(capsys: 
 
 def test_a_format_the_device_cannot_serve_fails_naming_the_format_and_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
     code, out = _check(
-        capsys, "--config", str(CONFIGS / "diffusion.yaml"), "--device", "cpu", "baoc.allowed_configs=[fp32,int8,offload]"
+        capsys, "--config", str(CONFIGS / "diffusion.yaml"), "--device", "cpu", "baoc.formats=[fp32,int8,offload]"
     )
     assert code == 1
-    cfg = load_config(CONFIGS / "diffusion.yaml", ["baoc.allowed_configs=[fp32,int8,offload]"])
+    cfg = load_config(CONFIGS / "diffusion.yaml", ["baoc.formats=[fp32,int8,offload]"])
     result = _by_name(run_checks(cfg, nn.Linear(128, 128, device="meta"), "cpu"))["formats served"]
     assert not result.passed and "offload" in result.detail and "host memory" in result.detail
-    assert "remove 'offload' from baoc.allowed_configs" in result.fix and "[fp32, int8]" in result.fix
+    assert "remove 'offload' from baoc.formats" in result.fix and "[fp32, int8]" in result.fix
     assert "offload" in out and "FAIL" in out
-    # without allowed_configs, the formats the device cannot serve are skipped, and it passes
+    # without formats, the formats the device cannot serve are skipped, and it passes
     auto = _by_name(run_checks(parse_config({"baoc": {"memory_budget": 0.3}}), nn.Linear(128, 128, device="meta"), "cpu"))
     assert auto["formats served"].passed and "offload skipped" in auto["formats served"].detail
 
@@ -90,7 +90,7 @@ def test_sampler_overhead_says_the_figure_and_fails_above_the_design_budget() ->
     small = nn.Sequential(*[nn.Linear(64, 64, device="meta") for _ in range(4)])
     busy = _by_name(run_checks(parse_config({"baoc": {"memory_budget": 0.5}}), small, "cpu"))["sampler overhead"]
     assert not busy.passed and "(98.5% of the gradient)" in busy.detail
-    assert "baoc.sampler.sample_every >= " in busy.fix and "baoc.sampler.max_elements <= " in busy.fix
+    assert "baoc.sample_every >= " in busy.fix and "baoc.max_elements <= " in busy.fix
     # either suggestion brings the estimate under the budget
     suggested = int(busy.fix.split("sample_every >= ")[1].split(" ")[0])
     elements = int(busy.fix.split("max_elements <= ")[1].split(" ")[0])
@@ -121,14 +121,14 @@ def test_sampler_overhead_estimate_reproduces_its_measured_anchor() -> None:
 @pytest.mark.parametrize(
     "baoc, check, words",
     [
-        ({"warmup_steps": 40, "sampler": {"sample_every": 10}}, "warm-up", "baoc.warmup_steps >= 80"),
+        ({"warmup_steps": 40, "sample_every": 10}, "warm-up", "baoc.warmup_steps >= 80"),
         ({"warmup_steps": 500}, "warm-up", "about a fifth of the run (e.g. 60)"),
-        ({"risk_thresholds": {"hysteresis": 0.0}, "re_evaluation_trigger": {"every_n_epochs": 1}}, "risk thresholds", "[0.01, 0.5]"),
-        ({"risk_thresholds": {"hysteresis": 0.9}, "re_evaluation_trigger": {"monitor": "val_loss"}}, "risk thresholds", "[0.01, 0.5]"),
-        ({"risk_thresholds": {"max_block_risk": 0.0}}, "risk thresholds", "max_block_risk to null"),
-        ({"re_evaluation_trigger": {"monitor": "val_acc", "mode": "min"}}, "re-evaluation trigger", "mode: max"),
-        ({"re_evaluation_trigger": {"monitor": "val_ppl", "mode": "max"}}, "re-evaluation trigger", "mode: min"),
-        ({"block_id": {"patterns": {"head": "decoder.*"}}}, "blocks", "baoc.block_id.patterns"),
+        ({"hysteresis": 0.0, "reevaluate_every_n_epochs": 1}, "risk thresholds", "[0.01, 0.5]"),
+        ({"hysteresis": 0.9, "monitor": "val_loss"}, "risk thresholds", "[0.01, 0.5]"),
+        ({"max_block_risk": 0.0}, "risk thresholds", "max_block_risk to null"),
+        ({"monitor": "val_acc", "mode": "min"}, "re-evaluation trigger", "mode: max"),
+        ({"monitor": "val_ppl", "mode": "max"}, "re-evaluation trigger", "mode: min"),
+        ({"blocks": {"head": "decoder.*"}}, "blocks", "baoc.blocks"),
     ],
 )
 def test_insane_settings_fail_with_a_fix(baoc: dict, check: str, words: str) -> None:
@@ -140,12 +140,12 @@ def test_insane_settings_fail_with_a_fix(baoc: dict, check: str, words: str) -> 
 
 def test_a_time_budget_is_priced_and_checked() -> None:
     model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512)).to("meta")
-    base = {"memory_budget": 0.3, "allowed_configs": ["fp32", "int8", "factored"], "calibration": {"mode": "prior"}}
+    base = {"memory_budget": 0.3, "formats": ["fp32", "int8", "factored"], "calibration": "prior"}
     ok = _by_name(run_checks(parse_config({"baoc": {**base, "time_budget": 3.0}}), model, "cpu"))["memory budget"]
     assert ok.passed and "prior costs" in ok.detail
     # int8 steps cost 2.4x fp32 (the prior): within a 1.0x time budget only fp32 is fast enough
     slow = _by_name(
-        run_checks(parse_config({"baoc": {**base, "allowed_configs": ["fp32", "int8"], "time_budget": 1.0}}), model, "cpu")
+        run_checks(parse_config({"baoc": {**base, "formats": ["fp32", "int8"], "time_budget": 1.0}}), model, "cpu")
     )["memory budget"]
     assert not slow.passed and "within the time budget" in slow.detail
     assert "raise baoc.time_budget to >= 2.39" in slow.fix  # int8 everywhere but the small biases
@@ -156,8 +156,8 @@ def test_sane_thresholds_pass() -> None:
         {
             "baoc": {
                 "memory_budget": 0.5,
-                "risk_thresholds": {"max_block_risk": 0.05, "hysteresis": 0.2},
-                "re_evaluation_trigger": {"monitor": "val_acc", "mode": "max"},
+                "max_block_risk": 0.05, "hysteresis": 0.2,
+                "monitor": "val_acc", "mode": "max",
             }
         }
     )
@@ -182,7 +182,7 @@ def test_model_option_takes_a_preset_over_the_config(capsys: pytest.CaptureFixtu
     # the template's patterns name the example GPT's parameters: the preset has none of them
     assert code == 1 and "blocks" in out and "FAIL" in out
     code, out = _check(
-        capsys, "--config", str(CONFIGS / "language.yaml"), "--model", "tiny", "--device", "cpu", "baoc.block_id.patterns=null"
+        capsys, "--config", str(CONFIGS / "language.yaml"), "--model", "tiny", "--device", "cpu", "baoc.blocks=null"
     )
     assert code == 0, out
 
@@ -277,21 +277,21 @@ def test_check_for_sgd_and_lion_allows_their_formats_and_budgets_their_state(cap
     model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 64)).to("meta")
     numel = sum(p.numel() for p in model.parameters())
     for rule, name in (("sgd", "SGD"), ("lion", "Lion")):
-        cfg = parse_config({"baoc": {"memory_budget": 0.3, "allowed_configs": ["fp32", "bf16", "int8", "none"]}})
+        cfg = parse_config({"baoc": {"memory_budget": 0.3, "formats": ["fp32", "bf16", "int8", "none"]}})
         results = _by_name(run_checks(cfg, model, "cpu", rule))
         budget = results["memory budget"]
         assert results["formats served"].passed and budget.passed, budget.detail
         assert f"of fp32 {name}'s" in budget.detail and budget.figures["fp32_bytes"] == 4 * numel
         assert budget.figures["budget_bytes"] == int(0.3 * 4 * numel)
         # AdamW's formats are not the optimizer's: named, with the fix
-        adamw = parse_config({"baoc": {"memory_budget": 0.3, "allowed_configs": ["fp32", "int8_factored"]}})
+        adamw = parse_config({"baoc": {"memory_budget": 0.3, "formats": ["fp32", "int8_factored"]}})
         served = _by_name(run_checks(adamw, model, "cpu", rule))["formats served"]
         assert not served.passed and "['int8_factored']" in served.detail and f"not formats of {name}" in served.detail
     # AdamW's check of the same config: 'none' is not AdamW's
-    cfg = parse_config({"baoc": {"memory_budget": 0.3, "allowed_configs": ["fp32", "none"]}})
+    cfg = parse_config({"baoc": {"memory_budget": 0.3, "formats": ["fp32", "none"]}})
     assert not _by_name(run_checks(cfg, model, "cpu"))["formats served"].passed
     code, out = _check(capsys, "--config", str(CONFIGS / "vision.yaml"), "--device", "cpu", "--optimizer", "sgd",
-                       "baoc.allowed_configs=[fp32,bf16,int8,none]")
+                       "baoc.formats=[fp32,bf16,int8,none]")
     assert code == 0 and "with SGD on cpu" in out and "of fp32 SGD's" in out
     with pytest.raises(ValueError, match="Invalid optimizer: 'adam'"):
         run_checks(cfg, model, "cpu", "adam")
@@ -300,14 +300,14 @@ def test_check_for_sgd_and_lion_allows_their_formats_and_budgets_their_state(cap
 @pytest.mark.parametrize("corrections", [None, ["none", "ecc8", "ecc16"]], ids=["states", "corrections"])
 def test_bf16_true_weights_are_budgeted_as_the_run_budgets_them(corrections: list[str] | None) -> None:
     """``trainer.precision: bf16-true``: a fractional budget is of torch AdamW's state in bf16 (the
-    controller's baseline, half of fp32's), and with ``master_weights.corrections`` the planned start
+    controller's baseline, half of fp32's), and with ``corrections`` the planned start
     is the controller's, states and corrections, byte for byte."""
     from lightning_baoc.control.controller import BAOCController
     from lightning_baoc.tools.presets import build_model
 
     baoc: dict = {"memory_budget": 0.3}
     if corrections is not None:
-        baoc["master_weights"] = {"corrections": corrections}
+        baoc["corrections"] = corrections
     cfg = parse_config({"baoc": baoc, "trainer": {"precision": "bf16-true"}})
     result = _by_name(run_checks(cfg, build_model("tiny"), "cpu"))["memory budget"]
     assert result.passed, result
@@ -330,7 +330,7 @@ def test_bf16_true_weights_are_budgeted_as_the_run_budgets_them(corrections: lis
 
 
 def test_corrections_on_fp32_weights_fail_naming_the_precision() -> None:
-    cfg = parse_config({"baoc": {"memory_budget": 0.3, "master_weights": {"corrections": ["none", "ecc8"]}}})
+    cfg = parse_config({"baoc": {"memory_budget": 0.3, "corrections": ["none", "ecc8"]}})
     result = _by_name(run_checks(cfg, nn.Linear(128, 128, device="meta"), "cpu"))["memory budget"]
     assert not result.passed and "trains no bf16 or fp16 parameter" in result.detail
     assert "trainer.precision: bf16-true" in result.fix

@@ -89,7 +89,7 @@ def test_plan_refuses_an_absolute_time_budget_without_calibration(capsys: pytest
 
 def test_check_refuses_an_absolute_time_budget_priced_with_the_prior() -> None:
     model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 8)).to("meta")
-    base = {"memory_budget": 0.5, "allowed_configs": ["fp32", "int8", "factored"], "time_budget": "20ms"}
+    base = {"memory_budget": 0.5, "formats": ["fp32", "int8", "factored"], "time_budget": "20ms"}
     # calibration 'auto', but the device is not here: the step cannot be measured in seconds
     elsewhere = "mps" if sys.platform != "darwin" else "xpu"
     result = {r.name: r for r in run_checks(parse_config({"baoc": base}), model, elsewhere)}["memory budget"]
@@ -98,7 +98,7 @@ def test_check_refuses_an_absolute_time_budget_priced_with_the_prior() -> None:
     assert "baoc.time_budget: 1.2" in result.fix and f"the {elsewhere} device" in result.fix
     # with calibration 'prior' the config itself is refused at load, naming the key
     with pytest.raises(ValueError, match=r"time_budget.*absolute time.*calibration='auto'"):
-        parse_config({"baoc": {**base, "calibration": {"mode": "prior"}}})
+        parse_config({"baoc": {**base, "calibration": "prior"}})
 
 
 # ---------------------------------------------------------------------------- 15: exit codes, rounding, int budgets
