@@ -13,7 +13,7 @@ state (the documented transient: only a bug can get there).
 
 The weights train in ``trainer.precision``'s dtype (``bf16-true``: bf16; the ``-mixed`` precisions keep
 fp32 weights), so a fractional budget is of torch's optimizer state in that dtype, the controller's
-baseline; with ``baoc.master_weights.corrections`` the options pair formats with corrections and the
+baseline; with ``baoc.corrections`` the options pair formats with corrections and the
 phases hold both, as the controller plans them.
 """
 
@@ -60,7 +60,7 @@ def check_budget(
     params = dict(model.named_parameters())
     shapes = {name: [tuple(params[n].shape) for n in names] for name, names in blocks.items()}
     dtypes = weight_dtypes(config, params, blocks)
-    prior = b.calibration.mode == "prior" or not _local(device)
+    prior = b.calibration == "prior" or not _local(device)
     problem = _problem(config, shapes, served, device, prior, rule, dtypes)
     if isinstance(problem, CheckResult):
         return problem
@@ -84,8 +84,8 @@ def check_budget(
     problem.budgets(b.memory_budget, b.time_budget)  # a malformed budget is bad input (exit 2), not a FAIL
     kinds = {name: block_kind(model, name) for name in shapes}
     try:
-        sampler = {"capacity": b.sampler.capacity, "max_elements": b.sampler.max_elements,
-                   "instrument_share": b.sampler.instrument_share}
+        sampler = {"capacity": b.capacity, "max_elements": b.max_elements,
+                   "instrument_share": b.instrument_share}
         phases = problem.phases(kinds, b.memory_budget, b.time_budget, initial=b.initial, sampler=sampler)
     except BudgetInfeasibleError as err:
         return _infeasible(err, context)
@@ -122,22 +122,22 @@ def _problem(
     dtypes: dict[str, list[torch.dtype]],
 ) -> AllocationProblem | CheckResult:
     """The problem the training controller builds (its baseline from the weights' dtypes, its options
-    paired with ``baoc.master_weights.corrections``), or the failed check when there is none."""
+    paired with ``baoc.corrections``), or the failed check when there is none."""
     b = config.baoc
-    corrections = b.master_weights.corrections
+    corrections = b.corrections
     refused = corrections_refused(dtypes.values()) if corrections is not None else None
     if refused:
         return CheckResult(
-            NAME, False, f"baoc.master_weights.corrections={list(corrections)}: {refused} "
+            NAME, False, f"baoc.corrections={list(corrections)}: {refused} "
             f"(trainer.precision={config.trainer.get('precision')!r})",
-            "set trainer.precision: bf16-true, or leave baoc.master_weights.corrections unset",
+            "set trainer.precision: bf16-true, or leave baoc.corrections unset",
         )
     timed = b.time_budget is not None
     if timed and prior and is_absolute_time(b.time_budget):
         # seconds cannot be compared with the unitless prior costs (the callback's rule too)
         where = (
-            "set baoc.calibration.mode: auto"
-            if b.calibration.mode == "prior"
+            "set baoc.calibration: auto"
+            if b.calibration == "prior"
             else f"run check on a machine with the {device} device, where the step is measured in seconds"
         )
         err = absolute_time_with_prior_error(b.time_budget, "baoc.time_budget", where + ".")
@@ -150,7 +150,7 @@ def _problem(
             timed=timed,
             costs="prior" if prior else "calibrate",
             min_8bit_numel=b.min_8bit_numel,
-            cache_dir=b.calibration.cache_dir,
+            cache_dir=b.calibration_cache_dir,
             rule=rule,
             baseline_bytes=baseline_state_bytes(shapes, dtypes, rule),
             corrections=corrections,
@@ -158,7 +158,7 @@ def _problem(
         )
     except ValueError:
         note = "".join(f"; {f} withheld ({why})" for f, why in withheld_formats(device, timed, served, rule).items())
-        fix = "set baoc.time_budget, or allow other formats in baoc.allowed_configs"
+        fix = "set baoc.time_budget, or allow other formats in baoc.formats"
         return CheckResult(NAME, False, f"no allowed format is offered on {device}{note}", fix)
 
 
@@ -173,7 +173,7 @@ def _phases_result(phases: StatePhases, c: _BudgetContext, least: int) -> CheckR
         f"({least / c.baseline_bytes:.3f} of {c.unit}){c.time_note}{c.withheld_note}; state by phase: {phases.summary()}; "
         f"the warm-up's states are created in the start formats ({fp32_warmup}); the sampler's buffers and the "
         f"shadow moments hold {format_bytes(phases.instrument_bytes)} besides, outside the budget (at most "
-        f"{format_bytes(phases.instrument_allowance)}, baoc.sampler.instrument_share)"
+        f"{format_bytes(phases.instrument_allowance)}, baoc.instrument_share)"
     )
     figures = {"budget_bytes": budget_bytes, "fp32_bytes": fp32_bytes, **{f.phase: f.state_bytes for f in phases.figures()},
                "instrument_bytes": phases.instrument_bytes}
@@ -236,7 +236,7 @@ def _infeasible(err: BudgetInfeasibleError, c: _BudgetContext) -> CheckResult:
             "raise baoc.time_budget, or lower the memory pressure (a larger baoc.memory_budget)",
         )
     cheaper = [f for f in ("factored", "nomomentum_int8", "int8_factored") if f not in served and f not in mask]
-    allow = f", or allow cheaper formats in baoc.allowed_configs ({', '.join(cheaper)})" if cheaper else ""
+    allow = f", or allow cheaper formats in baoc.formats ({', '.join(cheaper)})" if cheaper else ""
     if b.time_budget is not None:
         # the memory needed is the least within the time budget: a looser one may need less
         slower = (

@@ -4,10 +4,11 @@ Before a long run, check a config against the model and the device it will train
 training anything: the model is built on the ``meta`` device (shapes only). Each check passes or
 fails, and every failure says how to fix it:
 
-1. **formats served**: the formats the config allows (``baoc.allowed_configs``) that the device
+1. **formats served**: the formats the config allows (``baoc.formats``) that the device
    cannot serve (:func:`~lightning_baoc.costs.calibration.hardware_mask`: ``offload`` on a CPU or MPS,
    bf16 on CUDA devices without native bf16).
-2. **blocks**: the model partitions into blocks with ``baoc.block_id`` (every pattern matches).
+2. **blocks**: the model partitions into blocks with ``baoc.granularity`` and ``baoc.blocks`` (every
+   pattern matches).
 3. **memory budget**: some allocation of the allowed formats meets the budgets on this model
    (the same exact solver as the callback's check at install); a failure names the smallest
    feasible budget. The line reports the state on the device in every phase of the run (start,
@@ -165,7 +166,7 @@ def run_checks(
 
     Example:
         >>> from lightning_baoc.config.files import parse_config
-        >>> cfg = parse_config({"baoc": {"memory_budget": 0.3, "allowed_configs": ["fp32", "int8", "offload"]}})
+        >>> cfg = parse_config({"baoc": {"memory_budget": 0.3, "formats": ["fp32", "int8", "offload"]}})
         >>> [r.status for r in run_checks(cfg, nn.Linear(256, 256, device="meta"), "cpu")][:1]
         ['FAIL']
     """
@@ -195,18 +196,18 @@ def _check_served(config: Config, device: str, rule: str) -> tuple[CheckResult, 
     b = config.baoc
     mask = hardware_mask(device)
     own = formats_of(rule)
-    requested = list(b.allowed_configs) if b.allowed_configs is not None else list(own)
+    requested = list(b.formats) if b.formats is not None else list(own)
     foreign = [f for f in requested if f not in own]
     if foreign:
         result = CheckResult(
             "formats served", False,
-            f"baoc.allowed_configs names {foreign}, which are not formats of {RULE_NAMES[rule]} ({list(own)})",
+            f"baoc.formats names {foreign}, which are not formats of {RULE_NAMES[rule]} ({list(own)})",
             f"allow {RULE_NAMES[rule]}'s formats only, or check for the optimizer they belong to (--optimizer)",
         )  # fmt: skip
         return result, [], mask
     unserved = [f for f in requested if f in mask]
     served = [f for f in requested if f not in mask]
-    if b.allowed_configs is None:
+    if b.formats is None:
         note = "; ".join(f"{f} skipped ({why})" for f, why in mask.items())
         detail = f"all formats the device serves on {device}: {served}" + (f"; {note}" if note else "")
         return CheckResult("formats served", True, detail), served, mask
@@ -217,26 +218,27 @@ def _check_served(config: Config, device: str, rule: str) -> tuple[CheckResult, 
     result = CheckResult(
         "formats served",
         False,
-        f"baoc.allowed_configs asks for {unserved}, which {device} cannot serve ({reasons})",
-        f"remove {', '.join(repr(f) for f in unserved)} from baoc.allowed_configs (e.g. allowed_configs: {keep}), "
+        f"baoc.formats asks for {unserved}, which {device} cannot serve ({reasons})",
+        f"remove {', '.join(repr(f) for f in unserved)} from baoc.formats (e.g. formats: {keep}), "
         f"or train on a device that serves {'it' if len(unserved) == 1 else 'them'}",
     )
     return result, served, mask
 
 
 def _check_blocks(config: Config, model: nn.Module) -> tuple[CheckResult, Any]:
-    """2. blocks: the model partitions with ``baoc.block_id``; the partition report (``None`` if not)."""
+    """2. blocks: the model partitions with ``baoc.granularity`` and ``baoc.blocks``; the partition report
+    (``None`` if not)."""
     b = config.baoc
     try:
-        report = partition_report(model, b.block_id.granularity, b.block_id.patterns)
+        report = partition_report(model, b.granularity, b.blocks)
     except (TypeError, ValueError) as err:
-        fix = "fix baoc.block_id.patterns (globs over model.named_parameters() names)"
+        fix = "fix baoc.blocks (globs over model.named_parameters() names)"
         return CheckResult("blocks", False, str(err), fix), None
     numel = sum(report.numel.values())
     named = f", {len(report.pattern_blocks)} from patterns ({', '.join(report.pattern_blocks)})" if report.pattern_blocks else ""
     frozen = f"; {len(report.frozen)} frozen parameter(s) left out" if report.frozen else ""
     detail = (
-        f"{len(report.blocks)} blocks ({b.block_id.granularity} granularity{named}) over {numel:,} trainable "
+        f"{len(report.blocks)} blocks ({b.granularity} granularity{named}) over {numel:,} trainable "
         f"parameters{frozen}"
     )
     return CheckResult("blocks", True, detail), report
@@ -244,7 +246,7 @@ def _check_blocks(config: Config, model: nn.Module) -> tuple[CheckResult, Any]:
 
 def _check_sampler(config: Config, block_numel: dict[str, int]) -> CheckResult:
     """4. sampler overhead: the estimated cost against :data:`MAX_SAMPLER_OVERHEAD`."""
-    s = config.baoc.sampler
+    s = config.baoc
     est = sampler_overhead(block_numel, s.sample_every, s.max_elements, s.capacity, s.sparse_sampling)
     detail = (
         f"reads {est.elements_per_sample:,} gradient elements per sample ({est.share_per_sample:.1%} of the "
@@ -256,12 +258,12 @@ def _check_sampler(config: Config, block_numel: dict[str, int]) -> CheckResult:
     # overhead ~ (2 / sample_every) * share: the sample_every that brings it within budget
     need = math.ceil(2 * OVERHEAD_PER_GRADIENT_SHARE * est.share_per_sample / MAX_SAMPLER_OVERHEAD)
     fix = (
-        f"set baoc.sampler.sample_every >= {max(need, s.sample_every + 1)} (keep baoc.warmup_steps >= "
+        f"set baoc.sample_every >= {max(need, s.sample_every + 1)} (keep baoc.warmup_steps >= "
         f"{MIN_WARMUP_SAMPLES} x sample_every)"
     )
     elements = _max_elements_within_budget(block_numel, s)
     if elements is not None:
-        fix += f", or baoc.sampler.max_elements <= {elements}"
+        fix += f", or baoc.max_elements <= {elements}"
     return CheckResult(
         "sampler overhead", False, detail + f", over the {MAX_SAMPLER_OVERHEAD:.0%} the sampler is designed for", fix
     )
@@ -284,7 +286,7 @@ def _max_elements_within_budget(block_numel: dict[str, int], s: Any) -> int | No
 
 def _check_warmup(config: Config) -> CheckResult:
     b = config.baoc
-    every = b.sampler.sample_every
+    every = b.sample_every
     samples = (b.warmup_steps - 1) // every + 1
     max_steps = config.trainer.get("max_steps")
     if isinstance(max_steps, int) and max_steps > 0 and b.warmup_steps >= max_steps:
@@ -301,64 +303,63 @@ def _check_warmup(config: Config) -> CheckResult:
             "warm-up",
             False,
             detail + f": fewer than {MIN_WARMUP_SAMPLES}, the statistics would be noisy",
-            f"set baoc.warmup_steps >= {MIN_WARMUP_SAMPLES * every} or baoc.sampler.sample_every <= "
+            f"set baoc.warmup_steps >= {MIN_WARMUP_SAMPLES * every} or baoc.sample_every <= "
             f"{max(1, b.warmup_steps // MIN_WARMUP_SAMPLES)}",
         )
-    if samples > b.sampler.capacity:
-        detail += f"; the ring keeps the last {b.sampler.capacity}"
+    if samples > b.capacity:
+        detail += f"; the ring keeps the last {b.capacity}"
     if isinstance(max_steps, int) and max_steps > 0:
         detail += f"; {b.warmup_steps / max_steps:.0%} of trainer.max_steps={max_steps}"
     return CheckResult("warm-up", True, detail)
 
 
 def _check_risk(config: Config) -> CheckResult:
-    r = config.baoc.risk_thresholds
-    t = config.baoc.re_evaluation_trigger
-    if r.max_block_risk is not None and r.max_block_risk <= 0:
+    b = config.baoc
+    if b.max_block_risk is not None and b.max_block_risk <= 0:
         return CheckResult(
             "risk thresholds",
             False,
-            "baoc.risk_thresholds.max_block_risk=0 admits only the formats of zero risk (fp32, offload), so a "
+            "baoc.max_block_risk=0 admits only the formats of zero risk (fp32, offload), so a "
             "budget below fp32 can only be met by lifting the cap",
-            "set baoc.risk_thresholds.max_block_risk to null (no cap) or a positive cap, e.g. 0.05",
+            "set baoc.max_block_risk to null (no cap) or a positive cap, e.g. 0.05",
         )
-    cap = "no per-block cap" if r.max_block_risk is None else f"per-block risk cap {r.max_block_risk:g}"
-    triggers = t.every_n_epochs is not None or t.monitor is not None
+    cap = "no per-block cap" if b.max_block_risk is None else f"per-block risk cap {b.max_block_risk:g}"
+    triggers = b.reevaluate_every_n_epochs is not None or b.monitor is not None
     if not triggers:
         return CheckResult(
-            "risk thresholds", True, f"{cap}; hysteresis {r.hysteresis:g} unused (no re-evaluation trigger)"
+            "risk thresholds", True, f"{cap}; hysteresis {b.hysteresis:g} unused (no re-evaluation trigger)"
         )
     low, high = HYSTERESIS_RANGE
-    if not low <= r.hysteresis <= high:
+    if not low <= b.hysteresis <= high:
         why = (
             "every re-evaluation would migrate on noise in the statistics (allocations flap)"
-            if r.hysteresis < low
+            if b.hysteresis < low
             else "a re-evaluation would migrate only if the total risk dropped by that much: practically never"
         )
         return CheckResult(
             "risk thresholds",
             False,
-            f"{cap}; baoc.risk_thresholds.hysteresis={r.hysteresis:g}: {why}",
-            f"set baoc.risk_thresholds.hysteresis in [{low}, {high}] (default 0.1)",
+            f"{cap}; baoc.hysteresis={b.hysteresis:g}: {why}",
+            f"set baoc.hysteresis in [{low}, {high}] (default 0.1)",
         )
-    return CheckResult("risk thresholds", True, f"{cap}; hysteresis {r.hysteresis:g}")
+    return CheckResult("risk thresholds", True, f"{cap}; hysteresis {b.hysteresis:g}")
 
 
 def _check_trigger(config: Config) -> CheckResult:
-    t = config.baoc.re_evaluation_trigger
+    t = config.baoc
     parts = []
-    if t.every_n_epochs is not None:
-        parts.append(f"every {t.every_n_epochs} epoch(s)")
+    if t.reevaluate_every_n_epochs is not None:
+        parts.append(f"every {t.reevaluate_every_n_epochs} epoch(s)")
     if t.monitor is not None:
         expected = _direction(t.monitor)
         if expected is not None and expected != t.mode:
             return CheckResult(
                 "re-evaluation trigger",
                 False,
-                f"baoc.re_evaluation_trigger.monitor={t.monitor!r} reads like a metric that improves "
+                f"baoc.monitor={t.monitor!r} reads like a metric that improves "
                 f"{'upwards' if expected == 'max' else 'downwards'}, but mode={t.mode!r}: improvements would "
                 f"count as a plateau",
-                f"set baoc.re_evaluation_trigger.mode: {expected}",
+                f"set baoc.mode: {expected}",
             )
         parts.append(f"plateau of {t.monitor!r} ({t.mode}, patience {t.patience}, min_delta {t.min_delta:g})")
     if not parts:
@@ -379,7 +380,7 @@ def render(results: Sequence[CheckResult], console: Any = None, title: str = "li
     table.add_column("found")
     table.add_column("fix")
     for r in results:
-        # Text, not markup: details hold brackets ("allowed_configs: [fp32, int8]")
+        # Text, not markup: details hold brackets ("formats: [fp32, int8]")
         status = Text(r.status, style="green" if r.passed else "bold red")
         table.add_row(Text(r.name), status, Text(r.detail), Text(r.fix))
     console.print(table)
