@@ -1,36 +1,20 @@
-"""The blocks the controller manages: the model partitioned and matched to the optimizer's
-parameters by identity, their tables (shapes, the user's baseline, the
-:class:`~lightning_baoc.costs.AllocationProblem`), the gradient sampler over them, the warm-up
-formats, and parameters that join the optimizer after install.
+"""The blocks the controller manages: the model partitioned, matched to the optimizer's parameters.
 
-A mixin of :class:`~lightning_baoc.control.controller.BAOCController`: the lifecycle owns the attributes.
+:class:`Blocks` partitions the model (:func:`lightning_baoc.sampling.blocks.partition`) and keeps the
+parameters the optimizer holds, matched by identity (whatever names the optimizer gives them), under
+the optimizer's names. It also notices parameters that join the optimizer after install
+(``add_param_group``, ``BackboneFinetuning``, a held parameter unfrozen) so the controller can take
+them in.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-import warnings
-from typing import Any, Callable
-
 import torch
 from torch import nn
 
-from lightning_baoc.config.budget import format_bytes
-from lightning_baoc.control.protocol import Broadcast
-from lightning_baoc.costs import AllocationProblem, baseline_state_bytes
-from lightning_baoc.costs.calibration import withheld_formats
-from lightning_baoc.costs.instruments import InstrumentSizes
-from lightning_baoc.formats import RULE_NAMES, formats_of
-from lightning_baoc.formats.correction import corrections_refused
+from lightning_baoc.config.settings import BAOCConfig
 from lightning_baoc.optim import BlockwiseOptimizer
-from lightning_baoc.optim.sharding import shard_shape
-from lightning_baoc.risk.momentum import shadow_betas
-from lightning_baoc.risk.shadow import ShadowMoments
-from lightning_baoc.sampling import GradientSampler
 from lightning_baoc.sampling.blocks import partition
-
-log = logging.getLogger("lightning_baoc.control.controller")
 
 
 def _stepped(optimizer: BlockwiseOptimizer, param: torch.Tensor) -> bool:
@@ -50,47 +34,54 @@ def _stateful(optimizer: BlockwiseOptimizer, param: torch.Tensor) -> bool:
         return True
 
 
-class BlocksMixin:
-    """Blocks, tables, sampler and late parameters of the controller (see the module docstring)."""
+class Blocks:
+    """The partition of the model into blocks, in the optimizer's names of the parameters.
 
-    # provided by the controller this is mixed into
-    config: Any
-    phase: str
-    pending: str | None
-    block_params: dict[str, list[str]]
-    sampler: GradientSampler | None
-    shadow: ShadowMoments | None
-    instruments: InstrumentSizes
-    _betas_cache: tuple[Any, dict[str, tuple[float, float]]] | None
-    optimizer: BlockwiseOptimizer | None
-    ring_samples: int
-    _module: nn.Module | None
-    _managed: set[int]
-    _held_frozen: list[torch.Tensor]
-    _group_sizes: tuple[int, ...]
-    _model_names: dict[str, str]
-    _shapes: dict[str, list[tuple[int, ...]]]
-    _dtypes: dict[str, list[torch.dtype]]
-    _numel: dict[str, int]
-    _baseline: int
-    _device: torch.device
-    _problem: AllocationProblem | None
-    _withheld: dict[str, str]
-    _offered: list[str]
-    _memory: dict[str, dict[str, int]]
-    baseline_state_bytes: int
-    check_feasible: Callable[..., None]
-    shadow: ShadowMoments | None
-    _start_within_budget: Callable[[], None]
+    A held parameter is in a block if it is trainable or holds state: one already in a block, or
+    frozen with state loaded from a checkpoint, still takes memory the budget must count. A
+    parameter that can hold no state (SGD without momentum in its group) is in no block.
 
-    def _build_blocks(self, opt: BlockwiseOptimizer, module: nn.Module) -> None:
-        """Partition the model and keep the parameters ``opt`` holds, by identity, in its names.
+    Args:
+        config: the settings; :meth:`build` reads ``granularity`` and ``blocks`` (the glob patterns).
 
-        A held parameter is in a block if it is trainable or holds state: one already in a block,
-        or frozen with state loaded from a checkpoint, still takes memory the budget must count.
-        A parameter that can hold no state (SGD without momentum in its group) is in no block.
+    Attributes:
+        params: block -> the optimizer's names of its parameters (empty before :meth:`build`).
+        model_names: the optimizer's name of a parameter -> the model's.
+
+    Example:
+        >>> from lightning_baoc import BlockwiseAdamW
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        >>> opt = BlockwiseAdamW(model.parameters())
+        >>> blocks = Blocks(BAOCConfig(memory_budget=0.5))
+        >>> blocks.build(opt, model)
+        >>> blocks.params, blocks.new_parameters(opt)
+        ({'0': ['0', '1'], '1': ['2', '3']}, False)
+    """
+
+    def __init__(self, config: BAOCConfig) -> None:
+        self.config = config
+        self.params: dict[str, list[str]] = {}
+        self.model_names: dict[str, str] = {}
+        self._managed: set[int] = set()  # ids of the parameters in the blocks
+        self._held_frozen: list[torch.Tensor] = []  # held by the optimizer, frozen, in no block
+        self._group_sizes: tuple[int, ...] = ()
+
+    @property
+    def size(self) -> int:
+        """The parameter tensors in the blocks."""
+        return len(self._managed)
+
+    def forget(self) -> None:
+        """Drop the record of the parameters managed (a new optimizer is taken over)."""
+        self._managed = set()
+
+    def build(self, opt: BlockwiseOptimizer, module: nn.Module) -> None:
+        """Partition ``module`` and keep the parameters ``opt`` holds, by identity, in its names.
+
+        Raises:
+            ValueError: ``opt`` holds parameters ``module`` does not have, parameters put into its
+                ``param_groups`` without ``add_param_group``, or no trainable parameter.
         """
-        cfg = self.config
         model_named = dict(module.named_parameters())
         model_name = {id(p): n for n, p in model_named.items()}
         held = opt.named_params
@@ -120,149 +111,27 @@ class BlocksMixin:
                 f"the optimizer holds no trainable parameter of the model ({len(held)} held, all frozen "
                 f"(requires_grad=False)): nothing to allocate; give the optimizer trainable parameters"
             )
-        raw = partition(module, cfg.granularity, cfg.blocks, keep=keep)
+        raw = partition(module, self.config.granularity, self.config.blocks, keep=keep)
         chosen = set(trainable)
         blocks = {b: [opt_name[id(model_named[n])] for n in names if n in chosen] for b, names in raw.items()}
-        self.block_params = {b: names for b, names in blocks.items() if names}
-        self._model_names = {opt_name[id(model_named[n])]: n for n in trainable}
-        self._managed = {id(held[n]) for names in self.block_params.values() for n in names}
+        self.params = {b: names for b, names in blocks.items() if names}
+        self.model_names = {opt_name[id(model_named[n])]: n for n in trainable}
+        self._managed = {id(held[n]) for names in self.params.values() for n in names}
         self._held_frozen = [p for p in held.values() if id(p) not in self._managed]
         self._group_sizes = tuple(len(g["params"]) for g in opt.param_groups)
 
-    def _refresh_tables(self, opt: BlockwiseOptimizer) -> None:
-        """Shapes, sizes, the user's baseline, the formats offered and the memory table of the blocks."""
-        cfg = self.config
-        named = opt.named_params
-        registry = formats_of(opt.rule)
-        # a sharded model (FSDP2) is budgeted per rank, on each tensor's largest shard (the most any rank
-        # holds: met there, met on every rank), its formats decided on the whole tensor
-        self._shapes = {b: [shard_shape(named[n]) for n in names] for b, names in self.block_params.items()}
-        self._numel = {b: sum(math.prod(s) for s in shapes) for b, shapes in self._shapes.items()}
-        foreign = [f for f in cfg.formats or () if f not in registry]
-        if foreign:
-            raise ValueError(
-                f"BAOC(formats={list(cfg.formats)}): {foreign} are not formats of {RULE_NAMES[opt.rule]} "
-                f"({type(opt).__name__}); its formats are {list(registry)}: name those"
-            )
-        wanted = list(cfg.formats) if cfg.formats is not None else list(registry)
-        self._dtypes = dtypes = {b: [named[n].dtype for n in names] for b, names in self.block_params.items()}
-        self._baseline = baseline_state_bytes(self._shapes, dtypes, opt.rule)  # torch's buffers, in each dtype
-        refused = corrections_refused(dtypes.values()) if cfg.corrections is not None else None
-        if refused:
-            raise ValueError(
-                f"BAOC(corrections={list(cfg.corrections)}): {refused}: train the weights in bf16 (precision='bf16-true'), "
-                f"or leave corrections unset"
-            )
-        self._problem = AllocationProblem(
-            self._shapes,
-            self._device,
-            wanted,
-            timed=cfg.time_budget is not None,
-            costs="prior" if cfg.calibration == "prior" else "calibrate",
-            min_8bit_numel=opt.min_8bit_numel,
-            baseline_bytes=self._baseline,
-            cache_dir=cfg.calibration_cache_dir,
-            rule=opt.rule,
-            corrections=cfg.corrections,
-            dtypes=dtypes,
-        )
-        self._withheld = dict(self._problem.withheld)
-        self._offered = self._problem.allowed
-        self._memory = self._problem.memory
+    def model_params(self) -> dict[str, list[str]]:
+        """Block -> the model's names of its parameters (what the reports show)."""
+        return {b: [self.model_names.get(n, n) for n in names] for b, names in self.params.items()}
 
-    def _restart_sampler(self, module: nn.Module) -> None:
-        """A new sampler over the blocks' trainable parameters (the model's names); empty ring."""
-        cfg = self.config
-        model_named = dict(module.named_parameters())
-        sampled = {}
-        for b, names in self.block_params.items():
-            trainable = [self._model_names[n] for n in names if model_named[self._model_names[n]].requires_grad]
-            if trainable:
-                sampled[b] = trainable
-        if self.sampler is not None:
-            self.sampler.close()
-        sizes = self.instruments = self._size_instruments()
-        self.sampler = GradientSampler(module, sampled, cfg.sample_every, cfg.capacity, sizes.max_elements, seed=cfg.seed)
-        self.ring_samples = 0
+    def names(self) -> list[str]:
+        """The optimizer's names of every parameter in the blocks, block by block."""
+        return [n for names in self.params.values() for n in names]
 
-    def _size_instruments(self) -> InstrumentSizes:
-        """The sampler's and the shadow's sizes within the instruments' allowance
-        (:mod:`lightning_baoc.costs.instruments`)."""
-        cfg = self.config
-        return self.problem.instruments(cfg.capacity, cfg.max_elements, cfg.instrument_share)
-
-    @property
-    def instrument_bytes(self) -> int:
-        """Bytes the sampler's buffers and the shadow moments hold now (outside the state budget)."""
-        held = self.sampler.buffer_bytes() if self.sampler is not None else 0
-        return held + (self.shadow.nbytes() if self.shadow is not None else 0)
-
-    def _restart_shadow(self) -> None:
-        """Shadow moments over the blocks' parameters (:mod:`lightning_baoc.risk.shadow`); tensors
-        already shadowed keep theirs."""
-        assert self.optimizer is not None
-        named = self.optimizer.named_params
-        old = self.shadow
-        params = {n: named[n] for names in self.block_params.values() for n in names}
-        self.shadow = ShadowMoments(params, self.instruments.shadow_elements, seed=self.config.seed)
-        if old is not None:
-            self.shadow.load_state_dict(old.state_dict())
-
-    def _betas(self) -> dict[str, tuple[float, float]]:
-        """Parameter name -> the betas of its shadow moments (as floats): its group's for AdamW;
-        for SGD and Lion the buffer's own average and 0.999
-        (:func:`~lightning_baoc.risk.momentum.shadow_betas`)."""
-        assert self.optimizer is not None
-        opt = self.optimizer
-        groups = opt.param_groups
-        key = tuple((str(g.get("betas", g.get("momentum"))), len(g["params"]), id(g)) for g in groups)
-        cached = self._betas_cache
-        if cached is not None and cached[0] == key:  # rebuilt only when a group or its betas change
-            return cached[1]
-        if opt.rule != "adamw":
-            out = shadow_betas(opt)
-        else:
-            out = {}
-            for group in groups:
-                betas = (float(group["betas"][0]), float(group["betas"][1]))
-                for p in group["params"]:
-                    out[opt.param_name(p)] = betas
-        self._betas_cache = (key, out)
-        return out
-
-    def _warmup_formats(self) -> None:
-        """Warm-up state no larger than the user's AdamW: ``bf16`` for 2-byte parameters.
-
-        torch's AdamW holds bf16/fp16 moments on such parameters (4 bytes per element); ``fp32``
-        state (8) would double the user's optimizer memory. Only plain ``fp32`` requests change.
-        """
-        assert self.optimizer is not None
-        named = self.optimizer.named_params
-        small = [
-            n
-            for names in self.block_params.values()
-            for n in names
-            if named[n].element_size() < 4 and self.optimizer.requested_format(named[n]) == "fp32"
-        ]
-        if not small:
-            return
-        masked = withheld_formats(self._device, True, ["bf16"])
-        if masked:  # emulated bf16 would be slow: fp32, said aloud
-            warnings.warn(
-                f"BAOC: {len(small)} low-precision parameter tensor(s) warm up with fp32 state (8 bytes per "
-                f"element, twice torch AdamW's): bf16 state is withheld on {self._device} ({masked['bf16']})",
-                UserWarning,
-                stacklevel=3,
-            )
-            return
-        self.optimizer.set_formats({n: "bf16" for n in small})
-
-    def _new_parameters(self) -> bool:
-        """Whether the optimizer now trains or holds state for parameters outside the blocks
+    def new_parameters(self, opt: BlockwiseOptimizer) -> bool:
+        """Whether ``opt`` now trains or holds state for parameters outside the blocks
         (``add_param_group``; a held parameter unfrozen, or given state by a checkpoint loaded after
         install). Cheap when nothing changed: group sizes and the held frozen ones."""
-        opt = self.optimizer
-        assert opt is not None
         sizes = tuple(len(g["params"]) for g in opt.param_groups)
         if sizes == self._group_sizes and not any(self._joins(opt, p) for p in self._held_frozen):
             return False
@@ -276,32 +145,5 @@ class BlocksMixin:
         """Whether a parameter outside the blocks now belongs in one."""
         return _stateful(opt, param) and (param.requires_grad or _stepped(opt, param))
 
-    def _grow(self, broadcast: Broadcast | None, is_global_zero: bool) -> None:
-        """Take parameters added after install into the blocks, tables and sampler.
 
-        After the first allocation a re-allocation of every block is made due at once (reason
-        ``"params"``), within the budget resolved against all parameters now trained; the new
-        parameters have no state yet and get the planner's prior risk until they do. During
-        warm-up the budget is checked again (an absolute one may no longer fit). The sampler is
-        rebuilt over the new blocks: statistics start afresh (a warm-up ends two samples later).
-        """
-        assert self.optimizer is not None and self._module is not None
-        before = len(self._managed)
-        self._build_blocks(self.optimizer, self._module)
-        self._refresh_tables(self.optimizer)
-        self._restart_sampler(self._module)
-        self._restart_shadow()
-        log.info(
-            f"BAOC: {len(self._managed) - before} parameter tensor(s) joined the optimizer after install; "
-            f"{len(self.block_params)} blocks now, {RULE_NAMES[self.optimizer.rule]} state "
-            f"{format_bytes(self.baseline_state_bytes)}"
-        )
-        if self.phase == "allocated":
-            self.pending = "params"
-        else:
-            self._warmup_formats()
-            self._start_within_budget()  # the new blocks start within the budget too
-            self.check_feasible(broadcast, is_global_zero)
-
-
-__all__ = ["BlocksMixin"]
+__all__ = ["Blocks"]

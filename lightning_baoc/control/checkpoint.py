@@ -1,20 +1,20 @@
-"""The controller's checkpointed state: what :meth:`BAOCController.state_dict` saves, and how a
-resume re-applies it (the saved formats, the settings that shaped them, a changed partition).
+"""The controller's checkpointed state: what :meth:`BAOCController.state_dict` saves, what a saved
+state means for the run that resumes it (the saved formats, the settings that shaped them, a changed
+partition).
 
-A mixin of :class:`~lightning_baoc.control.controller.BAOCController`: the lifecycle owns the attributes,
-this module owns their persistence.
+:class:`ControllerCheckpoint` encodes the controller's state as primitives and tensors (it loads
+under ``torch.load(weights_only=True)``), checks a state handed back, keeps it until the optimizer is
+installed, and decodes it against this run's blocks and settings into a :class:`Resume`, which the
+controller restores.
 """
 
 from __future__ import annotations
 
-import logging
-import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from lightning_baoc.config.settings import plain
-
-log = logging.getLogger("lightning_baoc.control.controller")
+from lightning_baoc.config.settings import BAOCConfig, plain
 
 #: Format version of :meth:`BAOCController.state_dict`.
 STATE_VERSION = 1
@@ -32,84 +32,120 @@ ALLOCATION_SETTINGS = (
 )
 
 
-class CheckpointMixin:
-    """State dict and resume of the controller (see the module docstring)."""
+@dataclass
+class Resume:
+    """What a saved controller state restores in this run (:meth:`ControllerCheckpoint.resume`).
 
-    # provided by the controller this is mixed into
-    config: Any
+    Attributes:
+        phase, pending, best, wait, steps, history: the lifecycle's saved values.
+        peak_state_bytes: the peak state of the run so far (0 in states written before it was saved).
+        same_blocks: whether the saved partition is this run's.
+        allocation: block -> option in force after the resume: the saved one with the same blocks,
+            else the blocks whose parameters all map to one saved option.
+        per_param: parameter -> saved option, where the blocks changed after the first allocation.
+        ring_samples, sampler, shadow: the saved statistics (the same blocks only: 0 and ``None`` else).
+        changed: the :data:`ALLOCATION_SETTINGS` that differ from the saved ones.
+        warning: what to say when the warm-up's statistics are dropped (``None``: nothing).
+    """
+
     phase: str
-    allocation: dict[str, str]
-    block_params: dict[str, list[str]]
     pending: str | None
     best: float | None
     wait: int
-    ring_samples: int
     steps: int
     history: list[dict[str, Any]]
+    peak_state_bytes: int
+    same_blocks: bool
+    allocation: dict[str, str]
+    per_param: dict[str, str]
+    ring_samples: int
     sampler: Any
     shadow: Any
-    peak_state_bytes: int
-    _peak: int
-    optimizer: Any
-    _loaded: dict[str, Any] | None
-    _offered: list[str]
-    installed: bool
-    _apply_options: Any
+    changed: list[str]
+    warning: str | None
 
-    def state_dict(self) -> dict[str, Any]:
-        """Phase, allocation, counters, the settings that shaped the allocation and the sampler's
-        ring, as primitives and tensors.
 
-        The optimizer's own (compact) state is saved by the framework with the optimizer.
-        """
-        return {
-            "version": STATE_VERSION,
-            "phase": self.phase,
-            "allocation": dict(self.allocation),
-            "blocks": {b: list(n) for b, n in self.block_params.items()},
-            "pending": self.pending,
-            "best": self.best,
-            "wait": self.wait,
-            "ring_samples": self.ring_samples,
-            "steps": self.steps,
-            "memory_budget": self.config.memory_budget,
-            "time_budget": self.config.time_budget,
-            "settings": self._settings(),
-            "history": [dict(h) for h in self.history],
-            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
-            "shadow": self.shadow.state_dict() if self.shadow is not None else None,
-            "peak_state_bytes": self.peak_state_bytes,
-            "rule": self.optimizer.rule if self.optimizer is not None else self._saved_rule(),
-        }
+class ControllerCheckpoint:
+    """The codec of the controller's state dict, and the state loaded before install.
 
-    def _saved_rule(self) -> str | None:
-        """The update rule of a state loaded but not applied yet (before install), else ``None``."""
-        return None if self._loaded is None else self._loaded.get("rule")
+    Args:
+        config: the settings; the :data:`ALLOCATION_SETTINGS` are saved from it and compared with
+            the saved ones at resume.
 
-    def _settings(self) -> dict[str, Any]:
+    Attributes:
+        loaded: a state handed to :meth:`accept` and not yet applied (``None``: none).
+
+    Example:
+        >>> codec = ControllerCheckpoint(BAOCConfig(memory_budget=0.5))
+        >>> state = codec.encode(phase="warmup", allocation={}, blocks={"0": ["0", "1"]}, pending=None, best=None,
+        ...                      wait=0, ring_samples=0, steps=3, history=[], sampler=None, shadow=None,
+        ...                      peak_state_bytes=0, rule="adamw")
+        >>> state["settings"]["memory_budget"], state["steps"]
+        (0.5, 3)
+        >>> codec.accept(state); resume = codec.resume(codec.take(), "adamw", "BlockwiseAdamW", {"0": ["0", "1"]})
+        >>> resume.same_blocks, resume.changed, resume.steps
+        (True, [], 3)
+    """
+
+    def __init__(self, config: BAOCConfig) -> None:
+        self.config = config
+        self.loaded: dict[str, Any] | None = None
+
+    def settings(self) -> dict[str, Any]:
         """:data:`ALLOCATION_SETTINGS` as primitives (the menu as a sorted list: order is not a change)."""
         out = {k: plain(getattr(self.config, k)) for k in ALLOCATION_SETTINGS}
         if out["formats"] is not None:
             out["formats"] = sorted(out["formats"])
         return out
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; before :meth:`install` (it is applied there) or after it.
+    def saved_rule(self) -> str | None:
+        """The update rule of a state accepted but not applied yet (before install), else ``None``."""
+        return None if self.loaded is None else self.loaded.get("rule")
 
-        Installing with a saved allocation asks the optimizer for the saved formats, so a fresh
-        optimizer is rebuilt heterogeneous; the optimizer's own ``load_state_dict`` then restores
-        the compact states. If a setting that shapes the allocation (:data:`ALLOCATION_SETTINGS`:
-        budgets, format menu, partition, ``min_8bit_numel``, ``max_block_risk``) differs from the
-        saved one, a re-allocation runs before the next optimizer step (reason ``"settings"``,
-        see :meth:`before_step`), from the states as they are: no step runs in a format the menu
-        no longer holds. A changed partition maps the saved formats onto the new blocks parameter
-        by parameter; where that is impossible it raises.
+    def encode(
+        self,
+        *,
+        phase: str,
+        allocation: Mapping[str, str],
+        blocks: Mapping[str, list[str]],
+        pending: str | None,
+        best: float | None,
+        wait: int,
+        ring_samples: int,
+        steps: int,
+        history: list[dict[str, Any]],
+        sampler: Any,
+        shadow: Any,
+        peak_state_bytes: int,
+        rule: str | None,
+    ) -> dict[str, Any]:
+        """The state dict: the lifecycle's values, the settings that shaped the allocation and the
+        instruments' states (``sampler``, ``shadow``: objects with ``state_dict()``, or ``None``)."""
+        return {
+            "version": STATE_VERSION,
+            "phase": phase,
+            "allocation": dict(allocation),
+            "blocks": {b: list(n) for b, n in blocks.items()},
+            "pending": pending,
+            "best": best,
+            "wait": wait,
+            "ring_samples": ring_samples,
+            "steps": steps,
+            "memory_budget": self.config.memory_budget,
+            "time_budget": self.config.time_budget,
+            "settings": self.settings(),
+            "history": [dict(h) for h in history],
+            "sampler": sampler.state_dict() if sampler is not None else None,
+            "shadow": shadow.state_dict() if shadow is not None else None,
+            "peak_state_bytes": peak_state_bytes,
+            "rule": rule,
+        }
+
+    def accept(self, state_dict: Mapping[str, Any]) -> None:
+        """Check a state dict and keep it (:attr:`loaded`) until it is applied.
 
         Raises:
-            ValueError: not a controller state; a state of another optimizer (AdamW's formats
-                resumed with SGD); or a changed partition or model that leaves
-                parameters of this run without a saved format (the message names the setting
-                and the fix).
+            ValueError: not a controller state of this version, or an unknown phase.
         """
         if not isinstance(state_dict, Mapping) or state_dict.get("version") != STATE_VERSION:
             got = state_dict.get("version") if isinstance(state_dict, Mapping) else type(state_dict).__name__
@@ -119,76 +155,86 @@ class CheckpointMixin:
             )
         if state_dict["phase"] not in ("warmup", "allocated"):
             raise ValueError(f"invalid BAOC phase {state_dict['phase']!r} in the state dict")
-        self._loaded = dict(state_dict)
-        if self.installed:
-            self._apply_loaded()
+        self.loaded = dict(state_dict)
 
-    def _apply_loaded(self) -> None:
-        sd, self._loaded = self._loaded, None
-        assert sd is not None and self.optimizer is not None and self.sampler is not None
+    def take(self) -> dict[str, Any] | None:
+        """The state accepted, handed over once (:attr:`loaded` is cleared)."""
+        sd, self.loaded = self.loaded, None
+        return sd
+
+    def resume(
+        self, sd: Mapping[str, Any], rule: str, optimizer_name: str, block_params: Mapping[str, list[str]]
+    ) -> Resume:
+        """What ``sd`` restores for an optimizer of update rule ``rule`` over ``block_params``.
+
+        A changed partition maps the saved formats onto the new blocks parameter by parameter.
+
+        Raises:
+            ValueError: a state of another update rule (AdamW's formats resumed with SGD), or a changed
+                partition or model that leaves parameters of this run without a saved format (the
+                message names the setting and the fix).
+        """
         # states written before SGD and Lion: AdamW's; None: saved before any install (no formats yet)
-        saved_rule, rule = sd.get("rule", "adamw"), self.optimizer.rule
+        saved_rule = sd.get("rule", "adamw")
         if saved_rule is not None and saved_rule != rule:
             raise ValueError(
                 f"BAOC cannot resume this checkpoint: its allocation holds {saved_rule} formats and the optimizer "
-                f"is {type(self.optimizer).__name__} ({rule}); resume with the checkpoint's optimizer, or start a "
+                f"is {optimizer_name} ({rule}); resume with the checkpoint's optimizer, or start a "
                 f"new BAOC run from the weights (load them without ckpt_path)"
             )
         saved_blocks = {b: list(n) for b, n in sd["blocks"].items()}
-        current = self._settings()
+        current = self.settings()
         # states written before the settings were saved carry the budgets only
         saved = sd.get("settings") or {**current, "memory_budget": sd["memory_budget"], "time_budget": sd["time_budget"]}
         changed = [k for k in ALLOCATION_SETTINGS if k in saved and saved[k] != current[k]]
-        same_blocks = not saved_blocks or saved_blocks == self.block_params
-        per_param = {}
+        same_blocks = not saved_blocks or saved_blocks == block_params
+        per_param: dict[str, str] = {}
         if not same_blocks and sd["phase"] == "allocated":
-            per_param = self._map_allocation(saved_blocks, dict(sd["allocation"]), saved, changed)
-        self.phase = sd["phase"]
-        self.pending = sd["pending"]
-        self.best = sd["best"]
-        self.wait = int(sd["wait"])
-        self.steps = int(sd["steps"])
-        self.history = [dict(h) for h in sd["history"]]
-        self._peak = max(self._peak, int(sd.get("peak_state_bytes", 0)))  # absent from older states
+            per_param = self._map_allocation(saved_blocks, dict(sd["allocation"]), saved, changed, block_params)
+        warning = None
         if same_blocks:
-            self.allocation = dict(sd["allocation"])
-            self.ring_samples = int(sd["ring_samples"])
-            if sd["sampler"] is not None:
-                self.sampler.load_state_dict(sd["sampler"])
-            if sd.get("shadow") is not None and self.shadow is not None:  # absent from older states
-                self.shadow.load_state_dict(sd["shadow"])
-            if self.allocation:
-                self._apply_options(self.allocation, self.block_params)
+            allocation = dict(sd["allocation"])
         else:
-            # the saved ring holds samples of other blocks: statistics start afresh
-            self.ring_samples = 0
-            if per_param:
-                self._apply_options(per_param)
-            self.allocation = {}
-            for b, names in self.block_params.items():
+            allocation = {}
+            for b, names in block_params.items():
                 held = {per_param[n] for n in names if n in per_param}
                 if len(held) == 1:
-                    self.allocation[b] = held.pop()
-            if self.phase == "warmup":
-                warnings.warn(
+                    allocation[b] = held.pop()
+            if sd["phase"] == "warmup":
+                warning = (
                     f"BAOC: the blocks differ from the checkpoint's ({self._setting_change(saved, changed)}); "
-                    f"the warm-up statistics gathered so far are dropped and sampling starts again.",
-                    UserWarning,
-                    stacklevel=3,
+                    f"the warm-up statistics gathered so far are dropped and sampling starts again."
                 )
-        # a format the formats offered here lack (menu changed, or another device: offload
-        # checkpointed on a GPU, resumed on a CPU) must not run a step, whatever the state says
-        unoffered = {f for f in self.allocation.values() if f not in self._offered}
-        if self.phase == "allocated" and (changed or not same_blocks or unoffered):
-            self.pending = "settings"
-            log.info("BAOC: %s changed since the checkpoint: re-allocating before the next step", changed or "blocks")
+        return Resume(
+            phase=sd["phase"],
+            pending=sd["pending"],
+            best=sd["best"],
+            wait=int(sd["wait"]),
+            steps=int(sd["steps"]),
+            history=[dict(h) for h in sd["history"]],
+            peak_state_bytes=int(sd.get("peak_state_bytes", 0)),  # absent from older states
+            same_blocks=same_blocks,
+            allocation=allocation,
+            per_param=per_param,
+            # with other blocks the saved ring holds samples of those: statistics start afresh
+            ring_samples=int(sd["ring_samples"]) if same_blocks else 0,
+            sampler=sd["sampler"] if same_blocks else None,
+            shadow=sd.get("shadow") if same_blocks else None,  # absent from older states
+            changed=changed,
+            warning=warning,
+        )
 
     def _map_allocation(
-        self, saved_blocks: Mapping[str, list[str]], allocation: Mapping[str, str], saved: Mapping[str, Any], changed: list[str]
+        self,
+        saved_blocks: Mapping[str, list[str]],
+        allocation: Mapping[str, str],
+        saved: Mapping[str, Any],
+        changed: list[str],
+        block_params: Mapping[str, list[str]],
     ) -> dict[str, str]:
         """The saved formats per parameter, for this run's parameters; raises if one has none."""
         per_param = {n: allocation[b] for b, names in saved_blocks.items() if b in allocation for n in names}
-        ours = [n for names in self.block_params.values() for n in names]
+        ours = [n for names in block_params.values() for n in names]
         missing = [n for n in ours if n not in per_param]
         if missing:
             raise ValueError(
@@ -201,9 +247,9 @@ class CheckpointMixin:
 
     def _setting_change(self, saved: Mapping[str, Any], changed: list[str]) -> str:
         """The partition settings that changed, as ``name=checkpoint's -> now``, or the model."""
-        now = self._settings()
+        now = self.settings()
         parts = [f"{k}={saved[k]!r} in the checkpoint, {now[k]!r} now" for k in changed if k in ("granularity", "blocks")]
         return "; ".join(parts) if parts else "the model's trainable parameters differ from the checkpoint's"
 
 
-__all__ = ["ALLOCATION_SETTINGS", "STATE_VERSION", "CheckpointMixin", "plain"]
+__all__ = ["ALLOCATION_SETTINGS", "STATE_VERSION", "ControllerCheckpoint", "Resume"]

@@ -52,37 +52,38 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from lightning_baoc.config.budget import format_bytes, parse_memory_budget
 from lightning_baoc.config.settings import MIN_SAMPLES, BAOCConfig
-from lightning_baoc.control.blocks import BlocksMixin
-from lightning_baoc.control.checkpoint import ALLOCATION_SETTINGS, CheckpointMixin
+from lightning_baoc.control.blocks import Blocks
+from lightning_baoc.control.checkpoint import ALLOCATION_SETTINGS, ControllerCheckpoint
 from lightning_baoc.control.decision import capped, checked_risk, keeps_current
 from lightning_baoc.control.events import AllocationEvent
-from lightning_baoc.control.options import OptionsMixin
+from lightning_baoc.control.instrumentation import Instrumentation
+from lightning_baoc.control.options import Options
 from lightning_baoc.control.protocol import Broadcast, decide_on_rank_zero
-from lightning_baoc.control.release import ReleaseObservationMixin
-from lightning_baoc.control.scoring import ScoringMixin
-from lightning_baoc.control.start import StartMixin
-from lightning_baoc.control.triggers import TriggersMixin
-from lightning_baoc.costs import AllocationProblem, with_message
+from lightning_baoc.control.released_gradients import ReleasedGradientObserver
+from lightning_baoc.control.scoring import RiskFn, Scoring
+from lightning_baoc.control.start import StartAllocation
+from lightning_baoc.control.tables import BlockTables
+from lightning_baoc.control.triggers import Triggers
+from lightning_baoc.costs import AllocationProblem
+from lightning_baoc.costs.instruments import InstrumentSizes
 from lightning_baoc.costs.memory import training_memory
-from lightning_baoc.formats import RULE_NAMES, format_state_bytes
+from lightning_baoc.formats import RULE_NAMES
 from lightning_baoc.optim import BlockwiseOptimizer
 from lightning_baoc.optim.swap import (
     SUPPORTED_OPTIMIZERS,
     convert_optimizer,
     rebind_scheduler,
 )
-from lightning_baoc.risk import optimizer_risk_table
-from lightning_baoc.risk.prior import block_kind, prior_risk
 from lightning_baoc.risk.shadow import ShadowMoments
 from lightning_baoc.sampling import GradientSampler
-from lightning_baoc.solver import Allocation, BudgetInfeasibleError
+from lightning_baoc.solver import BudgetInfeasibleError
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +94,6 @@ URGENT_REASONS = ("params", "settings")
 
 
 Phase = Literal["warmup", "allocated"]
-#: ``risk_fn(optimizer, blocks, statistics, formats=..., horizon=...) -> block -> format -> risk``
-RiskFn = Callable[..., Mapping[str, Mapping[str, float]]]
-
 
 
 def _training_device(optimizer: BlockwiseOptimizer) -> torch.device:
@@ -107,10 +105,27 @@ def _training_device(optimizer: BlockwiseOptimizer) -> torch.device:
 # ---------------------------------------------------------------------------- the controller
 
 
-class BAOCController(
-    BlocksMixin, StartMixin, TriggersMixin, CheckpointMixin, ReleaseObservationMixin, OptionsMixin, ScoringMixin
-):
+class BAOCController:
     """The framework-free BAOC lifecycle (see the module docstring for the calls and their order).
+
+    The controller runs the lifecycle and holds its state (phase, allocation, history, the reason
+    of a pending re-evaluation); its parts, each a class with its own interface and tests, hold the rest:
+
+    - ``blocks`` (:class:`~lightning_baoc.control.blocks.Blocks`): the partition, in the optimizer's names;
+    - ``tables`` (:class:`~lightning_baoc.control.tables.BlockTables`): shapes, baseline, the allocation
+      problem, solved under the budgets;
+    - ``instrumentation`` (:class:`~lightning_baoc.control.instrumentation.Instrumentation`): the sampler,
+      the shadow moments and when they sample;
+    - ``release_observer`` (:class:`~lightning_baoc.control.released_gradients.ReleasedGradientObserver`):
+      their feed under gradient release;
+    - ``options`` (:class:`~lightning_baoc.control.options.Options`): formats x corrections, the options
+      held, applied, and their risk;
+    - ``scoring`` (:class:`~lightning_baoc.control.scoring.Scoring`): the risk model on the statistics,
+      the prior where no state is;
+    - ``start`` (:class:`~lightning_baoc.control.start.StartAllocation`): the warm-up's formats, budget changes;
+    - ``triggers`` (:class:`~lightning_baoc.control.triggers.Triggers`): the epoch and plateau triggers;
+    - ``checkpoint`` (:class:`~lightning_baoc.control.checkpoint.ControllerCheckpoint`): the state dict's
+      codec, and a state loaded before install.
 
     Args:
         config: the settings (a :class:`BAOCConfig`, or its fields as keyword arguments).
@@ -118,8 +133,13 @@ class BAOCController(
             (default: :func:`lightning_baoc.risk.optimizer_risk_table`: AdamW's risk model, or SGD's and Lion's).
 
     Attributes:
-        block_params: the partition, block -> the optimizer's names of its parameters (set at
-            :meth:`install`; the setting ``config.blocks`` holds the glob patterns that shape it).
+        optimizer: the blockwise optimizer installed (``None`` before :meth:`install`).
+        phase: ``"warmup"`` until the first allocation, ``"allocated"`` after it.
+        allocation: block -> the option in force (empty during warm-up).
+        pending: the reason of the re-evaluation due at the next step boundary (``"epoch"``,
+            ``"plateau"``, ``"budget"``, ``"params"``, ``"settings"``), or ``None``.
+        history: one summary per allocation; ``last_event``: the last :class:`AllocationEvent`.
+        steps: optimizer steps seen (adapters without a global step counter use it).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
@@ -140,42 +160,24 @@ class BAOCController(
         elif kwargs:
             raise TypeError(f"pass either config or keyword settings, not both (got {sorted(kwargs)})")
         self.config = config
-        self.risk_fn: RiskFn = risk_fn or optimizer_risk_table
         self.optimizer: BlockwiseOptimizer | None = None
-        self.sampler: GradientSampler | None = None
-        self.block_params: dict[str, list[str]] = {}  # the partition (see Attributes)
         self.phase: Phase = "warmup"
         self.allocation: dict[str, str] = {}
         self.history: list[dict[str, Any]] = []
         self.last_event: AllocationEvent | None = None
         self.pending: str | None = None
-        self.best: float | None = None
-        self.wait = 0
-        self.ring_samples = 0  # ring samples since the last allocation (fresh statistics)
-        self.steps = 0  # optimizer steps seen (adapters without a global step counter use it)
+        self.steps = 0
         self._module: nn.Module | None = None
-        self._model_names: dict[str, str] = {}  # the optimizer's name of a parameter -> the model's
-        self._managed: set[int] = set()  # ids of the parameters in the blocks
-        self._held_frozen: list[torch.Tensor] = []  # held by the optimizer, frozen, in no block
-        self._group_sizes: tuple[int, ...] = ()
-        self._shapes: dict[str, list[tuple[int, ...]]] = {}
-        self._numel: dict[str, int] = {}
-        self._baseline = 0
-        self._dtypes: dict[str, list[torch.dtype]] = {}
-        self._device = torch.device("cpu")
-        self._withheld: dict[str, str] = {}  # format -> why it is not offered (the problem's ``withheld``)
-        self._offered: list[str] = []  # the menu less the withheld formats (the problem's ``allowed``)
-        self._memory: dict[str, dict[str, int]] = {}
-        self._problem: AllocationProblem | None = None
-        self._loaded: dict[str, Any] | None = None
-        self.start_allocation: dict[str, str] | None = None  # block -> format the warm-up started in
-        self.shadow: ShadowMoments | None = None  # fp32 moments on a sample of each tensor (risk)
         self._peak = 0  # peak state bytes of earlier optimizers of this run (see peak_state_bytes)
-        self._betas_cache: tuple[Any, dict[str, tuple[float, float]]] | None = None  # see _betas
-        self._observer_handle: Any = None  # the optimizer's gradient observer (gradient release)
-        # the step observed under gradient release: (step, grad scale, sampling, names observed)
-        self._release_open: tuple[int, float | None, bool, set[str]] | None = None
-        self._shadow_samples: list[Any] = []  # the shadow's samples of the released gradients
+        self.blocks = Blocks(config)
+        self.tables = BlockTables(config, self.blocks)
+        self.instrumentation = Instrumentation(config, self.blocks, self.tables)
+        self.release_observer = ReleasedGradientObserver(self.instrumentation)
+        self.options = Options(config, self.blocks, self.tables, self.instrumentation)
+        self.scoring = Scoring(config, self.blocks, self.tables, self.instrumentation, self.options, risk_fn)
+        self.start = StartAllocation(config, self.blocks, self.tables, self.options)
+        self.triggers = Triggers(config)
+        self.checkpoint = ControllerCheckpoint(config)
 
     # ------------------------------------------------------------------ properties
 
@@ -185,10 +187,55 @@ class BAOCController(
         return self.optimizer is not None
 
     @property
+    def risk_fn(self) -> RiskFn:
+        """The risk model (:attr:`Scoring.risk_fn <lightning_baoc.control.scoring.Scoring.risk_fn>`)."""
+        return self.scoring.risk_fn
+
+    @risk_fn.setter
+    def risk_fn(self, risk_fn: RiskFn) -> None:
+        self.scoring.risk_fn = risk_fn
+
+    @property
+    def block_params(self) -> dict[str, list[str]]:
+        """The partition, block -> the optimizer's names of its parameters (set at :meth:`install`;
+        the setting ``config.blocks`` holds the glob patterns that shape it)."""
+        return self.blocks.params
+
+    @property
+    def sampler(self) -> GradientSampler | None:
+        """The gradient sampler over the blocks (``None`` before :meth:`install`)."""
+        return self.instrumentation.sampler
+
+    @property
+    def shadow(self) -> ShadowMoments | None:
+        """fp32 moments on a sample of each tensor, for the risk (``None`` before :meth:`install`)."""
+        return self.instrumentation.shadow
+
+    @property
+    def instruments(self) -> InstrumentSizes | None:
+        """The sampler's and the shadow's sizes within the instruments' allowance (``None`` before :meth:`install`)."""
+        return self.instrumentation.sizes
+
+    @property
+    def instrument_bytes(self) -> int:
+        """Bytes the sampler's buffers and the shadow moments hold now (outside the state budget)."""
+        return self.instrumentation.nbytes()
+
+    @property
+    def ring_samples(self) -> int:
+        """Ring samples since the last allocation (fresh statistics)."""
+        return self.instrumentation.ring_samples
+
+    @property
+    def start_allocation(self) -> dict[str, str] | None:
+        """Block -> the option the warm-up started in (``None`` before :meth:`install`)."""
+        return self.start.formats
+
+    @property
     def fp32_state_bytes(self) -> int:
         """The fp32 state bytes of the blocks: fp32 AdamW's 8 bytes per trainable element (SGD's and
         Lion's fp32 momentum: 4), the problem's ``fp32`` column."""
-        return self._problem.fp32_bytes if self._problem is not None else 0
+        return self.tables.fp32_bytes
 
     @property
     def baseline_state_bytes(self) -> int:
@@ -199,14 +246,14 @@ class BAOCController(
         (:attr:`fp32_state_bytes`), 4 per bf16 or fp16 element; SGD and Lion one buffer (4, 2). A
         fractional memory budget and the fraction saved refer to it.
         """
-        return self._baseline
+        return self.tables.baseline
 
     @property
     def problem(self) -> AllocationProblem:
         """The allocation problem of the blocks: tables, offered formats, budget units (after install)."""
-        if self._problem is None:
+        if self.tables.problem is None:
             raise RuntimeError("BAOCController.problem: call install() first")
-        return self._problem
+        return self.tables.problem
 
     @property
     def peak_state_bytes(self) -> int:
@@ -249,22 +296,22 @@ class BAOCController(
         cfg = self.config
         new = convert_optimizer(optimizer, module, cfg.min_8bit_numel, cfg.seed)
         self._module = module
-        self._managed = set()
-        self._build_blocks(new, module)
-        self._device = _training_device(new)
-        self._refresh_tables(new)
-        self._restart_sampler(module)
+        self.blocks.forget()
+        self.blocks.build(new, module)
+        self.tables.device = _training_device(new)
+        self.tables.refresh(new)
+        self.instrumentation.restart_sampler(module)
         self.optimizer = new
-        self._watch_released_gradients(new)
-        self._restart_shadow()
-        if self._loaded is not None:
+        self.release_observer.watch(new)
+        self.instrumentation.restart_shadow(new)
+        if self.checkpoint.loaded is not None:
             self._apply_loaded()
         elif self.phase == "allocated" and self.allocation:
             # A second fit with the same controller: the fresh optimizer starts in the allocation.
-            self._apply_options(self.allocation, self.block_params)
+            self.options.apply(new, self.allocation, self.blocks.params)
         if self.phase == "warmup":
-            self._warmup_formats()
-            self._start_within_budget()
+            self.start.warmup_formats(new)
+            self.start.start(new, module)
         return new
 
     def before_step(self, step: int, broadcast: Broadcast | None = None, is_global_zero: bool = True) -> AllocationEvent | None:
@@ -281,35 +328,40 @@ class BAOCController(
         Raises:
             BudgetInfeasibleError: the budget cannot be met any more (it names the smallest one).
         """
-        self._require_installed("before_step")
-        if self._new_parameters():
+        opt = self._require_installed("before_step")
+        if self.blocks.new_parameters(opt):
             self._grow(broadcast, is_global_zero)
         if self.phase == "allocated" and self.pending in URGENT_REASONS:
             return self.allocate(step, self.pending, broadcast, is_global_zero)
         return None
 
-    # ------------------------------------------------------------------ tables and budgets
+    def _grow(self, broadcast: Broadcast | None, is_global_zero: bool) -> None:
+        """Take parameters added after install into the blocks, tables and instruments.
 
-    def _time_table(self) -> dict[str, dict[str, float]]:
-        return self.problem.time()
-
-    def _budgets(self) -> tuple[Any, Any, int, float | None]:
-        """(memory budget, time budget) as passed to ``solve``, and both in absolute units."""
-        b = self.problem.budgets(self.config.memory_budget, self.config.time_budget)
-        return b.memory, b.time, b.memory_bytes, b.time_seconds
-
-    def _solve(self, risk: Mapping[str, Mapping[str, float]]) -> Allocation:
-        cfg = self.config
-        try:
-            return self.problem.solve(risk, cfg.memory_budget, cfg.time_budget)
-        except BudgetInfeasibleError as err:
-            offered = ", ".join(self._offered)
-            withheld = "".join(f"; {f} withheld: {why}" for f, why in self._withheld.items())
-            raise with_message(
-                err,
-                f"BAOC(memory_budget={cfg.memory_budget!r}, time_budget={cfg.time_budget!r}): {err} (formats "
-                f"allowed: {offered}{withheld}). No format was converted; the optimizer keeps its current formats.",
-            ) from None
+        After the first allocation a re-allocation of every block is made due at once (reason
+        ``"params"``), within the budget resolved against all parameters now trained; the new
+        parameters have no state yet and get the planner's prior risk until they do. During
+        warm-up the budget is checked again (an absolute one may no longer fit). The sampler is
+        rebuilt over the new blocks: statistics start afresh (a warm-up ends two samples later).
+        """
+        opt, module = self.optimizer, self._module
+        assert opt is not None and module is not None
+        before = self.blocks.size
+        self.blocks.build(opt, module)
+        self.tables.refresh(opt)
+        self.instrumentation.restart_sampler(module)
+        self.instrumentation.restart_shadow(opt)
+        log.info(
+            f"BAOC: {self.blocks.size - before} parameter tensor(s) joined the optimizer after install; "
+            f"{len(self.blocks.params)} blocks now, {RULE_NAMES[opt.rule]} state "
+            f"{format_bytes(self.baseline_state_bytes)}"
+        )
+        if self.phase == "allocated":
+            self.pending = "params"
+        else:
+            self.start.warmup_formats(opt)
+            self.start.start(opt, module)  # the new blocks start within the budget too
+            self.check_feasible(broadcast, is_global_zero)
 
     def check_feasible(self, broadcast: Broadcast | None = None, is_global_zero: bool = True) -> None:
         """Raise :class:`BudgetInfeasibleError` now if no allocation can meet the budgets.
@@ -320,10 +372,33 @@ class BAOCController(
         self._require_installed("check_feasible")
 
         def check() -> bool:
-            self._solve({b: {f: 0.0 for f in self._offered} for b in self.block_params})
+            self.tables.check_feasible()
             return True
 
         decide_on_rank_zero(check, broadcast, is_global_zero)
+
+    def set_budget(self, memory_budget: float | int | str | None = None, time_budget: float | str | None = None) -> None:
+        """Change a budget mid-training; call it between steps, on every rank.
+
+        After the first allocation the next step boundary re-evaluates against it (a budget that can
+        no longer be met raises there, before any conversion). During warm-up the start allocation is
+        solved again at once, so the cap holds from the next step; a budget it cannot meet raises
+        here and the budgets stay as they were. ``None`` keeps a budget as it is.
+
+        A lowered budget after the first allocation holds from the end of that re-evaluation's
+        conversion: until then the state chosen for the old budget stays on the device (and during
+        the conversion, shrinking parameters first, at most that plus one parameter's state).
+
+        Example:
+            >>> ctl = BAOCController(memory_budget=0.5, warmup_steps=20)
+            >>> ctl.set_budget(memory_budget="30%")
+            >>> ctl.config.memory_budget
+            '30%'
+        """
+        allocated = self.phase == "allocated"
+        self.start.set_budget(memory_budget, time_budget, opt=None if allocated else self.optimizer, module=self._module)
+        if allocated:
+            self.pending = "budget"
 
     # ------------------------------------------------------------------ hot path
 
@@ -337,26 +412,26 @@ class BAOCController(
         Returns:
             whether a sample was taken.
         """
-        if self.shadow is not None and self.optimizer is not None:
-            self.shadow.update(self.optimizer.named_params, self._betas(), grad_scale)
-        if self.sampler is None or not self._sampling_step(step):
-            return False
-        return self._counted(step, self.sampler.sample(step, grad_scale))
+        return self.instrumentation.observe(self.optimizer, step, grad_scale, allocated=self.phase == "allocated")
 
-    def _sampling_step(self, step: int) -> bool:
-        """Whether the sampler may sample at ``step`` (sparser after warm-up)."""
-        every = self.config.sample_every
-        if self.phase == "allocated" and self.config.sparse_sampling > 1:
-            # Sparser after warm-up: every sparse_sampling-th sampling step (and its follower).
-            if (step // every) % self.config.sparse_sampling:
-                return False
-        return True
+    def open_released_step(self, step: int, grad_scale: float | None = None) -> None:
+        """With gradient release, call before the step's backward (on every rank): each parameter's
+        gradient then feeds the shadow moments and the sampler inside the release hook, just before
+        the parameter steps, and :meth:`close_released_step` completes the step's observation. The
+        two calls take the place of :meth:`observe`, and store the same numbers
+        (:class:`~lightning_baoc.control.released_gradients.ReleasedGradientObserver`)."""
+        self._require_installed("open_released_step")
+        self.release_observer.open(step, grad_scale, allocated=self.phase == "allocated")
 
-    def _counted(self, step: int, took: bool) -> bool:
-        every = self.config.sample_every
-        if took and (every == 1 or step % every == 0):
-            self.ring_samples += 1
-        return took
+    @property
+    def release_open(self) -> bool:
+        """Whether a step's observation under gradient release is open (:meth:`open_released_step`)."""
+        return self.release_observer.is_open
+
+    def close_released_step(self) -> bool:
+        """Complete the observation :meth:`open_released_step` opened: parameters that kept their
+        gradient (not released) are observed now. Returns whether a sample was taken."""
+        return self.release_observer.close()
 
     def due(self, step: int) -> str | None:
         """The reason an allocation should run now (after ``step`` completed steps), or ``None``."""
@@ -364,7 +439,7 @@ class BAOCController(
             return None
         if self.phase == "allocated" and self.pending in URGENT_REASONS:
             return self.pending  # no fresh statistics needed (see URGENT_REASONS)
-        if self.ring_samples < MIN_SAMPLES:
+        if self.instrumentation.ring_samples < MIN_SAMPLES:
             return None
         if self.phase == "warmup":
             return "warmup" if step >= self.config.warmup_steps else None
@@ -387,49 +462,82 @@ class BAOCController(
             is_global_zero: whether this is rank zero (default: True).
         """
         self.steps = max(self.steps, step)
-        if self.installed and self._new_parameters():  # adapters that skip before_step
+        if self.optimizer is not None and self.blocks.new_parameters(self.optimizer):  # adapters that skip before_step
             self._grow(broadcast, is_global_zero)
         reason = self.due(step)
         if reason is None:
             return None
         return self.allocate(step, reason, broadcast, is_global_zero)
 
+    # ------------------------------------------------------------------ triggers
+
+    def epoch_end(self, epoch: int) -> bool:
+        """Schedule a re-evaluation at the end of every ``reevaluate_every_n_epochs``-th epoch.
+
+        Args:
+            epoch: the 0-based index of the epoch that ended.
+
+        Returns:
+            whether a re-evaluation is now pending because of it.
+        """
+        if self.phase != "allocated" or not self.triggers.epoch_due(epoch):
+            return False
+        self.pending = self.pending or "epoch"
+        return True
+
+    def validation_end(self, value: float | None) -> bool:
+        """Track ``monitor``; schedule a re-evaluation after ``patience`` checks without improvement.
+
+        Call it on every rank with the same value (broadcast rank zero's). Values before the first
+        allocation are ignored; the count restarts after each allocation.
+
+        Returns:
+            whether a re-evaluation is now pending because of a plateau.
+        """
+        if self.phase != "allocated":
+            return False
+        due, reason = self.triggers.evaluate(value)
+        if due:
+            self.pending = self.pending or reason
+        return due
+
     # ------------------------------------------------------------------ allocation
 
     def _decide(self, reason: str, scored: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
         """Rank zero: statistics -> risk (``scored``: computed on every rank already) -> solve ->
         hysteresis. Primitives only (broadcast)."""
-        stats = self._statistics()
-        raw = self._with_corrections(scored if scored is not None else self._risk(stats), measured=True)
-        raw.update(self._prior_rows())
-        risk = checked_risk(raw, list(self.block_params), self._offered)
-        options = capped(risk, self.config.max_block_risk)
+        opt = self.optimizer
+        assert opt is not None
+        cfg, tables = self.config, self.tables
+        stats = self.scoring.statistics()
+        raw = self.options.with_corrections(opt, scored if scored is not None else self.scoring.risk(opt, stats), measured=True)
+        raw.update(self.scoring.prior_rows(opt, self._module))
+        risk = checked_risk(raw, list(self.blocks.params), tables.offered)
+        options = capped(risk, cfg.max_block_risk)
         if options is risk:
-            alloc = self._solve(risk)
+            alloc = tables.solve(risk)
         else:
             try:
-                alloc = self._solve(options)
+                alloc = tables.solve(options)
             except BudgetInfeasibleError as err:
                 # Memory is the hard limit (an allocation over it may not fit at all); the cap is a
                 # quality preference: lift it rather than fail a training run after warm-up.
                 need = "" if err.min_memory is None else f" (under the cap it needs {format_bytes(err.min_memory)})"
                 warnings.warn(
-                    f"BAOC(max_block_risk={self.config.max_block_risk!r}): the budgets cannot be met with the "
+                    f"BAOC(max_block_risk={cfg.max_block_risk!r}): the budgets cannot be met with the "
                     f"formats under the risk cap{need}; the cap is lifted for this allocation. Raise "
                     f"memory_budget or max_block_risk to keep it.",
                     UserWarning,
                     stacklevel=2,
                 )
                 options = risk
-                alloc = self._solve(risk)
+                alloc = tables.solve(risk)
         formats, kept = dict(alloc.formats), False
-        if self.phase == "allocated" and self.allocation and self._current_fits():
-            if keeps_current(self.allocation, alloc.risk, risk, options, self.config.hysteresis):
+        if self.phase == "allocated" and self.allocation and tables.fits(self.allocation):
+            if keeps_current(self.allocation, alloc.risk, risk, options, cfg.hysteresis):
                 formats, kept = dict(self.allocation), True
-        time = None
-        if self.config.time_budget is not None:
-            time = float(sum(self._time_table()[b][formats[b]] for b in self.block_params))
-        _, _, mb_bytes, tb_abs = self._budgets()
+        time = tables.time_of(formats) if cfg.time_budget is not None else None
+        _, _, mb_bytes, tb_abs = tables.budgets()
         return {
             "formats": formats,
             "kept": kept,
@@ -442,35 +550,6 @@ class BAOCController(
             "reason": reason,
         }
 
-    def _prior_rows(self) -> dict[str, dict[str, float]]:
-        """The planner's prior risk for the blocks with a parameter that never stepped.
-
-        Without state the risk model sees nothing to lose and would score every format 0 there
-        (parameters added after install, or that got no gradient yet): the prior
-        (:func:`lightning_baoc.risk.prior_risk`, shares over all the blocks) stands in until
-        their state exists.
-        """
-        assert self.optimizer is not None
-        opt = self.optimizer
-        fresh = [b for b, names in self.block_params.items() if any(opt.step_count(n) == 0 for n in names)]
-        if not fresh:
-            return {}
-        module = self._module if self._module is not None else nn.Module()
-        kinds = {b: block_kind(module, b) for b in fresh}
-        table = prior_risk(self._shapes, kinds, self._formats_offered(), opt.min_8bit_numel, opt.rule)
-        return self._with_corrections({b: table[b] for b in fresh}, measured=False)
-
-    def _current_fits(self) -> bool:
-        """Whether the allocation in force still meets the (possibly changed) budgets."""
-        _, _, mb_bytes, tb_abs = self._budgets()
-        current = self.allocation
-        if any(current.get(b) not in self._memory[b] for b in self.block_params):
-            return False  # a block without a format in force (added since), or one no longer offered
-        fits = sum(self._memory[b][current[b]] for b in self.block_params) <= mb_bytes
-        if fits and tb_abs is not None:
-            fits = sum(self._time_table()[b][current[b]] for b in self.block_params) <= tb_abs
-        return fits
-
     def allocate(
         self, step: int, reason: str = "manual", broadcast: Broadcast | None = None, is_global_zero: bool = True
     ) -> AllocationEvent:
@@ -479,24 +558,21 @@ class BAOCController(
         Decided on rank zero and broadcast. Raises :class:`BudgetInfeasibleError` (naming the
         smallest feasible budget) before any conversion when the budgets cannot be met.
         """
-        self._require_installed("allocate")
-        assert self.optimizer is not None and self.sampler is not None
-        scored = self._risk_across_shards(is_global_zero)  # every rank at once (a sharded model), else None
+        opt = self._require_installed("allocate")
+        scored = self.scoring.risk_across_shards(opt, is_global_zero)  # every rank at once (a sharded model), else None
         decision = decide_on_rank_zero(lambda: self._decide(reason, scored), broadcast, is_global_zero)
-        opt = self.optimizer
         before = int(opt.state_bytes())
-        current = self._current_options()
+        current = self.options.current(opt)
         changed = {b: (current[b], f) for b, f in decision["formats"].items() if current.get(b) != f}
         migrated: dict[str, tuple[str, str]] = {}
         if changed:
-            migrated = self._apply_options({b: new for b, (_, new) in changed.items()}, self.block_params)
+            migrated = self.options.apply(opt, {b: new for b, (_, new) in changed.items()}, self.blocks.params)
         after = int(opt.state_bytes())
         self.allocation = dict(decision["formats"])
         self.phase = "allocated"
         self.pending = None
-        self.wait = 0
-        self.sampler.reset()  # the next re-evaluation sees fresh statistics only
-        self.ring_samples = 0
+        self.triggers.restart()
+        self.instrumentation.restart_statistics()  # the next re-evaluation sees fresh statistics only
         formats = self.allocation
         risk = decision["risk"]
         event = AllocationEvent(
@@ -507,12 +583,12 @@ class BAOCController(
             migrated={k: (v[0], v[1]) for k, v in migrated.items()},
             kept=bool(decision["kept"]),
             risk=risk,
-            total_risk=float(sum(risk[b][formats[b]] for b in self.block_params)),
+            total_risk=float(sum(risk[b][formats[b]] for b in self.blocks.params)),
             solver_risk=float(decision["solver_risk"]),
             statistics=decision["statistics"],
-            block_params={b: [self._model_names.get(n, n) for n in names] for b, names in self.block_params.items()},
-            block_numel=dict(self._numel),
-            block_bytes=self._block_bytes(),
+            block_params=self.blocks.model_params(),
+            block_numel=dict(self.tables.numel),
+            block_bytes=self.options.held_bytes(opt),
             state_bytes_before=before,
             state_bytes=after,
             fp32_state_bytes=self.fp32_state_bytes,
@@ -524,7 +600,7 @@ class BAOCController(
             instrument_bytes=self.instrument_bytes,
             training_memory=training_memory(self._module, opt).to_dict() if self._module is not None else None,
             optimizer=RULE_NAMES[opt.rule],
-            correction_bytes=int(opt.weight_correction_bytes()) if self._paired else None,
+            correction_bytes=int(opt.weight_correction_bytes()) if self.options.paired else None,
         )
         self.last_event = event
         self.history.append(
@@ -541,45 +617,111 @@ class BAOCController(
         )
         return event
 
-    def _block_bytes(self) -> dict[str, int]:
-        """Block -> state bytes of its parameters in their effective formats (and the bytes of their
-        corrections, where options pair them)."""
-        assert self.optimizer is not None
-        opt = self.optimizer
-        held = opt.formats()
-        out = {}
-        for b, names in self.block_params.items():
-            total = 0
-            for n, shape in zip(names, self._shapes[b]):
-                total += format_state_bytes(held[n], shape, opt.min_8bit_numel, opt.rule)
-                correction = opt.held_correction(n) if self._paired else None
-                if correction is not None:
-                    total += correction.untyped_storage().nbytes()
-            out[b] = int(total)
-        return out
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Phase, allocation, counters, the settings that shaped the allocation and the sampler's
+        ring, as primitives and tensors (:class:`~lightning_baoc.control.checkpoint.ControllerCheckpoint`).
+
+        The optimizer's own (compact) state is saved by the framework with the optimizer.
+        """
+        inst = self.instrumentation
+        return self.checkpoint.encode(
+            phase=self.phase,
+            allocation=self.allocation,
+            blocks=self.blocks.params,
+            pending=self.pending,
+            best=self.triggers.best,
+            wait=self.triggers.wait,
+            ring_samples=inst.ring_samples,
+            steps=self.steps,
+            history=self.history,
+            sampler=inst.sampler,
+            shadow=inst.shadow,
+            peak_state_bytes=self.peak_state_bytes,
+            rule=self.optimizer.rule if self.optimizer is not None else self.checkpoint.saved_rule(),
+        )
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Restore :meth:`state_dict`; before :meth:`install` (it is applied there) or after it.
+
+        Installing with a saved allocation asks the optimizer for the saved formats, so a fresh
+        optimizer is rebuilt heterogeneous; the optimizer's own ``load_state_dict`` then restores
+        the compact states. If a setting that shapes the allocation (:data:`ALLOCATION_SETTINGS`:
+        budgets, format menu, partition, ``min_8bit_numel``, ``max_block_risk``) differs from the
+        saved one, a re-allocation runs before the next optimizer step (reason ``"settings"``,
+        see :meth:`before_step`), from the states as they are: no step runs in a format the menu
+        no longer holds. A changed partition maps the saved formats onto the new blocks parameter
+        by parameter; where that is impossible it raises.
+
+        Raises:
+            ValueError: not a controller state; a state of another optimizer (AdamW's formats
+                resumed with SGD); or a changed partition or model that leaves
+                parameters of this run without a saved format (the message names the setting
+                and the fix).
+        """
+        self.checkpoint.accept(state_dict)
+        if self.installed:
+            self._apply_loaded()
+
+    def _apply_loaded(self) -> None:
+        """Restore the state the checkpoint part holds into this run's optimizer and parts."""
+        opt, sd = self.optimizer, self.checkpoint.take()
+        assert opt is not None and sd is not None
+        saved = self.checkpoint.resume(sd, opt.rule, type(opt).__name__, self.blocks.params)
+        inst = self.instrumentation
+        self.phase = saved.phase  # type: ignore[assignment]
+        self.pending = saved.pending
+        self.triggers.best = saved.best
+        self.triggers.wait = saved.wait
+        self.steps = saved.steps
+        self.history = saved.history
+        self._peak = max(self._peak, saved.peak_state_bytes)
+        inst.ring_samples = saved.ring_samples
+        if saved.same_blocks:
+            self.allocation = saved.allocation
+            if saved.sampler is not None:
+                assert inst.sampler is not None
+                inst.sampler.load_state_dict(saved.sampler)
+            if saved.shadow is not None and inst.shadow is not None:
+                inst.shadow.load_state_dict(saved.shadow)
+            if self.allocation:
+                self.options.apply(opt, self.allocation, self.blocks.params)
+        else:
+            if saved.per_param:
+                self.options.apply(opt, saved.per_param)
+            self.allocation = saved.allocation
+            if saved.warning is not None:
+                warnings.warn(saved.warning, UserWarning, stacklevel=3)
+        # a format the formats offered here lack (menu changed, or another device: offload
+        # checkpointed on a GPU, resumed on a CPU) must not run a step, whatever the state says
+        unoffered = {f for f in self.allocation.values() if f not in self.tables.offered}
+        if self.phase == "allocated" and (saved.changed or not saved.same_blocks or unoffered):
+            self.pending = "settings"
+            log.info("BAOC: %s changed since the checkpoint: re-allocating before the next step", saved.changed or "blocks")
 
     # ------------------------------------------------------------------ misc
 
     def close(self) -> None:
         """Stop the sampler's worker thread (statistics stay available)."""
-        if self.sampler is not None:
-            self.sampler.close()
+        self.instrumentation.close()
 
     def summary(self) -> str:
         """One line: phase, state bytes and budget."""
-        if not self.installed:
+        if self.optimizer is None:
             return f"BAOC: not installed (phase {self.phase})"
-        assert self.optimizer is not None
         return (
-            f"BAOC: phase {self.phase}, {len(self.block_params)} blocks, optimizer state "
+            f"BAOC: phase {self.phase}, {len(self.blocks.params)} blocks, optimizer state "
             f"{format_bytes(self.optimizer.state_bytes())} of {format_bytes(self.baseline_state_bytes)} "
             f"{RULE_NAMES[self.optimizer.rule]} "
             f"(budget {format_bytes(self.memory_budget_bytes())})"
         )
 
-    def _require_installed(self, what: str) -> None:
-        if not self.installed:
+    def _require_installed(self, what: str) -> BlockwiseOptimizer:
+        """The installed optimizer; raises naming ``what`` if there is none."""
+        if self.optimizer is None:
             raise RuntimeError(f"BAOCController.{what}() needs install(optimizer, model) first")
+        return self.optimizer
 
 
 __all__ = [

@@ -1,30 +1,30 @@
 """The controller's allocation options: state formats, or formats paired with master-weight corrections.
 
-Without ``corrections`` an option is a state format and the controller behaves as it always did.
-With ``BAOC(corrections=[...])`` an option pairs a format with the correction of the block's bf16/fp16
-weights (:mod:`lightning_baoc.costs.options`: ``"int8+ecc8"``): the risk table is the state formats'
-plus the corrections' (:func:`lightning_baoc.risk.correction.correction_risk_table`, or their priors),
-the memory table counts both, so the budget caps states and corrections together, and applying an
-allocation sets both (:meth:`~lightning_baoc.BlockwiseAdamW.set_formats`,
-:meth:`~lightning_baoc.BlockwiseAdamW.set_weight_corrections`), corrections that shrink before the
-states convert and those that grow after, so the held bytes only fall while the budget falls.
-
-A mixin of :class:`~lightning_baoc.control.controller.BAOCController`: the lifecycle owns the attributes.
+Without ``corrections`` an option is a state format. With ``BAOC(corrections=[...])`` an option pairs a
+format with the correction of the block's bf16/fp16 weights (:mod:`lightning_baoc.costs.options`:
+``"int8+ecc8"``): the risk table is the state formats' plus the corrections'
+(:func:`lightning_baoc.risk.correction.correction_risk_table`, or their priors), the memory table counts
+both, so the budget caps states and corrections together, and applying an allocation sets both
+(:meth:`~lightning_baoc.BlockwiseAdamW.set_formats`, :meth:`~lightning_baoc.BlockwiseAdamW.set_weight_corrections`),
+corrections that shrink before the states convert and those that grow after, so the held bytes only
+fall while the budget falls.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
-import torch
-
+from lightning_baoc.config.settings import BAOCConfig
+from lightning_baoc.control.blocks import Blocks
+from lightning_baoc.control.instrumentation import Instrumentation
+from lightning_baoc.control.tables import BlockTables
 from lightning_baoc.costs.options import (
     compose,
     option,
     prior_correction_risk,
     split_option,
 )
+from lightning_baoc.formats import format_state_bytes
 from lightning_baoc.formats.correction import CORRECTION_BITS, WEIGHT_DTYPES
 from lightning_baoc.optim import BlockwiseOptimizer
 from lightning_baoc.risk.correction import correction_risk_table
@@ -32,64 +32,79 @@ from lightning_baoc.risk.correction import correction_risk_table
 Table = Mapping[str, Mapping[str, float]]
 
 
-class OptionsMixin:
-    """Options of the controller (see the module docstring)."""
+class Options:
+    """The options of the blocks: what the optimizer is asked to hold, risk tables over them, applying them.
 
-    # provided by the controller
-    config: Any
-    optimizer: BlockwiseOptimizer | None
-    block_params: dict[str, list[str]]
-    shadow: Any
-    _offered: list[str]
-    _shapes: dict[str, list[tuple[int, ...]]]
-    _dtypes: dict[str, list[torch.dtype]]
-    _betas: Any
+    Args:
+        config: the settings; reads ``corrections`` (``None``: an option is a state format).
+        blocks: the partition (an option is applied to a block's parameters).
+        tables: the options offered, the shapes and dtypes of the blocks.
+        instrumentation: the shadow moments the corrections' risk is measured on.
+
+    Example:
+        >>> from torch import nn
+        >>> from lightning_baoc import BlockwiseAdamW
+        >>> model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+        >>> opt = BlockwiseAdamW(model.parameters())
+        >>> config = BAOCConfig(memory_budget=0.5, calibration="prior")
+        >>> blocks = Blocks(config); blocks.build(opt, model)
+        >>> tables = BlockTables(config, blocks); tables.refresh(opt)
+        >>> options = Options(config, blocks, tables, Instrumentation(config, blocks, tables))
+        >>> _ = options.apply(opt, {"0": "int8"}, blocks.params)  # no state yet: created in int8 at the first step
+        >>> options.current(opt)
+        {'0': 'int8', '1': 'fp32'}
+    """
+
+    def __init__(self, config: BAOCConfig, blocks: Blocks, tables: BlockTables, instrumentation: Instrumentation) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.tables = tables
+        self.instrumentation = instrumentation
 
     @property
-    def _paired(self) -> bool:
+    def paired(self) -> bool:
         """Whether options pair formats with corrections (``corrections`` is set)."""
         return self.config.corrections is not None
 
-    def _formats_offered(self) -> list[str]:
+    def formats_offered(self) -> list[str]:
         """The state formats offered (the options' formats, in order)."""
-        return list(dict.fromkeys(split_option(o)[0] for o in self._offered))
+        return list(dict.fromkeys(split_option(o)[0] for o in self.tables.offered))
 
-    def _with_corrections(self, by_format: Table, measured: bool) -> dict[str, dict[str, float]]:
+    def with_corrections(self, opt: BlockwiseOptimizer, by_format: Table, measured: bool) -> dict[str, dict[str, float]]:
         """A risk table over formats extended to the options: the corrections' risk added, measured
         on the shadow moments (``measured``) or the prior."""
-        if not self._paired:
+        if not self.paired:
             return {b: dict(row) for b, row in by_format.items()}
         corrections = list(self.config.corrections)
-        if measured and self.shadow is not None and self.optimizer is not None:
-            blocks = {b: self.block_params[b] for b in by_format}
-            extra = correction_risk_table(self.optimizer, blocks, self.shadow, self._betas(), corrections)
+        shadow = self.instrumentation.shadow
+        if measured and shadow is not None:
+            blocks = {b: self.blocks.params[b] for b in by_format}
+            extra = correction_risk_table(opt, blocks, shadow, self.instrumentation.betas(opt), corrections)
         else:
-            shapes = {b: self._shapes[b] for b in by_format}
-            extra = prior_correction_risk(shapes, {b: self._dtypes[b] for b in by_format}, corrections)
-        return compose(by_format, extra, self._offered)
+            shapes = {b: self.tables.shapes[b] for b in by_format}
+            extra = prior_correction_risk(shapes, {b: self.tables.dtypes[b] for b in by_format}, corrections)
+        return compose(by_format, extra, self.tables.offered)
 
-    def _current_options(self) -> dict[str, str]:
+    def current(self, opt: BlockwiseOptimizer) -> dict[str, str]:
         """Block -> the option its parameters are asked to hold (``"mixed"`` where they differ)."""
-        assert self.optimizer is not None
-        opt = self.optimizer
         named = opt.named_params
         out = {}
-        for b, names in self.block_params.items():
+        for b, names in self.blocks.params.items():
             held = {opt.requested_format(named[n]) for n in names}
             fmt = held.pop() if len(held) == 1 else "mixed"
-            if self._paired and fmt != "mixed":
+            if self.paired and fmt != "mixed":
                 sixteen = [n for n in names if named[n].dtype in WEIGHT_DTYPES]
                 corrections = {opt.target_correction(named[n]) for n in sixteen} or {"none"}  # type: ignore[attr-defined]
                 fmt = option(fmt, corrections.pop()) if len(corrections) == 1 else "mixed"
             out[b] = fmt
         return out
 
-    def _apply_options(self, chosen: Mapping[str, str], blocks: Mapping[str, list[str]] | None = None) -> dict[str, tuple[str, str]]:
+    def apply(
+        self, opt: BlockwiseOptimizer, chosen: Mapping[str, str], blocks: Mapping[str, list[str]] | None = None
+    ) -> dict[str, tuple[str, str]]:
         """Put blocks (or parameters, without ``blocks``) in their options; returns the formats that
         changed, as ``set_formats`` reports them."""
-        assert self.optimizer is not None
-        opt = self.optimizer
-        if not self._paired:  # a checkpoint's options, resumed without corrections: their formats
+        if not self.paired:  # a checkpoint's options, resumed without corrections: their formats
             return opt.set_formats({key: split_option(o)[0] for key, o in chosen.items()}, blocks=blocks)
         formats = {key: split_option(o)[0] for key, o in chosen.items()}
         named = opt.named_params
@@ -108,5 +123,20 @@ class OptionsMixin:
             opt.set_weight_corrections(grow)  # type: ignore[attr-defined]
         return migrated
 
+    def held_bytes(self, opt: BlockwiseOptimizer) -> dict[str, int]:
+        """Block -> state bytes of its parameters in their effective formats (and the bytes of their
+        corrections, where options pair them)."""
+        held = opt.formats()
+        out = {}
+        for b, names in self.blocks.params.items():
+            total = 0
+            for n, shape in zip(names, self.tables.shapes[b]):
+                total += format_state_bytes(held[n], shape, opt.min_8bit_numel, opt.rule)
+                correction = opt.held_correction(n) if self.paired else None
+                if correction is not None:
+                    total += correction.untyped_storage().nbytes()
+            out[b] = int(total)
+        return out
 
-__all__ = ["OptionsMixin"]
+
+__all__ = ["Options"]

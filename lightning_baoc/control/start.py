@@ -14,96 +14,139 @@ The risk table is :meth:`lightning_baoc.costs.AllocationProblem.start_risk` (the
 plan`` and ``lightning-baoc check`` call too (:meth:`~lightning_baoc.costs.AllocationProblem.phases`),
 so the start they report is this one.
 
-:class:`StartMixin` expects the controller's ``problem``, ``block_params``,
-``_module``, ``optimizer``, ``config`` and ``_solve``.
+A budget changed during warm-up moves the start allocation at once (:meth:`StartAllocation.set_budget`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+import warnings
 
 from torch import nn
 
 from lightning_baoc.config.budget import parse_memory_budget, parse_time_budget
-from lightning_baoc.control.checkpoint import plain as _plain
+from lightning_baoc.config.settings import BAOCConfig, plain
+from lightning_baoc.control.blocks import Blocks
+from lightning_baoc.control.options import Options
+from lightning_baoc.control.tables import BlockTables
+from lightning_baoc.costs.calibration import withheld_formats
 from lightning_baoc.optim import BlockwiseOptimizer
 from lightning_baoc.risk.prior import block_kind
 from lightning_baoc.risk.start import INITIAL_PREFERENCE
-from lightning_baoc.solver import Allocation
 
 
-class StartMixin:
-    """The start allocation of the controller (see the module docstring)."""
+class StartAllocation:
+    """The warm-up's formats: the start allocation within the budgets, and budget changes.
 
-    # provided by the controller
-    config: Any
-    optimizer: BlockwiseOptimizer | None
-    block_params: dict[str, list[str]]
-    _module: nn.Module | None
-    problem: Any  # the controller's AllocationProblem
-    _solve: Callable[[Mapping[str, Mapping[str, float]]], Allocation]
-    start_allocation: dict[str, str] | None
-    _apply_options: Callable[..., Any]
-    phase: str
-    pending: str | None
-    installed: bool
+    Args:
+        config: the settings; reads ``initial`` and the budgets, and :meth:`set_budget` writes the budgets.
+        blocks: the partition put in its start allocation.
+        tables: the problem the start allocation is solved in (its device for the warm-up formats).
+        options: how an allocation is applied to the optimizer.
 
-    def set_budget(self, memory_budget: float | int | str | None = None, time_budget: float | str | None = None) -> None:
-        """Change a budget mid-training; call it between steps, on every rank.
+    Attributes:
+        formats: block -> the option the warm-up started in (``None`` before :meth:`start`).
 
-        After the first allocation the next step boundary re-evaluates against it (a budget that can
-        no longer be met raises there, before any conversion). During warm-up the start allocation is
-        solved again at once, so the cap holds from the next step; a budget it cannot meet raises
-        here and the budgets stay as they were. ``None`` keeps a budget as it is.
+    Example:
+        >>> from lightning_baoc import BlockwiseAdamW
+        >>> model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+        >>> opt = BlockwiseAdamW(model.parameters())
+        >>> config = BAOCConfig(memory_budget=0.5, calibration="prior")
+        >>> blocks = Blocks(config); blocks.build(opt, model)
+        >>> tables = BlockTables(config, blocks); tables.refresh(opt)
+        >>> from lightning_baoc.control.instrumentation import Instrumentation
+        >>> start = StartAllocation(config, blocks, tables, Options(config, blocks, tables, Instrumentation(config, blocks, tables)))
+        >>> start.start(opt, model)
+        >>> sum(tables.memory[b][f] for b, f in start.formats.items()) <= 0.5 * tables.baseline
+        True
+        >>> start.set_budget(memory_budget="30%", opt=opt, module=model)  # moves the start at once
+        >>> config.memory_budget, sum(tables.memory[b][f] for b, f in start.formats.items()) <= 0.3 * tables.baseline
+        ('30%', True)
+    """
 
-        A lowered budget after the first allocation holds from the end of that re-evaluation's
-        conversion: until then the state chosen for the old budget stays on the device (and during
-        the conversion, shrinking parameters first, at most that plus one parameter's state).
+    def __init__(self, config: BAOCConfig, blocks: Blocks, tables: BlockTables, options: Options) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.tables = tables
+        self.options = options
+        self.formats: dict[str, str] | None = None
 
-        Example:
-            >>> ctl = BAOCController(memory_budget=0.5, warmup_steps=20)
-            >>> ctl.set_budget(memory_budget="30%")
-            >>> ctl.config.memory_budget
-            '30%'
-        """
-        cfg = self.config
-        before = (cfg.memory_budget, cfg.time_budget)
-        if memory_budget is not None:
-            parse_memory_budget(_plain(memory_budget), fp32_bytes=float(1 << 62))
-            cfg.memory_budget = _plain(memory_budget)
-        if time_budget is not None:
-            parse_time_budget(_plain(time_budget), fp32_seconds=1.0)
-            cfg.time_budget = _plain(time_budget)
-        if self.phase == "allocated":
-            self.pending = "budget"
-        elif self.installed:
-            # during warm-up the start allocation follows the budget at once: the cap holds from the
-            # next step; a budget it cannot meet is refused here, with the budgets as they were
-            try:
-                self._start_within_budget()
-            except Exception:
-                cfg.memory_budget, cfg.time_budget = before
-                raise
+    def risk(self, module: nn.Module | None) -> dict[str, dict[str, float]]:
+        """The risk table the start allocation minimizes: the prior, or what ``initial`` gives (over
+        the options, with corrections): the problem's, as ``lightning-baoc check`` and ``plan`` price it."""
+        module = module if module is not None else nn.Module()
+        kinds = {b: block_kind(module, b) for b in self.blocks.params}
+        problem = self.tables.problem
+        assert problem is not None, "the tables are refreshed before the start allocation"
+        return problem.start_risk(kinds, self.config.initial)
 
-    def _start_within_budget(self) -> None:
+    def start(self, opt: BlockwiseOptimizer, module: nn.Module | None) -> None:
         """Put every block in its start allocation (warm-up only; the optimizer may hold no state yet).
 
         Raises:
             BudgetInfeasibleError: no allocation meets the budgets (it names the smallest one).
             ValueError: ``initial`` names an unknown block or a format not offered here.
         """
-        assert self.optimizer is not None
-        formats = dict(self._solve(self._start_risk()).formats)
-        self._apply_options(formats, self.block_params)
-        self.start_allocation = formats
+        formats = dict(self.tables.solve(self.risk(module)).formats)
+        self.options.apply(opt, formats, self.blocks.params)
+        self.formats = formats
 
-    def _start_risk(self) -> dict[str, dict[str, float]]:
-        """The risk table the start allocation minimizes: the prior, or what ``initial`` gives (over
-        the options, with corrections): the problem's, as ``lightning-baoc check`` and ``plan`` price it."""
-        assert self.optimizer is not None
-        module = self._module if self._module is not None else nn.Module()
-        kinds = {b: block_kind(module, b) for b in self.block_params}
-        return self.problem.start_risk(kinds, self.config.initial)
+    def warmup_formats(self, opt: BlockwiseOptimizer) -> None:
+        """Warm-up state no larger than the user's AdamW: ``bf16`` for 2-byte parameters.
+
+        torch's AdamW holds bf16/fp16 moments on such parameters (4 bytes per element); ``fp32``
+        state (8) would double the user's optimizer memory. Only plain ``fp32`` requests change.
+        """
+        named = opt.named_params
+        small = [
+            n for n in self.blocks.names() if named[n].element_size() < 4 and opt.requested_format(named[n]) == "fp32"
+        ]
+        if not small:
+            return
+        device = self.tables.device
+        masked = withheld_formats(device, True, ["bf16"])
+        if masked:  # emulated bf16 would be slow: fp32, said aloud
+            warnings.warn(
+                f"BAOC: {len(small)} low-precision parameter tensor(s) warm up with fp32 state (8 bytes per "
+                f"element, twice torch AdamW's): bf16 state is withheld on {device} ({masked['bf16']})",
+                UserWarning,
+                stacklevel=3,
+            )
+            return
+        opt.set_formats({n: "bf16" for n in small})
+
+    def set_budget(
+        self,
+        memory_budget: float | int | str | None = None,
+        time_budget: float | str | None = None,
+        opt: BlockwiseOptimizer | None = None,
+        module: nn.Module | None = None,
+    ) -> None:
+        """Change the budgets in the settings (``None`` keeps one as it is); with ``opt`` (during
+        warm-up, after install) move the start allocation to them at once, so the cap holds from
+        the next step.
+
+        Raises:
+            ValueError: a malformed budget (it names the value and the forms allowed).
+            BudgetInfeasibleError: with ``opt``: the start allocation cannot meet the new budgets;
+                the budgets are restored.
+        """
+        cfg = self.config
+        before = (cfg.memory_budget, cfg.time_budget)
+        if memory_budget is not None:
+            parse_memory_budget(plain(memory_budget), fp32_bytes=float(1 << 62))
+            cfg.memory_budget = plain(memory_budget)
+        if time_budget is not None:
+            parse_time_budget(plain(time_budget), fp32_seconds=1.0)
+            cfg.time_budget = plain(time_budget)
+        if opt is None:
+            return
+        # the start allocation follows the budget at once: the cap holds from the next step; a budget
+        # it cannot meet is refused here, with the budgets as they were
+        try:
+            self.start(opt, module)
+        except Exception:
+            cfg.memory_budget, cfg.time_budget = before
+            raise
 
 
-__all__ = ["INITIAL_PREFERENCE", "StartMixin"]
+__all__ = ["INITIAL_PREFERENCE", "StartAllocation"]

@@ -1,52 +1,53 @@
 """When to re-evaluate the allocation: every ``reevaluate_every_n_epochs`` epochs, and when
 ``monitor`` has not improved for ``patience`` validation checks.
 
-A mixin of :class:`~lightning_baoc.control.controller.BAOCController`; a trigger only makes a
-re-evaluation pending, which runs at the next step boundary.
+:class:`Triggers` only decides, as Lightning's ``EarlyStopping._evaluate_stopping_criteria`` does:
+the controller makes a re-evaluation pending on its answer (after the first allocation only), which
+runs at the next step boundary.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+
+from lightning_baoc.config.settings import BAOCConfig
 
 
-class TriggersMixin:
-    """Epoch and plateau triggers of the controller (see the module docstring)."""
+class Triggers:
+    """The epoch and plateau triggers of re-evaluation.
 
-    # provided by the controller this is mixed into
-    config: Any
-    phase: str
-    pending: str | None
-    best: float | None
-    wait: int
+    Args:
+        config: the settings; reads ``reevaluate_every_n_epochs``, ``patience``, ``mode`` and
+            ``min_delta`` at each call.
 
-    def epoch_end(self, epoch: int) -> bool:
-        """Schedule a re-evaluation at the end of every ``reevaluate_every_n_epochs``-th epoch.
+    Attributes:
+        best: the best ``monitor`` value seen since the first allocation (``None``: none yet).
+        wait: validation checks since ``best`` last improved (restarts at each allocation).
 
-        Args:
-            epoch: the 0-based index of the epoch that ended.
+    Example:
+        >>> triggers = Triggers(BAOCConfig(memory_budget=0.5, patience=2, reevaluate_every_n_epochs=3))
+        >>> [triggers.evaluate(v) for v in (1.0, 0.9, 0.95, 0.92)]
+        [(False, None), (False, None), (False, None), (True, 'plateau')]
+        >>> [triggers.epoch_due(e) for e in range(4)]
+        [False, False, True, False]
+    """
 
-        Returns:
-            whether a re-evaluation is now pending because of it.
-        """
+    def __init__(self, config: BAOCConfig) -> None:
+        self.config = config
+        self.best: float | None = None
+        self.wait = 0
+
+    def epoch_due(self, epoch: int) -> bool:
+        """Whether the end of epoch ``epoch`` (0-based) calls for a re-evaluation."""
         n = self.config.reevaluate_every_n_epochs
-        if self.phase != "allocated" or n is None or (epoch + 1) % n:
-            return False
-        self.pending = self.pending or "epoch"
-        return True
+        return n is not None and (epoch + 1) % n == 0
 
-    def validation_end(self, value: float | None) -> bool:
-        """Track ``monitor``; schedule a re-evaluation after ``patience`` checks without improvement.
-
-        Call it on every rank with the same value (broadcast rank zero's). Values before the first
-        allocation are ignored; the count restarts after each allocation.
-
-        Returns:
-            whether a re-evaluation is now pending because of a plateau.
-        """
-        if self.phase != "allocated" or value is None or not math.isfinite(value):
-            return False
+    def evaluate(self, value: float | None) -> tuple[bool, str | None]:
+        """Track a ``monitor`` value: ``(True, "plateau")`` after ``patience`` checks without an
+        improvement of more than ``min_delta`` (the count then restarts), else ``(False, None)``.
+        ``None`` and non-finite values are ignored."""
+        if value is None or not math.isfinite(value):
+            return False, None
         cfg = self.config
         improved = (
             self.best is None
@@ -56,13 +57,16 @@ class TriggersMixin:
         if improved:
             self.best = float(value)
             self.wait = 0
-            return False
+            return False, None
         self.wait += 1
         if self.wait >= cfg.patience:
             self.wait = 0
-            self.pending = self.pending or "plateau"
-            return True
-        return False
+            return True, "plateau"
+        return False, None
+
+    def restart(self) -> None:
+        """Restart the count of checks without improvement (an allocation ran); ``best`` stays."""
+        self.wait = 0
 
 
-__all__ = ["TriggersMixin"]
+__all__ = ["Triggers"]

@@ -268,7 +268,7 @@ def test_hysteresis_keeps_an_allocation_that_is_not_clearly_worse() -> None:
     assert ctl.allocation == first
     # an alternative 5% better (< hysteresis 10%) is not worth a migration
     current = sum(risk.table[b][f] for b, f in first.items())
-    big = max(first, key=lambda b: ctl._numel[b])
+    big = max(first, key=lambda b: ctl.tables.numel[b])
     risk.table[big][first[big]] += 0.05 * current / 0.95
     ctl.pending = "epoch"
     (event,) = _train(ctl, model, opt, 20, 8)
@@ -281,7 +281,7 @@ def test_reevaluation_migrates_only_changed_blocks_and_inherits_their_state() ->
     ctl, model, opt = _allocated(risk)
     first = dict(ctl.allocation)
     # make the big block's current format far riskier: the solver moves it, the rest stays
-    big = max(first, key=lambda b: ctl._numel[b])
+    big = max(first, key=lambda b: ctl.tables.numel[b])
     risk.table[big][first[big]] = 10.0
     _train(ctl, model, opt, 12, 5)  # two fresh ring samples (steps 12 and 16)
     snapshot = opt.state_dict()

@@ -185,8 +185,8 @@ def test_controller_on_an_accelerator_withholds_offload_without_a_time_budget(cu
     model = _model()
     ctl = BAOCController(memory_budget=0.3, warmup_steps=WARMUP, sample_every=EVERY)
     opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=2e-3), model)
-    assert ctl._device.type == "cuda" and hardware_mask(ctl._device) == {}  # CUDA's mask: offload is served
-    assert ctl._withheld == {"offload": OFFLOAD_NEEDS_TIME_BUDGET} and "offload" not in ctl._offered
+    assert ctl.tables.device.type == "cuda" and hardware_mask(ctl.tables.device) == {}  # CUDA's mask: offload is served
+    assert ctl.tables.withheld == {"offload": OFFLOAD_NEEDS_TIME_BUDGET} and "offload" not in ctl.tables.offered
     (event,) = _train(ctl, model, opt, 0, WARMUP)
     assert "offload" not in event.formats.values() and "offload" not in opt.formats().values()
     assert opt.state_bytes() <= 0.3 * ctl.fp32_state_bytes
@@ -200,7 +200,7 @@ def test_controller_on_an_accelerator_offers_offload_with_a_time_budget(cuda_sha
         memory_budget=0.004, time_budget=30, calibration="prior", warmup_steps=WARMUP, sample_every=EVERY
     )
     opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=2e-3), model)
-    assert "offload" in ctl._offered and ctl._withheld == {}
+    assert "offload" in ctl.tables.offered and ctl.tables.withheld == {}
     (event,) = _train(ctl, model, opt, 0, WARMUP)
     assert "offload" in event.formats.values()
     ctl.close()

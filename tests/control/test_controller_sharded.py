@@ -61,7 +61,7 @@ def _worker(rank: int) -> None:
     everyone = [None] * WORLD
     dist.all_gather_object(everyone, (opt.formats(), opt.state_bytes(), ctl.memory_budget_bytes()))
     assert everyone[0][0] == everyone[1][0]  # the same allocation on every rank
-    assert not {"factored", "int8_factored"} & set(ctl._withheld)  # noqa: SLF001  (offered under sharding too)
+    assert not {"factored", "int8_factored"} & set(ctl.tables.withheld)  # offered under sharding too
     largest = sum(-(-p.shape[0] // WORLD) * math.prod(p.shape[1:]) for p in model.parameters())
     assert ctl.memory_budget_bytes() == int(0.3 * 8 * largest)  # per rank: a share of the largest shards' fp32 state
     for formats, held, budget in everyone:

@@ -42,7 +42,7 @@ def test_infeasible_budget_raises_before_training_naming_the_smallest_feasible(t
     assert "No format was converted" in message
     # the smallest feasible memory: every block in its cheapest allowed format
     ctl = baoc.controller
-    table = memory_table(ctl._shapes, "cpu", ["fp32", "bf16", "int8"])
+    table = memory_table(ctl.tables.shapes, "cpu", ["fp32", "bf16", "int8"])
     assert info.value.min_memory == sum(min(row.values()) for row in table.values())
     assert info.value.min_memory > 0.1 * ctl.fp32_state_bytes
     opt = baoc.optimizer

@@ -46,7 +46,7 @@ class ShiftedRisk:
         table = risk_table(optimizer, blocks, statistics, formats=formats, horizon=horizon)
         if self.calls > 1:
             ctl = self.baoc.controller
-            self.block = max(ctl.allocation, key=lambda b: ctl._numel[b])
+            self.block = max(ctl.allocation, key=lambda b: ctl.tables.numel[b])
             current = ctl.allocation[self.block]
             table[self.block][current] = 1000.0 * table[self.block][current] + 1.0
         return table
