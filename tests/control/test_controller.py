@@ -402,3 +402,16 @@ def test_state_dict_loads_weights_only_and_rebuilds_the_allocation() -> None:
     assert other.pending == "settings"
     for c in (ctl, fresh, other):
         c.close()
+
+
+def test_the_controller_is_composed_of_parts_not_stacked_from_mixins() -> None:
+    project = [c for c in BAOCController.__mro__ if c.__module__.startswith("lightning_baoc")]
+    assert len(project) <= 3, project
+    ctl = BAOCController(memory_budget=0.5)
+    parts = {
+        "blocks": "Blocks", "tables": "BlockTables", "instrumentation": "Instrumentation",
+        "release_observer": "ReleasedGradientObserver", "options": "Options", "scoring": "Scoring",
+        "start": "StartAllocation", "triggers": "Triggers", "checkpoint": "ControllerCheckpoint",
+    }
+    assert {name: type(getattr(ctl, name)).__name__ for name in parts} == parts
+    assert all(getattr(ctl, name).config is ctl.config for name in parts if name != "release_observer")  # one settings object
