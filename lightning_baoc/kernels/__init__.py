@@ -5,8 +5,14 @@ about ten passes over memory per step and a few hundred operator calls per 128K 
 kernels in ``cpu_step.cpp`` do each format's whole step in one pass per 1024-element super-block
 (decode, AdamW in fp32, encode), over all the tensors of a call at once, threaded with
 ``at::parallel_for``. They are built with :func:`torch.utils.cpp_extension.load` the first time an
-optimizer needs them (tens of seconds, once per machine and source version) and loaded from the
-cache afterwards.
+optimizer needs them (measured: 10.7 s on an idle 2-core machine, 79.5 s on a loaded one; once per
+machine, torch version and source version) and loaded from the cache afterwards (under a second).
+
+What a user sees: a build is a pause before the first step, so it is said at warning level (the
+``lightning_baoc.kernels`` logger; Python's logging prints warnings to stderr even where nothing is
+configured): one line when it starts, one every :data:`PROGRESS_SECONDS` while it runs, and one when
+it is done that says which step runs. A load from the cache takes no noticeable time and is said once,
+at info level: a warning on every run's start would teach users to skip warnings.
 
 Which path runs is chosen per optimizer (``BlockwiseAdamW(kernels=...)``, default from the
 environment variable ``LIGHTNING_BAOC_KERNELS``, else ``"auto"``):
@@ -27,6 +33,7 @@ import logging
 import os
 import shutil
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -179,23 +186,93 @@ def _wait_for_build_lock(directory: Path | None, poll: float = 0.5) -> None:
             return
         if not said:
             said = True
-            log.info("lightning_baoc: waiting for another process's build of the CPU kernels (%s); delete the lock "
-                     "if no other process is building", lock)
+            # a pause before the first step, as a build is: said at the build's level
+            log.warning("lightning_baoc: waiting for another process's build of the CPU kernels (%s); delete the lock "
+                        "if no other process is building", lock)
         time.sleep(poll)
 
 
+#: Seconds between two progress lines of a build (a build takes 10 s to over a minute: a line every 10 s
+#: says it is not stuck without flooding the log).
+PROGRESS_SECONDS = 10.0
+#: What the build is, in the messages.
+BUILT = "the compiled CPU optimizer step"
+#: Which step runs once the kernels are there, in the messages.
+RUNS = "the optimizer steps CPU parameters with the compiled kernels"
+
+
+class _BuildProgress:
+    """Says that a build runs while it blocks this thread: a warning when it starts (``fresh``: nothing
+    cached), one from a helper thread every :data:`PROGRESS_SECONDS` while it runs.
+
+    A thread, not torch's ``verbose=True``: torch's verbose output is ninja's and the compiler's command
+    lines on stdout (dozens of long lines, not the logging a user can filter or a test can capture),
+    and says nothing about how long it has been running. Where something was cached but torch rebuilds
+    anyway (the source path in ``build.ninja`` moved: another checkout of the same source), the first
+    progress line says so.
+    """
+
+    def __init__(self, directory: Path | None, fresh: bool, every: float | None = None) -> None:
+        self.directory = directory
+        self.fresh = fresh
+        self.every = PROGRESS_SECONDS if every is None else every
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._start = 0.0
+
+    def __enter__(self) -> _BuildProgress:
+        self._start = time.perf_counter()
+        if self.fresh:
+            log.warning("lightning_baoc: building %s (first use on this machine: 10 s to a minute or more, once; "
+                        "later runs load it from the cache in %s) ...", BUILT, self.directory or "torch's extensions directory")
+        self._thread = threading.Thread(target=self._tick, name="lightning_baoc-build-progress", daemon=True)
+        self._thread.start()
+        return self
+
+    def _tick(self) -> None:
+        said = False
+        while not self._done.wait(self.every):
+            elapsed = time.perf_counter() - self._start
+            if self.fresh or said:
+                log.warning("lightning_baoc: still building %s: %.0f s so far ...", BUILT, elapsed)
+            else:
+                log.warning("lightning_baoc: rebuilding %s (its cache in %s is out of date): %.0f s so far ...", BUILT,
+                            self.directory, elapsed)
+            said = True
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def _libraries(directory: Path | None) -> dict[Path, float]:
+    """The built libraries in ``directory`` and their modification times."""
+    if directory is None:
+        return {}
+    try:
+        return {so: so.stat().st_mtime for so in directory.glob("*.so")}
+    except OSError:
+        return {}
+
+
 def _build(flags: list[str], ldflags: list[str]) -> KernelStatus | str:
-    """Build or load the kernels with ``flags``: their status, or the compiler's first error."""
+    """Build or load the kernels with ``flags``: their status, or the compiler's first error.
+
+    A build is said at warning level (when it starts, while it runs, and when it is done, with the step
+    that runs: :class:`_BuildProgress`); a load from the cache is said by :func:`use_compiled`, at info.
+    """
     from torch.utils.cpp_extension import load
 
     name = _build_name(flags)
     directory = _build_directory(name)
-    cached = directory is not None and any(directory.glob("*.so"))
+    before = _libraries(directory)
     _wait_for_build_lock(directory)
     start = time.perf_counter()
     try:
-        load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=ldflags, is_python_module=False,
-             verbose=False)
+        with _BuildProgress(directory, fresh=not before):
+            load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=ldflags, is_python_module=False,
+                 verbose=False)
     except OSError as err:  # the build directory: not a directory, not writable, the disk full
         where = os.environ.get("TORCH_EXTENSIONS_DIR")
         return KernelStatus(False, f"their build directory cannot be written ({err})", 0.0,
@@ -204,7 +281,14 @@ def _build(flags: list[str], ldflags: list[str]) -> KernelStatus | str:
     except Exception as err:  # a compiler error, a linker error: the eager step still works
         return _first_error(str(err)) or type(err).__name__
     seconds = time.perf_counter() - start
-    return KernelStatus(True, "loaded from the cache" if cached else f"built in {seconds:.1f} s", 0.0 if cached else seconds)
+    after = _libraries(directory)
+    built = not before or bool(set(after) - set(before)) or any(after.get(so, 0.0) > t for so, t in before.items())
+    if not built:
+        return KernelStatus(True, "loaded from the cache")
+    _ANNOUNCED.add("compiled")  # this line says which step runs: use_compiled need not say it again
+    log.warning("lightning_baoc: built %s in %.1f s; %s (cached in %s for later runs)", BUILT, seconds, RUNS,
+                directory or "torch's extensions directory")
+    return KernelStatus(True, f"built in {seconds:.1f} s", seconds)
 
 
 def _first_error(text: str) -> str:
@@ -236,7 +320,7 @@ def _choose(
     refused under ``"compiled"`` (naming ``refused``) and warned once under ``"auto"`` where they do
     not (``detail``: why)."""
     if available:
-        if announce and key not in _ANNOUNCED:
+        if announce and key not in _ANNOUNCED:  # a build said it at warning level (_build); a cache load is quick
             _ANNOUNCED.add(key)
             log.info("lightning_baoc: %s in use (%s)", kernels, detail)
         return True
@@ -299,6 +383,6 @@ def ops() -> Any:
 
 
 __all__ = [
-    "KERNELS_ENV", "POLICIES", "TRITON_DEVICES", "TRITON_SERVED", "KernelStatus", "compile_flags", "cpu_kernels", "ops", "resolve_policy",
+    "KERNELS_ENV", "POLICIES", "PROGRESS_SECONDS", "TRITON_DEVICES", "TRITON_SERVED", "KernelStatus", "compile_flags", "cpu_kernels", "ops", "resolve_policy",
     "step_path", "use_compiled", "use_triton",
 ]
