@@ -68,7 +68,9 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
         + " (default: adamw; fp32 AdamW holds 8 bytes per parameter, SGD's and Lion's momentum 4)",
     )
     parser.add_argument(
-        "--device", default="cuda", help="the training device planned for (default: cuda); decides the hardware mask"
+        "--device",
+        help="the training device planned for; decides the hardware mask (default: cuda, a GPU run, also on a "
+        "machine without one: the plan's first table says which device it is for)",
     )
     parser.add_argument("--granularity", choices=list(GRANULARITIES), default="module", help="block granularity (default: module)")
     parser.add_argument(

@@ -169,8 +169,8 @@ def _phases_result(phases: StatePhases, c: _BudgetContext, least: int) -> CheckR
     if budget_bytes:
         fp32_warmup += f", {fp32_bytes / budget_bytes:.2f}x the budget"
     detail = (
-        f"{c.budget_text} is feasible: the cheapest allocation of the allowed formats needs {format_bytes(least)} "
-        f"({least / c.baseline_bytes:.3f} of {c.unit}){c.time_note}{c.withheld_note}; state by phase: {phases.summary()}; "
+        f"{c.budget_text} is feasible: the cheapest allocation of the allowed formats needs {format_bytes(least, up=True)} "
+        f"({round_up(least / c.baseline_bytes)} of {c.unit}){c.time_note}{c.withheld_note}; state by phase: {phases.summary()}; "
         f"the warm-up's states are created in the start formats ({fp32_warmup}); the sampler's buffers and the "
         f"shadow moments hold {format_bytes(phases.instrument_bytes)} besides, outside the budget (at most "
         f"{format_bytes(phases.instrument_allowance)}, baoc.instrument_share)"
@@ -249,7 +249,7 @@ def _infeasible(err: BudgetInfeasibleError, c: _BudgetContext) -> CheckResult:
         NAME,
         False,
         f"{budget_text} is infeasible for this model: the smallest feasible budget with the allowed formats "
-        f"{served} is {format_bytes(need)} ({need / c.baseline_bytes:.3f} of {c.unit})"
+        f"{served} is {format_bytes(need, up=True)} ({round_up(need / c.baseline_bytes)} of {c.unit})"
         f"{' within the time budget' if b.time_budget is not None else ''}{time_note}{withheld_note}",
         f"set baoc.memory_budget >= {round_up(need / c.baseline_bytes)} (or an absolute size >= {int(math.ceil(need))} "
         f"bytes){allow}",

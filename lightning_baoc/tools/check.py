@@ -50,7 +50,7 @@ from lightning_baoc.costs.calibration import hardware_mask
 from lightning_baoc.formats import RULE_FORMATS, RULE_NAMES, formats_of
 from lightning_baoc.sampling.blocks import partition_report
 from lightning_baoc.tools.budget_check import check_budget
-from lightning_baoc.tools.models import build_component, default_device, resolve_model
+from lightning_baoc.tools.models import EXAMPLES, build_component, default_device, example_folder, resolve_model
 from lightning_baoc.tools.result import CheckResult
 
 #: The sampler's design budget: its cost per training step, as a fraction of the step
@@ -427,13 +427,20 @@ def run(args: argparse.Namespace) -> int:
     built) propagates; the command line turns it into exit code 2.
     """
     from rich.console import Console
+    from rich.text import Text
 
     config = load_config(args.config, args.overrides)
-    model, name = resolve_model(config, args.model)
+    # before the model is built: once imported, it is importable
+    folder = example_folder(config.model.class_path, args.config) if args.model is None and config.model else None
+    model, name = resolve_model(config, args.model, config_path=args.config)
+    console = Console(width=max(Console().width, 140))
+    if folder is not None:  # the templates' models: said, since the Python path alone would not find them
+        console.print(Text(f"{name}: not importable from the Python path; imported from {folder} (the {EXAMPLES}/ folder "
+                           f"beside the config's folder)"))
     device = args.device or default_device(config)
     results = run_checks(config, model, device, args.optimizer)
     who = "" if args.optimizer == "adamw" else f" with {RULE_NAMES[args.optimizer]}"
-    render(results, Console(width=max(Console().width, 140)), title=f"lightning-baoc check: {args.config}, {name}{who} on {device}")
+    render(results, console, title=f"lightning-baoc check: {args.config}, {name}{who} on {device}")
     return 0 if all(r.passed for r in results) else 1
 
 

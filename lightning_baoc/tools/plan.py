@@ -27,6 +27,7 @@ started. Step time comes from a calibration of the local device (``calibrate=Tru
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from torch import nn
 
 from lightning_baoc.config.budget import (
     absolute_time_with_prior_error,
+    ceil_significant,
     format_bytes,
     format_decimal_bytes,
     is_absolute_time,
@@ -132,6 +134,13 @@ class Plan:
     #: the corrections the solver pairs with the formats (``None``: states alone), and the weights' dtypes
     corrections: list[str] | None = None
     block_dtypes: dict[str, list[torch.dtype]] = field(default_factory=dict)
+    #: whether ``device`` is :data:`DEFAULT_DEVICE` because none was given
+    device_default: bool = False
+
+    @property
+    def device_note(self) -> str:
+        """What the device planned for is, in words: the default (and how to change it) or the one given."""
+        return device_note(self.device, self.device_default)
 
     @property
     def optimizer(self) -> str:
@@ -166,6 +175,7 @@ class Plan:
         return {
             "model": self.model,
             "device": self.device,
+            "device_default": self.device_default,
             "granularity": self.granularity,
             "optimizer": self.optimizer,
             "params": self.params,
@@ -199,12 +209,36 @@ class Plan:
         }
 
 
+#: The device a plan is for when none is given: a GPU. Planning is for sizing a run before it runs,
+#: mostly of models that train on accelerators (the presets: LLaMA-7B, ViT-B/16), often on a machine
+#: without that GPU (a laptop, a login node); a plan of this machine's CPU would mask ``offload``, the
+#: format that matters most there. The plan says so (:func:`device_note`), with ``--device cpu`` to
+#: plan for the CPU.
+DEFAULT_DEVICE = "cuda"
+
+
+def device_note(device: str, default: bool) -> str:
+    """The device a plan is for, in words: given, or the default and what it assumes here.
+
+    Example:
+        >>> device_note("cpu", default=False)
+        'cpu (--device)'
+    """
+    if not default:
+        return f"{device} (--device)"
+    if torch.cuda.is_available():
+        here = f"this machine's GPU, {torch.cuda.get_device_name(0)}, whose bf16 support is checked"
+    else:
+        here = "a GPU elsewhere: this machine has none, so the GPU's bf16 support is not checked"
+    return f"{device}, the default ({here}); --device cpu plans for the CPU"
+
+
 def plan(
     model: str | nn.Module,
     budgets: Sequence[float | int | str] = (),
     *,
     time_budget: float | str | None = None,
-    device: str = "cuda",
+    device: str | None = None,
     granularity: str = "module",
     statistics: str | os.PathLike[str] | None = None,
     initial: Initial = None,
@@ -224,7 +258,8 @@ def plan(
         time_budget: optional time budget: a multiple of the fp32 step (``1.10``), or an absolute
             time (``"12ms"``) with ``calibrate_time=True`` (the prior costs have no unit).
         device: the training device planned for; decides the hardware mask and whether ``offload``
-            saves device memory (default: ``"cuda"``).
+            saves device memory (default: :data:`DEFAULT_DEVICE`, ``"cuda"``, also where no GPU is present;
+            the plan records that it is the default, ``Plan.device_default``).
         granularity: block granularity of :func:`~lightning_baoc.sampling.blocks.partition` (default: ``"module"``).
         statistics: a statistics file: the steady allocation's risk (default: the start's).
         initial: the start as ``BAOC(initial=...)``: a ``baoc_allocation.json`` or a mapping block -> format.
@@ -252,6 +287,8 @@ def plan(
         >>> phases.warmup_bytes == phases.start_bytes <= 0.5 * p.fp32_bytes
         True
     """
+    device_default = device is None
+    device = DEFAULT_DEVICE if device is None else device
     rule, initial = _check_inputs(optimizer, time_budget, calibrate_time, initial, corrections)
     module = build_model(model) if isinstance(model, str) else model  # the problem below is the controller's
     blocks, dtypes = _blocks(module, granularity, weight_dtype)
@@ -277,7 +314,7 @@ def plan(
         formats=figures, masked=problem.withheld, risk_source=risk_source,
         time_source=problem.time_source if budgets else None, time_budget=None if time_budget is None else str(time_budget), allocations=allocations,
         start_source=start_source, rule=rule, baseline_bytes=problem.baseline_bytes or problem.fp32_bytes,
-        corrections=corrections, block_dtypes=dtypes, **weights,
+        corrections=corrections, block_dtypes=dtypes, device_default=device_default, **weights,
     )  # fmt: skip
 
 
@@ -427,6 +464,7 @@ def render(p: Plan, console: Any = None) -> None:
     head = Table(title=f"lightning-baoc plan: {p.model} on {p.device}", show_header=False)
     head.add_column("", style="bold")
     head.add_column("")
+    head.add_row("planned for", p.device_note)
     head.add_row("parameters", f"{p.params:,} ({p.params / 1e9:.3g}B)" if p.params >= 1e8 else f"{p.params:,}")
     head.add_row("tensors / blocks", f"{p.tensors:,} / {len(p.blocks):,} ({p.granularity} granularity)")
     head.add_row(f"fp32 {p.optimizer} state", f"{_bytes(p.fp32_bytes)} = {p.fp32_bytes_per_param} bytes x {p.params:,} parameters")
@@ -465,7 +503,7 @@ def render(p: Plan, console: Any = None) -> None:
         for entry in p.allocations:
             a = entry.allocation
             if a is None:
-                alloc_table.add_row(entry.budget, "infeasible", "", "", "", entry.error or "", "")
+                alloc_table.add_row(entry.budget, "infeasible", "-", "-", "-", "see below", "-")
                 continue
             shares = sorted(entry.params_by_format.items(), key=lambda kv: -kv[1])
             mix = ", ".join(f"{f} {n / p.params:.0%}" if n >= 0.005 * p.params else f"{f} <1%" for f, n in shares)
@@ -475,15 +513,38 @@ def render(p: Plan, console: Any = None) -> None:
                 entry.budget, _bytes(a.memory), f"{a.memory / p.fp32_bytes:.3f}", step, f"{a.risk:.4g}", mix, solver
             )
         console.print(alloc_table)
+        _render_infeasible(p, console)
         _render_phases(p, console)
         _render_training_memory(p, console)
     if p.masked:
         console.print("Masked: " + "; ".join(f"{k}: {v}" for k, v in p.masked.items()))
 
 
+def _render_infeasible(p: Plan, console: Any) -> None:
+    """For each infeasible budget, why, and the smallest feasible budget (the solver's
+    :class:`~lightning_baoc.solver.BudgetInfeasibleError` names it, rounded up: given back, it is feasible)."""
+    from rich.text import Text
+
+    for entry in p.allocations:
+        if entry.allocation is not None:
+            continue
+        console.print(Text(f"Budget {entry.budget} is infeasible: {entry.error}"))
+        if entry.min_memory is not None and p.baseline_bytes:
+            size = format_bytes(entry.min_memory, up=True)
+            fraction = ceil_significant(entry.min_memory / p.baseline_bytes)
+            of = f"fp32 {p.optimizer}" if p.baseline_bytes == p.fp32_bytes else f"{p.optimizer}'s state in the weights' dtype"
+            console.print(Text(f"The smallest feasible budget is {size} = {int(math.ceil(entry.min_memory)):,} bytes "
+                               f"({fraction:.3g} of {of}): pass --budget {fraction:.3g} or more (or --budget "
+                               f"{size.replace(' ', '')})"))
+
+
 def _render_training_memory(p: Plan, console: Any) -> None:
-    """For each feasible budget, what training holds per parameter: weights, corrections, gradients, states."""
+    """For each feasible budget, what training holds per parameter: weights, corrections, gradients, states
+    (no table where no budget is feasible)."""
     from rich.table import Table
+
+    if not any(entry.allocation is not None for entry in p.allocations) or not p.params:
+        return
 
     held = "corrections chosen per block" if p.corrections is not None else f"correction {p.weight_correction}"
     title = f"Training memory per parameter (weights {p.weight_dtype}, {held}{', gradient release' if p.release else ''})"
@@ -542,4 +603,4 @@ def _render_phases(p: Plan, console: Any) -> None:
         console.print(CONVERSION_BOUND)
 
 
-__all__ = ["FormatFigure", "Plan", "PlannedAllocation", "load_statistics", "plan", "render"]
+__all__ = ["DEFAULT_DEVICE", "FormatFigure", "Plan", "PlannedAllocation", "device_note", "load_statistics", "plan", "render"]

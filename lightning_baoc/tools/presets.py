@@ -138,7 +138,10 @@ def build_model(spec: str, device: str | torch.device = "meta") -> nn.Module:
         try:
             module = importlib.import_module(module_name)
         except ImportError as err:
-            raise ValueError(f"cannot import {module_name!r} from model={spec!r}: {err}") from None
+            raise ValueError(
+                f"cannot import {module_name!r} from model={spec!r}: {err}; put its directory on PYTHONPATH "
+                f"(PYTHONPATH=examples for the examples' models)"
+            ) from None
         factory = module
         for part in attr.split("."):
             if not hasattr(factory, part):
