@@ -5,11 +5,12 @@ LambdaLR, gradient accumulation 2 and clipping, written as a plain Fabric loop. 
 lines are the strategy, the two trigger calls and the ``"baoc"`` entry of the checkpoint.
 
     python examples/fabric_loop.py                       # budget 0.3, warm-up 60 steps
-    python examples/fabric_loop.py --budget 0.2 --epochs 12 --out runs/fabric
+    python examples/fabric_loop.py --budget 0.2 --epochs 12 --out lightning_logs/fabric_0.2
 
 It prints the allocation table at warm-up end, writes ``baoc_allocation.json``/``.png`` and a
-checkpoint into ``--out``, resumes from that checkpoint into a fresh model and checks that the
-optimizer comes back in the same formats.
+checkpoint into ``--out`` (default ``lightning_logs/fabric_loop``: beside Lightning's own runs, out of
+git's view), resumes from that checkpoint into a fresh model (the strategy says it resumed, into which
+phase and allocation) and checks that the optimizer comes back in the same formats.
 """
 
 from __future__ import annotations
@@ -25,10 +26,16 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_baoc import BAOCStrategy
 
+#: Where the reports and the checkpoint go by default: beside Lightning's own runs, which git ignores.
+OUT = "lightning_logs/fabric_loop"
+
 
 def digits(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """scikit-learn's 8x8 digits, scaled to [0, 1], split 1400 / 397."""
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise SystemExit('examples/fabric_loop.py trains on scikit-learn\'s digits: pip install "lightning_baoc[examples]"') from None
 
     data = load_digits()
     x = torch.tensor(data.data, dtype=torch.float32) / 16.0
@@ -55,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--budget", default="0.3", help="memory budget: fraction of fp32 AdamW state or size (default: 0.3)")
     parser.add_argument("--warmup", type=int, default=60, help="fp32 warm-up, optimizer steps (default: 60)")
     parser.add_argument("--epochs", type=int, default=8, help="epochs (default: 8)")
-    parser.add_argument("--out", default="runs/fabric_loop", help="reports and checkpoint (default: runs/fabric_loop)")
+    parser.add_argument("--out", default=OUT, help=f"reports and checkpoint (default: {OUT}, which git ignores)")
     args = parser.parse_args(argv)
     budget = float(args.budget) if args.budget.replace(".", "", 1).isdigit() else args.budget
     out = Path(args.out)

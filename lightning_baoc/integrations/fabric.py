@@ -197,7 +197,8 @@ class BAOCStrategy:
             old.param_groups = new.param_groups
             self._baoc_replaced = weakref.ref(old)
         self.controller.check_feasible(self.broadcast, self.is_global_zero)  # type: ignore[attr-defined]
-        rank_zero_info(self.controller.summary())
+        # no summary here: the states are created at the first step (0 B now), and a fabric.load that may
+        # follow restores another phase; the first step says where the run starts, a load that it resumed
         return new
 
     # ------------------------------------------------------------------ the step
@@ -235,6 +236,8 @@ class BAOCStrategy:
         if old is not None:
             old._opt_called = True  # type: ignore[attr-defined]  # for a scheduler left on it
         self.controller.step_completed()
+        if self.controller.steps == 1:  # the run's first step (a resumed run counts on): its states exist now
+            rank_zero_info(self.controller.summary())
         self._baoc_maybe_allocate()
         return output
 
@@ -307,10 +310,43 @@ class BAOCStrategy:
         """Fabric callback hook (when the strategy is also a callback): pick up ``fabric.loggers``."""
         self._baoc_loggers = list(getattr(fabric, "loggers", []))
 
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None) -> Any:
+        """``fabric.load``: the base strategy's, then, where the state held the controller, one line that
+        says the run resumed, at which step, in which phase and allocation, with the state restored."""
+        resumed = isinstance(state, dict) and any(v is self.controller for v in state.values())
+        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)  # type: ignore[misc]
+        if resumed:
+            rank_zero_info(resumed_summary(self.controller))
+        return remainder
+
     def teardown(self) -> None:
         """Stop the sampler's worker, then the base strategy's teardown."""
         self.controller.close()
         super().teardown()  # type: ignore[misc]
+
+
+def resumed_summary(controller: BAOCController) -> str:
+    """One line after a resume: the step, the phase and the allocation resumed into, and the state.
+
+    Example:
+        >>> resumed_summary(controller)  # doctest: +SKIP
+        'BAOC: resumed at step 120 into the allocation of step 60 (5 blocks: int8 2, fp32 2, bf16_momentum 1); optimizer state 201 KiB of 672 KiB AdamW (budget 202 KiB)'
+    """
+    c = controller
+    if not c.installed:
+        return "BAOC: the checkpoint's state is applied when the optimizer is set up (fabric.setup)"
+    counts: dict[str, int] = {}
+    for fmt in (c.allocation if c.phase == "allocated" else c.start_allocation or {}).values():
+        counts[fmt] = counts.get(fmt, 0) + 1
+    formats = ", ".join(f"{f} {n}" for f, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    if c.phase == "allocated":
+        since = f" of step {c.history[-1]['step']}" if c.history else ""
+        where = f"the allocation{since} ({len(c.block_params)} blocks: {formats})"
+    else:
+        left = max(c.config.warmup_steps - c.steps, 0)
+        where = f"the warm-up, {left} step(s) before the first allocation" + (f" (start formats: {formats})" if formats else "")
+    state = c.summary().split(" blocks, ", 1)[-1]  # "optimizer state X of Y AdamW (budget Z)"
+    return f"BAOC: resumed at step {c.steps} into {where}; {state}"
 
 
 class _BAOCSingleDeviceStrategy(BAOCStrategy, SingleDeviceStrategy):

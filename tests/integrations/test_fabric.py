@@ -162,6 +162,51 @@ def test_fabric_checkpoint_resume_is_bit_equal(save_at: int, tmp_path: Path) -> 
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("save_at", [8, 20], ids=["mid-warmup", "after-allocation"])
+def test_a_resume_says_it_resumed_and_no_warm_up_line_comes_first(
+    save_at: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh run says where it starts after its first step (the states exist then, not at set-up); a
+    resumed one says, at ``fabric.load``, the step, phase and allocation it resumed into, and nothing
+    before it (no "phase warmup ... 0 B" from the set-up)."""
+    import lightning_baoc.integrations.fabric as fabric_strategy
+
+    said: list[str] = []
+    monkeypatch.setattr(fabric_strategy, "rank_zero_info", lambda *args, **_: said.append(" ".join(map(str, args))))
+    strategy = _strategy()
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    model, opt, sched = _objects()
+    model, opt, sched = fabric.setup(model, opt, scheduler=sched)
+    assert said == []
+    _loop(fabric, model, opt, sched, stop=1)
+    assert said == [strategy.controller.summary()] and said[0].startswith("BAOC: phase warmup, ")
+    assert opt.state_bytes() > 0 and " optimizer state 0 B " not in said[0]
+    _loop(fabric, model, opt, sched, start=1, stop=save_at)
+    path = tmp_path / "ckpt.pt"
+    fabric.save(path, {"model": model, "optimizer": opt, "scheduler": sched, "baoc": strategy.controller})
+
+    said.clear()
+    strategy2 = _strategy()
+    fabric2 = Fabric(accelerator="cpu", devices=1, strategy=strategy2)
+    model2, opt2, sched2 = _objects()
+    model2, opt2, sched2 = fabric2.setup(model2, opt2, scheduler=sched2)
+    fabric2.load(path, {"model": model2, "optimizer": opt2, "scheduler": sched2, "baoc": strategy2.controller})
+    state = strategy.controller.summary().split(" blocks, ", 1)[1]
+    blocks = len(strategy.controller.block_params)
+    if save_at < 12:
+        start = sorted(strategy.controller.start_allocation.values())
+        formats = ", ".join(f"{f} {start.count(f)}" for f in sorted(set(start), key=lambda f: (-start.count(f), f)))
+        into = f"the warm-up, {12 - save_at} step(s) before the first allocation (start formats: {formats})"
+    else:
+        chosen = sorted(strategy.controller.allocation.values())
+        formats = ", ".join(f"{f} {chosen.count(f)}" for f in sorted(set(chosen), key=lambda f: (-chosen.count(f), f)))
+        into = f"the allocation of step 12 ({blocks} blocks: {formats})"
+    assert said == [f"BAOC: resumed at step {save_at} into {into}; {state}"], said
+    assert opt2.state_bytes() == opt.state_bytes() > 0
+    _loop(fabric2, model2, opt2, sched2, start=save_at, stop=save_at + 1)
+    assert len(said) == 1  # the next step is no first step: nothing more
+
+
 def test_triggers_through_fabric_call_and_loggers(tmp_path: Path) -> None:
     from lightning.fabric.loggers import CSVLogger
 
