@@ -298,8 +298,7 @@ class BAOCController:
         self._module = module
         self.blocks.forget()
         self.blocks.build(new, module)
-        self.tables.device = _training_device(new)
-        self.tables.refresh(new)
+        self.tables.refresh(new, _training_device(new))
         self.instrumentation.restart_sampler(module)
         self.optimizer = new
         self.release_observer.watch(new)
@@ -311,7 +310,7 @@ class BAOCController:
             self.options.apply(new, self.allocation, self.blocks.params)
         if self.phase == "warmup":
             self.start.warmup_formats(new)
-            self.start.start(new, module)
+            self.start.apply(new, module)
         return new
 
     def before_step(self, step: int, broadcast: Broadcast | None = None, is_global_zero: bool = True) -> AllocationEvent | None:
@@ -360,7 +359,7 @@ class BAOCController:
             self.pending = "params"
         else:
             self.start.warmup_formats(opt)
-            self.start.start(opt, module)  # the new blocks start within the budget too
+            self.start.apply(opt, module)  # the new blocks start within the budget too
             self.check_feasible(broadcast, is_global_zero)
 
     def check_feasible(self, broadcast: Broadcast | None = None, is_global_zero: bool = True) -> None:

@@ -44,7 +44,7 @@ class StartAllocation:
         options: how an allocation is applied to the optimizer.
 
     Attributes:
-        formats: block -> the option the warm-up started in (``None`` before :meth:`start`).
+        formats: block -> the option the warm-up started in (``None`` before :meth:`apply`).
 
     Example:
         >>> from lightning_baoc import BlockwiseAdamW
@@ -55,7 +55,7 @@ class StartAllocation:
         >>> tables = BlockTables(config, blocks); tables.refresh(opt)
         >>> from lightning_baoc.control.instrumentation import Instrumentation
         >>> start = StartAllocation(config, blocks, tables, Options(config, blocks, tables, Instrumentation(config, blocks, tables)))
-        >>> start.start(opt, model)
+        >>> start.apply(opt, model)
         >>> sum(tables.memory[b][f] for b, f in start.formats.items()) <= 0.5 * tables.baseline
         True
         >>> start.set_budget(memory_budget="30%", opt=opt, module=model)  # moves the start at once
@@ -79,7 +79,7 @@ class StartAllocation:
         assert problem is not None, "the tables are refreshed before the start allocation"
         return problem.start_risk(kinds, self.config.initial)
 
-    def start(self, opt: BlockwiseOptimizer, module: nn.Module | None) -> None:
+    def apply(self, opt: BlockwiseOptimizer, module: nn.Module | None) -> None:
         """Put every block in its start allocation (warm-up only; the optimizer may hold no state yet).
 
         Raises:
@@ -143,7 +143,7 @@ class StartAllocation:
         # the start allocation follows the budget at once: the cap holds from the next step; a budget
         # it cannot meet is refused here, with the budgets as they were
         try:
-            self.start(opt, module)
+            self.apply(opt, module)
         except Exception:
             cfg.memory_budget, cfg.time_budget = before
             raise

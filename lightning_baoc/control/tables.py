@@ -38,8 +38,8 @@ class BlockTables:
         blocks: the partition the tables are of (read at :meth:`refresh`).
 
     Attributes:
-        device: the training device (set by the owner before :meth:`refresh`; it decides the
-            formats withheld and what ``offload`` costs).
+        device: the training device (given to :meth:`refresh`; it decides the formats withheld and
+            what ``offload`` costs).
         shapes: block -> the shapes of its parameters (a sharded tensor's largest shard).
         numel: block -> its elements; ``dtypes``: block -> the dtypes of its parameters.
         baseline: the state the user's own optimizer would hold on the blocks (bytes).
@@ -71,13 +71,19 @@ class BlockTables:
 
     # ------------------------------------------------------------------ building
 
-    def refresh(self, opt: BlockwiseOptimizer) -> None:
+    def refresh(self, opt: BlockwiseOptimizer, device: torch.device | None = None) -> None:
         """Rebuild the tables and the problem over the blocks' parameters as ``opt`` holds them.
+
+        Args:
+            opt: the optimizer holding the blocks' parameters.
+            device: the training device (default: the last one given; the CPU at first).
 
         Raises:
             ValueError: ``formats`` names a format of another update rule, or ``corrections`` are
                 set where the weights are not 16-bit.
         """
+        if device is not None:
+            self.device = torch.device(device)
         cfg = self.config
         named = opt.named_params
         params = self.blocks.params

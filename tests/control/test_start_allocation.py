@@ -31,8 +31,7 @@ def _start(model: nn.Module, device: str = "cpu", **settings: Any) -> tuple[Star
     blocks = Blocks(config)
     blocks.build(opt, model)
     tables = BlockTables(config, blocks)
-    tables.device = torch.device(device)
-    tables.refresh(opt)
+    tables.refresh(opt, torch.device(device))
     return StartAllocation(config, blocks, tables, Options(config, blocks, tables, Instrumentation(config, blocks, tables))), opt
 
 
@@ -50,7 +49,7 @@ def test_the_start_is_the_least_prior_risk_within_the_budget_and_the_optimizer_a
     model = _model()
     start, opt = _start(model, memory_budget=budget)
     assert start.formats is None
-    start.start(opt, model)
+    start.apply(opt, model)
     assert _held(start) <= budget * start.tables.baseline
     assert start.options.current(opt) == start.formats
     risk = start.risk(model)
@@ -61,10 +60,10 @@ def test_an_initial_mapping_is_kept_where_the_budget_allows() -> None:
     model = _model()
     initial = {"0": "bf16", "2": "int8", "4": "fp32"}
     start, opt = _start(model, memory_budget=0.9, initial=initial)
-    start.start(opt, model)
+    start.apply(opt, model)
     assert start.formats == initial
     start, opt = _start(model, memory_budget=0.2, initial=initial)  # too little for it: the budget wins
-    start.start(opt, model)
+    start.apply(opt, model)
     assert start.formats != initial and _held(start) <= 0.2 * start.tables.baseline
 
 
@@ -95,7 +94,7 @@ def test_a_budget_changed_before_install_only_changes_the_settings() -> None:
 def test_a_budget_changed_during_warmup_moves_the_start_or_is_refused_as_it_was() -> None:
     model = _model()
     start, opt = _start(model, formats=["fp32", "bf16", "int8"])
-    start.start(opt, model)
+    start.apply(opt, model)
     start.set_budget(memory_budget=0.3, opt=opt, module=model)
     assert start.config.memory_budget == 0.3 and _held(start) <= 0.3 * start.tables.baseline
     before = dict(start.formats or {})
