@@ -60,12 +60,12 @@ class Table:
             by_kind = {kind: np.array([i for i, k in enumerate(kinds) if k == kind], dtype=np.int64)
                        for kind in dict.fromkeys(kinds)}
         common = ts._common(self.kinds, hyper, limit_m, limit_v)
-        for kind, mine in by_kind.items():
-            whole = len(mine) == len(rows)
-            part, sizes = (rows, blocks) if whole else (rows[mine], blocks[mine])
+        for kind, of_kind in by_kind.items():
+            whole = len(of_kind) == len(rows)
+            part, sizes = (rows, blocks) if whole else (rows[of_kind], blocks[of_kind])
             firsts = np.cumsum(sizes)
             flat = np.concatenate([part.reshape(-1), [0], firsts[:-1]])  # the rows, then each first super-block
-            ts._launch(torch.from_numpy(flat), len(mine), int(firsts[-1]), kind, common, device, repair)
+            ts._launch(torch.from_numpy(flat), len(of_kind), int(firsts[-1]), kind, common, device, repair)
 
 
 __all__ = ["Table"]

@@ -2,11 +2,13 @@
 Lion with a momentum format per parameter.
 
 - :mod:`.optimizer`: the shared machinery (:class:`BlockwiseOptimizer`) and :class:`BlockwiseAdamW`;
-- :mod:`.momentum`: :class:`BlockwiseSGD` and :class:`BlockwiseLion`;
+- :mod:`.sgd_lion`: :class:`BlockwiseSGD` and :class:`BlockwiseLion`;
 - :mod:`.aliases`: BlockwiseAdamW's and BlockwiseSGD's classes named like a user's optimizer class;
-- :mod:`.pools`: per-format contiguous state pools and parameter records;
-- :mod:`.persist`: state dicts, atomic validated loads, copies and pickling;
-- :mod:`.state`: the state-dict layout, checksums, plain-AdamW export, :class:`CheckpointError`;
+- the parts an optimizer holds, over one records table: :mod:`.pools` (parameter records, per-format
+  contiguous state pools, accounting, conversions), :mod:`.stepping` (the step, by format and device),
+  :mod:`.masters` (master-weight corrections), :mod:`.gradient_release` (each parameter stepped in
+  backward), :mod:`.persist` (state dicts, atomic validated loads, copies and pickling);
+- :mod:`.checkpoint`: the state-dict layout, checksums, plain-AdamW export, :class:`CheckpointError`;
 - :mod:`.distributed`: the layout of a sharded optimizer's state dict for ``torch.distributed.checkpoint``;
 - :mod:`.validate`: a whole state dict validated before anything changes;
 - :mod:`.args`: ``torch.optim.AdamW``'s constructor arguments, checked as torch does.

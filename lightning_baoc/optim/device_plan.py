@@ -4,22 +4,22 @@ On a GPU the kernels of a step take a fraction of a millisecond; what the host d
 them (decide which kernel serves it, read its states' addresses, build its row of the launch's table,
 compute its rounding key) took tens of microseconds per tensor in Python, most of the step
 (``docs/benchmarks/step-time.md``). A :class:`DevicePlan` does that work once for the tensors of a
-param group whose skips the device decides (:meth:`StepMixin._decided_on_device
-<lightning_baoc.optim.stepping.StepMixin._decided_on_device>`): the Triton kernels' non-factored formats
+param group whose skips the device decides (:meth:`StepDispatcher.decided_on_device
+<lightning_baoc.optim.stepping.StepDispatcher.decided_on_device>`): the Triton kernels' non-factored formats
 (:class:`~lightning_baoc.kernels.triton_table.Table`) and torch's fused kernel for fp32 tensors. Each step
 then checks that nothing the plan read has changed, advances the counts, and fills the columns that
 change (the gradients' addresses, the skip flags', the rounding keys and the step sizes, with numpy
 over all rows at once). The results are those of the unplanned step, bit for bit
 (``tests/optim/test_device_plan.py``).
 
-A plan holds the tensors it read (the states' views, the corrections): the optimizer drops its plans
+A plan holds the tensors it read (the states' views, the corrections): the step drops its plans
 whenever a parameter's states or correction are replaced (a conversion, a load), so that no plan keeps
 an old state alive past it, and a plan whose tensors are not the records' any more is rebuilt.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +63,7 @@ class CountsStore:
         if None in rows:
             members = list({id(rec): rec for rec in [*every, *records]}.values())
             for rec in members:
-                rec.settle()  # a skip decided on the device, taken back before the counts move
+                rec.apply_device_skip()  # a skip decided on the device, taken back before the counts move
             counts = torch.stack([rec.counts for rec in members]) if members else torch.zeros(0, 3, dtype=torch.int64)
             self.array, self._views = counts.numpy(), list(counts.unbind())
             self._rows = {id(rec): i for i, rec in enumerate(members)}
@@ -105,13 +105,17 @@ class _Launch:
 class DevicePlan:
     """The tensors of one param group whose skips the device decides, planned for their step.
 
-    ``routes``: each parameter's route from :meth:`StepMixin._device_route
-    <lightning_baoc.optim.stepping.StepMixin._device_route>` (``"fused"``, ``"triton"`` or ``None``);
+    ``routes``: each parameter's route from :meth:`StepDispatcher._device_route
+    <lightning_baoc.optim.stepping.StepDispatcher._device_route>` (``"fused"``, ``"triton"`` or ``None``);
     ``conditions``: what the routes were decided under (the optimizer's policy and the group's rule), checked
-    at every step.
+    at every step. ``records``, ``registry``: the optimizer's records table and formats; ``salt(rec)``: the
+    hash of a record's name in its rounding keys; ``counts``: the optimizer's :class:`CountsStore`.
     """
 
-    def __init__(self, opt: Any, params: list[Tensor], routes: list[str | None], conditions: tuple) -> None:
+    def __init__(
+        self, params: list[Tensor], routes: list[str | None], conditions: tuple, records: Mapping[Tensor, Record],
+        registry: Mapping[str, Any], salt: Callable[[Record], int], counts: CountsStore,
+    ) -> None:
         from lightning_baoc.kernels.triton_table import Table
 
         self.conditions = conditions
@@ -119,27 +123,27 @@ class DevicePlan:
         self.others: list[Tensor] = []  # the parameters the plan leaves to the unplanned step
         by_format: dict[tuple[str, torch.device], list[_Entry]] = {}
         for p, route in zip(params, routes):
-            rec = opt._records[p]
-            fmt = opt.format_registry[rec.format]
+            rec = records[p]
+            fmt = registry[rec.format]
             if route is None or (route == "triton" and fmt.factored):  # factors per tensor: the unplanned step
                 self.others.append(p)
                 continue
             entry = _Entry(p, rec, rec.format, rec.views, rec.master_correction, p.data_ptr(), p.grad.dtype,
-                           fmt.has_momentum, opt._salt(rec), route == "fused")
+                           fmt.has_momentum, salt(rec), route == "fused")
             if entry.fused:  # and a table for the Triton kernel's repair
                 entry.moments = (shaped(rec.views["exp_avg"], p), shaped(rec.views["exp_avg_sq"], p))
             by_format.setdefault((rec.format, p.device), []).append(entry)
             self.entries.append(entry)
         # the entries' counts are rows of the optimizer's one host array (CountsStore): a step advances
         # them all with one numpy operation
-        self.array, self.index = opt._count_store.rows([e.rec for e in self.entries], opt._records.values())
+        self.array, self.index = counts.rows([e.rec for e in self.entries], records.values())
         for e in self.entries:
             e.counts = e.rec.counts
         self.momentum = np.array([e.has_momentum for e in self.entries], dtype=np.int64)
         self.fused = np.array([i for i, e in enumerate(self.entries) if e.fused], dtype=np.int64)
         self.every = np.arange(len(self.entries), dtype=np.int64)
         for (name, _), entries in by_format.items():
-            table = Table(opt.format_registry[name].kernel_kinds, [e.param for e in entries],
+            table = Table(registry[name].kernel_kinds, [e.param for e in entries],
                           [e.grad_dtype for e in entries], [e.views for e in entries], [e.correction for e in entries])
             launch = _Launch(table, np.array([e.salt & _M32 for e in entries], dtype=np.uint64),
                              np.array([e.rec.shard_offset for e in entries], dtype=np.uint64))
@@ -160,8 +164,8 @@ class DevicePlan:
                     or rec.format != e.format or p.data_ptr() != e.address or grad.dtype != e.grad_dtype
                     or not grad.is_contiguous()):
                 return None
-            if rec.pending is not None:  # a guard: the step's start settles every pending skip, and one left
-                rec.settle()  # here would be lost when this step sets its own
+            if rec.unread_skip is not None:  # a guard: the step's start applies every unread skip, and one left
+                rec.apply_device_skip()  # here would be lost when this step sets its own
         rows, entries, others = self.every, self.entries, self.others
         if len(self.fused):  # the fused kernel's one count: where it cannot take them, the host decides
             counts = self.array[self.index[self.fused]]
@@ -189,8 +193,8 @@ class Chosen:
         return [e.param for e in self.entries]
 
     def step(self, hyper: StepHyper, seed: int, flags: Mapping[int, tuple[DeferredFlags, int, Tensor]]) -> None:
-        """Step the entries with their flags (:meth:`StepMixin._device_flags
-        <lightning_baoc.optim.stepping.StepMixin._device_flags>`): their counts advance now (one numpy
+        """Step the entries with their flags (:meth:`StepDispatcher._device_flags
+        <lightning_baoc.optim.stepping.StepDispatcher._device_flags>`): their counts advance now (one numpy
         operation over the plan's counts), a skip is taken back when next read
         (:class:`~lightning_baoc.optim.pools.DeferredFlags`)."""
         plan, rows = self.plan, self.rows
@@ -209,16 +213,16 @@ class Chosen:
         for k, e in enumerate(entries):
             deferred, index, skip = flags[id(e.param)]
             deferred.records[index] = (e.rec, e.has_momentum)
-            e.rec.pending = (deferred, index)
+            e.rec.unread_skip = (deferred, index)
             indices.append(index)
             launches.setdefault(id(e.launch), ([], skip))[0].append(k)
         run = _Step(pairs, hyper, seed, pair_of.astype(np.int64, copy=False), np.array(indices, dtype=np.int64))
         for members, skip in launches.values():
-            mine = [entries[k] for k in members]
-            if mine[0].fused:
-                run.fused(mine, members, skip)
+            launched = [entries[k] for k in members]
+            if launched[0].fused:
+                run.fused(launched, members, skip)
             else:
-                run.launch(mine, members, skip)
+                run.launch(launched, members, skip)
 
 
 class _Step:

@@ -41,7 +41,7 @@ optimizer's current formats: :func:`saved_formats` reads the saved ones, to set 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -61,9 +61,6 @@ from lightning_baoc.optim.sharding import (
     shard_count,
     shard_shape,
 )
-
-if TYPE_CHECKING:
-    from lightning_baoc.optim.optimizer import BlockwiseOptimizer
 
 LAYOUT = "distributed"
 
@@ -116,11 +113,11 @@ def _meta_checksum(entries: Mapping[Any, Mapping[str, Any]], groups: list[Mappin
                           "meta": {k: v for k, v in meta.items() if k != "checksum"}})
 
 
-def to_distributed(sd: dict[str, Any], opt: "BlockwiseOptimizer") -> dict[str, Any]:
-    """The distributed layout of ``sd``, ``opt``'s single-process state dict (see the module)."""
+def to_distributed(sd: dict[str, Any], params: Sequence[Tensor], registry: Mapping[str, StateFormat]) -> dict[str, Any]:
+    """The distributed layout of ``sd``, a single-process state dict (see the module) of an optimizer whose
+    param groups hold ``params`` (in order) in the formats of ``registry``."""
     meta = sd["baoc"]
-    params = [p for group in opt.param_groups for p in group["params"]]
-    position = {opt.param_name(p): i for i, p in enumerate(params)}
+    position = {name: i for i, name in enumerate(n for saved in sd["param_groups"] for n in saved["params"])}
     corrections = meta.get("corrections", {})
     asked = meta.get("correction_requested", {})
     state: dict[int, dict[str, Any]] = {}
@@ -130,7 +127,7 @@ def to_distributed(sd: dict[str, Any], opt: "BlockwiseOptimizer") -> dict[str, A
         out.update(name=name, shape=[int(s) for s in p.shape], requested=meta["requested"].get(name),
                    nonfinite=int(meta["nonfinite"].get(name, 0)))
         if is_sharded(p):
-            fmt = opt.format_registry[entry["format"]]
+            fmt = registry[entry["format"]]
             longest = _longest(fmt, p)
             out["tensors"] = {k: _rows(t, p, longest[k]) for k, t in entry["tensors"].items()}
             out["checksum"] = _rows(torch.tensor([entry["checksum"]], dtype=torch.int64, device=local(p).device), p, 1)
@@ -143,7 +140,7 @@ def to_distributed(sd: dict[str, Any], opt: "BlockwiseOptimizer") -> dict[str, A
             out["correction_requested"] = asked[name]
         state[position[name]] = out
     groups = []
-    for group, saved in zip(opt.param_groups, sd["param_groups"]):
+    for saved in sd["param_groups"]:
         g = {k: v for k, v in saved.items() if k != "params"}
         g["params"] = [position[n] for n in saved["params"]]
         g["param_names"] = list(saved["params"])
@@ -204,9 +201,14 @@ def _local_row(t: Any, length: int, where: str, shards: int) -> Tensor:
     return t[0, :length]
 
 
-def from_distributed(sd: Mapping[str, Any], opt: "BlockwiseOptimizer") -> dict[str, Any]:
+def from_distributed(
+    sd: Mapping[str, Any], params_by_name: Mapping[str, Tensor], registry: Mapping[str, StateFormat],
+    layout: Callable[[str, Tensor], Any],
+) -> dict[str, Any]:
     """The single-process state dict of this rank from ``sd`` in the distributed layout (loaded
-    through DCP, keyed by names, or kept as ``state_dict()`` returned it, keyed by positions)."""
+    through DCP, keyed by names, or kept as ``state_dict()`` returned it, keyed by positions), for an
+    optimizer holding the parameters ``params_by_name`` in the formats of ``registry``
+    (``layout(format, p)``: the compact tensors of this rank's shard of ``p``)."""
     groups_in = list(sd["param_groups"])
     meta_in = dict(groups_in[0]["baoc"])
     if any(dict(g["baoc"]) != meta_in for g in groups_in):
@@ -238,22 +240,21 @@ def from_distributed(sd: Mapping[str, Any], opt: "BlockwiseOptimizer") -> dict[s
     corrections: dict[str, Any] = {}
     asked: dict[str, Any] = {}
     for name, entry in entries.items():
-        p = opt._names.get(name)  # noqa: SLF001
+        p = params_by_name.get(name)
         if p is None:
             raise _invalid(f"state entry {name!r} names no parameter of this optimizer: another model")
         fmt_name = entry.get("format")
-        if fmt_name not in opt.format_registry:
+        if fmt_name not in registry:
             raise _invalid(f"state entry {name!r} has format {fmt_name!r}, which this optimizer does not know")
-        mine = local(p)
+        shard = local(p)
         out = {k: v for k, v in entry.items()
                if k not in ("name", "requested", "nonfinite", "correction", "correction_requested", "tensors", "checksum")}
-        out["shape"] = list(mine.shape)
+        out["shape"] = list(shard.shape)
         tensors = entry.get("tensors")
         if not isinstance(tensors, Mapping):
             raise _invalid(f"state entry {name!r} holds no tensors")
         if is_sharded(p):
-            layout = opt._layout(fmt_name, p)  # the shard's framed layout, at the record's offset
-            lengths = {spec.key: spec.numel for spec in layout}
+            lengths = {spec.key: spec.numel for spec in layout(fmt_name, p)}  # the shard's framed layout
             shards = shard_count(p)
             out["tensors"] = {k: _local_row(t, lengths.get(k, 0), f"{name!r} {k!r}", shards).clone()
                               for k, t in tensors.items()}

@@ -18,17 +18,17 @@ The contract:
   callback :class:`lightning_baoc.GradientRelease` refuses the combination at setup).
 - A parameter whose gradient holds inf or NaN is skipped as in ``step()``.
 - Whatever must see the gradients before they go (BAOC's sampler and shadow moments) registers a
-  gradient observer (:meth:`ReleaseMixin.add_gradient_observer`): the hook calls it with the
+  gradient observer (``BlockwiseAdamW.add_gradient_observer``): the hook calls it with the
   parameter, its gradient complete, just before the parameter steps.
 
-:class:`ReleaseMixin` expects the optimizer's ``_records``, ``_released``, ``_release_handles``,
-``_rebuild``, ``target_format``, ``_sync_corrections`` and ``_step_params``.
+:class:`ReleaseHooks` holds an optimizer's hooks, observers and the parameters released since the
+last ``step()``.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -42,57 +42,77 @@ class GradientAccumulationError(RuntimeError):
     """A parameter released its gradient twice without a ``step()`` in between."""
 
 
-class ReleaseMixin:
-    """Gradient release of BlockwiseAdamW (see the module docstring)."""
+class ReleaseHooks:
+    """Gradient release of an optimizer (see the module docstring).
 
-    _records: dict[Tensor, Record]
-    _released: set[Tensor]
-    _release_handles: list[Any]
-    _gradient_observers: OrderedDict[int, Callable[[Tensor], None]]
-    param_groups: list[dict[str, Any]]
+    Holds: the hooks registered on the parameters (:attr:`handles`), the parameters released since the
+    last ``step()`` (:attr:`released`), and the gradient observers (:attr:`observers`).
 
-    def add_gradient_observer(self, observer: Callable[[Tensor], None]) -> RemovableHandle:
-        """Call ``observer(param)`` in the release hook, with ``param.grad`` complete, before the
-        parameter steps and its gradient is freed; returns a handle whose ``remove()`` ends it.
+    Needs: the records table (parameter -> :class:`~lightning_baoc.optim.pools.Record`, for the names in
+    its messages). :meth:`enable` takes the parameters and ``step_one(p)``, which brings one parameter's
+    state and correction to their targets and steps it (the optimizer's); it is held only while release
+    is on.
 
-        Observers run in the order added, only while release is on, and are not copied with the
-        optimizer (like torch's hooks)."""
+    Example:
+        >>> release = ReleaseHooks(records)  # doctest: +SKIP
+        >>> release.enable(params, step_one)  # each parameter steps in backward  # doctest: +SKIP
+        >>> release.new_window()  # at step(): each may release its gradient once again  # doctest: +SKIP
+    """
+
+    def __init__(self, records: dict[Tensor, Record]) -> None:
+        self.records = records
+        self.released: set[Tensor] = set()
+        self.handles: list[RemovableHandle] = []
+        self.observers: OrderedDict[int, Callable[[Tensor], None]] = OrderedDict()
+        self._step_one: Callable[[Tensor], None] | None = None
+
+    def add_observer(self, observer: Callable[[Tensor], None]) -> RemovableHandle:
+        """Call ``observer(param)`` in the hook, with ``param.grad`` complete, before the parameter steps;
+        returns a handle whose ``remove()`` ends it."""
         if not callable(observer):
             raise TypeError(f"observer must be callable, got {type(observer).__name__}")
-        handle = RemovableHandle(self._gradient_observers)
-        self._gradient_observers[handle.id] = observer
+        handle = RemovableHandle(self.observers)
+        self.observers[handle.id] = observer
         return handle
 
-    def release_gradients(self, enabled: bool = True) -> None:
-        """Step each parameter in a post-accumulate-grad hook and free its gradient (``enabled``),
-        or stop doing so (``False``). See :mod:`lightning_baoc.optim.gradient_release` for the contract."""
-        for handle in self._release_handles:
-            handle.remove()
-        self._release_handles = []
-        self._released.clear()
-        if not enabled:
-            return
-        sharded = [self._records[p].name for g in self.param_groups for p in g["params"] if is_sharded(p)]
+    def enable(self, params: Iterable[Tensor], step_one: Callable[[Tensor], None]) -> None:
+        """Step each of ``params`` (those that require a gradient) through ``step_one`` in a
+        post-accumulate-grad hook and free its gradient; sharded parameters are refused."""
+        self.disable()
+        params = list(params)
+        sharded = [self.records[p].name for p in params if is_sharded(p)]
         if sharded:
             raise ValueError(
                 f"gradient release over sharded parameters ({sharded[0]!r} is a DTensor): FSDP2 reduce-scatters "
                 f"each gradient into its shard after backward, so no hook sees the sharded gradient in backward. "
                 f"Train without release (FSDP2 already frees the unsharded gradients), or unshard the model."
             )
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.requires_grad:
-                    self._release_handles.append(p.register_post_accumulate_grad_hook(self._release_hook))
+        self._step_one = step_one
+        for p in params:
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(self._hook))
+
+    def disable(self) -> None:
+        """Remove the hooks (the parameters' gradients stay until ``step()``)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        self.released.clear()
+        self._step_one = None
 
     @property
-    def releases_gradients(self) -> bool:
-        """Whether gradient release is on (:meth:`release_gradients`)."""
-        return bool(self._release_handles)
+    def enabled(self) -> bool:
+        """Whether the hooks are registered."""
+        return bool(self.handles)
+
+    def new_window(self) -> None:
+        """Open the next window (``step()``): each parameter may release its gradient once again."""
+        self.released.clear()
 
     @torch.no_grad()
-    def _release_hook(self, p: Tensor) -> None:
-        rec = self._records[p]
-        if p in self._released:
+    def _hook(self, p: Tensor) -> None:
+        rec = self.records[p]
+        if p in self.released:
             raise GradientAccumulationError(
                 f"BlockwiseAdamW with gradient release: {rec.name!r} received a second gradient before "
                 f"step() was called. Gradient release steps every parameter during backward, so it cannot "
@@ -104,17 +124,12 @@ class ReleaseMixin:
             return
         if grad.is_sparse:
             raise TypeError(f"BlockwiseAdamW does not support sparse gradients (parameter {rec.name!r})")
-        self._released.add(p)
-        for observer in list(self._gradient_observers.values()):
+        self.released.add(p)
+        for observer in list(self.observers.values()):
             observer(p)
-        target = self.target_format(p)  # type: ignore[attr-defined]
-        if rec.format is None:
-            self._rebuild({p: target}, sources={p: None})  # type: ignore[attr-defined]
-        elif target != rec.format:
-            self._rebuild({p: target})  # type: ignore[attr-defined]
-        self._sync_corrections([p])  # type: ignore[attr-defined]
-        self._step_params([p])  # type: ignore[attr-defined]
+        assert self._step_one is not None  # set while the hooks are registered
+        self._step_one(p)
         p.grad = None
 
 
-__all__ = ["GradientAccumulationError", "ReleaseMixin"]
+__all__ = ["GradientAccumulationError", "ReleaseHooks"]

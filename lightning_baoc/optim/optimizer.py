@@ -5,9 +5,19 @@ format is stored per parameter (a param group's ``state_format`` key is only the
 param groups stay one-to-one with the user's: LR schedulers, ``LearningRateMonitor`` and code that
 indexes ``param_groups`` keep working.
 
-Memory layout (one contiguous pool per format and device, per-parameter views):
-:mod:`lightning_baoc.optim.pools`. Checkpoints, loads, copies and pickles:
-:mod:`lightning_baoc.optim.persist`. torch-compatible arguments: :mod:`lightning_baoc.optim.args`.
+:class:`BlockwiseOptimizer` validates, names the parameters, resolves their formats and delegates to
+its parts, each a class of its own over the one records table (parameter ->
+:class:`~lightning_baoc.optim.pools.Record`):
+
+- :class:`~lightning_baoc.optim.pools.StatePools`: one contiguous pool per format and device, with
+  per-parameter views, the accounting, conversions;
+- :class:`~lightning_baoc.optim.stepping.StepDispatcher`: the step, each parameter sent to the kernel of
+  its format and device (compiled CPU, Triton and torch's fused kernel on a GPU, the eager reference);
+- :class:`~lightning_baoc.optim.masters.MasterWeights`: the master-weight corrections of 16-bit weights;
+- :class:`~lightning_baoc.optim.gradient_release.ReleaseHooks`: gradient release, each parameter stepped in backward;
+- :class:`~lightning_baoc.optim.persist.CheckpointCodec`: state dicts, loads, copies and pickles.
+
+torch-compatible arguments: :mod:`lightning_baoc.optim.args`.
 
 The state is kept outside ``optimizer.state`` on purpose: Lightning moves every tensor found there
 to the root device after a restore, which would silently pull host-offloaded states onto the
@@ -16,12 +26,13 @@ accelerator (Lightning 2.6's ``Strategy.load_optimizer_state_dict`` calls ``_opt
 
 from __future__ import annotations
 
+import os
 import warnings
-from collections import OrderedDict
-from typing import Any, Callable, Iterable, Mapping
+from typing import IO, Any, Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_baoc import kernels as _kernels
 from lightning_baoc.formats import (
@@ -34,31 +45,30 @@ from lightning_baoc.formats import (
     resolve_in,
 )
 from lightning_baoc.formats.base import DEFAULT_CHUNK
-from lightning_baoc.formats.quant import stream_key
 from lightning_baoc.optim.args import PERFORMANCE_HINTS, check_torch_options
 from lightning_baoc.optim.args import to_float as _float
 from lightning_baoc.optim.args import validate_hyper as _validate_hyper
-from lightning_baoc.optim.device_plan import CountsStore
-from lightning_baoc.optim.gradient_release import ReleaseMixin
-from lightning_baoc.optim.masters import MasterMixin
-from lightning_baoc.optim.persist import PersistenceMixin
-from lightning_baoc.optim.pools import Pool as _Pool
-from lightning_baoc.optim.pools import PoolsMixin
-from lightning_baoc.optim.pools import Record as _Record
+from lightning_baoc.optim.checkpoint import CheckpointError, load_checkpoint
+from lightning_baoc.optim.gradient_release import ReleaseHooks
+from lightning_baoc.optim.masters import MasterWeights
+from lightning_baoc.optim.persist import CheckpointCodec
+from lightning_baoc.optim.pools import Record, StatePools
 from lightning_baoc.optim.sharding import (
     check_placements,
     flat_shards,
-    local,
     row_shards,
     shard_offset,
 )
-from lightning_baoc.optim.stepping import StepMixin
+from lightning_baoc.optim.stepping import StepDispatcher, StepSettings
+from lightning_baoc.optim.validate import plan_load
 
 #: Mixed into the rounding key of a conversion, so that it never reuses a step's noise.
 _CONVERSION_SALT = 0x5A17C0DE
+#: The attributes holding the optimizer's parts: built again in a copy, never copied.
+_PARTS = ("_pools", "_stepper", "_masters", "_release", "_codec")
 
 
-class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, PersistenceMixin, torch.optim.Optimizer):
+class BlockwiseOptimizer(torch.optim.Optimizer):
     """The machinery of the blockwise optimizers: a state format per parameter, pools, conversions,
     checkpoints, master weights and gradient release (:class:`BlockwiseAdamW`,
     :class:`~lightning_baoc.optim.BlockwiseSGD`, :class:`~lightning_baoc.optim.BlockwiseLion`).
@@ -94,32 +104,18 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
             raise ValueError(f"Invalid chunk_size: {chunk_size!r}; expected an int >= 32")
         if not isinstance(seed, int):
             raise TypeError(f"Invalid seed: {seed!r}; expected an int")
-        self.kernels = _kernels.resolve_policy(kernels)
-        self._records: dict[Tensor, _Record] = {}
-        self._salts: dict[str, int] = {}  # name -> its hash in the rounding keys
-        self._warned: set[str] = set()  # names warned of a skipped update
-        # decided once, not on every step: name -> (what the decision follows from, the decision)
-        self._targets: dict[str, tuple[tuple, str]] = {}  # the format a parameter's request resolves to
-        # whether the compiled CPU step (by name) and the device's kernels (("device", name)) serve it
-        self._serving: dict[str | tuple[str, str], tuple[tuple, bool]] = {}
-        self._deferred: list = []  # the steps whose skips the device decided, settled at the next step
-        self._plans: dict = {}  # the device's step plans (optim/device_plan.py), dropped when states are replaced
-        self._count_store = CountsStore()  # the records' counts as rows of one array, for the plans
-        self._released: set[Tensor] = set()  # stepped by gradient release since the last step()
-        self._release_handles: list[Any] = []
-        self._gradient_observers: OrderedDict[int, Callable[[Tensor], None]] = OrderedDict()  # see add_gradient_observer
+        self._step_settings = StepSettings(seed, bool(skip_nonfinite), _kernels.resolve_policy(kernels), self.label)
+        self.min_8bit_numel = min_8bit_numel
+        self.chunk_size = chunk_size
+        self._records: dict[Tensor, Record] = {}  # the table every part reads and writes
         self._names: dict[str, Tensor] = {}
-        self._pools: dict[tuple[str, str], _Pool] = {}
-        self._live_bytes = 0
-        self._peak_bytes = 0
+        # decided once, not on every step: name -> (what the decision follows from, the format it resolves to)
+        self._targets: dict[str, tuple[tuple, str]] = {}
         self._external_names: dict[int, str] = {}
         if param_names is not None:
             items = param_names.named_parameters() if isinstance(param_names, nn.Module) else param_names
             self._external_names = {id(p): n for n, p in items}
-        self.min_8bit_numel = min_8bit_numel
-        self.skip_nonfinite = bool(skip_nonfinite)
-        self.seed = seed
-        self.chunk_size = chunk_size
+        self._build_parts()
         self._validate_group(defaults, "")
         super().__init__(params, defaults)
         devices = {p.device for g in self.param_groups for p in g["params"]}
@@ -127,6 +123,30 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
             _kernels.use_compiled(self.kernels)  # builds or loads them now, says which step runs
         for device in devices:  # a GPU's kernels: Triton imports now (or the error or warning comes now)
             _kernels.use_triton(self.kernels, device)
+
+    def _build_parts(self) -> None:
+        """Build the parts over the records table (at construction, and in a copy)."""
+        self._stepper = StepDispatcher(self._records, self.format_registry, self._step_settings)
+        self._pools = StatePools(self._records, self.format_registry, self._stepper.forget_plans)
+        self._masters = MasterWeights(self._records, self._stepper.forget_plans)
+        self._release = ReleaseHooks(self._records)
+        self._codec = CheckpointCodec(self._records, self._names, self._pools, self._stepper, self.format_registry,
+                                      self.rule, self.label, self.min_8bit_numel)
+
+    @property
+    def seed(self) -> int:
+        """The seed of the stochastic rounding."""
+        return self._step_settings.seed
+
+    @property
+    def skip_nonfinite(self) -> bool:
+        """Whether a parameter whose gradient holds inf or NaN skips its update."""
+        return self._step_settings.skip_nonfinite
+
+    @property
+    def kernels(self) -> str:
+        """The kernel policy: ``"auto"``, ``"compiled"`` or ``"eager"`` (:mod:`lightning_baoc.kernels`)."""
+        return self._step_settings.kernels
 
     def _validate_group(self, group: Mapping[str, Any], where: str) -> None:
         """Validate a param group's hyperparameters (errors name ``where + key``)."""
@@ -169,8 +189,8 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
                     )
                 check_placements(p, name)
                 self._names[name] = p
-                self._records[p] = _Record(name=name, group=index, shard_offset=shard_offset(p), frame=flat_shards(p),
-                                           row_shards=row_shards(p))
+                self._records[p] = Record(name=name, group=index, shard_offset=shard_offset(p), frame=flat_shards(p),
+                                          row_shards=row_shards(p))
         except (TypeError, ValueError):
             self.param_groups.pop()
             for p in group["params"]:
@@ -188,13 +208,16 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
         """Parameter name -> parameter, in the optimizer's order."""
         return dict(self._names)
 
+    def _param(self, name_or_param: str | Tensor) -> Tensor:
+        return self._names[name_or_param] if isinstance(name_or_param, str) else name_or_param
+
     # ------------------------------------------------------------------ formats
 
     def requested_format(self, param: Tensor) -> str:
         """The format asked for ``param``: its own request or its group's ``state_format``."""
         return self._requested(self._records[param])
 
-    def _requested(self, rec: _Record) -> str:
+    def _requested(self, rec: Record) -> str:
         """:meth:`requested_format` of ``rec``'s parameter (no tensor hashed: the step asks for every one)."""
         return rec.requested or self.param_groups[rec.group]["state_format"]
 
@@ -298,22 +321,79 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
         if not changes:
             return {}
         report = {self._records[p].name: (self._records[p].format, fmt) for p, fmt in changes.items()}
-        self._rebuild(changes)
+        self._convert(changes)
         return report
+
+    def _convert(self, changes: Mapping[Tensor, str]) -> None:
+        """Move the parameters of ``changes`` to their formats (a fresh zero state where none is held)."""
+        self._pools.rebuild(changes, self._hyper_for, self._mark_state)
 
     def _hyper_for(self, p: Tensor) -> StepHyper:
         """``p``'s group hyperparameters, keyed for the rounding of a conversion at its step count."""
         rec = self._records[p]
-        return self._hyper(self.param_groups[rec.group], self._noise_key(rec, _CONVERSION_SALT))
+        return self._hyper(self.param_groups[rec.group], self._stepper.noise_key(rec, _CONVERSION_SALT))
+
+    def _mark_state(self, p: Tensor) -> None:
+        """Keep torch's ``optimizer.state`` saying which parameters hold state, and in which format.
+
+        The states live in the pools, not in ``state``; but tools read ``state`` to learn whether an
+        optimizer holds any: ``torch.distributed.checkpoint``'s state-dict functions take an empty one
+        for a fresh optimizer and step it once with zero gradients to create its states, which here
+        would advance the step counts and decay the moments of a trained one.
+        """
+        fmt = self._records[p].format
+        if fmt is None:
+            self.state.pop(p, None)
+        else:
+            self.state[p] = {"format": fmt}
+
+    # ------------------------------------------------------------------ accounting
+
+    def state_bytes(self, by_group: bool = False) -> int | list[int]:
+        """Bytes of optimizer state held on the training devices.
+
+        Equal to the storage really allocated (every pool counted once, codes, scales and factors
+        included). Host-offloaded state of accelerator parameters is not device memory and is
+        reported by :meth:`host_state_bytes`; when training runs on the CPU, ``offload`` states are
+        on the training device and counted here in full.
+
+        Args:
+            by_group: return a list with the bytes of each param group instead of the total.
+        """
+        return self._bytes(host=False, by_group=by_group)
+
+    def host_state_bytes(self, by_group: bool = False) -> int | list[int]:
+        """Bytes of state offloaded to host memory for parameters that train on an accelerator."""
+        return self._bytes(host=True, by_group=by_group)
+
+    def _bytes(self, host: bool, by_group: bool) -> int | list[int]:
+        per_group = self._pools.held_bytes(host)
+        counts = [per_group.get(i, 0) for i in range(len(self.param_groups))]
+        return counts if by_group else sum(counts)
+
+    @property
+    def peak_state_bytes(self) -> int:
+        """The most state bytes held on the training devices at any moment since construction or
+        :meth:`reset_peak_state_bytes`, the transients of conversions and loads included.
+
+        Counted where segments are allocated and released, so it is exact for the state itself;
+        the fp32 scratch of a conversion (a few slices of ``chunk_size`` elements) is not state.
+        """
+        return self._pools.peak_bytes
+
+    def reset_peak_state_bytes(self) -> None:
+        """Start :attr:`peak_state_bytes` again from the state held now."""
+        self._pools.reset_peak()
+
+    def state_tensors(self) -> list[Tensor]:
+        """Every tensor of optimizer state (views into the pools), for inspection and tests."""
+        return self._pools.state_tensors()
+
+    def pool_bytes(self) -> dict[tuple[str, str], int]:
+        """(format, parameter device) -> bytes of that pool's storage (its segments, one per parameter)."""
+        return self._pools.pool_bytes()
 
     # ------------------------------------------------------------------ step
-
-    def _noise_key(self, rec: _Record, salt: int = 0, step: int | None = None) -> int:
-        """The rounding key of ``rec``'s parameter at its step count (or ``step``: a step's, a
-        conversion's, a load's); shifted by a shard's offset, so a shard draws the whole parameter's
-        bits for its elements."""
-        at = rec.step if step is None else step
-        return (stream_key(self.seed, at, self._salt(rec) ^ salt) + rec.shard_offset) & 0xFFFFFFFF
 
     @torch.no_grad()
     def _initialize_new(self) -> None:
@@ -323,7 +403,7 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
             if rec.format is None and p.grad is not None
         }
         if fresh:
-            self._rebuild(fresh, sources={p: None for p in fresh})
+            self._convert(fresh)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # noqa: D401 - torch's signature
@@ -341,9 +421,9 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
                 )
         self._sync_formats()
         self._initialize_new()
-        self._sync_corrections()
-        self._released.clear()  # a new window: each parameter may release its gradient once again
-        self._step_params(with_grad)
+        self._masters.sync(self.param_groups)
+        self._release.new_window()  # a new window: each parameter may release its gradient once again
+        self._stepper.step(with_grad, self.param_groups, self._hyper)
         return loss
 
     @property
@@ -357,33 +437,205 @@ class BlockwiseOptimizer(StepMixin, ReleaseMixin, MasterMixin, PoolsMixin, Persi
         Of a sharded parameter (FSDP2): this rank's shard. A factored second moment of a shard
         expands over the whole parameter's row mean, summed over the shards: ``dense_v()`` is then a
         collective (call it on every rank)."""
-        p = self._names[name_or_param] if isinstance(name_or_param, str) else name_or_param
-        rec = self._records[p]
-        if rec.format is None:
-            return None
-        state = self.format_registry[rec.format].decode(rec.views, local(p).shape)
-        state.shards = rec.row_shards if self.format_registry[rec.format].factored else None
-        return state
+        return self._pools.decode(self._param(name_or_param))
 
     def step_count(self, name_or_param: str | Tensor) -> int:
         """Number of steps taken by a parameter."""
-        p = self._names[name_or_param] if isinstance(name_or_param, str) else name_or_param
-        return self._records[p].step
+        return self._records[self._param(name_or_param)].step
 
     def momentum_step_count(self, name_or_param: str | Tensor) -> int:
         """Steps since a parameter's momentum was (re)created: its own bias-correction count
         (equal to :meth:`step_count` unless a format without momentum was held in between)."""
-        p = self._names[name_or_param] if isinstance(name_or_param, str) else name_or_param
-        return self._records[p].m_step
+        return self._records[self._param(name_or_param)].m_step
 
     def param_group_of(self, name_or_param: str | Tensor) -> dict[str, Any]:
         """The param group holding a parameter (its hyperparameters)."""
-        p = self._names[name_or_param] if isinstance(name_or_param, str) else name_or_param
-        return self.param_groups[self._records[p].group]
+        return self.param_groups[self._records[self._param(name_or_param)].group]
 
     def _hyper(self, group: Mapping[str, Any], noise_key: int = 0) -> StepHyper:
         """The group's hyperparameters as a :class:`StepHyper` (plain floats)."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ master weights
+
+    def set_weight_corrections(
+        self, corrections: Mapping[str, str], blocks: Mapping[str, Iterable[str]] | None = None
+    ) -> dict[str, tuple[str, str]]:
+        """Choose the master-weight correction of parameters (or blocks): ``{name: "ecc8"}``.
+
+        Keys are parameter names, or block names of ``blocks`` (block -> parameter names), as in
+        ``set_formats``. A parameter held in fp32 is its own master: asking it for a correction is
+        an error naming it. Corrections already held convert at once (:mod:`lightning_baoc.optim.masters`).
+
+        Returns:
+            ``{parameter name: (old, new)}`` for every correction that changed.
+
+        Raises:
+            ValueError: an unknown correction, or one asked for an fp32 parameter.
+        """
+        if not isinstance(corrections, Mapping):
+            raise TypeError(f"corrections must be a mapping name -> correction, got {type(corrections).__name__}")
+        return self._masters.request(corrections, self.resolve_names(corrections.keys(), blocks), self.param_groups)
+
+    def target_correction(self, p: Tensor) -> str:
+        """The correction ``p`` holds from its next step: its request, else its group's default."""
+        return self._masters.target(p, self.param_groups)
+
+    def held_correction(self, name: str) -> Tensor | None:
+        """The correction tensor parameter ``name`` holds now (``None``: none; a view, do not modify)."""
+        return self._records[self._names[name]].master_correction
+
+    @property
+    def weight_corrections(self) -> dict[str, str]:
+        """Parameter name -> correction held, for the parameters holding one."""
+        return self._masters.held()
+
+    def weight_correction_bytes(self, device: torch.device | str | None = None) -> int:
+        """Bytes of storage the corrections hold (on ``device``, or everywhere): apart from the states'."""
+        return self._masters.nbytes(device)
+
+    def master_weights(self) -> dict[str, Tensor]:
+        """Parameter name -> its fp32 master weight (a new tensor): the weight plus its correction,
+        the weight itself where there is none. The export of a bf16 model trained with corrections."""
+        return self._masters.master_weights()
+
+    # ------------------------------------------------------------------ gradient release
+
+    def add_gradient_observer(self, observer: Callable[[Tensor], None]) -> RemovableHandle:
+        """Call ``observer(param)`` in the release hook, with ``param.grad`` complete, before the
+        parameter steps and its gradient is freed; returns a handle whose ``remove()`` ends it.
+
+        Observers run in the order added, only while release is on, and are not copied with the
+        optimizer (like torch's hooks)."""
+        return self._release.add_observer(observer)
+
+    def release_gradients(self, enabled: bool = True) -> None:
+        """Step each parameter in a post-accumulate-grad hook and free its gradient (``enabled``),
+        or stop doing so (``False``). See :mod:`lightning_baoc.optim.gradient_release` for the contract."""
+        if enabled:
+            self._release.enable([p for g in self.param_groups for p in g["params"]], self._step_released)
+        else:
+            self._release.disable()
+
+    @property
+    def releases_gradients(self) -> bool:
+        """Whether gradient release is on (:meth:`release_gradients`)."""
+        return self._release.enabled
+
+    @torch.no_grad()
+    def _step_released(self, p: Tensor) -> None:
+        """Step ``p`` alone, its gradient complete (the release hook): its format and correction first
+        brought to their targets, as ``step()`` does for every parameter."""
+        rec = self._records[p]
+        target = self.target_format(p)
+        if target != rec.format:
+            self._convert({p: target})
+        self._masters.sync(self.param_groups, [p])
+        self._stepper.step([p], self.param_groups, self._hyper)
+
+    # ------------------------------------------------------------------ checkpoints and copies
+
+    def state_dict(self) -> dict[str, Any]:
+        """Compact state keyed by parameter name; loads under ``torch.load(weights_only=True)``.
+
+        Layout and checksums: :mod:`lightning_baoc.optim.checkpoint`. 8-bit states stay 8-bit. Tensors
+        are copies (views of one pool in several dtypes cannot be serialized together). Handed to
+        a plain ``torch.optim.AdamW``, the dict fails at load with a message that names BAOC and
+        the fix (resume with the callback, or :func:`~lightning_baoc.export_adamw_state_dict`).
+        Over sharded parameters (FSDP2's ``DTensor``) the dict is in the distributed layout
+        (:mod:`lightning_baoc.optim.distributed`), which ``torch.distributed.checkpoint`` saves and
+        loads whole: each rank's compact tensors as its row of a ``DTensor``.
+        Hooks registered with torch's ``register_state_dict_pre_hook``/``post_hook`` run as in torch.
+        """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = self._codec.state_dict(self.param_groups)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            state_dict = state_dict if result is None else result
+        return state_dict
+
+    def _local_state_dict(self) -> dict[str, Any]:
+        """The state dict of this rank in the single-process layout (:mod:`lightning_baoc.optim.checkpoint`)."""
+        return self._codec.local_state_dict(self.param_groups)
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state dict of this class (versions 1 and 2), or of ``torch.optim.AdamW``/``Adam``.
+
+        The whole dict is validated first (groups, hyperparameters, every entry's format, counts,
+        shape, tensors and checksum); only then is anything changed, so a refused
+        dict leaves the optimizer exactly as it was. A BlockwiseAdamW state is matched by parameter
+        name (order may differ); a torch state by position, its fp32 moments encoded into each
+        parameter's target format. torch's own ``Optimizer.load_state_dict`` would cast every state
+        tensor to the parameter's dtype (int8 codes would become floats): this is a full override.
+
+        The stochastic rounding needs no saved state (it is keyed by seed, name and step count):
+        the generator states that dicts of earlier releases carry are ignored (their checksum still
+        covers them). Hooks registered with torch's
+        ``register_load_state_dict_pre_hook``/``post_hook`` run as in torch.
+
+        Raises:
+            CheckpointError: the dict is damaged, invalid or of another model; the message names
+                the parameter and the key.
+        """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            state_dict = state_dict if result is None else result
+        self._codec.load(state_dict, self.param_groups, lambda sd: plan_load(self, sd), self._hyper)
+        for p in self._records:
+            self._mark_state(p)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def load_checkpoint(self, path_or_file: str | os.PathLike[str] | IO[bytes]) -> None:
+        """Load an optimizer state dict saved with ``torch.save`` (damaged files: CheckpointError).
+
+        The file holds this optimizer's ``state_dict()``, or is a Lightning checkpoint with exactly
+        one optimizer state (``"optimizer_states"``).
+
+        Example:
+            >>> opt.load_checkpoint("optimizer.pt")  # doctest: +SKIP
+        """
+        loaded = load_checkpoint(path_or_file)
+        if isinstance(loaded, Mapping) and "optimizer_states" in loaded and "state" not in loaded:
+            states = loaded["optimizer_states"]
+            if not isinstance(states, (list, tuple)) or len(states) != 1:
+                count = len(states) if isinstance(states, (list, tuple)) else type(states).__name__
+                raise CheckpointError(
+                    f"the checkpoint holds {count} optimizer states; load the one of this optimizer "
+                    f"with load_state_dict(load_checkpoint(path)['optimizer_states'][i])"
+                )
+            loaded = states[0]
+        self.load_state_dict(loaded)
+
+    def to_adamw_state_dict(self) -> dict[str, Any]:
+        """Export as a plain ``torch.optim.AdamW`` state dict (fp32, dequantized).
+
+        Factored second moments are expanded; formats without momentum export a zero momentum with
+        their own step count (documented loss: a plain AdamW resumes with a cold momentum there).
+        Same as :func:`~lightning_baoc.export_adamw_state_dict` of :meth:`state_dict`. Over sharded
+        parameters (FSDP2) it holds the whole moments, gathered from every rank: call it on every rank;
+        it loads into a run of any world size, one process included (each rank takes its rows).
+        """
+        return self._codec.to_adamw_state_dict(self.param_groups)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """State for ``copy.deepcopy`` and ``pickle``: compact copies of the states, no pool views, no parts
+        (:meth:`CheckpointCodec.copy_state <lightning_baoc.optim.persist.CheckpointCodec.copy_state>`)."""
+        state = self._codec.copy_state({k: v for k, v in self.__dict__.items() if k not in _PARTS})
+        state["_release_on"] = self._release.enabled  # the copy registers its own hooks
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild the parts and the pools from :meth:`__getstate__`'s compact copies."""
+        copied = CheckpointCodec.take_copied(state)
+        release_on = state.pop("_release_on")
+        super().__setstate__(state)  # torch's: hooks, the profiled step
+        self._build_parts()
+        self._codec.restore(copied)
+        if release_on:
+            self.release_gradients()
 
     def _inherit_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Load a torch optimizer's state, matched by position (``from_optimizer``)."""

@@ -1,4 +1,4 @@
-"""Memory layout of :class:`~lightning_baoc.optim.BlockwiseAdamW`: per-parameter records and pools.
+"""The optimizer's states: per-parameter records, and one pool per format and device.
 
 The states of all parameters sharing a format on a device form one pool, made of one segment per
 parameter: a ``uint8`` buffer carved into the views of the format's dtypes. Views are laid out by
@@ -14,8 +14,9 @@ parameter being converted, plus the slice's fp32 scratch (a few MiB): the transi
 state is at most one parameter's old state (tests/optim/test_conversion_memory.py measures it on the
 allocator).
 
-:class:`PoolsMixin` holds the optimizer's pool methods: it expects ``_records`` (parameter ->
-:class:`Record`), ``_pools`` and ``_hyper_for`` of the optimizer it is mixed into.
+:class:`Record` is one parameter's book-keeping (name, group, format, views, counts, correction), in the
+records table every part of the optimizer shares; :class:`StatePools` holds the pools and their
+accounting, and converts.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ class DeferredFlags:
     The CUDA step launches its kernels without reading the gradients' finiteness: each kernel reads
     its parameter's flag on the device and skips the update where it is 0, while the host advances the
     parameter's counts as if it stepped. The flags travel to pinned host memory behind the step (a
-    copy that does not wait), and :meth:`Record.settle` takes a skipped step back out of the counts
-    when a count is next read: at the next step, by which time the copy is done, or at a checkpoint.
+    copy that does not wait), and :meth:`Record.apply_device_skip` takes a skipped step back out of the
+    counts when a count is next read: at the next step, by which time the copy is done, or at a checkpoint.
     """
 
     def __init__(self, skip: Tensor, size: int) -> None:
@@ -73,17 +74,17 @@ class DeferredFlags:
         return self._values
 
     def skipped(self) -> list[Record]:
-        """The records whose update was skipped, their counts settled."""
+        """The records whose update was skipped, each record's device skip applied to its counts."""
         flags = self.values()
-        if flags.all():  # the common step: nothing to take back, each record's pending step forgotten
+        if flags.all():  # the common step: nothing to take back, each record's unread skip forgotten
             for entry in self.records:
-                if entry is not None and entry[0].pending is not None and entry[0].pending[0] is self:
-                    entry[0].pending = None
+                if entry is not None and entry[0].unread_skip is not None and entry[0].unread_skip[0] is self:
+                    entry[0].unread_skip = None
             return []
         out = []
         for i, entry in enumerate(self.records):
             if entry is not None:
-                entry[0].settle()
+                entry[0].apply_device_skip()
                 if not flags[i]:
                     out.append(entry[0])
         return out
@@ -95,8 +96,8 @@ class Record:
 
     The step counts live in ``counts``, a host int64 tensor ``[step, m_step, nonfinite]`` that the
     compiled step advances itself (it decides which parameters step, so the optimizer never reads
-    a count to launch it); ``step``, ``m_step`` and ``nonfinite`` read and write it, after settling a
-    step whose skip was decided on the device (``pending``: :class:`DeferredFlags`).
+    a count to launch it); ``step``, ``m_step`` and ``nonfinite`` read and write it, after applying a
+    skip the device decided that the host has not read yet (``unread_skip``: :class:`DeferredFlags`).
     """
 
     name: str
@@ -113,8 +114,8 @@ class Record:
     frame: Any = None
     #: a shard of a parameter whose rows are split among ranks (sharding.RowShards): factored formats sum over them
     row_shards: Any = None
-    #: the step whose skip the device decides: (its flags, this record's index in them)
-    pending: tuple[DeferredFlags, int] | None = None
+    #: the last step's skip, decided on the device and not read yet: (the step's flags, this record's index in them)
+    unread_skip: tuple[DeferredFlags, int] | None = None
     _array: Any = field(default=None, init=False, repr=False, compare=False)  # counts as a numpy array (a view)
 
     def _counts(self) -> Any:
@@ -128,12 +129,13 @@ class Record:
         of the optimizer's ``CountsStore`` (optim/device_plan.py), whose plans advance many rows at once."""
         self.counts, self._array = counts, None
 
-    def settle(self) -> None:
-        """Take a step the device skipped (a non-finite gradient) back out of the counts."""
-        if self.pending is None:
+    def apply_device_skip(self) -> None:
+        """Read the skip the device decided (:attr:`unread_skip`): a step it skipped (a non-finite gradient)
+        is taken back out of the counts."""
+        if self.unread_skip is None:
             return
-        deferred, index = self.pending
-        self.pending = None
+        deferred, index = self.unread_skip
+        self.unread_skip = None
         if not deferred.values()[index]:
             counts = self._counts()
             counts[0] -= 1
@@ -142,8 +144,8 @@ class Record:
 
     def advance(self, momentum: bool) -> tuple[int, int]:
         """Count one step (and one of the momentum's, where the format has one): the new (step, m_step)."""
-        if self.pending is not None:
-            self.settle()
+        if self.unread_skip is not None:
+            self.apply_device_skip()
         counts = self._counts()
         step = int(counts[0]) + 1
         m_step = int(counts[1]) + 1 if momentum else int(counts[1])
@@ -153,40 +155,40 @@ class Record:
     @property
     def step(self) -> int:
         """Steps taken (skipped ones not counted)."""
-        if self.pending is not None:
-            self.settle()
+        if self.unread_skip is not None:
+            self.apply_device_skip()
         return int(self._counts()[0])
 
     @step.setter
     def step(self, value: int) -> None:
-        if self.pending is not None:
-            self.settle()
+        if self.unread_skip is not None:
+            self.apply_device_skip()
         self._counts()[0] = value
 
     @property
     def m_step(self) -> int:
         """Steps since the momentum was (re)created: its own bias correction."""
-        if self.pending is not None:
-            self.settle()
+        if self.unread_skip is not None:
+            self.apply_device_skip()
         return int(self._counts()[1])
 
     @m_step.setter
     def m_step(self, value: int) -> None:
-        if self.pending is not None:
-            self.settle()
+        if self.unread_skip is not None:
+            self.apply_device_skip()
         self._counts()[1] = value
 
     @property
     def nonfinite(self) -> int:
         """Steps skipped because the gradient held inf or NaN."""
-        if self.pending is not None:
-            self.settle()
+        if self.unread_skip is not None:
+            self.apply_device_skip()
         return int(self._counts()[2])
 
     @nonfinite.setter
     def nonfinite(self, value: int) -> None:
-        if self.pending is not None:
-            self.settle()
+        if self.unread_skip is not None:
+            self.apply_device_skip()
         self._counts()[2] = value
 
 
@@ -214,185 +216,192 @@ def storage_device(fmt: str, param_device: torch.device, registry: Mapping[str, 
     return HOST if registry[fmt].offloaded else param_device
 
 
-class PoolsMixin:
-    """Pool building and state conversion of BlockwiseAdamW (see the module docstring)."""
+class StatePools:
+    """The states of an optimizer's parameters: their pools, the bytes they hold, and conversions.
 
-    _records: dict[Tensor, Record]
-    _pools: dict[tuple[str, str], Pool]
-    _hyper_for: Callable[[Tensor], StepHyper]  # the optimizer's: a parameter's group hyperparameters
-    format_registry: Mapping[str, StateFormat]  # the optimizer's formats
-    param_groups: list[dict[str, Any]]
-    _live_bytes: int  # state bytes allocated on the training devices, transient segments included
-    _peak_bytes: int  # the high-water mark of _live_bytes
+    Holds: the pools (:attr:`pools`, (format, device) -> :class:`Pool`, one segment per parameter), the
+    state bytes allocated on the training devices now and at their high-water mark (:attr:`live_bytes`,
+    :attr:`peak_bytes`, transient segments included).
 
-    def _count_allocated(self, nbytes: int) -> None:
-        self._live_bytes += nbytes
-        self._peak_bytes = max(self._peak_bytes, self._live_bytes)
+    Needs: the records table (parameter -> :class:`Record`, shared with the optimizer; a record's
+    ``format`` and ``views`` are written here, its ``shard_offset``, ``frame`` and ``row_shards`` read),
+    the format registry, and ``on_replace``, called before a parameter's state tensors are replaced
+    (the step's device plans hold them: ``StepDispatcher.forget_plans``). Conversions take the
+    parameter's hyperparameters (``hyper_for(p)``: the slice size, its momentum's beta, the rounding key)
+    from their caller.
+
+    Example:
+        >>> records = {p: Record(name="w", group=0)}  # doctest: +SKIP
+        >>> pools = StatePools(records, FORMATS)  # doctest: +SKIP
+        >>> pools.rebuild({p: "int8"}, hyper_for)  # a fresh zero state  # doctest: +SKIP
+        >>> pools.held_bytes(host=False)  # {group: bytes}  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        records: dict[Tensor, Record],
+        registry: Mapping[str, StateFormat],
+        on_replace: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.records = records
+        self.registry = registry
+        self.on_replace = on_replace
+        self.pools: dict[tuple[str, str], Pool] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
 
     # ------------------------------------------------------------------ accounting
 
-    def state_bytes(self, by_group: bool = False) -> int | list[int]:
-        """Bytes of optimizer state held on the training devices.
+    def count_allocated(self, nbytes: int) -> None:
+        """Count ``nbytes`` of state allocated (negative: released) on a training device."""
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
-        Equal to the storage really allocated (every pool counted once, codes, scales and factors
-        included). Host-offloaded state of accelerator parameters is not device memory and is
-        reported by :meth:`host_state_bytes`; when training runs on the CPU, ``offload`` states are
-        on the training device and counted here in full.
-
-        Args:
-            by_group: return a list with the bytes of each param group instead of the total.
-        """
-        return self._bytes(host=False, by_group=by_group)
-
-    def host_state_bytes(self, by_group: bool = False) -> int | list[int]:
-        """Bytes of state offloaded to host memory for parameters that train on an accelerator."""
-        return self._bytes(host=True, by_group=by_group)
-
-    def _bytes(self, host: bool, by_group: bool) -> int | list[int]:
-        per_group = [0] * len(self.param_groups)
-        for p, rec in self._records.items():
+    def held_bytes(self, host: bool) -> dict[int, int]:
+        """Param group index -> bytes of state its parameters hold on the training devices (``host``: the
+        bytes offloaded to host memory for parameters that train on an accelerator instead)."""
+        per_group: dict[int, int] = defaultdict(int)
+        for p, rec in self.records.items():
             if rec.format is None:
                 continue
-            on_host = storage_device(rec.format, p.device, self.format_registry) != p.device
+            on_host = storage_device(rec.format, p.device, self.registry) != p.device
             if on_host == host:
-                per_group[rec.group] += sum(spec.nbytes for spec in self._layout(rec.format, p))
-        return per_group if by_group else sum(per_group)
+                per_group[rec.group] += sum(spec.nbytes for spec in self.layout(rec.format, p))
+        return per_group
 
-    @property
-    def peak_state_bytes(self) -> int:
-        """The most state bytes held on the training devices at any moment since construction or
-        :meth:`reset_peak_state_bytes`, the transients of conversions and loads included.
+    def recount(self) -> None:
+        """Set :attr:`live_bytes` to the bytes the records' states hold on the training devices (after a
+        load replaced every pool)."""
+        self.live_bytes = sum(self.held_bytes(host=False).values())
 
-        Counted where segments are allocated and released, so it is exact for the state itself;
-        the fp32 scratch of a conversion (a few slices of ``chunk_size`` elements) is not state.
-        """
-        return self._peak_bytes
-
-    def reset_peak_state_bytes(self) -> None:
-        """Start :attr:`peak_state_bytes` again from the state held now."""
-        self._peak_bytes = self._live_bytes
+    def reset_peak(self) -> None:
+        """Start :attr:`peak_bytes` again from the state held now."""
+        self.peak_bytes = self.live_bytes
 
     def state_tensors(self) -> list[Tensor]:
-        """Every tensor of optimizer state (views into the pools), for inspection and tests."""
-        return [t for rec in self._records.values() if rec.views for t in rec.views.values()]
+        """Every tensor of state (views into the pools)."""
+        return [t for rec in self.records.values() if rec.views for t in rec.views.values()]
 
     def pool_bytes(self) -> dict[tuple[str, str], int]:
         """(format, parameter device) -> bytes of that pool's storage (its segments, one per parameter)."""
-        return {key: pool.nbytes for key, pool in self._pools.items()}
+        return {key: pool.nbytes for key, pool in self.pools.items()}
+
+    def decode(self, p: Tensor) -> Canonical | None:
+        """``p``'s state decoded to fp32 (of a shard: this rank's; ``None`` before it holds one)."""
+        rec = self.records[p]
+        if rec.format is None:
+            return None
+        fmt = self.registry[rec.format]
+        state = fmt.decode(rec.views, local(p).shape)
+        state.shards = rec.row_shards if fmt.factored else None
+        return state
 
     # ------------------------------------------------------------------ conversion
 
-    def _rebuild(
+    def rebuild(
         self,
         changes: Mapping[Tensor, str],
-        sources: Mapping[Tensor, Canonical | dict[str, Tensor] | None] | None = None,
+        hyper_for: Callable[[Tensor], StepHyper],
+        on_commit: Callable[[Tensor], None] = lambda p: None,
     ) -> None:
         """Move the parameters of ``changes`` to their new formats, one parameter at a time.
 
-        ``sources`` optionally gives a parameter's new state: a :class:`Canonical` to encode, a dict
-        of compact tensors to copy (checkpoint), or ``None`` for a fresh zero state. Without a
-        source a parameter's current state is converted, in slices. Parameters whose device state
-        shrinks go first, then the optimizer's order (which fixes the draws of stochastic rounding).
-        Each parameter is committed when its new segment is filled: if a conversion fails, every
-        parameter holds a complete state, in its old format or its new one.
+        A parameter without a state yet starts from a zero state; one that holds a state has it
+        converted, in slices (``hyper_for(p)``: its hyperparameters, keyed for the rounding of the
+        conversion). Parameters whose device state shrinks go first, then the records' order (which fixes
+        the draws of stochastic rounding). Each parameter is committed when its new segment is filled
+        (then ``on_commit(p)`` is called): if a conversion fails, every parameter holds a complete state,
+        in its old format or its new one.
         """
-        sources = sources or {}
-        position = {p: i for i, p in enumerate(self._records)}
+        position = {p: i for i, p in enumerate(self.records)}
         order = sorted(changes, key=lambda p: (self._device_growth(p, changes[p]) > 0, position[p]))
         for p in order:
-            fmt, rec = changes[p], self._records[p]
+            fmt, rec = changes[p], self.records[p]
             old = rec.format
-            views = self._allocate_segment(fmt, p)
-            if p in sources:
-                self._fill_from_source(p, fmt, views, sources[p])
-            elif old == fmt:
+            views = self.allocate_segment(fmt, p)
+            if old == fmt:
                 for k, t in views.items():
                     t.copy_(rec.views[k])
             elif old is not None:
-                self._convert_into(p, old, fmt, views)
+                rec.m_step = convert_state(
+                    self.registry[old], rec.views, self.registry[fmt], views, tuple(local(p).shape), hyper_for(p),
+                    None if p.grad is None else local(p.grad), rec.m_step, rec.row_shards, _agreement(p),
+                )
             self._commit_segment(p, fmt, views)
-            if not self.format_registry[fmt].has_momentum:
+            on_commit(p)
+            if not self.registry[fmt].has_momentum:
                 rec.m_step = 0
 
     def _device_growth(self, p: Tensor, fmt: str) -> int:
         """Bytes on ``p``'s device that moving ``p`` to ``fmt`` adds (negative: frees)."""
-        old = self._records[p].format
+        old = self.records[p].format
 
         # a sharded parameter: its largest shard's bytes, the same on every rank, so that every rank
         # converts in the same order (a factored conversion of a shard is a collective)
         shape = largest_shard_shape(p) if is_sharded(p) else local(p).shape
 
         def on_device(f: str | None) -> int:
-            if f is None or storage_device(f, p.device, self.format_registry) != p.device:
+            if f is None or storage_device(f, p.device, self.registry) != p.device:
                 return 0
-            return self.format_registry[f].state_bytes(shape)
+            return self.registry[f].state_bytes(shape)
 
         return on_device(fmt) - on_device(old)
 
     def _commit_segment(self, p: Tensor, fmt: str, views: dict[str, Tensor]) -> None:
         """Make ``views`` (one new segment) ``p``'s state; its old segment is released."""
-        rec, dev = self._records[p], device_key(p.device)
+        rec, dev = self.records[p], device_key(p.device)
         if rec.format is not None:
             old_key = (rec.format, dev)
-            pool = self._pools.get(old_key)
+            pool = self.pools.get(old_key)
             if pool is not None:
                 released = pool.segments.pop(p, None)
                 if released is not None and pool.storage_device == p.device:
-                    self._live_bytes -= released.untyped_storage().nbytes()
+                    self.live_bytes -= released.untyped_storage().nbytes()
                 if not pool.segments:
-                    del self._pools[old_key]
-        pool = self._pools.setdefault((fmt, dev), Pool(fmt, storage_device(fmt, p.device, self.format_registry)))
+                    del self.pools[old_key]
+        pool = self.pools.setdefault((fmt, dev), Pool(fmt, storage_device(fmt, p.device, self.registry)))
         pool.segments[p] = _segment_of(views)
-        self._drop_plans()  # type: ignore[attr-defined] - a plan holds the old views
+        self.on_replace()  # a plan holds the old views
         rec.views = views
         rec.format = fmt
-        self._mark_state(p)
 
-    def _mark_state(self, p: Tensor) -> None:
-        """Keep torch's ``optimizer.state`` saying which parameters hold state, and in which format.
-
-        The states live in the pools, not in ``state``; but tools read ``state`` to learn whether an
-        optimizer holds any: ``torch.distributed.checkpoint``'s state-dict functions take an empty one
-        for a fresh optimizer and step it once with zero gradients to create its states, which here
-        would advance the step counts and decay the moments of a trained one.
-        """
-        fmt = self._records[p].format
-        if fmt is None:
-            self.state.pop(p, None)  # type: ignore[attr-defined]
-        else:
-            self.state[p] = {"format": fmt}  # type: ignore[attr-defined]
-
-    def _fresh_pools(
+    def fresh(
         self, formats: Mapping[Tensor, str], fill: Callable[[Tensor, str, dict[str, Tensor]], None]
     ) -> tuple[dict[tuple[str, str], Pool], dict[Tensor, dict[str, Tensor]]]:
         """New pools for ``formats`` (parameter -> format), each view filled by ``fill``.
 
-        Touches no record and no existing pool: a caller commits the result only once every
-        fallible step (allocation, filling) is done.
+        Touches no record and no existing pool (their allocation is counted): a caller commits the
+        result with :meth:`install` only once every fallible step (allocation, filling) is done.
         """
         members: dict[tuple[str, str], list[Tensor]] = defaultdict(list)
-        for p in self._records:  # the optimizer's order, as in _rebuild
+        for p in self.records:  # the records' order, as in rebuild
             if p in formats:
                 members[(formats[p], device_key(p.device))].append(p)
         pools: dict[tuple[str, str], Pool] = {}
         views: dict[Tensor, dict[str, Tensor]] = {}
         for key in sorted(members):  # sorted: encoding order draws rounding offsets deterministically
-            pools[key] = Pool(key[0], storage_device(key[0], members[key][0].device, self.format_registry))
+            pools[key] = Pool(key[0], storage_device(key[0], members[key][0].device, self.registry))
             for p in members[key]:
-                views[p] = self._allocate_segment(key[0], p)
+                views[p] = self.allocate_segment(key[0], p)
                 fill(p, key[0], views[p])
                 pools[key].segments[p] = _segment_of(views[p])
         return pools, views
 
-    def _layout(self, fmt: str, p: Tensor) -> tuple[TensorSpec, ...]:
-        """The compact tensors of ``p``'s state (of this rank's shard) in ``fmt``."""
-        return self.format_registry[fmt].shard_layout(local(p).shape, self._records[p].shard_offset)
+    def install(self, pools: dict[tuple[str, str], Pool]) -> None:
+        """Make ``pools`` (from :meth:`fresh`) the pools, the old ones released; the caller points the
+        records at their views, then calls :meth:`recount`."""
+        self.pools = pools
+        self.on_replace()  # a plan holds the old views
 
-    def _allocate_segment(self, fmt: str, p: Tensor) -> dict[str, Tensor]:
+    def layout(self, fmt: str, p: Tensor) -> tuple[TensorSpec, ...]:
+        """The compact tensors of ``p``'s state (of this rank's shard) in ``fmt``."""
+        return self.registry[fmt].shard_layout(local(p).shape, self.records[p].shard_offset)
+
+    def allocate_segment(self, fmt: str, p: Tensor) -> dict[str, Tensor]:
         """Zeroed views of ``p``'s state in ``fmt``, carved from one new ``uint8`` buffer (a shard's 8-bit
         states laid out in the whole parameter's groups: :class:`~lightning_baoc.formats.frames.FramedViews`)."""
-        layout = self._layout(fmt, p)
-        storage = storage_device(fmt, p.device, self.format_registry)
+        layout = self.layout(fmt, p)
+        storage = storage_device(fmt, p.device, self.registry)
         offsets: dict[str, int] = {}
         total = 0
         for itemsize in (8, 4, 2, 1):  # descending item size: every offset stays aligned
@@ -400,12 +409,12 @@ class PoolsMixin:
                 if spec.nbytes and torch.empty((), dtype=spec.dtype).element_size() == itemsize:
                     offsets[spec.key] = total
                     total += spec.nbytes
-        pin = storage.type == "cpu" and self.format_registry[fmt].offloaded and torch.cuda.is_available()
+        pin = storage.type == "cpu" and self.registry[fmt].offloaded and torch.cuda.is_available()
         buffer = torch.zeros(total, dtype=torch.uint8, device=storage, pin_memory=pin)
         if storage == p.device:  # host memory of an accelerator's parameter is not device state
-            self._count_allocated(total)
-        frame = self._records[p].frame
-        views: dict[str, Tensor] = FramedViews(frame) if frame is not None and self.format_registry[fmt].quantized else {}
+            self.count_allocated(total)
+        frame = self.records[p].frame
+        views: dict[str, Tensor] = FramedViews(frame) if frame is not None and self.registry[fmt].quantized else {}
         for spec in layout:
             if spec.key in offsets:
                 start = offsets[spec.key]
@@ -413,44 +422,6 @@ class PoolsMixin:
             else:  # zero-size tensor (empty parameter)
                 views[spec.key] = torch.empty(0, dtype=spec.dtype, device=storage)
         return views
-
-    def _convert_into(self, p: Tensor, old: str, new: str, target: dict[str, Tensor]) -> None:
-        rec = self._records[p]
-        rec.m_step = convert_state(
-            self.format_registry[old], rec.views, self.format_registry[new], target, tuple(local(p).shape),
-            self._hyper_for(p), None if p.grad is None else local(p.grad), rec.m_step, rec.row_shards,
-            _agreement(p),
-        )
-
-    def _encode(self, p: Tensor, fmt: str, canonical: Canonical, target: dict[str, Tensor]) -> None:
-        rec = self._records[p]
-        hyper = self._hyper_for(p)
-        if self.format_registry[fmt].has_momentum and canonical.exp_avg is None:
-            grad = None if p.grad is None else local(p.grad)
-            finite = grad is not None and bool(torch.isfinite(grad).all())
-            agree = _agreement(p)
-            finite = agree(finite) if agree is not None and hyper.rule == "adamw" else finite
-            if hyper.rule == "adamw" and finite:
-                # re-create the momentum as one EMA step of the current gradient; its own bias
-                # correction (m_step = 1) makes m_hat equal that gradient
-                canonical.exp_avg = grad.detach().to(torch.float32).mul(1.0 - hyper.beta1)
-                rec.m_step = 1
-            else:
-                canonical.exp_avg = torch.zeros(local(p).shape, dtype=torch.float32, device=p.device)
-                rec.m_step = 0
-        canonical.shards = rec.row_shards  # a shard's rows: factored forms over every rank's rows
-        self.format_registry[fmt].encode(canonical, target, hyper)
-
-    def _fill_from_source(
-        self, p: Tensor, fmt: str, target: dict[str, Tensor], source: Canonical | dict[str, Tensor] | None
-    ) -> None:
-        if source is None:
-            return  # pools are zero-initialized: a fresh state
-        if isinstance(source, Canonical):
-            self._encode(p, fmt, source, target)
-            return
-        for key, t in target.items():
-            t.copy_(source[key])
 
 
 def _agreement(p: Tensor) -> Callable[[bool], bool] | None:

@@ -121,11 +121,11 @@ def shard_count(p: Tensor) -> int:
 def this_shard(t: Tensor, p: Tensor) -> Tensor:
     """This rank's part of ``t`` when ``t`` has the whole shape of the sharded ``p`` (a full export
     loading into a sharded run); ``t`` itself otherwise."""
-    mine = local(p)
-    if not is_sharded(p) or tuple(t.shape) != tuple(p.shape) or tuple(mine.shape) == tuple(p.shape):
+    shard = local(p)
+    if not is_sharded(p) or tuple(t.shape) != tuple(p.shape) or tuple(shard.shape) == tuple(p.shape):
         return t
     start = shard_offset(p)
-    return t.reshape(-1)[start : start + mine.numel()].view(mine.shape)
+    return t.reshape(-1)[start : start + shard.numel()].view(shard.shape)
 
 
 def largest_shard_shape(p: Tensor) -> tuple[int, ...]:
@@ -263,10 +263,10 @@ class FlatShards:
         ids = []
         for a, b in zip(self.starts, self.starts[1:]):
             ids.append(None if b <= a else (a // GROUP, a // SUPER, (b - 1) // GROUP, (b - 1) // SUPER))
-        mine = ids[self.index]
+        own = ids[self.index]
         out: list[list[tuple[int, int]]] = []
         for column in range(4):
-            target = None if mine is None else mine[column]
+            target = None if own is None else own[column]
             kind = column % 2  # 0: a group, 1: a super-block
             sources = [(j, c) for j, other in enumerate(ids) if j != self.index and other is not None
                        for c in (kind, kind + 2) if other[c] == target]

@@ -1,23 +1,21 @@
-"""The step of :meth:`BlockwiseAdamW.step <lightning_baoc.optim.BlockwiseAdamW.step>`, compiled and eager.
+"""The step of :meth:`BlockwiseAdamW.step <lightning_baoc.optim.BlockwiseAdamW.step>`: which kernel steps each
+parameter, by its format and device, and the eager step.
 
-``step`` sends the (param group, format) buckets the compiled CPU kernels serve to
+:class:`StepDispatcher` sends the (param group, format) buckets the compiled CPU kernels serve to
 :func:`~lightning_baoc.kernels.compiled.compiled_step`: the kernel tests each gradient for inf and
 NaN, advances the step counts or counts the skip, and says which it skipped, so nothing is read
 from a tensor to launch it. Every other parameter (CUDA, a policy of ``"eager"``, no compiler) takes
-the eager step here: the host reads which gradients are finite (:meth:`StepMixin._finite_mask`, one
+the eager step here: the host reads which gradients are finite (:meth:`StepDispatcher.finite_mask`, one
 synchronisation per device and step), advances the counts, computes the bias corrections and the
 rounding key, and runs each format's ``update``. On a GPU the Triton kernels
 (:mod:`lightning_baoc.kernels.triton_step`) and torch's fused AdamW serve the formats instead, and read
-each gradient's finiteness flag on the device (:meth:`StepMixin._device_flags`; fp32 takes one fused call
-whose ``found_inf`` is the flag of any, then the Triton kernel steps the finite ones where it was set): the
-host advances the counts as if the step happened and takes a skip back when a count is next read
-(:class:`~lightning_baoc.optim.pools.DeferredFlags`), so it reads nothing to launch them. The host's work of
-those steps is planned once per param group and replayed (:mod:`lightning_baoc.optim.device_plan`). Both work
-on each parameter's local part (the shard of a ``DTensor`` parameter on this rank:
+each gradient's finiteness flag on the device (:meth:`StepDispatcher._device_flags`; fp32 takes one fused
+call whose ``found_inf`` is the flag of any, then the Triton kernel steps the finite ones where it was
+set): the host advances the counts as if the step happened and applies a skip when a count is next read
+(:class:`~lightning_baoc.optim.pools.DeferredFlags`), so it reads nothing to launch them. The host's work
+of those steps is planned once per param group and replayed (:mod:`lightning_baoc.optim.device_plan`).
+Both work on each parameter's local part (the shard of a ``DTensor`` parameter on this rank:
 :mod:`lightning_baoc.optim.sharding`).
-
-:class:`StepMixin` expects ``_records``, ``skip_nonfinite``, ``_noise_key`` and the ``_salts``,
-``_warned``, ``_serving`` and ``_plans`` tables of the optimizer it is mixed into.
 """
 
 from __future__ import annotations
@@ -25,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections import defaultdict
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -39,38 +38,89 @@ from lightning_baoc.formats.fused_adam import (
     fused_available,
     fused_dense_fp32,
 )
-from lightning_baoc.formats.quant import M_SCALE_MAX, V_SCALE_MAX, name_salt
+from lightning_baoc.formats.quant import M_SCALE_MAX, V_SCALE_MAX, name_salt, stream_key
 from lightning_baoc.kernels import M_FP32, V_FP32, use_triton
 from lightning_baoc.kernels.compiled import KernelItem, compiled_step, kernel_serves
-from lightning_baoc.optim.device_plan import Chosen, DevicePlan
+from lightning_baoc.optim.device_plan import Chosen, CountsStore, DevicePlan
 from lightning_baoc.optim.pools import DeferredFlags, Record
 from lightning_baoc.optim.sharding import is_sharded, local, mesh_min
 
+#: A param group's hyperparameters as the step reads them (the optimizer's ``_hyper``).
+HyperOf = Callable[[Mapping], StepHyper]
 
-class StepMixin:
-    """The non-finite test, the warning and the eager step of :class:`BlockwiseAdamW`."""
 
-    _records: dict[Tensor, Record]
-    _salts: dict[str, int]
-    _warned: set[str]
-    _serving: dict[str | tuple[str, str], tuple[tuple, bool]]  # by name, and ("device", name)
-    _deferred: list[DeferredFlags]
-    _plans: dict[tuple[int, tuple[int, ...]], DevicePlan]  # the device's step plans, by group and parameters
-    skip_nonfinite: bool
-    format_registry: Mapping[str, StateFormat]
-    label: str
-    kernels: str
-    seed: int
-    param_groups: list[dict]
+@dataclass(frozen=True)
+class StepSettings:
+    """What an optimizer's step is built with (its constructor's arguments)."""
 
-    def _step_params(self, params: list[Tensor]) -> None:
-        """One step of ``params`` (with gradients, states and corrections in place), by group."""
-        self._settle_deferred()
+    seed: int  # of the stochastic rounding
+    skip_nonfinite: bool  # skip the update of a parameter whose gradient holds inf or NaN
+    kernels: str  # the kernel policy: "auto", "compiled" or "eager" (lightning_baoc.kernels)
+    label: str  # the optimizer's name in warnings
+
+
+class StepDispatcher:
+    """The step of an optimizer's parameters, each sent to the kernel that serves its format and device.
+
+    Holds: the hashes of the parameters' names in their rounding keys (:attr:`salts`), the names already
+    warned of a skipped update (:attr:`warned`), which kernel serves each parameter (:attr:`serving`,
+    decided once per format, state tensors and device), the steps whose skips the device decided and the
+    host has not read yet (:attr:`unread`), the device's step plans (:attr:`plans`) and the counts they
+    advance (:attr:`count_store`).
+
+    Needs: the records table (parameter -> :class:`~lightning_baoc.optim.pools.Record`, shared with the
+    optimizer: a record's counts are advanced here), the format registry and the
+    :class:`StepSettings`. Each step takes the param groups and ``hyper_of(group)`` (their
+    hyperparameters) from its caller.
+
+    Example:
+        >>> stepper = StepDispatcher(records, FORMATS, StepSettings(0, True, "auto", "BlockwiseAdamW"))  # doctest: +SKIP
+        >>> stepper.step(params_with_grads, optimizer.param_groups, optimizer._hyper)  # doctest: +SKIP
+    """
+
+    def __init__(self, records: dict[Tensor, Record], registry: Mapping[str, StateFormat], settings: StepSettings) -> None:
+        self.records = records
+        self.registry = registry
+        self.seed = settings.seed
+        self.skip_nonfinite = settings.skip_nonfinite
+        self.kernels = settings.kernels
+        self.label = settings.label
+        self.salts: dict[str, int] = {}  # name -> its hash in the rounding keys
+        self.warned: set[str] = set()  # names warned of a skipped update
+        # whether the compiled CPU step (by name) and the device's kernels (("device", name)) serve a parameter:
+        # name -> (what the decision follows from, the decision)
+        self.serving: dict[str | tuple[str, str], tuple[tuple, bool]] = {}
+        self.unread: list[DeferredFlags] = []  # the steps whose skips the device decided, read at the next step
+        self.plans: dict[tuple[int, tuple[int, ...]], DevicePlan] = {}  # by group and parameters (device_plan.py)
+        self.count_store = CountsStore()  # the records' counts as rows of one array, for the plans
+
+    # ------------------------------------------------------------------ rounding keys
+
+    def salt(self, rec: Record) -> int:
+        """The hash of ``rec``'s name in its rounding keys (computed once per name)."""
+        salt = self.salts.get(rec.name)
+        if salt is None:
+            salt = self.salts[rec.name] = name_salt(rec.name)
+        return salt
+
+    def noise_key(self, rec: Record, salt: int = 0, step: int | None = None) -> int:
+        """The rounding key of ``rec``'s parameter at its step count (or ``step``: a step's, a
+        conversion's, a load's; ``salt`` tells them apart); shifted by a shard's offset, so a shard
+        draws the whole parameter's bits for its elements."""
+        at = rec.step if step is None else step
+        return (stream_key(self.seed, at, self.salt(rec) ^ salt) + rec.shard_offset) & 0xFFFFFFFF
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, params: list[Tensor], groups: list[dict], hyper_of: HyperOf) -> None:
+        """One step of ``params`` (with gradients, states and corrections in place), by group of
+        ``groups`` (the optimizer's param groups; ``hyper_of(group)``: their hyperparameters)."""
+        self.apply_device_skips()
         skipped_sharded = self._skip_sharded_nonfinite(params)
         chosen = {id(p) for p in params if not skipped_sharded or p not in skipped_sharded}  # ids: hashing a tensor is a Python call
         eager: list[tuple[int, StepHyper, list[Tensor]]] = []
-        for index, group in enumerate(self.param_groups):
-            hyper = self._hyper(group)
+        for index, group in enumerate(groups):
+            hyper = hyper_of(group)
             compiled: dict[str, list[KernelItem]] = defaultdict(list)
             owners: dict[int, Tensor] = {}  # id of a local part -> its parameter
             rest: list[Tensor] = []
@@ -80,17 +130,17 @@ class StepMixin:
                 grad = p.grad  # read once: a property of the tensor
                 if grad is None or p.numel() == 0:
                     continue
-                mine = local(p)
-                rec = self._records[p]
-                fmt = self.format_registry[rec.format]
-                if mine.numel() == 0 and not (fmt.factored or framed(rec.views)):  # no rows of a sharded parameter:
+                local_part = local(p)
+                rec = self.records[p]
+                fmt = self.registry[rec.format]
+                if local_part.numel() == 0 and not (fmt.factored or framed(rec.views)):  # no rows of a sharded parameter:
                     rec.step, rec.m_step = rec.step + 1, rec.m_step + int(fmt.has_momentum)  # its counts move alike
                     continue  # (a factored or framed one steps: it takes part in the exchanges among the shards)
-                if self._kernel_serves(rec, fmt, mine):
-                    rec.settle()
-                    item = KernelItem(mine, local(grad), rec.views, rec.counts, self._salt(rec), rec.master_correction,
+                if self._kernel_serves(rec, fmt, local_part):
+                    rec.apply_device_skip()
+                    item = KernelItem(local_part, local(grad), rec.views, rec.counts, self.salt(rec), rec.master_correction,
                                       rec.shard_offset)
-                    owners[id(mine)] = p
+                    owners[id(local_part)] = p
                     compiled[rec.format].append(item)
                 else:
                     rest.append(p)
@@ -98,9 +148,9 @@ class StepMixin:
                 # the kernel tests the gradients (but sharded ones, tested across the ranks already),
                 # advances the counts and says which it skipped
                 check = self.skip_nonfinite and not all(is_sharded(owners[id(it.param)]) for it in items)
-                skipped = compiled_step(self.format_registry[fmt], items, hyper, self.seed, check)
+                skipped = compiled_step(self.registry[fmt], items, hyper, self.seed, check)
                 if skipped:
-                    self._warn_skipped([self._records[owners[id(it.param)]] for it in skipped])
+                    self.warn_skipped([self.records[owners[id(it.param)]] for it in skipped])
             if rest:
                 eager.append((index, hyper, rest))
         if eager:
@@ -114,13 +164,13 @@ class StepMixin:
                     unplanned.append((hyper, others))
             every = [p for _, params in unplanned for p in params]
             decided = [p for _, chosen in planned for p in chosen.params]
-            decided += [p for hyper, ps in unplanned for p in ps if self._decided_on_device(p, hyper, kernels_on)]
+            decided += [p for hyper, ps in unplanned for p in ps if self.decided_on_device(p, hyper, kernels_on)]
             flags = self._device_flags(decided)
             # decided already (ids): on the device, or (sharded) across the ranks by _skip_sharded_nonfinite
             known = set(flags)
             if self.skip_nonfinite:
                 known.update(id(p) for p in every if is_sharded(p))
-            finite = iter(self._finite_mask([p for p in every if id(p) not in known]))
+            finite = iter(self.finite_mask([p for p in every if id(p) not in known]))
             for hyper, chosen in planned:
                 chosen.step(hyper, self.seed, flags)
             for hyper, params in unplanned:
@@ -136,59 +186,60 @@ class StepMixin:
             return (), params
         conditions = (self.kernels, hyper.decoupled_weight_decay)
         key = (index, tuple(id(p) for p in params))
-        plan = self._plans.get(key)
+        plan = self.plans.get(key)
         chosen = plan.select(conditions) if plan is not None else None
         if chosen is None:
-            if len(self._plans) > 2 * len(self._records) + 8:  # steps of ever new subsets: keep the cache small
-                self._plans.clear()
-            plan = self._plans[key] = DevicePlan(
-                self, params, [self._device_route(p, hyper, kernels_on) for p in params], conditions)
+            if len(self.plans) > 2 * len(self.records) + 8:  # steps of ever new subsets: keep the cache small
+                self.plans.clear()
+            plan = self.plans[key] = DevicePlan(
+                params, [self._device_route(p, hyper, kernels_on) for p in params], conditions, self.records,
+                self.registry, self.salt, self.count_store)
             chosen = plan.select(conditions)
             assert chosen is not None  # a plan holds for the step it was built for
         return chosen
 
-    def _drop_plans(self) -> None:
+    def forget_plans(self) -> None:
         """Forget the device's step plans: a parameter's states or correction were replaced (a plan holds
         the tensors it read: it would keep the old ones alive)."""
-        self._plans.clear()
+        self.plans.clear()
 
-    def _kernel_serves(self, rec: Record, fmt: StateFormat, mine: Tensor) -> bool:
-        """:func:`kernel_serves` for ``rec``'s parameter (its local part ``mine``), decided once per
+    def _kernel_serves(self, rec: Record, fmt: StateFormat, local_part: Tensor) -> bool:
+        """:func:`kernel_serves` for ``rec``'s parameter (its local part ``local_part``), decided once per
         format, state tensors, device and policy rather than on every step."""
-        key = (rec.format, id(rec.views), mine.device, self.kernels)
-        known = self._serving.get(rec.name)
+        key = (rec.format, id(rec.views), local_part.device, self.kernels)
+        known = self.serving.get(rec.name)
         if known is None or known[0] != key:
             # a factored shard of a parameter split by rows sums over the shards: the eager step's
-            serves = kernel_serves(fmt, mine, rec.views, self.kernels) and not (fmt.factored and rec.row_shards)
-            known = self._serving[rec.name] = (key, serves)
+            serves = kernel_serves(fmt, local_part, rec.views, self.kernels) and not (fmt.factored and rec.row_shards)
+            known = self.serving[rec.name] = (key, serves)
         return known[1]
 
-    def _settle_deferred(self) -> None:
-        """Settle the counts of the steps whose skips the device decided, and warn of the skipped."""
-        for deferred in self._deferred:
+    def apply_device_skips(self) -> None:
+        """Apply the skips the device decided at the last step to the counts, and warn of the skipped."""
+        for deferred in self.unread:
             skipped = deferred.skipped()
             if skipped:
-                self._warn_skipped(skipped)
-        self._deferred.clear()
+                self.warn_skipped(skipped)
+        self.unread.clear()
 
-    def _decided_on_device(self, p: Tensor, hyper: StepHyper, kernels_on: dict[torch.device, bool]) -> bool:
+    def decided_on_device(self, p: Tensor, hyper: StepHyper, kernels_on: dict[torch.device, bool]) -> bool:
         """Whether ``p``'s step is decided on its device: a GPU's kernel reads its finiteness flag
         (:class:`~lightning_baoc.optim.pools.DeferredFlags`), so the host reads nothing to launch it.
         The Triton kernels and torch's fused AdamW do; the eager formats' steps, a sharded parameter
         (decided across ranks) and ``skip_nonfinite=False`` (nothing to decide) do not."""
         route = self._device_route(p, hyper, kernels_on)
         if route == "fused":  # the kernel derives both bias corrections from one count
-            rec = self._records[p]
-            step, m_step = rec.step, rec.m_step  # the first read settles a pending skip
+            rec = self.records[p]
+            step, m_step = rec.step, rec.m_step  # the first read applies an unread device skip
             return step == m_step and step < MAX_FUSED_STEP
         return route is not None
 
     def _device_route(self, p: Tensor, hyper: StepHyper, kernels_on: dict[torch.device, bool]) -> str | None:
         """Which kernel serves ``p``'s step on its device, deciding its skip there: ``"fused"`` (torch's
-        fused AdamW, fp32: where its counts allow, :meth:`_decided_on_device`), ``"triton"``, or ``None``
+        fused AdamW, fp32: where its counts allow, :meth:`decided_on_device`), ``"triton"``, or ``None``
         (the host decides)."""
-        rec = self._records[p]
-        kinds = self.format_registry[rec.format].kernel_kinds
+        rec = self.records[p]
+        kinds = self.registry[rec.format].kernel_kinds
         if not self.skip_nonfinite or kinds is None or hyper.rule != "adamw" or is_sharded(p):
             return None
         grad, device = p.grad, p.device
@@ -202,7 +253,7 @@ class StepMixin:
         # what the kernel serves follows from the tensors' kinds: decided once for them, not every step
         key = (rec.format, id(rec.views), id(rec.master_correction), device, dtype, grad.dtype, grad.device,
                p.is_contiguous(), grad.is_contiguous(), hyper.decoupled_weight_decay)
-        known = self._serving.get(("device", rec.name))
+        known = self.serving.get(("device", rec.name))
         if known is None or known[0] != key:
             if fused:  # the fused kernel's own test: offload's host states take the host's decision
                 serves = (rec.master_correction is None
@@ -212,7 +263,7 @@ class StepMixin:
                 from lightning_baoc.kernels import triton_step
 
                 serves = triton_step.serves(kinds, p, grad, rec.views, rec.master_correction)
-            known = self._serving[("device", rec.name)] = (key, serves)
+            known = self.serving[("device", rec.name)] = (key, serves)
         if not known[1]:
             return None
         return "fused" if fused else "triton"
@@ -232,7 +283,7 @@ class StepMixin:
             # x * 0 is 0 for finite x and NaN for inf and NaN: 1 where the gradient was not finite
             skip = torch.stack(max_abs).mul_(0.0).nan_to_num_(nan=1.0)
             deferred = DeferredFlags(skip, len(members))
-            self._deferred.append(deferred)
+            self.unread.append(deferred)
             for i, p in enumerate(members):
                 out[id(p)] = (deferred, i, skip)
         return out
@@ -244,16 +295,16 @@ class StepMixin:
         sharded = [p for p in params if is_sharded(p) and p.grad is not None]
         if not self.skip_nonfinite or not sharded:
             return set()
-        ok = torch.tensor(self._finite_mask(sharded), dtype=torch.int32, device=local(sharded[0].grad).device)
+        ok = torch.tensor(self.finite_mask(sharded), dtype=torch.int32, device=local(sharded[0].grad).device)
         mesh_min(ok, sharded)
         skipped = {p for p, good in zip(sharded, ok.tolist()) if not good}
         for p in skipped:
-            self._records[p].nonfinite += 1
+            self.records[p].nonfinite += 1
         if skipped:
-            self._warn_skipped([self._records[p] for p in sharded if p in skipped])
+            self.warn_skipped([self.records[p] for p in sharded if p in skipped])
         return skipped
 
-    def _finite_mask(self, params: list[Tensor]) -> list[bool]:
+    def finite_mask(self, params: list[Tensor]) -> list[bool]:
         """Whether each parameter's gradient holds only finite values (one host sync per device).
 
         Tests finiteness, not a norm: a finite 2-norm (accumulated in fp32) proves every element
@@ -283,18 +334,11 @@ class StepMixin:
                 mask[i] = ok
         return mask
 
-    def _salt(self, rec: Record) -> int:
-        """The hash of ``rec``'s name in its rounding keys (computed once per name)."""
-        salt = self._salts.get(rec.name)
-        if salt is None:
-            salt = self._salts[rec.name] = name_salt(rec.name)
-        return salt
-
-    def _warn_skipped(self, records: list[Record]) -> None:
+    def warn_skipped(self, records: list[Record]) -> None:
         """Warn once per parameter (per process) whose update was skipped for a non-finite gradient."""
         for rec in records:
-            if rec.name not in self._warned:
-                self._warned.add(rec.name)
+            if rec.name not in self.warned:
+                self.warned.add(rec.name)
                 warnings.warn(
                     f"{self.label}: non-finite gradient for {rec.name!r}; its update is "
                     f"skipped (state and value kept). Counted in nonfinite_counts.",
@@ -346,7 +390,7 @@ class StepMixin:
         flags: Mapping[int, tuple[DeferredFlags, int, Tensor]] | None = None,
     ) -> None:
         """The step of ``params`` but those the compiled CPU kernels serve: the eager step (the
-        reference) of those whose gradients' finiteness the host has read (:meth:`_finite_mask`, one
+        reference) of those whose gradients' finiteness the host has read (:meth:`finite_mask`, one
         synchronisation per device and step), the device kernels' of those it decides (``flags``:
         :meth:`_device_flags`, by the parameters' ids; their counts advance now and a skip is taken back
         when next read)."""
@@ -360,12 +404,12 @@ class StepMixin:
         skipped: list[Record] = []
         records: dict[int, Record] = {}  # id of a local part -> its parameter's record
         for p, ok in zip(params, finite):
-            rec = self._records[p]
+            rec = self.records[p]
             if not ok:
                 rec.nonfinite += 1
                 skipped.append(rec)
                 continue
-            fmt = self.format_registry[rec.format]
+            fmt = self.registry[rec.format]
             step, m_step = rec.advance(fmt.has_momentum)
             bc1 = powers.get((beta1, m_step))
             if bc1 is None:
@@ -374,22 +418,22 @@ class StepMixin:
             if bc2 is None:
                 bc2 = powers[(beta2, step)] = 1.0 - beta2**step
             count = step if m_step == step else None  # one count for both corrections
-            mine = local(p)
-            records[id(mine)] = rec
-            item = StepItem(mine, local(p.grad), rec.views, bc1, bc2, count, self._noise_key(rec, step=step), m_step)
+            local_part = local(p)
+            records[id(local_part)] = rec
+            item = StepItem(local_part, local(p.grad), rec.views, bc1, bc2, count, self.noise_key(rec, step=step), m_step)
             if fmt.factored:
                 item.shards = rec.row_shards
             flag = flags.get(id(p))
-            if flag is not None:  # after every read of the counts: a read settles (it waits for the flags)
+            if flag is not None:  # after every read of the counts: a read applies the skip (it waits for the flags)
                 deferred, index, skip = flag
-                item.skip_flag, any_skip[mine.device] = skip[index : index + 1], skip
+                item.skip_flag, any_skip[local_part.device] = skip[index : index + 1], skip
                 deferred.records[index] = (rec, fmt.has_momentum)
-                rec.pending = (deferred, index)
-            buckets[(rec.format, mine.device)].append(item)
+                rec.unread_skip = (deferred, index)
+            buckets[(rec.format, local_part.device)].append(item)
         if skipped:
-            self._warn_skipped(skipped)
+            self.warn_skipped(skipped)
         for (fmt, device), items in buckets.items():
-            state_format = self.format_registry[fmt]
+            state_format = self.registry[fmt]
             corrections = [records[id(it.param)].master_correction for it in items]
             items, corrections = self._triton_update(state_format, items, corrections, hyper, any_skip.get(device))
             plain = [it for it, c in zip(items, corrections) if c is None]

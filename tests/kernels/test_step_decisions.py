@@ -128,7 +128,7 @@ def test_the_cuda_step_does_not_synchronise(fmt: str) -> None:
         finally:
             torch.cuda.set_sync_debug_mode(0)
         # nothing waited for this step's flags either (an event wait escapes the sync-debug mode)
-        assert all(rec.pending is not None for rec in opt._records.values())  # noqa: SLF001
+        assert all(rec.unread_skip is not None for rec in opt._records.values())  # noqa: SLF001
     assert opt.nonfinite_counts == {"0.weight": 1}
 
 

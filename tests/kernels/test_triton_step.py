@@ -302,8 +302,8 @@ def test_a_non_finite_gradient_is_skipped_on_the_device(fmt: str, triton_on_cpu:
     step, and its counts, the skip counted and the warning (at the next step, or when a count is
     read) come out as the eager step's, which reads the flags on the host."""
     host_reads: list[int] = []
-    real_mask = stepping.StepMixin._finite_mask
-    monkeypatch.setattr(stepping.StepMixin, "_finite_mask", lambda self, params: (host_reads.append(len(params)), real_mask(self, params))[1])
+    real_mask = stepping.StepDispatcher.finite_mask
+    monkeypatch.setattr(stepping.StepDispatcher, "finite_mask", lambda self, params: (host_reads.append(len(params)), real_mask(self, params))[1])
 
     def run(policy: str) -> tuple[list[torch.Tensor], dict[str, int], list[int], int]:
         gen = torch.Generator().manual_seed(0)
@@ -317,7 +317,7 @@ def test_a_non_finite_gradient_is_skipped_on_the_device(fmt: str, triton_on_cpu:
                 if i in (1, 2):
                     params[0].grad[3, 5] = float("nan") if i == 1 else float("inf")
                 opt.step()
-            counts = opt.nonfinite_counts  # a read settles the last step
+            counts = opt.nonfinite_counts  # a read applies the last step's device skips
         recs = [opt._records[p] for p in params]  # noqa: SLF001 - the counts themselves
         state = [t.clone() for p in params for t in [p.detach(), *(v for _, v in sorted(opt._records[p].views.items()))]]
         return state, counts, [r.step for r in recs] + [r.m_step for r in recs], sum(host_reads)
@@ -348,9 +348,9 @@ def test_offloaded_states_take_the_hosts_decision(triton_on_cpu: list[int]) -> N
     p.grad = torch.randn(40, 40, generator=gen)
     opt.step()
     rec: Record = opt._records[p]  # noqa: SLF001 - the step's decision itself
-    assert opt._decided_on_device(p, opt._hyper(opt.param_groups[0]), {})  # noqa: SLF001
+    assert opt._stepper.decided_on_device(p, opt._hyper(opt.param_groups[0]), {})  # noqa: SLF001
     rec.views = {k: v.to("meta") for k, v in rec.views.items()}  # states on another device than the parameter
-    assert not opt._decided_on_device(p, opt._hyper(opt.param_groups[0]), {})  # noqa: SLF001
+    assert not opt._stepper.decided_on_device(p, opt._hyper(opt.param_groups[0]), {})  # noqa: SLF001
 
 
 def test_without_triton_the_policy_is_checked_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -372,8 +372,8 @@ def test_without_triton_the_policy_is_checked_at_construction(monkeypatch: pytes
     assert opt._records[p].step == 1  # noqa: SLF001
 
 
-def test_a_copy_after_a_step_decided_on_the_device_has_its_counts_settled(triton_on_cpu: list[int]) -> None:
-    """A deep copy or pickle right after a skipped step carries the settled counts, and no flags."""
+def test_a_copy_after_a_step_decided_on_the_device_has_its_skip_applied(triton_on_cpu: list[int]) -> None:
+    """A deep copy or pickle right after a skipped step carries the counts with the skip applied, and no flags."""
     import copy
     import pickle
 
@@ -383,13 +383,13 @@ def test_a_copy_after_a_step_decided_on_the_device_has_its_counts_settled(triton
     opt.step()
     p.grad[0, 0] = float("nan")
     opt.step()
-    assert opt._records[p].pending is not None  # noqa: SLF001 - decided on the device, not read yet
+    assert opt._records[p].unread_skip is not None  # noqa: SLF001 - decided on the device, not read yet
     with pytest.warns(RuntimeWarning, match="non-finite gradient for 'w'"):
         twin = copy.deepcopy(opt)
     for other in (twin, pickle.loads(pickle.dumps(opt))):
         assert other.nonfinite_counts == {"w": 1}
         rec = next(iter(other._records.values()))  # noqa: SLF001
-        assert rec.pending is None and rec.step == 1
+        assert rec.unread_skip is None and rec.step == 1
 
 
 _COMPILE = """

@@ -7,6 +7,9 @@
 - Options whose semantics BlockwiseAdamW does not implement are refused with a ``ValueError``
   naming them; performance hints are accepted and change nothing.
 - ``copy.deepcopy`` gives an independent, working optimizer; pickling round-trips in a fresh process.
+- The optimizers are built of parts they hold, not of stacked mixins: at most 3 project classes in
+  their MRO (an alias installed in place of a user's optimizer included); no part refers back to the
+  optimizer, so a dropped one frees its states at once.
 """
 
 from __future__ import annotations
@@ -86,6 +89,44 @@ def test_performance_hints_are_accepted_and_change_nothing(hints: dict[str, Any]
 def test_unimplemented_options_are_refused_by_name(option: str) -> None:
     with pytest.raises(ValueError, match=rf"{option}=True.*{option}=False"):
         BlockwiseAdamW([_param()], **{option: True})
+
+
+@pytest.mark.parametrize("name", ["BlockwiseAdamW", "BlockwiseSGD", "BlockwiseLion"])
+def test_the_optimizers_hold_parts_instead_of_stacking_mixins(name: str) -> None:
+    import lightning_baoc
+    from lightning_baoc.optim import optimizer_alias
+
+    cls = getattr(lightning_baoc, name)
+    classes = [c for c in cls.__mro__ if c.__module__.startswith("lightning_baoc")]
+    assert len(classes) <= 3, classes
+    if name != "BlockwiseLion":
+        alias = optimizer_alias(name.removeprefix("Blockwise"), cls)
+        assert len([c for c in alias.__mro__ if c.__module__.startswith("lightning_baoc")]) <= 3
+    opt = cls([("w", _param())], lr=1e-3)
+    assert {type(getattr(opt, part)).__name__ for part in ("_pools", "_stepper", "_masters", "_release", "_codec")} == {
+        "StatePools", "StepDispatcher", "MasterWeights", "ReleaseHooks", "CheckpointCodec"}
+    assert opt._pools.records is opt._records is opt._stepper.records  # noqa: SLF001 - one records table
+
+
+def test_a_dropped_optimizer_frees_its_states_at_once() -> None:
+    """No part refers back to the optimizer: dropping it frees its pools without waiting for the cycle
+    collector (an optimizer replaced mid-run gives its device memory back at once)."""
+    import gc
+    import weakref
+
+    model = nn.Linear(64, 64)
+    opt = BlockwiseAdamW(model.named_parameters(), state_format="int8", min_8bit_numel=0)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    opt.release_gradients()
+    opt.release_gradients(False)
+    alive = weakref.ref(opt), weakref.ref(opt.state_tensors()[0])
+    gc.disable()
+    try:
+        del opt
+        assert alive[0]() is None and alive[1]() is None
+    finally:
+        gc.enable()
 
 
 # ---------------------------------------------------------------------------- torch's own inputs

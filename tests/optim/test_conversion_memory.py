@@ -82,7 +82,7 @@ def test_conversion_transient_is_at_most_the_largest_old_state(start: str) -> No
     assert 0 < transient <= largest_old
     # the optimizer's own high-water mark: at least the steady states, at most what the allocator saw
     assert max(before, after) < opt.peak_state_bytes <= before + peak
-    assert opt._live_bytes == after
+    assert opt._pools.live_bytes == after
 
 
 def test_the_allocator_measure_sees_a_copy_of_every_state() -> None:

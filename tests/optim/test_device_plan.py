@@ -36,9 +36,9 @@ def builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     built: list[int] = []
     real = device_plan.DevicePlan.__init__
 
-    def counted(self, opt, params, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def counted(self, params, *args, **kwargs):  # type: ignore[no-untyped-def]
         built.append(len(params))
-        real(self, opt, params, *args, **kwargs)
+        real(self, params, *args, **kwargs)
 
     monkeypatch.setattr(device_plan.DevicePlan, "__init__", counted)
     return built
@@ -59,7 +59,7 @@ def _run(planned: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Ten
     the host decides it), step 6 with ``b`` and ``f`` without gradients."""
     with monkeypatch.context() as patch:
         if not planned:
-            patch.setattr(stepping.StepMixin, "_planned", lambda self, index, hyper, params, on: ([], params))
+            patch.setattr(stepping.StepDispatcher, "_planned", lambda self, index, hyper, params, on: ([], params))
         named = _model()
         params = dict(named)
         opt = BlockwiseAdamW(named, lr=1e-2, state_format="int8", min_8bit_numel=0, weight_correction="ecc8")
@@ -75,7 +75,7 @@ def _run(planned: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Ten
             if step == 3:
                 params["a"].grad[3, 7] = float("nan")
                 params["d"].grad[1] = float("inf")
-            with pytest.warns(RuntimeWarning) if step == 4 else _nothing():  # the skips settle at the next step
+            with pytest.warns(RuntimeWarning) if step == 4 else _nothing():  # the device skips are applied at the next step
                 opt.step()
         out = []
         for _, p in named:
@@ -117,10 +117,10 @@ def test_a_conversion_drops_the_plans_and_frees_the_old_state(builds: list[int])
         t.grad = torch.randn(64, 64)
     opt.step()
     opt.step()
-    assert builds == [2] and len(opt._plans) == 1  # noqa: SLF001 - built once, kept
+    assert builds == [2] and len(opt._stepper.plans) == 1  # noqa: SLF001 - built once, kept
     old = weakref.ref(opt._records[p].views["exp_avg"])  # noqa: SLF001 - the state the plan holds
     opt.set_formats({"p": "int8"})
-    assert opt._plans == {}  # noqa: SLF001
+    assert opt._stepper.plans == {}  # noqa: SLF001
     gc.collect()
     assert old() is None  # nothing holds the old fp32 state
     opt.step()
@@ -133,7 +133,7 @@ def test_a_plan_whose_tensors_changed_is_built_again(builds: list[int], monkeypa
     def run(planned: bool) -> list[torch.Tensor]:
         with monkeypatch.context() as patch:
             if not planned:
-                patch.setattr(stepping.StepMixin, "_planned", lambda self, index, hyper, params, on: ([], params))
+                patch.setattr(stepping.StepDispatcher, "_planned", lambda self, index, hyper, params, on: ([], params))
             gen = torch.Generator().manual_seed(0)
             p, q = (nn.Parameter(torch.randn(40, 40, generator=gen)) for _ in range(2))
             opt = BlockwiseAdamW([("p", p), ("q", q)], state_format="bf16", min_8bit_numel=0)
@@ -166,7 +166,7 @@ def test_the_plans_advance_rows_of_one_counts_array(builds: list[int]) -> None:
             p.grad = None if step % 2 and name == "c" else torch.randn(32, 32, generator=gen)
         opt.step()
     assert builds == [3, 2]  # one plan per subset, each kept
-    array = opt._count_store.array  # noqa: SLF001 - the store itself
+    array = opt._stepper.count_store.array  # noqa: SLF001 - the store itself
     records = opt._records.values()  # noqa: SLF001
     assert all(np.shares_memory(rec.counts.numpy(), array) for rec in records)
     assert {rec.name: (rec.step, rec.m_step) for rec in records} == {"a": (6, 6), "b": (6, 6), "c": (3, 3)}

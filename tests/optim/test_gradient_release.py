@@ -8,6 +8,11 @@
 - Under Lightning, ``GradientRelease`` trains like the same run without release (bf16-true, a
   correction) and refuses accumulation and clipping at setup, naming the setting (BAOC with release:
   ``tests/integrations/test_callback_release.py``).
+- The part alone (:class:`~lightning_baoc.optim.gradient_release.ReleaseHooks`, over a records table
+  and a ``step_one`` made here): each parameter that requires a gradient is handed to ``step_one`` once
+  per window, observers first, in order, and its gradient freed; a second gradient in one window is
+  refused; disabled, it holds no hook and no ``step_one`` (sharded parameters refused:
+  ``tests/optim/test_sharding.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import torch
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW, GradientRelease
-from lightning_baoc.optim.gradient_release import GradientAccumulationError
+from lightning_baoc.optim.gradient_release import GradientAccumulationError, ReleaseHooks
+from lightning_baoc.optim.pools import Record
 
 CASES = [("int8", torch.float32, "none"), ("fp32", torch.float32, "none"), ("int8_factored", torch.float32, "none"),
          ("bf16", torch.bfloat16, "ecc8"), ("int8", torch.bfloat16, "ecc16")]
@@ -154,3 +160,37 @@ def test_copies_release_on_their_own_parameters() -> None:
         opt2.release_gradients(False)
     model(torch.randn(4, 64).to(torch.bfloat16)).float().square().mean().backward()
     assert all(p.grad is None for p in model.parameters()) and opt.step_count("0.weight") == 2
+
+
+# ---------------------------------------------------------------------------- the part alone
+
+
+def _part() -> tuple[nn.Linear, ReleaseHooks, list[str]]:
+    layer = nn.Linear(4, 3)
+    layer.bias.requires_grad_(False)
+    records = {p: Record(name=name, group=0) for name, p in layer.named_parameters()}
+    return layer, ReleaseHooks(records), []
+
+
+def test_the_part_hands_each_gradient_to_step_one_once_per_window() -> None:
+    layer, release, seen = _part()
+    release.add_observer(lambda p: seen.append(f"first {p.grad is not None}"))
+    handle = release.add_observer(lambda p: seen.append("second"))
+    release.enable(layer.parameters(), lambda p: seen.append(f"step {p.grad.shape[0]}"))
+    assert release.enabled and len(release.handles) == 1  # the bias requires no gradient: no hook
+    layer(torch.randn(2, 4)).sum().backward()
+    assert seen == ["first True", "second", "step 3"] and layer.weight.grad is None
+    assert release.released == {layer.weight}
+    with pytest.raises(GradientAccumulationError, match="'weight' received a second gradient before step"):
+        layer(torch.randn(2, 4)).sum().backward()
+    release.new_window()
+    handle.remove()
+    layer.weight.grad = None
+    layer(torch.randn(2, 4)).sum().backward()
+    assert seen[-2:] == ["first True", "step 3"]
+    release.disable()
+    assert not release.enabled and release.handles == [] and release._step_one is None  # noqa: SLF001
+    layer(torch.randn(2, 4)).sum().backward()
+    assert layer.weight.grad is not None  # no hook: the gradient stays
+    with pytest.raises(TypeError, match="observer must be callable"):
+        release.add_observer(3)  # type: ignore[arg-type]

@@ -252,13 +252,13 @@ def _nonfinite_is_skipped_on_every_rank(mesh, rank: int) -> None:  # type: ignor
 
     reads: list[int] = []
     checks: list[bool] = []
-    real_mask, real_compiled = opt._finite_mask, stepping.compiled_step
-    opt._finite_mask = lambda params: (reads.append(len(params)), real_mask(params))[1]  # type: ignore[method-assign]
+    real_mask, real_compiled = opt._stepper.finite_mask, stepping.compiled_step
+    opt._stepper.finite_mask = lambda params: (reads.append(len(params)), real_mask(params))[1]  # type: ignore[method-assign]
     stepping.compiled_step = lambda *args: (checks.append(args[-1]), real_compiled(*args))[1]
     try:
         _train(model, opt, 1, rank)
     finally:
-        del opt._finite_mask
+        del opt._stepper.finite_mask
         stepping.compiled_step = real_compiled
     assert sum(reads) == len(list(model.parameters())) and not any(checks)
 

@@ -231,7 +231,7 @@ def test_the_kernels_split_equals_the_reference_on_every_weight(dtype: torch.dty
         p = nn.Parameter(w.clone())
         opt = BlockwiseAdamW([("w", p)], lr=lr, weight_decay=0.0, state_format="nomomentum",
                              weight_correction=correction, kernels=policy)
-        opt._sync_corrections()  # noqa: SLF001 - hold the correction before the first step
+        opt._masters.sync(opt.param_groups)  # noqa: SLF001 - hold the correction before the first step
         opt._records[p].master_correction.copy_(c)  # noqa: SLF001
         p.grad = torch.ones_like(p)
         opt.step()
