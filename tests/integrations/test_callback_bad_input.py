@@ -178,7 +178,7 @@ def test_lightning_cli_configures_the_callback(tmp_path: Path) -> None:
     [
         ({"memory_budget": 2.0}, r"memory_budget"),
         ({"memory_budget": 0.3, "warmup_steps": 3}, r"warmup_steps=3"),
-        ({"memory_budget": 0.3, "formats": ["int4"]}, r"allowed"),
+        ({"memory_budget": 0.3, "formats": ["int4"]}, r"did you mean 'int8'.*AdamW's formats: \['fp32'.*SGD's and Lion's: \['fp32', 'bf16', 'int8', 'none'\]"),
         ({"memory_budget": 0.3, "monitor": 3}, r"monitor"),
     ],
 )
