@@ -143,8 +143,8 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
         opt = trainer.optimizers[0]
         ctl = baoc.controller
         out.update(
-            state_bytes=int(opt.state_bytes()), peak_state_bytes=int(ctl.peak_state_bytes),
-            budget_bytes=int(ctl.memory_budget_bytes()), baseline_state_bytes=int(ctl.baseline_state_bytes),
+            state_bytes=int(opt.state_bytes()), peak_state_bytes=int(ctl.peak_state_bytes()),
+            budget_bytes=int(ctl.memory_budget_bytes()), baseline_state_bytes=int(ctl.baseline_state_bytes()),
             allocations=[(h["step"], h["reason"]) for h in ctl.history],
             shadow_bytes=int(ctl.shadow.nbytes()) if ctl.shadow is not None else 0,
             sampler_bytes=int(ctl.sampler.buffer_bytes()) if ctl.sampler is not None else 0,

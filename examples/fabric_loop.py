@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     model2, optimizer2, scheduler2 = fabric2.setup(model2, optimizer2, scheduler=scheduler2)
     fabric2.load(ckpt, {"model": model2, "optimizer": optimizer2, "scheduler": scheduler2, "baoc": strategy2.controller})
     same = optimizer2.formats() == optimizer.formats() and optimizer2.state_bytes() == optimizer.state_bytes()
-    fp32 = strategy.controller.fp32_state_bytes
+    fp32 = strategy.controller.fp32_state_bytes()
     fabric.print(
         f"optimizer state {optimizer.state_bytes():,} of {fp32:,} fp32 bytes ({optimizer.state_bytes() / fp32:.3f}); "
         f"final val loss {val:.4f}; resumed in the same formats: {same}; reports in {out}"

@@ -33,7 +33,7 @@ framework's hooks into six calls:
    as primitives and tensors (loads under ``torch.load(weights_only=True)``).
 
 Budgets: a fractional memory budget is a fraction of the state the user's own
-``torch.optim.AdamW`` would hold (:attr:`~BAOCController.baseline_state_bytes`: two moments in
+``torch.optim.AdamW`` would hold (:meth:`~BAOCController.baseline_state_bytes`: two moments in
 each parameter's dtype), over every parameter trained, those added later included. The formats
 offered to the solver follow one rule, :func:`lightning_baoc.costs.calibration.withheld_formats`: the
 hardware mask, and ``offload`` only with a time budget.
@@ -216,7 +216,6 @@ class BAOCController:
         """The sampler's and the shadow's sizes within the instruments' allowance (``None`` before :meth:`install`)."""
         return self.instrumentation.sizes
 
-    @property
     def instrument_bytes(self) -> int:
         """Bytes the sampler's buffers and the shadow moments hold now (outside the state budget)."""
         return self.instrumentation.nbytes()
@@ -231,19 +230,17 @@ class BAOCController:
         """Block -> the option the warm-up started in (``None`` before :meth:`install`)."""
         return self.start.formats
 
-    @property
     def fp32_state_bytes(self) -> int:
         """The fp32 state bytes of the blocks: fp32 AdamW's 8 bytes per trainable element (SGD's and
         Lion's fp32 momentum: 4), the problem's ``fp32`` column."""
         return self.tables.fp32_bytes
 
-    @property
     def baseline_state_bytes(self) -> int:
         """The state the user's own ``torch.optim.AdamW`` (``SGD``, Lion) would hold on the blocks'
         parameters.
 
         torch's AdamW keeps its two moments in each parameter's dtype: 8 bytes per fp32 element
-        (:attr:`fp32_state_bytes`), 4 per bf16 or fp16 element; SGD and Lion one buffer (4, 2). A
+        (:meth:`fp32_state_bytes`), 4 per bf16 or fp16 element; SGD and Lion one buffer (4, 2). A
         fractional memory budget and the fraction saved refer to it.
         """
         return self.tables.baseline
@@ -255,17 +252,16 @@ class BAOCController:
             raise RuntimeError("BAOCController.problem: call install() first")
         return self.tables.problem
 
-    @property
     def peak_state_bytes(self) -> int:
         """The most optimizer state held on the training devices at any moment of the run (resumes
         included: the figure is checkpointed), conversion transients included."""
-        held = self.optimizer.peak_state_bytes if self.optimizer is not None else 0
+        held = self.optimizer.peak_state_bytes() if self.optimizer is not None else 0
         self._peak = max(self._peak, int(held))
         return self._peak
 
     def memory_budget_bytes(self) -> int:
-        """The memory budget in bytes (a fraction resolved against :attr:`baseline_state_bytes`)."""
-        return parse_memory_budget(self.config.memory_budget, self.baseline_state_bytes)
+        """The memory budget in bytes (a fraction resolved against :meth:`baseline_state_bytes`)."""
+        return parse_memory_budget(self.config.memory_budget, self.baseline_state_bytes())
 
     # ------------------------------------------------------------------ install
 
@@ -353,7 +349,7 @@ class BAOCController:
         log.info(
             f"BAOC: {self.blocks.size - before} parameter tensor(s) joined the optimizer after install; "
             f"{len(self.blocks.params)} blocks now, {RULE_NAMES[opt.rule]} state "
-            f"{format_bytes(self.baseline_state_bytes)}"
+            f"{format_bytes(self.baseline_state_bytes())}"
         )
         if self.phase == "allocated":
             self.pending = "params"
@@ -590,13 +586,13 @@ class BAOCController:
             block_bytes=self.options.held_bytes(opt),
             state_bytes_before=before,
             state_bytes=after,
-            fp32_state_bytes=self.fp32_state_bytes,
+            fp32_state_bytes=self.fp32_state_bytes(),
             memory_budget_bytes=int(decision["memory_budget_bytes"]),
             time_budget=decision["time_budget"],
             time=decision["time"],
-            baseline_state_bytes=self.baseline_state_bytes,
-            peak_state_bytes=self.peak_state_bytes,
-            instrument_bytes=self.instrument_bytes,
+            baseline_state_bytes=self.baseline_state_bytes(),
+            peak_state_bytes=self.peak_state_bytes(),
+            instrument_bytes=self.instrument_bytes(),
             training_memory=training_memory(self._module, opt).to_dict() if self._module is not None else None,
             optimizer=RULE_NAMES[opt.rule],
             correction_bytes=int(opt.weight_correction_bytes()) if self.options.paired else None,
@@ -637,7 +633,7 @@ class BAOCController:
             history=self.history,
             sampler=inst.sampler,
             shadow=inst.shadow,
-            peak_state_bytes=self.peak_state_bytes,
+            peak_state_bytes=self.peak_state_bytes(),
             rule=self.optimizer.rule if self.optimizer is not None else self.checkpoint.saved_rule(),
         )
 
@@ -711,7 +707,7 @@ class BAOCController:
             return f"BAOC: not installed (phase {self.phase})"
         return (
             f"BAOC: phase {self.phase}, {len(self.blocks.params)} blocks, optimizer state "
-            f"{format_bytes(self.optimizer.state_bytes())} of {format_bytes(self.baseline_state_bytes)} "
+            f"{format_bytes(self.optimizer.state_bytes())} of {format_bytes(self.baseline_state_bytes())} "
             f"{RULE_NAMES[self.optimizer.rule]} "
             f"(budget {format_bytes(self.memory_budget_bytes())})"
         )

@@ -371,7 +371,6 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         counts = [per_group.get(i, 0) for i in range(len(self.param_groups))]
         return counts if by_group else sum(counts)
 
-    @property
     def peak_state_bytes(self) -> int:
         """The most state bytes held on the training devices at any moment since construction or
         :meth:`reset_peak_state_bytes`, the transients of conversions and loads included.
@@ -382,7 +381,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         return self._pools.peak_bytes
 
     def reset_peak_state_bytes(self) -> None:
-        """Start :attr:`peak_state_bytes` again from the state held now."""
+        """Start :meth:`peak_state_bytes` again from the state held now."""
         self._pools.reset_peak()
 
     def state_tensors(self) -> list[Tensor]:

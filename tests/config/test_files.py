@@ -406,7 +406,7 @@ def test_max_block_risk_keeps_a_format_over_the_cap_off_that_block() -> None:
     # which a budget of 0.5 allows.
     capped = _allocate(memory_budget=0.5, max_block_risk=0.1)
     assert capped.allocation["2"] != "int8" and capped.allocation["0"] == "int8"
-    assert capped.optimizer.state_bytes() <= 0.5 * capped.fp32_state_bytes
+    assert capped.optimizer.state_bytes() <= 0.5 * capped.fp32_state_bytes()
 
 
 def test_max_block_risk_is_lifted_with_a_warning_when_the_budget_needs_it() -> None:
@@ -416,7 +416,7 @@ def test_max_block_risk_is_lifted_with_a_warning_when_the_budget_needs_it() -> N
     messages = [str(w.message) for w in caught if "max_block_risk" in str(w.message)]
     assert messages and "cap is lifted" in messages[0] and "under the cap it needs" in messages[0]
     assert ctl.allocation["2"] == "int8"  # the budget holds: memory is the hard limit
-    assert ctl.optimizer.state_bytes() <= 0.3 * ctl.fp32_state_bytes
+    assert ctl.optimizer.state_bytes() <= 0.3 * ctl.fp32_state_bytes()
 
 
 def test_schema_file_is_json() -> None:

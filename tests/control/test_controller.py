@@ -115,7 +115,7 @@ def test_install_keeps_groups_hyperparameters_and_adamw_behaviour() -> None:
     assert [len(g["params"]) for g in opt.param_groups] == [3, 3]
     assert ctl.install(opt, model) is opt  # idempotent
     assert list(ctl.block_params) == ["0", "2", "4"]
-    assert ctl.fp32_state_bytes == 8 * sum(p.numel() for p in model.parameters())
+    assert ctl.fp32_state_bytes() == 8 * sum(p.numel() for p in model.parameters())
     for step in range(20):
         for m, o in ((model, opt), (twin, ref)):
             o.zero_grad()
@@ -176,11 +176,11 @@ def test_warmup_then_allocation_within_budget_then_sparse_sampling() -> None:
     model = _model()
     ctl = BAOCController(memory_budget=0.3, warmup_steps=20, sample_every=5)
     opt = ctl.install(_adamw(model), model)
-    budget = int(0.3 * ctl.fp32_state_bytes)
+    budget = int(0.3 * ctl.fp32_state_bytes())
     start = dict(ctl.start_allocation or {})
     assert set(start) == set(ctl.block_params) and set(start.values()) - {"fp32"}  # within the budget
     assert _train(ctl, model, opt, 0, 19) == []
-    assert ctl.phase == "warmup" and opt.state_bytes() <= budget and opt.peak_state_bytes <= budget
+    assert ctl.phase == "warmup" and opt.state_bytes() <= budget and opt.peak_state_bytes() <= budget
     warm = opt.state_bytes()
     (event,) = _train(ctl, model, opt, 19, 1)
     assert event.reason == "warmup" and event.step == 20 and ctl.phase == "allocated"
@@ -207,7 +207,7 @@ def test_infeasible_budget_fails_at_install_naming_the_smallest_feasible() -> No
     with pytest.raises(BudgetInfeasibleError, match="smallest feasible") as info:
         ctl.install(user, model)  # the start allocation cannot meet the budget
     err = info.value
-    assert err.min_memory is not None and err.min_memory > 0.01 * ctl.fp32_state_bytes
+    assert err.min_memory is not None and err.min_memory > 0.01 * ctl.fp32_state_bytes()
     assert "memory_budget=0.01" in str(err) and "No format was converted" in str(err)
     assert not user.state  # the user's optimizer is untouched
     ctl.close()
@@ -224,10 +224,10 @@ def test_budget_lowered_during_warmup_caps_the_next_step_or_is_refused() -> None
     assert info.value.min_memory is not None
     assert opt.formats() == held and ctl.config.memory_budget == 0.5 and ctl.phase == "warmup"
     ctl.set_budget(memory_budget=0.3)  # feasible: the start allocation follows at once
-    assert opt.state_bytes() <= 0.3 * ctl.fp32_state_bytes
+    assert opt.state_bytes() <= 0.3 * ctl.fp32_state_bytes()
     opt.reset_peak_state_bytes()
     (event,) = _train(ctl, model, opt, 10, 10)
-    assert event.reason == "warmup" and opt.peak_state_bytes <= int(0.3 * ctl.fp32_state_bytes) + _largest_state(opt)
+    assert event.reason == "warmup" and opt.peak_state_bytes() <= int(0.3 * ctl.fp32_state_bytes()) + _largest_state(opt)
     ctl.close()
 
 
@@ -238,7 +238,7 @@ def test_time_budget_priced_with_the_prior_step_costs() -> None:
     ctl.check_feasible()
     (event,) = _train(ctl, model, opt, 0, 12)
     assert event.time is not None and event.time_budget is not None and event.time <= event.time_budget
-    assert opt.state_bytes() <= 0.6 * ctl.fp32_state_bytes
+    assert opt.state_bytes() <= 0.6 * ctl.fp32_state_bytes()
     ctl.close()
 
 
@@ -315,18 +315,18 @@ def test_reevaluation_migrates_only_changed_blocks_and_inherits_their_state() ->
 def test_budget_change_forces_a_migration_even_without_risk_gain() -> None:
     risk = TableRisk(_prior_table(["0", "2", "4"]))
     ctl, model, opt = _allocated(risk, memory_budget=0.5)
-    assert opt.state_bytes() <= 0.5 * ctl.fp32_state_bytes
+    assert opt.state_bytes() <= 0.5 * ctl.fp32_state_bytes()
     held = opt.state_bytes()
     ctl.set_budget(memory_budget=0.2)
     assert ctl.pending == "budget"
     opt.reset_peak_state_bytes()
     (event,) = _train(ctl, model, opt, 12, 8)
     assert event.reason == "budget" and not event.kept and event.changed
-    assert opt.state_bytes() <= 0.2 * ctl.fp32_state_bytes and event.memory_budget_bytes == int(0.2 * ctl.fp32_state_bytes)
+    assert opt.state_bytes() <= 0.2 * ctl.fp32_state_bytes() and event.memory_budget_bytes == int(0.2 * ctl.fp32_state_bytes())
     # lowering the budget: the old state until the conversion, never more than it plus one parameter's
     largest = max(8 * p.numel() for p in model.parameters())
-    assert held <= opt.peak_state_bytes <= held + largest
-    assert held > 0.2 * ctl.fp32_state_bytes  # the old state was over the new budget until then
+    assert held <= opt.peak_state_bytes() <= held + largest
+    assert held > 0.2 * ctl.fp32_state_bytes()  # the old state was over the new budget until then
     ctl.close()
 
 
@@ -415,3 +415,18 @@ def test_the_controller_is_composed_of_parts_not_stacked_from_mixins() -> None:
     }
     assert {name: type(getattr(ctl, name)).__name__ for name in parts} == parts
     assert all(getattr(ctl, name).config is ctl.config for name in parts if name != "release_observer")  # one settings object
+
+
+def test_the_byte_counts_of_the_optimizer_and_the_controller_are_methods() -> None:
+    """One convention: a count an object computes is a method (``state_bytes()``, ``peak_state_bytes()``);
+    records (``AllocationEvent``, ``StatePhases``) hold their figures as fields."""
+    import inspect
+
+    from lightning_baoc import BlockwiseAdamW
+
+    counts = {BlockwiseAdamW: ("state_bytes", "host_state_bytes", "peak_state_bytes"),
+              BAOCController: ("fp32_state_bytes", "baseline_state_bytes", "peak_state_bytes", "instrument_bytes",
+                               "memory_budget_bytes")}
+    for cls, names in counts.items():
+        for name in names:
+            assert inspect.isfunction(inspect.getattr_static(cls, name)), f"{cls.__name__}.{name} is not a method"

@@ -87,7 +87,7 @@ def test_a_tight_budget_trades_corrections_against_states() -> None:
     events, _ = _run(ctl, opt, model, 0, 16, ctl.memory_budget_bytes())
     ctl.close()
     formats = events[0].formats
-    assert opt.state_bytes() + opt.weight_correction_bytes() <= 0.4 * ctl.baseline_state_bytes
+    assert opt.state_bytes() + opt.weight_correction_bytes() <= 0.4 * ctl.baseline_state_bytes()
     assert len(set(formats.values())) > 1 or any("+ecc" in o for o in formats.values())
 
 

@@ -93,8 +93,8 @@ def test_param_group_added_after_allocation_is_allocated_at_once_within_the_budg
     events = _train(ctl, model, opt, WARMUP, 6, within_budget)
     assert [e.reason for e in events] == ["params"] and events[0].step == WARMUP
     assert set(ctl.block_params) == {"0", "2", "4"} and ctl.block_params["0"] == ["0.weight", "0.bias"]
-    assert ctl.fp32_state_bytes == 8 * sum(p.numel() for p in model.parameters())
-    assert events[0].memory_budget_bytes == int(0.3 * ctl.fp32_state_bytes)
+    assert ctl.fp32_state_bytes() == 8 * sum(p.numel() for p in model.parameters())
+    assert events[0].memory_budget_bytes == int(0.3 * ctl.fp32_state_bytes())
     assert len(checked) == 6 and all(opt.step_count(n) == 6 for n in ctl.block_params["0"])
     # the new block had no state to score: its risks are the planner's prior
     shapes = {b: [tuple(p.shape) for p in model[int(b)].parameters()] for b in ctl.block_params}
@@ -189,7 +189,7 @@ def test_controller_on_an_accelerator_withholds_offload_without_a_time_budget(cu
     assert ctl.tables.withheld == {"offload": OFFLOAD_NEEDS_TIME_BUDGET} and "offload" not in ctl.tables.offered
     (event,) = _train(ctl, model, opt, 0, WARMUP)
     assert "offload" not in event.formats.values() and "offload" not in opt.formats().values()
-    assert opt.state_bytes() <= 0.3 * ctl.fp32_state_bytes
+    assert opt.state_bytes() <= 0.3 * ctl.fp32_state_bytes()
     ctl.close()
 
 
@@ -253,7 +253,7 @@ def test_blocks_match_parameters_by_identity_not_by_the_optimizers_names(form: s
     opt = ctl.install(opt, holder)
     assert list(ctl.block_params) == ["net.0", "net.2", "net.4"]
     (event,) = _train(ctl, holder.net, opt, 0, WARMUP)
-    assert opt.state_bytes() <= 0.3 * ctl.fp32_state_bytes and event.reason == "warmup"
+    assert opt.state_bytes() <= 0.3 * ctl.fp32_state_bytes() and event.reason == "warmup"
     assert event.block_params["net.0"] == ["net.0.weight", "net.0.bias"]  # reported in the model's names
     ctl.close()
 
@@ -276,7 +276,7 @@ def test_bf16_parameters_warm_up_in_no_more_than_adamw_and_budget_is_against_it(
     assert adamw_bytes == 4 * sum(p.numel() for p in model.parameters())
     ctl = BAOCController(memory_budget=0.5, warmup_steps=WARMUP, sample_every=EVERY)
     opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=2e-3), model)
-    assert ctl.baseline_state_bytes == adamw_bytes and ctl.fp32_state_bytes == 2 * adamw_bytes
+    assert ctl.baseline_state_bytes() == adamw_bytes and ctl.fp32_state_bytes() == 2 * adamw_bytes
     warmup: list[int] = []
     events = _train(ctl, model, opt, 0, WARMUP - 1, lambda step: warmup.append(opt.state_bytes()))
     assert events == [] and len(warmup) == WARMUP - 1 and max(warmup) <= adamw_bytes
@@ -331,7 +331,7 @@ def test_resume_with_a_format_dropped_from_the_menu_reallocates_before_the_first
     events = _train(ctl, model, opt, WARMUP, 2)
     assert [e.reason for e in events] == ["settings"] and events[0].step == WARMUP
     assert seen and all(s <= set(menu) for s in seen) and set(ctl.allocation.values()) <= set(menu)
-    assert opt.state_bytes() <= 0.3 * ctl.fp32_state_bytes
+    assert opt.state_bytes() <= 0.3 * ctl.fp32_state_bytes()
     ctl.close()
 
 
@@ -368,7 +368,7 @@ def test_resume_with_changed_allocation_settings_reevaluates_at_once(change: dic
     (event,) = _train(ctl, model, opt, WARMUP, 1)
     assert event.reason == "settings" and event.step == WARMUP
     budget = change.get("memory_budget", 0.3)
-    assert opt.state_bytes() <= budget * ctl.fp32_state_bytes
+    assert opt.state_bytes() <= budget * ctl.fp32_state_bytes()
     if "granularity" in change:
         assert set(event.formats) == {n for n, _ in model.named_parameters()}
     ctl.close()
@@ -382,8 +382,8 @@ def test_frozen_parameter_given_state_by_the_checkpoint_stays_counted_in_the_bud
     assert "0" not in ctl.block_params and opt.step_count("0.weight") == WARMUP  # state loaded after install
     (event,) = _train(ctl, model, opt, WARMUP, 1)
     assert event.reason == "params" and "0" in ctl.block_params
-    assert ctl.fp32_state_bytes == 8 * sum(p.numel() for p in model.parameters())
-    assert opt.state_bytes() <= 0.3 * ctl.fp32_state_bytes
+    assert ctl.fp32_state_bytes() == 8 * sum(p.numel() for p in model.parameters())
+    assert opt.state_bytes() <= 0.3 * ctl.fp32_state_bytes()
     ctl.close()
 
 

@@ -55,7 +55,7 @@ def test_allocation_meets_the_budget_of_the_users_optimizer(rule: str) -> None:
     else:
         assert opt is user
     # one fp32 buffer per element: the user's own SGD / Lion state
-    assert ctl.baseline_state_bytes == ctl.fp32_state_bytes == 4 * _numel(model)
+    assert ctl.baseline_state_bytes() == ctl.fp32_state_bytes() == 4 * _numel(model)
     assert ctl.problem.allowed == list(MOMENTUM_FORMATS)
     assert opt.state_bytes() == 0 and set(ctl.start_allocation.values()) <= set(MOMENTUM_FORMATS)
     events = _train(ctl, opt, model, 16)
@@ -80,12 +80,12 @@ def test_groups_without_momentum_hold_nothing_and_stay_out_of_the_blocks() -> No
     ctl = BAOCController(BAOCConfig(memory_budget=0.5, warmup_steps=8, sample_every=2))
     opt = ctl.install(user, model)
     assert "4" not in ctl.block_params and set(ctl.block_params) == {"0", "2"}
-    assert ctl.baseline_state_bytes == 4 * sum(p.numel() for p in rest)
+    assert ctl.baseline_state_bytes() == 4 * sum(p.numel() for p in rest)
     events = _train(ctl, opt, model, 12)
     ctl.close()
     assert [e.reason for e in events] == ["warmup"]  # no growth loop from the momentum-free group
     assert {opt.formats()[opt.param_name(p)] for p in last} == {"none"}
-    assert opt.state_bytes() <= 0.5 * ctl.baseline_state_bytes
+    assert opt.state_bytes() <= 0.5 * ctl.baseline_state_bytes()
 
 
 def test_sgd_without_momentum_is_refused_and_foreign_formats_are_named() -> None:
@@ -122,7 +122,7 @@ def test_time_budget_prices_the_momentum_formats() -> None:
     events = _train(ctl, opt, model, 10)
     ctl.close()
     assert events[0].time is not None and events[0].time <= 1.2 * ctl.problem.fp32_time * (1 + 1e-9)
-    assert opt.state_bytes() <= 0.3 * ctl.baseline_state_bytes
+    assert opt.state_bytes() <= 0.3 * ctl.baseline_state_bytes()
 
 
 def test_resume_refuses_another_optimizers_allocation_and_sgd_aliases_pickle() -> None:

@@ -56,11 +56,11 @@ def test_warmup_state_is_within_the_budget_at_every_step(budget: float) -> None:
     model = _model()
     ctl = BAOCController(memory_budget=budget, warmup_steps=12, sample_every=4)
     opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
-    cap = int(budget * ctl.baseline_state_bytes)
+    cap = int(budget * ctl.baseline_state_bytes())
     assert opt.state_bytes() == 0  # no state before the first step, in any format
     _, most = _run(ctl, model, opt, 0, 11)
-    assert ctl.phase == "warmup" and 0 < most <= cap and opt.peak_state_bytes <= cap
-    assert most < ctl.fp32_state_bytes  # what the warm-up held before: fp32 AdamW's state
+    assert ctl.phase == "warmup" and 0 < most <= cap and opt.peak_state_bytes() <= cap
+    assert most < ctl.fp32_state_bytes()  # what the warm-up held before: fp32 AdamW's state
     (event,), _ = _run(ctl, model, opt, 11, 1)
     largest = max(8 * p.numel() for p in model.parameters())
     assert event.state_bytes <= cap and event.peak_state_bytes <= cap + largest
@@ -89,7 +89,7 @@ def test_a_second_run_starts_from_the_first_runs_record(tmp_path: Path) -> None:
     expected = second.problem.solve(measured, 0.3, None).formats
     assert second.start_allocation == dict(expected) != prior_start  # the record's risks, not the prior
     _, most = _run(second, again, opt2, 0, 3)
-    assert most <= int(0.3 * second.baseline_state_bytes)
+    assert most <= int(0.3 * second.baseline_state_bytes())
     second.close()
 
 
@@ -138,7 +138,7 @@ def test_parameters_joining_during_warmup_start_within_the_budget() -> None:
     ctl.before_step(3)  # takes the new parameters in: the start allocation is solved again
     opt.step()
     assert set(ctl.start_allocation or {}) == set(ctl.block_params) and "4" in ctl.block_params
-    assert opt.state_bytes() <= int(0.3 * ctl.baseline_state_bytes)
+    assert opt.state_bytes() <= int(0.3 * ctl.baseline_state_bytes())
     ctl.close()
 
 
@@ -151,7 +151,7 @@ def test_the_allocation_after_a_capped_warmup_is_the_one_an_fp32_warmup_measures
     capped = BAOCController(memory_budget=budget, warmup_steps=12, sample_every=4)
     opt = capped.install(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
     (event,), most = _run(capped, model, opt, 0, 12)
-    assert most <= int(budget * capped.baseline_state_bytes)
+    assert most <= int(budget * capped.baseline_state_bytes())
     capped.close()
 
     twin = _model()
@@ -193,7 +193,7 @@ def test_a_resume_holds_the_budget_from_its_first_step() -> None:
     (event,), _ = _run(ctl, model, opt, 0, 8)
     _run(ctl, model, opt, 8, 4)
     saved_ctl, saved_opt, saved_model = ctl.state_dict(), opt.state_dict(), model.state_dict()
-    cap = int(0.3 * ctl.baseline_state_bytes)
+    cap = int(0.3 * ctl.baseline_state_bytes())
     ctl.close()
 
     again = _model(seed=1)
@@ -204,7 +204,7 @@ def test_a_resume_holds_the_budget_from_its_first_step() -> None:
     # the saved formats are asked for before any state exists: nothing is allocated yet
     assert opt2.state_bytes() == 0 and opt2.formats() == opt.formats()
     opt2.load_state_dict(saved_opt)
-    assert opt2.formats() == opt.formats() and opt2.peak_state_bytes == opt2.state_bytes() <= cap
+    assert opt2.formats() == opt.formats() and opt2.peak_state_bytes() == opt2.state_bytes() <= cap
     _, most = _run(resumed, again, opt2, 12, 4)
-    assert most <= cap and resumed.peak_state_bytes == max(event.peak_state_bytes, opt2.peak_state_bytes)
+    assert most <= cap and resumed.peak_state_bytes() == max(event.peak_state_bytes, opt2.peak_state_bytes())
     resumed.close()

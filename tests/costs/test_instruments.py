@@ -112,12 +112,12 @@ def test_controller_holds_its_instruments_within_the_allowance() -> None:
                 opt.step()
                 ctl.maybe_allocate(step + 1)
             event = ctl.last_event
-            assert event is not None and event.instrument_bytes == ctl.instrument_bytes > 0
-            assert build_record(event)["instrument_bytes"] == ctl.instrument_bytes
+            assert event is not None and event.instrument_bytes == ctl.instrument_bytes() > 0
+            assert build_record(event)["instrument_bytes"] == ctl.instrument_bytes()
             assert ctl.instruments.scaled is scaled
-            assert ctl.instrument_bytes <= ctl.instruments.allowance
+            assert ctl.instrument_bytes() <= ctl.instruments.allowance
             held = ctl.sampler.buffer_bytes() + ctl.shadow.nbytes()
-            assert held == ctl.instrument_bytes
+            assert held == ctl.instrument_bytes()
             if scaled:
                 assert ctl.instruments.allowance == INSTRUMENT_FLOOR and held > 0.85 * INSTRUMENT_FLOOR
                 assert ctl.sampler.statistics()["0"]["elements"] == ctl.instruments.max_elements < DEFAULT_MAX_ELEMENTS

@@ -86,7 +86,7 @@ def test_corrections_chosen_per_block_within_the_budget_and_resumed(tmp_path: Pa
     model, trainer, baoc = _fit(tmp_path, 1, chosen=True)
     opt = trainer.optimizers[0]
     baseline = 4 * sum(p.numel() for p in model.parameters())
-    assert baoc.controller.baseline_state_bytes == baseline
+    assert baoc.controller.baseline_state_bytes() == baseline
     assert all("+ecc" in o for o in baoc.allocation.values()) and len(opt.weight_corrections) == 6
     assert opt.state_bytes() + opt.weight_correction_bytes() <= 0.8 * baseline
     resumed, trainer2, baoc2 = _fit(tmp_path, 2, ckpt=str(tmp_path / "ckpt" / "last.ckpt"), chosen=True)

@@ -60,7 +60,7 @@ class RankDump(Callback):
             "formats": opt.formats(),
             "state_bytes": opt.state_bytes(),
             "history": baoc.controller.history,
-            "peak_state_bytes": baoc.controller.peak_state_bytes,
+            "peak_state_bytes": baoc.controller.peak_state_bytes(),
             "budget_bytes": baoc.controller.memory_budget_bytes(),
             "largest_state": max(8 * p.numel() for p in pl_module.parameters()),
             "losses": {f"{e}/{b}": v for (e, b), v in pl_module.losses.items()},

@@ -83,7 +83,7 @@ def test_backbone_unfrozen_after_the_allocation_stays_within_the_budget(tmp_path
     trainer.fit(model, loaders(n_train=N_TRAIN)[0])
     reasons = [(h["reason"], h["step"]) for h in baoc.controller.history]
     assert reasons[0] == ("warmup", WARMUP) and ("params", 15) in reasons
-    assert baoc.controller.fp32_state_bytes == 8 * sum(p.numel() for p in model.parameters())
+    assert baoc.controller.fp32_state_bytes() == 8 * sum(p.numel() for p in model.parameters())
     after = [(step, used, fp32) for step, used, fp32 in probe.after if step > WARMUP]
     assert max(step for step, _, _ in after) == 25 and any(step > 15 for step, _, _ in after)
     for step, used, fp32 in after:  # every step after the allocation, the unfreeze included
@@ -117,7 +117,7 @@ def test_resume_after_backbone_unfrozen_keeps_its_state_in_either_callback_order
     assert trainer.global_step == 35 and resumed.phase == "allocated"
     assert opt.step_count("backbone.0.weight") >= saved_steps["backbone.0.weight"]  # restored, not restarted
     assert set(opt.named_params) == set(saved_steps)
-    budget = 0.3 * resumed.controller.fp32_state_bytes
+    budget = 0.3 * resumed.controller.fp32_state_bytes()
     for step, used, _ in probe.after:
         assert used <= budget, (step, used, budget)
 
@@ -297,7 +297,7 @@ def _assert_allocated_within_budget(baoc: BAOC, trainer: L.Trainer) -> None:
     assert [h["reason"] for h in baoc.controller.history] == ["warmup"]
     # every module of the model is a block (the optimizer's names play no part)
     assert list(baoc.allocation) == list(partition(trainer.lightning_module))
-    assert trainer.optimizers[0].state_bytes() <= 0.3 * baoc.controller.fp32_state_bytes
+    assert trainer.optimizers[0].state_bytes() <= 0.3 * baoc.controller.fp32_state_bytes()
 
 
 @pytest.mark.parametrize("form", ["blockwise-positional", "adamw-named-submodule"])

@@ -128,7 +128,7 @@ def test_plateau_reevaluation_migrates_only_changed_blocks(tmp_path: Path) -> No
         assert _same(call["after"][n], ref.param_state(n)), n  # inherited = converted from the old state
         if n not in moved:
             assert _same(call["after"][n], call["before"][n]), n  # untouched
-    assert trainer.optimizers[0].state_bytes() <= 0.3 * baoc.controller.fp32_state_bytes
+    assert trainer.optimizers[0].state_bytes() <= 0.3 * baoc.controller.fp32_state_bytes()
 
 
 class ChangeBudget(Callback):
@@ -150,7 +150,7 @@ def test_budget_changed_mid_training(tmp_path: Path) -> None:
     trainer.fit(DigitsModule(schedule="none"), train)
     history = baoc.controller.history
     assert [h["reason"] for h in history] == ["warmup", "budget"]
-    fp32 = baoc.controller.fp32_state_bytes
+    fp32 = baoc.controller.fp32_state_bytes()
     assert history[0]["state_bytes"] <= 0.5 * fp32 and history[0]["memory_budget_bytes"] == int(0.5 * fp32)
     assert history[1]["memory_budget_bytes"] == int(0.15 * fp32)
     assert trainer.optimizers[0].state_bytes() == history[1]["state_bytes"] <= 0.15 * fp32
@@ -171,4 +171,4 @@ def test_budget_that_cannot_be_met_mid_training_raises_before_converting(tmp_pat
     # step 15; samples since the allocation at steps 12 and 16), before any other conversion
     assert [h["reason"] for h in baoc.controller.history] == ["warmup"] and trainer.global_step == 17
     formats_after_warmup = set(trainer.optimizers[0].formats().values())
-    assert formats_after_warmup <= {"fp32", "bf16"} and trainer.optimizers[0].state_bytes() > 0.2 * baoc.controller.fp32_state_bytes
+    assert formats_after_warmup <= {"fp32", "bf16"} and trainer.optimizers[0].state_bytes() > 0.2 * baoc.controller.fp32_state_bytes()

@@ -85,6 +85,6 @@ def test_fabric_baoc_chooses_corrections_per_block_within_the_budget() -> None:
     opt = ctl.optimizer
     assert ctl.phase == "allocated" and all("+ecc" in o for o in ctl.allocation.values())
     assert len(opt.weight_corrections) == 6 and ctl.last_event.correction_bytes == opt.weight_correction_bytes()
-    assert opt.state_bytes() + opt.weight_correction_bytes() <= 0.8 * ctl.baseline_state_bytes
-    assert ctl.baseline_state_bytes == 4 * sum(p.numel() for p in model.parameters())
+    assert opt.state_bytes() + opt.weight_correction_bytes() <= 0.8 * ctl.baseline_state_bytes()
+    assert ctl.baseline_state_bytes() == 4 * sum(p.numel() for p in model.parameters())
 

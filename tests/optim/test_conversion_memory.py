@@ -81,7 +81,7 @@ def test_conversion_transient_is_at_most_the_largest_old_state(start: str) -> No
     assert opt.formats() == targets and before != after  # the conversion really moved state
     assert 0 < transient <= largest_old
     # the optimizer's own high-water mark: at least the steady states, at most what the allocator saw
-    assert max(before, after) < opt.peak_state_bytes <= before + peak
+    assert max(before, after) < opt.peak_state_bytes() <= before + peak
     assert opt._pools.live_bytes == after
 
 

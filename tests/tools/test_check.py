@@ -222,7 +222,7 @@ def test_the_memory_line_reports_every_phase_and_the_warm_up_holds_the_budget() 
         p.grad = torch.randn_like(p)
     opt.step()
     fp32.step()
-    assert figures["warm-up"] == figures["start"] == opt.state_bytes() == opt.peak_state_bytes
+    assert figures["warm-up"] == figures["start"] == opt.state_bytes() == opt.peak_state_bytes()
     assert figures["warm-up"] <= budget == ctl.memory_budget_bytes()
     assert fp32.state_bytes() == 8 * numel == figures["fp32_bytes"] > budget  # the old warm-up exceeds it
     assert figures["conversion"] == figures["steady"] == figures["start"]  # nothing measured: nothing converts

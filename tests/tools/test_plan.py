@@ -249,7 +249,7 @@ def test_statistics_move_the_steady_allocation_and_a_real_conversion_stays_withi
     opt.reset_peak_state_bytes()
     opt.set_formats(steady, blocks)
     assert opt.state_bytes() == phases.steady_bytes
-    assert opt.peak_state_bytes <= phases.conversion_bytes
+    assert opt.peak_state_bytes() <= phases.conversion_bytes
 
     data = p.to_dict()["allocations"][0]["phases"]
     assert data["phases"]["conversion"]["state_bytes"] == phases.conversion_bytes
