@@ -13,7 +13,9 @@ from torch import Tensor
 
 from lightning_baoc import kernels
 from lightning_baoc.formats.base import (
+    FACTORED_SUMS,
     Canonical,
+    Parity,
     Shape,
     StateFormat,
     StepHyper,
@@ -33,6 +35,7 @@ class Factored(StateFormat):
     fallback = "nomomentum"
     summary = "no m, v factored into row + column (fp32)"
     kernel_kinds = (kernels.M_NONE, kernels.V_FACTORED)
+    parity = Parity(compiled=FACTORED_SUMS, triton=FACTORED_SUMS)
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         dims = factor_view(shape)  # a shard's rows keep the whole parameter's format (formats.base.factor_view)

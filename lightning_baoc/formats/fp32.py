@@ -7,7 +7,9 @@ from torch import Tensor
 
 from lightning_baoc import kernels
 from lightning_baoc.formats.base import (
+    FP32_ULPS,
     Canonical,
+    Parity,
     Shape,
     StateFormat,
     StepHyper,
@@ -31,6 +33,7 @@ class FP32(StateFormat):
     has_momentum = True
     summary = "m fp32, v fp32"
     kernel_kinds = (kernels.M_FP32, kernels.V_FP32)  # the compiled step's own AdamW (chunk_adamw's order)
+    parity = Parity(compiled=FP32_ULPS)
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         n = numel_of(shape)

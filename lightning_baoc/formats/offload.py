@@ -19,7 +19,9 @@ from torch import Tensor
 from lightning_baoc import kernels
 from lightning_baoc.formats.adam_math import element_batches
 from lightning_baoc.formats.base import (
+    FP32_ULPS,
     Canonical,
+    Parity,
     Shape,
     StateFormat,
     StepHyper,
@@ -40,6 +42,7 @@ class Offload(StateFormat):
     offloaded = True
     summary = "m fp32, v fp32, in host memory (updated on the CPU)"
     kernel_kinds = (kernels.M_FP32, kernels.V_FP32)  # the compiled step's own AdamW (chunk_adamw's order)
+    parity = Parity(compiled=FP32_ULPS)
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         n = numel_of(shape)

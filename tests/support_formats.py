@@ -1,0 +1,176 @@
+"""The one harness that steps a state format through a backend and holds two backends to each other.
+
+Backends of ``BlockwiseAdamW``'s step, on the CPU:
+
+- ``"reference"``: :func:`lightning_baoc.formats.reference.reference_step`, the readable decode ->
+  textbook fp32 AdamW -> encode, from the state the eager step made at the first step;
+- ``"eager"``: the formats' own ``update`` (``kernels="eager"``), which every other backend is held to;
+- ``"compiled"``: the compiled CPU kernels (``kernels="compiled"``);
+- ``"triton"``: the CUDA step's Triton kernels, run on CPU tensors by Triton's interpreter
+  (``TRITON_INTERPRET=1``, which ``tests/conftest.py`` sets where torch sees no GPU).
+
+:func:`run` returns what a step leaves (the parameters and every compact state tensor, in a fixed
+order); :func:`assert_agree` compares two runs with the bounds of the format's registry entry
+(:attr:`StateFormat.parity <lightning_baoc.formats.base.StateFormat.parity>`), so that no test copies a
+tolerance. ``tests/formats/test_backends.py`` runs every format through every backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Any, Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_baoc import FORMATS, BlockwiseAdamW, kernels
+from lightning_baoc.formats.base import Agreement
+from lightning_baoc.formats.quant import name_salt, stream_key
+from lightning_baoc.formats.reference import reference_step
+
+BACKENDS = ("reference", "compiled", "triton")  # each held to the eager step
+
+
+def unavailable(backend: str) -> str | None:
+    """Why ``backend`` cannot run here (``None``: it can)."""
+    if backend == "compiled" and not kernels.cpu_kernels().available:
+        return f"no compiled kernels: {kernels.cpu_kernels().detail}"
+    if backend == "triton":
+        if torch.cuda.is_available():
+            return "CUDA present: tests/integrations/test_cuda.py runs the Triton kernels on the GPU"
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return "TRITON_INTERPRET=1 is not set"
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "triton is not installed (the CUDA step's optional kernels)"
+    return None
+
+
+def skip_unless(backend: str) -> None:
+    """Skip the calling test where ``backend`` cannot run, saying why."""
+    why = unavailable(backend)
+    if why is not None:
+        pytest.skip(why)
+
+
+@contextlib.contextmanager
+def _triton_on_cpu() -> Iterator[None]:
+    """CPU parameters take the Triton step (not the compiled C++ one)."""
+    import lightning_baoc.optim.stepping as stepping
+
+    saved = kernels.TRITON_DEVICES, stepping.kernel_serves
+    kernels.TRITON_DEVICES, stepping.kernel_serves = {"cuda", "cpu"}, (lambda *args: False)
+    try:
+        yield
+    finally:
+        kernels.TRITON_DEVICES, stepping.kernel_serves = saved
+
+
+def _state(opt: BlockwiseAdamW, p: torch.Tensor) -> list[torch.Tensor]:
+    return [t.clone() for _, t in sorted(opt._records[p].views.items())]  # noqa: SLF001 - the compact state itself
+
+
+def run(fmt: str, backend: str, shapes: list[tuple[int, ...]], steps: int, **options: Any) -> list[torch.Tensor]:
+    """``steps`` steps of one parameter per shape in ``fmt`` through ``backend`` ("eager" too): each
+    parameter, then its compact state tensors (sorted by key), after the last step.
+
+    Seeded: every backend sees the same parameters and gradients (scaled up step by step; a square
+    gradient is non-contiguous). ``options``: ``BlockwiseAdamW``'s (``maximize``, ``weight_decay``,
+    ``weight_correction``...) and ``param_dtype`` (default fp32).
+    """
+    gen = torch.Generator().manual_seed(0)
+    dtype = options.pop("param_dtype", torch.float32)
+    options.setdefault("lr", 1e-2)
+    params = [nn.Parameter(torch.randn(shape, generator=gen).to(dtype)) for shape in shapes]
+    grads = [[torch.randn(shape, generator=gen) * (1.0 + 0.1 * i) for shape in shapes] for i in range(steps)]
+    policy = {"reference": "eager", "eager": "eager", "compiled": "compiled", "triton": "auto"}[backend]
+    opt = BlockwiseAdamW([(f"w{i}", p) for i, p in enumerate(params)], state_format=fmt, min_8bit_numel=0,
+                         kernels=policy, **options)
+    with _triton_on_cpu() if backend == "triton" else contextlib.nullcontext():
+        for i in range(1 if backend == "reference" else steps):  # the reference takes over after the first
+            for p, g in zip(params, grads[i]):
+                transpose = g.dim() == 2 and g.shape[0] == g.shape[1]
+                p.grad = (g.t().contiguous().t() if transpose else g).to(dtype)
+            opt.step()
+    if backend != "reference":
+        return [t for p in params for t in [p.detach().clone(), *_state(opt, p)]]
+    out = []
+    for index, p in enumerate(params):
+        record = opt._records[p]  # noqa: SLF001 - the reference steps the compact state itself
+        views = {k: v.clone() for k, v in record.views.items()}
+        q = p.detach().clone()
+        step, m_step = record.step, record.m_step
+        for i in range(1, steps):
+            step, m_step = step + 1, m_step + 1
+            hyper = dataclasses.replace(opt._hyper_for(p), noise_key=stream_key(opt.seed, step, name_salt(f"w{index}")))  # noqa: SLF001
+            reference_step(fmt, views, q, grads[i][index].to(dtype), hyper, step=step, momentum_step=m_step)
+        out += [q, *(views[k] for k in sorted(views))]
+    return out
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / scale.double().norm().clamp_min(1e-30))
+
+
+def _ulps_of_scale(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest element-wise difference in fp32 ulps of ``b``'s largest finite magnitude; infinite
+    where their infinities and NaNs differ."""
+    a, b = a.double(), b.double()
+    finite = torch.isfinite(b)
+    if not torch.equal(finite, torch.isfinite(a)) or not torch.equal(a[~finite].nan_to_num(), b[~finite].nan_to_num()):
+        return float("inf")
+    if not bool(finite.any()):
+        return 0.0
+    a, b = a[finite], b[finite]
+    return float((a - b).abs().max() / (b.abs().max().clamp_min(1e-30) * 2.0**-23))
+
+
+def _assert_fast(agreement: Agreement, fast: list[torch.Tensor], eager: list[torch.Tensor], where: str) -> None:
+    for i, (x, y) in enumerate(zip(fast, eager)):
+        assert x.dtype == y.dtype and x.shape == y.shape, (where, i)
+        if agreement.kind == "bit-equal" or x.numel() == 0:
+            assert torch.equal(x, y), (where, i, x.dtype, (x.double() - y.double()).abs().max().item())
+        elif agreement.kind == "ulps" or x.is_floating_point():
+            error = _ulps_of_scale(x, y) if agreement.kind == "ulps" else _relative(x, y, y)
+            assert error <= agreement.bound, (where, i, agreement.kind, error)
+        else:  # 8-bit codes: within one in a small share of their elements
+            d = (x.int() - y.int()).abs()
+            assert int(d.max()) <= 1 and float((d > 0).double().mean()) <= agreement.code_share, (where, i, x.dtype)
+
+
+def assert_agree(fmt: str, backend: str, runs: list[torch.Tensor], eager: list[torch.Tensor],
+                 shapes: list[tuple[int, ...]], start: list[torch.Tensor] | None = None) -> None:
+    """``runs`` (of ``backend``) agree with the eager step's ``eager`` within ``fmt``'s parity.
+
+    The reference is held by the relative difference of the parameters' movement from ``start`` (their
+    values after the first step) and of the decoded moments; a fast backend by its :class:`Agreement`.
+    """
+    assert len(runs) == len(eager), (fmt, backend)
+    parity = FORMATS[fmt].parity
+    if backend != "reference":
+        _assert_fast(getattr(parity, backend), runs, eager, f"{fmt} on {backend}")
+        return
+    assert start is not None, "the reference is held to the movement since the first step"
+    width = len(eager) // len(shapes)
+    for k, shape in enumerate(shapes):
+        mine, theirs = runs[k * width:(k + 1) * width], eager[k * width:(k + 1) * width]
+        moved = theirs[0] - start[k]
+        error = _relative(mine[0], theirs[0], moved)
+        assert error <= parity.reference, (fmt, shape, "param", error)
+        keys = sorted(FORMATS[fmt].layout(shape), key=lambda spec: spec.key)
+        fast = FORMATS[fmt].decode({spec.key: t for spec, t in zip(keys, theirs[1:])}, shape)
+        slow = FORMATS[fmt].decode({spec.key: t for spec, t in zip(keys, mine[1:])}, shape)
+        for name, a, b in (("v", fast.dense_v(), slow.dense_v()), ("m", fast.exp_avg, slow.exp_avg)):
+            if b is not None:
+                assert _relative(a, b, b) <= parity.reference, (fmt, shape, name, _relative(a, b, b))
+
+
+def after_first_step(fmt: str, shapes: list[tuple[int, ...]], **options: Any) -> list[torch.Tensor]:
+    """The parameters after the eager step's first step: where the reference takes over."""
+    state = run(fmt, "eager", shapes, 1, **options)
+    width = len(state) // len(shapes)
+    return [state[k * width] for k in range(len(shapes))]
