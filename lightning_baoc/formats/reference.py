@@ -2,7 +2,7 @@
 
 The fast steps (``StateFormat.update``) work in chunks, fuse operations and write straight into the
 compact state. This module does the same step the plain way, on whole tensors, so a reader can
-check the math by eye, and ``tests/formats/test_reference.py`` holds every format's fast step to it
+check the math by eye, and ``tests/formats/test_backends.py`` holds every format's eager step to it
 after one step and after fifty.
 
 The math, per parameter ``p`` with gradient ``g`` (``maximize`` negates ``g``; Adam's L2 decay

@@ -1,7 +1,8 @@
 """The compiled CPU step (``lightning_baoc/kernels/cpu_step.cpp``) against the eager step, its
-reference: every format with a kernel, every shape class (ragged sizes, sizes under one 1024-element
-super-block, 1-D, 3-D), after 1 and after 50 steps, and the options (maximize, Adam's L2 decay,
-bf16 parameters, non-contiguous gradients, several tensors in one call).
+reference: the options (maximize, Adam's L2 decay, bf16 parameters, several tensors in one call, the
+edges of fp32), the policies and the build. Every format on every shape class after 1 and after 50
+steps: ``tests/formats/test_backends.py``; both through the harness ``tests/support_formats.py``, with
+each format's bounds from its registry entry.
 
 Both steps compute the same fp32 operations in the same order (a correctly rounded square root in
 both, see ``quant.sqrt_rn``), so the element-wise formats agree to the bit: parameters, codes,
@@ -25,83 +26,18 @@ import torch
 from torch import nn
 
 from lightning_baoc import FORMATS, BlockwiseAdamW, kernels
-from lightning_baoc.formats import resolve_format
+
+import support_formats as H
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_kernels().available, reason=f"no compiled kernels: {kernels.cpu_kernels().detail}")
 
 COMPILED = [name for name, fmt in FORMATS.items() if fmt.kernel_kinds is not None]
-#: ragged (not a multiple of 32 or 1024), under one super-block, 1-D, 3-D, exact super-blocks, rows of a
-#: multiple of 8 that end inside super-blocks (the factored denominators made in the 8-bit loop)
-SHAPES = [(37, 101), (3, 11), (1000,), (5, 7, 29), (64, 1024), (48, 200)]
-#: Largest relative difference of parameters and fp32 state between the two steps: element-wise
-#: formats are bit-equal; the factored ones within a few ulps (measured: 7e-7 after 50 steps).
-FACTORED_BOUND = 4e-6
-#: The fp32-state formats: largest difference between the two steps, in ulps of the tensor's largest
-#: magnitude (measured: 0.81 after 50 steps).
-FP32_ULPS = 2.0
 FP32_PAIR = [name for name in COMPILED if FORMATS[name].kernel_kinds == (kernels.M_FP32, kernels.V_FP32)]
 
 
-def _run(fmt: str, shape: tuple[int, ...], steps: int, policy: str, **options: object) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(0)
-    dtype = options.pop("param_dtype", torch.float32)
-    p = nn.Parameter(torch.randn(shape, generator=gen).to(dtype))
-    opt = BlockwiseAdamW([("w", p)], lr=1e-2, state_format=fmt, min_8bit_numel=0, kernels=policy, **options)  # type: ignore[arg-type]
-    transpose = len(shape) == 2 and shape[0] == shape[1]
-    for i in range(steps):
-        g = torch.randn(shape, generator=gen) * (1.0 + 0.1 * i)
-        p.grad = (g.t().contiguous().t() if transpose else g).to(dtype)  # non-contiguous where square
-        opt.step()
-    rec = opt._records[p]  # noqa: SLF001 - the compact state itself
-    return p.detach().clone(), {k: t.clone() for k, t in rec.views.items()}
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def _ulps_of_scale(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The largest element-wise difference of ``a`` and ``b`` in fp32 ulps of ``b``'s largest finite
-    magnitude; infinite where their infinities and NaNs differ."""
-    a, b = a.double(), b.double()
-    finite = torch.isfinite(b)
-    if not torch.equal(finite, torch.isfinite(a)) or not torch.equal(a[~finite].nan_to_num(), b[~finite].nan_to_num()):
-        return float("inf")
-    if not bool(finite.any()):
-        return 0.0
-    a, b = a[finite], b[finite]
-    return float((a - b).abs().max() / (b.abs().max().clamp_min(1e-30) * 2.0**-23))
-
-
-def _compare(fmt: str, compiled: tuple, eager: tuple) -> None:
-    (pc, vc), (pe, ve) = compiled, eager
-    assert vc.keys() == ve.keys()
-    if fmt in FP32_PAIR:
-        for key, a, b in (("param", pc, pe), *((k, vc[k], ve[k]) for k in vc)):
-            assert _ulps_of_scale(a, b) <= FP32_ULPS, (fmt, key, _ulps_of_scale(a, b))
-        return
-    if not FORMATS[fmt].factored:
-        assert torch.equal(pc, pe), (fmt, _relative(pc, pe))
-        for key in vc:
-            assert torch.equal(vc[key], ve[key]), (fmt, key)
-        return
-    assert _relative(pc, pe) <= FACTORED_BOUND, (fmt, _relative(pc, pe))
-    for key in vc:
-        if vc[key].dtype == torch.float32:
-            assert _relative(vc[key], ve[key]) <= FACTORED_BOUND, (fmt, key)
-        else:  # the int8 momentum: codes equal but where a parameter ulp moves one across a boundary
-            differ = (vc[key].int() - ve[key].int()).abs() if vc[key].dtype == torch.int8 else (vc[key] != ve[key])
-            assert float((differ > 0).double().mean()) <= 1e-4 and int(differ.max()) <= 1, (fmt, key)
-
-
-@pytest.mark.parametrize("steps", [1, 50])
-@pytest.mark.parametrize("fmt", COMPILED)
-def test_compiled_step_equals_the_eager_step(fmt: str, steps: int) -> None:
-    for shape in SHAPES:
-        if resolve_format(fmt, shape, 0) != fmt:
-            continue  # 1-D tensors have no factored form
-        _compare(fmt, _run(fmt, shape, steps, "compiled"), _run(fmt, shape, steps, "eager"))
+def _state(p: torch.Tensor, opt: BlockwiseAdamW) -> list[torch.Tensor]:
+    """``p`` and its compact state tensors, in the harness's order (tests/support_formats.py)."""
+    return [p.detach().clone(), *(t.clone() for _, t in sorted(opt._records[p].views.items()))]  # noqa: SLF001
 
 
 @pytest.mark.parametrize("fmt", COMPILED)
@@ -112,8 +48,9 @@ def test_compiled_step_equals_the_eager_step(fmt: str, steps: int) -> None:
     ids=["maximize", "l2", "bf16-params", "beta1-0.3"],
 )
 def test_compiled_step_options(fmt: str, options: dict) -> None:
-    shape = (40, 77)
-    _compare(fmt, _run(fmt, shape, 5, "compiled", **dict(options)), _run(fmt, shape, 5, "eager", **dict(options)))
+    shapes = [(40, 77)]
+    compiled = H.run(fmt, "compiled", shapes, 5, **dict(options))
+    H.assert_agree(fmt, "compiled", compiled, H.run(fmt, "eager", shapes, 5, **dict(options)), shapes)
 
 
 @pytest.mark.parametrize("options", [{}, {"maximize": True}, {"decoupled_weight_decay": False, "weight_decay": 0.1}])
@@ -165,10 +102,8 @@ def test_one_call_over_many_tensors_equals_tensor_by_tensor(fmt: str, threads: i
             for step in grads:
                 alone.grad = step[i]
                 opt.step()
-            if FORMATS[fmt].factored:  # threads split the column sums: the same to fp32 ulps
-                assert _relative(alone.detach(), p.detach()) <= FACTORED_BOUND, (fmt, shapes[i])
-            else:
-                assert torch.equal(alone.detach(), p.detach()), (fmt, shapes[i])
+            # threads split the factored column sums: the same within the format's bound
+            H.assert_agree(fmt, "compiled", [alone.detach()], [p.detach()], [shapes[i]])
     finally:
         torch.set_num_threads(before)
 
@@ -258,8 +193,8 @@ def test_compiled_step_at_the_edges_of_fp32(fmt: str) -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # every gradient here is finite: no step may be skipped
                 opt.step()
-        results.append((p.detach().clone(), {k: t.clone() for k, t in opt._records[p].views.items()}))  # noqa: SLF001
-    _compare(fmt, results[0], results[1])
+        results.append(_state(p, opt))
+    H.assert_agree(fmt, "compiled", results[0], results[1], [shape])
 
 
 def test_a_compiler_without_openmp_builds_the_kernels_for_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
