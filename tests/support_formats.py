@@ -20,18 +20,22 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import warnings
 from typing import Any, Iterator
 
 import pytest
 import torch
 from torch import nn
 
-from lightning_baoc import FORMATS, BlockwiseAdamW, kernels
+from lightning_baoc import FORMATS, MOMENTUM_FORMATS, BlockwiseAdamW, BlockwiseLion, BlockwiseSGD, kernels
 from lightning_baoc.formats.base import Agreement
 from lightning_baoc.formats.quant import name_salt, stream_key
 from lightning_baoc.formats.reference import reference_step
 
 BACKENDS = ("reference", "compiled", "triton")  # each held to the eager step
+#: The optimizers and the registry of the formats each holds.
+OPTIMIZERS = {"adamw": (BlockwiseAdamW, FORMATS), "sgd": (BlockwiseSGD, MOMENTUM_FORMATS),
+              "lion": (BlockwiseLion, MOMENTUM_FORMATS)}
 
 
 def unavailable(backend: str) -> str | None:
@@ -70,16 +74,22 @@ def _triton_on_cpu() -> Iterator[None]:
         kernels.TRITON_DEVICES, stepping.kernel_serves = saved
 
 
-def _state(opt: BlockwiseAdamW, p: torch.Tensor) -> list[torch.Tensor]:
-    return [t.clone() for _, t in sorted(opt._records[p].views.items())]  # noqa: SLF001 - the compact state itself
+def state_of(opt: Any, p: torch.Tensor) -> list[torch.Tensor]:
+    """``p``'s compact state tensors (sorted by key), its step counts and its master-weight correction."""
+    record = opt._records[p]  # noqa: SLF001 - the compact state itself
+    out = [t.clone() for _, t in sorted(record.views.items())] + [record.counts.clone()]
+    return out + ([record.master_correction.clone()] if record.master_correction is not None else [])
 
 
-def run(fmt: str, backend: str, shapes: list[tuple[int, ...]], steps: int, **options: Any) -> list[torch.Tensor]:
+def run(fmt: str, backend: str, shapes: list[tuple[int, ...]], steps: int, *, optimizer: str = "adamw",
+        nonfinite_at: int | None = None, **options: Any) -> list[torch.Tensor]:
     """``steps`` steps of one parameter per shape in ``fmt`` through ``backend`` ("eager" too): each
-    parameter, then its compact state tensors (sorted by key), after the last step.
+    parameter, then its :func:`state_of`, after the last step.
 
     Seeded: every backend sees the same parameters and gradients (scaled up step by step; a square
-    gradient is non-contiguous). ``options``: ``BlockwiseAdamW``'s (``maximize``, ``weight_decay``,
+    gradient is non-contiguous). ``optimizer``: ``"adamw"``, ``"sgd"`` or ``"lion"`` (the reference
+    backend: AdamW's formats only). ``nonfinite_at``: at that step the first parameter's gradient holds an
+    inf (its update skipped and counted). ``options``: the optimizer's (``maximize``, ``weight_decay``,
     ``weight_correction``...) and ``param_dtype`` (default fp32).
     """
     gen = torch.Generator().manual_seed(0)
@@ -87,17 +97,23 @@ def run(fmt: str, backend: str, shapes: list[tuple[int, ...]], steps: int, **opt
     options.setdefault("lr", 1e-2)
     params = [nn.Parameter(torch.randn(shape, generator=gen).to(dtype)) for shape in shapes]
     grads = [[torch.randn(shape, generator=gen) * (1.0 + 0.1 * i) for shape in shapes] for i in range(steps)]
+    if nonfinite_at is not None and nonfinite_at < steps:
+        grads[nonfinite_at][0].view(-1)[0] = float("inf")
     policy = {"reference": "eager", "eager": "eager", "compiled": "compiled", "triton": "auto"}[backend]
-    opt = BlockwiseAdamW([(f"w{i}", p) for i, p in enumerate(params)], state_format=fmt, min_8bit_numel=0,
-                         kernels=policy, **options)
-    with _triton_on_cpu() if backend == "triton" else contextlib.nullcontext():
+    cls = OPTIMIZERS[optimizer][0]
+    opt = cls([(f"w{i}", p) for i, p in enumerate(params)], state_format=fmt, min_8bit_numel=0, kernels=policy,
+              **options)
+    with _triton_on_cpu() if backend == "triton" else contextlib.nullcontext(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "non-finite gradient", RuntimeWarning)
         for i in range(1 if backend == "reference" else steps):  # the reference takes over after the first
             for p, g in zip(params, grads[i]):
                 transpose = g.dim() == 2 and g.shape[0] == g.shape[1]
                 p.grad = (g.t().contiguous().t() if transpose else g).to(dtype)
             opt.step()
+    if nonfinite_at is not None and nonfinite_at < steps and backend != "reference":
+        assert opt.nonfinite_counts == {"w0": 1}, opt.nonfinite_counts
     if backend != "reference":
-        return [t for p in params for t in [p.detach().clone(), *_state(opt, p)]]
+        return [t for p in params for t in [p.detach().clone(), *state_of(opt, p)]]
     out = []
     for index, p in enumerate(params):
         record = opt._records[p]  # noqa: SLF001 - the reference steps the compact state itself
@@ -132,30 +148,32 @@ def _ulps_of_scale(a: torch.Tensor, b: torch.Tensor) -> float:
 def _assert_fast(agreement: Agreement, fast: list[torch.Tensor], eager: list[torch.Tensor], where: str) -> None:
     for i, (x, y) in enumerate(zip(fast, eager)):
         assert x.dtype == y.dtype and x.shape == y.shape, (where, i)
-        if agreement.kind == "bit-equal" or x.numel() == 0:
-            assert torch.equal(x, y), (where, i, x.dtype, (x.double() - y.double()).abs().max().item())
-        elif agreement.kind == "ulps" or x.is_floating_point():
+        if x.is_floating_point() and agreement.kind != "bit-equal" and x.numel():
             error = _ulps_of_scale(x, y) if agreement.kind == "ulps" else _relative(x, y, y)
             assert error <= agreement.bound, (where, i, agreement.kind, error)
-        else:  # 8-bit codes: within one in a small share of their elements
-            d = (x.int() - y.int()).abs()
+        elif x.dtype in (torch.int8, torch.uint8) and agreement.kind == "relative" and x.numel():
+            d = (x.int() - y.int()).abs()  # 8-bit codes: within one in a small share of their elements
             assert int(d.max()) <= 1 and float((d > 0).double().mean()) <= agreement.code_share, (where, i, x.dtype)
+        else:  # bit-equal; and the step counts, always
+            assert torch.equal(x, y), (where, i, x.dtype, (x.double() - y.double()).abs().max().item())
 
 
 def assert_agree(fmt: str, backend: str, runs: list[torch.Tensor], eager: list[torch.Tensor],
-                 shapes: list[tuple[int, ...]], start: list[torch.Tensor] | None = None) -> None:
+                 shapes: list[tuple[int, ...]], start: list[torch.Tensor] | None = None, optimizer: str = "adamw") -> None:
     """``runs`` (of ``backend``) agree with the eager step's ``eager`` within ``fmt``'s parity.
 
     The reference is held by the relative difference of the parameters' movement from ``start`` (their
     values after the first step) and of the decoded moments; a fast backend by its :class:`Agreement`.
     """
-    assert len(runs) == len(eager), (fmt, backend)
-    parity = FORMATS[fmt].parity
+    parity = OPTIMIZERS[optimizer][1][fmt].parity
     if backend != "reference":
+        assert len(runs) == len(eager), (fmt, backend)
         _assert_fast(getattr(parity, backend), runs, eager, f"{fmt} on {backend}")
         return
     assert start is not None, "the reference is held to the movement since the first step"
-    width = len(eager) // len(shapes)
+    width = len(runs) // len(shapes)
+    assert len(eager) == len(runs) + len(shapes), (fmt, "the eager run holds the counts the reference has not")
+    eager = [t for k in range(len(shapes)) for t in eager[k * (width + 1):(k + 1) * (width + 1) - 1]]  # counts left out
     for k, shape in enumerate(shapes):
         mine, theirs = runs[k * width:(k + 1) * width], eager[k * width:(k + 1) * width]
         moved = theirs[0] - start[k]

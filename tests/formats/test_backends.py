@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_baoc import FORMATS
+from lightning_baoc import FORMATS, MOMENTUM_FORMATS
 from lightning_baoc.formats import resolve_format
 
 import support_formats as H
@@ -65,10 +65,35 @@ def test_the_triton_step_after_50_steps(fmt: str) -> None:
     _case(fmt, "triton", LONG_TRITON_SHAPES, 51)
 
 
+#: SGD's and Lion's options: Nesterov, dampening, L2 decay, maximize, Lion's two betas.
+MOMENTUM_OPTIONS = {
+    "sgd": dict(momentum=0.9, nesterov=True, weight_decay=1e-2),
+    "sgd-dampening": dict(momentum=0.8, dampening=0.25, weight_decay=1e-3, maximize=True),
+    "lion": dict(betas=(0.9, 0.99), weight_decay=0.1, lr=1e-3),
+    "lion-maximize": dict(betas=(0.95, 0.98), maximize=True, lr=1e-3),
+}
+MOMENTUM_SHAPES = [(3000,), (700,), (37, 1100), (2048, 3), (1024,)]
+
+
+@pytest.mark.parametrize("steps", [1, 50])
+@pytest.mark.parametrize("option", list(MOMENTUM_OPTIONS))
+@pytest.mark.parametrize("fmt", list(MOMENTUM_FORMATS))
+def test_every_momentum_format_on_the_compiled_step_agrees_with_the_eager_step(fmt: str, option: str, steps: int) -> None:
+    """SGD's and Lion's momentum formats (the compiled ``momentum_step`` against ``formats/momentum.py``),
+    a non-finite gradient skipped at step 3."""
+    H.skip_unless("compiled")
+    if fmt == "none" and option == "sgd-dampening":
+        pytest.skip("the same as 'sgd' without a buffer")
+    optimizer = option.split("-")[0]
+    runs = [H.run(fmt, backend, MOMENTUM_SHAPES, steps, optimizer=optimizer, nonfinite_at=3, **MOMENTUM_OPTIONS[option])
+            for backend in ("compiled", "eager")]
+    H.assert_agree(fmt, "compiled", *runs, MOMENTUM_SHAPES, optimizer=optimizer)
+
+
 def test_every_backend_is_held_by_the_registry_and_a_wrong_step_fails() -> None:
     """The harness reads every format's bounds, and a step that is off by one update fails it."""
-    for fmt in FORMATS:
-        parity = FORMATS[fmt].parity
+    for fmt in [*FORMATS.values(), *MOMENTUM_FORMATS.values()]:
+        parity = fmt.parity
         assert parity.reference > 0 and {parity.compiled.kind, parity.triton.kind} <= {"bit-equal", "ulps", "relative"}
     shapes = [(37, 101)]
     eager = H.run("int8", "eager", shapes, 3)

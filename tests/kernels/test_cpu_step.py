@@ -35,11 +35,6 @@ COMPILED = [name for name, fmt in FORMATS.items() if fmt.kernel_kinds is not Non
 FP32_PAIR = [name for name in COMPILED if FORMATS[name].kernel_kinds == (kernels.M_FP32, kernels.V_FP32)]
 
 
-def _state(p: torch.Tensor, opt: BlockwiseAdamW) -> list[torch.Tensor]:
-    """``p`` and its compact state tensors, in the harness's order (tests/support_formats.py)."""
-    return [p.detach().clone(), *(t.clone() for _, t in sorted(opt._records[p].views.items()))]  # noqa: SLF001
-
-
 @pytest.mark.parametrize("fmt", COMPILED)
 @pytest.mark.parametrize(
     "options",
@@ -193,7 +188,7 @@ def test_compiled_step_at_the_edges_of_fp32(fmt: str) -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # every gradient here is finite: no step may be skipped
                 opt.step()
-        results.append(_state(p, opt))
+        results.append([p.detach().clone(), *H.state_of(opt, p)])
     H.assert_agree(fmt, "compiled", results[0], results[1], [shape])
 
 

@@ -1,7 +1,8 @@
 """The compiled SGD and Lion step (``momentum_step`` in ``kernels/cpu_step.cpp``) against the eager
-reference (``formats/momentum.py``): bit-equal weights, buffers and counts after 1 and 50 steps, for
-every momentum format, both rules and their options, ragged and small shapes, 1-D tensors, bf16 and
-fp16 weights with and without a correction, a non-finite gradient skipped, a buffer restarted."""
+reference (``formats/momentum.py``), through the harness (``tests/support_formats.py``): bf16 and fp16
+weights with and without a correction, a non-finite gradient skipped, a buffer restarted, and the
+kernel's speed. Every momentum format with both rules and their options after 1 and 50 steps:
+``tests/formats/test_backends.py``."""
 
 from __future__ import annotations
 
@@ -9,70 +10,15 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_baoc import MOMENTUM_FORMATS, BlockwiseLion, BlockwiseSGD
-from lightning_baoc import kernels
+from lightning_baoc import BlockwiseSGD, kernels
+
+import support_formats as H
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_kernels().available, reason="no C++ compiler: the eager step runs")
 
 SHAPES = [(3000,), (700,), (37, 1100), (2048, 3), (1024,)]
-OPTIONS = {
-    "sgd": dict(momentum=0.9, nesterov=True, weight_decay=1e-2),
-    "sgd-dampening": dict(momentum=0.8, dampening=0.25, weight_decay=1e-3, maximize=True),
-    "lion": dict(betas=(0.9, 0.99), weight_decay=0.1),
-    "lion-maximize": dict(betas=(0.95, 0.98), maximize=True),
-}
-
-
-def _params(dtype: torch.dtype) -> list[tuple[str, nn.Parameter]]:
-    gen = torch.Generator().manual_seed(0)
-    return [(f"p{i}", nn.Parameter(torch.randn(s, generator=gen).to(dtype))) for i, s in enumerate(SHAPES)]
-
-
-def _run(policy: str, fmt: str, option: str, dtype: torch.dtype, correction: str, steps: int):  # type: ignore[no-untyped-def]
-    params = _params(dtype)
-    cls = BlockwiseSGD if option.startswith("sgd") else BlockwiseLion
-    lr = 1e-2 if cls is BlockwiseSGD else 1e-3
-    opt = cls(params, lr=lr, state_format=fmt, min_8bit_numel=0, kernels=policy, weight_correction=correction,
-              **OPTIONS[option])
-    gen = torch.Generator().manual_seed(1)
-    for step in range(steps):
-        for _, p in params:
-            p.grad = torch.randn(p.shape, generator=gen).to(dtype)
-        if step == 3:  # a non-finite gradient: that parameter is skipped, the others step
-            params[2][1].grad[0, 0] = float("inf")
-        with pytest.warns(RuntimeWarning) if step == 3 else _nothing():
-            opt.step()
-    return params, opt
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def _assert_equal(a, b) -> None:  # type: ignore[no-untyped-def]
-    (pa, oa), (pb, ob) = a, b
-    for (name, x), (_, y) in zip(pa, pb):
-        assert torch.equal(x, y), name
-    for ra, rb in zip(oa._records.values(), ob._records.values()):  # noqa: SLF001
-        assert torch.equal(ra.counts, rb.counts), ra.name
-        for key in ra.views:
-            assert torch.equal(ra.views[key], rb.views[key]), (ra.name, key)
-        if ra.master_correction is not None:
-            assert torch.equal(ra.master_correction, rb.master_correction), ra.name
-
-
-@pytest.mark.parametrize("steps", [1, 50])
-@pytest.mark.parametrize("option", list(OPTIONS))
-@pytest.mark.parametrize("fmt", list(MOMENTUM_FORMATS))
-def test_kernel_equals_eager_fp32_weights(fmt: str, option: str, steps: int) -> None:
-    if fmt == "none" and option == "sgd-dampening":
-        pytest.skip("the same as 'sgd' without a buffer")
-    _assert_equal(_run("compiled", fmt, option, torch.float32, "none", steps),
-                  _run("eager", fmt, option, torch.float32, "none", steps))
+#: The rules' options here (every option of both rules: tests/formats/test_backends.py).
+OPTIONS = {"sgd": dict(momentum=0.9, nesterov=True, weight_decay=1e-2), "lion": dict(betas=(0.9, 0.99), weight_decay=0.1, lr=1e-3)}
 
 
 @pytest.mark.parametrize("dtype,correction", [(torch.bfloat16, "none"), (torch.bfloat16, "ecc8"),
@@ -80,25 +26,28 @@ def test_kernel_equals_eager_fp32_weights(fmt: str, option: str, steps: int) -> 
 @pytest.mark.parametrize("option", ["sgd", "lion"])
 @pytest.mark.parametrize("fmt", ["int8", "bf16", "fp32"])
 def test_kernel_equals_eager_16bit_weights(fmt: str, option: str, dtype: torch.dtype, correction: str) -> None:
-    _assert_equal(_run("compiled", fmt, option, dtype, correction, 12),
-                  _run("eager", fmt, option, dtype, correction, 12))
+    runs = [H.run(fmt, backend, SHAPES, 12, optimizer=option, nonfinite_at=3, param_dtype=dtype, weight_correction=correction,
+                  **OPTIONS[option]) for backend in ("compiled", "eager")]
+    H.assert_agree(fmt, "compiled", *runs, SHAPES, optimizer=option)
 
 
 def test_sgd_buffer_restart_is_the_same_in_the_kernel() -> None:
     """After ``none`` and back, SGD's buffer starts as the next gradient in both steps."""
     runs = []
     for policy in ("compiled", "eager"):
-        params, opt = _run(policy, "int8", "sgd", torch.float32, "none", 5)
-        opt.set_formats({"p0": "none", "p3": "none"})
-        opt.set_formats({"p0": "int8", "p3": "fp32"})
-        gen = torch.Generator().manual_seed(9)
-        for _ in range(4):
+        gen = torch.Generator().manual_seed(0)
+        params = [(f"p{i}", nn.Parameter(torch.randn(s, generator=gen))) for i, s in enumerate(SHAPES)]
+        opt = BlockwiseSGD(params, lr=1e-2, state_format="int8", min_8bit_numel=0, kernels=policy, **OPTIONS["sgd"])
+        for step in range(9):
+            if step == 5:
+                opt.set_formats({"p0": "none", "p3": "none"})
+                opt.set_formats({"p0": "int8", "p3": "fp32"})
             for _, p in params:
                 p.grad = torch.randn(p.shape, generator=gen)
             opt.step()
-        runs.append((params, opt))
-    _assert_equal(*runs)
-    assert runs[0][1].momentum_step_count("p0") == 4 and runs[0][1].step_count("p0") == 9
+        runs.append([t for _, p in params for t in [p.detach(), *H.state_of(opt, p)]])
+        assert opt.momentum_step_count("p0") == 4 and opt.step_count("p0") == 9
+    H.assert_agree("int8", "compiled", *runs, SHAPES, optimizer="sgd")
 
 
 def test_the_compiled_step_is_much_faster_than_the_eager_one() -> None:
