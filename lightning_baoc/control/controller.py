@@ -712,6 +712,29 @@ class BAOCController:
             f"(budget {format_bytes(self.memory_budget_bytes())})"
         )
 
+    def resumed_summary(self) -> str:
+        """One line after a resume (the optimizer's state restored): the step, the phase and the allocation
+        resumed into, and the state.
+
+        Example:
+            >>> controller.resumed_summary()  # doctest: +SKIP
+            'BAOC: resumed at step 120 into the allocation of step 60 (5 blocks: int8 2, fp32 2, bf16_momentum 1); optimizer state 201 KiB of 672 KiB AdamW (budget 202 KiB)'
+        """
+        if not self.installed:
+            return "BAOC: the checkpoint's state is applied when the optimizer is installed"
+        counts: dict[str, int] = {}
+        for fmt in (self.allocation if self.phase == "allocated" else self.start_allocation or {}).values():
+            counts[fmt] = counts.get(fmt, 0) + 1
+        formats = ", ".join(f"{f} {n}" for f, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+        if self.phase == "allocated":
+            since = f" of step {self.history[-1]['step']}" if self.history else ""
+            where = f"the allocation{since} ({len(self.block_params)} blocks: {formats})"
+        else:
+            left = max(self.config.warmup_steps - self.steps, 0)
+            where = f"the warm-up, {left} step(s) before the first allocation" + (f" (start formats: {formats})" if formats else "")
+        state = self.summary().split(" blocks, ", 1)[-1]  # "optimizer state X of Y AdamW (budget Z)"
+        return f"BAOC: resumed at step {self.steps} into {where}; {state}"
+
     def _require_installed(self, what: str) -> BlockwiseOptimizer:
         """The installed optimizer; raises naming ``what`` if there is none."""
         if self.optimizer is None:

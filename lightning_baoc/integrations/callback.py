@@ -230,6 +230,7 @@ class BAOC(Callback):
         self._warned_missing_monitor = False
         self._warned_short_run = False
         self._restored_early = False
+        self._resumed = False  # this fit resumed from a checkpoint (said once its state is restored)
         self._unwrap: Any = None
 
     # ------------------------------------------------------------------ public
@@ -333,10 +334,13 @@ class BAOC(Callback):
                 "BAOC: manual optimization: fetch the optimizer with self.optimizers() in training_step "
                 "(it is a BlockwiseAdamW now); gradients are sampled when optimizer.step() runs"
             )
-        rank_zero_info(self.controller.summary())
+        # no summary here: the states exist after the first step (a resume's are loaded after this hook)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._resumed = trainer.ckpt_path is not None
+        if self._resumed:  # the optimizer's state is restored by now
+            rank_zero_info(self.controller.resumed_summary())
         if self.controller.phase != "warmup":
             return
         try:
@@ -382,6 +386,8 @@ class BAOC(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._at_boundary = trainer.global_step != self._step_at_batch_start
+        if self._at_boundary and not self._resumed and trainer.global_step == 1:  # the run's first step: its states exist
+            rank_zero_info(self.controller.summary())
         if self._at_boundary:
             self._maybe_allocate(trainer)
 

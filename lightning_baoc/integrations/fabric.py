@@ -316,37 +316,13 @@ class BAOCStrategy:
         resumed = isinstance(state, dict) and any(v is self.controller for v in state.values())
         remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)  # type: ignore[misc]
         if resumed:
-            rank_zero_info(resumed_summary(self.controller))
+            rank_zero_info(self.controller.resumed_summary())
         return remainder
 
     def teardown(self) -> None:
         """Stop the sampler's worker, then the base strategy's teardown."""
         self.controller.close()
         super().teardown()  # type: ignore[misc]
-
-
-def resumed_summary(controller: BAOCController) -> str:
-    """One line after a resume: the step, the phase and the allocation resumed into, and the state.
-
-    Example:
-        >>> resumed_summary(controller)  # doctest: +SKIP
-        'BAOC: resumed at step 120 into the allocation of step 60 (5 blocks: int8 2, fp32 2, bf16_momentum 1); optimizer state 201 KiB of 672 KiB AdamW (budget 202 KiB)'
-    """
-    c = controller
-    if not c.installed:
-        return "BAOC: the checkpoint's state is applied when the optimizer is set up (fabric.setup)"
-    counts: dict[str, int] = {}
-    for fmt in (c.allocation if c.phase == "allocated" else c.start_allocation or {}).values():
-        counts[fmt] = counts.get(fmt, 0) + 1
-    formats = ", ".join(f"{f} {n}" for f, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
-    if c.phase == "allocated":
-        since = f" of step {c.history[-1]['step']}" if c.history else ""
-        where = f"the allocation{since} ({len(c.block_params)} blocks: {formats})"
-    else:
-        left = max(c.config.warmup_steps - c.steps, 0)
-        where = f"the warm-up, {left} step(s) before the first allocation" + (f" (start formats: {formats})" if formats else "")
-    state = c.summary().split(" blocks, ", 1)[-1]  # "optimizer state X of Y AdamW (budget Z)"
-    return f"BAOC: resumed at step {c.steps} into {where}; {state}"
 
 
 class _BAOCSingleDeviceStrategy(BAOCStrategy, SingleDeviceStrategy):

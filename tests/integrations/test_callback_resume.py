@@ -117,3 +117,26 @@ def test_plain_adamw_checkpoint_resumes_under_baoc(tmp_path: Path) -> None:
     # warm-up ends once two samples were taken after the resume (steps 12 and 16)
     assert baoc.controller.history[0]["step"] == 17
     assert trainer.optimizers[0].state_bytes() <= 0.3 * baoc.controller.fp32_state_bytes()
+
+
+@pytest.mark.parametrize("crash_at", [2, 4], ids=["mid-warmup", "after-allocation"])
+def test_a_fit_says_where_it_starts_once_its_states_exist_and_a_resume_says_it_resumed(
+    crash_at: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh fit's summary comes after its first step (the states exist then, not at fit start); a
+    resumed fit says, when its optimizer's state is restored, the step, phase and allocation it resumed
+    into, and no "optimizer state 0 B" line comes before it."""
+    import lightning_baoc.integrations.callback as callback
+
+    said: list[str] = []
+    monkeypatch.setattr(callback, "rank_zero_info", lambda *args, **_: said.append(" ".join(map(str, args))))
+    _, trainer, baoc = _fit(tmp_path, crash_at=crash_at)
+    summaries = [line for line in said if line.startswith("BAOC: phase")]
+    assert summaries and summaries[0].startswith("BAOC: phase warmup, ") and " optimizer state 0 B " not in summaries[0]
+    said.clear()
+    _, trainer, baoc = _fit(tmp_path, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    resumed = [line for line in said if line.startswith("BAOC: resumed at step ")]
+    assert len(resumed) == 1 and resumed[0].startswith(f"BAOC: resumed at step {5 * crash_at} into ")
+    into = "the allocation of step 12 (" if crash_at == 4 else "the warm-up, 2 step(s) before the first allocation"
+    assert into in resumed[0] and " optimizer state 0 B " not in resumed[0]
+    assert not [line for line in said[: said.index(resumed[0])] if line.startswith("BAOC: phase")]
