@@ -127,18 +127,21 @@ def controller_steps(ctl, opt, loss_of, start: int, steps: int, before: bool = F
 
 
 def record_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Record the tensors of each launch of the Triton step (``triton_step._launch``: the planned step's
-    and :func:`~lightning_baoc.kernels.triton_step.adamw_step`'s), and launch it."""
+    """Record the tensors of each launch of the Triton step (``triton_step._adamw_tensors``: the planned
+    step's and :func:`~lightning_baoc.kernels.triton_step.adamw_step`'s), and launch it."""
     from lightning_baoc.kernels import triton_step
 
     launches: list[int] = []
-    real = triton_step._launch
+    real = triton_step._adamw_tensors
 
-    def counted(table, count, *args, **kwargs):  # type: ignore[no-untyped-def]
-        launches.append(count)
-        return real(table, count, *args, **kwargs)
+    class Counted:
+        def __getitem__(self, grid: tuple[int, ...]) -> Any:
+            def launch(table, count, *args, **kwargs):  # type: ignore[no-untyped-def]
+                launches.append(count)
+                return real[grid](table, count, *args, **kwargs)
+            return launch
 
-    monkeypatch.setattr(triton_step, "_launch", counted)
+    monkeypatch.setattr(triton_step, "_adamw_tensors", Counted())
     return launches
 
 

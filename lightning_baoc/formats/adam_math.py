@@ -167,14 +167,8 @@ def foreach_dense_fp32(
 
     Parameters that are not fp32 go through a working copy that is written back.
     """
-    direct = [it for it in items if it.param.dtype == torch.float32]
-    for it in items:
-        if it.param.dtype != torch.float32:
-            work = it.param.detach().to(torch.float32)
-            _foreach_items([work], [it], hyper, m_key, v_key)
-            it.param.copy_(work)
-    if direct:
-        _foreach_items([it.param for it in direct], direct, hyper, m_key, v_key)
+    for arguments in foreach_batches(items, hyper, m_key, v_key):
+        foreach_adamw(*arguments)
 
 
 #: Elements one foreach call updates at most. Bounds the call's temporaries (the denominators, a
@@ -183,11 +177,27 @@ def foreach_dense_fp32(
 FOREACH_ELEMENTS = 1 << 21
 
 
-def _foreach_items(
+def foreach_batches(
+    items: list[StepItem], hyper: StepHyper, m_key: str | None, v_key: str
+) -> Iterator[tuple[list[Tensor], list[Tensor], list[Tensor] | None, list[Tensor], StepHyper, list[float], list[float]]]:
+    """The arguments of the :func:`foreach_adamw` calls that step ``items`` (fp32 states on the parameters'
+    devices), in batches of at most :data:`FOREACH_ELEMENTS` elements (a large tensor is cut into flat
+    slices: the math is element-wise). Each parameter that is not fp32 first, alone, through an fp32 working
+    copy written back once its calls have run (when the loop asks for the next batch); then the fp32 ones."""
+    direct = [it for it in items if it.param.dtype == torch.float32]
+    for it in items:
+        if it.param.dtype != torch.float32:
+            work = it.param.detach().to(torch.float32)
+            yield from _batches([work], [it], hyper, m_key, v_key)
+            it.param.copy_(work)
+    if direct:
+        yield from _batches([it.param for it in direct], direct, hyper, m_key, v_key)
+
+
+def _batches(
     params: list[Tensor], items: list[StepItem], hyper: StepHyper, m_key: str | None, v_key: str
-) -> None:
-    """:func:`foreach_adamw` over the items in batches of at most :data:`FOREACH_ELEMENTS`
-    elements (a large tensor is cut into flat slices: the math is element-wise)."""
+) -> Iterator[tuple[list[Tensor], list[Tensor], list[Tensor] | None, list[Tensor], StepHyper, list[float], list[float]]]:
+    """:func:`foreach_batches` of ``items`` stepping ``params`` (theirs, or working copies)."""
     batch: list[tuple[Tensor, Tensor, Tensor | None, Tensor, float, float]] = []
     size = 0
     for it, p in zip(items, params):
@@ -195,12 +205,12 @@ def _foreach_items(
         v = it.views[v_key].view_as(p)
         for piece in _pieces(p, it.grad, m, v):
             if batch and size + piece[0].numel() > FOREACH_ELEMENTS:
-                _foreach_batch(batch, hyper)
+                yield _arguments(batch, hyper)
                 batch, size = [], 0
             batch.append((*piece, it.bias_correction1, it.bias_correction2))
             size += piece[0].numel()
     if batch:
-        _foreach_batch(batch, hyper)
+        yield _arguments(batch, hyper)
 
 
 def _pieces(p: Tensor, g: Tensor, m: Tensor | None, v: Tensor) -> Iterator[tuple[Tensor, Tensor, Tensor | None, Tensor]]:
@@ -218,9 +228,11 @@ def _pieces(p: Tensor, g: Tensor, m: Tensor | None, v: Tensor) -> Iterator[tuple
         yield flat_p[a:b], (gs if gs.dtype == torch.float32 else gs.float()), (flat_m[a:b] if flat_m is not None else None), flat_v[a:b]
 
 
-def _foreach_batch(batch: list[tuple[Tensor, Tensor, Tensor | None, Tensor, float, float]], hyper: StepHyper) -> None:
+def _arguments(
+    batch: list[tuple[Tensor, Tensor, Tensor | None, Tensor, float, float]], hyper: StepHyper
+) -> tuple[list[Tensor], list[Tensor], list[Tensor] | None, list[Tensor], StepHyper, list[float], list[float]]:
     has_m = batch[0][2] is not None
-    foreach_adamw(
+    return (
         [b[0] for b in batch],
         [b[1] for b in batch],
         [b[2] for b in batch] if has_m else None,  # type: ignore[misc]

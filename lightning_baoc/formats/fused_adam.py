@@ -3,8 +3,8 @@
 ``torch._fused_adamw_`` (``torch._fused_adam_`` for Adam's L2 decay) is the kernel
 ``torch.optim.AdamW(fused=True)`` runs: one pass over memory that reads each parameter, gradient and
 moment once, writes them once and allocates nothing. :func:`fused_dense_fp32` launches it once per
-device over every item of a (group, device) bucket it can serve, and sends the others through
-:func:`~lightning_baoc.formats.adam_math.foreach_dense_fp32`, the reference: the same math in
+device over every item of a (group, device) bucket it can serve, and sends the others through the
+foreach step (:func:`~lightning_baoc.formats.adam_math.foreach_dense_fp32`), the reference: the same math in
 torch's foreach order, to fp32 rounding (``tests/formats/test_fused_fp32.py`` measures the
 distance in ulps).
 
@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from lightning_baoc.formats.adam_math import foreach_dense_fp32
+from lightning_baoc.formats.adam_math import foreach_adamw, foreach_batches
 from lightning_baoc.formats.base import StepHyper, StepItem
 
 #: Largest step count passed to the kernel: it reads the count as an fp32 number, exact up to 2**24.
@@ -131,11 +131,12 @@ def fused_dense_fp32(
 ) -> None:
     """One AdamW step of ``items`` (fp32 moments ``views[m_key]``, ``views[v_key]``), in place.
 
-    One fused launch per device over the items :func:`split_fused` accepts; the others take
-    :func:`~lightning_baoc.formats.adam_math.foreach_dense_fp32`. ``found_inf`` (a one-element fp32
-    tensor on the items' device): the kernel's own flag, which skips the whole call where set. The
-    optimizer passes it for items whose skips the device decides (``skip_flag``) and steps again those
-    that were finite when it is set (``kernels/triton_step.py``, ``repair``).
+    One fused launch per device over the items :func:`split_fused` accepts; the others take the foreach
+    step (:func:`~lightning_baoc.formats.adam_math.foreach_adamw` over
+    :func:`~lightning_baoc.formats.adam_math.foreach_batches`, the reference). ``found_inf`` (a
+    one-element fp32 tensor on the items' device): the kernel's own flag, which skips the whole call
+    where set. The optimizer passes it for items whose skips the device decides (``skip_flag``) and
+    steps again those that were finite when it is set (``kernels/triton_step.py``, ``repair``).
     """
     if found_inf is None:
         if any(it.skip_flag is not None for it in items):
@@ -149,21 +150,16 @@ def fused_dense_fp32(
     for it, t in fused:
         by_device[it.param.device].append((it, t))
     for device, batch in by_device.items():
-        _launch(device, batch, hyper, m_key, v_key, found_inf)
+        kernel, arguments = fused_arguments(
+            device, [it.param for it, _ in batch], [it.grad for it, _ in batch],
+            [shaped(it.views[m_key], it.param) for it, _ in batch], [shaped(it.views[v_key], it.param) for it, _ in batch],
+            [t for _, t in batch], hyper)
+        kernel(*arguments, found_inf=found_inf, **_options(hyper))
     if rest:
         if any(it.skip_flag is not None for it in rest):  # the optimizer sends only what the kernel serves
             raise RuntimeError("a step decided on the device reached the foreach step, which cannot skip it")
-        foreach_dense_fp32(rest, hyper, m_key, v_key)
-
-
-def _launch(
-    device: torch.device, batch: list[tuple[StepItem, int]], hyper: StepHyper, m_key: str, v_key: str,
-    found_inf: Tensor | None,
-) -> None:
-    """One call of the fused kernel over ``batch`` (all on ``device``)."""
-    fused_call(device, [it.param for it, _ in batch], [it.grad for it, _ in batch],
-               [shaped(it.views[m_key], it.param) for it, _ in batch],
-               [shaped(it.views[v_key], it.param) for it, _ in batch], [t for _, t in batch], hyper, found_inf)
+        for arguments in foreach_batches(rest, hyper, m_key, v_key):
+            foreach_adamw(*arguments)
 
 
 def fused_call(
@@ -172,28 +168,28 @@ def fused_call(
 ) -> None:
     """One call of the fused kernel (served: :func:`fusable`, :func:`fused_available`) over ``params``
     with their gradients, moments in the parameters' shapes and step counts, all on ``device``."""
+    kernel, arguments = fused_arguments(device, params, grads, ms, vs, counts, hyper)
+    kernel(*arguments, found_inf=found_inf, **_options(hyper))
+
+
+def fused_arguments(
+    device: torch.device, params: list[Tensor], grads: list[Tensor], ms: list[Tensor], vs: list[Tensor],
+    counts: list[int], hyper: StepHyper,
+) -> tuple[Callable[..., None], tuple]:
+    """torch's fused kernel for ``hyper`` and its tensor arguments over ``params``: the step counts as 0-d
+    fp32 tensors on ``device``, one per distinct count (a fill, not a host copy)."""
     steps: dict[int, Tensor] = {}
     for t in counts:
         if t not in steps:
-            steps[t] = torch.full((), float(t), dtype=torch.float32, device=device)  # a fill, not a host copy
+            steps[t] = torch.full((), float(t), dtype=torch.float32, device=device)
     kernel = _kernel(hyper.decoupled_weight_decay)
     assert kernel is not None  # split_fused sent nothing here otherwise
-    kernel(
-        params,
-        grads,
-        ms,
-        vs,
-        [],
-        [steps[t] for t in counts],
-        lr=hyper.lr,
-        beta1=hyper.beta1,
-        beta2=hyper.beta2,
-        weight_decay=hyper.weight_decay,
-        eps=hyper.eps,
-        amsgrad=False,
-        maximize=hyper.maximize,
-        found_inf=found_inf,
-    )
+    return kernel, (params, grads, ms, vs, [], [steps[t] for t in counts])
+
+
+def _options(hyper: StepHyper) -> dict[str, float | bool]:
+    return dict(lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay, eps=hyper.eps,
+                amsgrad=False, maximize=hyper.maximize)
 
 
 def shaped(state: Tensor, param: Tensor) -> Tensor:

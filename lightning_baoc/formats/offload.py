@@ -64,13 +64,13 @@ class Offload(StateFormat):
 
     def update(self, items: list[StepItem], hyper: StepHyper) -> None:
         """States on the parameter's device (training on the CPU) update in place; the others on
-        host copies of their parameters and gradients, batched (:data:`HOST_BATCH_ELEMENTS`), one
-        fused launch per batch (:func:`~lightning_baoc.formats.fused_adam.fused_dense_fp32`)."""
+        host copies of their parameters and gradients, batched (:data:`HOST_BATCH_ELEMENTS`, :func:`host_copies`),
+        one fused launch per batch (:func:`~lightning_baoc.formats.fused_adam.fused_dense_fp32`)."""
         local = [it for it in items if it.param.device == it.views["exp_avg"].device]
         fused_dense_fp32(local, hyper, "exp_avg", "exp_avg_sq")
         remote = [it for it in items if it.param.device != it.views["exp_avg"].device]
-        for batch in host_batches(remote):
-            host_update(batch, hyper)
+        for host in host_copies(remote):
+            fused_dense_fp32(host, hyper, "exp_avg", "exp_avg_sq")
 
 
 #: Elements of parameters copied to the host for one fused launch at most (a parameter larger than
@@ -83,10 +83,27 @@ def host_batches(items: list[StepItem], limit: int = HOST_BATCH_ELEMENTS) -> Ite
     return element_batches(items, limit)
 
 
+def host_copies(items: list[StepItem], limit: int = HOST_BATCH_ELEMENTS) -> Iterator[list[StepItem]]:
+    """``items`` whose states are in host memory, in batches (:func:`host_batches`), each as items over host
+    fp32 copies of their parameters and gradients; once the loop asks for the next batch (the math ran on
+    these copies), the new values are copied back to the parameters."""
+    for batch in host_batches(items, limit):
+        host = _on_host(batch)
+        yield host
+        _write_back(batch, host)
+
+
 def host_update(items: list[StepItem], hyper: StepHyper) -> None:
     """One step of ``items`` whose states are in host memory: the fp32 math runs on host copies of
     the parameters and gradients, and the new values are copied back to the parameters."""
-    host = [
+    host = _on_host(items)
+    fused_dense_fp32(host, hyper, "exp_avg", "exp_avg_sq")
+    _write_back(items, host)
+
+
+def _on_host(items: list[StepItem]) -> list[StepItem]:
+    """``items`` over host fp32 copies of their parameters and gradients (the states are there already)."""
+    return [
         StepItem(
             it.param.detach().to(HOST, torch.float32),
             it.grad.detach().to(HOST, torch.float32),
@@ -97,7 +114,9 @@ def host_update(items: list[StepItem], hyper: StepHyper) -> None:
         )
         for it in items
     ]
-    fused_dense_fp32(host, hyper, "exp_avg", "exp_avg_sq")
+
+
+def _write_back(items: list[StepItem], host: list[StepItem]) -> None:
     for it, copy in zip(items, host):
         if copy.param.data_ptr() != it.param.data_ptr():  # not the parameter itself (fp32 on the host)
             it.param.copy_(copy.param, non_blocking=True)

@@ -12,7 +12,9 @@ the test just brought into the cache (the factored formats' row and column sums,
 are their test).
 
 Contiguous parameters go through one call over all of them; any other parameter (non-contiguous,
-or 16-bit in a factored format) is stepped alone through an fp32 working copy written back at once, so the copies never exceed one parameter. bf16 and fp16 parameters (with bf16, fp16 or
+or 16-bit in a factored format) is stepped alone through an fp32 working copy written back at once,
+so the copies never exceed one parameter. :func:`compiled_step` calls the operator itself: the step is
+``BlockwiseAdamW.step`` -> ``StepDispatcher.step`` -> :func:`compiled_step` -> the kernel. bf16 and fp16 parameters (with bf16, fp16 or
 fp32 gradients) go to the kernel as they are, but for the factored formats: per super-block it
 rebuilds their fp32 masters from the weights and their corrections (:mod:`.correction`), steps
 them, and splits them again, in the same pass as the state update.
@@ -87,38 +89,34 @@ def _direct(item: KernelItem, factored: bool) -> bool:
 
 def compiled_step(
     fmt: StateFormat, items: list[KernelItem], hyper: StepHyper, seed: int, check_finite: bool
-) -> list[KernelItem]:
-    """One step of ``items`` (all served: :func:`kernel_serves`); returns those skipped because
-    their gradient held inf or NaN (``check_finite``): the kernel says which, no tensor is read."""
-    if hyper.rule != "adamw":  # SGD's and Lion's momentum formats
-        kind = fmt.momentum_kind  # type: ignore[attr-defined]
-        return _step_items(items, False, lambda *args: _launch_momentum(kind, *args), hyper, seed, check_finite)
-    kinds = fmt.kernel_kinds
-    assert kinds is not None
-    factored = kinds[1] == kernels.V_FACTORED
-    return _step_items(items, factored, lambda *args: _launch(kinds, *args), hyper, seed, check_finite)
+) -> list[int]:
+    """One step of ``items`` (all served: :func:`kernel_serves`); returns the indices of those skipped because
+    their gradient held inf or NaN (``check_finite``): the kernel says which, no tensor is read.
 
-
-def _step_items(
-    items: list[KernelItem], factored: bool, launch: Callable[..., list[KernelItem]], hyper: StepHyper, seed: int,
-    check_finite: bool,
-) -> list[KernelItem]:
-    """The kernel call over the items it reads and writes in place (:func:`_direct`), then one call
-    per other item through an fp32 working copy written back at once; the skipped items."""
-    direct: list[KernelItem] = []
-    rest: list[KernelItem] = []
-    for it in items:
-        (direct if _direct(it, factored) else rest).append(it)
-    skipped: list[KernelItem] = []
-    # the kernel reads only sizes and data of these contiguous tensors: no flat view nor a detached alias made
-    # (the operator has no autograd kernel, so the parameters themselves pass and nothing is recorded)
+    The items the kernel reads and writes in place (:func:`_direct`) go in one call; every other one alone,
+    through an fp32 working copy written back at once (the copies never exceed one parameter)."""
+    momentum = hyper.rule != "adamw"  # SGD's and Lion's momentum formats
+    kernel = kernels.ops().momentum_step if momentum else kernels.ops().adamw_step
+    arguments = _momentum_arguments if momentum else _adamw_arguments
+    factored = not momentum and fmt.kernel_kinds is not None and fmt.kernel_kinds[1] == kernels.V_FACTORED
+    direct: list[int] = []
+    others: list[int] = []
+    for i, it in enumerate(items):
+        (direct if _direct(it, factored) else others).append(i)
+    skipped: list[int] = []
     if direct:
-        skipped += launch([it.param for it in direct], [it.grad for it in direct],
-                          direct, hyper, seed, check_finite, [it.correction for it in direct])
-    for it in rest:
+        # the kernel reads only sizes and data of these contiguous tensors: no flat view nor a detached alias made
+        # (the operator has no autograd kernel, so the parameters themselves pass and nothing is recorded)
+        chosen = [items[i] for i in direct] if others else items
+        skipped += [direct[k] for k in kernel(*arguments(fmt, chosen, [it.param for it in chosen],
+                                                         [it.grad for it in chosen], [it.correction for it in chosen],
+                                                         hyper, seed, check_finite))]
+    for i in others:
+        it = items[i]
         work, write_back = _master_flat(it) if it.correction is not None else param_flat(it.param)
         grad = it.grad.reshape(-1).to(torch.float32).contiguous()
-        skipped += launch([work], [grad], [it], hyper, seed, check_finite, [None])
+        if kernel(*arguments(fmt, [it], [work], [grad], [None], hyper, seed, check_finite)):
+            skipped.append(i)
         write_back()
     return skipped
 
@@ -135,11 +133,17 @@ def _key_shift(offset: int) -> int:
     return offset & 0xFFFFFFFF
 
 
-def _launch(
-    kinds: tuple[int, int], params: list[Tensor], grads: list[Tensor], items: list[KernelItem], hyper: StepHyper,
-    seed: int, check_finite: bool, corrections: list[Tensor | None],
-) -> list[KernelItem]:
-    m_kind, v_kind = kinds
+def _corrections(corrections: list[Tensor | None]) -> list[Tensor]:
+    return [_NO_CORRECTION if c is None else c for c in corrections]
+
+
+def _adamw_arguments(
+    fmt: StateFormat, items: list[KernelItem], params: list[Tensor], grads: list[Tensor],
+    corrections: list[Tensor | None], hyper: StepHyper, seed: int, check_finite: bool,
+) -> tuple:
+    """The arguments of ``kernels.ops().adamw_step`` (``cpu_step.cpp``) for ``items`` of ``fmt``, stepping
+    ``params`` (the items' own or their working copies) with ``grads``."""
+    m_kind, v_kind = fmt.kernel_kinds  # type: ignore[misc] - kernel_serves checked it
     empty: list[Tensor] = []
 
     def lists(table: dict[int, tuple[str | None, ...]], kind: int) -> list[list[Tensor]]:
@@ -156,29 +160,28 @@ def _launch(
                 raise ValueError(f"shape {tuple(it.param.shape)} has no factored form")
         rows = [it.views["exp_avg_sq_row"] for it in items]
         cols = [it.views["exp_avg_sq_col"] for it in items]
-    skipped = kernels.ops().adamw_step(
+    return (
         params, grads, m, m_scale, m_exp, v, v_scale, v_exp, rows, cols, [it.counts for it in items],
-        [_NO_CORRECTION if c is None else c for c in corrections],
-        [it.salt for it in items], [_key_shift(it.offset) for it in items], seed, m_kind, v_kind, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
-        hyper.weight_decay, hyper.decoupled_weight_decay, hyper.maximize, M_SCALE_MAX, V_SCALE_MAX, EPS_SQUARE,
-        FP32_MAX, check_finite, BATCH_ELEMENTS,
+        _corrections(corrections), [it.salt for it in items], [_key_shift(it.offset) for it in items], seed, m_kind,
+        v_kind, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, hyper.decoupled_weight_decay,
+        hyper.maximize, M_SCALE_MAX, V_SCALE_MAX, EPS_SQUARE, FP32_MAX, check_finite, BATCH_ELEMENTS,
     )
-    return [items[i] for i in skipped]
 
 
 _RULES = {"sgd": kernels.RULE_SGD, "lion": kernels.RULE_LION}
 
 
-def _launch_momentum(
-    kind: int, params: list[Tensor], grads: list[Tensor], items: list[KernelItem], hyper: StepHyper, seed: int,
-    check_finite: bool, corrections: list[Tensor | None],
-) -> list[KernelItem]:
+def _momentum_arguments(
+    fmt: StateFormat, items: list[KernelItem], params: list[Tensor], grads: list[Tensor],
+    corrections: list[Tensor | None], hyper: StepHyper, seed: int, check_finite: bool,
+) -> tuple:
+    """The arguments of ``kernels.ops().momentum_step`` (SGD and Lion, ``cpu_step.cpp``) for ``items``."""
+    kind = fmt.momentum_kind  # type: ignore[attr-defined]
     keys = _M_KEYS.get(kind, (None, None, None))
     m, m_scale, m_exp = ([it.views[k] for it in items] if k is not None else [] for k in keys)
-    skipped = kernels.ops().momentum_step(
-        params, grads, m, m_scale, m_exp, [it.counts for it in items],
-        [_NO_CORRECTION if c is None else c for c in corrections], [it.salt for it in items],
-        [_key_shift(it.offset) for it in items], seed, _RULES[hyper.rule], kind, hyper.lr, hyper.beta1, hyper.beta2, hyper.weight_decay, hyper.dampening,
-        hyper.nesterov, hyper.maximize, M_SCALE_MAX, check_finite, BATCH_ELEMENTS,
+    return (
+        params, grads, m, m_scale, m_exp, [it.counts for it in items], _corrections(corrections),
+        [it.salt for it in items], [_key_shift(it.offset) for it in items], seed, _RULES[hyper.rule], kind, hyper.lr,
+        hyper.beta1, hyper.beta2, hyper.weight_decay, hyper.dampening, hyper.nesterov, hyper.maximize, M_SCALE_MAX,
+        check_finite, BATCH_ELEMENTS,
     )
-    return [items[i] for i in skipped]

@@ -444,31 +444,6 @@ _V_KEYS = {V_FP32: ("exp_avg_sq", None, None), V_BF16: ("exp_avg_sq", None, None
            V_UINT8: ("exp_avg_sq", "exp_avg_sq_scale", "exp_avg_sq_exp"), V_FACTORED: (None, None, None)}
 
 
-def _factors(it: Any, hyper: Any, corr: Tensor | None, common: dict[str, Any]) -> tuple[Tensor, Tensor, int]:
-    """The factored moments' update of one item (the sums by :func:`_factored_sums`, the vectors as the
-    eager step; kept where its skip flag is set), and the row and column factors of its denominator."""
-    rows, cols = factor_dims(it.param.shape)  # type: ignore[misc] - serves() checked it
-    row, col = it.views["exp_avg_sq_row"], it.views["exp_avg_sq_col"]
-    programs = triton.cdiv(rows, _SUM_ROWS)
-    partial = torch.empty((programs, cols), dtype=torch.float32, device=row.device)
-    row_sum = torch.empty(rows, dtype=torch.float32, device=row.device)
-    p = it.param.detach().view(-1)
-    _factored_sums[(programs,)](
-        _bits(it.grad.view(-1)), _bits(p), p if corr is None else corr.view(-1), partial, row_sum, rows, cols,
-        _f32(math.sqrt((1.0 - hyper.beta2) / max(rows, cols))), common["gsign"], common["l2"], L2=common["L2"],
-        W=common["W"], G=common["G"], CB=common["CB"], BR=_SUM_ROWS, BC=256, enable_fp_fusion=False,
-    )
-    # the device decides whether the step happens: the new vectors apart, the old ones kept on a skip
-    new_row, new_col = (row, col) if it.skip_flag is None else (row.clone(), col.clone())
-    moments_from_sums(new_row, new_col, row_sum, partial.sum(dim=0), hyper)
-    row_factor, col_factor = sqrt_factors(new_row, new_col, it.bias_correction2)
-    if it.skip_flag is not None:
-        skip = it.skip_flag != 0
-        row.copy_(torch.where(skip, row, new_row))
-        col.copy_(torch.where(skip, col, new_col))
-    return row_factor, col_factor, cols
-
-
 def _bits(t: Tensor) -> Tensor:
     """A 16-bit tensor as its int16 bits (what the kernel loads and stores), any other as it is."""
     return t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
@@ -530,17 +505,17 @@ def _common(kinds: tuple[int, int], hyper: Any, limit_m: float, limit_v: float) 
     )
 
 
-def _launch(table: Tensor, count: int, blocks: int, kind: tuple[int, int, int, bool], common: dict[str, Any],
-            device: torch.device, repair: Tensor | None) -> None:
-    """One launch over the ``count`` tensors of ``table`` (host int64: their rows, then their first
-    super-blocks; ``blocks`` super-blocks in all), of one ``kind`` (W, G, CB, SKIP)."""
+def on_device(table: Tensor, device: torch.device) -> Tensor:
+    """A launch's table (host int64) where the kernel reads it: on a GPU, a copy from pinned memory (no
+    synchronisation with the host)."""
+    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+
+
+def launch_options(kind: tuple[int, int, int, bool], count: int, repair: Tensor | None) -> dict[str, Any]:
+    """The compile-time options of a launch over ``count`` tensors of one ``kind`` (W, G, CB, SKIP)."""
     w_kind, g_kind, bits, skip = kind
-    if device.type == "cuda":  # a copy from pinned memory: no synchronisation with the host
-        table = table.pin_memory().to(device, non_blocking=True)
-    _adamw_tensors[(blocks,)](
-        table, count, table if repair is None else repair, W=w_kind, G=g_kind, CB=bits, SKIP=skip,
-        SEARCH=max(count - 1, 1).bit_length(), REPAIR=repair is not None, enable_fp_fusion=False, **common,
-    )
+    return dict(W=w_kind, G=g_kind, CB=bits, SKIP=skip, SEARCH=max(count - 1, 1).bit_length(), REPAIR=repair is not None,
+                enable_fp_fusion=False)
 
 
 def adamw_step(
@@ -573,7 +548,29 @@ def adamw_step(
         key = _launch_kind(it.param, it.grad.dtype, corr, it.skip_flag is not None)
         factors = None
         if v_kind == V_FACTORED:
-            factors = _factors(it, hyper, corr, {**common, "W": key[0], "G": key[1], "CB": key[2]})
+            # the factored moments' update: the row and column sums of the squared gradient in one kernel (partial
+            # column sums per block of rows, added in a fixed order), the vectors as the eager step updates them
+            # (kept where the skip flag is set), and the row and column factors of the denominator
+            rows_n, cols = factor_dims(it.param.shape)  # type: ignore[misc] - serves() checked it
+            row, col = it.views["exp_avg_sq_row"], it.views["exp_avg_sq_col"]
+            programs = triton.cdiv(rows_n, _SUM_ROWS)
+            partial = torch.empty((programs, cols), dtype=torch.float32, device=row.device)
+            row_sum = torch.empty(rows_n, dtype=torch.float32, device=row.device)
+            p = it.param.detach().view(-1)
+            _factored_sums[(programs,)](
+                _bits(it.grad.view(-1)), _bits(p), p if corr is None else corr.view(-1), partial, row_sum, rows_n, cols,
+                _f32(math.sqrt((1.0 - hyper.beta2) / max(rows_n, cols))), common["gsign"], common["l2"], L2=common["L2"],
+                W=key[0], G=key[1], CB=key[2], BR=_SUM_ROWS, BC=256, enable_fp_fusion=False,
+            )
+            # the device decides whether the step happens: the new vectors apart, the old ones kept on a skip
+            new_row, new_col = (row, col) if it.skip_flag is None else (row.clone(), col.clone())
+            moments_from_sums(new_row, new_col, row_sum, partial.sum(dim=0), hyper)
+            row_factor, col_factor = sqrt_factors(new_row, new_col, it.bias_correction2)
+            if it.skip_flag is not None:
+                skip = it.skip_flag != 0
+                row.copy_(torch.where(skip, row, new_row))
+                col.copy_(torch.where(skip, col, new_col))
+            factors = (row_factor, col_factor, cols)
             alive.append(factors)
         rows, firsts = launches.setdefault(key, ([], [0]))
         bits = scalars.get((it.bias_correction1, it.bias_correction2))
@@ -587,8 +584,10 @@ def adamw_step(
     device = items[0].param.device  # one device per call (the optimizer buckets by device)
     for kind, (rows, firsts) in launches.items():
         rows += firsts[:-1]
-        table = torch.frombuffer(array.array("q", rows), dtype=torch.int64)  # a copy of the ints: no Python loop
-        _launch(table, len(firsts) - 1, firsts[-1], kind, common, device, repair)
+        table = on_device(torch.frombuffer(array.array("q", rows), dtype=torch.int64), device)  # no Python loop
+        count = len(firsts) - 1
+        _adamw_tensors[(firsts[-1],)](table, count, table if repair is None else repair,
+                                      **launch_options(kind, count, repair), **common)
 
 
 __all__ = ["SERVED", "adamw_step", "serves", "step_scalars", "triton_status"]

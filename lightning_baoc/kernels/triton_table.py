@@ -65,7 +65,10 @@ class Table:
             part, sizes = (rows, blocks) if whole else (rows[of_kind], blocks[of_kind])
             firsts = np.cumsum(sizes)
             flat = np.concatenate([part.reshape(-1), [0], firsts[:-1]])  # the rows, then each first super-block
-            ts._launch(torch.from_numpy(flat), len(of_kind), int(firsts[-1]), kind, common, device, repair)
+            table = ts.on_device(torch.from_numpy(flat), device)
+            count = len(of_kind)
+            ts._adamw_tensors[(int(firsts[-1]),)](table, count, table if repair is None else repair,
+                                                  **ts.launch_options(kind, count, repair), **common)
 
 
 __all__ = ["Table"]

@@ -120,13 +120,13 @@ class DevicePlan:
 
         self.conditions = conditions
         self.entries: list[_Entry] = []
-        self.others: list[Tensor] = []  # the parameters the plan leaves to the unplanned step
+        self.others: list[tuple[Tensor, Record]] = []  # the parameters (and records) it leaves to the unplanned step
         by_format: dict[tuple[str, torch.device], list[_Entry]] = {}
         for p, route in zip(params, routes):
             rec = records[p]
             fmt = registry[rec.format]
             if route is None or (route == "triton" and fmt.factored):  # factors per tensor: the unplanned step
-                self.others.append(p)
+                self.others.append((p, rec))
                 continue
             entry = _Entry(p, rec, rec.format, rec.views, rec.master_correction, p.data_ptr(), p.grad.dtype,
                            fmt.has_momentum, salt(rec), route == "fused")
@@ -150,9 +150,9 @@ class DevicePlan:
             for row, e in enumerate(entries):
                 e.launch, e.row = launch, row
 
-    def select(self, conditions: tuple) -> tuple[Chosen, list[Tensor]] | None:
-        """The entries that step on the device this step, and the parameters left to the unplanned step
-        (the plan's others, and fp32 tensors whose counts the fused kernel cannot take); ``None`` where
+    def select(self, conditions: tuple) -> tuple[Chosen, list[tuple[Tensor, Record]]] | None:
+        """The entries that step on the device this step, and the parameters (with their records) left to
+        the unplanned step (the plan's others, and fp32 tensors whose counts the fused kernel cannot take); ``None`` where
         the plan is out of date (its conditions, a record's states or counts, a parameter's data or a
         gradient's dtype or layout changed): build it again."""
         if conditions != self.conditions:
@@ -173,7 +173,7 @@ class DevicePlan:
             if len(held):
                 rows = np.setdiff1d(self.every, held)
                 entries = [self.entries[i] for i in rows.tolist()]
-                others = others + [self.entries[i].param for i in held.tolist()]
+                others = others + [(self.entries[i].param, self.entries[i].rec) for i in held.tolist()]
         return Chosen(self, rows, entries), others
 
 
@@ -192,11 +192,13 @@ class Chosen:
     def params(self) -> list[Tensor]:
         return [e.param for e in self.entries]
 
-    def step(self, hyper: StepHyper, seed: int, flags: Mapping[int, tuple[DeferredFlags, int, Tensor]]) -> None:
-        """Step the entries with their flags (:meth:`StepDispatcher._device_flags
-        <lightning_baoc.optim.stepping.StepDispatcher._device_flags>`): their counts advance now (one numpy
-        operation over the plan's counts), a skip is taken back when next read
-        (:class:`~lightning_baoc.optim.pools.DeferredFlags`)."""
+    def step(self, hyper: StepHyper, seed: int, flags: list[tuple[DeferredFlags, int, Tensor]]) -> None:
+        """Step the entries with their flags (``flags``: each entry's, in order, from
+        :meth:`StepDispatcher._device_flags <lightning_baoc.optim.stepping.StepDispatcher._device_flags>`):
+        their counts advance now (one numpy operation over the plan's counts), a skip is applied when next
+        read (:class:`~lightning_baoc.optim.pools.DeferredFlags`). One launch per format and device: the
+        Triton kernel's (:meth:`Table.launch <lightning_baoc.kernels.triton_table.Table.launch>`), or for
+        fp32 tensors torch's fused kernel, then the Triton kernel where it skipped any (``repair``)."""
         plan, rows = self.plan, self.rows
         array, at = plan.array, plan.index[rows]
         array[at, 0] += 1
@@ -209,34 +211,40 @@ class Chosen:
         pairs = [(int(k >> 32), int(k & _M32)) for k in distinct.tolist()]
         entries = self.entries
         indices = []
-        launches: dict[int, tuple[list[int], Tensor]] = {}  # by launch: its entries (indices) and the device's flags
-        for k, e in enumerate(entries):
-            deferred, index, skip = flags[id(e.param)]
+        launches: dict[_Launch, tuple[list[int], Tensor]] = {}  # by launch: its entries (indices) and the device's flags
+        for k, (e, (deferred, index, skip)) in enumerate(zip(entries, flags)):
             deferred.records[index] = (e.rec, e.has_momentum)
             e.rec.unread_skip = (deferred, index)
             indices.append(index)
-            launches.setdefault(id(e.launch), ([], skip))[0].append(k)
+            launches.setdefault(e.launch, ([], skip))[0].append(k)  # type: ignore[arg-type] - set for every entry
         run = _Step(pairs, hyper, seed, pair_of.astype(np.int64, copy=False), np.array(indices, dtype=np.int64))
-        for members, skip in launches.values():
+        for launch, (members, skip) in launches.items():
             launched = [entries[k] for k in members]
-            if launched[0].fused:
-                run.fused(launched, members, skip)
-            else:
-                run.launch(launched, members, skip)
+            if not launched[0].fused:
+                launch.table.launch(*run.launch_arguments(launched, members, skip))
+                continue
+            # fp32 tensors of one device: one call of torch's fused kernel, skipped whole where any flag of the
+            # device is set; then the Triton kernel steps the finite ones where it was, as the unplanned step does.
+            # A tensor alone takes its own flag, with nothing to repair.
+            found_inf = run.found_inf(members, skip)
+            fused_call(*run.fused_arguments(launched, members), found_inf)
+            if len(launched) > 1:
+                launch.table.launch(*run.launch_arguments(launched, members, skip), found_inf)
 
 
 class _Step:
     """What the launches of one plan's step share: the distinct counts (``pairs``: (step, m_step)), each
-    entry's (``pair_of``, into ``pairs``) and its index in its device's skip flags (``indices``)."""
+    entry's (``pair_of``, into ``pairs``) and its index in its device's skip flags (``indices``); the
+    arguments of each launch."""
 
     def __init__(self, pairs: list[tuple[int, int]], hyper: StepHyper, seed: int, pair_of: np.ndarray,
                  indices: np.ndarray) -> None:
         self.pairs, self.hyper, self.seed, self.pair_of, self.indices = pairs, hyper, seed, pair_of, indices
         self.corrections = [(1.0 - hyper.beta1**m if m else 1.0, 1.0 - hyper.beta2**s) for s, m in pairs]
 
-    def launch(self, entries: list[_Entry], members: list[int], skip: Tensor, repair: Tensor | None = None) -> None:
-        """The Triton launch of ``entries`` (rows of one table, in its order; ``members``: their indices in
-        the step; ``skip``: their device's skip flags)."""
+    def launch_arguments(self, entries: list[_Entry], members: list[int], skip: Tensor) -> tuple:
+        """The arguments of the Triton launch of ``entries`` (rows of one table, in its order; ``members``:
+        their indices in the step; ``skip``: their device's skip flags) but its ``repair``."""
         from lightning_baoc.kernels.triton_step import step_scalars
 
         launch = entries[0].launch
@@ -252,22 +260,20 @@ class _Step:
         bits = np.array([step_scalars(bc1, bc2, has_m, self.hyper.lr) for bc1, bc2 in self.corrections],
                         dtype=np.int64).reshape(-1, 2)
         flags = skip.data_ptr() + 4 * self.indices[which]  # fp32 elements of the device's flags
-        table.launch(self.hyper, M_SCALE_MAX, V_SCALE_MAX, entries[0].param.device,
-                     [e.param.grad.data_ptr() for e in entries], flags, keys.astype(np.int64), bits[pair_of], select,
-                     repair)
+        return (self.hyper, M_SCALE_MAX, V_SCALE_MAX, entries[0].param.device, [e.param.grad.data_ptr() for e in entries],
+                flags, keys.astype(np.int64), bits[pair_of], select)
 
-    def fused(self, entries: list[_Entry], members: list[int], skip: Tensor) -> None:
-        """fp32 tensors of one device: one call of torch's fused kernel, skipped whole where any flag of
-        the device is set; then the Triton kernel steps the finite ones where it was (``repair``), as
-        the unplanned step does. A tensor alone takes its own flag, with nothing to repair."""
-        if len(entries) == 1:
+    def found_inf(self, members: list[int], skip: Tensor) -> Tensor:
+        """The flag torch's fused kernel skips on: a tensor alone's own, else any tensor's of the device (a
+        superset of these: still exact, the Triton kernel repairs the finite ones)."""
+        if len(members) == 1:
             index = int(self.indices[members[0]])
-            found_inf = skip[index : index + 1]
-        else:
-            found_inf = skip.amax().view(1)  # any parameter's, on this device (a superset of these: still exact)
+            return skip[index : index + 1]
+        return skip.amax().view(1)
+
+    def fused_arguments(self, entries: list[_Entry], members: list[int]) -> tuple:
+        """The arguments of torch's fused kernel over ``entries`` (fp32 tensors of one device) but its ``found_inf``."""
         moments = [e.moments for e in entries]
-        fused_call(entries[0].param.device, [e.param for e in entries], [e.param.grad for e in entries],
-                   [m for m, _ in moments], [v for _, v in moments],  # type: ignore[misc] - set for fused entries
-                   [self.pairs[int(self.pair_of[k])][0] for k in members], self.hyper, found_inf)
-        if len(entries) > 1:
-            self.launch(entries, members, skip, repair=found_inf)
+        return (entries[0].param.device, [e.param for e in entries], [e.param.grad for e in entries],
+                [m for m, _ in moments], [v for _, v in moments],  # type: ignore[misc] - set for fused entries
+                [self.pairs[int(self.pair_of[k])][0] for k in members], self.hyper)

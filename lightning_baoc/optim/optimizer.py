@@ -411,18 +411,22 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with_grad = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        for p in with_grad:
-            if p.grad.is_sparse:
-                raise TypeError(
-                    f"{self.label} does not support sparse gradients (parameter {self._records[p].name!r}); "
-                    f"use torch.optim.SparseAdam for sparse embeddings"
-                )
+        batches = []  # per group: its index, the group, its parameters with gradients
+        for index, group in enumerate(self.param_groups):
+            with_grad = [p for p in group["params"] if p.grad is not None]
+            for p in with_grad:
+                if p.grad.is_sparse:
+                    raise TypeError(
+                        f"{self.label} does not support sparse gradients (parameter {self._records[p].name!r}); "
+                        f"use torch.optim.SparseAdam for sparse embeddings"
+                    )
+            if with_grad:
+                batches.append((index, group, with_grad))
         self._sync_formats()
         self._initialize_new()
         self._masters.sync(self.param_groups)
         self._release.new_window()  # a new window: each parameter may release its gradient once again
-        self._stepper.step(with_grad, self.param_groups, self._hyper)
+        self._stepper.step(batches, self._hyper)
         return loss
 
     @property
@@ -530,7 +534,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         if target != rec.format:
             self._convert({p: target})
         self._masters.sync(self.param_groups, [p])
-        self._stepper.step([p], self.param_groups, self._hyper)
+        self._stepper.step([(rec.group, self.param_groups[rec.group], [p])], self._hyper)
 
     # ------------------------------------------------------------------ checkpoints and copies
 

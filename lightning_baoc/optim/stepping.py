@@ -1,21 +1,26 @@
-"""The step of :meth:`BlockwiseAdamW.step <lightning_baoc.optim.BlockwiseAdamW.step>`: which kernel steps each
-parameter, by its format and device, and the eager step.
+"""The step of :meth:`BlockwiseAdamW.step <lightning_baoc.optim.BlockwiseAdamW.step>`: each parameter sent to the
+backend of its format and device, each backend's entry called by :meth:`StepDispatcher.step` itself.
 
-:class:`StepDispatcher` sends the (param group, format) buckets the compiled CPU kernels serve to
-:func:`~lightning_baoc.kernels.compiled.compiled_step`: the kernel tests each gradient for inf and
-NaN, advances the step counts or counts the skip, and says which it skipped, so nothing is read
-from a tensor to launch it. Every other parameter (CUDA, a policy of ``"eager"``, no compiler) takes
-the eager step here: the host reads which gradients are finite (:meth:`StepDispatcher.finite_mask`, one
-synchronisation per device and step), advances the counts, computes the bias corrections and the
-rounding key, and runs each format's ``update``. On a GPU the Triton kernels
-(:mod:`lightning_baoc.kernels.triton_step`) and torch's fused AdamW serve the formats instead, and read
-each gradient's finiteness flag on the device (:meth:`StepDispatcher._device_flags`; fp32 takes one fused
-call whose ``found_inf`` is the flag of any, then the Triton kernel steps the finite ones where it was
-set): the host advances the counts as if the step happened and applies a skip when a count is next read
-(:class:`~lightning_baoc.optim.pools.DeferredFlags`), so it reads nothing to launch them. The host's work
-of those steps is planned once per param group and replayed (:mod:`lightning_baoc.optim.device_plan`).
-Both work on each parameter's local part (the shard of a ``DTensor`` parameter on this rank:
-:mod:`lightning_baoc.optim.sharding`).
+- **Compiled CPU kernels** (:func:`~lightning_baoc.kernels.compiled.compiled_step`, one call per param group and
+  format): the kernel tests each gradient for inf and NaN, advances the step counts or counts the skip, and says
+  which it skipped, so nothing is read from a tensor to launch it.
+- **The device's kernels** on a GPU: the Triton kernels (:mod:`lightning_baoc.kernels.triton_step`) and torch's
+  fused AdamW read each gradient's finiteness flag on the device (:meth:`StepDispatcher._device_flags`; fp32
+  takes one fused call whose ``found_inf`` is the flag of any, then the Triton kernel steps the finite ones
+  where it was set): the host advances the counts as if the step happened and applies a skip when a count is
+  next read (:class:`~lightning_baoc.optim.pools.DeferredFlags`), so it reads nothing to launch them. The host's
+  work of those steps is planned once per param group and replayed (:mod:`lightning_baoc.optim.device_plan`).
+- **The eager step** (each format's ``update``, the reference) for every other parameter (a policy of
+  ``"eager"``, no compiler, a format without kernels): the host reads which gradients are finite
+  (:meth:`StepDispatcher.finite_mask`, one synchronisation per device and step), advances the counts, computes
+  the bias corrections and the rounding key.
+
+So the arithmetic is at most four calls from ``step()``: ``step()`` -> :meth:`StepDispatcher.step` -> the
+backend's entry (``compiled_step``, ``Chosen.step``, :meth:`StepDispatcher._device_step`, ``StateFormat.update``)
+-> the kernel or the format's math (``tests/optim/test_stepping.py`` measures it for every format and backend).
+The routing (:meth:`StepDispatcher._route`, :meth:`StepDispatcher._prepare`) carries each parameter's record
+along with it, in lists, so the host looks each parameter up once per step. All of it works on each
+parameter's local part (the shard of a ``DTensor`` parameter on this rank: :mod:`lightning_baoc.optim.sharding`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import dataclasses
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -36,7 +41,9 @@ from lightning_baoc.formats.fused_adam import (
     MAX_FUSED_STEP,
     fusable,
     fused_available,
-    fused_dense_fp32,
+    fused_call,
+    fused_step_count,
+    shaped,
 )
 from lightning_baoc.formats.quant import M_SCALE_MAX, V_SCALE_MAX, name_salt, stream_key
 from lightning_baoc.kernels import M_FP32, V_FP32, use_triton
@@ -70,12 +77,12 @@ class StepDispatcher:
 
     Needs: the records table (parameter -> :class:`~lightning_baoc.optim.pools.Record`, shared with the
     optimizer: a record's counts are advanced here), the format registry and the
-    :class:`StepSettings`. Each step takes the param groups and ``hyper_of(group)`` (their
+    :class:`StepSettings`. Each step takes the param groups' parameters and ``hyper_of(group)`` (their
     hyperparameters) from its caller.
 
     Example:
         >>> stepper = StepDispatcher(records, FORMATS, StepSettings(0, True, "auto", "BlockwiseAdamW"))  # doctest: +SKIP
-        >>> stepper.step(params_with_grads, optimizer.param_groups, optimizer._hyper)  # doctest: +SKIP
+        >>> stepper.step([(0, group, params_with_grads)], optimizer._hyper)  # doctest: +SKIP
     """
 
     def __init__(self, records: dict[Tensor, Record], registry: Mapping[str, StateFormat], settings: StepSettings) -> None:
@@ -91,7 +98,7 @@ class StepDispatcher:
         # name -> (what the decision follows from, the decision)
         self.serving: dict[str | tuple[str, str], tuple[tuple, bool]] = {}
         self.unread: list[DeferredFlags] = []  # the steps whose skips the device decided, read at the next step
-        self.plans: dict[tuple[int, tuple[int, ...]], DevicePlan] = {}  # by group and parameters (device_plan.py)
+        self.plans: dict[tuple[int, tuple[str, ...]], DevicePlan] = {}  # by group and parameter names (device_plan.py)
         self.count_store = CountsStore()  # the records' counts as rows of one array, for the plans
 
     # ------------------------------------------------------------------ rounding keys
@@ -112,20 +119,54 @@ class StepDispatcher:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self, params: list[Tensor], groups: list[dict], hyper_of: HyperOf) -> None:
-        """One step of ``params`` (with gradients, states and corrections in place), by group of
-        ``groups`` (the optimizer's param groups; ``hyper_of(group)``: their hyperparameters)."""
+    def step(self, batches: Sequence[tuple[int, Mapping[str, Any], list[Tensor]]], hyper_of: HyperOf) -> None:
+        """One step of the parameters of ``batches`` (per param group: its index, the group, its parameters
+        with gradients, their states and corrections in place; ``hyper_of(group)``: its hyperparameters).
+
+        Each parameter goes to one backend, by its format and device (:meth:`_route`, :meth:`_prepare`), each
+        called here:
+
+        - the compiled CPU kernels (:func:`~lightning_baoc.kernels.compiled.compiled_step`), which test the
+          gradients, advance the counts and say which they skipped;
+        - on a GPU, the device's planned step (:meth:`Chosen.step <lightning_baoc.optim.device_plan.Chosen.step>`)
+          and kernels (:meth:`_device_step`: Triton, torch's fused AdamW), which read each gradient's finiteness
+          flag on the device, the host advancing the counts as if the step happened;
+        - the eager step (each format's ``update``, the reference), once the host has read which gradients
+          are finite.
+        """
         self.apply_device_skips()
-        skipped_sharded = self._skip_sharded_nonfinite(params)
-        chosen = {id(p) for p in params if not skipped_sharded or p not in skipped_sharded}  # ids: hashing a tensor is a Python call
-        eager: list[tuple[int, StepHyper, list[Tensor]]] = []
-        for index, group in enumerate(groups):
+        compiled, rest = self._route(batches, hyper_of)
+        for fmt, hyper, items, records, check in compiled:
+            skipped = compiled_step(fmt, items, hyper, self.seed, check)
+            if skipped:
+                self.warn_skipped([records[i] for i in skipped])
+        if not rest:
+            return
+        route = self._prepare(rest)
+        for hyper, chosen, flags in route.planned:
+            chosen.step(hyper, self.seed, flags)
+        for fmt, hyper, items, corrections, any_skip in route.device:
+            self._device_step(fmt, items, corrections, hyper, any_skip)
+        for fmt, hyper, items, corrections in route.eager:
+            for batch in _with_masters(items, corrections):
+                fmt.update(batch, hyper)
+
+    def _route(
+        self, batches: Sequence[tuple[int, Mapping[str, Any], list[Tensor]]], hyper_of: HyperOf
+    ) -> tuple[list[_CompiledBucket], list[_Rest]]:
+        """The compiled CPU kernels' buckets of ``batches`` (by group and format: the format, the group's
+        hyperparameters, the kernel's items, their records, whether the kernel tests the gradients), and per
+        group the parameters left to the device's kernels and the eager step (:meth:`_prepare`)."""
+        skipped = self._skip_sharded_nonfinite([p for _, _, params in batches for p in params])
+        compiled: list[_CompiledBucket] = []
+        rest: list[_Rest] = []
+        for index, group, params in batches:
             hyper = hyper_of(group)
-            compiled: dict[str, list[KernelItem]] = defaultdict(list)
-            owners: dict[int, Tensor] = {}  # id of a local part -> its parameter
-            rest: list[Tensor] = []
-            for p in group["params"]:
-                if id(p) not in chosen:
+            buckets: dict[str, tuple[list[KernelItem], list[Record], list[Tensor]]] = {}
+            others: list[Tensor] = []
+            other_records: list[Record] = []
+            for p in params:
+                if skipped and p in skipped:  # a sharded parameter's non-finite gradient: skipped on every rank
                     continue
                 grad = p.grad  # read once: a property of the tensor
                 if grad is None or p.numel() == 0:
@@ -138,62 +179,119 @@ class StepDispatcher:
                     continue  # (a factored or framed one steps: it takes part in the exchanges among the shards)
                 if self._kernel_serves(rec, fmt, local_part):
                     rec.apply_device_skip()
-                    item = KernelItem(local_part, local(grad), rec.views, rec.counts, self.salt(rec), rec.master_correction,
-                                      rec.shard_offset)
-                    owners[id(local_part)] = p
-                    compiled[rec.format].append(item)
+                    bucket = buckets.get(rec.format)
+                    if bucket is None:
+                        bucket = buckets[rec.format] = ([], [], [])
+                    bucket[0].append(KernelItem(local_part, local(grad), rec.views, rec.counts, self.salt(rec),
+                                                rec.master_correction, rec.shard_offset))
+                    bucket[1].append(rec)
+                    bucket[2].append(p)
                 else:
-                    rest.append(p)
-            for fmt, items in compiled.items():
-                # the kernel tests the gradients (but sharded ones, tested across the ranks already),
-                # advances the counts and says which it skipped
-                check = self.skip_nonfinite and not all(is_sharded(owners[id(it.param)]) for it in items)
-                skipped = compiled_step(self.registry[fmt], items, hyper, self.seed, check)
-                if skipped:
-                    self.warn_skipped([self.records[owners[id(it.param)]] for it in skipped])
-            if rest:
-                eager.append((index, hyper, rest))
-        if eager:
-            kernels_on: dict[torch.device, bool] = {}  # whether the device kernels run there (asked once per step)
-            planned, unplanned = [], []  # the device's planned steps; the others, by group
-            for index, hyper, params in eager:
-                chosen, others = self._planned(index, hyper, params, kernels_on)
-                if chosen:
-                    planned.append((hyper, chosen))
-                if others:
-                    unplanned.append((hyper, others))
-            every = [p for _, params in unplanned for p in params]
-            decided = [p for _, chosen in planned for p in chosen.params]
-            decided += [p for hyper, ps in unplanned for p in ps if self.decided_on_device(p, hyper, kernels_on)]
-            flags = self._device_flags(decided)
-            # decided already (ids): on the device, or (sharded) across the ranks by _skip_sharded_nonfinite
-            known = set(flags)
-            if self.skip_nonfinite:
-                known.update(id(p) for p in every if is_sharded(p))
-            finite = iter(self.finite_mask([p for p in every if id(p) not in known]))
-            for hyper, chosen in planned:
-                chosen.step(hyper, self.seed, flags)
-            for hyper, params in unplanned:
-                self._eager_step(hyper, params, [True if id(p) in known else next(finite) for p in params], flags)
+                    others.append(p)
+                    other_records.append(rec)
+            for name, (items, records, owners) in buckets.items():
+                # the kernel tests the gradients (but sharded ones, tested across the ranks already)
+                check = self.skip_nonfinite and not all(is_sharded(p) for p in owners)
+                compiled.append((self.registry[name], hyper, items, records, check))
+            if others:
+                rest.append((index, hyper, others, other_records))
+        return compiled, rest
+
+    def _prepare(self, rest: list[_Rest]) -> _Route:
+        """The backends of the parameters the compiled kernels do not serve (``rest``, per group: the group's
+        index, its hyperparameters, the parameters and their records): the device's plans, the device's
+        kernels and the eager step. Each one's skip is decided on the device (its flag: :meth:`_device_flags`),
+        across the ranks (sharded: decided already) or by the host (:meth:`finite_mask`, one synchronisation per
+        device); its counts are advanced and its item made (bias corrections, rounding key)."""
+        route = _Route()
+        kernels_on: dict[torch.device, bool] = {}  # whether the device kernels run there (asked once per step)
+        planned: list[tuple[StepHyper, Chosen]] = []
+        # per group: the parameters the plans leave, their records, and whether the device decides each one's skip
+        unplanned: list[tuple[StepHyper, list[Tensor], list[Record], list[bool]]] = []
+        for index, hyper, params, records in rest:
+            chosen, others = self._planned(index, hyper, params, records, kernels_on)
+            if chosen:
+                planned.append((hyper, chosen))
+            if others:
+                ps, recs = [p for p, _ in others], [rec for _, rec in others]
+                on_device = [_decided(self._device_route(p, rec, hyper, kernels_on), rec) for p, rec in others]
+                unplanned.append((hyper, ps, recs, on_device))
+        # decided on the device: the planned ones, then the others a device kernel serves, each in order
+        decided = [p for _, chosen in planned for p in chosen.params]
+        decided += [p for _, ps, _, on_device in unplanned for p, yes in zip(ps, on_device) if yes]
+        flags = iter(self._device_flags(decided))
+        for hyper, chosen in planned:
+            route.planned.append((hyper, chosen, [next(flags) for _ in range(len(chosen))]))
+        # the host reads the others' finiteness (but sharded ones', decided across the ranks already)
+        by_ranks = self.skip_nonfinite
+        finite = iter(self.finite_mask([p for _, ps, _, on_device in unplanned for p, yes in zip(ps, on_device)
+                                        if not yes and not (by_ranks and is_sharded(p))]))
+        for hyper, ps, recs, on_device in unplanned:
+            buckets: dict[tuple[str, torch.device], tuple[list[StepItem], list[Tensor | None]]] = {}
+            any_skip: dict[torch.device, Tensor] = {}  # each device's skip flags (_device_flags)
+            powers: dict[tuple[float, int], float] = {}  # the bias corrections, computed once per count
+            beta1, beta2 = hyper.beta1, hyper.beta2  # the group's (SGD's momentum is its beta1)
+            skipped: list[Record] = []
+            for p, rec, yes in zip(ps, recs, on_device):
+                flag = next(flags) if yes else None
+                if not yes and not (by_ranks and is_sharded(p)) and not next(finite):
+                    rec.nonfinite += 1
+                    skipped.append(rec)
+                    continue
+                fmt = self.registry[rec.format]
+                step, m_step = rec.advance(fmt.has_momentum)
+                bc1 = powers.get((beta1, m_step))
+                if bc1 is None:
+                    bc1 = powers[(beta1, m_step)] = 1.0 - beta1**m_step if m_step else 1.0
+                bc2 = powers.get((beta2, step))
+                if bc2 is None:
+                    bc2 = powers[(beta2, step)] = 1.0 - beta2**step
+                count = step if m_step == step else None  # one count for both corrections
+                local_part = local(p)
+                item = StepItem(local_part, local(p.grad), rec.views, bc1, bc2, count, self.noise_key(rec, step=step),
+                                m_step)
+                if fmt.factored:
+                    item.shards = rec.row_shards
+                if flag is not None:  # after every read of the counts: a read applies the skip (it waits for the flags)
+                    deferred, at, skip = flag
+                    item.skip_flag, any_skip[local_part.device] = skip[at : at + 1], skip
+                    deferred.records[at] = (rec, fmt.has_momentum)
+                    rec.unread_skip = (deferred, at)
+                bucket = buckets.get((rec.format, local_part.device))
+                if bucket is None:
+                    bucket = buckets[(rec.format, local_part.device)] = ([], [])
+                bucket[0].append(item)
+                bucket[1].append(rec.master_correction)
+            if skipped:
+                self.warn_skipped(skipped)
+            for (name, device), (items, corrections) in buckets.items():
+                fmt = self.registry[name]
+                served, items, corrections = self._device_part(fmt, items, corrections, hyper, kernels_on, device)
+                if served is not None:
+                    route.device.append((fmt, hyper, *served, any_skip.get(device)))
+                if items:
+                    route.eager.append((fmt, hyper, items, corrections))
+        return route
 
     def _planned(
-        self, index: int, hyper: StepHyper, params: list[Tensor], kernels_on: dict[torch.device, bool]
-    ) -> tuple[Chosen | tuple[()], list[Tensor]]:
-        """The entries of ``params`` (the eager step's of group ``index``) that step through the device's
-        plan (:class:`~lightning_baoc.optim.device_plan.DevicePlan`, built on first use and kept while
-        it holds; empty: none), and the others."""
+        self, index: int, hyper: StepHyper, params: list[Tensor], records: list[Record],
+        kernels_on: dict[torch.device, bool],
+    ) -> tuple[Chosen | tuple[()], list[tuple[Tensor, Record]]]:
+        """The entries of ``params`` (with their ``records``: the eager step's of group ``index``) that step
+        through the device's plan (:class:`~lightning_baoc.optim.device_plan.DevicePlan`, built on first use
+        and kept while it holds; empty: none), and the others."""
         if not self.skip_nonfinite or hyper.rule != "adamw":
-            return (), params
+            return (), list(zip(params, records))
         conditions = (self.kernels, hyper.decoupled_weight_decay)
-        key = (index, tuple(id(p) for p in params))
+        key = (index, tuple(rec.name for rec in records))
         plan = self.plans.get(key)
         chosen = plan.select(conditions) if plan is not None else None
         if chosen is None:
             if len(self.plans) > 2 * len(self.records) + 8:  # steps of ever new subsets: keep the cache small
                 self.plans.clear()
             plan = self.plans[key] = DevicePlan(
-                params, [self._device_route(p, hyper, kernels_on) for p in params], conditions, self.records,
-                self.registry, self.salt, self.count_store)
+                params, [self._device_route(p, rec, hyper, kernels_on) for p, rec in zip(params, records)], conditions,
+                self.records, self.registry, self.salt, self.count_store)
             chosen = plan.select(conditions)
             assert chosen is not None  # a plan holds for the step it was built for
         return chosen
@@ -222,23 +320,19 @@ class StepDispatcher:
                 self.warn_skipped(skipped)
         self.unread.clear()
 
-    def decided_on_device(self, p: Tensor, hyper: StepHyper, kernels_on: dict[torch.device, bool]) -> bool:
-        """Whether ``p``'s step is decided on its device: a GPU's kernel reads its finiteness flag
-        (:class:`~lightning_baoc.optim.pools.DeferredFlags`), so the host reads nothing to launch it.
-        The Triton kernels and torch's fused AdamW do; the eager formats' steps, a sharded parameter
-        (decided across ranks) and ``skip_nonfinite=False`` (nothing to decide) do not."""
-        route = self._device_route(p, hyper, kernels_on)
-        if route == "fused":  # the kernel derives both bias corrections from one count
-            rec = self.records[p]
-            step, m_step = rec.step, rec.m_step  # the first read applies an unread device skip
-            return step == m_step and step < MAX_FUSED_STEP
-        return route is not None
+    def decided_on_device(self, p: Tensor, rec: Record, hyper: StepHyper, kernels_on: dict[torch.device, bool]) -> bool:
+        """Whether ``p``'s step (``rec``: its record) is decided on its device: a GPU's kernel reads its
+        finiteness flag (:class:`~lightning_baoc.optim.pools.DeferredFlags`), so the host reads nothing to
+        launch it. The Triton kernels and torch's fused AdamW do; the eager formats' steps, a sharded
+        parameter (decided across ranks) and ``skip_nonfinite=False`` (nothing to decide) do not."""
+        return _decided(self._device_route(p, rec, hyper, kernels_on), rec)
 
-    def _device_route(self, p: Tensor, hyper: StepHyper, kernels_on: dict[torch.device, bool]) -> str | None:
-        """Which kernel serves ``p``'s step on its device, deciding its skip there: ``"fused"`` (torch's
-        fused AdamW, fp32: where its counts allow, :meth:`decided_on_device`), ``"triton"``, or ``None``
-        (the host decides)."""
-        rec = self.records[p]
+    def _device_route(
+        self, p: Tensor, rec: Record, hyper: StepHyper, kernels_on: dict[torch.device, bool]
+    ) -> str | None:
+        """Which kernel serves ``p``'s step (``rec``: its record) on its device, deciding its skip there:
+        ``"fused"`` (torch's fused AdamW, fp32: where its counts allow, :func:`_decided`), ``"triton"``, or
+        ``None`` (the host decides)."""
         kinds = self.registry[rec.format].kernel_kinds
         if not self.skip_nonfinite or kinds is None or hyper.rule != "adamw" or is_sharded(p):
             return None
@@ -268,24 +362,24 @@ class StepDispatcher:
             return None
         return "fused" if fused else "triton"
 
-    def _device_flags(self, params: list[Tensor]) -> dict[int, tuple[DeferredFlags, int, Tensor]]:
-        """Each parameter's (by ``id``) finiteness flag on its device: (the step's flags, its index in them, and
+    def _device_flags(self, params: list[Tensor]) -> list[tuple[DeferredFlags, int, Tensor]]:
+        """Each parameter's finiteness flag on its device, in order: (the step's flags, its index in them, and
         the device's skip flags, fp32, one per parameter, 1 where its gradient holds inf or NaN; a parameter's
         flag is the element at its index). One pass over the gradients per device (their largest absolute
-        value: NaN propagates, inf is its own maximum), and two operations on the device to make the flags (on a GPU each operation's
-        launch costs more than its work); nothing read."""
-        by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
-        for p in params:
-            by_device[local(p).device].append(p)
-        out: dict[int, tuple[DeferredFlags, int, Tensor]] = {}  # ids: hashing a tensor is a Python call
+        value: NaN propagates, inf is its own maximum), and two operations on the device to make the flags
+        (on a GPU each operation's launch costs more than its work); nothing read."""
+        by_device: dict[torch.device, list[int]] = defaultdict(list)
+        for i, p in enumerate(params):
+            by_device[local(p).device].append(i)
+        out: list[tuple[DeferredFlags, int, Tensor]] = [None] * len(params)  # type: ignore[list-item] - all set below
         for members in by_device.values():
-            max_abs = torch._foreach_norm([local(p.grad) for p in members], ord=float("inf"), dtype=torch.float32)
+            max_abs = torch._foreach_norm([local(params[i].grad) for i in members], ord=float("inf"), dtype=torch.float32)
             # x * 0 is 0 for finite x and NaN for inf and NaN: 1 where the gradient was not finite
             skip = torch.stack(max_abs).mul_(0.0).nan_to_num_(nan=1.0)
             deferred = DeferredFlags(skip, len(members))
             self.unread.append(deferred)
-            for i, p in enumerate(members):
-                out[id(p)] = (deferred, i, skip)
+            for k, i in enumerate(members):
+                out[i] = (deferred, k, skip)
         return out
 
     def _skip_sharded_nonfinite(self, params: list[Tensor]) -> set[Tensor]:
@@ -346,101 +440,112 @@ class StepDispatcher:
                     stacklevel=3,
                 )
 
-    def _triton_update(
+    def _device_part(
         self, fmt: StateFormat, items: list[StepItem], corrections: list[Tensor | None], hyper: StepHyper,
-        any_skip: Tensor | None = None,
-    ) -> tuple[list[StepItem], list[Tensor | None]]:
-        """Step the ``items`` (one format, one device; ``corrections``: their master-weight corrections)
-        the Triton kernels serve on a GPU (:mod:`lightning_baoc.kernels.triton_step`); the others.
-        ``any_skip``: the device's skip flags (:meth:`_device_flags`), one per parameter decided there."""
+        kernels_on: dict[torch.device, bool], device: torch.device,
+    ) -> tuple[tuple[list[StepItem], list[Tensor | None]] | None, list[StepItem], list[Tensor | None]]:
+        """Of ``items`` (one format, one device; ``corrections``: their master-weight corrections): those the
+        device's kernels step (:meth:`_device_step`; ``None``: none), and the others, for the eager step."""
         kinds = fmt.kernel_kinds
-        if not items or kinds is None or hyper.rule != "adamw" or not use_triton(self.kernels, items[0].param.device):
-            return items, corrections
+        if kinds is None or hyper.rule != "adamw":
+            return None, items, corrections
+        on = kernels_on.get(device)
+        if on is None:
+            on = kernels_on[device] = use_triton(self.kernels, device)
+        if not on:
+            return None, items, corrections
         from lightning_baoc.kernels import (
             triton_step,  # imports triton: only where it runs
         )
 
         if kinds == (M_FP32, V_FP32) and all(it.param.dtype == torch.float32 for it in items):
-            # fp32 moments of fp32 parameters: torch's fused kernel, one call for all those decided on the
-            # device, skipped whole where any flag is set; then the finite ones step through the Triton
-            # kernel, which does nothing where no flag is set (a rare step, the same math within ulps)
-            decided = [it for it in items if it.skip_flag is not None]
-            if len(decided) == 1:  # alone (gradient release steps one at a time): its own flag, nothing to repair
-                fused_dense_fp32(decided, hyper, "exp_avg", "exp_avg_sq", found_inf=decided[0].skip_flag)
-            elif decided:
-                assert any_skip is not None  # _device_flags gave every decided item its device's flags
-                found_inf = any_skip.amax().view(1)  # any parameter's, on this device (a superset of these: still exact)
-                fused_dense_fp32(decided, hyper, "exp_avg", "exp_avg_sq", found_inf=found_inf)
-                triton_step.adamw_step(kinds, decided, hyper, M_SCALE_MAX, V_SCALE_MAX, None, repair=found_inf)
-            rest = [k for k, it in enumerate(items) if it.skip_flag is None]
-            return [items[k] for k in rest], [corrections[k] for k in rest]
-
-        # not a factored shard of rows split among ranks (it sums over them), nor a framed one (it exchanges its edges)
-        served = [it.shards is None and not framed(it.views)
-                  and (it.skip_flag is not None or triton_step.serves(kinds, it.param, it.grad, it.views, c))
-                  for it, c in zip(items, corrections)]
-        if any(served):
-            triton_step.adamw_step(kinds, [it for it, ok in zip(items, served) if ok], hyper, M_SCALE_MAX, V_SCALE_MAX,
-                                   [c for c, ok in zip(corrections, served) if ok])
+            # fp32 moments of fp32 parameters: torch's fused kernel for those decided on the device
+            served = [it.skip_flag is not None for it in items]
+        else:
+            # not a factored shard of rows split among ranks (it sums over them), nor a framed one (it exchanges its edges)
+            served = [it.shards is None and not framed(it.views)
+                      and (it.skip_flag is not None or triton_step.serves(kinds, it.param, it.grad, it.views, c))
+                      for it, c in zip(items, corrections)]
+        if not any(served):
+            return None, items, corrections
+        on_device = ([it for it, ok in zip(items, served) if ok], [c for c, ok in zip(corrections, served) if ok])
         rest = [k for k, ok in enumerate(served) if not ok]
-        return [items[k] for k in rest], [corrections[k] for k in rest]
+        return on_device, [items[k] for k in rest], [corrections[k] for k in rest]
 
-    def _eager_step(
-        self, hyper: StepHyper, params: list[Tensor], finite: list[bool],
-        flags: Mapping[int, tuple[DeferredFlags, int, Tensor]] | None = None,
+    def _device_step(
+        self, fmt: StateFormat, items: list[StepItem], corrections: list[Tensor | None], hyper: StepHyper,
+        any_skip: Tensor | None,
     ) -> None:
-        """The step of ``params`` but those the compiled CPU kernels serve: the eager step (the
-        reference) of those whose gradients' finiteness the host has read (:meth:`finite_mask`, one
-        synchronisation per device and step), the device kernels' of those it decides (``flags``:
-        :meth:`_device_flags`, by the parameters' ids; their counts advance now and a skip is taken back
-        when next read)."""
-        flags = flags or {}
-        if not params:
+        """Step ``items`` (one format, one device, all served: :meth:`_device_part`) through the device's
+        kernels: the Triton kernel (:mod:`lightning_baoc.kernels.triton_step`), or for fp32 moments of fp32
+        parameters torch's fused kernel, one call for all of them decided on the device, skipped whole where
+        any flag is set, then the Triton kernel steps the finite ones where it was (``repair``; it does
+        nothing where no flag is set: a rare step, the same math within ulps). ``any_skip``: the device's
+        skip flags (:meth:`_device_flags`)."""
+        from lightning_baoc.kernels import (
+            triton_step,  # imports triton: only where it runs
+        )
+
+        kinds = fmt.kernel_kinds
+        assert kinds is not None  # _device_part sends only formats with kernels
+        if not (kinds == (M_FP32, V_FP32) and all(it.param.dtype == torch.float32 for it in items)):
+            triton_step.adamw_step(kinds, items, hyper, M_SCALE_MAX, V_SCALE_MAX, corrections)
             return
-        beta1, beta2 = hyper.beta1, hyper.beta2  # the group's (SGD's momentum is its beta1)
-        buckets: dict[tuple[str, torch.device], list[StepItem]] = defaultdict(list)
-        any_skip: dict[torch.device, Tensor] = {}  # each device's skip flags (_device_flags)
-        powers: dict[tuple[float, int], float] = {}  # the bias corrections, computed once per count
-        skipped: list[Record] = []
-        records: dict[int, Record] = {}  # id of a local part -> its parameter's record
-        for p, ok in zip(params, finite):
-            rec = self.records[p]
-            if not ok:
-                rec.nonfinite += 1
-                skipped.append(rec)
-                continue
-            fmt = self.registry[rec.format]
-            step, m_step = rec.advance(fmt.has_momentum)
-            bc1 = powers.get((beta1, m_step))
-            if bc1 is None:
-                bc1 = powers[(beta1, m_step)] = 1.0 - beta1**m_step if m_step else 1.0
-            bc2 = powers.get((beta2, step))
-            if bc2 is None:
-                bc2 = powers[(beta2, step)] = 1.0 - beta2**step
-            count = step if m_step == step else None  # one count for both corrections
-            local_part = local(p)
-            records[id(local_part)] = rec
-            item = StepItem(local_part, local(p.grad), rec.views, bc1, bc2, count, self.noise_key(rec, step=step), m_step)
-            if fmt.factored:
-                item.shards = rec.row_shards
-            flag = flags.get(id(p))
-            if flag is not None:  # after every read of the counts: a read applies the skip (it waits for the flags)
-                deferred, index, skip = flag
-                item.skip_flag, any_skip[local_part.device] = skip[index : index + 1], skip
-                deferred.records[index] = (rec, fmt.has_momentum)
-                rec.unread_skip = (deferred, index)
-            buckets[(rec.format, local_part.device)].append(item)
-        if skipped:
-            self.warn_skipped(skipped)
-        for (fmt, device), items in buckets.items():
-            state_format = self.registry[fmt]
-            corrections = [records[id(it.param)].master_correction for it in items]
-            items, corrections = self._triton_update(state_format, items, corrections, hyper, any_skip.get(device))
-            plain = [it for it, c in zip(items, corrections) if c is None]
-            if plain:
-                state_format.update(plain, hyper)
-            for it, correction in zip(items, corrections):  # corrected 16-bit weights: one fp32 master at a time
-                if correction is not None:
-                    master = reconstruct(it.param.detach(), correction)
-                    state_format.update([dataclasses.replace(it, param=master)], hyper)
-                    split_into(master, it.param.detach(), correction)
+        counts = [fused_step_count(it, hyper) for it in items]
+        if None in counts:  # the device's decision holds only where the fused kernel takes the counts
+            raise RuntimeError("a step decided on the device reached the foreach step, which cannot skip it")
+        if len(items) == 1:  # alone (gradient release steps one at a time): its own flag, nothing to repair
+            found_inf = items[0].skip_flag
+        else:
+            assert any_skip is not None  # _device_flags gave every decided item its device's flags
+            found_inf = any_skip.amax().view(1)  # any parameter's, on this device (a superset of these: still exact)
+        fused_call(items[0].param.device, [it.param for it in items], [it.grad for it in items],
+                   [shaped(it.views["exp_avg"], it.param) for it in items],
+                   [shaped(it.views["exp_avg_sq"], it.param) for it in items], counts, hyper, found_inf)  # type: ignore[arg-type]
+        if len(items) > 1:
+            triton_step.adamw_step(kinds, items, hyper, M_SCALE_MAX, V_SCALE_MAX, None, repair=found_inf)
+
+
+#: A compiled CPU kernels' bucket (one group, one format): the format, the group's hyperparameters, the kernel's
+#: items, their records, and whether the kernel tests the gradients.
+_CompiledBucket = tuple[StateFormat, StepHyper, list[KernelItem], list[Record], bool]
+#: A group's parameters the compiled kernels do not serve: the group's index, its hyperparameters, the
+#: parameters and their records.
+_Rest = tuple[int, StepHyper, list[Tensor], list[Record]]
+
+
+class _Route:
+    """Which backend steps each parameter the compiled kernels do not (:meth:`StepDispatcher._prepare`),
+    with what it reads."""
+
+    def __init__(self) -> None:
+        #: the device's plans: (hyperparameters, the entries that step, their flags)
+        self.planned: list[tuple[StepHyper, Chosen, list[tuple[DeferredFlags, int, Tensor]]]] = []
+        #: the device's kernels: (format, hyperparameters, items, their corrections, the device's skip flags)
+        self.device: list[tuple[StateFormat, StepHyper, list[StepItem], list[Tensor | None], Tensor | None]] = []
+        #: the eager step: (format, hyperparameters, items, their corrections)
+        self.eager: list[tuple[StateFormat, StepHyper, list[StepItem], list[Tensor | None]]] = []
+
+
+def _decided(route: str | None, rec: Record) -> bool:
+    """Whether a step routed to ``route`` (:meth:`StepDispatcher._device_route`) is decided on the device:
+    the Triton kernels' are; torch's fused kernel's where it takes the counts (it derives both bias
+    corrections from one count)."""
+    if route == "fused":
+        step, m_step = rec.step, rec.m_step  # the first read applies an unread device skip
+        return step == m_step and step < MAX_FUSED_STEP
+    return route is not None
+
+
+def _with_masters(items: list[StepItem], corrections: list[Tensor | None]) -> Iterator[list[StepItem]]:
+    """The batches of ``items`` a format's eager ``update`` steps: those without a master-weight correction
+    at once; then each corrected 16-bit weight alone, as its fp32 master (rebuilt from the weight and its
+    correction: the one fp32 transient), split back into weight and correction once the update returns."""
+    plain = [it for it, c in zip(items, corrections) if c is None]
+    if plain:
+        yield plain
+    for it, correction in zip(items, corrections):
+        if correction is not None:
+            master = reconstruct(it.param.detach(), correction)
+            yield [dataclasses.replace(it, param=master)]
+            split_into(master, it.param.detach(), correction)

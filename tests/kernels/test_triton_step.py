@@ -348,9 +348,9 @@ def test_offloaded_states_take_the_hosts_decision(triton_on_cpu: list[int]) -> N
     p.grad = torch.randn(40, 40, generator=gen)
     opt.step()
     rec: Record = opt._records[p]  # noqa: SLF001 - the step's decision itself
-    assert opt._stepper.decided_on_device(p, opt._hyper(opt.param_groups[0]), {})  # noqa: SLF001
+    assert opt._stepper.decided_on_device(p, rec, opt._hyper(opt.param_groups[0]), {})  # noqa: SLF001
     rec.views = {k: v.to("meta") for k, v in rec.views.items()}  # states on another device than the parameter
-    assert not opt._stepper.decided_on_device(p, opt._hyper(opt.param_groups[0]), {})  # noqa: SLF001
+    assert not opt._stepper.decided_on_device(p, rec, opt._hyper(opt.param_groups[0]), {})  # noqa: SLF001
 
 
 def test_without_triton_the_policy_is_checked_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -59,7 +59,8 @@ def _run(planned: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Ten
     the host decides it), step 6 with ``b`` and ``f`` without gradients."""
     with monkeypatch.context() as patch:
         if not planned:
-            patch.setattr(stepping.StepDispatcher, "_planned", lambda self, index, hyper, params, on: ([], params))
+            patch.setattr(stepping.StepDispatcher, "_planned",
+                          lambda self, index, hyper, params, records, on: ([], list(zip(params, records))))
         named = _model()
         params = dict(named)
         opt = BlockwiseAdamW(named, lr=1e-2, state_format="int8", min_8bit_numel=0, weight_correction="ecc8")
@@ -133,7 +134,8 @@ def test_a_plan_whose_tensors_changed_is_built_again(builds: list[int], monkeypa
     def run(planned: bool) -> list[torch.Tensor]:
         with monkeypatch.context() as patch:
             if not planned:
-                patch.setattr(stepping.StepDispatcher, "_planned", lambda self, index, hyper, params, on: ([], params))
+                patch.setattr(stepping.StepDispatcher, "_planned",
+                          lambda self, index, hyper, params, records, on: ([], list(zip(params, records))))
             gen = torch.Generator().manual_seed(0)
             p, q = (nn.Parameter(torch.randn(40, 40, generator=gen)) for _ in range(2))
             opt = BlockwiseAdamW([("p", p), ("q", q)], state_format="bf16", min_8bit_numel=0)

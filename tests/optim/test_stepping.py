@@ -8,6 +8,9 @@ here as plain dicts and a function.
   warned once per name, under the settings' label.
 - Rounding keys follow the seed, the name, the step and the salt, and a shard's offset shifts them;
   the finiteness test tells inf and NaN from finite values whose squares overflow.
+- Through the optimizer: every format (16-bit weights with a correction too), SGD and Lion reach their
+  arithmetic (the compiled operator, the Triton kernel, torch's fused AdamW, the eager formats' math) within
+  four calls of ``step()`` on every backend.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from lightning_baoc import kernels
 from lightning_baoc.formats import FORMATS, StepHyper
 from lightning_baoc.optim.pools import Record, StatePools
 from lightning_baoc.optim.stepping import StepDispatcher, StepSettings
+
 from support import one_thread  # noqa: F401 - one intra-op thread for the module
 
 
@@ -48,7 +52,8 @@ def _setup(fmt: str, policy: str = "eager", seed: int = 0) -> tuple[list[nn.Para
 @torch.no_grad()
 def _step(stepper: StepDispatcher, params: list[nn.Parameter], groups: list[dict], policy: str) -> None:
     """One step, under ``no_grad`` as the optimizer's ``step()`` runs it."""
-    stepper.step(params, groups, _hyper_of(policy))
+    stepper.step([(i, g, [p for p in params if any(p is q for q in g["params"])]) for i, g in enumerate(groups)],
+                 _hyper_of(policy))
 
 
 def _grads(params: list[nn.Parameter], step: int) -> None:
@@ -128,3 +133,117 @@ def test_the_finiteness_test_tells_overflowing_squares_from_inf_and_nan() -> Non
     for p, g in zip(params, grads):
         p.grad = g
     assert stepper.finite_mask(params) == [True, False, False]
+
+
+# ---------------------------------------------------------------------------- calls from step() to the arithmetic
+
+
+def _arithmetic_depths(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """Wrap every place the step's arithmetic runs (the compiled CPU operators, the Triton kernel, torch's
+    fused AdamW, the eager formats' math); each call records (its name, its calls from ``step()``: the frames
+    between ``BlockwiseOptimizer.step`` and it, the call itself included, decorators' wrappers left out)."""
+    import sys
+
+    from lightning_baoc.formats import adam_math, elementwise, factored, fused_adam, int8_factored, momentum
+    from lightning_baoc.kernels import triton_step
+    from lightning_baoc.optim.optimizer import BlockwiseOptimizer
+
+    step_code = BlockwiseOptimizer.step.__wrapped__.__code__  # under torch.no_grad's wrapper
+    seen: list[tuple[str, int]] = []
+
+    def depth() -> int:
+        frame, calls = sys._getframe(2), 1  # the caller of the wrapped call; the call itself
+        while frame is not None and frame.f_code is not step_code:
+            calls += not frame.f_code.co_filename.endswith("_contextlib.py")
+            frame = frame.f_back
+        assert frame is not None, "the arithmetic ran outside step()"
+        return calls
+
+    def recorded(name: str, real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            seen.append((name, depth()))
+            return real(*args, **kwargs)
+        return call
+
+    class Ops:
+        def __getattr__(self, name: str) -> Any:
+            return recorded(f"compiled {name}", getattr(real_ops(), name))
+
+    class Launches:
+        def __getitem__(self, grid: Any) -> Any:
+            return recorded("triton", real_kernel[grid])
+
+    real_ops, real_kernel, real_fused = kernels.ops, triton_step._adamw_tensors, fused_adam._kernel
+    monkeypatch.setattr(kernels, "ops", lambda: Ops())
+    monkeypatch.setattr(triton_step, "_adamw_tensors", Launches())
+    monkeypatch.setattr(fused_adam, "_kernel", lambda decoupled: recorded("fused", real_fused(decoupled)))
+    for module, name in [(elementwise, "chunk_adamw"), (adam_math, "foreach_adamw"), (fused_adam, "foreach_adamw"),
+                         (factored, "factored_update"),
+                         (int8_factored, "factored_update"), (momentum, "chunk_sgd"), (momentum, "chunk_lion")]:
+        monkeypatch.setattr(module, name, recorded(name, getattr(module, name)))
+    return seen
+
+
+def _backends() -> list[str]:
+    """The eager step; the compiled CPU kernels where they build; the Triton step in Triton's interpreter
+    where triton imports (``TRITON_INTERPRET=1``: ``tests/conftest.py`` sets it before triton is imported)."""
+    import importlib.util
+    import os
+
+    found = ["eager"] + (["compiled"] if kernels.cpu_kernels().available else [])
+    if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
+        found.append("triton")
+    return found
+
+
+def _depths_of(monkeypatch: pytest.MonkeyPatch, backend: str, make: Any, dtype: torch.dtype = torch.float32) -> list:
+    if backend == "triton":  # CPU tensors through the Triton step, in Triton's interpreter
+        from lightning_baoc.optim import stepping
+
+        monkeypatch.setattr(kernels, "TRITON_DEVICES", {"cuda", "cpu"})
+        monkeypatch.setattr(stepping, "kernel_serves", lambda *args: False)
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(shape, generator=gen).to(dtype)) for shape in [(33, 70), (64,)]]
+    opt = make([(f"w{i}", p) for i, p in enumerate(params)], "auto" if backend == "triton" else backend)
+    seen: list[tuple[str, int]] = []
+    for step in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+        if step == 1:
+            opt.set_formats({"w0": opt.formats()["w0"]})  # (nothing to convert)
+            params[1].grad[0] = float("nan")  # a skip, decided where the backend decides it
+        if step == 2:
+            seen = _arithmetic_depths(monkeypatch)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            opt.step()
+    return seen
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_every_format_reaches_its_arithmetic_within_four_calls_of_step(fmt: str, backend: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``step()`` -> the dispatcher -> the backend's entry -> the arithmetic, for every format and backend
+    (``BlockwiseAdamW``; 16-bit weights with a correction too)."""
+    from lightning_baoc import BlockwiseAdamW
+
+    for dtype, correction in [(torch.float32, "none"), (torch.bfloat16, "ecc8")]:
+        seen = _depths_of(monkeypatch, backend, lambda named, policy: BlockwiseAdamW(
+            named, lr=1e-3, state_format=fmt, min_8bit_numel=0, kernels=policy, weight_correction=correction), dtype)
+        assert seen and max(depth for _, depth in seen) <= 4, (dtype, seen)
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("backend", [b for b in _backends() if b != "triton"])
+@pytest.mark.parametrize("rule", ["sgd", "lion"])
+def test_sgd_and_lion_reach_their_arithmetic_within_four_calls_of_step(rule: str, backend: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_baoc import MOMENTUM_FORMATS, BlockwiseLion, BlockwiseSGD
+
+    for fmt in MOMENTUM_FORMATS:
+        seen = _depths_of(monkeypatch, backend, lambda named, policy: (
+            BlockwiseSGD(named, lr=1e-2, momentum=0.9, state_format=fmt, min_8bit_numel=0, kernels=policy)
+            if rule == "sgd" else BlockwiseLion(named, state_format=fmt, min_8bit_numel=0, kernels=policy)))
+        assert seen and max(depth for _, depth in seen) <= 4, (fmt, seen)
+        monkeypatch.undo()
