@@ -17,6 +17,7 @@ import pytest
 import torch
 import yaml
 from omegaconf import OmegaConf
+from support import one_thread  # noqa: F401  (one intra-op thread for the module's trainings)
 from torch import nn
 
 from lightning_baoc import BAOC, FORMATS
@@ -42,14 +43,6 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 TEMPLATES = sorted(CONFIGS.glob("*.yaml"))
 SCHEMA_FILE = CONFIGS / "baoc.schema.json"
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _validator() -> jsonschema.Draft202012Validator:

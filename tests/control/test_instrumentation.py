@@ -9,11 +9,9 @@ import torch
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW, BlockwiseSGD
-from lightning_baoc.config.settings import BAOCConfig
 from lightning_baoc.control import instrumentation as instrumentation_module
-from lightning_baoc.control.blocks import Blocks
-from lightning_baoc.control.instrumentation import Instrumentation
-from lightning_baoc.control.tables import BlockTables
+
+from support_control import instrumented, backward
 
 
 def _model() -> nn.Sequential:
@@ -21,21 +19,6 @@ def _model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
 
 
-def _instrumented(model: nn.Module, opt: torch.optim.Optimizer, **settings: object) -> Instrumentation:
-    config = BAOCConfig(**{"memory_budget": 0.5, "calibration": "prior", **settings})  # type: ignore[arg-type]
-    blocks = Blocks(config)
-    blocks.build(opt, model)  # type: ignore[arg-type]
-    tables = BlockTables(config, blocks)
-    tables.refresh(opt)  # type: ignore[arg-type]
-    inst = Instrumentation(config, blocks, tables)
-    inst.restart_sampler(model)
-    inst.restart_shadow(opt)  # type: ignore[arg-type]
-    return inst
-
-
-def _backward(model: nn.Module, step: int) -> None:
-    g = torch.Generator().manual_seed(step)
-    model(torch.randn(8, 16, generator=g)).pow(2).mean().backward()
 
 
 def test_module_doctests() -> None:
@@ -44,7 +27,7 @@ def test_module_doctests() -> None:
 
 def test_sampling_is_sparser_after_the_first_allocation() -> None:
     model = _model()
-    inst = _instrumented(model, BlockwiseAdamW(model.parameters()), sample_every=2, sparse_sampling=3)
+    inst = instrumented(model, BlockwiseAdamW(model.parameters()), sample_every=2, sparse_sampling=3)
     assert all(inst.sampling_step(s, allocated=False) for s in range(12))
     # after it: every third sampling step (step // every % 3 == 0) and its follower
     assert [s for s in range(12) if inst.sampling_step(s, allocated=True)] == [0, 1, 6, 7]
@@ -53,7 +36,7 @@ def test_sampling_is_sparser_after_the_first_allocation() -> None:
 
 def test_only_a_sampling_steps_sample_counts_as_fresh() -> None:
     model = _model()
-    inst = _instrumented(model, BlockwiseAdamW(model.parameters()), sample_every=4)
+    inst = instrumented(model, BlockwiseAdamW(model.parameters()), sample_every=4)
     assert inst.count(0, True) and inst.ring_samples == 1
     assert inst.count(1, True) and inst.ring_samples == 1  # a sampling step's follower: not counted
     assert not inst.count(4, False) and inst.ring_samples == 1  # nothing taken
@@ -65,11 +48,11 @@ def test_only_a_sampling_steps_sample_counts_as_fresh() -> None:
 def test_observe_feeds_both_instruments_and_a_restart_empties_the_ring() -> None:
     model = _model()
     opt = BlockwiseAdamW(model.parameters(), lr=1e-3)
-    inst = _instrumented(model, opt, sample_every=2)
+    inst = instrumented(model, opt, sample_every=2)
     taken = []
     for step in range(6):
         opt.zero_grad()
-        _backward(model, step)
+        backward(model, step)
         taken.append(inst.observe(opt, step))
         opt.step()
     assert inst.ring_samples == 3 and any(taken)
@@ -86,7 +69,7 @@ def test_observe_feeds_both_instruments_and_a_restart_empties_the_ring() -> None
 def test_betas_per_group_cached_until_a_group_changes() -> None:
     model = _model()
     opt = BlockwiseAdamW([{"params": model[0].parameters(), "betas": (0.8, 0.99)}, {"params": model[2].parameters()}])
-    inst = _instrumented(model, opt)
+    inst = instrumented(model, opt)
     betas = inst.betas(opt)
     assert betas == {"0": (0.8, 0.99), "1": (0.8, 0.99), "2": (0.9, 0.999), "3": (0.9, 0.999)}
     assert inst.betas(opt) is betas  # cached
@@ -94,17 +77,17 @@ def test_betas_per_group_cached_until_a_group_changes() -> None:
     assert inst.betas(opt)["2"] == (0.5, 0.9)
     sgd_model = _model()
     sgd = BlockwiseSGD(sgd_model.parameters(), lr=0.1, momentum=0.9)
-    assert _instrumented(sgd_model, sgd).betas(sgd)["0"][1] == 0.999  # SGD's buffer: its own average and 0.999
+    assert instrumented(sgd_model, sgd).betas(sgd)["0"][1] == 0.999  # SGD's buffer: its own average and 0.999
     inst.close()
 
 
 def test_a_restarted_shadow_keeps_the_moments_of_the_tensors_it_shadowed() -> None:
     model = _model()
     opt = BlockwiseAdamW(model.parameters(), lr=1e-3)
-    inst = _instrumented(model, opt, sample_every=1)
+    inst = instrumented(model, opt, sample_every=1)
     for step in range(3):
         opt.zero_grad()
-        _backward(model, step)
+        backward(model, step)
         inst.observe(opt, step)
         opt.step()
     old = inst.shadow

@@ -11,14 +11,12 @@ import torch
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW
-from lightning_baoc.config.settings import BAOCConfig
 from lightning_baoc.control import options as options_module
-from lightning_baoc.control.blocks import Blocks
-from lightning_baoc.control.instrumentation import Instrumentation
 from lightning_baoc.control.options import Options
-from lightning_baoc.control.tables import BlockTables
 from lightning_baoc.costs.options import PRIOR_CORRECTION_RISK
 from lightning_baoc.formats import format_state_bytes
+
+from support_control import instrumented
 
 
 def _model(dtype: torch.dtype = torch.float32) -> nn.Sequential:
@@ -28,15 +26,8 @@ def _model(dtype: torch.dtype = torch.float32) -> nn.Sequential:
 
 def _options(model: nn.Module, **settings: Any) -> tuple[Options, BlockwiseAdamW]:
     opt = BlockwiseAdamW(model.parameters(), lr=1e-3)
-    config = BAOCConfig(**{"memory_budget": 0.5, "calibration": "prior", **settings})
-    blocks = Blocks(config)
-    blocks.build(opt, model)
-    tables = BlockTables(config, blocks)
-    tables.refresh(opt)
-    inst = Instrumentation(config, blocks, tables)
-    inst.restart_sampler(model)
-    inst.restart_shadow(opt)
-    return Options(config, blocks, tables, inst), opt
+    inst = instrumented(model, opt, **settings)
+    return Options(inst.config, inst.blocks, inst.tables, inst), opt
 
 
 def _step(model: nn.Module, opt: BlockwiseAdamW) -> None:

@@ -9,14 +9,12 @@ import torch
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW
-from lightning_baoc.config.settings import BAOCConfig
 from lightning_baoc.control import released_gradients as released_module
-from lightning_baoc.control.blocks import Blocks
 from lightning_baoc.control.instrumentation import Instrumentation
 from lightning_baoc.control.released_gradients import ReleasedGradientObserver
-from lightning_baoc.control.tables import BlockTables
 
 from support import one_thread  # noqa: F401  (one intra-op thread: bit-equal reductions)
+from support_control import backward, instrumented
 
 STEPS = 7
 
@@ -26,20 +24,7 @@ def _setup() -> tuple[nn.Module, BlockwiseAdamW, Instrumentation]:
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
     model[2].bias.requires_grad_(False)  # held, no gradient: observed when the step closes
     opt = BlockwiseAdamW(model.parameters(), lr=1e-3)
-    config = BAOCConfig(memory_budget=0.5, sample_every=2, calibration="prior")
-    blocks = Blocks(config)
-    blocks.build(opt, model)
-    tables = BlockTables(config, blocks)
-    tables.refresh(opt)
-    inst = Instrumentation(config, blocks, tables)
-    inst.restart_sampler(model)
-    inst.restart_shadow(opt)
-    return model, opt, inst
-
-
-def _backward(model: nn.Module, step: int) -> None:
-    g = torch.Generator().manual_seed(step)
-    model(torch.randn(8, 16, generator=g)).pow(2).mean().backward()
+    return model, opt, instrumented(model, opt, sample_every=2)
 
 
 def test_module_doctests() -> None:
@@ -54,12 +39,12 @@ def test_released_gradients_are_observed_as_observe_would_store_them() -> None:
     opt.release_gradients()
     for step in range(STEPS):
         plain_opt.zero_grad()
-        _backward(plain_model, step)
+        backward(plain_model, step)
         plain.observe(plain_opt, step)
         plain_opt.step()
         observer.open(step)
         assert observer.is_open
-        _backward(model, step)  # each parameter is observed, then steps, in its hook
+        backward(model, step)  # each parameter is observed, then steps, in its hook
         assert observer.open_step is not None and observer.open_step.observed == {"0", "1", "2"}
         observer.close()
         assert not observer.is_open
@@ -84,11 +69,11 @@ def test_a_step_without_backward_drops_its_sample_and_a_close_without_open_takes
     assert not observer.close()
     observer.open(0)  # no backward follows
     observer.open(0)
-    _backward(model, 0)
+    backward(model, 0)
     assert observer.close() and inst.ring_samples == 1
     opt.step()
     observer.open(1)  # a follower of a sampling step: sampled, not counted
-    _backward(model, 1)
+    backward(model, 1)
     opt.step()
     assert observer.close() and inst.ring_samples == 1
     inst.close()
@@ -100,7 +85,7 @@ def test_watching_another_optimizer_ends_the_first_ones_observation() -> None:
     observer.watch(opt)
     opt.release_gradients()
     observer.open(0)
-    _backward(model, 0)
+    backward(model, 0)
     assert observer.open_step is not None and observer.open_step.observed == {"0", "1", "2"}
     observer.close()
     opt.step()
@@ -108,7 +93,7 @@ def test_watching_another_optimizer_ends_the_first_ones_observation() -> None:
     observer.watch(other)  # the first optimizer's gradients no longer reach the observer
     assert not observer.is_open
     observer.open(2)
-    _backward(model, 2)  # released by the first optimizer: unseen
+    backward(model, 2)  # released by the first optimizer: unseen
     assert observer.open_step is not None and observer.open_step.observed == set()
     assert observer.close()  # what was not seen in the hook is observed now: the sample is whole
     inst.close()

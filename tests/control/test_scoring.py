@@ -10,14 +10,12 @@ import torch
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW
-from lightning_baoc.config.settings import BAOCConfig
 from lightning_baoc.control import scoring as scoring_module
-from lightning_baoc.control.blocks import Blocks
-from lightning_baoc.control.instrumentation import Instrumentation
 from lightning_baoc.control.options import Options
 from lightning_baoc.control.scoring import Scoring
-from lightning_baoc.control.tables import BlockTables
 from lightning_baoc.risk import optimizer_risk_table
+
+from support_control import instrumented
 
 
 class TwoLayers(nn.Module):
@@ -36,14 +34,8 @@ class TwoLayers(nn.Module):
 
 def _scoring(model: nn.Module, risk_fn: Any = None, **settings: Any) -> tuple[Scoring, BlockwiseAdamW]:
     opt = BlockwiseAdamW(model.parameters(), lr=1e-3)
-    config = BAOCConfig(**{"memory_budget": 0.5, "calibration": "prior", "sample_every": 1, **settings})
-    blocks = Blocks(config)
-    blocks.build(opt, model)
-    tables = BlockTables(config, blocks)
-    tables.refresh(opt)
-    inst = Instrumentation(config, blocks, tables)
-    inst.restart_sampler(model)
-    inst.restart_shadow(opt)
+    inst = instrumented(model, opt, **{"sample_every": 1, **settings})
+    config, blocks, tables = inst.config, inst.blocks, inst.tables
     return Scoring(config, blocks, tables, inst, Options(config, blocks, tables, inst), risk_fn), opt
 
 

@@ -13,23 +13,13 @@ import re
 from pathlib import Path
 
 from markdown.extensions.toc import slugify
+from support_docs import bullets
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 GUARANTEES = ROOT / "docs" / "guarantees.md"
 CITATION = re.compile(r"tests/([\w/]+\.py)::(\w+)")
 LINK = re.compile(r"\]\(docs/guarantees\.md#([\w-]+)\)")
-
-
-def bullets(text: str) -> list[str]:
-    """The text's bullet items, continuation lines joined."""
-    items: list[str] = []
-    for line in text.splitlines():
-        if line.startswith("- "):
-            items.append(line)
-        elif items and line.startswith("  ") and line.strip():
-            items[-1] += " " + line.strip()
-    return items
 
 
 def defined_tests(path: Path) -> set[str]:

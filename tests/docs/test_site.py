@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from markdown.extensions.toc import slugify
+from support_docs import bullets
 
 import lightning_baoc
 
@@ -50,17 +51,6 @@ def section(text: str, name: str) -> str:
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     assert start in text and end in text, f"markers of section {name!r} missing"
     return text[text.index(start) + len(start) : text.index(end)]
-
-
-def bullets(text: str) -> list[str]:
-    """Top-level bullet items, continuation lines joined."""
-    items: list[str] = []
-    for line in text.splitlines():
-        if line.startswith("- "):
-            items.append(line)
-        elif items and line.startswith("  ") and line.strip():
-            items[-1] += " " + line.strip()
-    return items
 
 
 def anchors(page: Path) -> set[str]:
