@@ -113,7 +113,7 @@ def main() -> None:
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     steps: dict[str, Callable[[], float]] = {"torch AdamW fused (whole step)": _timed(torch.optim.AdamW(params, fused=True).step)}
-    # the device path's finiteness flags (StepMixin._device_flags): device work, a few launches on a GPU, a pass
+    # the device path's finiteness flags (StepDispatcher._device_flags): device work, a few launches on a GPU, a pass
     # over every gradient here, taken out of the device path's figures
     grads = [p.grad for p in params]
     steps["finiteness flags (device work)"] = _timed(
