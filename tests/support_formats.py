@@ -62,16 +62,27 @@ def skip_unless(backend: str) -> None:
 
 
 @contextlib.contextmanager
-def _triton_on_cpu() -> Iterator[None]:
-    """CPU parameters take the Triton step (not the compiled C++ one)."""
+def _triton_on_cpu(launched: list[int]) -> Iterator[None]:
+    """CPU parameters take the Triton step (not the compiled C++ one); each launch's tensor count is
+    appended to ``launched``."""
     import lightning_baoc.optim.stepping as stepping
+    from lightning_baoc.kernels import triton_step
+
+    real = triton_step._adamw_tensors
+
+    class Counted:
+        def __getitem__(self, grid: tuple[int, ...]) -> Any:
+            def launch(table: Any, count: int, *args: Any, **kwargs: Any) -> Any:
+                launched.append(count)
+                return real[grid](table, count, *args, **kwargs)
+            return launch
 
     saved = kernels.TRITON_DEVICES, stepping.kernel_serves
-    kernels.TRITON_DEVICES, stepping.kernel_serves = {"cuda", "cpu"}, (lambda *args: False)
+    kernels.TRITON_DEVICES, stepping.kernel_serves, triton_step._adamw_tensors = {"cuda", "cpu"}, (lambda *args: False), Counted()
     try:
         yield
     finally:
-        kernels.TRITON_DEVICES, stepping.kernel_serves = saved
+        (kernels.TRITON_DEVICES, stepping.kernel_serves), triton_step._adamw_tensors = saved, real
 
 
 def state_of(opt: Any, p: torch.Tensor) -> list[torch.Tensor]:
@@ -103,13 +114,16 @@ def run(fmt: str, backend: str, shapes: list[tuple[int, ...]], steps: int, *, op
     cls = OPTIMIZERS[optimizer][0]
     opt = cls([(f"w{i}", p) for i, p in enumerate(params)], state_format=fmt, min_8bit_numel=0, kernels=policy,
               **options)
-    with _triton_on_cpu() if backend == "triton" else contextlib.nullcontext(), warnings.catch_warnings():
+    launched: list[int] = []
+    with _triton_on_cpu(launched) if backend == "triton" else contextlib.nullcontext(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "non-finite gradient", RuntimeWarning)
         for i in range(1 if backend == "reference" else steps):  # the reference takes over after the first
             for p, g in zip(params, grads[i]):
                 transpose = g.dim() == 2 and g.shape[0] == g.shape[1]
                 p.grad = (g.t().contiguous().t() if transpose else g).to(dtype)
             opt.step()
+    if backend == "triton":  # every parameter, every step took the kernel
+        assert sum(launched) == len(shapes) * steps, (fmt, "tensors launched", sum(launched), len(shapes) * steps)
     if nonfinite_at is not None and nonfinite_at < steps and backend != "reference":
         assert opt.nonfinite_counts == {"w0": 1}, opt.nonfinite_counts
     if backend != "reference":

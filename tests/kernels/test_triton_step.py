@@ -32,6 +32,7 @@ import lightning_baoc.optim.stepping as stepping  # noqa: E402
 from lightning_baoc import FORMATS, BlockwiseAdamW, kernels  # noqa: E402
 from lightning_baoc.kernels import triton_step  # noqa: E402
 
+import support_formats as H  # noqa: E402
 from support import lone_fp32_steps, ragged_shapes, record_grids, record_launches  # noqa: E402
 
 SERVED = [name for name, fmt in FORMATS.items() if fmt.kernel_kinds in triton_step.SERVED]
@@ -46,71 +47,28 @@ def triton_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return record_launches(monkeypatch)
 
 
-def _run(fmt: str, shapes: list[tuple[int, ...]], steps: int, policy: str, **options: object) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    params = [nn.Parameter(torch.randn(shape, generator=gen)) for shape in shapes]
-    opt = BlockwiseAdamW([(f"w{i}", p) for i, p in enumerate(params)], lr=1e-2, state_format=fmt, min_8bit_numel=0,
-                         kernels=policy, **options)  # type: ignore[arg-type]
-    for i in range(steps):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen) * (1.0 + 0.1 * i)
-        opt.step()
-    out = []
-    for p in params:
-        out.append(p.detach().clone())
-        out += [t.clone() for _, t in sorted(opt._records[p].views.items())]  # noqa: SLF001 - the state itself
-    return out
-
-
 def _assert_bit_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     assert len(a) == len(b)
     for x, y in zip(a, b):
         assert x.dtype == y.dtype and torch.equal(x, y), (x.dtype, (x.double() - y.double()).abs().max().item())
 
 
-#: The factored formats sum their row and column means in another order than the eager step: their
-#: vectors and parameters agree within a few fp32 ulps (as the compiled CPU step's), codes within one.
-FACTORED_BOUND = 4e-6
-
-
-def _assert_close(fmt: str, a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
-    """Bit-equal for the element-wise formats; for the factored ones, fp32 tensors within
-    :data:`FACTORED_BOUND` of their norm and 8-bit codes within one in at most 0.01% of elements."""
-    if not FORMATS[fmt].factored:
-        return _assert_bit_equal(a, b)
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        if x.numel() == 0:  # an empty tensor's state
-            assert x.shape == y.shape
-        elif x.dtype == torch.float32:
-            assert float((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-30)) <= FACTORED_BOUND
-        else:
-            d = (x.int() - y.int()).abs()
-            assert int(d.max()) <= 1 and float((d > 0).double().mean()) <= 1e-4, x.dtype
+def _assert_close(fmt: str, a: list[torch.Tensor], b: list[torch.Tensor], shapes: list[tuple[int, ...]]) -> None:
+    """The Triton step's tensors against the eager step's, within the format's bounds (its registry entry)."""
+    H.assert_agree(fmt, "triton", a, b, shapes)
 
 
 def _assert_fp32_close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     """fp32 tensors within 1e-6 of each other's largest value (torch's fused AdamW against the Triton
     kernel's, which orders a few operations otherwise: an ulp of each update, several only where values
-    cancel to near zero; measured 6.7e-8, moments equal)."""
+    cancel to near zero; measured 6.7e-8, moments equal); the step counts equal."""
     assert len(a) == len(b)
     for x, y in zip(a, b):
-        assert x.dtype == y.dtype == torch.float32 and x.shape == y.shape
-        if x.numel():
+        assert x.dtype == y.dtype and x.shape == y.shape
+        if x.dtype != torch.float32:
+            assert torch.equal(x, y)
+        elif x.numel():
             assert float((x - y).abs().max()) <= 1e-6 * float(y.abs().max())
-
-
-@pytest.mark.parametrize("fmt", SERVED)
-def test_triton_step_equals_the_eager_step(fmt: str, triton_on_cpu: list[int]) -> None:
-    for shape in SHAPES:
-        for steps in (1, 3):
-            _assert_close(fmt, _run(fmt, [shape], steps, "auto"), _run(fmt, [shape], steps, "eager"))
-    assert len(triton_on_cpu) == 4 * (1 + 3)  # every step took the kernel
-
-
-@pytest.mark.parametrize("fmt", ["int8", "bf16", "int8_factored"])
-def test_triton_step_after_50_steps(fmt: str, triton_on_cpu: list[int]) -> None:
-    _assert_close(fmt, _run(fmt, [(20, 50)], 50, "auto"), _run(fmt, [(20, 50)], 50, "eager"))  # one super-block
 
 
 @pytest.mark.parametrize("fmt", ["int8", "bf16_momentum", "int8_factored"])
@@ -135,9 +93,9 @@ def test_many_tensors_take_one_launch(fmt: str, triton_on_cpu: list[int], monkey
                     params[17].grad.view(-1)[-1] = float("nan")
                 opt.step()
             assert opt.nonfinite_counts == {"w17": 1}
-        return [t.clone() for p in params for t in [p.detach(), *(v for _, v in sorted(opt._records[p].views.items()))]]
+        return [t.clone() for p in params for t in [p.detach(), *H.state_of(opt, p)]]
 
-    _assert_close(fmt, run("auto"), run("eager"))
+    _assert_close(fmt, run("auto"), run("eager"), shapes)
     factored = FORMATS[fmt].factored  # its 1-D tensors take their own launch (another second-moment kind)
     assert len(grids) == 3 * (2 if factored else 1)
     numel = sum(-(-int(torch.Size(s).numel()) // 1024) for s in shapes)
@@ -217,7 +175,7 @@ def test_a_lone_fp32_tensor_takes_its_own_flag_without_a_triton_launch(triton_on
 @pytest.mark.parametrize("fmt", ["int8", "int8_factored"])
 def test_triton_step_options(fmt: str, options: dict, triton_on_cpu: list[int]) -> None:
     shapes = [(37, 101), (64, 33)]
-    _assert_close(fmt, _run(fmt, shapes, 2, "auto", **options), _run(fmt, shapes, 2, "eager", **options))
+    _assert_close(fmt, H.run(fmt, "triton", shapes, 2, **options), H.run(fmt, "eager", shapes, 2, **options), shapes)
     assert triton_on_cpu == [2, 2]
 
 
@@ -270,19 +228,13 @@ def test_16_bit_weights_and_their_corrections(fmt: str, dtype: torch.dtype, corr
             for p in params:
                 p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(dtype)
             opt.step()
-        out = []
-        for p in params:
-            rec = opt._records[p]  # noqa: SLF001 - the state itself
-            out += [p.detach().clone(), *(t.clone() for _, t in sorted(rec.views.items()))]
-            if rec.master_correction is not None:
-                out.append(rec.master_correction.clone())
         masters.append(opt.master_weights())
-        return out
+        return [t for p in params for t in [p.detach().clone(), *H.state_of(opt, p)]]
 
     served, eager = run("auto"), run("eager")
     assert sum(triton_on_cpu) == 2 * 3  # every parameter, every step (a 1-D one in its fallback format)
     if fmt not in ("fp32", "factored"):
-        _assert_close(fmt, served, eager)
+        _assert_close(fmt, served, eager, [(20, 50), (300,)])
         return
     # the masters differ in their last fp32 bits: the corrections, which hold those bits, differ there too
     def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -319,7 +271,7 @@ def test_a_non_finite_gradient_is_skipped_on_the_device(fmt: str, triton_on_cpu:
                 opt.step()
             counts = opt.nonfinite_counts  # a read applies the last step's device skips
         recs = [opt._records[p] for p in params]  # noqa: SLF001 - the counts themselves
-        state = [t.clone() for p in params for t in [p.detach(), *(v for _, v in sorted(opt._records[p].views.items()))]]
+        state = [t.clone() for p in params for t in [p.detach(), *H.state_of(opt, p)]]
         return state, counts, [r.step for r in recs] + [r.m_step for r in recs], sum(host_reads)
 
     served = run("auto")
@@ -331,7 +283,7 @@ def test_a_non_finite_gradient_is_skipped_on_the_device(fmt: str, triton_on_cpu:
     if fmt == "fp32":  # the steps with a skip took the Triton kernel's AdamW, not torch's fused one
         _assert_fp32_close(served[0], eager[0])
     else:
-        _assert_close(fmt, served[0], eager[0])
+        _assert_close(fmt, served[0], eager[0], [(37, 101), (64, 33)])
     # fp32: torch's fused kernel (one call, skipped whole by the flag of any), then the Triton kernel
     # for the finite ones, which does nothing at a step without a skip
     assert sum(triton_on_cpu) == 8
