@@ -110,10 +110,10 @@ def char_corpus(min_chars: int = 200_000) -> tuple[Tensor, int]:
     No download: the text is the source of a few stdlib modules, repeated to ``min_chars``.
     Returns the encoded text (int64) and the vocabulary size.
     """
+    import argparse
     import inspect
     import json
     import textwrap
-    import argparse
 
     text = "".join(inspect.getsource(m) for m in (argparse, json.decoder, textwrap))
     while len(text) < min_chars:

@@ -10,15 +10,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-from torch import Tensor, nn
-
 from _report import examples_on_path
+from torch import Tensor, nn
 
 examples_on_path()
 
+from workloads import Workload  # noqa: E402
+
 from lightning_baoc import BlockwiseAdamW  # noqa: E402
 from lightning_baoc.optim import BlockwiseOptimizer  # noqa: E402
-from workloads import Workload  # noqa: E402
 
 BAOC_BUDGETS = {"baoc_0.5": 0.5, "baoc_0.35": 0.35, "baoc_0.25": 0.25}
 # BAOC rows of past versions, kept beside today's: never trained again (the code that ran them is

@@ -16,7 +16,6 @@ examples_on_path()
 from _quality_rows import BAOC_BUDGETS, ROWS  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
-
 # -------------------------------------------------------------------------------- summarizing
 
 

@@ -9,9 +9,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch import nn
-
 from _models import CharGPT
+from torch import nn
 
 
 @dataclass
@@ -52,8 +51,14 @@ def digits_task() -> Task:
 
 
 def chargpt_task(n_layer: int = 4, n_embd: int = 128, eval_seqs: int = 64) -> Task:
+    import argparse as a
+    import configparser as cp
+    import csv as c
+    import difflib as d
     import inspect
-    import argparse as a, json.decoder as j, textwrap as t, string as s, csv as c, difflib as d, configparser as cp
+    import json.decoder as j
+    import string as s
+    import textwrap as t
 
     text = "".join(inspect.getsource(m) for m in (a, j, t, s, c, d, cp))
     chars = sorted(set(text))

@@ -55,7 +55,6 @@ WORLD = 2
 # the internal switches of the Triton step on the CPU: where they live (the first module found is used)
 _TRITON_SERVES = ("lightning_baoc.optim.stepping", "lightning_baoc.optim.step", "lightning_baoc.optim.dispatch")
 
-warnings.filterwarnings("ignore")
 
 
 # ---------------------------------------------------------------------------- the optimizer alone
@@ -446,6 +445,7 @@ def scenario_fsdp2() -> dict[str, Any]:
 def record(path: Path, only: list[str]) -> None:
     if not torch.cuda.is_available() and "triton" not in sys.modules:  # CPU tensors through Triton's interpreter
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    warnings.filterwarnings("ignore")  # the runs' own warnings (a non-finite gradient skipped, Lightning's hints)
     torch.set_num_threads(1)
     result: dict[str, Any] = {}
     for name in only:

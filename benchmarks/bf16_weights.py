@@ -31,10 +31,10 @@ import math
 import statistics
 from pathlib import Path
 
-import torch
-
 import quality as q
+import torch
 from _report import command, markdown_table, write_docs_section
+
 from lightning_baoc import BlockwiseAdamW
 
 RESULTS = Path(__file__).resolve().parent / "runs" / "bf16_weights"

@@ -49,19 +49,26 @@ import statistics as stats
 from typing import Any, Sequence
 
 import torch
+from _report import markdown_table
+from _tasks import Task, digits_task
+from momentum_risk_validation import (
+    SPEND,
+    _cell,
+    allocations_in_range,
+    parse_run_arguments,
+    publish,
+    run_warm_up,
+    summarize,
+    verdict,
+)
+from risk_validation import EVAL_POINTS, _count, _train
 from torch import nn
 
-from _report import markdown_table
 from lightning_baoc import BlockwiseAdamW, partition
 from lightning_baoc.formats.correction import CORRECTIONS, WEIGHT_DTYPES, correction_dtype
 from lightning_baoc.risk.correction import correction_risk_table
 from lightning_baoc.risk.shadow import ShadowMoments
 from lightning_baoc.solver import solve
-from momentum_risk_validation import (
-    SPEND, _cell, allocations_in_range, parse_run_arguments, publish, run_warm_up, summarize, verdict,
-)
-from _tasks import Task, digits_task
-from risk_validation import EVAL_POINTS, _count, _train
 
 #: The reference continuation's correction on every block (and the warm-up's): the exact fp32 master for bf16.
 REFERENCE = "ecc16"

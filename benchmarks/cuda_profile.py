@@ -18,9 +18,9 @@ import pstats
 import time
 
 import torch
+from _report import command, machine
 from torch import nn
 
-from _report import command, machine
 from lightning_baoc import BlockwiseAdamW
 
 STEPS = 20

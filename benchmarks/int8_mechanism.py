@@ -28,20 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from _report import command, machine, markdown_table, write_docs_section
 from _tasks import chargpt_task, ddpm_task
-from risk_validation import (
-    EVAL_POINTS,
-    Runs,
-    _train,
-    largest_blocks,
-    mean_sem,
-    restore,
-    run_config,
-    spearman,
-    warm_up,
-)
+from risk_validation import EVAL_POINTS, Runs, _train, largest_blocks, mean_sem, restore, run_config, spearman, warm_up
+
 from lightning_baoc import partition
 from lightning_baoc.formats.quant import dequantize_sqrt, num_groups, num_supers, quantize_sqrt
 from lightning_baoc.risk import risk_details

@@ -45,16 +45,16 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from _report import command, machine, markdown_table, write_docs_section
+from _tasks import Task, digits_task
+from risk_validation import EVAL_POINTS, _count, _train, mean_sem, riskiest, spearman
 from torch import nn
 
-from _report import command, machine, markdown_table, write_docs_section
 from lightning_baoc import BlockwiseLion, BlockwiseSGD, partition
 from lightning_baoc.formats import MOMENTUM_FORMATS, resolve_in
 from lightning_baoc.risk.momentum import momentum_risk_table, shadow_betas
 from lightning_baoc.risk.shadow import ShadowMoments
 from lightning_baoc.solver import solve
-from _tasks import Task, digits_task
-from risk_validation import EVAL_POINTS, _count, _train, mean_sem, riskiest, spearman
 
 #: The momentum formats offered to every block.
 FORMATS = ("fp32", "bf16", "int8", "none")

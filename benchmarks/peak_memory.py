@@ -89,8 +89,8 @@ def load_the_code() -> None:
 
 def child(run: str, workload: Workload) -> dict[str, Any]:
     """Train one run in this process; what it held (called in the child process)."""
-    import torch
     import lightning as L
+    import torch
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 

@@ -49,14 +49,11 @@ from typing import Any, Callable, Iterable
 
 import lightning as L
 import torch
-from torch import Tensor
-
 from _report import DOCS, command, examples_on_path, machine, markdown_table, write_docs_section
+from torch import Tensor
 
 examples_on_path()
 
-from lightning_baoc.optim import BlockwiseOptimizer  # noqa: E402
-from workloads import RECIPES, WORKLOADS, Workload, build  # noqa: E402
 from _quality_rows import (  # noqa: E402
     BAOC_BUDGETS,
     RECORDED_FAMILIES,
@@ -81,6 +78,9 @@ from _quality_tables import (  # noqa: E402
     summarize,
     targets_table,
 )
+from workloads import RECIPES, WORKLOADS, Workload, build  # noqa: E402
+
+from lightning_baoc.optim import BlockwiseOptimizer  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PAGE = "benchmarks/quality.md"  # the docs page (under docs/) the tables go to

@@ -39,10 +39,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-
 from _report import command, machine, markdown_table, write_docs_section
 from _tasks import Task, chargpt_task, ddpm_task, digits_task
+from torch import nn
+
 from lightning_baoc import FORMATS, BlockwiseAdamW, partition
 from lightning_baoc.formats import format_state_bytes
 from lightning_baoc.risk import block_kind, prior_risk, risk_details

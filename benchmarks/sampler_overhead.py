@@ -41,12 +41,7 @@ from _models import CharGPT, batches, char_corpus  # noqa: E402
 from _report import write_docs_section  # noqa: E402
 
 from lightning_baoc import GradientSampler, partition  # noqa: E402
-from lightning_baoc.sampling import (  # noqa: E402
-    DEFAULT_CAPACITY,
-    DEFAULT_MAX_ELEMENTS,
-    DEFAULT_MAX_ROWS,
-    DEFAULT_SAMPLE_EVERY,
-)
+from lightning_baoc.sampling import DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS, DEFAULT_MAX_ROWS, DEFAULT_SAMPLE_EVERY  # noqa: E402
 
 PAGE, SECTION = "benchmarks/sampler-overhead.md", "sampler_overhead"  # where --docs writes (under docs/)
 

@@ -38,11 +38,11 @@ import argparse
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 import quality as q
+import torch
 from _report import command, markdown_table, write_docs_section
 from bf16_weights import _cell, _finals, _vs
+
 from lightning_baoc import BlockwiseLion, BlockwiseSGD
 
 RESULTS = Path(__file__).resolve().parent / "runs" / "sgd_lion"

@@ -34,11 +34,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import command, machine, markdown_table, write_docs_section  # noqa: E402
 
-from lightning_baoc.sampling.blocks import partition  # noqa: E402
 from lightning_baoc.costs.calibration import PRIOR_STEP_COST, memory_table, time_table  # noqa: E402
 from lightning_baoc.risk.prior import block_kind, prior_risk  # noqa: E402
-from lightning_baoc.tools.presets import build_model  # noqa: E402
+from lightning_baoc.sampling.blocks import partition  # noqa: E402
 from lightning_baoc.solver import KNOWN_FORMATS, BudgetInfeasibleError, reference_solve, solve  # noqa: E402
+from lightning_baoc.tools.presets import build_model  # noqa: E402
 
 NAMES = list(KNOWN_FORMATS)
 PER_BYTE = dict(fp32=8, bf16_momentum=6, bf16=4, nomomentum=4, int8=2.127, int8_factored=1.07,

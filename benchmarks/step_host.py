@@ -35,9 +35,9 @@ from contextlib import ExitStack
 from unittest import mock
 
 import torch
+from _report import command, machine, markdown_table
 from torch import nn
 
-from _report import command, machine, markdown_table
 from lightning_baoc import BlockwiseAdamW, kernels
 from lightning_baoc.optim import stepping
 

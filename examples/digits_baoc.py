@@ -16,10 +16,9 @@ import argparse
 
 import lightning as L
 import torch
+from digits_common import DigitsMLP, digits_loaders
 
 from lightning_baoc import BAOC
-
-from digits_common import DigitsMLP, digits_loaders
 
 
 class Digits(DigitsMLP):

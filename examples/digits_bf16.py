@@ -18,11 +18,10 @@ import argparse
 from typing import Any
 
 import lightning as L
+from digits_common import DigitsMLP, digits_loaders
 from rich.console import Console
 
 from lightning_baoc import BlockwiseAdamW, GradientRelease, training_memory
-
-from digits_common import DigitsMLP, digits_loaders
 
 
 class DigitsBF16(DigitsMLP):

@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 
 import lightning as L
+from digits_common import DigitsMLP, digits_loaders
 from rich.console import Console
 from rich.table import Table
 
 from lightning_baoc import BlockwiseAdamW
 from lightning_baoc.formats import format_state_bytes
-
-from digits_common import DigitsMLP, digits_loaders
 
 
 class DigitsClassifier(DigitsMLP):

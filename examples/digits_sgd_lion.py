@@ -17,11 +17,10 @@ import argparse
 from typing import Any
 
 import lightning as L
+from digits_common import DigitsMLP, digits_loaders
 from rich.console import Console
 
 from lightning_baoc import MOMENTUM_FORMATS, BlockwiseLion, BlockwiseSGD
-
-from digits_common import DigitsMLP, digits_loaders
 
 
 class DigitsMomentum(DigitsMLP):

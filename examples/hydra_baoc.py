@@ -43,8 +43,8 @@ def train(cfg: Any) -> dict[str, float]:
     import lightning as L
 
     from lightning_baoc import BAOC
-    from lightning_baoc.tools.check import build_component
     from lightning_baoc.config.files import parse_config
+    from lightning_baoc.tools.check import build_component
 
     config = parse_config(cfg, source="the Hydra config")
     if config.model is None or config.data is None:

@@ -9,7 +9,6 @@ from typing import Any
 
 import lightning as L
 import torch
-
 from workloads import build
 
 

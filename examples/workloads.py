@@ -39,7 +39,6 @@ from torch.utils.data import Dataset, TensorDataset
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
-
 from workload_parts import (
     VOCAB,
     Block,

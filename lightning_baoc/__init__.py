@@ -62,14 +62,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and documentation tools see
     from lightning_baoc.config.budget import parse_memory_budget, parse_time_budget  # noqa: F401
-    from lightning_baoc.config.files import (  # noqa: F401
-        BAOCSection,
-        Config,
-        ConfigError,
-        json_schema,
-        load_config,
-        parse_config,
-    )
+    from lightning_baoc.config.files import BAOCSection, Config, ConfigError, json_schema, load_config, parse_config  # noqa: F401
     from lightning_baoc.config.settings import BAOCConfig, SettingError  # noqa: F401
     from lightning_baoc.costs.memory import TrainingMemory, training_memory  # noqa: F401
     from lightning_baoc.formats import FORMATS, MOMENTUM_FORMATS  # noqa: F401
@@ -87,9 +80,4 @@ if TYPE_CHECKING:  # what type checkers and documentation tools see
     )
     from lightning_baoc.sampling import GradientSampler  # noqa: F401
     from lightning_baoc.sampling.blocks import partition  # noqa: F401
-    from lightning_baoc.solver import (  # noqa: F401
-        Allocation,
-        BudgetInfeasibleError,
-        select_boundaries,
-        solve,
-    )
+    from lightning_baoc.solver import Allocation, BudgetInfeasibleError, select_boundaries, solve  # noqa: F401

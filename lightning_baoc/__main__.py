@@ -106,10 +106,7 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
 def _run_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from lightning_baoc.config.budget import (
-        absolute_time_with_prior_error,
-        is_absolute_time,
-    )
+    from lightning_baoc.config.budget import absolute_time_with_prior_error, is_absolute_time
     from lightning_baoc.tools.plan import plan, render
 
     if args.time_budget is not None and not args.calibrate and is_absolute_time(args.time_budget):

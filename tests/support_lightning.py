@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback
 import torch
+from lightning.pytorch.callbacks import Callback
+from support import digits_tensors, mlp, one_thread  # noqa: F401  (re-exported)
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_baoc import BlockwiseLion
-from support import digits_tensors, mlp, one_thread  # noqa: F401  (re-exported)
 
 # Lightning's informational noise in tests
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")

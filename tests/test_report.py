@@ -13,7 +13,6 @@ from rich.console import Console
 
 from lightning_baoc import BAOC
 from lightning_baoc.control.controller import AllocationEvent
-from lightning_baoc.tools.plan import load_statistics
 from lightning_baoc.report import (
     ALLOCATION_SCHEMA,
     CORRECTION_HATCHES,
@@ -30,6 +29,7 @@ from lightning_baoc.report import (
     write_json,
     write_reports,
 )
+from lightning_baoc.tools.plan import load_statistics
 
 
 def _event() -> AllocationEvent:

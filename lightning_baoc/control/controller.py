@@ -76,11 +76,7 @@ from lightning_baoc.costs.instruments import InstrumentSizes
 from lightning_baoc.costs.memory import training_memory
 from lightning_baoc.formats import RULE_NAMES
 from lightning_baoc.optim import BlockwiseOptimizer
-from lightning_baoc.optim.swap import (
-    SUPPORTED_OPTIMIZERS,
-    convert_optimizer,
-    rebind_scheduler,
-)
+from lightning_baoc.optim.swap import SUPPORTED_OPTIMIZERS, convert_optimizer, rebind_scheduler
 from lightning_baoc.risk.shadow import ShadowMoments
 from lightning_baoc.sampling import GradientSampler
 from lightning_baoc.solver import BudgetInfeasibleError

@@ -18,12 +18,7 @@ from lightning_baoc.config.settings import BAOCConfig
 from lightning_baoc.control.blocks import Blocks
 from lightning_baoc.control.instrumentation import Instrumentation
 from lightning_baoc.control.tables import BlockTables
-from lightning_baoc.costs.options import (
-    compose,
-    option,
-    prior_correction_risk,
-    split_option,
-)
+from lightning_baoc.costs.options import compose, option, prior_correction_risk, split_option
 from lightning_baoc.formats import format_state_bytes
 from lightning_baoc.formats.correction import CORRECTION_BITS, WEIGHT_DTYPES
 from lightning_baoc.optim import BlockwiseOptimizer

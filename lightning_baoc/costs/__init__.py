@@ -6,25 +6,9 @@ run's phases (start, warm-up, conversion, steady: :mod:`lightning_baoc.costs.pha
 memory of BAOC's own instruments, sized with the model (:mod:`lightning_baoc.costs.instruments`).
 """
 
-from lightning_baoc.costs.instruments import (
-    InstrumentSizes,
-    instrument_allowance,
-    size_instruments,
-)
-from lightning_baoc.costs.phases import (
-    CONVERSION_BOUND,
-    PHASES,
-    PhaseFigure,
-    StatePhases,
-    state_phases,
-)
-from lightning_baoc.costs.problem import (
-    AllocationProblem,
-    Budgets,
-    CostSource,
-    baseline_state_bytes,
-    with_message,
-)
+from lightning_baoc.costs.instruments import InstrumentSizes, instrument_allowance, size_instruments
+from lightning_baoc.costs.phases import CONVERSION_BOUND, PHASES, PhaseFigure, StatePhases, state_phases
+from lightning_baoc.costs.problem import AllocationProblem, Budgets, CostSource, baseline_state_bytes, with_message
 
 __all__ = [
     "CONVERSION_BOUND",

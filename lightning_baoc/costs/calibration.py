@@ -31,14 +31,7 @@ from typing import Any
 
 import torch
 
-from lightning_baoc.formats import (
-    DEFAULT_MIN_8BIT_NUMEL,
-    FORMATS,
-    format_state_bytes,
-    formats_of,
-    numel_of,
-    resolve_in,
-)
+from lightning_baoc.formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, format_state_bytes, formats_of, numel_of, resolve_in
 from lightning_baoc.formats.base import as_shape
 from lightning_baoc.kernels import step_path
 from lightning_baoc.solver import check_mask as _check_mask

@@ -16,11 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from lightning_baoc.formats import numel_of
-from lightning_baoc.formats.correction import (
-    CORRECTION_BITS,
-    WEIGHT_DTYPES,
-    check_correction,
-)
+from lightning_baoc.formats.correction import CORRECTION_BITS, WEIGHT_DTYPES, check_correction
 
 #: Separates a format from its correction in an option's name.
 SEPARATOR = "+"

@@ -372,9 +372,7 @@ class StateFormat(ABC):
         of its parameter's flat order (FSDP2): :meth:`layout`, with the 8-bit formats' groups and
         super-blocks the whole parameter's (:func:`~.frames.framed_specs`); :meth:`layout` itself at
         offset 0."""
-        from lightning_baoc.formats.frames import (
-            framed_specs,  # frames builds on this module
-        )
+        from lightning_baoc.formats.frames import framed_specs  # frames builds on this module
         from lightning_baoc.formats.quant import SUPER
 
         return framed_specs(self.layout(shape), numel_of(shape), offset % SUPER)

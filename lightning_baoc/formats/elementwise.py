@@ -15,20 +15,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from lightning_baoc.formats.adam_math import (
-    chunk_adamw,
-    chunk_ranges,
-    grad_flat,
-    param_flat,
-)
-from lightning_baoc.formats.base import (
-    Canonical,
-    Shape,
-    StateFormat,
-    StepHyper,
-    StepItem,
-    numel_of,
-)
+from lightning_baoc.formats.adam_math import chunk_adamw, chunk_ranges, grad_flat, param_flat
+from lightning_baoc.formats.base import Canonical, Shape, StateFormat, StepHyper, StepItem, numel_of
 from lightning_baoc.formats.frames import finish_stores, frame_lead
 
 

@@ -16,13 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_baoc.formats.adam_math import effective_grad, param_flat
-from lightning_baoc.formats.base import (
-    StepHyper,
-    StepItem,
-    factor_dims,
-    factor_view,
-    factored_ratio,
-)
+from lightning_baoc.formats.base import StepHyper, StepItem, factor_dims, factor_view, factored_ratio
 from lightning_baoc.formats.frames import finish_stores, frame_lead
 from lightning_baoc.formats.quant import SUPER, sqrt_rn
 

@@ -14,12 +14,7 @@ from lightning_baoc import kernels
 from lightning_baoc.formats.base import Shape, StepHyper, TensorSpec, numel_of
 from lightning_baoc.formats.elementwise import ElementwiseFormat
 from lightning_baoc.formats.frames import quant_args, quant_specs, store_quantized
-from lightning_baoc.formats.quant import (
-    dequantize_momentum,
-    dequantize_sqrt,
-    quantize_momentum,
-    quantize_sqrt,
-)
+from lightning_baoc.formats.quant import dequantize_momentum, dequantize_sqrt, quantize_momentum, quantize_sqrt
 
 
 class Int8(ElementwiseFormat):

@@ -24,13 +24,7 @@ from lightning_baoc.formats.base import (
     numel_of,
 )
 from lightning_baoc.formats.factored_math import factored_update
-from lightning_baoc.formats.frames import (
-    finish_stores,
-    frame_lead,
-    quant_args,
-    quant_specs,
-    store_quantized,
-)
+from lightning_baoc.formats.frames import finish_stores, frame_lead, quant_args, quant_specs, store_quantized
 from lightning_baoc.formats.quant import dequantize_momentum, quantize_momentum
 
 

@@ -45,27 +45,9 @@ from torch import Tensor
 
 from lightning_baoc import kernels
 from lightning_baoc.formats.adam_math import chunk_ranges, grad_flat, param_flat
-from lightning_baoc.formats.base import (
-    Canonical,
-    Shape,
-    StateFormat,
-    StepHyper,
-    StepItem,
-    TensorSpec,
-    numel_of,
-)
-from lightning_baoc.formats.frames import (
-    finish_stores,
-    frame_lead,
-    quant_args,
-    quant_specs,
-    store_quantized,
-)
-from lightning_baoc.formats.quant import (
-    bf16_stochastic,
-    dequantize_momentum,
-    quantize_momentum,
-)
+from lightning_baoc.formats.base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, numel_of
+from lightning_baoc.formats.frames import finish_stores, frame_lead, quant_args, quant_specs, store_quantized
+from lightning_baoc.formats.quant import bf16_stochastic, dequantize_momentum, quantize_momentum
 
 #: The update rules the momentum formats run.
 RULES = ("sgd", "lion")

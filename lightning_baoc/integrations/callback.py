@@ -53,11 +53,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_baoc.config.settings import FormatName, ReportSetting, settings_of, split_settings
-from lightning_baoc.control.controller import (
-    AllocationEvent,
-    BAOCController,
-    rebind_scheduler,
-)
+from lightning_baoc.control.controller import AllocationEvent, BAOCController, rebind_scheduler
 from lightning_baoc.integrations.checkpoints import distributed_metadata
 from lightning_baoc.optim import BlockwiseAdamW
 from lightning_baoc.report import AllocationReporter
@@ -65,11 +61,7 @@ from lightning_baoc.report import AllocationReporter
 
 def _refused_strategy(strategy: Any) -> str | None:
     """Why BAOC cannot run under ``strategy`` (None if it can)."""
-    from lightning.pytorch.strategies import (
-        DeepSpeedStrategy,
-        FSDPStrategy,
-        ModelParallelStrategy,
-    )
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
     name = type(strategy).__name__
     if isinstance(strategy, DeepSpeedStrategy):

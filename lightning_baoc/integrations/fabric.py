@@ -43,21 +43,13 @@ import weakref
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
-from lightning.fabric.strategies import (
-    DDPStrategy,
-    ModelParallelStrategy,
-    SingleDeviceStrategy,
-)
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_baoc.config.settings import FormatName, ReportSetting, settings_of, split_settings
-from lightning_baoc.control.controller import (
-    AllocationEvent,
-    BAOCController,
-    rebind_scheduler,
-)
+from lightning_baoc.control.controller import AllocationEvent, BAOCController, rebind_scheduler
 from lightning_baoc.integrations.checkpoints import distributed_metadata
 from lightning_baoc.report import AllocationReporter
 

@@ -153,9 +153,7 @@ STALE_LOCK_SECONDS = 300.0
 def _build_directory(name: str) -> Path | None:
     """Where torch builds and caches the extension ``name`` (``None`` where this torch does not say)."""
     try:
-        from torch.utils.cpp_extension import (
-            _get_build_directory,  # private: how torch names its cache
-        )
+        from torch.utils.cpp_extension import _get_build_directory  # private: how torch names its cache
 
         return Path(_get_build_directory(name, verbose=False))
     except (ImportError, TypeError, OSError):

@@ -56,16 +56,7 @@ else:
 
 from lightning_baoc.formats.base import factor_dims
 from lightning_baoc.formats.factored_math import moments_from_sums, sqrt_factors
-from lightning_baoc.kernels import (
-    M_BF16,
-    M_FP32,
-    M_INT8,
-    M_NONE,
-    V_BF16,
-    V_FACTORED,
-    V_FP32,
-    V_UINT8,
-)
+from lightning_baoc.kernels import M_BF16, M_FP32, M_INT8, M_NONE, V_BF16, V_FACTORED, V_FP32, V_UINT8
 from lightning_baoc.kernels import TRITON_SERVED as SERVED
 
 _SUPER = 1024

@@ -19,12 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_baoc.optim.aliases import optimizer_alias, resolve_alias
-from lightning_baoc.optim.checkpoint import (
-    CheckpointError,
-    export_adamw_state_dict,
-    load_checkpoint,
-    seal_state_dict,
-)
+from lightning_baoc.optim.checkpoint import CheckpointError, export_adamw_state_dict, load_checkpoint, seal_state_dict
 from lightning_baoc.optim.distributed import saved_formats
 from lightning_baoc.optim.optimizer import BlockwiseAdamW, BlockwiseOptimizer
 from lightning_baoc.optim.sgd_lion import BlockwiseLion, BlockwiseSGD

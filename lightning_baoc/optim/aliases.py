@@ -8,11 +8,7 @@ the public path.
 
 from __future__ import annotations
 
-from lightning_baoc.optim.optimizer import (
-    PUBLIC_MODULE,
-    BlockwiseAdamW,
-    BlockwiseOptimizer,
-)
+from lightning_baoc.optim.optimizer import PUBLIC_MODULE, BlockwiseAdamW, BlockwiseOptimizer
 from lightning_baoc.optim.sgd_lion import BlockwiseSGD
 
 #: Alias class-name prefix of each base class (AdamW's keeps the prefix older pickles name).

@@ -24,14 +24,7 @@ from torch import Tensor
 
 from lightning_baoc.formats import StepHyper
 from lightning_baoc.formats.adam_math import chunk_ranges
-from lightning_baoc.formats.base import (
-    FactoredMeans,
-    StateFormat,
-    factor_view,
-    factored_ratio,
-    numel_of,
-    row_mean,
-)
+from lightning_baoc.formats.base import FactoredMeans, StateFormat, factor_view, factored_ratio, numel_of, row_mean
 from lightning_baoc.formats.frames import finish_stores, frame_lead
 
 _FP32_MAX = torch.finfo(torch.float32).max

@@ -47,11 +47,7 @@ import torch
 from torch import Tensor
 
 from lightning_baoc.formats import StateFormat
-from lightning_baoc.optim.checkpoint import (
-    STATE_DICT_VERSION,
-    CheckpointError,
-    _digest_value,
-)
+from lightning_baoc.optim.checkpoint import STATE_DICT_VERSION, CheckpointError, _digest_value
 from lightning_baoc.optim.sharding import (
     DTensor,
     as_dtensor,

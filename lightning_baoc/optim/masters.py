@@ -26,13 +26,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import Tensor
 
-from lightning_baoc.formats.correction import (
-    WEIGHT_DTYPES,
-    check_correction,
-    correction_dtype,
-    reconstruct,
-    split_into,
-)
+from lightning_baoc.formats.correction import WEIGHT_DTYPES, check_correction, correction_dtype, reconstruct, split_into
 from lightning_baoc.optim.pools import Record
 from lightning_baoc.optim.sharding import local
 

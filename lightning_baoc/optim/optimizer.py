@@ -53,12 +53,7 @@ from lightning_baoc.optim.gradient_release import ReleaseHooks
 from lightning_baoc.optim.masters import MasterWeights
 from lightning_baoc.optim.persist import CheckpointCodec
 from lightning_baoc.optim.pools import Record, StatePools
-from lightning_baoc.optim.sharding import (
-    check_placements,
-    flat_shards,
-    row_shards,
-    shard_offset,
-)
+from lightning_baoc.optim.sharding import check_placements, flat_shards, row_shards, shard_offset
 from lightning_baoc.optim.stepping import StepDispatcher, StepSettings
 from lightning_baoc.optim.validate import plan_load
 

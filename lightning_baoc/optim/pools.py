@@ -32,12 +32,7 @@ from lightning_baoc.formats import FORMATS, Canonical, StateFormat, StepHyper
 from lightning_baoc.formats.base import TensorSpec
 from lightning_baoc.formats.frames import FramedViews
 from lightning_baoc.optim.convert import convert_state
-from lightning_baoc.optim.sharding import (
-    is_sharded,
-    largest_shard_shape,
-    local,
-    mesh_min,
-)
+from lightning_baoc.optim.sharding import is_sharded, largest_shard_shape, local, mesh_min
 
 HOST = torch.device("cpu")
 

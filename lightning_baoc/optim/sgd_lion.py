@@ -28,12 +28,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
-from lightning_baoc.formats import (
-    DEFAULT_MIN_8BIT_NUMEL,
-    MOMENTUM_FORMATS,
-    StepHyper,
-    check_format_name,
-)
+from lightning_baoc.formats import DEFAULT_MIN_8BIT_NUMEL, MOMENTUM_FORMATS, StepHyper, check_format_name
 from lightning_baoc.formats.base import DEFAULT_CHUNK
 from lightning_baoc.optim.args import check_correction, check_lr, to_float
 from lightning_baoc.optim.optimizer import PUBLIC_MODULE, BlockwiseOptimizer

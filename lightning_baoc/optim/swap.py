@@ -16,12 +16,7 @@ import torch
 from torch import nn
 
 from lightning_baoc.formats import DEFAULT_MIN_8BIT_NUMEL
-from lightning_baoc.optim import (
-    BlockwiseAdamW,
-    BlockwiseOptimizer,
-    BlockwiseSGD,
-    optimizer_alias,
-)
+from lightning_baoc.optim import BlockwiseAdamW, BlockwiseOptimizer, BlockwiseSGD, optimizer_alias
 
 #: Optimizers BAOC can take over (named in the error for any other).
 SUPPORTED_OPTIMIZERS = (

@@ -16,11 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_baoc.formats import Canonical, StateFormat, check_format_name
-from lightning_baoc.formats.correction import (
-    CORRECTIONS,
-    WEIGHT_DTYPES,
-    correction_dtype,
-)
+from lightning_baoc.formats.correction import CORRECTIONS, WEIGHT_DTYPES, correction_dtype
 from lightning_baoc.optim.args import PERFORMANCE_HINTS
 from lightning_baoc.optim.checkpoint import (
     READABLE_VERSIONS,

@@ -17,21 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lightning_baoc.risk.model import (
-    DEFAULT_HORIZON,
-    DEFAULT_MAX_ELEMENTS,
-    BlockRisk,
-    risk_details,
-    risk_table,
-)
+from lightning_baoc.risk.model import DEFAULT_HORIZON, DEFAULT_MAX_ELEMENTS, BlockRisk, risk_details, risk_table
 from lightning_baoc.risk.momentum import momentum_risk_details, momentum_risk_table
-from lightning_baoc.risk.prior import (
-    PRIOR_ATTENTION_NO_MOMENTUM,
-    PRIOR_KIND_WEIGHT,
-    PRIOR_RISK,
-    block_kind,
-    prior_risk,
-)
+from lightning_baoc.risk.prior import PRIOR_ATTENTION_NO_MOMENTUM, PRIOR_KIND_WEIGHT, PRIOR_RISK, block_kind, prior_risk
 from lightning_baoc.risk.start import INITIAL_PREFERENCE, start_risk
 
 if TYPE_CHECKING:

@@ -37,13 +37,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from lightning_baoc.formats.correction import (
-    CORRECTIONS,
-    WEIGHT_DTYPES,
-    check_correction,
-    reconstruct,
-    split,
-)
+from lightning_baoc.formats.correction import CORRECTIONS, WEIGHT_DTYPES, check_correction, reconstruct, split
 from lightning_baoc.optim.args import to_float
 from lightning_baoc.optim.sharding import local
 from lightning_baoc.risk.shadow import ShadowMoments

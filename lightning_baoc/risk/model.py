@@ -62,13 +62,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from lightning_baoc.formats import (
-    FORMATS,
-    Canonical,
-    StepHyper,
-    factor_dims,
-    resolve_format,
-)
+from lightning_baoc.formats import FORMATS, Canonical, StepHyper, factor_dims, resolve_format
 from lightning_baoc.formats.base import factor_view, factored_ratio, row_mean
 from lightning_baoc.optim import BlockwiseAdamW
 from lightning_baoc.optim.sharding import local, row_shards

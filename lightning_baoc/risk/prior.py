@@ -12,12 +12,7 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from lightning_baoc.formats import (
-    DEFAULT_MIN_8BIT_NUMEL,
-    formats_of,
-    numel_of,
-    resolve_in,
-)
+from lightning_baoc.formats import DEFAULT_MIN_8BIT_NUMEL, formats_of, numel_of, resolve_in
 from lightning_baoc.formats.base import as_shape
 from lightning_baoc.sampling.blocks import ROOT_BLOCK
 

@@ -21,12 +21,7 @@ from lightning_baoc.optim.sharding import is_sharded, local, shard_group
 from lightning_baoc.sampling import statistics as S
 from lightning_baoc.sampling.blocks import partition
 from lightning_baoc.sampling.gather import _gather, _merge
-from lightning_baoc.sampling.layout import (
-    _Block,
-    _check_blocks,
-    _check_int,
-    _plan_blocks,
-)
+from lightning_baoc.sampling.layout import _Block, _check_blocks, _check_int, _plan_blocks
 from lightning_baoc.sampling.reduce import (
     COSINE_SLICE,
     _anisotropy,

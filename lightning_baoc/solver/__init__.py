@@ -50,12 +50,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from lightning_baoc.config.budget import parse_memory_budget, parse_time_budget
-from lightning_baoc.solver.pipeline import (
-    _METHODS,
-    AUTO_EXACT_BLOCKS,
-    Method,
-    _solve_problem,
-)
+from lightning_baoc.solver.pipeline import _METHODS, AUTO_EXACT_BLOCKS, Method, _solve_problem
 from lightning_baoc.solver.problem import (
     KNOWN_FORMATS,
     Allocation,

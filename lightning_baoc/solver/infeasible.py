@@ -14,12 +14,7 @@ import math
 import numpy as np
 
 from lightning_baoc.config.budget import ceil_significant, format_bytes, format_seconds
-from lightning_baoc.solver.problem import (
-    TIME_BUDGET_RTOL,
-    BudgetInfeasibleError,
-    _Problem,
-    _Scaled,
-)
+from lightning_baoc.solver.problem import TIME_BUDGET_RTOL, BudgetInfeasibleError, _Problem, _Scaled
 from lightning_baoc.solver.relaxation import _frontier_choice
 from lightning_baoc.solver.search import _branch_and_bound
 

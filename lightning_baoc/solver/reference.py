@@ -10,13 +10,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from lightning_baoc.solver.problem import (
-    Allocation,
-    BudgetInfeasibleError,
-    Table,
-    _build,
-    _parse_budgets,
-)
+from lightning_baoc.solver.problem import Allocation, BudgetInfeasibleError, Table, _build, _parse_budgets
 
 
 def reference_solve(

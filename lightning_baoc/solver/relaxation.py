@@ -18,15 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_baoc.solver.problem import (
-    _Accept,
-    _Problem,
-    _raw_memory,
-    _raw_ok,
-    _raw_time,
-    _Scaled,
-    _zero_inf,
-)
+from lightning_baoc.solver.problem import _Accept, _Problem, _raw_memory, _raw_ok, _raw_time, _Scaled, _zero_inf
 
 # ---------------------------------------------------------------------------- the frontier
 

@@ -15,13 +15,7 @@ from typing import Any
 import numpy as np
 
 from lightning_baoc.solver.pipeline import _solve_problem
-from lightning_baoc.solver.problem import (
-    Allocation,
-    Table,
-    _build,
-    _parse_budgets,
-    _Problem,
-)
+from lightning_baoc.solver.problem import Allocation, Table, _build, _parse_budgets, _Problem
 
 
 def select_boundaries(

@@ -24,7 +24,6 @@ from torch import nn
 from lightning_baoc.config.files import ComponentConfig, Config
 from lightning_baoc.tools.presets import build_model
 
-
 #: The folder beside a template's ``configs/`` folder that holds the code its class paths name.
 EXAMPLES = "examples"
 

@@ -43,12 +43,7 @@ from lightning_baoc.config.budget import (
     format_decimal_bytes,
     is_absolute_time,
 )
-from lightning_baoc.costs import (
-    CONVERSION_BOUND,
-    AllocationProblem,
-    StatePhases,
-    baseline_state_bytes,
-)
+from lightning_baoc.costs import CONVERSION_BOUND, AllocationProblem, StatePhases, baseline_state_bytes
 from lightning_baoc.costs.calibration import offload_saves_memory
 from lightning_baoc.costs.options import correction_bytes, split_option
 from lightning_baoc.formats import (
@@ -64,12 +59,7 @@ from lightning_baoc.risk.prior import block_kind, prior_risk
 from lightning_baoc.risk.start import INITIAL_PREFERENCE, AllocationRecord, Initial
 from lightning_baoc.sampling.blocks import partition
 from lightning_baoc.solver import Allocation, BudgetInfeasibleError
-from lightning_baoc.tools.plan_inputs import (
-    check_initial,
-    check_optimizer,
-    checked_mask,
-    load_statistics,
-)
+from lightning_baoc.tools.plan_inputs import check_initial, check_optimizer, checked_mask, load_statistics
 from lightning_baoc.tools.presets import build_model
 
 # ---------------------------------------------------------------------------- the plan

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import behaviour as B
 import pytest
 import torch
-
-import behaviour as B
 
 
 def _record(path: Path, record: dict) -> Path:
@@ -60,7 +59,11 @@ def test_a_scenario_in_one_record_only_fails_the_comparison(tmp_path: Path, caps
 
 
 def test_the_sgd_and_lion_scenario_repeats_to_the_bit() -> None:
-    torch.set_num_threads(1)
-    first, second = B.scenario_momentum(), B.scenario_momentum()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as record() runs it
+    try:
+        first, second = B.scenario_momentum(), B.scenario_momentum()
+    finally:
+        torch.set_num_threads(before)
     assert len(first) == 2 * 2 * 4  # eager and compiled, SGD and Lion, four momentum formats
     assert not [d for key in first for d in B._differences(first[key], second[key], key)]

@@ -7,9 +7,8 @@ import json
 import math
 import statistics
 
-import pytest
-
 import compare_runs as C
+import pytest
 from _report import file_text
 
 FP32 = "[]"

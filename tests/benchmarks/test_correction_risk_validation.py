@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import math
 
+import correction_risk_validation as V
 import pytest
 import torch
 
-import correction_risk_validation as V
 from lightning_baoc import partition
 
 

@@ -3,10 +3,10 @@ continuation is BlockwiseAdamW's fp32 one, so its harms pair with ``risk_validat
 
 from __future__ import annotations
 
+import int8_mechanism as M
 import torch
 from torch import nn
 
-import int8_mechanism as M
 from lightning_baoc import FORMATS, BlockwiseAdamW
 from lightning_baoc.formats import Canonical, StepHyper
 

@@ -3,11 +3,11 @@ their arguments and replayed, and the reference is torch's fused AdamW operator 
 
 from __future__ import annotations
 
+import kernel_ab as K
 import pytest
 import torch
 from torch import nn
 
-import kernel_ab as K
 from lightning_baoc import BlockwiseAdamW, kernels
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_kernels().available, reason=f"no compiled kernels: {kernels.cpu_kernels().detail}")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-
 from peak_memory import Workload, bound_bytes, run_all, table
 
 BUDGETS = [0.25, 0.5]

@@ -12,6 +12,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[2]
 
 import quality as Q  # noqa: E402
+
 from lightning_baoc import BlockwiseAdamW  # noqa: E402
 from lightning_baoc.formats import format_state_bytes  # noqa: E402
 

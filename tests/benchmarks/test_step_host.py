@@ -4,10 +4,10 @@ times is the host's (the decisions and the counts still move, the parameters and
 from __future__ import annotations
 
 import pytest
+import step_host as H
 import torch
 from torch import nn
 
-import step_host as H
 from lightning_baoc import BlockwiseAdamW
 
 

@@ -7,9 +7,8 @@ import argparse
 import time
 
 import pytest
-import torch
-
 import step_time as S
+import torch
 
 
 def test_each_ratio_is_taken_against_the_reference_of_its_own_round_and_layout() -> None:

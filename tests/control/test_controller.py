@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 import pytest
 import torch
+from support import controller_steps, one_thread  # noqa: F401  (one_thread: one intra-op thread, see there)
 from torch import nn
 
 from lightning_baoc import FORMATS, BlockwiseAdamW, BudgetInfeasibleError
@@ -20,8 +21,6 @@ from lightning_baoc.control.controller import (
     decide_on_rank_zero,
     rebind_scheduler,
 )
-
-from support import controller_steps, one_thread  # noqa: F401  (one_thread: one intra-op thread, see there)
 
 CPU_FORMATS = [f for f in FORMATS if f != "offload"]  # offload is masked on the CPU
 

@@ -14,14 +14,13 @@ import json
 
 import pytest
 import torch
+from support import one_thread  # noqa: F401
 from torch import nn
 
+from lightning_baoc.config.settings import SettingError
 from lightning_baoc.control.controller import BAOCConfig, BAOCController
 from lightning_baoc.costs.options import split_option
 from lightning_baoc.report import build_record, validate_record
-from lightning_baoc.config.settings import SettingError
-
-from support import one_thread  # noqa: F401
 
 ALL = ["none", "ecc8", "ecc16"]
 

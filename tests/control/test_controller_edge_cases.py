@@ -14,18 +14,17 @@ from typing import Any
 
 import pytest
 import torch
+from support import one_thread  # noqa: F401  (one intra-op thread: see there)
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW, BudgetInfeasibleError
-from lightning_baoc.control import controller as controller_module
-from lightning_baoc.costs.calibration import OFFLOAD_NEEDS_TIME_BUDGET, hardware_mask, withheld_formats
-from lightning_baoc.tools.check import run_checks
 from lightning_baoc.config.files import parse_config
+from lightning_baoc.control import controller as controller_module
 from lightning_baoc.control.controller import BAOCConfig, BAOCController
+from lightning_baoc.costs.calibration import OFFLOAD_NEEDS_TIME_BUDGET, hardware_mask, withheld_formats
 from lightning_baoc.risk.prior import block_kind, prior_risk
+from lightning_baoc.tools.check import run_checks
 from lightning_baoc.tools.plan import plan
-
-from support import one_thread  # noqa: F401  (one intra-op thread: see there)
 
 WARMUP, EVERY = 12, 4
 

@@ -13,13 +13,12 @@ import warnings
 
 import pytest
 import torch
+from support import controller_steps, one_thread  # noqa: F401  (one_thread: see there)
 from torch import nn
 
 from lightning_baoc import MOMENTUM_FORMATS, BlockwiseLion, BlockwiseSGD, BudgetInfeasibleError
 from lightning_baoc.control.controller import BAOCConfig, BAOCController
 from lightning_baoc.risk import optimizer_risk_table
-
-from support import controller_steps, one_thread  # noqa: F401  (one_thread: see there)
 
 
 def _model(seed: int = 0) -> nn.Sequential:

@@ -13,12 +13,11 @@ import math
 
 import torch
 import torch.distributed as dist
+from support_distributed import needs_gloo, on_gloo_ranks
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW
 from lightning_baoc.control.controller import BAOCController
-
-from support_distributed import needs_gloo, on_gloo_ranks
 
 pytestmark = needs_gloo
 WORLD = 2

@@ -15,13 +15,12 @@ from typing import Any
 
 import pytest
 import torch
+from support import one_thread  # noqa: F401  (one intra-op thread: see there)
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW
 from lightning_baoc.control.controller import BAOCController
 from lightning_baoc.report import build_record
-
-from support import one_thread  # noqa: F401  (one intra-op thread: see there)
 
 
 def _model(seed: int = 0) -> nn.Sequential:

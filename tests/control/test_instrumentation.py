@@ -6,12 +6,11 @@ from __future__ import annotations
 import doctest
 
 import torch
+from support_control import backward, instrumented
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW, BlockwiseSGD
 from lightning_baoc.control import instrumentation as instrumentation_module
-
-from support_control import instrumented, backward
 
 
 def _model() -> nn.Sequential:

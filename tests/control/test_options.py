@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from support_control import instrumented
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW
@@ -15,8 +16,6 @@ from lightning_baoc.control import options as options_module
 from lightning_baoc.control.options import Options
 from lightning_baoc.costs.options import PRIOR_CORRECTION_RISK
 from lightning_baoc.formats import format_state_bytes
-
-from support_control import instrumented
 
 
 def _model(dtype: torch.dtype = torch.float32) -> nn.Sequential:

@@ -6,15 +6,14 @@ from __future__ import annotations
 import doctest
 
 import torch
+from support import one_thread  # noqa: F401  (one intra-op thread: bit-equal reductions)
+from support_control import backward, instrumented
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW
 from lightning_baoc.control import released_gradients as released_module
 from lightning_baoc.control.instrumentation import Instrumentation
 from lightning_baoc.control.released_gradients import ReleasedGradientObserver
-
-from support import one_thread  # noqa: F401  (one intra-op thread: bit-equal reductions)
-from support_control import backward, instrumented
 
 STEPS = 7
 

@@ -7,6 +7,7 @@ import doctest
 from typing import Any
 
 import torch
+from support_control import instrumented
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW
@@ -14,8 +15,6 @@ from lightning_baoc.control import scoring as scoring_module
 from lightning_baoc.control.options import Options
 from lightning_baoc.control.scoring import Scoring
 from lightning_baoc.risk import optimizer_risk_table
-
-from support_control import instrumented
 
 
 class TwoLayers(nn.Module):

@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 import lightning_baoc.control.controller as controller_module
-from lightning_baoc.tools.check import run_checks
 from lightning_baoc.config.files import parse_config
 from lightning_baoc.control.controller import BAOCController
-from lightning_baoc.costs.options import split_option
 from lightning_baoc.costs import AllocationProblem
-from lightning_baoc.tools.plan import plan
+from lightning_baoc.costs.options import split_option
 from lightning_baoc.solver import BudgetInfeasibleError
+from lightning_baoc.tools.check import run_checks
+from lightning_baoc.tools.plan import plan
 
 
 def _model() -> nn.Module:

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from support import one_thread  # noqa: F401 - one_thread applies to the module
 
 from lightning_baoc import FORMATS
 from lightning_baoc.costs.calibration import (
@@ -20,8 +21,6 @@ from lightning_baoc.costs.calibration import (
 )
 from lightning_baoc.formats import format_state_bytes
 from lightning_baoc.solver import BudgetInfeasibleError, solve
-
-from support import one_thread  # noqa: F401 - one_thread applies to the module
 
 SHAPES = {"emb": [(512, 64)], "fc": [(64, 176), (176,)], "norm": [(64,)]}
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_baoc.control.controller import BAOCController
 from lightning_baoc.costs.instruments import (
     INSTRUMENT_FLOOR,
     MIN_SAMPLED,
@@ -16,7 +17,6 @@ from lightning_baoc.costs.instruments import (
     shadow_bytes,
     size_instruments,
 )
-from lightning_baoc.control.controller import BAOCController
 from lightning_baoc.report import build_record
 from lightning_baoc.risk.shadow import DEFAULT_SHADOW_ELEMENTS, ShadowMoments
 from lightning_baoc.sampling import DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS, GradientSampler

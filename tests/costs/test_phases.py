@@ -15,12 +15,12 @@ from torch import nn
 
 import lightning_baoc.costs.phases as phases_module
 from lightning_baoc import BlockwiseAdamW
-from lightning_baoc.sampling.blocks import partition
 from lightning_baoc.control.controller import BAOCController
 from lightning_baoc.costs import PHASES, AllocationProblem, StatePhases, state_phases
 from lightning_baoc.costs.options import split_option
 from lightning_baoc.formats import format_state_bytes, resolve_format
 from lightning_baoc.risk.prior import block_kind
+from lightning_baoc.sampling.blocks import partition
 
 
 def _model() -> nn.Module:

@@ -12,8 +12,6 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-
-
 import workloads as W  # noqa: E402
 
 
@@ -154,8 +152,9 @@ def test_example_script_runs_and_prints(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_baoc_flag_fails_clearly_without_the_callback(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_baoc
     import vit_digits
+
+    import lightning_baoc
 
     monkeypatch.delattr(lightning_baoc, "BAOC", raising=False)
     monkeypatch.delitem(lightning_baoc._EXPORTS, "BAOC")  # the top level imports it lazily

@@ -7,9 +7,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import fabric_loop
 import pytest
 
-import fabric_loop
 import lightning_baoc.integrations.fabric as fabric_strategy
 
 ROOT = Path(__file__).resolve().parents[2]

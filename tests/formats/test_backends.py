@@ -7,11 +7,10 @@ corrections) run through the same harness in ``tests/kernels/``."""
 from __future__ import annotations
 
 import pytest
+import support_formats as H
 
 from lightning_baoc import FORMATS, MOMENTUM_FORMATS
 from lightning_baoc.formats import resolve_format
-
-import support_formats as H
 
 #: Shapes per backend: ragged (not a multiple of 32 or 1024), under one super-block, 1-D, 3-D, exact
 #: super-blocks, rows of a multiple of 8 that end inside super-blocks; fewer through Triton's interpreter

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import one_thread  # noqa: F401 - one_thread applies to the module
 
 from lightning_baoc.formats.correction import (
     CORRECTIONS,
@@ -23,8 +24,6 @@ from lightning_baoc.formats.correction import (
     split,
     ulp,
 )
-
-from support import one_thread  # noqa: F401 - one_thread applies to the module
 
 MAX_PATTERN = {torch.bfloat16: 0x7F7F, torch.float16: 0x7BFF}  # the largest finite magnitude
 

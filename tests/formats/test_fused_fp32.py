@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import one_thread, peak_above_start  # noqa: F401 - one_thread applies to the module
 from torch import Tensor, nn
 
 from lightning_baoc import FORMATS, BlockwiseAdamW, kernels
@@ -18,8 +19,6 @@ from lightning_baoc.formats import StepHyper, StepItem, fused_adam
 from lightning_baoc.formats.adam_math import foreach_dense_fp32
 from lightning_baoc.formats.fused_adam import fused_dense_fp32, split_fused
 from lightning_baoc.formats.offload import host_batches, host_update
-
-from support import one_thread, peak_above_start  # noqa: F401 - one_thread applies to the module
 
 #: Largest distance allowed between the fused and the reference step, in ulps of the larger of the
 #: element's magnitude and the tensor's RMS (an element that crossed zero is measured at the

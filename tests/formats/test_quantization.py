@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import mlp, one_thread  # noqa: F401 - one_thread applies to the module
 from torch import nn
 
 from lightning_baoc import FORMATS, BlockwiseAdamW
-from lightning_baoc.formats import Canonical, StepHyper
-from lightning_baoc.formats import quant
+from lightning_baoc.formats import Canonical, StepHyper, quant
 from lightning_baoc.formats.bf16 import BF16
 from lightning_baoc.formats.quant import bf16_round_nearest
-
-from support import mlp, one_thread  # noqa: F401 - one_thread applies to the module
 
 
 def _groups(x: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -19,13 +19,12 @@ import lightning as L
 import pytest
 import torch
 from lightning.fabric import Fabric
+from support import digits_tensors, mlp
+from support_lightning import DigitsModule, fit_crash_resume, one_thread  # noqa: F401
 from torch import nn
 
 from lightning_baoc import BAOC, MOMENTUM_FORMATS, BAOCStrategy, BlockwiseLion, BlockwiseSGD
 from lightning_baoc.report import JSON_NAME, validate_record
-
-from support import digits_tensors, mlp
-from support_lightning import DigitsModule, fit_crash_resume, one_thread  # noqa: F401
 
 EPOCHS = 8
 LR = {"sgd": 0.05, "lion": 1e-3}

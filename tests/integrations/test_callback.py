@@ -18,11 +18,10 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger
+from support_lightning import DigitsModule, loaders, make_trainer, one_thread, val_loss  # noqa: F401
 
 from lightning_baoc import BAOC, BlockwiseAdamW
 from lightning_baoc.report import JSON_NAME, PNG_NAME, validate_record
-
-from support_lightning import DigitsModule, loaders, make_trainer, one_thread, val_loss  # noqa: F401
 
 EPOCHS = 12
 WARMUP = 30

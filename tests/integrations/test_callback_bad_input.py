@@ -14,11 +14,10 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from support_lightning import DigitsModule, loaders, make_trainer, one_thread  # noqa: F401
 
 from lightning_baoc import BAOC, BlockwiseAdamW, BudgetInfeasibleError
 from lightning_baoc.costs.calibration import memory_table
-
-from support_lightning import DigitsModule, loaders, make_trainer, one_thread  # noqa: F401
 
 
 def _fit(

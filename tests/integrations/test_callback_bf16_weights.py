@@ -13,11 +13,10 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from support import one_thread  # noqa: F401 - one_thread applies to the module
 from torch import nn
 
 from lightning_baoc import BAOC, BlockwiseAdamW, training_memory
-
-from support import one_thread  # noqa: F401 - one_thread applies to the module
 
 
 class _BF16Model(pl.LightningModule):

@@ -16,12 +16,11 @@ from pathlib import Path
 import lightning as L
 import pytest
 from lightning.pytorch.callbacks import Callback
+from support import digits_tensors
+from support_lightning import DigitsModule, make_trainer, one_thread  # noqa: F401
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_baoc import BAOC
-
-from support import digits_tensors
-from support_lightning import DigitsModule, make_trainer, one_thread  # noqa: F401
 
 STEPS = 24
 # Measured (CPU, torch 2.13): max |weight difference| DDP vs one process 9.1e-04 after 24 steps (3.1e-03

@@ -14,16 +14,14 @@ from typing import Any
 
 import lightning as L
 import pytest
-
-import lightning_baoc.integrations.callback as callback_module
 import torch
 from lightning.pytorch.callbacks import BackboneFinetuning, Callback, ModelCheckpoint
+from support_lightning import DigitsModule, loaders, make_trainer, one_thread  # noqa: F401
 from torch import nn
 
+import lightning_baoc.integrations.callback as callback_module
 from lightning_baoc import BAOC, BlockwiseAdamW, partition
 from lightning_baoc import report as report_module
-
-from support_lightning import DigitsModule, loaders, make_trainer, one_thread  # noqa: F401
 
 WARMUP, EVERY, N_TRAIN = 8, 4, 160  # 160 samples / batches of 32: 5 steps per epoch
 
@@ -379,10 +377,9 @@ def test_bf16_model_warms_up_within_adamw_state_and_reports_savings_against_it(t
 
 def test_fabric_param_group_added_after_the_allocation_stays_within_the_budget() -> None:
     from lightning.fabric import Fabric
+    from support import digits_tensors, mlp
 
     from lightning_baoc import BAOCStrategy
-
-    from support import digits_tensors, mlp
 
     strategy = BAOCStrategy(memory_budget=0.3, warmup_steps=WARMUP, sample_every=EVERY, report=False)
     fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)

@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from support_distributed import needs_gloo, on_lightning_ranks
 
 pytestmark = needs_gloo
@@ -31,11 +30,10 @@ def _fit(root: Path, crash_at: int | None = None, ckpt_path: str | None = None, 
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import ModelParallelStrategy
+    from support_lightning import Crash, DigitsModule, loaders
     from torch.distributed.fsdp import fully_shard
 
     from lightning_baoc import BAOC
-
-    from support_lightning import Crash, DigitsModule, loaders
 
     class Sharded(DigitsModule):
         def configure_model(self) -> None:
@@ -138,11 +136,10 @@ SAVE_AT = 18  # after the allocation (step 12)
 def _fabric_run(rank: int, ckpt: Path, resume: bool) -> tuple[list[float], Any, Any]:
     """A Fabric loop under BAOCStrategy(base="model_parallel"): saves at SAVE_AT, or resumes from there."""
     import lightning as L
+    from support import digits_tensors, mlp
     from torch.distributed.fsdp import fully_shard
 
     from lightning_baoc import BAOCStrategy
-
-    from support import digits_tensors, mlp
 
     def parallelize(module: torch.nn.Module, mesh: Any) -> torch.nn.Module:
         for layer in module:

@@ -17,12 +17,11 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from support_lightning import DigitsModule, loaders, make_trainer, one_thread  # noqa: F401
 
 from lightning_baoc import BAOC
 from lightning_baoc.control.controller import convert_optimizer
 from lightning_baoc.risk import risk_table
-
-from support_lightning import DigitsModule, loaders, make_trainer, one_thread  # noqa: F401
 
 
 class PlateauModule(DigitsModule):

@@ -17,11 +17,10 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
+from support import one_thread  # noqa: F401 - one_thread applies to the module
 from torch import nn
 
 from lightning_baoc import BAOC, BlockwiseAdamW, GradientRelease
-
-from support import one_thread  # noqa: F401 - one_thread applies to the module
 
 
 class _Model(pl.LightningModule):

@@ -16,10 +16,9 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from support_lightning import DigitsModule, fit_crash_resume, loaders, make_trainer, one_thread  # noqa: F401
 
 from lightning_baoc import BAOC, BlockwiseAdamW
-
-from support_lightning import DigitsModule, fit_crash_resume, loaders, make_trainer, one_thread  # noqa: F401
 
 EPOCHS = 8
 

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import lone_fp32_steps, ragged_shapes, record_grids, record_launches
+from support_lightning import DigitsModule, fit_crash_resume
 from torch import nn
 
 from lightning_baoc import BAOC, FORMATS, BlockwiseAdamW, BlockwiseLion, BlockwiseSGD, kernels
 from lightning_baoc.formats.base import FACTORED_SUMS
-
-from support import lone_fp32_steps, ragged_shapes, record_grids, record_launches
-from support_lightning import DigitsModule, fit_crash_resume
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # deterministic cuBLAS for the Trainer's deterministic=True (bit-equal resume)

@@ -18,13 +18,15 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import SingleDeviceStrategy
+from support import (
+    digits_tensors,
+    mlp,
+    one_thread,  # noqa: F401
+)
 from torch import nn
 
 from lightning_baoc import BAOCStrategy, BlockwiseAdamW
 from lightning_baoc.report import JSON_NAME
-
-from support import digits_tensors, mlp
-from support import one_thread  # noqa: F401
 
 STEPS = 30
 ACCUMULATE = 2

@@ -15,19 +15,18 @@ fewer), within an ulp of each other."""
 from __future__ import annotations
 
 import os
-import warnings
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
+import support_formats as H
 import torch
 from torch import nn
 
 from lightning_baoc import FORMATS, BlockwiseAdamW, kernels
-
-import support_formats as H
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_kernels().available, reason=f"no compiled kernels: {kernels.cpu_kernels().detail}")
 

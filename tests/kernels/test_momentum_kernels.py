@@ -7,12 +7,11 @@ kernel's speed. Every momentum format with both rules and their options after 1 
 from __future__ import annotations
 
 import pytest
+import support_formats as H
 import torch
 from torch import nn
 
 from lightning_baoc import BlockwiseSGD, kernels
-
-import support_formats as H
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_kernels().available, reason="no C++ compiler: the eager step runs")
 

@@ -28,12 +28,12 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it befor
     pytest.skip("TRITON_INTERPRET=1 is not set", allow_module_level=True)
 triton = pytest.importorskip("triton", reason="triton is not installed (the CUDA step's optional kernels)")
 
+import support_formats as H  # noqa: E402
+from support import lone_fp32_steps, ragged_shapes, record_grids, record_launches  # noqa: E402
+
 import lightning_baoc.optim.stepping as stepping  # noqa: E402
 from lightning_baoc import FORMATS, BlockwiseAdamW, kernels  # noqa: E402
 from lightning_baoc.kernels import triton_step  # noqa: E402
-
-import support_formats as H  # noqa: E402
-from support import lone_fp32_steps, ragged_shapes, record_grids, record_launches  # noqa: E402
 
 SERVED = [name for name, fmt in FORMATS.items() if fmt.kernel_kinds in triton_step.SERVED]
 SHAPES = [(37, 101), (3, 11), (1000,), (2, 1024)]

@@ -27,12 +27,11 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from support import mlp
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW
 from lightning_baoc.control.controller import convert_optimizer
-
-from support import mlp
 
 REFUSED = ("amsgrad", "capturable", "differentiable")  # semantics BlockwiseAdamW does not implement
 

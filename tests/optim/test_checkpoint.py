@@ -7,11 +7,10 @@ from typing import Any
 
 import pytest
 import torch
+from support import mlp
 from torch import nn
 
 from lightning_baoc import FORMATS, BlockwiseAdamW
-
-from support import mlp
 
 
 def _save(obj) -> bytes:
@@ -341,8 +340,9 @@ def test_checksum_is_exact_for_any_chunking_and_large_bytes() -> None:
 
 
 def test_lightning_resume_without_the_callback_fails_at_load(tmp_path: Any) -> None:
-    from lightning_baoc import BAOC
     from support_lightning import DigitsModule, loaders, make_trainer
+
+    from lightning_baoc import BAOC
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model on a shared machine: one thread is fastest

@@ -16,12 +16,11 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from support import mlp, one_thread  # noqa: F401 - one_thread applies to the module
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW, CheckpointError, load_checkpoint
 from lightning_baoc.optim.checkpoint import seal_state_dict
-
-from support import mlp, one_thread  # noqa: F401 - one_thread applies to the module
 
 WIDTHS = (32, 48, 8)
 FORMATS_USED = {"0": "int8", "3.weight": "bf16", "3.bias": "nomomentum"}  # 1 (LayerNorm) stays fp32

@@ -6,12 +6,11 @@ import itertools
 
 import pytest
 import torch
+from support import train_digits
 from torch import nn
 
 from lightning_baoc import FORMATS, BlockwiseAdamW
 from lightning_baoc.formats import Canonical
-
-from support import train_digits
 
 # relative error (norm of difference / norm) a conversion may add, by target format
 M_TOL = {"fp32": 1e-7, "offload": 1e-7, "bf16_momentum": 2**-8, "bf16": 2**-8, "int8": 0.02, "int8_factored": 0.02}

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import one_thread, peak_above_start  # noqa: F401 - one_thread applies to the module
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW
-
-from support import one_thread, peak_above_start  # noqa: F401 - one_thread applies to the module
 
 CHUNK = 4096  # slices of 4096 elements: scratch of a few hundred KiB, far below one block's state
 

@@ -35,11 +35,10 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from support import one_thread  # noqa: F401 - one_thread applies to the module
 from torch import nn
 
 from lightning_baoc import FORMATS, BlockwiseAdamW
-
-from support import one_thread  # noqa: F401 - one_thread applies to the module
 
 LR = 1e-3
 WEIGHT_DECAY = 1e-2

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import mlp, one_thread  # noqa: F401 - one_thread applies to the module
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW
-
-from support import mlp, one_thread  # noqa: F401 - one_thread applies to the module
 
 STEPS = 200
 

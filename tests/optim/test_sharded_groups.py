@@ -23,13 +23,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from support_distributed import needs_gloo, on_gloo_ranks
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW, BlockwiseSGD
 from lightning_baoc.formats import format_state_bytes, resolve_format
 from lightning_baoc.optim.sharding import flat_shards, shard_shape
-
-from support_distributed import needs_gloo, on_gloo_ranks
 
 pytestmark = needs_gloo
 

@@ -28,13 +28,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from support_distributed import needs_gloo, on_gloo_ranks
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW, BlockwiseSGD
 from lightning_baoc.formats import FORMATS
 from lightning_baoc.optim.sharding import shard_offset
-
-from support_distributed import needs_gloo, on_gloo_ranks
 
 pytestmark = needs_gloo
 WORLD = 2

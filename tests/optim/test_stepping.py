@@ -20,14 +20,13 @@ from typing import Any, Mapping
 
 import pytest
 import torch
+from support import one_thread  # noqa: F401 - one intra-op thread for the module
 from torch import nn
 
 from lightning_baoc import kernels
 from lightning_baoc.formats import FORMATS, StepHyper
 from lightning_baoc.optim.pools import Record, StatePools
 from lightning_baoc.optim.stepping import StepDispatcher, StepSettings
-
-from support import one_thread  # noqa: F401 - one intra-op thread for the module
 
 
 def _hyper_of(policy: str) -> Any:

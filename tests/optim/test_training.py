@@ -8,10 +8,9 @@ loss plus a margin, so a regression in any format fails here.
 from __future__ import annotations
 
 import pytest
+from support import one_thread, train_digits  # noqa: F401 - one_thread applies to the module
 
 from lightning_baoc import FORMATS
-
-from support import one_thread, train_digits  # noqa: F401 - one_thread applies to the module
 
 STEPS = 600
 

@@ -16,10 +16,8 @@ import statistics
 from pathlib import Path
 
 import pytest
-import torch
-
-
 import risk_validation as rv  # noqa: E402
+import torch
 
 from lightning_baoc import partition  # noqa: E402
 from lightning_baoc.formats import format_state_bytes  # noqa: E402

@@ -13,13 +13,12 @@ from typing import Callable, Iterator
 
 import pytest
 import torch
+from support import one_thread  # noqa: F401 - one_thread applies to the module
 from torch import nn
 
 from lightning_baoc import GradientSampler, partition
-from lightning_baoc.sampling import statistics as S
 from lightning_baoc.sampling import draw_indices
-
-from support import one_thread  # noqa: F401 - one_thread applies to the module
+from lightning_baoc.sampling import statistics as S
 
 GradFn = Callable[[int, str, nn.Parameter], "torch.Tensor | None"]
 

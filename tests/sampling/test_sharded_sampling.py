@@ -15,11 +15,10 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from support_distributed import needs_gloo, on_gloo_ranks
 from torch import nn
 
 from lightning_baoc import GradientSampler
-
-from support_distributed import needs_gloo, on_gloo_ranks
 
 pytestmark = needs_gloo
 WORLD = 2

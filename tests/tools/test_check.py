@@ -12,13 +12,8 @@ import torch
 from torch import nn
 
 from lightning_baoc.__main__ import main
-from lightning_baoc.tools.check import (
-    MAX_SAMPLER_OVERHEAD,
-    CheckResult,
-    run_checks,
-    sampler_overhead,
-)
 from lightning_baoc.config.files import load_config, parse_config, schema_text
+from lightning_baoc.tools.check import MAX_SAMPLER_OVERHEAD, CheckResult, run_checks, sampler_overhead
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"

@@ -21,10 +21,10 @@ from torch import nn
 
 from lightning_baoc.__main__ import SUBCOMMANDS, main
 from lightning_baoc.config.budget import SMALL_INT_BUDGET, format_bytes, format_seconds, parse_memory_budget
-from lightning_baoc.tools.check import run_checks
 from lightning_baoc.config.files import parse_config
-from lightning_baoc.tools.plan import plan
 from lightning_baoc.solver import BudgetInfeasibleError, solve
+from lightning_baoc.tools.check import run_checks
+from lightning_baoc.tools.plan import plan
 
 ROOT = Path(__file__).resolve().parents[2]
 

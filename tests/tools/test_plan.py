@@ -12,11 +12,11 @@ import torch
 
 from lightning_baoc import FORMATS, BlockwiseAdamW
 from lightning_baoc.__main__ import main
-from lightning_baoc.sampling.blocks import partition
 from lightning_baoc.formats import format_state_bytes, resolve_format
 from lightning_baoc.risk.prior import block_kind
-from lightning_baoc.tools.presets import build_model
+from lightning_baoc.sampling.blocks import partition
 from lightning_baoc.tools.plan import plan
+from lightning_baoc.tools.presets import build_model
 
 LLAMA_7B_PARAMS = 6_738_415_616  # 32000*4096*2 + 32*(4*4096^2 + 3*4096*11008 + 2*4096) + 4096
 

@@ -12,11 +12,11 @@ import torch
 
 from lightning_baoc import BlockwiseLion, BlockwiseSGD
 from lightning_baoc.__main__ import main
-from lightning_baoc.sampling.blocks import partition
 from lightning_baoc.costs.calibration import PRIOR_STEP_COSTS
 from lightning_baoc.formats import MOMENTUM_FORMATS, format_state_bytes, numel_of, resolve_in
-from lightning_baoc.tools.presets import build_model
+from lightning_baoc.sampling.blocks import partition
 from lightning_baoc.tools.plan import plan
+from lightning_baoc.tools.presets import build_model
 
 SGD_FORMATS = "['fp32', 'bf16', 'int8', 'none']"
 
