@@ -48,11 +48,9 @@ class Instrumentation:
     Example:
         >>> import torch
         >>> from lightning_baoc import BlockwiseAdamW
-        >>> model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
-        >>> opt = BlockwiseAdamW(model.parameters())
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)); opt = BlockwiseAdamW(model.parameters())
         >>> config = BAOCConfig(memory_budget=0.5, sample_every=2, calibration="prior")
-        >>> blocks = Blocks(config); blocks.build(opt, model)
-        >>> tables = BlockTables(config, blocks); tables.refresh(opt)
+        >>> blocks = Blocks(config); blocks.build(opt, model); tables = BlockTables(config, blocks); tables.refresh(opt)
         >>> inst = Instrumentation(config, blocks, tables)
         >>> inst.restart_sampler(model); inst.restart_shadow(opt)
         >>> for step in range(4):

@@ -39,11 +39,9 @@ class Options:
     Example:
         >>> from torch import nn
         >>> from lightning_baoc import BlockwiseAdamW
-        >>> model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
-        >>> opt = BlockwiseAdamW(model.parameters())
+        >>> model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4)); opt = BlockwiseAdamW(model.parameters())
         >>> config = BAOCConfig(memory_budget=0.5, calibration="prior")
-        >>> blocks = Blocks(config); blocks.build(opt, model)
-        >>> tables = BlockTables(config, blocks); tables.refresh(opt)
+        >>> blocks = Blocks(config); blocks.build(opt, model); tables = BlockTables(config, blocks); tables.refresh(opt)
         >>> options = Options(config, blocks, tables, Instrumentation(config, blocks, tables))
         >>> _ = options.apply(opt, {"0": "int8"}, blocks.params)  # no state yet: created in int8 at the first step
         >>> options.current(opt)

@@ -49,11 +49,9 @@ class ReleasedGradientObserver:
         >>> from lightning_baoc.config.settings import BAOCConfig
         >>> from lightning_baoc.control.blocks import Blocks
         >>> from lightning_baoc.control.tables import BlockTables
-        >>> model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
-        >>> opt = BlockwiseAdamW(model.parameters())
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)); opt = BlockwiseAdamW(model.parameters())
         >>> config = BAOCConfig(memory_budget=0.5, sample_every=1, calibration="prior")
-        >>> blocks = Blocks(config); blocks.build(opt, model)
-        >>> tables = BlockTables(config, blocks); tables.refresh(opt)
+        >>> blocks = Blocks(config); blocks.build(opt, model); tables = BlockTables(config, blocks); tables.refresh(opt)
         >>> inst = Instrumentation(config, blocks, tables); inst.restart_sampler(model); inst.restart_shadow(opt)
         >>> observer = ReleasedGradientObserver(inst); observer.watch(opt)
         >>> _ = opt.release_gradients()

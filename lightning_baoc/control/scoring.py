@@ -54,11 +54,9 @@ class Scoring:
     Example:
         >>> import torch
         >>> from lightning_baoc import BlockwiseAdamW
-        >>> model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
-        >>> opt = BlockwiseAdamW(model.parameters())
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)); opt = BlockwiseAdamW(model.parameters())
         >>> config = BAOCConfig(memory_budget=0.5, sample_every=1, calibration="prior")
-        >>> blocks = Blocks(config); blocks.build(opt, model)
-        >>> tables = BlockTables(config, blocks); tables.refresh(opt)
+        >>> blocks = Blocks(config); blocks.build(opt, model); tables = BlockTables(config, blocks); tables.refresh(opt)
         >>> inst = Instrumentation(config, blocks, tables); inst.restart_sampler(model); inst.restart_shadow(opt)
         >>> scoring = Scoring(config, blocks, tables, inst, Options(config, blocks, tables, inst))
         >>> sorted(scoring.prior_rows(opt, model))  # no parameter has stepped: the prior for every block

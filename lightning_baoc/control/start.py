@@ -48,11 +48,9 @@ class StartAllocation:
 
     Example:
         >>> from lightning_baoc import BlockwiseAdamW
-        >>> model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
-        >>> opt = BlockwiseAdamW(model.parameters())
+        >>> model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4)); opt = BlockwiseAdamW(model.parameters())
         >>> config = BAOCConfig(memory_budget=0.5, calibration="prior")
-        >>> blocks = Blocks(config); blocks.build(opt, model)
-        >>> tables = BlockTables(config, blocks); tables.refresh(opt)
+        >>> blocks = Blocks(config); blocks.build(opt, model); tables = BlockTables(config, blocks); tables.refresh(opt)
         >>> from lightning_baoc.control.instrumentation import Instrumentation
         >>> start = StartAllocation(config, blocks, tables, Options(config, blocks, tables, Instrumentation(config, blocks, tables)))
         >>> start.apply(opt, model)

@@ -48,11 +48,9 @@ class BlockTables:
     Example:
         >>> from torch import nn
         >>> from lightning_baoc import BlockwiseAdamW
-        >>> model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
-        >>> opt = BlockwiseAdamW(model.parameters())
+        >>> model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4)); opt = BlockwiseAdamW(model.parameters())
         >>> config = BAOCConfig(memory_budget=0.5, calibration="prior")
-        >>> blocks = Blocks(config); blocks.build(opt, model)
-        >>> tables = BlockTables(config, blocks); tables.refresh(opt)
+        >>> blocks = Blocks(config); blocks.build(opt, model); tables = BlockTables(config, blocks); tables.refresh(opt)
         >>> tables.numel, tables.baseline == tables.fp32_bytes == 8 * (64 * 65 + 4 * 65)
         ({'0': 4160, '1': 260}, True)
         >>> sorted(tables.solve({b: {f: 0.0 for f in tables.offered} for b in blocks.params}).formats)
