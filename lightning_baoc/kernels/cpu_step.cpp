@@ -1163,28 +1163,29 @@ void over_superblocks(const std::vector<Tensors>& items, F&& f) {
   });
 }
 
+// The arithmetic of one super-block in the kinds (M, V): of a whole 1024-element super-block, or of a tensor's
+// last, partial one. adamw_step chooses the pair once per call (the kinds are the call's) and steps every
+// super-block of its tensors with it: the operator -> superblock, one call.
+using SuperblockStep = void (*)(const Tensors&, int64_t, float, float);
+struct SuperblockSteps {
+  SuperblockStep full, partial;
+};
+
 template <int64_t M, int64_t V>
-void run_all(const std::vector<Tensors>& items, float limit_m, float limit_v) {
-  over_superblocks(items, [&](size_t i, int64_t sb, bool full) {
-    if (full) {
-      superblock<M, V, true>(items[i], sb, limit_m, limit_v);
-    } else {
-      superblock<M, V, false>(items[i], sb, limit_m, limit_v);
-    }
-  });
+SuperblockSteps superblock_steps() {
+  return {&superblock<M, V, true>, &superblock<M, V, false>};
 }
 
-void run_kind(int64_t m_kind, int64_t v_kind, const std::vector<Tensors>& items, float lm, float lv) {
-  if (items.empty()) return;
+SuperblockSteps superblock_steps_for(int64_t m_kind, int64_t v_kind) {
   switch (m_kind * 4 + v_kind) {
-    case M_NONE * 4 + V_FP32: return run_all<M_NONE, V_FP32>(items, lm, lv);
-    case M_NONE * 4 + V_UINT8: return run_all<M_NONE, V_UINT8>(items, lm, lv);
-    case M_NONE * 4 + V_FACTORED: return run_all<M_NONE, V_FACTORED>(items, lm, lv);
-    case M_FP32 * 4 + V_FP32: return run_all<M_FP32, V_FP32>(items, lm, lv);
-    case M_BF16 * 4 + V_FP32: return run_all<M_BF16, V_FP32>(items, lm, lv);
-    case M_BF16 * 4 + V_BF16: return run_all<M_BF16, V_BF16>(items, lm, lv);
-    case M_INT8 * 4 + V_UINT8: return run_all<M_INT8, V_UINT8>(items, lm, lv);
-    case M_INT8 * 4 + V_FACTORED: return run_all<M_INT8, V_FACTORED>(items, lm, lv);
+    case M_NONE * 4 + V_FP32: return superblock_steps<M_NONE, V_FP32>();
+    case M_NONE * 4 + V_UINT8: return superblock_steps<M_NONE, V_UINT8>();
+    case M_NONE * 4 + V_FACTORED: return superblock_steps<M_NONE, V_FACTORED>();
+    case M_FP32 * 4 + V_FP32: return superblock_steps<M_FP32, V_FP32>();
+    case M_BF16 * 4 + V_FP32: return superblock_steps<M_BF16, V_FP32>();
+    case M_BF16 * 4 + V_BF16: return superblock_steps<M_BF16, V_BF16>();
+    case M_INT8 * 4 + V_UINT8: return superblock_steps<M_INT8, V_UINT8>();
+    case M_INT8 * 4 + V_FACTORED: return superblock_steps<M_INT8, V_FACTORED>();
     default: TORCH_CHECK(false, "lightning_baoc step: no kernel for momentum kind ", m_kind, " and second-moment kind ", v_kind);
   }
 }
@@ -1526,7 +1527,12 @@ std::vector<int64_t> adamw_step(const std::vector<at::Tensor>& params, const std
       }
       run.push_back(t);
     }
-    run_kind(m_kind, v_kind, run, lm, lv);
+    if (!run.empty()) {
+      const SuperblockSteps arithmetic = superblock_steps_for(m_kind, v_kind);
+      over_superblocks(run, [&](size_t k, int64_t sb, bool full) {
+        (full ? arithmetic.full : arithmetic.partial)(run[k], sb, lm, lv);
+      });
+    }
     i0 = i1;
   }
   return skipped;
@@ -1597,29 +1603,28 @@ void momentum_superblock(const Tensors& t, const MomentumScalars& s, int64_t sb,
   store_momentum<M>(t, sb, start, n, mbuf, limit_m, scl, spread_scale);
 }
 
+// The SGD or Lion arithmetic of one super-block in momentum kind M (whole, or a tensor's last, partial one),
+// chosen once per call by momentum_step, as superblock_steps_for is by adamw_step.
+using MomentumSuperblockStep = void (*)(const Tensors&, const MomentumScalars&, int64_t, float);
+struct MomentumSuperblockSteps {
+  MomentumSuperblockStep full, partial;
+};
+
 template <int64_t RULE, int64_t M>
-void run_momentum_all(const std::vector<Tensors>& items, const std::vector<MomentumScalars>& scalars, float limit_m) {
-  over_superblocks(items, [&](size_t i, int64_t sb, bool full) {
-    if (full) {
-      momentum_superblock<RULE, M, true>(items[i], scalars[i], sb, limit_m);
-    } else {
-      momentum_superblock<RULE, M, false>(items[i], scalars[i], sb, limit_m);
-    }
-  });
+MomentumSuperblockSteps momentum_superblock_steps() {
+  return {&momentum_superblock<RULE, M, true>, &momentum_superblock<RULE, M, false>};
 }
 
-void run_momentum(int64_t rule, int64_t m_kind, const std::vector<Tensors>& items,
-                  const std::vector<MomentumScalars>& scalars, float limit_m) {
-  if (items.empty()) return;
+MomentumSuperblockSteps momentum_superblock_steps_for(int64_t rule, int64_t m_kind) {
   switch (rule * 4 + m_kind) {
-    case RULE_SGD * 4 + M_NONE: return run_momentum_all<RULE_SGD, M_NONE>(items, scalars, limit_m);
-    case RULE_SGD * 4 + M_FP32: return run_momentum_all<RULE_SGD, M_FP32>(items, scalars, limit_m);
-    case RULE_SGD * 4 + M_BF16: return run_momentum_all<RULE_SGD, M_BF16>(items, scalars, limit_m);
-    case RULE_SGD * 4 + M_INT8: return run_momentum_all<RULE_SGD, M_INT8>(items, scalars, limit_m);
-    case RULE_LION * 4 + M_NONE: return run_momentum_all<RULE_LION, M_NONE>(items, scalars, limit_m);
-    case RULE_LION * 4 + M_FP32: return run_momentum_all<RULE_LION, M_FP32>(items, scalars, limit_m);
-    case RULE_LION * 4 + M_BF16: return run_momentum_all<RULE_LION, M_BF16>(items, scalars, limit_m);
-    case RULE_LION * 4 + M_INT8: return run_momentum_all<RULE_LION, M_INT8>(items, scalars, limit_m);
+    case RULE_SGD * 4 + M_NONE: return momentum_superblock_steps<RULE_SGD, M_NONE>();
+    case RULE_SGD * 4 + M_FP32: return momentum_superblock_steps<RULE_SGD, M_FP32>();
+    case RULE_SGD * 4 + M_BF16: return momentum_superblock_steps<RULE_SGD, M_BF16>();
+    case RULE_SGD * 4 + M_INT8: return momentum_superblock_steps<RULE_SGD, M_INT8>();
+    case RULE_LION * 4 + M_NONE: return momentum_superblock_steps<RULE_LION, M_NONE>();
+    case RULE_LION * 4 + M_FP32: return momentum_superblock_steps<RULE_LION, M_FP32>();
+    case RULE_LION * 4 + M_BF16: return momentum_superblock_steps<RULE_LION, M_BF16>();
+    case RULE_LION * 4 + M_INT8: return momentum_superblock_steps<RULE_LION, M_INT8>();
     default: TORCH_CHECK(false, "lightning_baoc momentum step: no kernel for rule ", rule, " and momentum kind ", m_kind);
   }
 }
@@ -1686,7 +1691,12 @@ std::vector<int64_t> momentum_step(const std::vector<at::Tensor>& params, const 
       run.push_back(t);
       run_scalars.push_back(s);
     }
-    run_momentum(rule, kind, run, run_scalars, lm);
+    if (!run.empty()) {
+      const MomentumSuperblockSteps arithmetic = momentum_superblock_steps_for(rule, kind);
+      over_superblocks(run, [&](size_t k, int64_t sb, bool full) {
+        (full ? arithmetic.full : arithmetic.partial)(run[k], run_scalars[k], sb, lm);
+      });
+    }
     i0 = i1;
   }
   return skipped;

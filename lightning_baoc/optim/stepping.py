@@ -18,6 +18,8 @@ backend of its format and device, each backend's entry called by :meth:`StepDisp
 So the arithmetic is at most four calls from ``step()``: ``step()`` -> :meth:`StepDispatcher.step` -> the
 backend's entry (``compiled_step``, ``Chosen.step``, :meth:`StepDispatcher._device_step`, ``StateFormat.update``)
 -> the kernel or the format's math (``tests/optim/test_stepping.py`` measures it for every format and backend).
+The compiled operator is itself the loop over the super-blocks: it picks its format's ``superblock`` function
+once per call (``superblock_steps_for`` in ``cpu_step.cpp``) and runs it on each super-block of its tensors.
 The routing (:meth:`StepDispatcher._route`, :meth:`StepDispatcher._prepare`) carries each parameter's record
 along with it, in lists, so the host looks each parameter up once per step. All of it works on each
 parameter's local part (the shard of a ``DTensor`` parameter on this rank: :mod:`lightning_baoc.optim.sharding`).
