@@ -118,7 +118,7 @@ PACKAGE_WIDE_TESTS = {"test_imports.py", "test_layout.py"}
 
 
 def test_tests_mirror_the_package_tree() -> None:
-    """``tests/solver/`` tests ``lightning_baoc/solver/``; ``tests/test_report.py`` tests ``report.py``."""
+    """``tests/solver/`` tests ``lightning_baoc/solver/``; a top-level ``tests/test_<module>.py`` tests a top-level module."""
     tests = ROOT / "tests"
     packages = {name.rstrip("/") for name in _tree() if name.endswith("/")}
     modules = {name for name in _tree() if not name.endswith("/")}

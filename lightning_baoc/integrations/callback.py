@@ -56,7 +56,7 @@ from lightning_baoc.config.settings import FormatName, ReportSetting, settings_o
 from lightning_baoc.control.controller import AllocationEvent, BAOCController, rebind_scheduler
 from lightning_baoc.integrations.checkpoints import distributed_metadata
 from lightning_baoc.optim import BlockwiseAdamW
-from lightning_baoc.report import AllocationReporter
+from lightning_baoc.report.allocation import AllocationReporter
 
 
 def _refused_strategy(strategy: Any) -> str | None:

@@ -51,7 +51,7 @@ from torch.optim import Optimizer
 from lightning_baoc.config.settings import FormatName, ReportSetting, settings_of, split_settings
 from lightning_baoc.control.controller import AllocationEvent, BAOCController, rebind_scheduler
 from lightning_baoc.integrations.checkpoints import distributed_metadata
-from lightning_baoc.report import AllocationReporter
+from lightning_baoc.report.allocation import AllocationReporter
 
 _BASES = ("single_device", "ddp", "model_parallel")
 

@@ -489,7 +489,7 @@ class GradientSampler(SamplerStateMixin):
           samples of the CV of row norms (numel-weighted over the block's matrices);
         - ``snr``: :func:`~lightning_baoc.sampling.statistics.gradient_snr`, the gradient
           **signal-to-noise ratio** over the ring (higher = less noise; its former name ``noise``
-          is still read from older reports, see :data:`lightning_baoc.report.RENAMED_STATS`), and
+          is still read from older reports, see :data:`lightning_baoc.report.allocation.RENAMED_STATS`), and
           ``noise_fraction = 1 / (1 + snr)`` in ``[0, 1]``, the share of the gradient's power
           that is noise;
         - ``nonfinite``, ``missing``: sampling steps skipped for non-finite values / absent

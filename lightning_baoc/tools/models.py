@@ -88,8 +88,8 @@ def _build_component(component: ComponentConfig, device: str | torch.device, sec
             fix = ("install what it needs (the templates' models: pip install \"lightning_baoc[examples]\")"
                    if missing.split(".")[0] in _EXAMPLE_NEEDS else f"install {missing.split('.')[0]!r}")
         else:
-            fix = (f"put its directory on PYTHONPATH (PYTHONPATH=examples for the templates' models, when the config "
-                   f"is not in a configs/ folder beside examples/), or pass --model")
+            fix = ("put its directory on PYTHONPATH (PYTHONPATH=examples for the templates' models, when the config "
+                   "is not in a configs/ folder beside examples/), or pass --model")
         raise ValueError(f"cannot import {module_name!r} of {where}: {err}; {fix}") from None
     factory = getattr(module, attr, None)
     if factory is None or not callable(factory):

@@ -20,7 +20,7 @@ from torch import nn
 from lightning_baoc.config.settings import SettingError
 from lightning_baoc.control.controller import BAOCConfig, BAOCController
 from lightning_baoc.costs.options import split_option
-from lightning_baoc.report import build_record, validate_record
+from lightning_baoc.report.allocation import build_record, validate_record
 
 ALL = ["none", "ecc8", "ecc16"]
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_baoc import BlockwiseAdamW
 from lightning_baoc.control.controller import BAOCController
-from lightning_baoc.report import build_record
+from lightning_baoc.report.allocation import build_record
 
 
 def _model(seed: int = 0) -> nn.Sequential:

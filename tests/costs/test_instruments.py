@@ -17,7 +17,7 @@ from lightning_baoc.costs.instruments import (
     shadow_bytes,
     size_instruments,
 )
-from lightning_baoc.report import build_record
+from lightning_baoc.report.allocation import build_record
 from lightning_baoc.risk.shadow import DEFAULT_SHADOW_ELEMENTS, ShadowMoments
 from lightning_baoc.sampling import DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS, GradientSampler
 

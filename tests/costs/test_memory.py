@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_baoc import BlockwiseAdamW, training_memory
 from lightning_baoc.control.controller import BAOCController
-from lightning_baoc.report import allocation_table, build_record, validate_record
+from lightning_baoc.report.allocation import allocation_table, build_record, validate_record
 
 
 def test_bf16_weights_with_a_correction_and_int8_states() -> None:

@@ -24,7 +24,7 @@ from support_lightning import DigitsModule, fit_crash_resume, one_thread  # noqa
 from torch import nn
 
 from lightning_baoc import BAOC, MOMENTUM_FORMATS, BAOCStrategy, BlockwiseLion, BlockwiseSGD
-from lightning_baoc.report import JSON_NAME, validate_record
+from lightning_baoc.report.allocation import JSON_NAME, validate_record
 
 EPOCHS = 8
 LR = {"sgd": 0.05, "lion": 1e-3}

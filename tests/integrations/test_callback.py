@@ -21,7 +21,7 @@ from lightning.pytorch.loggers import CSVLogger
 from support_lightning import DigitsModule, loaders, make_trainer, one_thread, val_loss  # noqa: F401
 
 from lightning_baoc import BAOC, BlockwiseAdamW
-from lightning_baoc.report import JSON_NAME, PNG_NAME, validate_record
+from lightning_baoc.report.allocation import JSON_NAME, PNG_NAME, validate_record
 
 EPOCHS = 12
 WARMUP = 30
@@ -134,7 +134,7 @@ def test_reports_json_png_and_logger_scalars(runs: dict[str, Any]) -> None:
     record = json.loads((log_dir / JSON_NAME).read_text())
     validate_record(record)
     jsonschema = pytest.importorskip("jsonschema")
-    from lightning_baoc.report import ALLOCATION_SCHEMA
+    from lightning_baoc.report.allocation import ALLOCATION_SCHEMA
 
     jsonschema.validate(record, ALLOCATION_SCHEMA)
     assert record["step"] == WARMUP

@@ -21,7 +21,7 @@ from torch import nn
 
 import lightning_baoc.integrations.callback as callback_module
 from lightning_baoc import BAOC, BlockwiseAdamW, partition
-from lightning_baoc import report as report_module
+from lightning_baoc.report import allocation as report_module
 
 WARMUP, EVERY, N_TRAIN = 8, 4, 160  # 160 samples / batches of 32: 5 steps per epoch
 

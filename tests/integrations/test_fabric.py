@@ -26,7 +26,7 @@ from support import (
 from torch import nn
 
 from lightning_baoc import BAOCStrategy, BlockwiseAdamW
-from lightning_baoc.report import JSON_NAME
+from lightning_baoc.report.allocation import JSON_NAME
 
 STEPS = 30
 ACCUMULATE = 2

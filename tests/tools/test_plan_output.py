@@ -60,7 +60,7 @@ def test_the_default_device_is_said_with_how_to_change_it(capsys: pytest.Capture
         here = f"this machine's GPU, {torch.cuda.get_device_name(0)}, whose bf16 support is checked"
     else:
         here = "a GPU elsewhere: this machine has none, so the GPU's bf16 support is not checked"
-    assert f"lightning-baoc plan: tiny on cuda" in out
+    assert "lightning-baoc plan: tiny on cuda" in out
     assert f"planned for │ cuda, the default ({here}); --device cpu plans for the CPU" in out, out
 
     code, out, _ = _plan(capsys, "--budget", "0.5", "--device", "cpu")

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from lightning_baoc import BAOC
 from lightning_baoc.control.controller import AllocationEvent
-from lightning_baoc.report import (
+from lightning_baoc.report.allocation import (
     ALLOCATION_SCHEMA,
     CORRECTION_HATCHES,
     FORMAT_COLORS,
