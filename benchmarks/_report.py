@@ -9,15 +9,17 @@ writes; ``--readme`` is its former name, kept so that the commands recorded on t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -30,6 +32,21 @@ def examples_on_path() -> None:
     path = str(ROOT / "examples")
     if path not in sys.path:
         sys.path.insert(0, path)
+
+
+@contextlib.contextmanager
+def checkout(ref: str) -> Iterator[Path]:
+    """A detached git worktree of this repository at ``ref`` (a commit, branch or tag), removed on exit: the
+    library as it was there, for the benchmarks that compare two versions on one machine."""
+    scratch = Path(tempfile.mkdtemp(prefix="checkout-"))
+    tree = scratch / "tree"
+    subprocess.run(["git", "worktree", "add", "--detach", "-f", str(tree), ref], cwd=ROOT, check=True,
+                   capture_output=True, text=True)
+    try:
+        yield tree
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def machine() -> str:

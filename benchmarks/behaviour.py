@@ -37,7 +37,6 @@ import importlib
 import json
 import math
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -47,6 +46,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from _report import checkout
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -376,7 +376,7 @@ def scenario_fabric() -> dict[str, Any]:
         train = fabric.setup_dataloaders(DataLoader(TensorDataset(x, y), batch_size=16))
         losses = []
         for epoch in range(3):
-            for i, (xb, yb) in enumerate(train):
+            for xb, yb in train:
                 loss = nn.functional.cross_entropy(model(xb), yb)
                 fabric.backward(loss)
                 fabric.clip_gradients(model, optimizer, max_norm=1.0)
@@ -497,16 +497,10 @@ def compare(first: Path, second: Path) -> int:
 
 def _record_at(commit: str, out: Path, only: list[str]) -> None:
     """Record the library as it was at ``commit``, with this version of the script."""
-    tree = Path(tempfile.mkdtemp(prefix="behaviour-"))
-    try:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), commit], check=True,
-                       capture_output=True)
+    with checkout(commit) as tree:
         env = dict(os.environ, PYTHONPATH=str(tree))
         subprocess.run([sys.executable, str(Path(__file__).resolve()), "record", str(out), "--only", *only], check=True,
                        env=env, cwd=str(tree))
-    finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
-        shutil.rmtree(tree, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

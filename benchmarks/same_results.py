@@ -35,7 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _report import DOCS, ROOT, command, machine, markdown_table, write_docs_section
+from _report import DOCS, ROOT, checkout, command, machine, markdown_table, write_docs_section
 
 TASKS = ("digits", "chargpt", "ddpm")
 QUALITY_ROWS = ("fp32", "bf16", "int8", "nomomentum", "factored", "baoc_0.25")
@@ -69,15 +69,6 @@ def normalize(text: str, scratch: Path) -> list[str]:
             continue
         out.append(line.replace('<details markdown="1">', "<details>"))
     return out
-
-
-def worktree(ref: str, scratch: Path) -> Path:
-    """A detached checkout of ``ref`` under ``scratch``."""
-    sha = subprocess.run(["git", "rev-parse", "--short", ref], cwd=ROOT, check=True, capture_output=True, text=True)
-    path = scratch / f"tree-{sha.stdout.strip()}"
-    subprocess.run(["git", "worktree", "add", "--detach", "-f", str(path), ref], cwd=ROOT, check=True,
-                   capture_output=True, text=True)
-    return path
 
 
 def run(tree: Path, args: list[str]) -> str:
@@ -130,19 +121,14 @@ def main() -> None:
                         help="steps of each quality run (BAOC allocates after max(20, steps // 5); default: 60)")
     parser.add_argument("--docs", action="store_true", help="write the table into docs/benchmarks/same-results.md")
     args = parser.parse_args()
-    scratch = Path(tempfile.mkdtemp(prefix="same-results-"))
-    trees = {}
-    try:
-        outputs = {}
+    outputs = {}
+    with tempfile.TemporaryDirectory(prefix="same-results-") as work:
+        scratch = Path(work)
         for tag, ref in (("before", args.before), ("after", args.after)):
-            trees[tag] = worktree(ref, scratch)
-            print(f"{tag}: {ref} in {trees[tag]}", flush=True)
-            outputs[tag] = risk_tables(trees[tag], scratch, tag)
-            outputs[tag].update(quality_runs(trees[tag], scratch, tag, args.quality_steps))
-    finally:
-        for tree in trees.values():
-            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
-        shutil.rmtree(scratch, ignore_errors=True)
+            with checkout(ref) as tree:
+                print(f"{tag}: {ref} in {tree}", flush=True)
+                outputs[tag] = risk_tables(tree, scratch, tag)
+                outputs[tag].update(quality_runs(tree, scratch, tag, args.quality_steps))
     rows, same = [], 0
     for name in sorted(set(outputs["before"]) | set(outputs["after"])):
         a, b = outputs["before"].get(name), outputs["after"].get(name)

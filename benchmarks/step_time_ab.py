@@ -22,14 +22,13 @@ import argparse
 import os
 import random
 import re
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from _report import command, machine, markdown_table
+from _report import checkout, command, machine, markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
 LINE = re.compile(r"^(\d+) threads?, (.+): ([\d.]+) ms, ([\d.]+)x torch AdamW fused$", re.M)
@@ -80,12 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the order of the versions in each round")
     args = parser.parse_args(own)
     arguments = passed if args.full or "--quick" in passed else ["--quick", *passed]
-    work = Path(tempfile.mkdtemp(prefix="step-time-ab-"))
-    old = work / "before"
-    try:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old), args.before], check=True,
-                       capture_output=True)
-        trees = {"before": (old, work / "ext-before"), "after": (ROOT, work / "ext-after")}
+    with checkout(args.before) as old, tempfile.TemporaryDirectory(prefix="step-time-ab-") as work:
+        trees = {"before": (old, Path(work) / "ext-before"), "after": (ROOT, Path(work) / "ext-after")}
         for tree, extensions in trees.values():  # builds each version's kernels once, untimed
             _run(tree, extensions, arguments)
         runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
@@ -96,9 +91,6 @@ def main(argv: list[str] | None = None) -> int:
             for version in versions:
                 runs[version].append(_run(*trees[version], arguments))
             print(f"round {r + 1} of {args.rounds} done", flush=True)
-    finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], capture_output=True)
-        shutil.rmtree(work, ignore_errors=True)
     rows, outside = summary(runs["before"], runs["after"])
     print(markdown_table(["optimizer", f"before ({args.before}): median (range)", "after (this checkout)", "change", ""],
                          rows))
