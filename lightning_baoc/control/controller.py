@@ -701,11 +701,14 @@ class BAOCController:
         """One line: phase, state bytes and budget."""
         if self.optimizer is None:
             return f"BAOC: not installed (phase {self.phase})"
+        return f"BAOC: phase {self.phase}, {len(self.blocks.params)} blocks, {self._state_line()}"
+
+    def _state_line(self) -> str:
+        """``"optimizer state X of Y AdamW (budget Z)"``, of the installed optimizer."""
+        assert self.optimizer is not None  # the callers say so otherwise
         return (
-            f"BAOC: phase {self.phase}, {len(self.blocks.params)} blocks, optimizer state "
-            f"{format_bytes(self.optimizer.state_bytes())} of {format_bytes(self.baseline_state_bytes())} "
-            f"{RULE_NAMES[self.optimizer.rule]} "
-            f"(budget {format_bytes(self.memory_budget_bytes())})"
+            f"optimizer state {format_bytes(self.optimizer.state_bytes())} of {format_bytes(self.baseline_state_bytes())} "
+            f"{RULE_NAMES[self.optimizer.rule]} (budget {format_bytes(self.memory_budget_bytes())})"
         )
 
     def resumed_summary(self) -> str:
@@ -728,8 +731,7 @@ class BAOCController:
         else:
             left = max(self.config.warmup_steps - self.steps, 0)
             where = f"the warm-up, {left} step(s) before the first allocation" + (f" (start formats: {formats})" if formats else "")
-        state = self.summary().split(" blocks, ", 1)[-1]  # "optimizer state X of Y AdamW (budget Z)"
-        return f"BAOC: resumed at step {self.steps} into {where}; {state}"
+        return f"BAOC: resumed at step {self.steps} into {where}; {self._state_line()}"
 
     def _require_installed(self, what: str) -> BlockwiseOptimizer:
         """The installed optimizer; raises naming ``what`` if there is none."""
