@@ -277,14 +277,16 @@ def ceil_significant(value: float, digits: int = 3) -> float:
     """``value`` rounded up (away from zero) to ``digits`` significant digits.
 
     Example:
-        >>> ceil_significant(0.011801), ceil_significant(1.88)
-        (0.0119, 1.88)
+        >>> ceil_significant(0.011801), ceil_significant(1.88), ceil_significant(1.881)
+        (0.0119, 1.88, 1.89)
     """
     if value == 0.0 or not math.isfinite(value):
         return value
     step = 10.0 ** (math.floor(math.log10(abs(value))) - digits + 1)
     # a value already on the grid (up to float noise) stays there
-    return math.copysign(math.ceil(abs(value) / step - 1e-9) * step, value)
+    units = math.ceil(abs(value) / step - 1e-9)
+    # written through its decimal digits, so that 1.88 is 1.88 and not 188 * 0.01 = 1.8800000000000001
+    return math.copysign(float(f"{units}e{round(math.log10(step))}"), value)
 
 
 def _format_units(n: float, units: tuple[str, ...], base: float, up: bool) -> str:

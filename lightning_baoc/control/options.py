@@ -37,15 +37,15 @@ class Options:
         instrumentation: the shadow moments the corrections' risk is measured on.
 
     Example:
+        >>> import torch
         >>> from torch import nn
-        >>> from lightning_baoc import BlockwiseAdamW
-        >>> model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4)); opt = BlockwiseAdamW(model.parameters())
-        >>> config = BAOCConfig(memory_budget=0.5, calibration="prior")
-        >>> blocks = Blocks(config); blocks.build(opt, model); tables = BlockTables(config, blocks); tables.refresh(opt)
-        >>> options = Options(config, blocks, tables, Instrumentation(config, blocks, tables))
-        >>> _ = options.apply(opt, {"0": "int8"}, blocks.params)  # no state yet: created in int8 at the first step
-        >>> options.current(opt)
-        {'0': 'int8', '1': 'fp32'}
+        >>> from lightning_baoc.control.controller import BAOCController
+        >>> model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+        >>> controller = BAOCController(memory_budget=0.5, calibration="prior")  # it builds the parts
+        >>> opt = controller.install(torch.optim.AdamW(model.parameters()), model); options = controller.options
+        >>> _ = options.apply(opt, {"0": "int8"}, controller.blocks.params)  # created in int8 at the first step
+        >>> options.current(opt)  # block 1 as the start allocation put it under the budget
+        {'0': 'int8', '1': 'bf16'}
     """
 
     def __init__(self, config: BAOCConfig, blocks: Blocks, tables: BlockTables, instrumentation: Instrumentation) -> None:

@@ -53,12 +53,11 @@ class Scoring:
 
     Example:
         >>> import torch
-        >>> from lightning_baoc import BlockwiseAdamW
-        >>> model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)); opt = BlockwiseAdamW(model.parameters())
-        >>> config = BAOCConfig(memory_budget=0.5, sample_every=1, calibration="prior")
-        >>> blocks = Blocks(config); blocks.build(opt, model); tables = BlockTables(config, blocks); tables.refresh(opt)
-        >>> inst = Instrumentation(config, blocks, tables); inst.restart_sampler(model); inst.restart_shadow(opt)
-        >>> scoring = Scoring(config, blocks, tables, inst, Options(config, blocks, tables, inst))
+        >>> from lightning_baoc.control.controller import BAOCController
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+        >>> controller = BAOCController(memory_budget=0.5, sample_every=1, calibration="prior")  # it builds the parts
+        >>> opt = controller.install(torch.optim.AdamW(model.parameters()), model)
+        >>> scoring, inst = controller.scoring, controller.instrumentation
         >>> sorted(scoring.prior_rows(opt, model))  # no parameter has stepped: the prior for every block
         ['0', '1']
         >>> for step in range(3):

@@ -11,14 +11,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from lightning_baoc.formats.base import (
-    Canonical,
-    Shape,
-    StateFormat,
-    StepHyper,
-    StepItem,
-    TensorSpec,
-    factor_dims,
-    numel_of,
+    Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, factor_dims, numel_of,
 )
 from lightning_baoc.formats.bf16 import BF16
 from lightning_baoc.formats.bf16_momentum import BF16Momentum
@@ -120,8 +113,8 @@ def format_state_bytes(
     Example:
         >>> format_state_bytes("fp32", (1024, 1024))
         8388608
-        >>> format_state_bytes("int8", (1024, 1024))  # 2 + 4/32 bytes per element
-        2228224
+        >>> format_state_bytes("int8", (1024, 1024))  # per moment: 1 B a code, 2 B a scale per 32, 1 B per 1,024
+        2230272
     """
     registry = formats_of(rule)
     return registry[resolve_in(registry, name, shape, min_8bit_numel)].state_bytes(shape)

@@ -13,15 +13,7 @@ from torch import Tensor
 
 from lightning_baoc import kernels
 from lightning_baoc.formats.base import (
-    FACTORED_SUMS,
-    Canonical,
-    Parity,
-    Shape,
-    StateFormat,
-    StepHyper,
-    StepItem,
-    TensorSpec,
-    factor_view,
+    FACTORED_SUMS, Canonical, Parity, Shape, StateFormat, StepHyper, StepItem, TensorSpec, factor_view,
 )
 from lightning_baoc.formats.factored_math import factored_update
 

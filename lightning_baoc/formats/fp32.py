@@ -7,15 +7,7 @@ from torch import Tensor
 
 from lightning_baoc import kernels
 from lightning_baoc.formats.base import (
-    FP32_ULPS,
-    Canonical,
-    Parity,
-    Shape,
-    StateFormat,
-    StepHyper,
-    StepItem,
-    TensorSpec,
-    numel_of,
+    FP32_ULPS, Canonical, Parity, Shape, StateFormat, StepHyper, StepItem, TensorSpec, numel_of,
 )
 from lightning_baoc.formats.fused_adam import fused_dense_fp32
 

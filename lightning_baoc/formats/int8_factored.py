@@ -12,16 +12,7 @@ from torch import Tensor
 from lightning_baoc import kernels
 from lightning_baoc.formats.adam_math import chunk_ranges
 from lightning_baoc.formats.base import (
-    FACTORED_SUMS,
-    Canonical,
-    Parity,
-    Shape,
-    StateFormat,
-    StepHyper,
-    StepItem,
-    TensorSpec,
-    factor_view,
-    numel_of,
+    FACTORED_SUMS, Canonical, Parity, Shape, StateFormat, StepHyper, StepItem, TensorSpec, factor_view, numel_of,
 )
 from lightning_baoc.formats.factored_math import factored_update
 from lightning_baoc.formats.frames import finish_stores, frame_lead, quant_args, quant_specs, store_quantized

@@ -703,9 +703,10 @@ class BlockwiseAdamW(BlockwiseOptimizer):
         >>> model = nn.Linear(64, 64)
         >>> opt = BlockwiseAdamW(model.named_parameters(), lr=1e-3)
         >>> model(torch.randn(8, 64)).sum().backward(); opt.step()
-        >>> opt.set_formats({"weight": "int8"})
-        >>> opt.state_bytes()  # int8 weight (4096 elements) + fp32 bias
-        9216
+        >>> opt.set_formats({"weight": "int8"})  # the formats each name moved from and to
+        {'weight': ('fp32', 'int8')}
+        >>> opt.state_bytes()  # int8 weight (4096 codes each moment, their scales, exponents) + fp32 bias (512)
+        9224
     """
 
     def __init__(

@@ -9,6 +9,7 @@ leaves the optimizer unchanged.
 
 from __future__ import annotations
 
+
 import dataclasses
 from typing import Any, Callable, Mapping
 
@@ -39,6 +40,7 @@ _COPIED = "_copied_states"
 HyperOf = Callable[[Mapping[str, Any], int], StepHyper]
 
 
+@dataclasses.dataclass(eq=False)
 class CheckpointCodec:
     """An optimizer's state as a state dict and as a copy's state, and back.
 
@@ -59,25 +61,14 @@ class CheckpointCodec:
         >>> codec.load(sd, optimizer.param_groups, lambda sd: plan_load(optimizer, sd), optimizer._hyper)  # doctest: +SKIP
     """
 
-    def __init__(
-        self,
-        records: dict[Tensor, Record],
-        names: dict[str, Tensor],
-        pools: StatePools,
-        stepper: StepDispatcher,
-        registry: Mapping[str, StateFormat],
-        rule: str,
-        label: str,
-        min_8bit_numel: int,
-    ) -> None:
-        self.records = records
-        self.names = names
-        self.pools = pools
-        self.stepper = stepper
-        self.registry = registry
-        self.rule = rule
-        self.label = label
-        self.min_8bit_numel = min_8bit_numel
+    records: dict[Tensor, Record]
+    names: dict[str, Tensor]
+    pools: StatePools
+    stepper: StepDispatcher
+    registry: Mapping[str, StateFormat]
+    rule: str
+    label: str
+    min_8bit_numel: int
 
     # ------------------------------------------------------------------ state dicts
 

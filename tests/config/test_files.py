@@ -5,7 +5,6 @@ overrides (every error of a config at once, each with its suggestion), the gener
 
 from __future__ import annotations
 
-import doctest
 import inspect
 import json
 import warnings
@@ -22,7 +21,7 @@ from torch import nn
 
 from lightning_baoc import BAOC, FORMATS
 from lightning_baoc.__main__ import main as lightning_baoc_main
-from lightning_baoc.config import files, settings
+from lightning_baoc.config import settings
 from lightning_baoc.config.files import (
     RETIRED_KEYS,
     BAOCSection,
@@ -280,11 +279,6 @@ def test_lightning_cli_errors_checks_each_input_alone() -> None:
         "trainer.callbacks[0].init_args.sample_every",
         "b.yaml: fit.baoc.sampel_every: unknown key (did you mean fit.baoc.sample_every?)",
     ]
-
-
-def test_the_config_modules_examples_hold() -> None:
-    for module in (files, settings):
-        assert doctest.testmod(module).failed == 0, module.__name__
 
 
 def test_an_int_budget_stays_bytes_and_a_float_a_fraction() -> None:

@@ -3,7 +3,6 @@ identity, what is refused, and parameters that join the optimizer after the bloc
 
 from __future__ import annotations
 
-import doctest
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ from torch import nn
 
 from lightning_baoc import BlockwiseAdamW, BlockwiseSGD
 from lightning_baoc.config.settings import BAOCConfig
-from lightning_baoc.control import blocks as blocks_module
 from lightning_baoc.control.blocks import Blocks
 
 
@@ -22,10 +20,6 @@ def _model() -> nn.Sequential:
 
 def _blocks(**settings: object) -> Blocks:
     return Blocks(BAOCConfig(memory_budget=0.5, **settings))
-
-
-def test_module_doctests() -> None:
-    assert doctest.testmod(blocks_module).failed == 0
 
 
 def test_blocks_hold_the_optimizers_names_matched_by_identity() -> None:

@@ -4,7 +4,6 @@ blocks and settings."""
 
 from __future__ import annotations
 
-import doctest
 import io
 from typing import Any
 
@@ -12,7 +11,6 @@ import pytest
 import torch
 
 from lightning_baoc.config.settings import BAOCConfig
-from lightning_baoc.control import checkpoint as checkpoint_module
 from lightning_baoc.control.checkpoint import ALLOCATION_SETTINGS, STATE_VERSION, ControllerCheckpoint
 
 BLOCKS = {"a": ["0", "1"], "b": ["2"]}
@@ -47,10 +45,6 @@ def _state(codec: ControllerCheckpoint, phase: str = "allocated", blocks: dict[s
         **fields,
     }
     return codec.encode(**values)
-
-
-def test_module_doctests() -> None:
-    assert doctest.testmod(checkpoint_module).failed == 0
 
 
 def test_the_state_is_primitives_and_tensors_and_loads_weights_only() -> None:

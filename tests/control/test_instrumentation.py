@@ -3,25 +3,17 @@ sampling schedule, the count of fresh samples, the shadow moments' betas and res
 
 from __future__ import annotations
 
-import doctest
 
 import torch
 from support_control import backward, instrumented
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW, BlockwiseSGD
-from lightning_baoc.control import instrumentation as instrumentation_module
 
 
 def _model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
-
-
-
-
-def test_module_doctests() -> None:
-    assert doctest.testmod(instrumentation_module).failed == 0
 
 
 def test_sampling_is_sparser_after_the_first_allocation() -> None:

@@ -3,7 +3,6 @@ paired with master-weight corrections, read from and applied to the optimizer, a
 
 from __future__ import annotations
 
-import doctest
 from typing import Any
 
 import pytest
@@ -12,7 +11,6 @@ from support_control import instrumented
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW
-from lightning_baoc.control import options as options_module
 from lightning_baoc.control.options import Options
 from lightning_baoc.costs.options import PRIOR_CORRECTION_RISK
 from lightning_baoc.formats import format_state_bytes
@@ -34,10 +32,6 @@ def _step(model: nn.Module, opt: BlockwiseAdamW) -> None:
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)).to(next(model.parameters()).dtype)
     model(x).float().pow(2).mean().backward()
     opt.step()
-
-
-def test_module_doctests() -> None:
-    assert doctest.testmod(options_module).failed == 0
 
 
 def test_without_corrections_an_option_is_a_format() -> None:

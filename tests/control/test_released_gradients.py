@@ -3,7 +3,6 @@ gradient release the instruments store what ``Instrumentation.observe`` stores w
 
 from __future__ import annotations
 
-import doctest
 
 import torch
 from support import one_thread  # noqa: F401  (one intra-op thread: bit-equal reductions)
@@ -11,7 +10,6 @@ from support_control import backward, instrumented
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW
-from lightning_baoc.control import released_gradients as released_module
 from lightning_baoc.control.instrumentation import Instrumentation
 from lightning_baoc.control.released_gradients import ReleasedGradientObserver
 
@@ -24,10 +22,6 @@ def _setup() -> tuple[nn.Module, BlockwiseAdamW, Instrumentation]:
     model[2].bias.requires_grad_(False)  # held, no gradient: observed when the step closes
     opt = BlockwiseAdamW(model.parameters(), lr=1e-3)
     return model, opt, instrumented(model, opt, sample_every=2)
-
-
-def test_module_doctests() -> None:
-    assert doctest.testmod(released_module).failed == 0
 
 
 def test_released_gradients_are_observed_as_observe_would_store_them() -> None:

@@ -3,7 +3,6 @@ sampled statistics, a user's risk model called as written, and the prior for blo
 
 from __future__ import annotations
 
-import doctest
 from typing import Any
 
 import torch
@@ -11,7 +10,6 @@ from support_control import instrumented
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW
-from lightning_baoc.control import scoring as scoring_module
 from lightning_baoc.control.options import Options
 from lightning_baoc.control.scoring import Scoring
 from lightning_baoc.risk import optimizer_risk_table
@@ -44,10 +42,6 @@ def _steps(scoring: Scoring, model: TwoLayers, opt: BlockwiseAdamW, steps: int, 
         model(torch.randn(8, 16, generator=torch.Generator().manual_seed(step)), both).pow(2).mean().backward()
         scoring.instrumentation.observe(opt, step)
         opt.step()
-
-
-def test_module_doctests() -> None:
-    assert doctest.testmod(scoring_module).failed == 0
 
 
 def test_the_default_risk_model_scores_every_block_over_the_formats_offered() -> None:

@@ -3,7 +3,6 @@ within the budgets, ``initial`` is kept where they allow, and budgets change in 
 
 from __future__ import annotations
 
-import doctest
 from typing import Any
 
 import pytest
@@ -12,7 +11,6 @@ from torch import nn
 
 from lightning_baoc import BlockwiseAdamW, BudgetInfeasibleError
 from lightning_baoc.config.settings import BAOCConfig
-from lightning_baoc.control import start as start_module
 from lightning_baoc.control.blocks import Blocks
 from lightning_baoc.control.instrumentation import Instrumentation
 from lightning_baoc.control.options import Options
@@ -38,10 +36,6 @@ def _start(model: nn.Module, device: str = "cpu", **settings: Any) -> tuple[Star
 def _held(start: StartAllocation) -> int:
     assert start.formats is not None
     return sum(start.tables.memory[b][f] for b, f in start.formats.items())
-
-
-def test_module_doctests() -> None:
-    assert doctest.testmod(start_module).failed == 0
 
 
 @pytest.mark.parametrize("budget", [0.5, 0.25])

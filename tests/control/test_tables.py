@@ -3,7 +3,6 @@ user's baseline, the formats offered on a device, solving under the budgets as t
 
 from __future__ import annotations
 
-import doctest
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ from torch import nn
 
 from lightning_baoc import BlockwiseAdamW, BlockwiseSGD, BudgetInfeasibleError
 from lightning_baoc.config.settings import BAOCConfig
-from lightning_baoc.control import tables as tables_module
 from lightning_baoc.control.blocks import Blocks
 from lightning_baoc.control.tables import BlockTables
 from lightning_baoc.costs.calibration import OFFLOAD_NEEDS_TIME_BUDGET, memory_table
@@ -30,10 +28,6 @@ def _tables(model: nn.Module, opt: torch.optim.Optimizer | None = None, device: 
     tables = BlockTables(config, blocks)
     tables.refresh(opt, torch.device(device))  # type: ignore[arg-type]
     return tables
-
-
-def test_module_doctests() -> None:
-    assert doctest.testmod(tables_module).failed == 0
 
 
 def test_before_refresh_the_tables_are_empty_and_the_problem_is_asked_for() -> None:

@@ -3,22 +3,16 @@ the epoch index and on each ``monitor`` value, as Lightning's ``EarlyStopping`` 
 
 from __future__ import annotations
 
-import doctest
 import math
 
 import pytest
 
 from lightning_baoc.config.settings import BAOCConfig
-from lightning_baoc.control import triggers as triggers_module
 from lightning_baoc.control.triggers import Triggers
 
 
 def _triggers(**settings: object) -> Triggers:
     return Triggers(BAOCConfig(memory_budget=0.5, **settings))  # type: ignore[arg-type]
-
-
-def test_module_doctests() -> None:
-    assert doctest.testmod(triggers_module).failed == 0
 
 
 def test_every_n_epochs_or_never() -> None:

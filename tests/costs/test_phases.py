@@ -4,7 +4,6 @@ and a real conversion from the start to the steady allocation stays within the r
 
 from __future__ import annotations
 
-import doctest
 import json
 import math
 from pathlib import Path
@@ -146,10 +145,6 @@ def test_offload_costs_no_device_bytes_on_an_accelerator() -> None:
     phases = problem.phases(kinds, 0.3, 20.0, steady_risk={"a": {"offload": 0.0}, "b": {"int8": 0.0}})
     assert phases.steady.formats == {"a": "offload", "b": "int8"}
     assert phases.steady_bytes == format_state_bytes("int8", (256, 256))
-
-
-def test_module_doctests() -> None:
-    assert doctest.testmod(phases_module).failed == 0
 
 
 @pytest.mark.parametrize("initial", [None, "mapping"])

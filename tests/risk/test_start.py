@@ -3,13 +3,11 @@ preference, a record's measured risks, and the messages that name who was given 
 
 from __future__ import annotations
 
-import doctest
 import json
 from pathlib import Path
 
 import pytest
 
-import lightning_baoc.risk.start as start_module
 from lightning_baoc.risk import prior_risk
 from lightning_baoc.risk.start import INITIAL_PREFERENCE, start_risk
 
@@ -47,5 +45,3 @@ def test_errors_name_who_was_given_initial(tmp_path: Path) -> None:
         start_risk(SHAPES, KINDS, OFFERED, initial=tmp_path / "missing.json")
 
 
-def test_module_doctests() -> None:
-    assert doctest.testmod(start_module).failed == 0

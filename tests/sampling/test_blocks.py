@@ -194,10 +194,3 @@ def test_non_module_is_a_type_error() -> None:
         partition([nn.Linear(2, 2)])  # type: ignore[arg-type]
 
 
-def test_docstring_examples_run() -> None:
-    import doctest
-
-    import lightning_baoc.sampling.blocks as module
-
-    result = doctest.testmod(module)
-    assert result.attempted > 0 and result.failed == 0

@@ -505,15 +505,6 @@ def test_overhead_at_the_default_interval_is_small() -> None:
     assert row["buffer_mb"] < 0.6 * result["blocks"]
 
 
-@pytest.mark.parametrize("name", ["sampler", "layout"])
-def test_docstring_examples_run(name: str) -> None:
-    import doctest
-    import importlib
-
-    result = doctest.testmod(importlib.import_module(f"lightning_baoc.sampling.{name}"))
-    assert result.attempted > 0 and result.failed == 0
-
-
 def test_an_unclosed_sampler_finishes_its_work_before_the_process_exits(tmp_path: Path) -> None:
     """A script that never closes its sampler: at exit the worker thread finishes the sample it holds
     and is joined before the interpreter tears down (a daemon thread still inside torch's C++ code

@@ -191,10 +191,3 @@ def test_update_share_is_the_fraction_of_squared_norm() -> None:
         S.update_share({"a": math.nan})
 
 
-def test_docstring_examples_run() -> None:
-    import doctest
-
-    import lightning_baoc.sampling.statistics as module
-
-    result = doctest.testmod(module)
-    assert result.attempted > 0 and result.failed == 0
