@@ -127,12 +127,24 @@ def split(master: Tensor, dtype: torch.dtype, correction: str) -> tuple[Tensor, 
 
 def split_into(master: Tensor, weight: Tensor, correction: Tensor | None) -> None:
     """Write the split of ``master`` (fp32, ``weight``'s shape) into ``weight`` and ``correction``,
-    in slices of :data:`SLICE` elements (the temporaries stay a few MiB whatever the size)."""
+    in slices of :data:`SLICE` elements (the temporaries stay a few MiB whatever the size).
+
+    ``correction`` is contiguous (the optimizer allocates it so); ``weight`` may be laid out otherwise
+    (channels-last, a transposed view): it is then split into a contiguous 16-bit copy, checked before
+    anything is written, and copied in at the end (one 16-bit transient of the weight's size)."""
     spec = _weight_dtype(weight.dtype)
+    if correction is not None and not correction.is_contiguous():
+        raise ValueError("split_into: a master-weight correction is stored contiguous")
+    if master.shape != weight.shape or (correction is not None and correction.shape != weight.shape):
+        raise ValueError(f"split_into: master {tuple(master.shape)}, weight {tuple(weight.shape)} and correction "
+                         f"{None if correction is None else tuple(correction.shape)} differ in shape")
+    if not weight.is_contiguous():
+        dense = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+        split_into(master, dense, correction)
+        weight.copy_(dense)
+        return
     x_all = master.reshape(-1)
-    w_all = weight.view(-1) if weight.is_contiguous() else None
-    if w_all is None or (correction is not None and not correction.is_contiguous()):
-        raise ValueError("split_into writes contiguous weights and corrections")
+    w_all = weight.view(-1)
     c_all = None if correction is None else correction.view(-1)
     bits = 0 if correction is None else {torch.int8: 8, torch.int16: 16}[correction.dtype]
     limit = 2.0 ** (bits - 1) - 1

@@ -95,3 +95,48 @@ def test_corrections_chosen_per_block_within_the_budget_and_resumed(tmp_path: Pa
         assert torch.equal(a, b)
     masters, whole_masters = trainer2.optimizers[0].master_weights(), trainer3.optimizers[0].master_weights()
     assert all(torch.equal(masters[k], whole_masters[k]) for k in masters)
+
+
+class _ChannelsLastCNN(pl.LightningModule):
+    """A bf16-true CNN in channels-last memory format: its conv weights are not contiguous."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.GELU(), nn.Conv2d(32, 32, 3, padding=1), nn.GELU(),
+                                 nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 4))
+        self.net.to(memory_format=torch.channels_last)
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x.to(memory_format=torch.channels_last)).float(), y)
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    def train_dataloader(self):  # type: ignore[no-untyped-def]
+        gen = torch.Generator().manual_seed(2)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 3, 8, 8, generator=gen), torch.randint(0, 4, (64,), generator=gen))
+        return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+def test_a_channels_last_cnn_in_bf16_true_trains_with_chosen_corrections(tmp_path: Path) -> None:
+    """It died at step 0 (``split_into writes contiguous weights and corrections``); now it trains through the
+    allocation, the conv weights stay channels-last, and the corrections the solver chose are held."""
+    model = _ChannelsLastCNN()
+    baoc = BAOC(memory_budget=0.9, warmup_steps=4, sample_every=1, report=False, corrections=["ecc8", "ecc16"],
+                min_8bit_numel=0)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=12, precision="bf16-true", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path, callbacks=[baoc], enable_checkpointing=False)
+    start = model.net[2].weight.detach().float().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model)
+    opt = trainer.optimizers[0]
+    weight = model.net[2].weight
+    assert weight.dtype == torch.bfloat16 and weight.is_contiguous(memory_format=torch.channels_last)
+    assert not weight.is_contiguous()
+    assert trainer.global_step == 12 and baoc.controller.phase == "allocated"
+    assert set(opt.weight_corrections.values()) <= {"ecc8", "ecc16"} and opt.weight_correction_bytes() > 0
+    assert not torch.equal(weight.detach().float(), start)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
