@@ -256,7 +256,8 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "min_8bit_numel", int,
-        "Tensors with fewer elements stay out of the 8-bit formats (as bitsandbytes).",
+        "Tensors with fewer elements stay out of the 8-bit formats (as bitsandbytes), in an optimizer BAOC "
+        "converts; a blockwise optimizer keeps its own, and another value here is refused.",
         default=DEFAULT_MIN_8BIT_NUMEL, minimum=0,
     ),
     Setting(

@@ -74,7 +74,7 @@ from lightning_baoc.control.triggers import Triggers
 from lightning_baoc.costs import AllocationProblem
 from lightning_baoc.costs.instruments import InstrumentSizes
 from lightning_baoc.costs.memory import training_memory
-from lightning_baoc.formats import RULE_NAMES
+from lightning_baoc.formats import DEFAULT_MIN_8BIT_NUMEL, RULE_NAMES
 from lightning_baoc.optim import BlockwiseOptimizer
 from lightning_baoc.optim.swap import SUPPORTED_OPTIMIZERS, convert_optimizer, rebind_scheduler
 from lightning_baoc.risk.shadow import ShadowMoments
@@ -286,6 +286,14 @@ class BAOCController:
         if self.optimizer is not None and optimizer is self.optimizer:
             return self.optimizer
         cfg = self.config
+        own = getattr(optimizer, "min_8bit_numel", None) if isinstance(optimizer, BlockwiseOptimizer) else None
+        if own is not None and cfg.min_8bit_numel not in (own, DEFAULT_MIN_8BIT_NUMEL):
+            raise ValueError(
+                f"BAOC(min_8bit_numel={cfg.min_8bit_numel}) and the {type(optimizer).__name__} returned by "
+                f"configure_optimizers (min_8bit_numel={own}) differ: a blockwise optimizer keeps its own threshold, "
+                f"and BAOC's applies to an optimizer it converts. Set min_8bit_numel={cfg.min_8bit_numel} on the "
+                f"{type(optimizer).__name__}, or drop it from BAOC."
+            )
         new = convert_optimizer(optimizer, module, cfg.min_8bit_numel, cfg.seed)
         self._module = module
         self.blocks.forget()

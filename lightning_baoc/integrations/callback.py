@@ -190,7 +190,8 @@ class BAOC(Callback):
                 sampler's ring and the risk model's shadow may hold, outside the budget:
                 above it max_elements and the shadow shrink. (default: ``0.02``)
             min_8bit_numel: Tensors with fewer elements stay out of the 8-bit formats
-                (as bitsandbytes). (default: ``4096``)
+                (as bitsandbytes), in an optimizer BAOC converts; a blockwise optimizer keeps
+                its own, and another value here is refused. (default: ``4096``)
             calibration: 'auto': measure each format's step cost on the device once
                 (cached); 'prior': built-in relative costs (a time budget must then be
                 relative). (default: ``'auto'``)

@@ -7,8 +7,10 @@ frees its gradient at once. Lightning runs the closure (forward, backward) insid
 follows opens the next window. What release cannot do, the callback refuses at ``setup``, before
 training, with the setting to change:
 
-- ``accumulate_grad_batches > 1``: every micro-batch would step on its own;
-- ``gradient_clip_val``: global-norm clipping needs all the gradients before any step;
+- ``gradient_clip_val``, or clipping in an overridden ``configure_gradient_clipping``: global-norm
+  clipping needs all the gradients before any step;
+- accumulation, set by ``accumulate_grad_batches > 1`` or a ``GradientAccumulationScheduler`` whose
+  schedule accumulates in any epoch: every micro-batch would step on its own;
 - a gradient scaler (``precision="16-mixed"``): the hooks would step on scaled gradients;
 - an optimizer that is not a :class:`~lightning_baoc.BlockwiseAdamW`, or manual optimization.
 
@@ -24,6 +26,8 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_baoc.optim import BlockwiseOptimizer
 
@@ -39,6 +43,20 @@ class GradientRelease(pl.Callback):
             problems.append(
                 f"accumulate_grad_batches={trainer.accumulate_grad_batches}: release steps every "
                 f"micro-batch on its own; set accumulate_grad_batches=1"
+            )
+        for callback in trainer.callbacks:
+            if isinstance(callback, GradientAccumulationScheduler) and any(
+                factor != 1 for factor in callback.scheduling.values()
+            ):
+                problems.append(
+                    f"GradientAccumulationScheduler(scheduling={callback.scheduling}): release steps every "
+                    f"micro-batch on its own; remove the scheduler (or schedule 1 in every epoch)"
+                )
+        if is_overridden("configure_gradient_clipping", pl_module, pl.LightningModule):
+            problems.append(
+                f"{type(pl_module).__name__}.configure_gradient_clipping overridden: clipping runs after every "
+                f"gradient is in, and release has stepped each parameter and freed its gradient in backward; "
+                f"remove the override (clip per parameter in a release observer, or train without release)"
             )
         if trainer.gradient_clip_val:
             problems.append(

@@ -78,8 +78,24 @@ class ReleaseHooks:
     def enable(self, params: Iterable[Tensor], step_one: Callable[[Tensor], None]) -> None:
         """Step each of ``params`` (those that require a gradient) through ``step_one`` in a
         post-accumulate-grad hook and free its gradient; sharded parameters are refused."""
-        self.disable()
         params = list(params)
+        self._refuse_sharded(params)
+        self.disable()
+        self._step_one = step_one
+        self.extend(params)
+
+    def extend(self, params: Iterable[Tensor]) -> None:
+        """Release ``params`` too (a param group added while release is on: ``add_param_group``,
+        ``BackboneFinetuning``); nothing while release is off."""
+        if self._step_one is None:
+            return
+        params = list(params)
+        self._refuse_sharded(params)
+        for p in params:
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(self._hook))
+
+    def _refuse_sharded(self, params: list[Tensor]) -> None:
         sharded = [self.records[p].name for p in params if is_sharded(p)]
         if sharded:
             raise ValueError(
@@ -87,10 +103,6 @@ class ReleaseHooks:
                 f"each gradient into its shard after backward, so no hook sees the sharded gradient in backward. "
                 f"Train without release (FSDP2 already frees the unsharded gradients), or unshard the model."
             )
-        self._step_one = step_one
-        for p in params:
-            if p.requires_grad:
-                self.handles.append(p.register_post_accumulate_grad_hook(self._hook))
 
     def disable(self) -> None:
         """Remove the hooks (the parameters' gradients stay until ``step()``)."""
@@ -102,8 +114,8 @@ class ReleaseHooks:
 
     @property
     def enabled(self) -> bool:
-        """Whether the hooks are registered."""
-        return bool(self.handles)
+        """Whether release is on (:meth:`enable` called, :meth:`disable` not since)."""
+        return self._step_one is not None
 
     def new_window(self) -> None:
         """Open the next window (``step()``): each parameter may release its gradient once again."""

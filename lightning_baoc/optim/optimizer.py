@@ -186,6 +186,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
                 self._names[name] = p
                 self._records[p] = Record(name=name, group=index, shard_offset=shard_offset(p), frame=flat_shards(p),
                                           row_shards=row_shards(p))
+            self._release.extend(group["params"])  # release on: the new parameters are released too
         except (TypeError, ValueError):
             self.param_groups.pop()
             for p in group["params"]:

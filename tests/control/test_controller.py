@@ -429,3 +429,24 @@ def test_the_byte_counts_of_the_optimizer_and_the_controller_are_methods() -> No
     for cls, names in counts.items():
         for name in names:
             assert inspect.isfunction(inspect.getattr_static(cls, name)), f"{cls.__name__}.{name} is not a method"
+
+
+def test_min_8bit_numel_applies_or_its_conflict_with_a_blockwise_optimizer_is_refused() -> None:
+    """``BAOC(min_8bit_numel=0)`` over a returned BlockwiseLion was ignored silently (the optimizer's 4096
+    held, so the setting never worked for Lion); now a converted optimizer takes it, a blockwise one keeps its
+    own, and a BAOC value that differs from the blockwise optimizer's is refused by name before anything."""
+    from lightning_baoc import BlockwiseLion
+    from lightning_baoc.control.controller import BAOCController
+
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 2))
+    converted = BAOCController(memory_budget=0.5, calibration="prior", min_8bit_numel=0).install(
+        torch.optim.AdamW(model.parameters()), model)
+    assert converted.min_8bit_numel == 0
+    lion = BlockwiseLion(model.named_parameters())
+    with pytest.raises(ValueError, match=r"BAOC\(min_8bit_numel=0\) and the BlockwiseLion .*min_8bit_numel=4096\) differ"):
+        BAOCController(memory_budget=0.5, calibration="prior", min_8bit_numel=0).install(lion, model)
+    own = BlockwiseLion(model.named_parameters(), min_8bit_numel=0)
+    for controller in (BAOCController(memory_budget=0.5, calibration="prior"),
+                       BAOCController(memory_budget=0.5, calibration="prior", min_8bit_numel=0)):
+        assert controller.install(own, model) is own and own.min_8bit_numel == 0
+        controller.close()

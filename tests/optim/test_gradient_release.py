@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import warnings
 
 import lightning.pytorch as pl
@@ -136,12 +138,61 @@ def test_lightning_release_trains_like_the_plain_run(tmp_path) -> None:  # type:
     [
         ({"accumulate_grad_batches": 2}, [], "accumulate_grad_batches=2"),
         ({"gradient_clip_val": 1.0}, [], "gradient_clip_val=1.0"),
+        ({}, [pl.callbacks.GradientAccumulationScheduler({0: 1, 1: 2})],
+         r"GradientAccumulationScheduler\(scheduling=\{0: 1, 1: 2\}\): release steps every micro-batch"),
     ],
-    ids=["accumulation", "clipping"],
+    ids=["accumulation", "clipping", "scheduled-accumulation"],
 )
 def test_lightning_refuses_what_release_cannot_do(tmp_path, kwargs, callbacks, match) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=match):
         _trainer(tmp_path, [GradientRelease(), *callbacks], **kwargs).fit(_Tiny(True))
+
+
+class _ClipsItself(_Tiny):
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):  # type: ignore[no-untyped-def]
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 0.5)
+
+
+def test_lightning_refuses_clipping_in_configure_gradient_clipping_before_any_step(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An overridden ``configure_gradient_clipping`` passed the setup check and clipped nothing (the gradients
+    were stepped and freed in backward); and a scheduler's accumulation passed it and stepped the window's
+    first micro-batch before failing at epoch 1. Both are refused at setup now, before the first step."""
+    model = _ClipsItself(True)
+    start = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="_ClipsItself.configure_gradient_clipping overridden: clipping runs after"):
+        _trainer(tmp_path, [GradientRelease()]).fit(model)
+    assert all(torch.equal(a, p) for a, p in zip(start, model.parameters()))
+    scheduled = _Tiny(True)
+    start = [p.detach().clone() for p in scheduled.parameters()]
+    with pytest.raises(ValueError, match="GradientAccumulationScheduler"):
+        _trainer(tmp_path, [GradientRelease(), pl.callbacks.GradientAccumulationScheduler({1: 2})]).fit(scheduled)
+    assert all(torch.equal(a, p) for a, p in zip(start, scheduled.parameters()))
+
+
+def test_a_group_added_while_release_is_on_is_released() -> None:
+    """``add_param_group`` after ``release_gradients()`` (``BackboneFinetuning`` unfreezing a backbone): the new
+    parameters' gradients stayed alive until step(); now they step in backward and are freed, as the others."""
+    torch.manual_seed(0)
+    head, backbone = nn.Linear(16, 4), nn.Linear(16, 16)
+    opt = BlockwiseAdamW([{"params": list(head.parameters())}], lr=1e-3)
+    opt.release_gradients()
+    opt.add_param_group({"params": list(backbone.parameters()), "lr": 1e-4})
+    twin_head, twin_backbone = copy.deepcopy(head), copy.deepcopy(backbone)
+    twin = BlockwiseAdamW([{"params": list(twin_head.parameters())}, {"params": list(twin_backbone.parameters()), "lr": 1e-4}],
+                          lr=1e-3)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        head(backbone(x)).square().mean().backward()
+        assert all(p.grad is None for p in backbone.parameters())  # stepped and freed in backward
+        opt.step()
+        twin_head(twin_backbone(x)).square().mean().backward()
+        twin.step()
+        twin.zero_grad()
+    for a, b in zip([*head.parameters(), *backbone.parameters()], [*twin_head.parameters(), *twin_backbone.parameters()]):
+        assert torch.equal(a, b)
+    opt.release_gradients(False)
+    opt.add_param_group({"params": [nn.Parameter(torch.ones(3))]})  # release off: kept for step()
+    assert not opt.releases_gradients
 
 
 
