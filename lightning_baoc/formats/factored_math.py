@@ -67,7 +67,7 @@ def factored_update(
         for r0, r1 in blocks:
             p = p2d[r0:r1]
             g = effective_grad(g2d[r0:r1], p, hyper)
-            denom = torch.outer(row_factor[r0:r1], col_factor).add_(hyper.eps)
+            denom = overflowed(g, torch.outer(row_factor[r0:r1], col_factor).add_(hyper.eps), hyper)
             if hyper.weight_decay != 0 and hyper.decoupled_weight_decay:
                 p.mul_(1.0 - hyper.lr * hyper.weight_decay)
             if load_m is not None and store_m is not None:
@@ -81,6 +81,15 @@ def factored_update(
         if store_m is not None:
             finish_stores(item.views)
         write_back()
+
+
+def overflowed(g: Tensor, denom: Tensor, hyper: StepHyper) -> Tensor:
+    """``denom`` with inf where AdamW's own second moment of ``g``, ``(1 - beta2) g g``, overflows fp32, in place.
+
+    There torch's AdamW's ``v`` is inf and its update 0; the factored estimate would instead take a finite,
+    saturated moment and move the weight by ``lr g / 2**64``, 66.5 at ``g = 1e25`` (issue 51). With this the
+    factored formats move 0 where AdamW does, at any finite gradient up to fp32's largest."""
+    return denom.masked_fill_(torch.isinf(g.mul(1.0 - hyper.beta2).mul_(g)), math.inf)
 
 
 def _update_moments(
@@ -143,4 +152,7 @@ def sqrt_factors(row: Tensor, col: Tensor, bias_correction2: float, mean: Tensor
     mean of 0: an all-zero row factor gives a zero estimate. No host sync.
     """
     ratio = factored_ratio(row, mean)  # in [0, rows] (a shard's rows: over the whole parameter's mean)
-    return sqrt_rn(ratio.div_(bias_correction2)), sqrt_rn(col)
+    # a moment saturated at fp32's maximum (_update_row) stands for one beyond it, where AdamW's v is inf: its
+    # factor is inf, and the updates of its row or column 0
+    row_factor = sqrt_rn(ratio.div_(bias_correction2)).masked_fill_(row >= FP32_MAX, math.inf)
+    return row_factor, sqrt_rn(col).masked_fill_(col >= FP32_MAX, math.inf)

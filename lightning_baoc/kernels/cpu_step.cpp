@@ -31,6 +31,7 @@
 #endif
 
 #include <algorithm>
+#include <limits>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -285,6 +286,11 @@ struct Adam {
   }
   float decayed(float p) const { return p * decay; }  // the decoupled decay
   float second_moment(float g, float v0) const { return std::fma(one_minus_beta2 * g, g, v0 * beta2); }
+  // A factored denominator, or inf where AdamW's own second moment of g, (1 - beta2) g g, overflows fp32: its
+  // update there is 0, as torch's AdamW's (factored_math.overflowed)
+  float unless_overflowed(float g, float d) const {
+    return std::isinf(one_minus_beta2 * g * g) ? std::numeric_limits<float>::infinity() : d;
+  }
   float denominator(float root) const { return root * inv_sqrt_bc2 + eps; }
   // ATen's lerp: m0 + w (g - m0) for w < 0.5, else g + (w - 1)(g - m0)
   float momentum(float m0, float g, bool small) const { return std::fma(lerp_coeff, g - m0, small ? m0 : g); }
@@ -644,6 +650,11 @@ struct Lanes8 {
   __m256 decayed(__m256 p) const { return _mm256_mul_ps(p, decay); }
   __m256 second_moment(__m256 g, __m256 v0) const { return _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g, _mm256_mul_ps(v0, beta2)); }
   __m256 denominator(__m256 root) const { return _mm256_add_ps(_mm256_mul_ps(root, isbc2), eps); }
+  __m256 unless_overflowed(__m256 g, __m256 d) const {  // Adam::unless_overflowed
+    const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+    const __m256 sq = _mm256_mul_ps(_mm256_mul_ps(omb2, g), g);
+    return _mm256_blendv_ps(d, inf, _mm256_cmp_ps(sq, inf, _CMP_EQ_OQ));
+  }
   template <bool SMALL>
   __m256 momentum(__m256 m0, __m256 g) const { return _mm256_fmadd_ps(lerp, _mm256_sub_ps(g, m0), SMALL ? m0 : g); }
   __m256 update(__m256 p, __m256 direction, __m256 d) const {
@@ -897,6 +908,7 @@ void int8_pass_avx2(const Tensors& t, int64_t sb, int64_t start, float limit_m, 
       } else {
         d = _mm256_load_ps(vbuf + j);
       }
+      if constexpr (!CODED_V) d = c.unless_overflowed(g, d);
       if constexpr (HAS_M) {
         const __m256 m = c.momentum<SMALL>(CODED_V ? _mm256_load_ps(mbuf + j) : momentum0(j, scale_m), g);
         _mm256_store_ps(mbuf + j, m);
@@ -974,7 +986,7 @@ void int8_pass(const Tensors& t, int64_t sb, int64_t start, int64_t n, float lim
         vbuf[j] = root;
         d = ad.denominator(root);
       } else {
-        d = vbuf[j];
+        d = ad.unless_overflowed(g, vbuf[j]);
       }
       if constexpr (HAS_M) {
         const float m = ad.momentum(momentum_value(in.mc[j], scale_m), g, SMALL);
@@ -1069,7 +1081,7 @@ void superblock(const Tensors& t, int64_t sb, float limit_m, float limit_v) {
     const float p = a.decayed(P[j]);
     float d;
     if constexpr (V == V_FACTORED) {
-      d = denom[j];
+      d = a.unless_overflowed(g, denom[j]);
     } else {
       const float v = a.second_moment(g, vv[j]);
       const float root = std::sqrt(v);
@@ -1247,10 +1259,11 @@ std::vector<uint8_t> nonfinite_flags(const std::vector<Tensors>& items, size_t i
 // factored_sums reads the gradient once for the row and column sums of (g k)**2; factored_finish
 // updates the state vectors from them and gives the step's factors sqrt(row / mean(row) / bc2) and
 // sqrt(col). Between the two, nothing is written: the sums also test the gradient (sums_finite).
+constexpr int64_t FACTORED_PARTS = 16;  // the column sums' partial sums, fixed (factored_sums)
 struct FactoredSums {
   std::vector<float> row_sum;   // rows
-  std::vector<float> col_part;  // threads x cols partial column sums, added in a fixed order
-  int64_t threads = 1;
+  std::vector<float> col_part;  // parts x cols partial column sums, added in a fixed order
+  int64_t parts = 1;
 };
 
 // One row's sum of (g k)**2, each square also added to its column's sum in `cs`: one pass over the row.
@@ -1292,12 +1305,14 @@ FactoredSums factored_sums(const float* g, const float* p, int64_t rows, int64_t
   const bool l2 = weight_decay != 0.0 && !decoupled;
   const float wd = static_cast<float>(weight_decay);
   const float gsign = maximize ? -1.0f : 1.0f;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
-  FactoredSums sums{std::vector<float>(rows, 0.0f), std::vector<float>(static_cast<size_t>(threads * cols), 0.0f),
-                    threads};
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+  // the rows in FACTORED_PARTS parts whatever the thread count, so that the sums, and the step, are the same
+  // on every machine (a resume on another core count is bit-equal); the threads share the parts
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(FACTORED_PARTS, rows));
+  FactoredSums sums{std::vector<float>(rows, 0.0f), std::vector<float>(static_cast<size_t>(parts * cols), 0.0f),
+                    parts};
+  at::parallel_for(0, parts, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r0 = rows * t / threads, r1 = rows * (t + 1) / threads;
+      const int64_t r0 = rows * t / parts, r1 = rows * (t + 1) / parts;
       float* cs = sums.col_part.data() + t * cols;
       for (int64_t r = r0; r < r1; ++r) {
         sums.row_sum[r] = row_squares(g + r * cols, p + r * cols, cols, gsign, l2, wd, k, cs);
@@ -1325,15 +1340,18 @@ void factored_finish(const FactoredSums& sums, float* row, float* col, int64_t r
   for (int64_t r = 0; r < rows; ++r) row[r] = std::min(std::fma(sums.row_sum[r], alpha_r, row[r] * b2) + floor_, top);
   for (int64_t c = 0; c < cols; ++c) {
     float sum = 0.0f;
-    for (int64_t t = 0; t < sums.threads; ++t) sum += sums.col_part[t * cols + c];
+    for (int64_t t = 0; t < sums.parts; ++t) sum += sums.col_part[t * cols + c];
     col[c] = std::min(std::fma(sum, alpha_c, col[c] * b2) + floor_, top);
   }
   float mean = 0.0f;
   const float rows_f = static_cast<float>(rows);
   for (int64_t r = 0; r < rows; ++r) mean += row[r] / rows_f;
   const float bc2 = static_cast<float>(bias_correction2);
-  for (int64_t r = 0; r < rows; ++r) rf[r] = std::sqrt((mean > 0.0f ? row[r] / mean : 0.0f) / bc2);
-  for (int64_t c = 0; c < cols; ++c) cf[c] = std::sqrt(col[c]);
+  // a moment saturated at fp32's maximum stands for one beyond it (AdamW's v is inf there): its factor is inf,
+  // and the updates of its row or column 0 (factored_math.sqrt_factors)
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; ++r) rf[r] = row[r] >= top ? inf : std::sqrt((mean > 0.0f ? row[r] / mean : 0.0f) / bc2);
+  for (int64_t c = 0; c < cols; ++c) cf[c] = col[c] >= top ? inf : std::sqrt(col[c]);
 }
 
 int8_t weight_kind(at::ScalarType t) {

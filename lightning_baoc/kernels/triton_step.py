@@ -261,6 +261,8 @@ if triton is not None:
         # the second moment: its square root and the denominator
         if V == 3:  # factored: rf[row] * cf[col], the rank-1 estimate's root (factored_math.sqrt_factors)
             d = tl.load(rf_ptr + idx // cols, mask=mask, other=0.0) * tl.load(cf_ptr + idx % cols, mask=mask, other=0.0) + eps
+            # inf where AdamW's own (1 - beta2) g g overflows: no update there, as torch's (factored_math.overflowed)
+            d = tl.where((one_minus_beta2 * g) * g == float("inf"), float("inf"), d)
         elif V == 0:
             v0 = tl.load(v_ptr + idx, mask=mask, other=0.0)
         elif V == 1:
