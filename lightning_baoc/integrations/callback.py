@@ -54,7 +54,7 @@ from typing_extensions import override
 
 from lightning_baoc.config.settings import FormatName, ReportSetting, settings_of, split_settings
 from lightning_baoc.control.controller import AllocationEvent, BAOCController, rebind_scheduler
-from lightning_baoc.integrations.checkpoints import distributed_metadata
+from lightning_baoc.integrations.checkpoints import check_saved_shards, distributed_metadata
 from lightning_baoc.optim import BlockwiseAdamW
 from lightning_baoc.report.allocation import AllocationReporter
 
@@ -477,13 +477,13 @@ class BAOC(Callback):
         original = strategy.load_checkpoint
 
         def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
-            self._restore_from_metadata(Path(checkpoint_path), type(strategy).__name__)
+            self._restore_from_metadata(Path(checkpoint_path), type(strategy).__name__, strategy.optimizers)
             return original(checkpoint_path, *args, **kwargs)
 
         strategy.load_checkpoint = load_checkpoint  # type: ignore[method-assign]
         self._unwrap = lambda: vars(strategy).pop("load_checkpoint", None)
 
-    def _restore_from_metadata(self, path: Path, strategy: str) -> None:
+    def _restore_from_metadata(self, path: Path, strategy: str, optimizers: list[Any]) -> None:
         self._restored_early = False
         states = distributed_metadata(path, f"BAOC under {strategy}").get("callbacks") or {}
         found = [self.state_key] if self.state_key in states else self._other_keys(states)
@@ -494,6 +494,7 @@ class BAOC(Callback):
                 f"the formats BAOC's state names. Resume it as it was saved (without BAOC), or start a BAOC run from "
                 f"its weights alone (load them in configure_model, without ckpt_path)."
             )
+        check_saved_shards(path, optimizers, f"BAOC under {strategy}")
         self.controller.load_state_dict(states[found[0]])
         self._restored_early = True  # Lightning hands the same state to load_state_dict later
 

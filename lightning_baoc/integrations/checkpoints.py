@@ -27,4 +27,34 @@ def distributed_metadata(path: Any, who: str) -> dict[str, Any]:
     return torch.load(meta, map_location="cpu", weights_only=False)
 
 
-__all__ = ["distributed_metadata"]
+def check_saved_shards(path: Any, optimizers: Any, who: str) -> None:
+    """Refuse, before ``torch.distributed.checkpoint`` reads a tensor, a checkpoint whose sharded optimizer
+    states were saved by another number of shards than ``optimizers`` hold now (another world size).
+
+    DCP itself fails inside its loader (``Size mismatch between saved torch.Size([2, 128]) and current ...``,
+    raised as a ``CheckpointException``, which ``except Exception`` does not catch), naming neither BAOC nor
+    the fix. A sharded state's per-rank checksum is saved as a ``(shards, 1)`` DTensor: its first size is
+    the saving run's shard count (:mod:`lightning_baoc.optim.distributed`)."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_baoc.optim import BlockwiseOptimizer, CheckpointError
+    from lightning_baoc.optim.sharding import is_sharded, shard_count
+
+    now = {shard_count(p) for opt in optimizers if isinstance(opt, BlockwiseOptimizer)
+           for g in opt.param_groups for p in g["params"] if is_sharded(p)}
+    if not now:
+        return
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = {int(m.size[0]) for k, m in metadata.items()
+             if ".state." in k and k.endswith(".checksum") and len(getattr(m, "size", ())) == 2}
+    if saved and saved != now:
+        raise CheckpointError(
+            f"{who} cannot resume {str(path)!r}: its sharded optimizer states were saved by "
+            f"{'/'.join(map(str, sorted(saved)))} shards, and this run shards them {'/'.join(map(str, sorted(now)))} "
+            f"ways (another world size). A sharded optimizer state resumes on the world size that saved it; for "
+            f"another, save optimizer.to_adamw_state_dict() (on every rank of the saving run) and load that, "
+            f"which loads into any world size."
+        )
+
+
+__all__ = ["check_saved_shards", "distributed_metadata"]

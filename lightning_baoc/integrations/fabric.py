@@ -50,7 +50,7 @@ from torch.optim import Optimizer
 
 from lightning_baoc.config.settings import FormatName, ReportSetting, settings_of, split_settings
 from lightning_baoc.control.controller import AllocationEvent, BAOCController, rebind_scheduler
-from lightning_baoc.integrations.checkpoints import distributed_metadata
+from lightning_baoc.integrations.checkpoints import check_saved_shards, distributed_metadata
 from lightning_baoc.report.allocation import AllocationReporter
 
 _BASES = ("single_device", "ddp", "model_parallel")
@@ -336,9 +336,11 @@ class _BAOCModelParallelStrategy(BAOCStrategy, ModelParallelStrategy):
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None) -> Any:
         keys = [k for k, v in state.items() if v is self.controller] if isinstance(state, dict) else []
         if keys:
-            saved = distributed_metadata(self.broadcast(path), "BAOCStrategy")
+            path = self.broadcast(path)
+            saved = distributed_metadata(path, "BAOCStrategy")
             if keys[0] not in saved:
                 raise KeyError(f"the checkpoint {str(path)!r} holds no {keys[0]!r} (the BAOC controller's state)")
+            check_saved_shards(path, [v for v in state.values() if isinstance(v, torch.optim.Optimizer)], "BAOCStrategy")
             self.controller.load_state_dict(saved[keys[0]])
         remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)  # type: ignore[misc]
         for k in keys:

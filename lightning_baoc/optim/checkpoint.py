@@ -40,6 +40,9 @@ from lightning_baoc.formats.base import factor_view
 
 STATE_DICT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
+#: The ``"layout"`` of the ``"baoc"`` metadata in each param group of a sharded optimizer's state dict
+#: (:mod:`lightning_baoc.optim.distributed`).
+LAYOUT = "distributed"
 
 #: The per-parameter ``"step"`` of a BlockwiseAdamW state dict: what a plain AdamW reports when
 #: it is handed this dict (see the module docstring).
@@ -328,14 +331,24 @@ def export_adamw_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     ``checkpoint["optimizer_states"]`` and save the checkpoint again.
 
     Raises:
-        CheckpointError: the dict is damaged, or of version 1 (which records no shapes: load it into
-            a BlockwiseAdamW and call ``to_adamw_state_dict()``).
+        CheckpointError: the dict is damaged, of version 1 (which records no shapes: load it into
+            a BlockwiseAdamW and call ``to_adamw_state_dict()``), or in the distributed layout of a sharded
+            optimizer (its tensors are each rank's shards: call ``to_adamw_state_dict()`` on every rank).
 
     Example:
         >>> ckpt = load_checkpoint("last.ckpt")  # doctest: +SKIP
         >>> ckpt["optimizer_states"] = [export_adamw_state_dict(s) for s in ckpt["optimizer_states"]]  # doctest: +SKIP
     """
+    if is_distributed_layout(state_dict):
+        raise CheckpointError(
+            "export_adamw_state_dict: this is the distributed layout of a sharded optimizer's state dict (FSDP2, "
+            "ModelParallelStrategy: param_groups carry the 'baoc' metadata, the tensors are each rank's shards), "
+            "which no single process can decode. Call optimizer.to_adamw_state_dict() on every rank of the live "
+            "sharded optimizer (it gathers the whole moments and loads into any world size), or load the "
+            "checkpoint into the sharded BlockwiseAdamW first."
+        )
     return adamw_export(state_dict, decode_entry)
+
 
 
 def decode_entry(name: str, fmt: str, shape: tuple[int, ...], tensors: Mapping[str, Tensor]) -> Canonical:
@@ -378,3 +391,16 @@ def adamw_export(
             index += 1
         groups.append(group)
     return {"state": state, "param_groups": groups}
+
+
+def is_distributed_layout(sd: Any) -> bool:
+    """Whether ``sd`` is a state dict in the distributed layout (:mod:`lightning_baoc.optim.distributed`)."""
+    if not isinstance(sd, Mapping) or "baoc" in sd:
+        return False
+    groups = sd.get("param_groups")
+    return (
+        isinstance(groups, (list, tuple))
+        and bool(groups)
+        and all(isinstance(g, Mapping) and isinstance(g.get("baoc"), Mapping) for g in groups)
+        and all(g["baoc"].get("layout") == LAYOUT for g in groups)
+    )

@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from lightning_baoc.formats import StateFormat
-from lightning_baoc.optim.checkpoint import STATE_DICT_VERSION, CheckpointError, _digest_value
+from lightning_baoc.optim.checkpoint import LAYOUT, STATE_DICT_VERSION, CheckpointError, _digest_value
 from lightning_baoc.optim.sharding import (
     DTensor,
     as_dtensor,
@@ -58,20 +58,6 @@ from lightning_baoc.optim.sharding import (
     shard_shape,
 )
 
-LAYOUT = "distributed"
-
-
-def is_distributed_layout(sd: Any) -> bool:
-    """Whether ``sd`` is a state dict in the distributed layout (see the module)."""
-    if not isinstance(sd, Mapping) or "baoc" in sd:
-        return False
-    groups = sd.get("param_groups")
-    return (
-        isinstance(groups, (list, tuple))
-        and bool(groups)
-        and all(isinstance(g, Mapping) and isinstance(g.get("baoc"), Mapping) for g in groups)
-        and all(g["baoc"].get("layout") == LAYOUT for g in groups)
-    )
 
 
 def _longest(fmt: StateFormat, p: Tensor) -> dict[str, int]:

@@ -18,8 +18,10 @@ from torch import Tensor
 
 from lightning_baoc.formats import Canonical, StateFormat, StepHyper, resolve_in
 from lightning_baoc.formats.frames import framed
-from lightning_baoc.optim.checkpoint import STATE_DICT_VERSION, adamw_export, decode_entry, make_entry, seal_state_dict
-from lightning_baoc.optim.distributed import from_distributed, is_distributed_layout, to_distributed
+from lightning_baoc.optim.checkpoint import (
+    STATE_DICT_VERSION, adamw_export, decode_entry, is_distributed_layout, make_entry, seal_state_dict,
+)
+from lightning_baoc.optim.distributed import from_distributed, to_distributed
 from lightning_baoc.optim.pools import Record, StatePools
 from lightning_baoc.optim.sharding import gather_full, is_sharded, local
 from lightning_baoc.optim.stepping import StepDispatcher

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from support_distributed import needs_gloo, on_gloo_ranks
 from torch import nn
 
-from lightning_baoc import BlockwiseAdamW, BlockwiseSGD
+from lightning_baoc import BlockwiseAdamW, BlockwiseSGD, CheckpointError, export_adamw_state_dict
 from lightning_baoc.formats import FORMATS
 from lightning_baoc.optim.sharding import shard_offset
 
@@ -274,6 +274,14 @@ def _refusals(mesh) -> None:  # type: ignore[no-untyped-def]
     columns = nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(1)]))
     with pytest.raises(ValueError, match=r"placed \(Shard\(dim=1\),\).*Shard this parameter on dim 0"):
         BlockwiseAdamW([("columns", columns)])
+    # export_adamw_state_dict of a sharded optimizer's dict said "'baoc' should be a dict, got NoneType"
+    model = _shard(_model(), mesh)
+    opt = BlockwiseAdamW(model.named_parameters(), lr=1e-2, state_format="int8", min_8bit_numel=0)
+    _train(model, opt, 1, mesh.get_local_rank())
+    with pytest.raises(CheckpointError, match=r"distributed layout of a sharded optimizer.*to_adamw_state_dict\(\) on every rank"):
+        export_adamw_state_dict(opt.state_dict())
+    whole = opt.to_adamw_state_dict()  # what the message names works
+    assert len(whole["state"]) == len(list(model.parameters()))
 
 
 def test_blockwise_adamw_under_fsdp2_on_two_ranks() -> None:
@@ -301,8 +309,6 @@ def _dcp_worker(rank: int, path: str) -> None:
         set_optimizer_state_dict,
     )
     from torch.distributed.device_mesh import init_device_mesh
-
-    from lightning_baoc import CheckpointError
 
     mesh = init_device_mesh("cpu", (WORLD,))
     model = _shard(_model(), mesh)
@@ -470,3 +476,39 @@ def _hsdp_worker(rank: int) -> None:
 @pytest.mark.slow  # 4 processes on the 2 cores of CI: about 15 s
 def test_blockwise_adamw_under_hsdp_on_four_ranks() -> None:
     on_gloo_ranks(_hsdp_worker, 4)
+
+
+def _save_two_shards(rank: int, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = _shard(_model(), init_device_mesh("cpu", (WORLD,)))
+    opt = _mixed_optimizer(model)
+    _train(model, opt, 2, rank)
+    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+
+
+def _resume_on_another_world_size(rank: int, path: str, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_baoc.integrations.checkpoints import check_saved_shards
+
+    model = _shard(_model(), init_device_mesh("cpu", (world,)))
+    opt = _mixed_optimizer(model)
+    with pytest.raises(CheckpointError, match=rf"saved by 2 shards, and this run shards them {world} ways .*"
+                                              r"optimizer.to_adamw_state_dict\(\)"):
+        check_saved_shards(path, [opt], "BAOC under ModelParallelStrategy")
+    assert opt.step_count("0.weight") == 0 and opt.formats()["0.weight"] == "int8"  # as it was
+    check_saved_shards(path, [torch.optim.AdamW(nn.Linear(2, 2).parameters())], "x")  # nothing sharded: no check
+
+
+def test_a_sharded_checkpoint_resumed_on_another_world_size_is_refused_before_the_load(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Saved by 2 ranks, resumed by 1 or 3: torch's loader failed inside (``Size mismatch between saved
+    torch.Size([2, ...]) and current``, a ``CheckpointException`` that ``except Exception`` misses), the
+    documented refusal never reached. The callback and ``BAOCStrategy`` check the shard count first
+    (``check_saved_shards``), naming ``to_adamw_state_dict()``."""
+    path = str(tmp_path / "dcp")
+    on_gloo_ranks(_save_two_shards, WORLD, path)
+    on_gloo_ranks(_resume_on_another_world_size, 1, path, 1)
+    on_gloo_ranks(_resume_on_another_world_size, 3, path, 3)
