@@ -26,7 +26,8 @@ EPOCHS = 8
 CRASH_AT = 4
 
 
-def _fit(root: Path, crash_at: int | None = None, ckpt_path: str | None = None, refused: str | None = None) -> tuple[Any, Any, Any]:
+def _fit(root: Path, crash_at: int | None = None, ckpt_path: str | None = None, refused: str | None = None,
+         world: int = WORLD) -> tuple[Any, Any, Any]:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -50,14 +51,14 @@ def _fit(root: Path, crash_at: int | None = None, ckpt_path: str | None = None, 
                                  save_on_train_epoch_end=True)
     callbacks = [baoc, checkpoint] + ([Crash(crash_at)] if crash_at is not None else [])
     trainer = L.Trainer(
-        strategy=ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1), accelerator="cpu",
-        devices=WORLD, max_epochs=EPOCHS, accumulate_grad_batches=2, gradient_clip_val=1.0, callbacks=callbacks,
+        strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1), accelerator="cpu",
+        devices=world, max_epochs=EPOCHS, accumulate_grad_batches=2, gradient_clip_val=1.0, callbacks=callbacks,
         deterministic=True, logger=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=str(root),
     )
     train, _ = loaders(n_train=320, batch_size=16)  # 10 batches of 16 per rank and epoch
     if crash_at is not None or refused is not None:
-        with pytest.raises(RuntimeError, match=refused or "simulated crash"):
+        with pytest.raises((RuntimeError, ValueError), match=refused or "simulated crash"):
             trainer.fit(model, train, ckpt_path=ckpt_path)
     else:
         trainer.fit(model, train, ckpt_path=ckpt_path)
@@ -121,8 +122,16 @@ def _worker(rank: int, root: str) -> None:
     _fit(base / "plain_run", ckpt_path=str(plain), refused=r"holds 0 BAOC states.*Resume it as it was saved")
 
 
+def _other_world_size_worker(rank: int, root: str) -> None:
+    # saved by 2 ranks, resumed by 1: refused before torch's loader, which failed inside with a CheckpointException
+    last = Path(root) / "crashed" / "ckpt" / "last.ckpt"
+    _fit(Path(root) / "one_rank", ckpt_path=str(last), world=1,
+         refused=r"saved by 2 shards, and this run shards them 1 ways .*optimizer.to_adamw_state_dict\(\)")
+
+
 def test_baoc_under_model_parallel_strategy_resumes_from_a_distributed_checkpoint_to_the_bit(tmp_path: Path) -> None:
     on_lightning_ranks(_worker, WORLD, str(tmp_path))
+    on_lightning_ranks(_other_world_size_worker, 1, str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     assert ranks[0]["formats"] == ranks[1]["formats"]
 
