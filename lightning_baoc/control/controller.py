@@ -683,7 +683,13 @@ class BAOCController:
                 assert inst.sampler is not None
                 inst.sampler.load_state_dict(saved.sampler)
             if saved.shadow is not None and inst.shadow is not None:
-                inst.shadow.load_state_dict(saved.shadow)
+                fresh = inst.shadow.load_state_dict(saved.shadow)
+                if fresh:
+                    warnings.warn(
+                        f"BAOC: the shadow moments (the risk model's fp32 reference) of {len(fresh)} parameters restart "
+                        f"from zero at this resume, e.g. {fresh[0]}; the next allocations score them on fresh moments",
+                        UserWarning, stacklevel=3,
+                    )
             if self.allocation:
                 self.options.apply(opt, self.allocation, self.blocks.params)
         else:

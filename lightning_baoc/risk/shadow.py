@@ -10,6 +10,10 @@ from the same gradients at every optimizer step, with the optimizer's betas, ski
 optimizer skips (a non-finite gradient). The risk model then measures every format against these
 moments, whatever format holds the state.
 
+Sharded parameters (FSDP2): each rank shadows its own rows, so the moments differ per rank. A checkpoint
+of such a shadow holds every rank's (:meth:`ShadowMoments.state_dict` gathers them, on every rank, as
+a framework saves a checkpoint), and a load takes this rank's, checked against the world size.
+
 Memory: 8 bytes per shadowed element, at most ``8 * max_elements`` per tensor (128 KiB at the
 default 16384) plus the sampled super-blocks' numbers, on the parameter's device. Cost per step: one gather of the sampled gradient
 elements and two fused updates per tensor.
@@ -21,10 +25,11 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_baoc.formats.quant import SUPER
-from lightning_baoc.optim.sharding import local
+from lightning_baoc.optim.sharding import is_sharded, local
 
 #: Elements of each tensor shadowed (16 segments of 1024); smaller tensors are shadowed whole.
 DEFAULT_SHADOW_ELEMENTS = 1 << 14
@@ -99,6 +104,8 @@ class ShadowMoments:
     def __init__(self, params: Mapping[str, Tensor], max_elements: int = DEFAULT_SHADOW_ELEMENTS, seed: int = 0) -> None:
         generator = torch.Generator().manual_seed(seed)
         self.max_elements = int(max_elements)
+        #: whether a parameter is sharded: the moments are this rank's (see the module docstring)
+        self.sharded = any(is_sharded(p) for p in params.values())
         self.entries: dict[str, ShadowEntry] = {}
         for name, p in params.items():
             numel = local(p).numel()  # a sharded parameter: this rank shadows its own rows
@@ -163,26 +170,46 @@ class ShadowMoments:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """Moments, step counts and samples, as tensors and ints (for checkpoints)."""
-        return {
-            "max_elements": self.max_elements,
-            "entries": {
-                name: {"segments": e.segments, "exp_avg": e.exp_avg, "exp_avg_sq": e.exp_avg_sq, "steps": e.steps}
-                for name, e in self.entries.items()
-            },
-        }
+        """Moments, step counts and samples, as tensors and ints (for checkpoints).
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` for the tensors of both (others keep their fresh shadow)."""
-        for name, saved in state["entries"].items():
+        Of a sharded shadow in a process group of more than one rank: every rank's, gathered (a collective:
+        call it on every rank, as Lightning and Fabric do when they save), under ``"ranks"`` with the
+        ``"world"`` size; a framework that saves one rank's copy of the callback's state keeps them all."""
+        entries = {
+            name: {"segments": e.segments, "exp_avg": e.exp_avg, "exp_avg_sq": e.exp_avg_sq, "steps": e.steps}
+            for name, e in self.entries.items()
+        }
+        if not (self.sharded and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return {"max_elements": self.max_elements, "entries": entries}
+        host = {name: {k: (v.cpu() if isinstance(v, Tensor) else v) for k, v in e.items()} for name, e in entries.items()}
+        ranks: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, host)
+        return {"max_elements": self.max_elements, "world": len(ranks), "ranks": ranks}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> list[str]:
+        """Restore :meth:`state_dict` for the tensors of both; returns the names that keep their fresh
+        shadow, the reason in each: absent from the state, of another shape, or (a sharded state) saved by
+        another world size."""
+        entries = state.get("entries")
+        if "ranks" in state:
+            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            if int(state["world"]) != world or not self.sharded:
+                return [f"{name} (saved by {state['world']} ranks, this run has {world})" for name in self.entries]
+            entries = state["ranks"][dist.get_rank()]
+        fresh = [f"{name} (not in the checkpoint)" for name in self.entries if name not in entries]
+        for name, saved in entries.items():
             entry = self.entries.get(name)
-            if entry is None or saved["exp_avg"].shape != entry.exp_avg.shape:
+            if entry is None:
+                continue
+            if saved["exp_avg"].shape != entry.exp_avg.shape:
+                fresh.append(f"{name} (saved {tuple(saved['exp_avg'].shape)}, now {tuple(entry.exp_avg.shape)})")
                 continue
             device = entry.exp_avg.device
             entry.segments = saved["segments"].to(device) if saved["segments"] is not None else None
             entry.exp_avg = saved["exp_avg"].to(device, torch.float32).clone()
             entry.exp_avg_sq = saved["exp_avg_sq"].to(device, torch.float32).clone()
             entry.steps = int(saved["steps"])
+        return fresh
 
 
 __all__ = ["DEFAULT_SHADOW_ELEMENTS", "ShadowEntry", "ShadowMoments", "choose_segments", "sample_segments", "segment_index"]
