@@ -17,6 +17,13 @@ The contract:
   before any step: it cannot combine with release (the gradients are gone when it runs; the Lightning
   callback :class:`lightning_baoc.GradientRelease` refuses the combination at setup).
 - A parameter whose gradient holds inf or NaN is skipped as in ``step()``.
+- Reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``) runs a
+  backward of its own inside backward, so a module used in two places gets its gradient in parts: a
+  parameter whose gradient arrives inside such a backward is not stepped in the hook but waits, its
+  gradient accumulating, for ``step()`` (the whole gradient, as without release); it waits so from
+  then on. A part that arrives from inside one after the parameter stepped on another use's part (its
+  plain use came later in the forward) is refused with an error naming reentrant checkpointing
+  (``use_reentrant=False`` gives one backward, and each gradient arrives whole).
 - Whatever must see the gradients before they go (BAOC's sampler and shadow moments) registers a
   gradient observer (``BlockwiseAdamW.add_gradient_observer``): the hook calls it with the
   parameter, its gradient complete, just before the parameter steps.
@@ -30,8 +37,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Iterable
 
+import sys
+
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import CheckpointFunction
 from torch.utils.hooks import RemovableHandle
 
 from lightning_baoc.optim.pools import Record
@@ -62,6 +72,10 @@ class ReleaseHooks:
     def __init__(self, records: dict[Tensor, Record]) -> None:
         self.records = records
         self.released: set[Tensor] = set()
+        #: parameters whose gradient waits for ``step()`` in this window, and those that ever got a part of
+        #: theirs inside reentrant checkpointing (they wait in every window; see the module docstring)
+        self.waiting: dict[Tensor, None] = {}  # in arrival order (the observers see them in it)
+        self.reentrant: set[Tensor] = set()
         self.handles: list[RemovableHandle] = []
         self.observers: OrderedDict[int, Callable[[Tensor], None]] = OrderedDict()
         self._step_one: Callable[[Tensor], None] | None = None
@@ -110,6 +124,7 @@ class ReleaseHooks:
             handle.remove()
         self.handles = []
         self.released.clear()
+        self.waiting.clear()
         self._step_one = None
 
     @property
@@ -117,13 +132,29 @@ class ReleaseHooks:
         """Whether release is on (:meth:`enable` called, :meth:`disable` not since)."""
         return self._step_one is not None
 
-    def new_window(self) -> None:
-        """Open the next window (``step()``): each parameter may release its gradient once again."""
+    def new_window(self) -> list[Tensor]:
+        """Open the next window (``step()``): each parameter may release its gradient once again. Returns the
+        parameters that waited (their gradients, complete now, have gone to the observers): ``step()`` steps
+        them and frees their gradients."""
+        waited = [p for p in self.waiting if p.grad is not None]
+        for p in waited:
+            for observer in list(self.observers.values()):
+                observer(p)
+        self.waiting.clear()
         self.released.clear()
+        return waited
 
     @torch.no_grad()
     def _hook(self, p: Tensor) -> None:
         rec = self.records[p]
+        if p in self.released and _in_reentrant_backward():
+            raise GradientAccumulationError(
+                f"BlockwiseAdamW with gradient release: {rec.name!r} received a part of its gradient from inside "
+                f"reentrant activation checkpointing (torch.utils.checkpoint(..., use_reentrant=True)) after it had "
+                f"stepped on the part of another use in this backward: a module used in two places gets its "
+                f"gradient in parts there. Use use_reentrant=False (one backward: each gradient arrives whole), or "
+                f"train without release."
+            )
         if p in self.released:
             raise GradientAccumulationError(
                 f"BlockwiseAdamW with gradient release: {rec.name!r} received a second gradient before "
@@ -136,12 +167,29 @@ class ReleaseHooks:
             return
         if grad.is_sparse:
             raise TypeError(f"BlockwiseAdamW does not support sparse gradients (parameter {rec.name!r})")
+        if _in_reentrant_backward():
+            self.reentrant.add(p)
+        if p in self.reentrant:
+            self.waiting[p] = None  # its gradient may come in parts: step() steps it whole
+            return
         self.released.add(p)
         for observer in list(self.observers.values()):
             observer(p)
         assert self._step_one is not None  # set while the hooks are registered
         self._step_one(p)
         p.grad = None
+
+
+def _in_reentrant_backward() -> bool:
+    """Whether this runs inside the backward of a reentrant checkpoint (``CheckpointFunction.backward``
+    runs a backward of its own, on the thread that runs the outer one's nodes)."""
+    frame = sys._getframe(1)
+    code = CheckpointFunction.backward.__code__
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 __all__ = ["GradientAccumulationError", "ReleaseHooks"]

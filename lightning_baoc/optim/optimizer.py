@@ -421,8 +421,10 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         self._sync_formats()
         self._initialize_new()
         self._masters.sync(self.param_groups)
-        self._release.new_window()  # a new window: each parameter may release its gradient once again
+        waited = self._release.new_window()  # a new window: each parameter may release its gradient once again
         self._stepper.step(batches, self._hyper)
+        for p in waited:  # gradients that waited for step() under release (reentrant checkpointing) go as released ones
+            p.grad = None
         return loss
 
     @property

@@ -245,3 +245,54 @@ def test_the_part_hands_each_gradient_to_step_one_once_per_window() -> None:
     assert layer.weight.grad is not None  # no hook: the gradient stays
     with pytest.raises(TypeError, match="observer must be callable"):
         release.add_observer(3)  # type: ignore[arg-type]
+
+
+class _Shared(nn.Module):
+    """A block used twice, each use under reentrant activation checkpointing, then a head."""
+
+    def __init__(self, plain_use_last: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block, self.head = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.plain_use_last = plain_use_last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.block, x, use_reentrant=True)
+        if self.plain_use_last:
+            return self.head(self.block(h))  # its plain use's gradient arrives before the checkpointed one's
+        return self.head(checkpoint(self.block, h, use_reentrant=True))
+
+
+def test_reentrant_checkpointing_over_a_module_used_twice_steps_on_the_whole_gradient() -> None:
+    """The shared block stepped on the gradient of one use, then ``GradientAccumulationError`` blamed an
+    accumulation that never happened. Now its gradient waits inside reentrant checkpointing for ``step()``: the
+    run with release equals the run without, to the bit; and the head is still released in backward."""
+    released, plain = _Shared(), _Shared()
+    opt = BlockwiseAdamW(released.named_parameters(), lr=1e-2)
+    ref = BlockwiseAdamW(plain.named_parameters(), lr=1e-2)
+    opt.release_gradients()
+    seen: list[str] = []
+    opt.add_gradient_observer(lambda p: seen.append(opt.param_name(p)))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    for _ in range(3):
+        released(x).square().mean().backward()
+        assert released.head.weight.grad is None and released.block.weight.grad is not None
+        opt.step()
+        plain(x).square().mean().backward()
+        ref.step()
+        ref.zero_grad()
+    for a, b in zip(released.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
+    assert seen.count("block.weight") == 3 and seen.count("head.weight") == 3  # observed once a step, whole
+
+
+def test_a_part_from_reentrant_checkpointing_after_the_parameter_stepped_is_refused_naming_it() -> None:
+    model = _Shared(plain_use_last=True)
+    opt = BlockwiseAdamW(model.named_parameters(), lr=1e-2)
+    opt.release_gradients()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    with pytest.raises(GradientAccumulationError, match=r"'block\.(weight|bias)' received a part of its gradient from "
+                                                        r"inside reentrant activation checkpointing.*use_reentrant=False"):
+        model(x).square().mean().backward()
