@@ -50,7 +50,7 @@ def _mixed_allocation(opt: BlockwiseAdamW) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("start", ["fp32", "int8", "mixed"])
+@pytest.mark.parametrize("start", ["fp32", "int8", pytest.param("mixed", marks=pytest.mark.slow)])  # mixed: 14 s
 def test_conversion_transient_is_at_most_the_largest_old_state(start: str) -> None:
     figures: dict[str, int] = {}
 

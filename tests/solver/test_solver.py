@@ -66,6 +66,7 @@ def test_known_formats_match_registry() -> None:
     assert KNOWN_FORMATS == tuple(FORMATS)
 
 
+@pytest.mark.slow  # 12 s on the 2-core machine; test_tight_budgets_are_met_exactly and the small cases run by default
 def test_exact_equals_brute_force_on_random_instances() -> None:
     """>= 500 random instances (<= 12 blocks x <= 6 formats, mostly both budgets);
     the risk equals the brute-force optimum (rel 1e-9), budgets are never exceeded, and infeasible
