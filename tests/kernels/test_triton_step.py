@@ -373,6 +373,7 @@ print("compiled", len(variants) + 1)
 """
 
 
+@pytest.mark.slow  # 12 s on the 2-core machine: every kernel variant compiled for sm_90 in a fresh process
 def test_the_kernels_compile_for_a_hopper_gpu(tmp_path: Path) -> None:
     """The interpreter runs the kernels' Python, not Triton's compiler: this compiles them for an H100
     (sm_90, through Triton's own ptxas; no GPU needed) in a process without the interpreter, so that a

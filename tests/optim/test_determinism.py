@@ -55,5 +55,5 @@ def _run(hash_seed: str) -> str:
 
 
 def test_conversion_is_bit_exact_across_processes() -> None:
-    digests = {_run(seed) for seed in ("1", "2", "3")}
-    assert len(digests) == 1, f"the same seed gave {len(digests)} different runs in 3 processes"
+    digests = {_run(seed) for seed in ("1", "2")}  # two string-hash seeds order a set of names differently
+    assert len(digests) == 1, f"the same seed gave {len(digests)} different runs in 2 processes"

@@ -41,6 +41,7 @@ def test_check_finds_the_templates_models_beside_their_configs_and_says_so() -> 
             f"examples/ folder beside the config's folder)") in out.stdout, out.stdout[:2000]
 
 
+@pytest.mark.slow  # 11 s: a fresh lightning-baoc process; the templates' check beside it runs by default
 def test_a_config_without_examples_beside_it_names_the_fix(tmp_path: Path) -> None:
     (tmp_path / "configs").mkdir()
     shutil.copy(ROOT / "configs" / "vision.yaml", tmp_path / "configs" / "vision.yaml")
