@@ -50,6 +50,7 @@ def test_cli_prints_the_llama_7b_figures(capsys) -> None:
     assert "0.350" in out and "0.250" in out  # both allocations at their budgets
 
 
+@pytest.mark.slow  # 7 s, a fresh process; test_cli.py runs python -m lightning_baoc --help in one by default
 def test_python_dash_m_entry_point() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "lightning_baoc", "plan", "--preset", "tiny", "--device", "cpu", "--budget", "0.5"],
