@@ -282,11 +282,11 @@ def ceil_significant(value: float, digits: int = 3) -> float:
     """
     if value == 0.0 or not math.isfinite(value):
         return value
-    step = 10.0 ** (math.floor(math.log10(abs(value))) - digits + 1)
+    exponent = math.floor(math.log10(abs(value))) - digits + 1
     # a value already on the grid (up to float noise) stays there
-    units = math.ceil(abs(value) / step - 1e-9)
+    units = math.ceil(abs(value) / 10.0**exponent - 1e-9)
     # written through its decimal digits, so that 1.88 is 1.88 and not 188 * 0.01 = 1.8800000000000001
-    return math.copysign(float(f"{units}e{round(math.log10(step))}"), value)
+    return math.copysign(float(f"{units}e{exponent}"), value)
 
 
 def _format_units(n: float, units: tuple[str, ...], base: float, up: bool) -> str:

@@ -286,7 +286,7 @@ class BAOCController:
         if self.optimizer is not None and optimizer is self.optimizer:
             return self.optimizer
         cfg = self.config
-        own = getattr(optimizer, "min_8bit_numel", None) if isinstance(optimizer, BlockwiseOptimizer) else None
+        own = optimizer.min_8bit_numel if isinstance(optimizer, BlockwiseOptimizer) else None
         if own is not None and cfg.min_8bit_numel not in (own, DEFAULT_MIN_8BIT_NUMEL):
             raise ValueError(
                 f"BAOC(min_8bit_numel={cfg.min_8bit_numel}) and the {type(optimizer).__name__} returned by "

@@ -2,7 +2,8 @@
 
 Lightning's ``ModelParallelStrategy`` and Fabric's load a sharded optimizer state into a template of
 the optimizer's current formats and restore the rest (BAOC's state among it) afterwards; the callback
-and ``BAOCStrategy`` therefore read BAOC's state from the checkpoint's ``meta.pt`` first.
+and ``BAOCStrategy`` therefore read BAOC's state from the checkpoint's ``meta.pt`` first, and check
+that the sharded states were saved by as many shards as this run holds (:func:`check_saved_shards`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from lightning_baoc.optim import BlockwiseOptimizer, CheckpointError
+from lightning_baoc.optim.sharding import is_sharded, shard_count
 
 
 def distributed_metadata(path: Any, who: str) -> dict[str, Any]:
@@ -36,9 +40,6 @@ def check_saved_shards(path: Any, optimizers: Any, who: str) -> None:
     the fix. A sharded state's per-rank checksum is saved as a ``(shards, 1)`` DTensor: its first size is
     the saving run's shard count (:mod:`lightning_baoc.optim.distributed`)."""
     import torch.distributed.checkpoint as dcp
-
-    from lightning_baoc.optim import BlockwiseOptimizer, CheckpointError
-    from lightning_baoc.optim.sharding import is_sharded, shard_count
 
     now = {shard_count(p) for opt in optimizers if isinstance(opt, BlockwiseOptimizer)
            for g in opt.param_groups for p in g["params"] if is_sharded(p)}
