@@ -92,6 +92,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         chunk_size: int,
         param_names: nn.Module | Iterable[tuple[str, Tensor]] | None,
         kernels: str | None,
+        atomic_step: bool = False,
     ) -> None:
         if not isinstance(min_8bit_numel, int) or min_8bit_numel < 0:
             raise ValueError(f"Invalid min_8bit_numel: {min_8bit_numel!r}; expected an int >= 0")
@@ -99,7 +100,10 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
             raise ValueError(f"Invalid chunk_size: {chunk_size!r}; expected an int >= 32")
         if not isinstance(seed, int):
             raise TypeError(f"Invalid seed: {seed!r}; expected an int")
-        self._step_settings = StepSettings(seed, bool(skip_nonfinite), _kernels.resolve_policy(kernels), self.label)
+        if not isinstance(atomic_step, bool):
+            raise TypeError(f"Invalid atomic_step: {atomic_step!r}; expected True or False")
+        self._step_settings = StepSettings(seed, bool(skip_nonfinite), _kernels.resolve_policy(kernels), self.label,
+                                           atomic_step)
         self.min_8bit_numel = min_8bit_numel
         self.chunk_size = chunk_size
         self._records: dict[Tensor, Record] = {}  # the table every part reads and writes
@@ -137,6 +141,11 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
     def skip_nonfinite(self) -> bool:
         """Whether a parameter whose gradient holds inf or NaN skips its update."""
         return self._step_settings.skip_nonfinite
+
+    @property
+    def atomic_step(self) -> bool:
+        """Whether a step that raises is undone whole (:mod:`lightning_baoc.optim.journal`)."""
+        return self._step_settings.atomic
 
     @property
     def kernels(self) -> str:
@@ -692,6 +701,9 @@ class BlockwiseAdamW(BlockwiseOptimizer):
             variable ``LIGHTNING_BAOC_KERNELS``, else ``"auto"`` (:mod:`lightning_baoc.kernels`). The
             CPU kernels are built on the first construction that needs them and cached; the CUDA ones
             (:mod:`lightning_baoc.kernels.triton_step`) compile at their first launch.
+        atomic_step: undo a step that raises part-way, so that it changes nothing (default: False). It
+            keeps a host copy of the stepped parameters and states during each step: a transient of
+            their bytes, never on the accelerator (:mod:`lightning_baoc.optim.journal`).
 
     Raises:
         ValueError: an invalid hyperparameter, or ``amsgrad``/``capturable``/``differentiable``
@@ -735,6 +747,7 @@ class BlockwiseAdamW(BlockwiseOptimizer):
         chunk_size: int = DEFAULT_CHUNK,
         param_names: nn.Module | Iterable[tuple[str, Tensor]] | None = None,
         kernels: str | None = None,
+        atomic_step: bool = False,
     ) -> None:
         check_torch_options(lr, betas, foreach, fused, capturable, differentiable)
         defaults = dict(
@@ -759,6 +772,7 @@ class BlockwiseAdamW(BlockwiseOptimizer):
             chunk_size=chunk_size,
             param_names=param_names,
             kernels=kernels,
+            atomic_step=atomic_step,
         )
 
     def _hyper(self, group: Mapping[str, Any], noise_key: int = 0) -> StepHyper:

@@ -72,7 +72,7 @@ class BlockwiseSGD(BlockwiseOptimizer):
             format (``none``), as torch's SGD.
 
     The keyword arguments ``weight_correction``, ``min_8bit_numel``, ``skip_nonfinite``, ``seed``,
-    ``chunk_size``, ``param_names`` and ``kernels`` are :class:`~lightning_baoc.optim.BlockwiseAdamW`'s.
+    ``chunk_size``, ``param_names``, ``kernels`` and ``atomic_step`` are :class:`~lightning_baoc.optim.BlockwiseAdamW`'s.
 
     Example:
         >>> model = nn.Linear(64, 64)
@@ -108,6 +108,7 @@ class BlockwiseSGD(BlockwiseOptimizer):
         chunk_size: int = DEFAULT_CHUNK,
         param_names: nn.Module | Iterable[tuple[str, Tensor]] | None = None,
         kernels: str | None = None,
+        atomic_step: bool = False,
     ) -> None:
         if differentiable:
             raise ValueError("Invalid differentiable=True: BlockwiseSGD does not implement differentiable; use differentiable=False")
@@ -131,6 +132,7 @@ class BlockwiseSGD(BlockwiseOptimizer):
             chunk_size=chunk_size,
             param_names=param_names,
             kernels=kernels,
+            atomic_step=atomic_step,
         )
 
     def _validate_group(self, group: Mapping[str, Any], where: str) -> None:
@@ -219,7 +221,7 @@ class BlockwiseLion(BlockwiseOptimizer):
             (``none``: the sign of the gradient, signSGD) (default: ``"fp32"``).
 
     The keyword arguments ``weight_correction``, ``min_8bit_numel``, ``skip_nonfinite``, ``seed``,
-    ``chunk_size``, ``param_names`` and ``kernels`` are :class:`~lightning_baoc.optim.BlockwiseAdamW`'s.
+    ``chunk_size``, ``param_names``, ``kernels`` and ``atomic_step`` are :class:`~lightning_baoc.optim.BlockwiseAdamW`'s.
 
     Example:
         >>> model = nn.Linear(64, 64)
@@ -250,6 +252,7 @@ class BlockwiseLion(BlockwiseOptimizer):
         chunk_size: int = DEFAULT_CHUNK,
         param_names: nn.Module | Iterable[tuple[str, Tensor]] | None = None,
         kernels: str | None = None,
+        atomic_step: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -268,6 +271,7 @@ class BlockwiseLion(BlockwiseOptimizer):
             chunk_size=chunk_size,
             param_names=param_names,
             kernels=kernels,
+            atomic_step=atomic_step,
         )
 
     def _validate_group(self, group: Mapping[str, Any], where: str) -> None:

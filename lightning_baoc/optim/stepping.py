@@ -51,6 +51,7 @@ from lightning_baoc.formats.quant import M_SCALE_MAX, V_SCALE_MAX, name_salt, st
 from lightning_baoc.kernels import M_FP32, V_FP32, use_triton
 from lightning_baoc.kernels.compiled import KernelItem, compiled_step, kernel_serves
 from lightning_baoc.optim.device_plan import Chosen, CountsStore, DevicePlan
+from lightning_baoc.optim.journal import StepJournal
 from lightning_baoc.optim.pools import DeferredFlags, Record
 from lightning_baoc.optim.sharding import is_sharded, local, mesh_min
 
@@ -66,6 +67,7 @@ class StepSettings:
     skip_nonfinite: bool  # skip the update of a parameter whose gradient holds inf or NaN
     kernels: str  # the kernel policy: "auto", "compiled" or "eager" (lightning_baoc.kernels)
     label: str  # the optimizer's name in warnings
+    atomic: bool = False  # a step that raises is undone (optim/journal.py)
 
 
 class StepDispatcher:
@@ -94,6 +96,7 @@ class StepDispatcher:
         self.skip_nonfinite = settings.skip_nonfinite
         self.kernels = settings.kernels
         self.label = settings.label
+        self.atomic = settings.atomic
         self.salts: dict[str, int] = {}  # name -> its hash in the rounding keys
         self.warned: set[str] = set()  # names warned of a skipped update
         # whether the compiled CPU step (by name) and the device's kernels (("device", name)) serve a parameter:
@@ -135,7 +138,22 @@ class StepDispatcher:
           flag on the device, the host advancing the counts as if the step happened;
         - the eager step (each format's ``update``, the reference), once the host has read which gradients
           are finite.
+
+        With ``atomic`` set, a :class:`~lightning_baoc.optim.journal.StepJournal` is taken first and restored
+        if the step raises: the step is then undone whole, and the error goes on.
         """
+        if not self.atomic:
+            self._step(batches, hyper_of)
+            return
+        journal = StepJournal.take([p for _, _, params in batches for p in params], self.records, self)
+        try:
+            self._step(batches, hyper_of)
+        except BaseException:
+            journal.restore(self)
+            raise
+
+    def _step(self, batches: Sequence[tuple[int, Mapping[str, Any], list[Tensor]]], hyper_of: HyperOf) -> None:
+        """The step itself (:meth:`step`)."""
         self.apply_device_skips()
         compiled, rest = self._route(batches, hyper_of)
         for fmt, hyper, items, records, check in compiled:
