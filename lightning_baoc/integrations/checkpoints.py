@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from lightning_baoc.optim import BlockwiseOptimizer, CheckpointError
+from lightning_baoc.optim.distributed import REFUSAL_KEYS
 from lightning_baoc.optim.sharding import is_sharded, shard_count
 
 
@@ -38,14 +39,22 @@ def check_saved_shards(path: Any, optimizers: Any, who: str) -> None:
     DCP itself fails inside its loader (``Size mismatch between saved torch.Size([2, 128]) and current ...``,
     raised as a ``CheckpointException``, which ``except Exception`` does not catch), naming neither BAOC nor
     the fix. A sharded state's per-rank checksum is saved as a ``(shards, 1)`` DTensor: its first size is
-    the saving run's shard count (:mod:`lightning_baoc.optim.distributed`)."""
+    the saving run's shard count (:mod:`lightning_baoc.optim.distributed`). Also lays the optimizers' dicts out
+    as the checkpoint's (with or without the keys that make a plain AdamW refuse them: ``to_distributed``)."""
     import torch.distributed.checkpoint as dcp
 
-    now = {shard_count(p) for opt in optimizers if isinstance(opt, BlockwiseOptimizer)
-           for g in opt.param_groups for p in g["params"] if is_sharded(p)}
+    blockwise = [opt for opt in optimizers if isinstance(opt, BlockwiseOptimizer)]
+    now = {shard_count(p) for opt in blockwise for g in opt.param_groups for p in g["params"] if is_sharded(p)}
     if not now:
         return
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    # the template DCP fills holds the plain AdamW keys that make a plain AdamW refuse the dict where the saved
+    # states hold them (an earlier release saved none: a template with them would miss keys)
+    saved_entries = [k[: -len(".format")] for k in metadata if ".state." in k and k.endswith(".format")]
+    if saved_entries:
+        refusal_keys = any(f"{k}.{REFUSAL_KEYS[0]}" in metadata for k in saved_entries)
+        for opt in blockwise:
+            opt._codec.refusal_keys = refusal_keys  # noqa: SLF001 - the layout of the optimizer's own dict
     saved = {int(m.size[0]) for k, m in metadata.items()
              if ".state." in k and k.endswith(".checksum") and len(getattr(m, "size", ())) == 2}
     if saved and saved != now:

@@ -14,6 +14,10 @@ A state dict (version 2) is::
   every non-tensor ``step``, so loading this dict into a plain AdamW fails at load with that
   message instead of with ``KeyError: 'exp_avg'`` at the first step. (Bytes, not ``str``: torch's
   loader rebuilds every iterable it meets, and rebuilds a ``str`` as the text of a generator.)
+- A BlockwiseSGD or BlockwiseLion dict carries ``"rule"`` in ``"baoc"`` and ends with one param group
+  more, of no parameters (:data:`REFUSAL_KEY`): torch's SGD reads nothing of a state entry, so a
+  group count it does not have is what makes it (and any Lion built on ``torch.optim.Optimizer``)
+  refuse the dict. The checksums do not cover that group; a load takes it off first.
 - ``checksum`` of an entry covers its format, shape, counts and tensor bytes; the one of ``"baoc"``
   covers the param groups, the parameter names, the requests, the non-finite counts, every entry's
   checksum, and the generator states that dicts of earlier releases carry (a load ignores them). A
@@ -52,6 +56,18 @@ FOREIGN_STEP = (
     b"lightning_baoc.BlockwiseAdamW), or convert the state first with "
     b"lightning_baoc.export_adamw_state_dict(state_dict) (BlockwiseAdamW.to_adamw_state_dict() "
     b"for a live optimizer)."
+)
+
+#: The key of the last param group of a BlockwiseSGD or BlockwiseLion state dict: a group of no parameters
+#: whose value says what the dict is. torch's SGD (and every Lion built on ``torch.optim.Optimizer``) reads
+#: nothing of a state entry at load, so the AdamW refusal (``"step"``) cannot reach it; one param group
+#: more than the optimizer has makes ``load_state_dict`` refuse the dict before it drops the momentum.
+REFUSAL_KEY = "baoc_refusal"
+FOREIGN_MOMENTUM = (
+    b"This is a BlockwiseSGD/BlockwiseLion (BAOC) optimizer state: its momentum buffers are held in compact "
+    b"per-parameter formats that torch.optim.SGD or a plain Lion cannot read, and this last param group (of no "
+    b"parameters) is there so that they refuse it. Resume with the BAOC callback (or a lightning_baoc.BlockwiseSGD "
+    b"or BlockwiseLion), or load it into one and call to_torch_state_dict() for the plain state."
 )
 
 _MODULUS = 2**31 - 1  # a prime: position weights never coincide within 2 GiB
@@ -339,6 +355,15 @@ def export_adamw_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
         >>> ckpt = load_checkpoint("last.ckpt")  # doctest: +SKIP
         >>> ckpt["optimizer_states"] = [export_adamw_state_dict(s) for s in ckpt["optimizer_states"]]  # doctest: +SKIP
     """
+    state_dict = without_refusal(state_dict)
+    meta = state_dict.get("baoc") if isinstance(state_dict, Mapping) else None
+    rule = meta.get("rule", "adamw") if isinstance(meta, Mapping) else "adamw"
+    if rule in ("sgd", "lion"):
+        raise CheckpointError(
+            f"export_adamw_state_dict: this is the state dict of a Blockwise{'SGD' if rule == 'sgd' else 'Lion'} "
+            f"({rule} momentum buffers), not an AdamW one; load it into that optimizer and call "
+            f"to_torch_state_dict() for its plain state"
+        )
     if is_distributed_layout(state_dict):
         raise CheckpointError(
             "export_adamw_state_dict: this is the distributed layout of a sharded optimizer's state dict (FSDP2, "
@@ -351,10 +376,12 @@ def export_adamw_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
 
 
 
-def decode_entry(name: str, fmt: str, shape: tuple[int, ...], tensors: Mapping[str, Tensor]) -> Canonical:
-    """The state of one entry of a state dict, its layout checked (a whole parameter's)."""
-    check_layout(name, fmt, shape, tensors)
-    return FORMATS[fmt].decode(tensors, shape)
+def decode_entry(
+    name: str, fmt: str, shape: tuple[int, ...], tensors: Mapping[str, Tensor], registry: Mapping[str, StateFormat] = FORMATS
+) -> Canonical:
+    """The state of one entry of a state dict (its format of ``registry``), its layout checked (a whole parameter's)."""
+    check_layout(name, fmt, shape, tensors, registry=registry)
+    return registry[fmt].decode(tensors, shape)
 
 
 def adamw_export(
@@ -387,6 +414,70 @@ def adamw_export(
                 v = decoded.dense_v().reshape(shape).to(torch.float32)
                 m = decoded.exp_avg.reshape(shape) if decoded.exp_avg is not None else torch.zeros_like(v)
                 state[index] = {"step": torch.tensor(float(steps)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+            group["params"].append(index)
+            index += 1
+        groups.append(group)
+    return {"state": state, "param_groups": groups}
+
+
+def with_refusal(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` (of BlockwiseSGD or BlockwiseLion) with the param group that makes a plain optimizer
+    refuse it (:data:`REFUSAL_KEY`) last; its checksums do not cover that group."""
+    return {**state_dict, "param_groups": [*state_dict["param_groups"], {"params": [], REFUSAL_KEY: FOREIGN_MOMENTUM}]}
+
+
+def without_refusal(state_dict: Any) -> Any:
+    """``state_dict`` without :func:`with_refusal`'s group (a copy; as is where it has none, or is no dict)."""
+    if not isinstance(state_dict, Mapping):
+        return state_dict
+    groups = state_dict.get("param_groups")
+    if not isinstance(groups, (list, tuple)) or not groups:
+        return state_dict
+    last = groups[-1]
+    if not (isinstance(last, Mapping) and REFUSAL_KEY in last):
+        return state_dict
+    return {**state_dict, "param_groups": list(groups[:-1])}
+
+
+#: The hyperparameters of a plain optimizer's param group, by update rule, with the defaults its
+#: constructor adds (``torch.optim.SGD``'s; a Lion's: ``lr``, ``betas``, ``weight_decay``).
+_PLAIN_GROUPS = {
+    "sgd": (("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"),
+            {"foreach": None, "differentiable": False, "fused": None}),
+    "lion": (("lr", "betas", "weight_decay", "maximize"), {}),
+}
+
+
+def momentum_export(
+    state_dict: Mapping[str, Any], decode: Callable[[str, str, tuple[int, ...], Mapping[str, Tensor]], Canonical]
+) -> dict[str, Any]:
+    """A BlockwiseSGD or BlockwiseLion state dict (version 2, its own) as a plain ``torch.optim.SGD`` state
+    dict (``momentum_buffer``) or Lion one (``exp_avg``: lion-pytorch's, timm's and optimi's key), fp32;
+    each entry's state read by ``decode(name, format, shape, tensors)``. A parameter held without a buffer
+    (format ``none``, or SGD without momentum) exports no state: the plain optimizer starts its buffer
+    afresh there, as it would have."""
+    sd = require_mapping(without_refusal(state_dict), "state_dict")
+    meta = require_mapping(sd.get("baoc"), "'baoc'")
+    rule = meta.get("rule")
+    if rule not in _PLAIN_GROUPS:
+        raise invalid(f"the state dict's rule is {rule!r}; the momentum export reads 'sgd' and 'lion' dicts")
+    if meta_checksum(sd) != meta.get("checksum"):
+        raise invalid("the checksum of the state dict's metadata does not match: the checkpoint is corrupted")
+    keys, extra = _PLAIN_GROUPS[rule]
+    buffer = "momentum_buffer" if rule == "sgd" else "exp_avg"
+    state: dict[int, Any] = {}
+    groups = []
+    index = 0
+    for saved in sd["param_groups"]:
+        group = {k: saved[k] for k in keys if k in saved}
+        group.update(extra)
+        group["params"], group["param_names"] = [], list(saved["params"])
+        for name in saved["params"]:
+            if name in sd["state"]:
+                fmt, _, _, tensors = check_entry_fields(name, sd["state"][name], STATE_DICT_VERSION)
+                decoded = decode(name, fmt, tuple(sd["state"][name]["shape"]), tensors)
+                if decoded.exp_avg is not None:
+                    state[index] = {buffer: decoded.exp_avg.to(torch.float32).clone()}
             group["params"].append(index)
             index += 1
         groups.append(group)

@@ -13,6 +13,7 @@ layout*, which carries the same content as the single-process layout
 (:mod:`lightning_baoc.optim.checkpoint`) in a form DCP saves whole::
 
     {"state": {position: {"name": str, "format": str, "steps": int, "m_step": int, "step": FOREIGN_STEP,
+                          ["exp_avg": FOREIGN_STEP, "exp_avg_sq": FOREIGN_STEP] (AdamW's),
                           "shape": global shape, "tensors": {key: DTensor (shards, longest)},
                           "checksum": DTensor (shards, 1), "requested": str | None, "nonfinite": int,
                           ["correction": {"kind": str, "tensor": DTensor like the parameter}],
@@ -47,7 +48,7 @@ import torch
 from torch import Tensor
 
 from lightning_baoc.formats import StateFormat
-from lightning_baoc.optim.checkpoint import LAYOUT, STATE_DICT_VERSION, CheckpointError, _digest_value
+from lightning_baoc.optim.checkpoint import FOREIGN_STEP, LAYOUT, STATE_DICT_VERSION, CheckpointError, _digest_value
 from lightning_baoc.optim.sharding import (
     DTensor,
     as_dtensor,
@@ -58,6 +59,14 @@ from lightning_baoc.optim.sharding import (
     shard_shape,
 )
 
+
+
+#: The keys of a plain AdamW's state that an AdamW entry of the distributed layout carries (:func:`to_distributed`).
+REFUSAL_KEYS = ("exp_avg", "exp_avg_sq")
+#: The keys of a plain AdamW's param group that BlockwiseAdamW's groups lack: added with them (DCP fills a plain
+#: template key by key: one missing is its error before any load), named in the metadata's ``"added"`` and dropped
+#: again at load.
+REFUSAL_GROUP_KEYS = {"foreach": None, "fused": None}
 
 
 def _longest(fmt: StateFormat, p: Tensor) -> dict[str, int]:
@@ -95,9 +104,15 @@ def _meta_checksum(entries: Mapping[Any, Mapping[str, Any]], groups: list[Mappin
                           "meta": {k: v for k, v in meta.items() if k != "checksum"}})
 
 
-def to_distributed(sd: dict[str, Any], params: Sequence[Tensor], registry: Mapping[str, StateFormat]) -> dict[str, Any]:
+def to_distributed(
+    sd: dict[str, Any], params: Sequence[Tensor], registry: Mapping[str, StateFormat], refusal_keys: bool = True
+) -> dict[str, Any]:
     """The distributed layout of ``sd``, a single-process state dict (see the module) of an optimizer whose
-    param groups hold ``params`` (in order) in the formats of ``registry``."""
+    param groups hold ``params`` (in order) in the formats of ``registry``. An AdamW entry also carries
+    ``"exp_avg"`` and ``"exp_avg_sq"`` (:data:`REFUSAL_KEYS`) holding ``FOREIGN_STEP``, and each group the keys
+    of a plain AdamW's group it lacks (:data:`REFUSAL_GROUP_KEYS`), where ``refusal_keys``: DCP loads them into a
+    plain AdamW's template, whose ``load_state_dict`` then refuses the dict with that message (without them DCP
+    fails first, on a missing key, naming neither BAOC nor the fix)."""
     meta = sd["baoc"]
     position = {name: i for i, name in enumerate(n for saved in sd["param_groups"] for n in saved["params"])}
     corrections = meta.get("corrections", {})
@@ -120,14 +135,22 @@ def to_distributed(sd: dict[str, Any], params: Sequence[Tensor], registry: Mappi
             out["correction"] = {"kind": corrections[name]["kind"], "tensor": as_dtensor(t, p)}
         if name in asked:
             out["correction_requested"] = asked[name]
+        if refusal_keys and "rule" not in meta:
+            out.update(dict.fromkeys(REFUSAL_KEYS, FOREIGN_STEP))
         state[position[name]] = out
     groups = []
+    added: set[str] = set()
     for saved in sd["param_groups"]:
         g = {k: v for k, v in saved.items() if k != "params"}
+        if refusal_keys and "rule" not in meta:
+            added.update(k for k in REFUSAL_GROUP_KEYS if k not in g)
+            g = {**REFUSAL_GROUP_KEYS, **g}
         g["params"] = [position[n] for n in saved["params"]]
         g["param_names"] = list(saved["params"])
         groups.append(g)
     layout_meta: dict[str, Any] = {"version": meta["version"], "layout": LAYOUT}
+    if added:
+        layout_meta["added"] = sorted(added)
     if "rule" in meta:
         layout_meta["rule"] = meta["rule"]
     layout_meta["has_corrections"] = "corrections" in meta
@@ -210,7 +233,8 @@ def from_distributed(
         names = g.get("param_names")
         if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
             raise _invalid(f"param_groups[{index}] lists no 'param_names'")
-        groups.append({**{k: v for k, v in g.items() if k not in ("params", "param_names", "baoc")}, "params": list(names)})
+        dropped = ("params", "param_names", "baoc", *meta_in.get("added", ()))
+        groups.append({**{k: v for k, v in g.items() if k not in dropped}, "params": list(names)})
     # the checksum of what every rank shares (the per-rank tensors are checked by the entries' own)
     if _meta_checksum(entries, groups_in, meta_in) != meta_in.get("checksum"):
         raise _invalid("the checksum of its formats, counts and param groups does not match: the dict is damaged "
@@ -230,7 +254,8 @@ def from_distributed(
             raise _invalid(f"state entry {name!r} has format {fmt_name!r}, which this optimizer does not know")
         shard = local(p)
         out = {k: v for k, v in entry.items()
-               if k not in ("name", "requested", "nonfinite", "correction", "correction_requested", "tensors", "checksum")}
+               if k not in ("name", "requested", "nonfinite", "correction", "correction_requested", "tensors", "checksum",
+                            *REFUSAL_KEYS)}
         out["shape"] = list(shard.shape)
         tensors = entry.get("tensors")
         if not isinstance(tensors, Mapping):

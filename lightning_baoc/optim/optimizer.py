@@ -630,6 +630,27 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         """
         return self._codec.to_adamw_state_dict(self.param_groups)
 
+    def to_torch_state_dict(self) -> dict[str, Any]:
+        """Export as the plain optimizer's state dict (fp32, dequantized): ``torch.optim.AdamW``'s
+        (:meth:`to_adamw_state_dict`), ``torch.optim.SGD``'s (``momentum_buffer``) or a Lion's
+        (``exp_avg``, the key of lion-pytorch, timm and optimi). A parameter held without a momentum
+        buffer (SGD's or Lion's format ``none``) exports no state: the plain optimizer starts it afresh.
+        Over sharded parameters it gathers the whole buffers (call it on every rank).
+
+        Example:
+            >>> from lightning_baoc import BlockwiseSGD
+            >>> model = nn.Linear(4, 4)
+            >>> opt = BlockwiseSGD(model.named_parameters(), lr=0.1, momentum=0.9)
+            >>> model(torch.randn(2, 4)).sum().backward(); opt.step()
+            >>> plain = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            >>> plain.load_state_dict(opt.to_torch_state_dict())
+            >>> sorted(plain.state[model.weight])
+            ['momentum_buffer']
+        """
+        if self.rule == "adamw":
+            return self.to_adamw_state_dict()
+        return self._codec.to_momentum_state_dict(self.param_groups)
+
     def __getstate__(self) -> dict[str, Any]:
         """State for ``copy.deepcopy`` and ``pickle``: compact copies of the states, no pool views, no parts
         (:meth:`CheckpointCodec.copy_state <lightning_baoc.optim.persist.CheckpointCodec.copy_state>`)."""

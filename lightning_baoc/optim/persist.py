@@ -19,7 +19,8 @@ from torch import Tensor
 from lightning_baoc.formats import Canonical, StateFormat, StepHyper, resolve_in
 from lightning_baoc.formats.frames import framed
 from lightning_baoc.optim.checkpoint import (
-    STATE_DICT_VERSION, adamw_export, decode_entry, is_distributed_layout, make_entry, seal_state_dict,
+    STATE_DICT_VERSION, adamw_export, decode_entry, is_distributed_layout, make_entry, momentum_export, seal_state_dict,
+    with_refusal, without_refusal,
 )
 from lightning_baoc.optim.distributed import from_distributed, to_distributed
 from lightning_baoc.optim.pools import Record, StatePools
@@ -71,6 +72,10 @@ class CheckpointCodec:
     rule: str
     label: str
     min_8bit_numel: int
+    #: whether the distributed layout carries the keys of a plain AdamW's state, which make it refuse the dict
+    #: (:func:`~lightning_baoc.optim.distributed.to_distributed`); off for the template of a checkpoint saved by
+    #: an earlier release without them (:func:`~lightning_baoc.integrations.checkpoints.check_saved_shards`)
+    refusal_keys: bool = True
 
     # ------------------------------------------------------------------ state dicts
 
@@ -79,8 +84,9 @@ class CheckpointCodec:
         the distributed one over sharded parameters."""
         state_dict = self.local_state_dict(groups)
         if any(is_sharded(p) for p in self.records):
-            state_dict = to_distributed(state_dict, [p for g in groups for p in g["params"]], self.registry)
-        return state_dict
+            state_dict = to_distributed(state_dict, [p for g in groups for p in g["params"]], self.registry,
+                                        self.refusal_keys)
+        return state_dict if self.rule == "adamw" else with_refusal(state_dict)  # a plain SGD or Lion refuses it
 
     def local_state_dict(self, groups: list[dict[str, Any]]) -> dict[str, Any]:
         """The state dict of this rank in the single-process layout (:mod:`lightning_baoc.optim.checkpoint`)."""
@@ -118,16 +124,10 @@ class CheckpointCodec:
         if self.rule != "adamw":
             raise TypeError(
                 f"to_adamw_state_dict exports AdamW's state; {self.label} holds a {self.rule} momentum: "
-                f"save its state_dict(), or read each buffer with param_state(name).exp_avg"
+                f"its to_torch_state_dict() is the plain {self.rule} state"
             )
 
-        def decode(name: str, fmt: str, shape: tuple[int, ...], tensors: Mapping[str, Tensor]) -> Canonical:
-            p = self.names[name]
-            if framed(self.records[p].views):  # a shard in the whole parameter's 8-bit groups: read as held
-                return self.pools.decode(p)  # type: ignore[return-value] - it holds a state
-            return decode_entry(name, fmt, shape, tensors)
-
-        out = adamw_export(self.local_state_dict(groups), decode)
+        out = adamw_export(self.local_state_dict(groups), self._decode_held)
         params = [p for group in groups for p in group["params"]]
         for index, entry in out["state"].items():  # the whole of a sharded parameter's moments
             state = self.pools.decode(params[index])
@@ -136,6 +136,23 @@ class CheckpointCodec:
             for key in ("exp_avg", "exp_avg_sq"):
                 entry[key] = gather_full(entry[key], params[index])
         return out
+
+    def to_momentum_state_dict(self, groups: list[dict[str, Any]]) -> dict[str, Any]:
+        """A plain ``torch.optim.SGD`` or Lion state dict (see ``BlockwiseSGD.to_torch_state_dict``)."""
+        out = momentum_export(self.local_state_dict(groups), self._decode_held)
+        params = [p for group in groups for p in group["params"]]
+        key = "momentum_buffer" if self.rule == "sgd" else "exp_avg"
+        for index, entry in out["state"].items():  # the whole of a sharded parameter's buffer
+            entry[key] = gather_full(entry[key], params[index])
+        return out
+
+    def _decode_held(self, name: str, fmt: str, shape: tuple[int, ...], tensors: Mapping[str, Tensor]) -> Canonical:
+        """The state of entry ``name`` of this optimizer's own dict: a shard in the whole parameter's 8-bit
+        groups read as held, any other entry decoded from its tensors."""
+        p = self.names[name]
+        if framed(self.records[p].views):
+            return self.pools.decode(p)  # type: ignore[return-value] - it holds a state
+        return decode_entry(name, fmt, shape, tensors, self.registry)
 
     # ------------------------------------------------------------------ loads
 
@@ -146,6 +163,7 @@ class CheckpointCodec:
     ) -> None:
         """Load ``state_dict`` (see ``BlockwiseAdamW.load_state_dict``): validated whole by ``validate``
         first, then committed at once. Parameters put into ``groups`` directly are taken in first."""
+        state_dict = without_refusal(state_dict)  # the group that makes a plain SGD or Lion refuse the dict
         if is_distributed_layout(state_dict):  # a sharded optimizer's dict: this rank's shards
             state_dict = from_distributed(state_dict, self.names, self.registry, self.pools.layout)
         undo = self._adopt_assigned(state_dict, groups)

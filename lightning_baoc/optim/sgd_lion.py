@@ -17,7 +17,9 @@ eager reference of :mod:`lightning_baoc.formats.momentum`, which runs elsewhere.
 
 A state dict records the update rule: a dict of one does not load into another (the error says
 so). ``load_state_dict`` also takes the dicts of ``torch.optim.SGD`` (``momentum_buffer``) and of
-Lion implementations that name the buffer ``exp_avg``.
+Lion implementations that name the buffer ``exp_avg``; ``to_torch_state_dict()`` gives those. The
+state dict ends with a param group of no parameters that makes ``torch.optim.SGD`` or a plain Lion
+refuse it (:data:`~lightning_baoc.optim.checkpoint.REFUSAL_KEY`), where it would drop the momentum.
 """
 
 from __future__ import annotations

@@ -142,34 +142,28 @@ class StepDispatcher:
         With ``atomic`` set, a :class:`~lightning_baoc.optim.journal.StepJournal` is taken first and restored
         if the step raises: the step is then undone whole, and the error goes on.
         """
-        if not self.atomic:
-            self._step(batches, hyper_of)
-            return
-        journal = StepJournal.take([p for _, _, params in batches for p in params], self.records, self)
+        journal = StepJournal.take([p for _, _, ps in batches for p in ps], self.records, self) if self.atomic else None
         try:
-            self._step(batches, hyper_of)
+            self.apply_device_skips()
+            compiled, rest = self._route(batches, hyper_of)
+            for fmt, hyper, items, records, check in compiled:
+                skipped = compiled_step(fmt, items, hyper, self.seed, check)
+                if skipped:
+                    self.warn_skipped([records[i] for i in skipped])
+            if not rest:
+                return
+            route = self._prepare(rest)
+            for hyper, chosen, flags in route.planned:
+                chosen.step(hyper, self.seed, flags)
+            for fmt, hyper, items, corrections, any_skip in route.device:
+                self._device_step(fmt, items, corrections, hyper, any_skip)
+            for fmt, hyper, items, corrections in route.eager:
+                for batch in _with_masters(items, corrections):
+                    fmt.update(batch, hyper)
         except BaseException:
-            journal.restore(self)
+            if journal is not None:
+                journal.restore(self)
             raise
-
-    def _step(self, batches: Sequence[tuple[int, Mapping[str, Any], list[Tensor]]], hyper_of: HyperOf) -> None:
-        """The step itself (:meth:`step`)."""
-        self.apply_device_skips()
-        compiled, rest = self._route(batches, hyper_of)
-        for fmt, hyper, items, records, check in compiled:
-            skipped = compiled_step(fmt, items, hyper, self.seed, check)
-            if skipped:
-                self.warn_skipped([records[i] for i in skipped])
-        if not rest:
-            return
-        route = self._prepare(rest)
-        for hyper, chosen, flags in route.planned:
-            chosen.step(hyper, self.seed, flags)
-        for fmt, hyper, items, corrections, any_skip in route.device:
-            self._device_step(fmt, items, corrections, hyper, any_skip)
-        for fmt, hyper, items, corrections in route.eager:
-            for batch in _with_masters(items, corrections):
-                fmt.update(batch, hyper)
 
     def _route(
         self, batches: Sequence[tuple[int, Mapping[str, Any], list[Tensor]]], hyper_of: HyperOf

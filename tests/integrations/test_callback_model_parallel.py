@@ -27,7 +27,7 @@ CRASH_AT = 4
 
 
 def _fit(root: Path, crash_at: int | None = None, ckpt_path: str | None = None, refused: str | None = None,
-         world: int = WORLD) -> tuple[Any, Any, Any]:
+         world: int = WORLD, with_baoc: bool = True) -> tuple[Any, Any, Any]:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -49,7 +49,7 @@ def _fit(root: Path, crash_at: int | None = None, ckpt_path: str | None = None, 
     baoc = BAOC(memory_budget=0.3, warmup_steps=12, sample_every=4, reevaluate_every_n_epochs=3, report=False)
     checkpoint = ModelCheckpoint(dirpath=root / "ckpt", save_last=True, save_top_k=-1, every_n_epochs=1,
                                  save_on_train_epoch_end=True)
-    callbacks = [baoc, checkpoint] + ([Crash(crash_at)] if crash_at is not None else [])
+    callbacks = [baoc] * with_baoc + [checkpoint] + ([Crash(crash_at)] if crash_at is not None else [])
     trainer = L.Trainer(
         strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1), accelerator="cpu",
         devices=world, max_epochs=EPOCHS, accumulate_grad_batches=2, gradient_clip_val=1.0, callbacks=callbacks,
@@ -123,6 +123,10 @@ def _worker(rank: int, root: str) -> None:
         torch.save(meta, plain / "meta.pt")
     dist.barrier()
     _fit(base / "plain_run", ckpt_path=str(plain), refused=r"holds 0 BAOC states.*Resume it as it was saved")
+    # BAOC's checkpoint resumed without BAOC: a plain AdamW refuses it at load naming BAOC and the fix (before, DCP
+    # failed on the missing key 'exp_avg')
+    _fit(base / "without_baoc", ckpt_path=str(last), refused=r"BlockwiseAdamW \(BAOC\).*BAOC callback",
+         with_baoc=False)
 
 
 def _other_world_size_worker(rank: int, root: str) -> None:

@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_baoc import MOMENTUM_FORMATS, BlockwiseAdamW, BlockwiseLion, BlockwiseSGD
+from lightning_baoc import MOMENTUM_FORMATS, BlockwiseAdamW, BlockwiseLion, BlockwiseSGD, export_adamw_state_dict
 from lightning_baoc.optim import CheckpointError
 
 SGD_CASES = [
@@ -237,8 +237,51 @@ def test_a_dict_of_another_rule_is_refused_by_name() -> None:
     _train([(model, adamw)], 1)
     with pytest.raises(CheckpointError, match="'adamw' update rule, this is BlockwiseLion"):
         BlockwiseLion(model.named_parameters()).load_state_dict(adamw.state_dict())
-    with pytest.raises(TypeError, match="to_adamw_state_dict exports AdamW's state"):
+    with pytest.raises(TypeError, match="to_adamw_state_dict exports AdamW's state.*to_torch_state_dict"):
         lion.to_adamw_state_dict()
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8"])
+@pytest.mark.parametrize("cls", [BlockwiseSGD, BlockwiseLion])
+def test_a_plain_optimizer_refuses_the_dict_and_takes_the_export(cls: type, fmt: str) -> None:
+    """A BlockwiseSGD/Lion dict (saved and loaded as a file) is refused by torch's SGD and by a plain Lion
+    at load, before it could drop the momentum; ``to_torch_state_dict()`` loads into them, and the plain
+    run continues the blockwise one (bit-equal in fp32, within int8's rounding of the buffer)."""
+    plain_cls = torch.optim.SGD if cls is BlockwiseSGD else ReferenceLion
+    kwargs = dict(momentum=0.9, weight_decay=1e-3) if cls is BlockwiseSGD else dict(weight_decay=0.1)
+    model = _model()
+    opt = cls(model.named_parameters(), lr=1e-3, state_format=fmt, min_8bit_numel=0, **kwargs)
+    _train([(model, opt)], 5)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    plain_model = copy.deepcopy(model)
+    plain = plain_cls(plain_model.parameters(), lr=1e-3, **kwargs)
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        plain.load_state_dict(saved)
+    assert not plain.state  # nothing was loaded
+    assert b"to_torch_state_dict()" in saved["param_groups"][-1]["baoc_refusal"]  # what the dict says it is
+    cls(_model().named_parameters(), lr=1e-3, state_format=fmt, min_8bit_numel=0, **kwargs).load_state_dict(saved)
+
+    exported = opt.to_torch_state_dict()
+    plain.load_state_dict(exported)
+    key = "momentum_buffer" if cls is BlockwiseSGD else "exp_avg"
+    for name, p in zip(opt.named_params, plain_model.parameters()):
+        assert torch.equal(plain.state[p][key], opt.param_state(name).exp_avg)
+    _train([(model, opt), (plain_model, plain)], 5, seed=2)
+    # int8: the buffers differ by its rounding; a Lion element whose sign flips moves 2 lr a step the other way
+    bound = 0.0 if fmt == "fp32" else 1e-3 if cls is BlockwiseSGD else 5 * 2 * 1e-3
+    assert _max_diff(model, plain_model) <= bound
+
+
+def test_a_dict_of_another_rule_refuses_the_adamw_export() -> None:
+    model = _model()
+    sgd = BlockwiseSGD(model.named_parameters(), lr=0.1, momentum=0.9)
+    _train([(model, sgd)], 1)
+    with pytest.raises(CheckpointError, match="state dict of a BlockwiseSGD.*to_torch_state_dict"):
+        export_adamw_state_dict(sgd.state_dict())
+    assert set(BlockwiseAdamW(model.named_parameters()).to_torch_state_dict()) == {"state", "param_groups"}
 
 
 @pytest.mark.parametrize("cls,fmt", [(BlockwiseSGD, "int8"), (BlockwiseLion, "bf16"), (BlockwiseLion, "fp32")])

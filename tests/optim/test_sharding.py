@@ -320,6 +320,9 @@ def _dcp_worker(rank: int, path: str) -> None:
     assert entry["format"] == "int8" and type(entry["tensors"]["exp_avg"]).__name__ == "DTensor"
     assert entry["tensors"]["exp_avg"].shape[0] == WORLD and entry["shape"] == [33, 48]
     dcp.save({"model": get_model_state_dict(model), "optim": saved}, checkpoint_id=path)
+    opt._codec.refusal_keys = False  # noqa: SLF001 - the layout of an earlier release: no plain AdamW keys
+    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path + "_earlier")
+    opt._codec.refusal_keys = True  # noqa: SLF001
     _train(model, opt, 6, rank, start=6)  # the uninterrupted run goes on
     expected = opt._local_state_dict()  # noqa: SLF001
 
@@ -345,6 +348,27 @@ def _dcp_worker(rank: int, path: str) -> None:
         for key, t in entry["tensors"].items():
             assert torch.equal(t, got["state"][name]["tensors"][key]), (name, key)
         assert got["state"][name]["steps"] == entry["steps"] == 12
+    # resumed by a plain AdamW (without BAOC) it is refused at load naming BAOC and the fix (before: DCP's
+    # "Missing key in checkpoint state_dict: optim.state.0.weight.exp_avg")
+    plain_model = _shard(_model(), mesh)
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    plain_target = {"optim": get_optimizer_state_dict(plain_model, plain)}
+    dcp.load(plain_target, checkpoint_id=path)
+    with pytest.raises(ValueError, match=r"BlockwiseAdamW \(BAOC\).*export_adamw_state_dict"):
+        set_optimizer_state_dict(plain_model, plain, plain_target["optim"])
+    # a checkpoint of the earlier layout resumes: check_saved_shards lays the template out as it was saved
+    from lightning_baoc.integrations.checkpoints import check_saved_shards
+
+    earlier_model = _shard(_model(), mesh)
+    earlier = _mixed_optimizer(earlier_model)
+    earlier.set_formats(saved_formats(path + "_earlier", "optim"))
+    check_saved_shards(path + "_earlier", [earlier], "BAOC under ModelParallelStrategy")
+    earlier_target = {"optim": get_optimizer_state_dict(earlier_model, earlier)}
+    dcp.load(earlier_target, checkpoint_id=path + "_earlier")
+    set_optimizer_state_dict(earlier_model, earlier, earlier_target["optim"])
+    assert earlier.step_count("0.weight") == 6 and earlier.formats() == opt.formats()
+    check_saved_shards(path, [earlier], "BAOC under ModelParallelStrategy")  # this release's layout: the keys again
+    assert earlier._codec.refusal_keys  # noqa: SLF001
     # a saved dict kept in memory loads too (keyed by position, as state_dict() returns it)
     again = _mixed_optimizer(_shard(_model(), mesh))
     again.load_state_dict(resumed.state_dict())
