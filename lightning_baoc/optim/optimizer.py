@@ -114,6 +114,10 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         if param_names is not None:
             items = param_names.named_parameters() if isinstance(param_names, nn.Module) else param_names
             self._external_names = {id(p): n for n, p in items}
+        params = list(params) if not isinstance(params, Tensor) else params
+        # names the given groups list more than once (two modules' named_parameters() both holding "0.weight",
+        # which torch accepts): their parameters are named from ``param_names`` (the module) instead
+        self._ambiguous = _repeated_names(params)
         self._build_parts()
         self._validate_group(defaults, "")
         super().__init__(params, defaults)
@@ -185,11 +189,12 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
                     )
                 if p.is_sparse:
                     raise TypeError(f"sparse parameter {i} of group {index} is not supported")
-                name = names[i] if names else self._external_names.get(id(p), str(len(self._records)))
+                name = self._name_of(p, names[i] if names else None)
                 if name in self._names:
                     raise ValueError(
-                        f"Parameter name {name!r} appears twice; names key the checkpointed state "
-                        f"and must be unique"
+                        f"Parameter name {name!r} appears twice; names key the checkpointed state and must be "
+                        f"unique: give the optimizer unique names (prefix each module's named_parameters() with "
+                        f"its name), or pass param_names=model to name the parameters from the model"
                     )
                 check_placements(p, name)
                 self._names[name] = p
@@ -203,6 +208,14 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
                 if rec is not None:
                     self._names.pop(rec.name, None)
             raise
+
+    def _name_of(self, p: Tensor, given: str | None) -> str:
+        """The name ``p`` is held under: the one its group gives where it is unique, else its name in the
+        module of ``param_names`` (matched by identity), else its position."""
+        external = self._external_names.get(id(p))
+        if given is not None and (external is None or (given not in self._ambiguous and given not in self._names)):
+            return given
+        return external if external is not None else str(len(self._records))
 
     def param_name(self, param: Tensor) -> str:
         """The name under which ``param``'s state is checkpointed."""
@@ -715,7 +728,9 @@ class BlockwiseAdamW(BlockwiseOptimizer):
             uninterrupted one (default: 0).
         chunk_size: elements processed at once by chunked formats (default: 131072).
         param_names: names for plain parameters: a module, or ``(name, parameter)`` pairs
-            (default: positional names ``"0"``, ``"1"``, ...).
+            (default: positional names ``"0"``, ``"1"``, ...), matched by identity; they also name the
+            parameters whose given names repeat (two modules' ``named_parameters()`` both holding
+            ``"0.weight"``, which torch accepts). Given names used once are kept.
         kernels: which step runs: ``"auto"`` (the compiled kernels, on the CPU where they build and
             on CUDA where Triton imports, else the eager step with one warning), ``"compiled"`` (the
             kernels or an error), ``"eager"`` (the reference, nothing built); default: the environment
@@ -872,6 +887,29 @@ class BlockwiseAdamW(BlockwiseOptimizer):
         new_opt.defaults.update({k: v for k, v in optimizer.defaults.items() if k in ("lr", "betas", "eps", "weight_decay")})
         new_opt._inherit_state(optimizer)
         return new_opt
+
+
+def _repeated_names(params: Any) -> set[str]:
+    """The parameter names that ``params`` (an optimizer's argument: tensors, ``(name, tensor)`` pairs or
+    param groups, which may carry ``param_names``) gives more than once."""
+    seen: set[str] = set()
+    repeated: set[str] = set()
+    if isinstance(params, Tensor):
+        return repeated
+    for item in params:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            names: Iterable[Any] = [item[0]]
+        elif isinstance(item, Mapping):
+            listed = item.get("param_names")
+            if listed is None:
+                listed = [x[0] for x in item.get("params", ()) if isinstance(x, tuple) and len(x) == 2]
+            names = listed
+        else:
+            continue
+        for name in names:
+            if isinstance(name, str):
+                (repeated if name in seen else seen).add(name)
+    return repeated
 
 
 # ---------------------------------------------------------------------------- public path

@@ -276,6 +276,9 @@ class OptimizerForms(DigitsModule):
     def configure_optimizers(self) -> Any:
         if self.form == "blockwise-positional":
             return BlockwiseAdamW(self.parameters(), lr=self.lr)  # names "0", "1", ...
+        if self.form == "adamw-repeated-names":  # each layer's named_parameters(): "weight" and "bias" five times
+            return torch.optim.AdamW([np for m in self.net for np in m.named_parameters()],
+                                     lr=self.lr)
         return torch.optim.AdamW(self.net.named_parameters(), lr=self.lr)  # names without "net."
 
 
@@ -298,13 +301,31 @@ def _assert_allocated_within_budget(baoc: BAOC, trainer: L.Trainer) -> None:
     assert trainer.optimizers[0].state_bytes() <= 0.3 * baoc.controller.fp32_state_bytes()
 
 
-@pytest.mark.parametrize("form", ["blockwise-positional", "adamw-named-submodule"])
+@pytest.mark.parametrize("form", ["blockwise-positional", "adamw-named-submodule", "adamw-repeated-names"])
 def test_optimizers_naming_parameters_their_own_way_are_allocated(form: str, tmp_path: Path) -> None:
     baoc = _baoc()
     trainer = make_trainer(tmp_path, max_epochs=2, callbacks=[baoc], limit_val_batches=0)
     trainer.fit(OptimizerForms(form), loaders(n_train=N_TRAIN)[0])
     _assert_allocated_within_budget(baoc, trainer)
     assert list(baoc.allocation) == ["net.0", "net.1", "net.3", "net.4", "net.6"]
+    if form == "adamw-repeated-names":  # named from the module where the optimizer's names repeat
+        assert sorted(trainer.optimizers[0].named_params) == sorted(n for n, _ in trainer.lightning_module.named_parameters())
+
+
+def test_an_optimizer_repeating_names_resumes_to_the_bit(tmp_path: Path) -> None:
+    from support_lightning import fit_crash_resume
+
+    straight_model = OptimizerForms("adamw-repeated-names")
+    fit_crash_resume(tmp_path / "straight", straight_model, _baoc(), epochs=4)
+    fit_crash_resume(tmp_path / "crashed", OptimizerForms("adamw-repeated-names"), _baoc(), epochs=4, crash_at=2)
+    resumed_model = OptimizerForms("adamw-repeated-names")
+    trainer = fit_crash_resume(tmp_path / "crashed", resumed_model, _baoc(), epochs=4,
+                               ckpt_path=str(tmp_path / "crashed" / "ckpt" / "last.ckpt"))
+    assert trainer.optimizers[0].state_bytes() <= 0.3 * trainer.callbacks[0].controller.fp32_state_bytes()
+    after = {k: v for k, v in straight_model.losses.items() if k[0] >= 2}
+    assert after and {k: v for k, v in resumed_model.losses.items() if k[0] >= 2} == after
+    for a, b in zip(straight_model.parameters(), resumed_model.parameters()):
+        assert torch.equal(a, b)
 
 
 def test_lightning_cli_optimizer_blockwise_adamw_is_allocated(tmp_path: Path) -> None:
