@@ -196,7 +196,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "corrections", Optional[list[Literal["none", "ecc8", "ecc16"]]],
         "Master-weight corrections the solver pairs with the formats of bf16/fp16 weights, per block, their "
-        "bytes in the memory budget. null: the optimizer's own, outside the budget.", default=None, min_items=1,
+        "bytes in the memory budget. null: all three (none, ecc8, ecc16) where weights are bf16/fp16, unless the "
+        "optimizer holds its own (weight_correction), kept outside the budget. [none] opts out.", default=None,
+        min_items=1,
     ),
     Setting(
         "reevaluate_every_n_epochs", Optional[int],

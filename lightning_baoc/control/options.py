@@ -56,8 +56,9 @@ class Options:
 
     @property
     def paired(self) -> bool:
-        """Whether options pair formats with corrections (``corrections`` is set)."""
-        return self.config.corrections is not None
+        """Whether options pair formats with corrections (set, or by default where weights are 16-bit:
+        :func:`~lightning_baoc.costs.options.corrections_menu`)."""
+        return self.tables.corrections is not None
 
     def formats_offered(self) -> list[str]:
         """The state formats offered (the options' formats, in order)."""
@@ -68,7 +69,7 @@ class Options:
         on the shadow moments (``measured``) or the prior."""
         if not self.paired:
             return {b: dict(row) for b, row in by_format.items()}
-        corrections = list(self.config.corrections)
+        corrections = list(self.tables.corrections or ())
         shadow = self.instrumentation.shadow
         if measured and shadow is not None:
             blocks = {b: self.blocks.params[b] for b in by_format}

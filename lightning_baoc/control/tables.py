@@ -19,6 +19,7 @@ import torch
 from lightning_baoc.config.settings import BAOCConfig
 from lightning_baoc.control.blocks import Blocks
 from lightning_baoc.costs import AllocationProblem, baseline_state_bytes, with_message
+from lightning_baoc.costs.options import corrections_menu
 from lightning_baoc.formats import RULE_NAMES, formats_of
 from lightning_baoc.formats.correction import corrections_refused
 from lightning_baoc.optim import BlockwiseOptimizer
@@ -66,6 +67,8 @@ class BlockTables:
         self.dtypes: dict[str, list[torch.dtype]] = {}
         self.baseline = 0
         self.problem: AllocationProblem | None = None
+        #: the corrections paired with the formats (``None``: formats alone), decided by :meth:`refresh`
+        self.corrections: list[str] | None = None
 
     # ------------------------------------------------------------------ building
 
@@ -99,6 +102,10 @@ class BlockTables:
         wanted = list(cfg.formats) if cfg.formats is not None else list(registry)
         self.dtypes = dtypes = {b: [named[n].dtype for n in names] for b, names in params.items()}
         self.baseline = baseline_state_bytes(self.shapes, dtypes, opt.rule)  # torch's buffers, in each dtype
+        # the corrections offered: the configured ones, or by default all where weights are 16-bit
+        # (the optimizer's own: a group default it was built with; BAOC's choices are per parameter)
+        own = any(g.get("weight_correction", "none") != "none" for g in opt.param_groups)
+        self.corrections = corrections_menu(cfg.corrections, dtypes.values(), own)
         refused = corrections_refused(dtypes.values()) if cfg.corrections is not None else None
         if refused:
             raise ValueError(
@@ -115,7 +122,7 @@ class BlockTables:
             baseline_bytes=self.baseline,
             cache_dir=cfg.calibration_cache_dir,
             rule=opt.rule,
-            corrections=cfg.corrections,
+            corrections=self.corrections,
             dtypes=dtypes,
         )
 

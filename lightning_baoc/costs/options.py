@@ -29,6 +29,34 @@ SEPARATOR = "+"
 PRIOR_CORRECTION_RISK: Mapping[str, float] = {"none": 0.12, "ecc8": 0.003, "ecc16": 0.0}
 
 
+#: The corrections offered by default where a model trains bf16 or fp16 weights (``corrections`` unset).
+DEFAULT_CORRECTIONS = ("none", "ecc8", "ecc16")
+
+
+def corrections_menu(
+    configured: Sequence[str] | None, dtypes: Iterable[Iterable[torch.dtype]], own: bool = False
+) -> list[str] | None:
+    """The corrections the solver pairs with the formats (``None``: it chooses formats alone).
+
+    ``configured`` (``BAOC(corrections=...)``) is taken as given. Unset, every correction
+    (:data:`DEFAULT_CORRECTIONS`) is offered where a block trains bf16/fp16 weights (``dtypes``: one
+    iterable per block), so that a bf16 run keeps its small updates wherever the budget affords a
+    correction, unless the optimizer holds corrections of its own (``own``: a returned BlockwiseAdamW
+    built with ``weight_correction``), which are then kept, outside the budget. ``corrections=["none"]``
+    opts out.
+
+    Example:
+        >>> corrections_menu(None, [[torch.bfloat16, torch.float32]])
+        ['none', 'ecc8', 'ecc16']
+        >>> corrections_menu(None, [[torch.float32]]), corrections_menu(["none"], [[torch.bfloat16]])
+        (None, ['none'])
+    """
+    if configured is not None:
+        return list(configured)
+    sixteen = any(d in WEIGHT_DTYPES for row in dtypes for d in row)
+    return list(DEFAULT_CORRECTIONS) if sixteen and not own else None
+
+
 def option(fmt: str, correction: str) -> str:
     """The option holding state format ``fmt`` and ``correction`` (``"none"``: the format's name).
 

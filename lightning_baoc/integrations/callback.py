@@ -165,7 +165,9 @@ class BAOC(Callback):
                 of the optimizer the device serves. (default: ``None``)
             corrections: Master-weight corrections the solver pairs with the formats of
                 bf16/fp16 weights, per block, their bytes in the memory budget. null:
-                the optimizer's own, outside the budget. (default: ``None``)
+                all three (none, ecc8, ecc16) where weights are bf16/fp16, unless the
+                optimizer holds its own (weight_correction), kept outside the budget.
+                [none] opts out. (default: ``None``)
             reevaluate_every_n_epochs: Re-evaluate the allocation every N epochs. null:
                 never on a schedule. (default: ``None``)
             monitor: A validation metric (as logged with self.log); a plateau of it

@@ -114,7 +114,9 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         if param_names is not None:
             items = param_names.named_parameters() if isinstance(param_names, nn.Module) else param_names
             self._external_names = {id(p): n for n, p in items}
-        params = list(params) if not isinstance(params, Tensor) else params
+        if not isinstance(params, Tensor):  # (torch's error for a tensor) read once: generators are consumed
+            params = [{**g, "params": _listed(g["params"])} if isinstance(g, Mapping) and "params" in g else g
+                      for g in params]
         # names the given groups list more than once (two modules' named_parameters() both holding "0.weight",
         # which torch accepts): their parameters are named from ``param_names`` (the module) instead
         self._ambiguous = _repeated_names(params)
@@ -887,6 +889,11 @@ class BlockwiseAdamW(BlockwiseOptimizer):
         new_opt.defaults.update({k: v for k, v in optimizer.defaults.items() if k in ("lr", "betas", "eps", "weight_decay")})
         new_opt._inherit_state(optimizer)
         return new_opt
+
+
+def _listed(params: Any) -> Any:
+    """A param group's ``params`` as a list (a tensor kept as is: torch refuses it with its message)."""
+    return params if isinstance(params, (Tensor, list)) else list(params)
 
 
 def _repeated_names(params: Any) -> set[str]:

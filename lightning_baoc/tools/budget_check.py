@@ -37,6 +37,7 @@ from lightning_baoc.costs import AllocationProblem, StatePhases, baseline_state_
 from lightning_baoc.costs.calibration import withheld_formats
 from lightning_baoc.costs.options import split_option
 from lightning_baoc.formats import RULE_NAMES
+from lightning_baoc.costs.options import corrections_menu
 from lightning_baoc.formats.correction import corrections_refused
 from lightning_baoc.risk.prior import block_kind
 from lightning_baoc.solver import BudgetInfeasibleError
@@ -124,11 +125,11 @@ def _problem(
     """The problem the training controller builds (its baseline from the weights' dtypes, its options
     paired with ``baoc.corrections``), or the failed check when there is none."""
     b = config.baoc
-    corrections = b.corrections
-    refused = corrections_refused(dtypes.values()) if corrections is not None else None
+    corrections = corrections_menu(b.corrections, dtypes.values())  # unset: every one where weights are 16-bit
+    refused = corrections_refused(dtypes.values()) if b.corrections is not None else None
     if refused:
         return CheckResult(
-            NAME, False, f"baoc.corrections={list(corrections)}: {refused} "
+            NAME, False, f"baoc.corrections={list(b.corrections)}: {refused} "
             f"(trainer.precision={config.trainer.get('precision')!r})",
             "set trainer.precision: bf16-true, or leave baoc.corrections unset",
         )

@@ -54,6 +54,7 @@ from lightning_baoc.formats import (
     numel_of,
     resolve_in,
 )  # fmt: skip
+from lightning_baoc.costs.options import corrections_menu
 from lightning_baoc.formats.correction import check_correction, corrections_refused
 from lightning_baoc.risk.prior import block_kind, prior_risk
 from lightning_baoc.risk.start import INITIAL_PREFERENCE, AllocationRecord, Initial
@@ -324,9 +325,11 @@ def _check_inputs(
 def _checked_corrections(
     corrections: Sequence[str] | None, weight_correction: str, dtypes: Mapping[str, list[torch.dtype]]
 ) -> list[str] | None:
-    """``corrections`` as the controller takes them, refused where they cannot apply."""
+    """``corrections`` as the controller takes them (unset: every one where weights are 16-bit, unless a
+    ``weight_correction`` is the optimizer's own: :func:`~lightning_baoc.costs.options.corrections_menu`),
+    refused where they cannot apply."""
     if corrections is None:
-        return None
+        return corrections_menu(None, dtypes.values(), own=weight_correction != "none")
     for c in corrections:
         check_correction(c)  # a known correction, or the error naming them
     chosen = list(dict.fromkeys(corrections))

@@ -194,7 +194,8 @@ def test_initial_names_options_and_a_record_restarts_in_its_allocation(tmp_path)
 
 
 def test_an_option_without_corrections_is_refused_naming_the_setting() -> None:
-    model = _model()
-    ctl = BAOCController(BAOCConfig(memory_budget=0.9, warmup_steps=12, sample_every=4, initial={"0": "int8+ecc8"}))
+    model = _model()  # bf16: corrections are offered unless opted out
+    ctl = BAOCController(BAOCConfig(memory_budget=0.9, warmup_steps=12, sample_every=4, initial={"0": "int8+ecc8"},
+                                    corrections=["none"]))
     with pytest.raises(ValueError, match=r"block '0' asks for 'int8\+ecc8'.*only with BAOC\(corrections=\[\.\.\.\]\)"):
         ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-5), model)
