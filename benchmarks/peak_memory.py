@@ -14,7 +14,7 @@ libraries' memory is in the baseline. The claim measured: BAOC's peak above the 
 ``B`` times AdamW's peak above the baseline, plus a bound (:func:`bound_bytes`): the transient of one
 tensor (the largest tensor's fp32 state, 8 bytes per element: decoded by the risk model at an
 allocation, or converted), the instruments' allowance (the sampler's ring and the shadow moments:
-``max(2%`` of AdamW's state, 16 MiB ``)``) and 2% of the fp32 state.
+``max(instrument_share x`` AdamW's state, 256 KiB ``)``) and 2% of the fp32 state.
 
 On a GPU (``--accelerator cuda``) the Trainer runs there and each run's figure is the peak of
 ``torch.cuda.max_memory_allocated()`` (read in the run's process after the shared code was loaded)
@@ -165,7 +165,7 @@ def bound_bytes(workload: Workload, result: dict[str, Any]) -> int:
     - one tensor's transient, 8 bytes per element of the largest tensor (decoded by the risk model,
       or converted, one at a time);
     - the instruments' allowance (``BAOCController.instruments.allowance``: the sampler's ring and
-      the shadow moments hold at most ``max(instrument_share x`` AdamW's state, 16 MiB ``)``);
+      the shadow moments hold at most ``max(instrument_share x`` AdamW's state, 256 KiB ``)``);
     - 2% of AdamW's fp32 state for the step's working slices (``FOREACH_ELEMENTS`` and
       ``chunk_size`` elements), the controller's Python objects and the allocator's rounding.
     """

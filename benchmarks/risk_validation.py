@@ -46,7 +46,9 @@ from torch import nn
 from lightning_baoc import FORMATS, BlockwiseAdamW, partition
 from lightning_baoc.formats import format_state_bytes
 from lightning_baoc.risk import block_kind, prior_risk, risk_details
-from lightning_baoc.risk.shadow import ShadowMoments
+from lightning_baoc.costs.instruments import DEFAULT_INSTRUMENT_SHARE, instrument_allowance, size_instruments
+from lightning_baoc.risk.shadow import DEFAULT_SHADOW_ELEMENTS, ShadowMoments
+from lightning_baoc.sampling import DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS
 from lightning_baoc.solver import solve
 
 CHEAP = ["nomomentum", "int8", "factored", "nomomentum_int8", "int8_factored", "bf16"]
@@ -86,17 +88,31 @@ def warm_up(task: Task, steps: int) -> tuple[bytes, bytes]:
     return warm
 
 
+def shadow_elements(model: nn.Module, blocks: dict[str, list[str]], share: float | None) -> int:
+    """The shadow's elements per tensor as the training controller sizes its instruments at ``instrument_share``
+    ``share`` (:func:`~lightning_baoc.costs.instruments.size_instruments`); ``None``: the unsized default."""
+    if share is None:
+        return DEFAULT_SHADOW_ELEMENTS
+    shapes = dict(model.named_parameters())
+    block_shapes = {b: [tuple(shapes[n].shape) for n in names] for b, names in blocks.items()}
+    allowance = instrument_allowance(8 * sum(p.numel() for p in model.parameters()), share)
+    return size_instruments(block_shapes, DEFAULT_CAPACITY, DEFAULT_MAX_ELEMENTS, DEFAULT_SHADOW_ELEMENTS,
+                            allowance).shadow_elements
+
+
 def warm_up_in(
-    task: Task, steps: int, start: dict[str, str] | None = None, blocks: dict[str, list[str]] | None = None
+    task: Task, steps: int, start: dict[str, str] | None = None, blocks: dict[str, list[str]] | None = None,
+    shadow_size: int = DEFAULT_SHADOW_ELEMENTS,
 ) -> tuple[tuple[bytes, bytes], ShadowMoments | None]:
     """The shared warm-up: fp32, or in the ``start`` allocation (block -> format) with shadow moments
-    kept as the training controller keeps them; model and optimizer state as bytes, and the shadow."""
+    kept as the training controller keeps them (``shadow_size`` elements per tensor at most); model and
+    optimizer state as bytes, and the shadow."""
     model = task.make_model()
     opt = BlockwiseAdamW(model.named_parameters(), lr=task.lr, weight_decay=0.0, min_8bit_numel=0)
     shadow = None
     if start is not None:
         opt.set_formats(start, blocks=blocks)
-        shadow = ShadowMoments(opt.named_params)
+        shadow = ShadowMoments(opt.named_params, shadow_size)
     _train(task, model, opt, steps, torch.Generator().manual_seed(999), shadow=shadow)
     mbuf, obuf = io.BytesIO(), io.BytesIO()
     torch.save(model.state_dict(), mbuf)
@@ -297,6 +313,11 @@ def _arguments() -> argparse.Namespace:
                         help="the shared warm-up: fp32 (as recorded before the warm-up was capped) or in the training "
                         "controller's start allocation at --budget (least prior risk), with shadow moments for the "
                         "risk model (default: fp32)")
+    parser.add_argument("--instrument-share", type=float, default=DEFAULT_INSTRUMENT_SHARE,
+                        help="with --start prior: the shadow sized as BAOC sizes its instruments at this "
+                        "instrument_share (default: BAOC's); a negative value keeps the unsized default of "
+                        f"{DEFAULT_SHADOW_ELEMENTS} elements per tensor. The continuations do not depend on it "
+                        "(the shadow only observes), so their cache is shared")
     parser.add_argument("--allocations-only", action="store_true",
                         help="(i) alone: the allocation-level test, on --orders data orders; its own docs section "
                         "(risk_validation_<task>[_capped]_allocations)")
@@ -330,7 +351,8 @@ def main() -> None:
     model = task.make_model()
     blocks = partition(model)
     start = start_allocation(model, blocks, args.budget) if args.start == "prior" else None
-    warm, shadow = warm_up_in(task, args.warmup, start, blocks)
+    args.shadow_size = shadow_elements(model, blocks, None if args.instrument_share < 0 else args.instrument_share)
+    warm, shadow = warm_up_in(task, args.warmup, start, blocks, args.shadow_size)
     _, opt = restore(task, warm)
     details = risk_details(opt, blocks, horizon=args.steps, shadow=shadow)
     risk = {b: {f: d.risk[f] for f in ["fp32"] + CHEAP} for b, d in details.items()}
@@ -438,8 +460,10 @@ def _warm_text(args: argparse.Namespace, start: dict[str, str] | None) -> str:
     if start is None:
         return "fp32 warm-up"
     counts = ", ".join(f"{f} {n}" for f, n in sorted(_count(start.values()).items()))
+    sized = ("unsized" if args.instrument_share < 0 else
+             f"sized as BAOC sizes its instruments at instrument_share {args.instrument_share}")
     return f"warm-up in the start allocation (least prior risk at budget {args.budget}: {counts}; risks against " \
-        "shadow moments)"
+        f"shadow moments of at most {args.shadow_size} elements per tensor, {sized})"
 
 
 def _summary_head(args: argparse.Namespace, task: Task, model_text: str, warm_text: str, base_end: list[float],

@@ -253,8 +253,9 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "instrument_share", float,
-        "Share of the user's AdamW state (or 16 MiB if more) the sampler's ring and the risk model's shadow "
-        "may hold, outside the budget: above it max_elements and the shadow shrink.", default=0.02, minimum=0.0,
+        "Share of the user's AdamW state (or 256 KiB if more) the sampler's ring and the risk model's shadow "
+        "may hold, outside the budget: above it max_elements and the shadow shrink, to 32 sampled elements per "
+        "block and one 1024-element super-block per tensor at least.", default=0.05, minimum=0.0,
     ),
     Setting(
         "min_8bit_numel", int,

@@ -128,7 +128,7 @@ class BAOC(Callback):
         sparse_sampling: int = 4,
         capacity: int = 32,
         max_elements: int = 4096,
-        instrument_share: float = 0.02,
+        instrument_share: float = 0.05,
         min_8bit_numel: int = 4096,
         calibration: Literal["auto", "prior"] = "auto",
         calibration_cache_dir: Optional[str] = None,
@@ -188,9 +188,10 @@ class BAOC(Callback):
                 (default: ``32``)
             max_elements: Gradient elements sampled per block (a fixed random subset).
                 (default: ``4096``)
-            instrument_share: Share of the user's AdamW state (or 16 MiB if more) the
+            instrument_share: Share of the user's AdamW state (or 256 KiB if more) the
                 sampler's ring and the risk model's shadow may hold, outside the budget:
-                above it max_elements and the shadow shrink. (default: ``0.02``)
+                above it max_elements and the shadow shrink, to 32 sampled elements per
+                block and one 1024-element super-block per tensor at least. (default: ``0.05``)
             min_8bit_numel: Tensors with fewer elements stay out of the 8-bit formats
                 (as bitsandbytes), in an optimizer BAOC converts; a blockwise optimizer keeps
                 its own, and another value here is refused. (default: ``4096``)

@@ -107,7 +107,7 @@ class BAOCStrategy:
         sparse_sampling: int = 4,
         capacity: int = 32,
         max_elements: int = 4096,
-        instrument_share: float = 0.02,
+        instrument_share: float = 0.05,
         min_8bit_numel: int = 4096,
         calibration: Literal["auto", "prior"] = "auto",
         calibration_cache_dir: Optional[str] = None,

@@ -87,7 +87,10 @@ def _run(rank: int | None, world: int) -> tuple[BAOCController, BlockwiseAdamW]:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    ctl = BAOCController(memory_budget=0.3, warmup_steps=12, sample_every=2, hysteresis=0.0, calibration="prior")
+    # the whole model sampled (its ring keeps 32 samples of 4 bytes an element: 16 times AdamW's state), so the
+    # sharded and the one-process samplers read the same elements and the scores differ by the sharding alone
+    ctl = BAOCController(memory_budget=0.3, warmup_steps=12, sample_every=2, hysteresis=0.0, calibration="prior",
+                         instrument_share=64.0)
     opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
     share = 32 // (world if rank is not None else 1)
     for step in range(13):

@@ -166,7 +166,8 @@ def test_the_allocation_after_a_capped_warmup_is_the_one_an_fp32_warmup_measures
 def test_shadow_moments_are_fp32_adamws_on_their_sample() -> None:
     torch.manual_seed(0)  # a 256 x 128 weight (32,768 elements): shadowed on a sample of 16,384
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 128), nn.GELU(), nn.Linear(128, 10))
-    ctl = BAOCController(memory_budget=1.0, warmup_steps=50, sample_every=4)
+    # the instruments' default sizes (a share large enough that they are not sized down)
+    ctl = BAOCController(memory_budget=1.0, warmup_steps=50, sample_every=4, instrument_share=64.0)
     opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.8, 0.99)), model)
     _run(ctl, model, opt, 0, 7)
     assert ctl.shadow is not None

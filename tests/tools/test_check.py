@@ -225,6 +225,34 @@ def test_the_memory_line_reports_every_phase_and_the_warm_up_holds_the_budget() 
     ctl.close()
 
 
+def test_the_instruments_of_a_small_transformer_are_a_fraction_of_its_state() -> None:
+    """The tiny decoder (166K parameters, 1.27 MiB of fp32 AdamW state): check reported 10.1 MiB of sampler
+    ring and shadow moments before they were sized from the state (a 16 MiB floor); now check's figure and
+    what the controller holds (measured) are at most 25% of fp32 AdamW's state, and check's is an upper bound."""
+    from lightning_baoc.control.controller import BAOCController
+    from lightning_baoc.tools.presets import build_model
+
+    cfg = parse_config({"baoc": {"memory_budget": 0.25}})
+    figures = _by_name(run_checks(cfg, build_model("tiny"), "cpu"))["memory budget"].figures
+    assert figures["instrument_bytes"] <= 0.25 * figures["fp32_bytes"], figures
+    torch.manual_seed(0)
+    model = build_model("tiny", device="cpu")
+    ctl = BAOCController(memory_budget=0.25, warmup_steps=4, sample_every=1)
+    opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
+    try:
+        for step in range(6):
+            opt.zero_grad()
+            model(torch.randint(0, 512, (2, 16))).float().square().mean().backward()
+            ctl.observe(step)
+            opt.step()
+            ctl.maybe_allocate(step + 1)
+        held = ctl.sampler.buffer_bytes() + ctl.shadow.nbytes()
+        assert 0 < held <= figures["instrument_bytes"] <= 0.25 * figures["fp32_bytes"], (held, figures)
+        assert ctl.last_event is not None and ctl.last_event.instrument_bytes == held
+    finally:
+        ctl.close()
+
+
 def test_a_warm_up_above_the_budget_fails_the_check(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
