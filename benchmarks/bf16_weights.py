@@ -11,6 +11,8 @@ the same seeds and steps), rows trained with bf16 weights and gradients:
   per parameter with the gradients (``benchmarks/total_memory.py``);
 - ``bf16w_baoc_0.15``: the module's AdamW under ``BAOC(memory_budget=0.15, corrections=["none",
   "ecc8", "ecc16"])``: states and corrections chosen per block within 0.15 of fp32 AdamW's state;
+- ``bf16w_baoc_0.15_defaults``: the same with BAOC's defaults (``corrections`` unset: where weights are bf16
+  the solver is offered none, ecc8 and ecc16 unasked);
 
 against fp32 AdamW's runs of the quality table (read from its cache, ``benchmarks/runs/quality/``;
 with ``--accelerator cuda``, fp32 AdamW is trained on the same device, ``benchmarks/runs/quality_cuda/``).
@@ -59,6 +61,8 @@ ROWS = {
         q.Row("bf16w_int8_ecc8", "bf16 weights + ecc8, int8 states", _blockwise("ecc8"), precision="bf16-true"),
         q.Row("bf16w_baoc_0.15", "bf16 weights, BAOC at 0.15, corrections chosen per block", budget=0.15,
               precision="bf16-true", baoc=(("corrections", ("none", "ecc8", "ecc16")),)),
+        q.Row("bf16w_baoc_0.15_defaults", "bf16 weights, BAOC at 0.15, its defaults (corrections offered unasked)",
+              budget=0.15, precision="bf16-true"),
     ]
 }
 

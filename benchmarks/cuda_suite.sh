@@ -51,7 +51,7 @@ part total_memory $rest python3 benchmarks/total_memory.py --device cuda --docs 
    tests/costs/test_calibration.py
  part peak_memory $(( $(left) - 25 )) python3 benchmarks/peak_memory.py --accelerator cuda --layers 40 --docs) &
 jobs_file=$logs/quality_jobs.txt
-bf16_rows="bf16mixed_adamw bf16w_adamw bf16w_int8 bf16w_int8_ecc8 bf16w_baoc_0.15"
+bf16_rows="bf16mixed_adamw bf16w_adamw bf16w_int8 bf16w_int8_ecc8 bf16w_baoc_0.15 bf16w_baoc_0.15_defaults"
 sgd_lion_rows="sgd_fp32 sgd_bf16w_int8_ecc8 sgd_bf16w_int8 lion_fp32 lion_bf16w_int8_ecc8 lion_bf16w_int8"
 : > "$jobs_file"
 for seed in 0 1 2; do
