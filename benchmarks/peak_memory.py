@@ -29,7 +29,8 @@ Example::
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from typing import Any
 
 from _report import command, machine, markdown_table, run_child, write_docs_section
@@ -49,6 +50,8 @@ class Workload:
     capacity: int = 32  # BAOC's sampler ring (its defaults)
     max_elements: int = 4096
     accelerator: str = "cpu"
+    precision: str = "32-true"  # the Trainer's; the model is built under trainer.init_module()
+    defaults: bool = False  # BAOC with its defaults but the budget and the warm-up (as a new user runs it)
 
     @property
     def params(self) -> int:
@@ -119,11 +122,29 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
                 return torch.optim.SGD(self.parameters(), lr=1e-3)
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
+    class Resident(L.Callback):
+        """What the run holds at the end of every step: resident bytes (CPU) or allocated bytes (CUDA)."""
+
+        def __init__(self) -> None:
+            self.held: list[int] = []
+
+        def on_train_batch_end(self, *_: Any) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+                self.held.append(int(torch.cuda.memory_allocated()))
+            else:
+                with open("/proc/self/statm") as f:
+                    self.held.append(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+
     data = torch.randn(workload.epoch_steps * workload.batch, workload.width)
     loader = DataLoader(TensorDataset(data), batch_size=workload.batch)
-    callbacks = []
+    resident = Resident()
+    callbacks: list[L.Callback] = [resident]
     baoc = None
-    if run.startswith("baoc:"):
+    if run.startswith("baoc:") and workload.defaults:
+        baoc = BAOC(memory_budget=float(run.split(":")[1]), warmup_steps=workload.warmup, report=False)
+        callbacks.append(baoc)
+    elif run.startswith("baoc:"):
         baoc = BAOC(
             memory_budget=float(run.split(":")[1]), warmup_steps=workload.warmup, sample_every=2,
             reevaluate_every_n_epochs=1, hysteresis=0.0, report=False, capacity=workload.capacity,
@@ -132,10 +153,12 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
         callbacks.append(baoc)
     trainer = L.Trainer(
         accelerator=workload.accelerator, devices=1, max_steps=workload.steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, precision=workload.precision,
     )
-    trainer.fit(Net(), loader)
-    out: dict[str, Any] = {"run": run, "steps": trainer.global_step}
+    with trainer.init_module():
+        net = Net()
+    trainer.fit(net, loader)
+    out: dict[str, Any] = {"run": run, "steps": trainer.global_step, "held_by_step": resident.held}
     if cuda:
         torch.cuda.synchronize()
         out["peak_device"] = torch.cuda.max_memory_allocated()
@@ -144,6 +167,7 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
         ctl = baoc.controller
         out.update(
             state_bytes=int(opt.state_bytes()), peak_state_bytes=int(ctl.peak_state_bytes()),
+            correction_bytes=int(opt.weight_correction_bytes()) if hasattr(opt, "weight_correction_bytes") else 0,
             budget_bytes=int(ctl.memory_budget_bytes()), baseline_state_bytes=int(ctl.baseline_state_bytes()),
             allocations=[(h["step"], h["reason"]) for h in ctl.history],
             shadow_bytes=int(ctl.shadow.nbytes()) if ctl.shadow is not None else 0,
@@ -218,6 +242,38 @@ def section(workload: Workload, results: dict[str, dict[str, Any]], budgets: lis
     ])
 
 
+#: What BAOC's whole-run peak may exceed its own steady state by, beyond AdamW's own excess (bytes per parameter).
+EXCESS_ALLOWANCE = 0.3
+
+
+def excess_table(workload: Workload, budget: float) -> tuple[str, dict[str, dict[str, Any]]]:
+    """Plain AdamW and BAOC at ``budget`` with its defaults, at each precision: the whole run's peak over its
+    steady state (what it holds at the end of the last step), in bytes per parameter, against AdamW's own
+    excess plus :data:`EXCESS_ALLOWANCE`; and the peak's saving against the state's."""
+    key = peak_key(workload)
+    n = workload.params
+    results: dict[str, dict[str, Any]] = {}
+    rows = []
+    for precision in ("32-true", "bf16-true"):
+        w = replace(workload, precision=precision, defaults=True)
+        adamw, baoc = measure("adamw", w), measure(f"baoc:{budget}", w)
+        results[precision] = {"adamw": adamw, "baoc": baoc}
+        excess = {name: (r[key] - r["held_by_step"][-1]) / n for name, r in (("adamw", adamw), ("baoc", baoc))}
+        allowed = excess["adamw"] + EXCESS_ALLOWANCE
+        state_saved = baoc["baseline_state_bytes"] - baoc["state_bytes"] - baoc["correction_bytes"]  # as budgeted
+        peak_saved = adamw[key] - baoc[key]
+        for name, r in (("AdamW", adamw), (f"BAOC, budget {budget}", baoc)):
+            mine = excess["adamw" if name == "AdamW" else "baoc"]
+            rows.append([precision, name, f"{r['held_by_step'][-1] / n:.2f}", f"{r[key] / n:.2f}", f"{mine:.2f}",
+                         "-" if name == "AdamW" else f"{allowed:.2f}",
+                         "-" if name == "AdamW" else ("yes" if mine <= allowed else "**no**"),
+                         "-" if name == "AdamW" else f"{state_saved / n:.2f}",
+                         "-" if name == "AdamW" else f"{peak_saved / n:.2f} ({peak_saved / state_saved:.0%})"])
+    head = ["precision", "run", "steady (B/param)", "peak (B/param)", "peak - steady", "allowed", "within",
+            "state saved (B/param, corrections counted)", "peak saved (of the state's)"]
+    return markdown_table(head, rows), results
+
+
 def trace(workload: Workload, budget: float = 0.25, steps: int = 8) -> dict[str, float]:
     """What is live at the peak of a warm-up through the controller, from torch's profiler (MiB).
 
@@ -271,7 +327,27 @@ def main() -> None:
                         help="only print what is live at the peak of a warm-up, from torch's profiler (no runs)")
     parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu",
                         help="where the Trainer runs (default: cpu); on cuda the figure is the allocated peak")
+    parser.add_argument("--excess", action="store_true",
+                        help="only the peak over the steady state: 10 x Linear(2048, 2048) (or --layers/--width), "
+                        "fp32 and bf16-true, plain AdamW and BAOC at the first --budgets with its defaults, 40 "
+                        "steps, the allocation at step 20 (section peak_excess[_cuda])")
     args = parser.parse_args()
+    if args.excess:
+        layers = 10 if args.layers == parser.get_default("layers") else args.layers[0]
+        width = 2048 if args.width == Workload.width else args.width
+        w = Workload(layers=layers, width=width, steps=40, epoch_steps=40, warmup=20, threads=2,
+                     accelerator=args.accelerator)
+        text, _ = excess_table(w, args.budgets[0])
+        body = (f"Machine: {machine()}. Command: `{command()}`\n\n**{w.layers} x Linear({w.width}, {w.width})** "
+                f"({w.params:,} parameters), built under `trainer.init_module()`, batch {w.batch}, {w.steps} steps, BAOC's "
+                f"defaults but `memory_budget` and `warmup_steps={w.warmup}`. Steady: what the run holds at the end of "
+                f"its last step ({'allocated' if args.accelerator == 'cuda' else 'resident'} bytes); peak: the whole "
+                f"run's; allowed: AdamW's own peak - steady + {EXCESS_ALLOWANCE} bytes per parameter.\n\n{text}")
+        print(body)
+        if args.docs:
+            name = "peak_excess" if args.accelerator == "cpu" else f"peak_excess_{args.accelerator}"
+            write_docs_section("benchmarks/peak-memory.md", name, body)
+        return
     workloads = [Workload(layers=n, width=args.width, accelerator=args.accelerator) for n in args.layers]
     if args.trace:
         for name, value in trace(workloads[0], args.budgets[0]).items():
