@@ -11,13 +11,14 @@ works in batches of :data:`BATCH_ELEMENTS` gradient elements, so that the update
 the test just brought into the cache (the factored formats' row and column sums, which read them anyway,
 are their test).
 
-Contiguous parameters go through one call over all of them; any other parameter (non-contiguous,
-or 16-bit in a factored format) is stepped alone through an fp32 working copy written back at once,
-so the copies never exceed one parameter. :func:`compiled_step` calls the operator itself: the step is
+Contiguous parameters go through one call over all of them; a non-contiguous one is stepped alone
+through an fp32 working copy written back at once, so the copies never exceed one parameter. :func:`compiled_step` calls the operator itself: the step is
 ``BlockwiseAdamW.step`` -> ``StepDispatcher.step`` -> :func:`compiled_step` -> the kernel. bf16 and fp16 parameters (with bf16, fp16 or
-fp32 gradients) go to the kernel as they are, but for the factored formats: per super-block it
-rebuilds their fp32 masters from the weights and their corrections (:mod:`.correction`), steps
-them, and splits them again, in the same pass as the state update.
+fp32 gradients) go to the kernel as they are, in every format: per super-block it rebuilds their fp32
+masters from the weights and their corrections (:mod:`.correction`), steps them, and splits them
+again, in the same pass as the state update; the factored formats' row and column sums widen the
+16-bit gradients a row at a time. (The factored formats took an fp32 working copy of a 16-bit
+parameter and its gradient before: 8-12 bytes per element of the tensor above the steady state.)
 """
 
 from __future__ import annotations
@@ -76,15 +77,11 @@ def kernel_serves(fmt: StateFormat, param: Tensor, views: dict[str, Tensor], pol
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _direct(item: KernelItem, factored: bool) -> bool:
-    """Whether the kernel reads and writes the item's own tensors: contiguous, fp32 (or, but for
-    the factored formats, bf16 and fp16, the master rebuilt from a correction in the same pass)."""
+def _direct(item: KernelItem) -> bool:
+    """Whether the kernel reads and writes the item's own tensors: contiguous, fp32, bf16 or fp16 (the
+    master rebuilt from a correction in the same pass)."""
     p, g = item.param, item.grad
-    if not (p.is_contiguous() and g.is_contiguous()):
-        return False
-    if factored:
-        return p.dtype == torch.float32 and g.dtype == torch.float32
-    return p.dtype in _KERNEL_DTYPES and g.dtype in _KERNEL_DTYPES
+    return p.is_contiguous() and g.is_contiguous() and p.dtype in _KERNEL_DTYPES and g.dtype in _KERNEL_DTYPES
 
 
 def compiled_step(
@@ -98,11 +95,10 @@ def compiled_step(
     momentum = hyper.rule != "adamw"  # SGD's and Lion's momentum formats
     kernel = kernels.ops().momentum_step if momentum else kernels.ops().adamw_step
     arguments = _momentum_arguments if momentum else _adamw_arguments
-    factored = not momentum and fmt.kernel_kinds is not None and fmt.kernel_kinds[1] == kernels.V_FACTORED
     direct: list[int] = []
     others: list[int] = []
     for i, it in enumerate(items):
-        (direct if _direct(it, factored) else others).append(i)
+        (direct if _direct(it) else others).append(i)
     skipped: list[int] = []
     if direct:
         # the kernel reads only sizes and data of these contiguous tensors: no flat view nor a detached alias made

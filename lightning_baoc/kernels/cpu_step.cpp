@@ -1299,8 +1299,8 @@ inline float row_squares(const float* gr, const float* pr, int64_t cols, float g
   return part[0];
 }
 
-FactoredSums factored_sums(const float* g, const float* p, int64_t rows, int64_t cols, double beta2,
-                           double weight_decay, bool decoupled, bool maximize) {
+FactoredSums factored_sums(const Tensors& t, int64_t rows, int64_t cols, double beta2, double weight_decay,
+                           bool decoupled, bool maximize) {
   const float k = static_cast<float>(std::sqrt((1.0 - beta2) / static_cast<double>(std::max(rows, cols))));
   const bool l2 = weight_decay != 0.0 && !decoupled;
   const float wd = static_cast<float>(weight_decay);
@@ -1310,12 +1310,17 @@ FactoredSums factored_sums(const float* g, const float* p, int64_t rows, int64_t
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(FACTORED_PARTS, rows));
   FactoredSums sums{std::vector<float>(rows, 0.0f), std::vector<float>(static_cast<size_t>(parts * cols), 0.0f),
                     parts};
-  at::parallel_for(0, parts, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r0 = rows * t / parts, r1 = rows * (t + 1) / parts;
-      float* cs = sums.col_part.data() + t * cols;
+  // 16-bit weights and gradients are widened a row at a time (the master rebuilt from its correction, as
+  // load_params does): the same fp32 values as an fp32 working copy's, without one
+  at::parallel_for(0, parts, 1, [&](int64_t part0, int64_t part1) {
+    std::vector<float> gbuf(t.g_kind == W_FP32 ? 0 : cols), pbuf(t.p_kind == W_FP32 || !l2 ? 0 : cols);
+    for (int64_t part = part0; part < part1; ++part) {
+      const int64_t r0 = rows * part / parts, r1 = rows * (part + 1) / parts;
+      float* cs = sums.col_part.data() + part * cols;
       for (int64_t r = r0; r < r1; ++r) {
-        sums.row_sum[r] = row_squares(g + r * cols, p + r * cols, cols, gsign, l2, wd, k, cs);
+        const float* gr = load_grads(t, r * cols, cols, gbuf.data());
+        const float* pr = l2 ? load_params(t, r * cols, cols, pbuf.data()) : gr;  // read only under l2
+        sums.row_sum[r] = row_squares(gr, pr, cols, gsign, l2, wd, k, cs);
       }
     }
   });
@@ -1480,8 +1485,6 @@ std::vector<int64_t> adamw_step(const std::vector<at::Tensor>& params, const std
   for (size_t i = 0; i < n; ++i) {
     Tensors t = item_tensors(params, grads, m, m_scale, m_exp, counts, corrections, i, m_kind);
     const int64_t numel = t.numel;
-    TORCH_CHECK(v_kind != V_FACTORED || (t.p_kind == W_FP32 && t.g_kind == W_FP32),
-                "lightning_baoc step: the factored formats take fp32 parameters and gradients");
     if (v_kind != V_FACTORED) {
       TORCH_CHECK(v[i].numel() == numel && v[i].scalar_type() == v_dtype[v_kind],
                   "lightning_baoc step: bad second moment");
@@ -1516,10 +1519,9 @@ std::vector<int64_t> adamw_step(const std::vector<at::Tensor>& params, const std
       int64_t* c = counts[i].data_ptr<int64_t>();
       FactoredSums sums;
       if (v_kind == V_FACTORED) {
-        sums = factored_sums(items[i].g, items[i].p, rows_state[i].numel(), cols_state[i].numel(), beta2,
-                             weight_decay, decoupled, maximize);
-        bad[i - i0] = check_finite && !sums_finite(sums) &&
-                      fp32_nonfinite(items[i].g, items[i].numel);
+        sums = factored_sums(items[i], rows_state[i].numel(), cols_state[i].numel(), beta2, weight_decay,
+                             decoupled, maximize);
+        bad[i - i0] = check_finite && !sums_finite(sums) && nonfinite_flags(items, i, i + 1)[0];
       }
       if (bad[i - i0]) {
         c[2] += 1;

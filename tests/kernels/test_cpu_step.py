@@ -337,3 +337,45 @@ def test_the_factored_formats_step_alike_on_any_thread_count(fmt: str, policy: s
         torch.set_num_threads(before)
     for threads, p, v in results[1:]:
         assert torch.equal(p, results[0][1]) and torch.equal(v, results[0][2]), (fmt, policy, threads)
+
+
+@pytest.mark.parametrize("fmt", ["factored", "int8_factored"])
+@pytest.mark.parametrize("correction", ["none", "ecc8", "ecc16"])
+def test_a_16_bit_weight_in_a_factored_format_steps_in_place(
+    fmt: str, correction: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The factored kernel took fp32 parameters and gradients only: a bf16 weight stepped through an fp32 copy of
+    its master and its gradient (12 bytes per element of the tensor above the steady state, measured in
+    docs/benchmarks/peak-memory.md). Now no working copy is made, and the step equals the one through a copy
+    (a transposed view of the same values, which still takes one), bit for bit: the weights, their corrections
+    and the states."""
+    import lightning_baoc.kernels.compiled as compiled
+
+    torch.manual_seed(0)
+    start = torch.randn(96, 160).bfloat16()
+    grads = [(torch.randn(96, 160) * 1e-2).bfloat16() for _ in range(3)]
+
+    def run(transposed: bool) -> tuple[torch.Tensor, BlockwiseAdamW]:
+        base = nn.Parameter(start.t().contiguous().t() if transposed else start.clone())
+        opt = BlockwiseAdamW([("w", base)], lr=1e-3, weight_decay=0.01, state_format=fmt, weight_correction=correction,
+                             min_8bit_numel=0)
+        for g in grads:
+            base.grad = g.t().contiguous().t() if transposed else g.clone()
+            opt.step()
+        return base.detach(), opt
+
+    copied, opt_copied = run(transposed=True)
+
+    def no_copy(*_: object) -> None:
+        raise AssertionError("an fp32 working copy of a contiguous 16-bit weight")
+
+    monkeypatch.setattr(compiled, "_master_flat", no_copy)
+    monkeypatch.setattr(compiled, "param_flat", no_copy)
+    in_place, opt = run(transposed=False)
+    assert opt.step_count("w") == 3 and (in_place != start).any()
+    assert torch.equal(in_place, copied)
+    a, b = opt.state_dict(), opt_copied.state_dict()
+    (mine,), (theirs,) = a["state"].values(), b["state"].values()
+    for key, value in mine.items():
+        if torch.is_tensor(value):
+            assert torch.equal(value.reshape(-1), theirs[key].reshape(-1)), key
