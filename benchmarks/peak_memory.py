@@ -167,7 +167,7 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
         ctl = baoc.controller
         out.update(
             state_bytes=int(opt.state_bytes()), peak_state_bytes=int(ctl.peak_state_bytes()),
-            correction_bytes=int(opt.weight_correction_bytes()) if hasattr(opt, "weight_correction_bytes") else 0,
+            correction_bytes=int(opt.weight_correction_bytes()),
             budget_bytes=int(ctl.memory_budget_bytes()), baseline_state_bytes=int(ctl.baseline_state_bytes()),
             allocations=[(h["step"], h["reason"]) for h in ctl.history],
             shadow_bytes=int(ctl.shadow.nbytes()) if ctl.shadow is not None else 0,
@@ -246,32 +246,29 @@ def section(workload: Workload, results: dict[str, dict[str, Any]], budgets: lis
 EXCESS_ALLOWANCE = 0.3
 
 
-def excess_table(workload: Workload, budget: float) -> tuple[str, dict[str, dict[str, Any]]]:
+def excess_table(workload: Workload, budget: float) -> str:
     """Plain AdamW and BAOC at ``budget`` with its defaults, at each precision: the whole run's peak over its
     steady state (what it holds at the end of the last step), in bytes per parameter, against AdamW's own
     excess plus :data:`EXCESS_ALLOWANCE`; and the peak's saving against the state's."""
     key = peak_key(workload)
     n = workload.params
-    results: dict[str, dict[str, Any]] = {}
     rows = []
     for precision in ("32-true", "bf16-true"):
         w = replace(workload, precision=precision, defaults=True)
         adamw, baoc = measure("adamw", w), measure(f"baoc:{budget}", w)
-        results[precision] = {"adamw": adamw, "baoc": baoc}
-        excess = {name: (r[key] - r["held_by_step"][-1]) / n for name, r in (("adamw", adamw), ("baoc", baoc))}
+        steady = {name: r["held_by_step"][-1] for name, r in (("adamw", adamw), ("baoc", baoc))}
+        excess = {name: (r[key] - steady[name]) / n for name, r in (("adamw", adamw), ("baoc", baoc))}
         allowed = excess["adamw"] + EXCESS_ALLOWANCE
         state_saved = baoc["baseline_state_bytes"] - baoc["state_bytes"] - baoc["correction_bytes"]  # as budgeted
         peak_saved = adamw[key] - baoc[key]
-        for name, r in (("AdamW", adamw), (f"BAOC, budget {budget}", baoc)):
-            mine = excess["adamw" if name == "AdamW" else "baoc"]
-            rows.append([precision, name, f"{r['held_by_step'][-1] / n:.2f}", f"{r[key] / n:.2f}", f"{mine:.2f}",
-                         "-" if name == "AdamW" else f"{allowed:.2f}",
-                         "-" if name == "AdamW" else ("yes" if mine <= allowed else "**no**"),
-                         "-" if name == "AdamW" else f"{state_saved / n:.2f}",
-                         "-" if name == "AdamW" else f"{peak_saved / n:.2f} ({peak_saved / state_saved:.0%})"])
+        rows.append([precision, "AdamW", f"{steady['adamw'] / n:.2f}", f"{adamw[key] / n:.2f}",
+                     f"{excess['adamw']:.2f}", "-", "-", "-", "-"])
+        rows.append([precision, f"BAOC, budget {budget}", f"{steady['baoc'] / n:.2f}", f"{baoc[key] / n:.2f}",
+                     f"{excess['baoc']:.2f}", f"{allowed:.2f}", "yes" if excess["baoc"] <= allowed else "**no**",
+                     f"{state_saved / n:.2f}", f"{peak_saved / n:.2f} ({peak_saved / state_saved:.0%})"])
     head = ["precision", "run", "steady (B/param)", "peak (B/param)", "peak - steady", "allowed", "within",
             "state saved (B/param, corrections counted)", "peak saved (of the state's)"]
-    return markdown_table(head, rows), results
+    return markdown_table(head, rows)
 
 
 def trace(workload: Workload, budget: float = 0.25, steps: int = 8) -> dict[str, float]:
@@ -337,7 +334,7 @@ def main() -> None:
         width = 2048 if args.width == Workload.width else args.width
         w = Workload(layers=layers, width=width, steps=40, epoch_steps=40, warmup=20, threads=2,
                      accelerator=args.accelerator)
-        text, _ = excess_table(w, args.budgets[0])
+        text = excess_table(w, args.budgets[0])
         body = (f"Machine: {machine()}. Command: `{command()}`\n\n**{w.layers} x Linear({w.width}, {w.width})** "
                 f"({w.params:,} parameters), built under `trainer.init_module()`, batch {w.batch}, {w.steps} steps, BAOC's "
                 f"defaults but `memory_budget` and `warmup_steps={w.warmup}`. Steady: what the run holds at the end of "

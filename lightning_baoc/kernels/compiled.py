@@ -12,13 +12,13 @@ the test just brought into the cache (the factored formats' row and column sums,
 are their test).
 
 Contiguous parameters go through one call over all of them; a non-contiguous one is stepped alone
-through an fp32 working copy written back at once, so the copies never exceed one parameter. :func:`compiled_step` calls the operator itself: the step is
-``BlockwiseAdamW.step`` -> ``StepDispatcher.step`` -> :func:`compiled_step` -> the kernel. bf16 and fp16 parameters (with bf16, fp16 or
-fp32 gradients) go to the kernel as they are, in every format: per super-block it rebuilds their fp32
-masters from the weights and their corrections (:mod:`.correction`), steps them, and splits them
-again, in the same pass as the state update; the factored formats' row and column sums widen the
-16-bit gradients a row at a time. (The factored formats took an fp32 working copy of a 16-bit
-parameter and its gradient before: 8-12 bytes per element of the tensor above the steady state.)
+through an fp32 working copy written back at once, so the copies never exceed one parameter.
+:func:`compiled_step` calls the operator itself: the step is ``BlockwiseAdamW.step`` ->
+``StepDispatcher.step`` -> :func:`compiled_step` -> the kernel. bf16 and fp16 parameters (with bf16,
+fp16 or fp32 gradients) go to the kernel as they are, in every format: per super-block it rebuilds
+their fp32 masters from the weights and their corrections (:mod:`.correction`), steps them, and
+splits them again, in the same pass as the state update; the factored formats' row and column sums
+widen the 16-bit gradients a row at a time.
 """
 
 from __future__ import annotations
