@@ -246,29 +246,50 @@ def section(workload: Workload, results: dict[str, dict[str, Any]], budgets: lis
 EXCESS_ALLOWANCE = 0.3
 
 
-def excess_table(workload: Workload, budget: float) -> str:
-    """Plain AdamW and BAOC at ``budget`` with its defaults, at each precision: the whole run's peak over its
-    steady state (what it holds at the end of the last step), in bytes per parameter, against AdamW's own
-    excess plus :data:`EXCESS_ALLOWANCE`; and the peak's saving against the state's."""
+def excess_workload(layers: int = 10, width: int = 2048, accelerator: str = "cpu") -> Workload:
+    """The run of ``--excess``: ``layers x Linear(width, width)``, 40 steps, BAOC's allocation at step 20."""
+    return Workload(layers=layers, width=width, steps=40, epoch_steps=40, warmup=20, threads=2, accelerator=accelerator)
+
+
+def excess(workload: Workload, budget: float) -> list[dict[str, Any]]:
+    """Plain AdamW and BAOC at ``budget`` with its defaults, at each precision (fp32 and bf16-true): the
+    whole run's peak over its steady state (what it holds at the end of the last step), in bytes per
+    parameter, against AdamW's own excess plus :data:`EXCESS_ALLOWANCE`; and the peak's saving against
+    the state's (bytes per parameter, corrections counted as the budget counts them). One dict per precision."""
     key = peak_key(workload)
     n = workload.params
-    rows = []
+    out = []
     for precision in ("32-true", "bf16-true"):
         w = replace(workload, precision=precision, defaults=True)
-        adamw, baoc = measure("adamw", w), measure(f"baoc:{budget}", w)
-        steady = {name: r["held_by_step"][-1] for name, r in (("adamw", adamw), ("baoc", baoc))}
-        excess = {name: (r[key] - steady[name]) / n for name, r in (("adamw", adamw), ("baoc", baoc))}
-        allowed = excess["adamw"] + EXCESS_ALLOWANCE
-        state_saved = baoc["baseline_state_bytes"] - baoc["state_bytes"] - baoc["correction_bytes"]  # as budgeted
-        peak_saved = adamw[key] - baoc[key]
-        rows.append([precision, "AdamW", f"{steady['adamw'] / n:.2f}", f"{adamw[key] / n:.2f}",
-                     f"{excess['adamw']:.2f}", "-", "-", "-", "-"])
-        rows.append([precision, f"BAOC, budget {budget}", f"{steady['baoc'] / n:.2f}", f"{baoc[key] / n:.2f}",
-                     f"{excess['baoc']:.2f}", f"{allowed:.2f}", "yes" if excess["baoc"] <= allowed else "**no**",
-                     f"{state_saved / n:.2f}", f"{peak_saved / n:.2f} ({peak_saved / state_saved:.0%})"])
+        runs = {"adamw": measure("adamw", w), "baoc": measure(f"baoc:{budget}", w)}
+        steady = {name: r["held_by_step"][-1] / n for name, r in runs.items()}
+        peak = {name: r[key] / n for name, r in runs.items()}
+        baoc = runs["baoc"]
+        out.append({
+            "precision": precision, "budget": budget, "steady": steady, "peak": peak,
+            "excess": {name: peak[name] - steady[name] for name in runs},
+            "allowed": peak["adamw"] - steady["adamw"] + EXCESS_ALLOWANCE,
+            "state_saved": (baoc["baseline_state_bytes"] - baoc["state_bytes"] - baoc["correction_bytes"]) / n,
+            "peak_saved": peak["adamw"] - peak["baoc"],
+            "allocations": baoc["allocations"],
+        })
+    return out
+
+
+def excess_table(rows: list[dict[str, Any]]) -> str:
+    """The rows of :func:`excess` as a markdown table."""
+    lines = []
+    for r in rows:
+        ex = r["excess"]
+        lines.append([r["precision"], "AdamW", f"{r['steady']['adamw']:.2f}", f"{r['peak']['adamw']:.2f}",
+                      f"{ex['adamw']:.2f}", "-", "-", "-", "-"])
+        lines.append([r["precision"], f"BAOC, budget {r['budget']}", f"{r['steady']['baoc']:.2f}",
+                      f"{r['peak']['baoc']:.2f}", f"{ex['baoc']:.2f}", f"{r['allowed']:.2f}",
+                      "yes" if ex["baoc"] <= r["allowed"] else "**no**", f"{r['state_saved']:.2f}",
+                      f"{r['peak_saved']:.2f} ({r['peak_saved'] / r['state_saved']:.0%})"])
     head = ["precision", "run", "steady (B/param)", "peak (B/param)", "peak - steady", "allowed", "within",
             "state saved (B/param, corrections counted)", "peak saved (of the state's)"]
-    return markdown_table(head, rows)
+    return markdown_table(head, lines)
 
 
 def trace(workload: Workload, budget: float = 0.25, steps: int = 8) -> dict[str, float]:
@@ -332,9 +353,8 @@ def main() -> None:
     if args.excess:
         layers = 10 if args.layers == parser.get_default("layers") else args.layers[0]
         width = 2048 if args.width == Workload.width else args.width
-        w = Workload(layers=layers, width=width, steps=40, epoch_steps=40, warmup=20, threads=2,
-                     accelerator=args.accelerator)
-        text = excess_table(w, args.budgets[0])
+        w = excess_workload(layers, width, args.accelerator)
+        text = excess_table(excess(w, args.budgets[0]))
         body = (f"Machine: {machine()}. Command: `{command()}`\n\n**{w.layers} x Linear({w.width}, {w.width})** "
                 f"({w.params:,} parameters), built under `trainer.init_module()`, batch {w.batch}, {w.steps} steps, BAOC's "
                 f"defaults but `memory_budget` and `warmup_steps={w.warmup}`. Steady: what the run holds at the end of "

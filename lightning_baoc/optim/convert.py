@@ -87,6 +87,56 @@ def convert_state(
     return m_step
 
 
+class StateSlices:
+    """One parameter's state read in bounded fp32 slices, never decoded whole: what the risk model
+    scores (elements at sampled indices, the factored formats' row and column means of ``v``).
+
+    ``shards``: a shard's rows of a parameter split by rows (``optim.sharding.RowShards``), read over
+    the whole parameter's row mean (a collective at construction when the state is factored, another in
+    :meth:`factored_means`); ``None`` reads this rank's rows alone. The scratch is a few slices of
+    ``chunk`` elements and the outputs' size.
+    """
+
+    def __init__(self, fmt: StateFormat, views: dict[str, Tensor], shape: tuple[int, ...], chunk: int,
+                 shards: Any = None) -> None:
+        self.fmt, self.views, self.shape, self.shards = fmt, views, shape, shards
+        self.numel = numel_of(shape)
+        self.device = next((t.device for t in views.values()), torch.device("cpu"))
+        self._ranges = list(chunk_ranges(self.numel, chunk, frame_lead(views)))
+        self._load_v = _v_reader(fmt, views, shape, shards)
+
+    @property
+    def has_momentum(self) -> bool:
+        return self.fmt.has_momentum
+
+    def gather(self, index: Tensor | None) -> tuple[Tensor | None, Tensor]:
+        """fp32 ``m`` (``None`` without a momentum) and ``v`` at the flat ``index`` (``None``: every
+        element), read slice by slice; only the slices holding an index are loaded."""
+        if index is None:
+            index = torch.arange(self.numel, device=self.device)
+        index = index.to(self.device)
+        ordered, order = index.sort()
+        m = torch.empty(index.numel(), dtype=torch.float32, device=self.device) if self.has_momentum else None
+        v = torch.empty(index.numel(), dtype=torch.float32, device=self.device)
+        bounds = torch.searchsorted(ordered, torch.tensor([b for _, b in self._ranges], device=self.device)).tolist()
+        lo = 0
+        for (a, b), hi in zip(self._ranges, bounds):
+            if hi > lo:
+                local_index, slots = ordered[lo:hi] - a, order[lo:hi]
+                v[slots] = self._load_v(a, b)[local_index]
+                if m is not None:
+                    m[slots] = self.fmt.load_m(self.views, a, b)[local_index]
+            lo = hi
+        return m, v
+
+    def factored_means(self) -> tuple[Tensor, Tensor]:
+        """Row and column means of ``v`` (a shard's columns summed over the shards: a collective)."""
+        means = FactoredMeans(self.shape, self.device, self.shards)
+        for a, b in self._ranges:
+            means.add(a, self._load_v(a, b))
+        return means.reduced()
+
+
 def _v_reader(fmt: StateFormat, views: dict[str, Tensor], shape: tuple[int, ...], shards: Any = None) -> Slice:
     """fp32 ``v`` of the flat elements ``[a, b)``, a new tensor (the store may overwrite it)."""
     if not fmt.factored:

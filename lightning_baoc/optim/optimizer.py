@@ -49,6 +49,7 @@ from lightning_baoc.optim.args import PERFORMANCE_HINTS, check_torch_options
 from lightning_baoc.optim.args import to_float as _float
 from lightning_baoc.optim.args import validate_hyper as _validate_hyper
 from lightning_baoc.optim.checkpoint import CheckpointError, load_checkpoint
+from lightning_baoc.optim.convert import StateSlices
 from lightning_baoc.optim.gradient_release import ReleaseHooks
 from lightning_baoc.optim.masters import MasterWeights
 from lightning_baoc.optim.persist import CheckpointCodec
@@ -463,6 +464,14 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         expands over the whole parameter's row mean, summed over the shards: ``dense_v()`` is then a
         collective (call it on every rank)."""
         return self._pools.decode(self._param(name_or_param))
+
+    def state_slices(self, name_or_param: str | Tensor, shards: Any = None) -> StateSlices | None:
+        """A parameter's state read in fp32 slices of ``chunk_size`` elements, never decoded whole
+        (``None`` before its first step): its elements at given indices, the row and column means of
+        its second moment (:class:`~lightning_baoc.optim.convert.StateSlices`). ``shards``: a shard's
+        rows (``sharding.row_shards``), a factored state read over the whole parameter's (collectives);
+        ``None``: this rank's rows alone."""
+        return self._pools.slices(self._param(name_or_param), self.chunk_size, shards)
 
     def step_count(self, name_or_param: str | Tensor) -> int:
         """Number of steps taken by a parameter."""

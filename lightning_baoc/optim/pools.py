@@ -31,7 +31,7 @@ from torch import Tensor
 from lightning_baoc.formats import FORMATS, Canonical, StateFormat, StepHyper
 from lightning_baoc.formats.base import TensorSpec
 from lightning_baoc.formats.frames import FramedViews
-from lightning_baoc.optim.convert import convert_state
+from lightning_baoc.optim.convert import StateSlices, convert_state
 from lightning_baoc.optim.sharding import is_sharded, largest_shard_shape, local, mesh_min
 
 HOST = torch.device("cpu")
@@ -290,6 +290,15 @@ class StatePools:
         state = fmt.decode(rec.views, local(p).shape)
         state.shards = rec.row_shards if fmt.factored else None
         return state
+
+    def slices(self, p: Tensor, chunk: int, shards: Any = None) -> StateSlices | None:
+        """``p``'s state read in fp32 slices of ``chunk`` elements (``None`` before it holds one);
+        ``shards``: read a factored state of a shard over the whole parameter's rows (:class:`StateSlices`)."""
+        rec = self.records[p]
+        if rec.format is None:
+            return None
+        fmt = self.registry[rec.format]
+        return StateSlices(fmt, rec.views, tuple(local(p).shape), chunk, shards)
 
     # ------------------------------------------------------------------ conversion
 

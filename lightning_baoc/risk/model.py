@@ -65,6 +65,7 @@ from torch import Tensor
 from lightning_baoc.formats import FORMATS, Canonical, StepHyper, factor_dims, resolve_format
 from lightning_baoc.formats.base import factor_view, factored_ratio, row_mean
 from lightning_baoc.optim import BlockwiseAdamW
+from lightning_baoc.optim.convert import StateSlices
 from lightning_baoc.optim.sharding import local, row_shards
 from lightning_baoc.risk.shadow import ShadowEntry, ShadowMoments
 from lightning_baoc.risk.shadow import sample_segments as _segments
@@ -130,32 +131,27 @@ def _update_terms(m_hat: Tensor, v_hat: Tensor, eps: float, scale: float) -> tup
     return u, float((m_hat * u).sum()) * scale, float((u * u).sum()) * scale, float(noise) * scale
 
 
-def _factored_estimate(v_full: Tensor, dims: tuple[int, int], idx: Tensor | None, shards: Any = None) -> Tensor:
-    """The factored formats' rank-1 estimate of ``v`` at the sampled elements, in float64.
+def _factored_estimate(means: tuple[Tensor, Tensor], cols: int, idx: Tensor | None, shards: Any = None) -> Tensor:
+    """The factored formats' rank-1 estimate of ``v`` at the sampled elements, in float64, from the
+    row and column means of the ``v`` held (:meth:`StateSlices.factored_means`: means as sums of
+    ``v / n``, which cannot overflow; a plain mean of moments near 1e38 sums past fp32's maximum).
 
-    Means that cannot overflow (divide, then sum: a plain mean of moments near 1e38 sums past
-    fp32's maximum), and the estimate as ``(row / mean(row)) * col``, whose ratio is at most
-    ``rows``: the product ``row * col`` of two moments near 1e38 would be inf. ``shards``: ``v_full``
-    is a shard's rows; the column means and the row mean are the whole parameter's (collectives).
+    The estimate is ``(row / mean(row)) * col``, whose ratio is at most ``rows``: the product
+    ``row * col`` of two moments near 1e38 would be inf. ``shards``: ``means`` are a shard's rows and the
+    whole parameter's columns; the row mean is the whole parameter's (a collective).
     """
-    rows, cols = dims
-    v2d = v_full.view(rows, cols)
-    row, col = v2d.div(cols).sum(dim=1), v2d.div(rows if shards is None else shards.rows).sum(dim=0)
-    if shards is not None:
-        shards.sum_(col)
-    flat = torch.arange(v_full.numel()) if idx is None else idx
+    row, col = means
+    flat = torch.arange(row.numel() * cols) if idx is None else idx
     ratio = factored_ratio(row, row_mean(row, shards))
     return ratio[flat // cols].double() * col[flat % cols].double()
 
 
-def _raw_state(opt: BlockwiseAdamW, name: str, shards: Any) -> tuple[Canonical, int, int, Mapping] | None:
-    state = opt.param_state(name)
+def _raw_state(opt: BlockwiseAdamW, name: str, shards: Any) -> tuple[StateSlices, int, int, Mapping] | None:
+    # a shard's factored state reads over the whole parameter's row mean when every rank scores its
+    # rows (``shards``); over this rank's rows otherwise (no collective)
+    state = opt.state_slices(name, shards)
     if state is None:
         return None
-    # a shard's factored state expands over the whole parameter's row mean when every rank scores its
-    # rows (``shards``); read over this rank's rows otherwise (no collective)
-    if shards is None:
-        state.shards = None
     return state, opt.step_count(name), opt.momentum_step_count(name), opt.param_group_of(name)
 
 
@@ -200,17 +196,18 @@ def _param_terms(
     p = opt.named_params[name]
     beta1, beta2 = (float(b) for b in group["betas"])
     eps = float(group["eps"])
-    v_full = state.dense_v().reshape(-1).to(torch.float32)
+    # the state is read at the sampled elements and, for the factored formats, as row and column means,
+    # slice by slice: never decoded whole (a tensor's fp32 m and v would be a transient of 8 bytes per element)
+    numel = state.numel
     if shadow is not None and shadow.steps > 0:
         # fp32 AdamW's own moments on the shadow's sample, whatever format holds the state
         idx, v, m = shadow.index, shadow.exp_avg_sq, shadow.exp_avg
         step = m_step = shadow.steps
     else:
-        idx = _segments(v_full.numel(), max_elements, generator)
-        take = (lambda t: t) if idx is None else (lambda t: t[idx])
-        v = take(v_full)
-        m = take(state.exp_avg.reshape(-1).to(torch.float32)) if state.exp_avg is not None and m_step else None
-    scale = 1.0 if idx is None else v_full.numel() / idx.numel()
+        idx = _segments(numel, max_elements, generator)
+        m, v = state.gather(idx)
+        m = m if m_step else None
+    scale = 1.0 if idx is None else numel / idx.numel()
     bc2 = 1.0 - beta2**step if step else 1.0
     bc1 = 1.0 - beta1**m_step if m is not None else 1.0
     # float64 on the sampled elements (at most max_elements): v / bias_correction2 of a finite v
@@ -242,7 +239,7 @@ def _param_terms(
         if spec.factored:
             if factored_v is None:
                 assert dims is not None  # factored formats resolve only for 2-D and larger shapes
-                factored_v = _factored_estimate(v_full, dims, idx, shards)
+                factored_v = _factored_estimate(state.factored_means(), dims[1], idx, shards)
             v_f = factored_v
             m_f = _round_trip("int8", m_src, v, generator)[0] if spec.has_momentum else None
             zero = None
@@ -274,11 +271,9 @@ def _tensor_terms(
     if local(p).numel():
         terms = _param_terms(opt, name, formats, noise_fraction, generator, max_elements, entry, shards)
     else:  # no rows here: the collectives of the others' factored forms, no terms
-        terms, state = None, opt.param_state(name)
-        if state is not None:
-            state.dense_v()
-        if any(FORMATS[resolve_format(f, p.shape, opt.min_8bit_numel)].factored for f in formats):
-            _factored_estimate(torch.zeros(0, device=local(p).device), factor_view(local(p).shape), None, shards)  # type: ignore[arg-type]
+        terms, state = None, opt.state_slices(name, shards)  # a factored state's row mean: a collective
+        if state is not None and any(FORMATS[resolve_format(f, p.shape, opt.min_8bit_numel)].factored for f in formats):
+            _factored_estimate(state.factored_means(), factor_view(local(p).shape)[1], None, shards)  # type: ignore[index]
     return _summed_over_shards(terms, formats, shards, local(p).device)
 
 
