@@ -52,6 +52,7 @@ class Workload:
     accelerator: str = "cpu"
     precision: str = "32-true"  # the Trainer's; the model is built under trainer.init_module()
     defaults: bool = False  # BAOC with its defaults but the budget and the warm-up (as a new user runs it)
+    watch: bool = False  # sample the C allocator's allocated bytes every 0.2 ms (the planned peak's comparison)
 
     @property
     def params(self) -> int:
@@ -140,6 +141,9 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
     loader = DataLoader(TensorDataset(data), batch_size=workload.batch)
     resident = Resident()
     callbacks: list[L.Callback] = [resident]
+    watcher = AllocatedWatcher() if workload.watch else None
+    if watcher is not None:
+        callbacks.insert(0, watcher)
     baoc = None
     if run.startswith("baoc:") and workload.defaults:
         baoc = BAOC(memory_budget=float(run.split(":")[1]), warmup_steps=workload.warmup, report=False)
@@ -162,9 +166,15 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
     if cuda:
         torch.cuda.synchronize()
         out["peak_device"] = torch.cuda.max_memory_allocated()
+    if watcher is not None:
+        out.update(watcher.stop())
     if baoc is not None:
         opt = trainer.optimizers[0]
         ctl = baoc.controller
+        planned = ctl.planned_peak()
+        out["planned_peak"] = planned.to_dict() if planned is not None else None
+        out["measured_memory"] = baoc.measured_memory().to_dict()
+        out["memory_line"] = baoc.memory_line()
         out.update(
             state_bytes=int(opt.state_bytes()), peak_state_bytes=int(ctl.peak_state_bytes()),
             correction_bytes=int(opt.weight_correction_bytes()),
@@ -176,6 +186,88 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
             shadow_elements=int(ctl.instruments.shadow_elements),
         )
     return out
+
+
+class _Watcher:
+    """A thread reading glibc's allocated bytes every 0.2 ms from fit start: the run's allocated peak."""
+
+    def __init__(self) -> None:
+        import threading
+
+        from lightning_baoc.report.memory import glibc_allocated
+
+        self.allocated = glibc_allocated
+        if glibc_allocated() is None:
+            raise RuntimeError("--planned needs glibc >= 2.33 (mallinfo2)")
+        self.start_bytes = self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def begin(self) -> None:
+        self.start_bytes = self.peak = self.allocated()
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.0002):
+            self.peak = max(self.peak, self.allocated())
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        return {"allocated_start": self.start_bytes, "allocated_peak": self.peak}
+
+
+def AllocatedWatcher() -> Any:  # noqa: N802 - a Lightning callback class built where Lightning is imported
+    """A callback starting a :class:`_Watcher` at fit start (before BAOC's, which it precedes in the list)."""
+    import lightning as L
+
+    class Watch(L.Callback):
+        def __init__(self) -> None:
+            self.watcher = _Watcher()
+
+        def on_fit_start(self, *_: Any) -> None:
+            self.watcher.begin()
+
+        def stop(self) -> dict[str, int]:
+            return self.watcher.stop()
+
+    return Watch()
+
+
+def planned_rows(workload: Workload, budget: float) -> list[dict[str, Any]]:
+    """BAOC at ``budget`` with its defaults on ``workload``, fp32 and bf16-true: the planned peak beyond the
+    weights (the controller's, and ``lightning-baoc check``'s on the model built on the meta device) against
+    the allocated peak measured from fit start (glibc's allocated bytes, sampled every 0.2 ms)."""
+    import torch
+    from torch import nn
+
+    from lightning_baoc.config.files import parse_config
+    from lightning_baoc.tools.check import run_checks
+
+    rows = []
+    for precision in ("32-true", "bf16-true"):
+        w = replace(workload, precision=precision, defaults=True, watch=True)
+        r = measure(f"baoc:{budget}", w)
+        cfg = parse_config({"baoc": {"memory_budget": budget, "warmup_steps": w.warmup},
+                            "trainer": {"precision": precision, "max_steps": w.steps}})
+        with torch.device("meta"):
+            model = nn.Sequential(*[nn.Linear(w.width, w.width) for _ in range(w.layers)])
+        budget_row = next(c for c in run_checks(cfg, model, w.accelerator) if c.name == "memory budget")
+        rows.append({"precision": precision, "planned": r["planned_peak"]["total"],
+                     "check": budget_row.figures["planned_peak"]["total"],
+                     "measured": r["allocated_peak"] - r["allocated_start"], "line": r["memory_line"],
+                     "terms": r["planned_peak"]})
+    return rows
+
+
+def planned_table(rows: list[dict[str, Any]]) -> str:
+    """The rows of :func:`planned_rows` as a markdown table."""
+    mib = 2**20
+    lines = [[r["precision"], f"{r['check'] / mib:.1f}", f"{r['planned'] / mib:.1f}", f"{r['measured'] / mib:.1f}",
+              f"{(r['planned'] - r['measured']) / r['measured']:+.1%}"] for r in rows]
+    head = ["precision", "planned by check (MiB)", "planned at the run (MiB)", "measured allocated peak (MiB)",
+            "planned - measured"]
+    return markdown_table(head, lines)
 
 
 def measure(run: str, workload: Workload) -> dict[str, Any]:
@@ -349,7 +441,24 @@ def main() -> None:
                         help="only the peak over the steady state: 10 x Linear(2048, 2048) (or --layers/--width), "
                         "fp32 and bf16-true, plain AdamW and BAOC at the first --budgets with its defaults, 40 "
                         "steps, the allocation at step 20 (section peak_excess[_cuda])")
+    parser.add_argument("--planned", action="store_true",
+                        help="only the planned peak beyond the weights against the measured allocated peak, on the "
+                        "--excess run (section peak_planned)")
     args = parser.parse_args()
+    if args.planned:
+        w = excess_workload(accelerator=args.accelerator)
+        rows = planned_rows(w, args.budgets[0])
+        body = (f"Machine: {machine()}. Command: `{command()}`\n\n**{w.layers} x Linear({w.width}, {w.width})** "
+                f"({w.params:,} parameters), built under `trainer.init_module()`, BAOC at {args.budgets[0]} with its "
+                f"defaults, {w.steps} steps, the allocation at step {w.warmup}. Planned: what `lightning-baoc check` "
+                f"prints for the model built on the meta device, and what the callback prints at fit end "
+                f"(`BAOC.memory_line()`); measured: the C allocator's allocated bytes, sampled every 0.2 ms from "
+                f"fit start, their peak over the fit-start value.\n\n{planned_table(rows)}\n\n"
+                + "\n".join(f"- {r['precision']}: `{r['line']}`" for r in rows))
+        print(body)
+        if args.docs:
+            write_docs_section("benchmarks/peak-memory.md", "peak_planned", body)
+        return
     if args.excess:
         layers = 10 if args.layers == parser.get_default("layers") else args.layers[0]
         width = 2048 if args.width == Workload.width else args.width

@@ -74,9 +74,11 @@ from lightning_baoc.control.triggers import Triggers
 from lightning_baoc.costs import AllocationProblem
 from lightning_baoc.costs.instruments import InstrumentSizes
 from lightning_baoc.costs.memory import training_memory
+from lightning_baoc.costs.peak import PlannedPeak
 from lightning_baoc.formats import DEFAULT_MIN_8BIT_NUMEL, RULE_NAMES
 from lightning_baoc.optim import BlockwiseOptimizer
 from lightning_baoc.optim.swap import SUPPORTED_OPTIMIZERS, convert_optimizer, rebind_scheduler
+from lightning_baoc.risk.prior import block_kind
 from lightning_baoc.risk.shadow import ShadowMoments
 from lightning_baoc.sampling import GradientSampler
 from lightning_baoc.solver import BudgetInfeasibleError
@@ -247,6 +249,22 @@ class BAOCController:
         if self.tables.problem is None:
             raise RuntimeError("BAOCController.problem: call install() first")
         return self.tables.problem
+
+    def planned_peak(self) -> PlannedPeak | None:
+        """The run's planned peak beyond its weights, as ``lightning-baoc check`` plans it on this model
+        (:mod:`lightning_baoc.costs.peak`); ``None`` before install or where the plan cannot be made
+        (its budgets infeasible, which the run itself has said)."""
+        if self.tables.problem is None:
+            return None
+        cfg = self.config
+        kinds = {b: block_kind(self._module or nn.Module(), b) for b in self.blocks.params}
+        try:
+            phases = self.tables.problem.phases(
+                kinds, cfg.memory_budget, cfg.time_budget, initial=cfg.initial,
+                sampler={"capacity": cfg.capacity, "max_elements": cfg.max_elements, "instrument_share": cfg.instrument_share})
+        except (BudgetInfeasibleError, ValueError):
+            return None
+        return phases.peak
 
     def peak_state_bytes(self) -> int:
         """The most optimizer state held on the training devices at any moment of the run (resumes

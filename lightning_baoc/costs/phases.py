@@ -32,6 +32,7 @@ import torch
 from lightning_baoc.config.budget import format_bytes
 from lightning_baoc.costs.calibration import device_state_bytes, offload_saves_memory
 from lightning_baoc.costs.options import correction_bytes, split_option
+from lightning_baoc.costs.peak import PlannedPeak
 from lightning_baoc.formats import DEFAULT_MIN_8BIT_NUMEL, formats_of, resolve_in
 from lightning_baoc.formats.base import as_shape
 from lightning_baoc.solver import Allocation
@@ -96,6 +97,8 @@ class StatePhases:
         instrument_bytes: what the sampler's buffers and the shadow moments will hold, outside the
             budget (:mod:`lightning_baoc.costs.instruments`; 0 when not computed).
         instrument_allowance: the most they may hold.
+        peak: the run's planned peak beyond its weights (:mod:`lightning_baoc.costs.peak`: gradients,
+            the backward's, the state's most over the phases, instruments, working memory).
     """
 
     budget_bytes: int
@@ -109,6 +112,7 @@ class StatePhases:
     converted_blocks: list[str] = field(default_factory=list)
     instrument_bytes: int = 0
     instrument_allowance: int = 0
+    peak: PlannedPeak | None = None
 
     @property
     def warmup_bytes(self) -> int:
@@ -162,6 +166,7 @@ class StatePhases:
             "converted_blocks": list(self.converted_blocks),
             "instrument_bytes": self.instrument_bytes,
             "instrument_allowance": self.instrument_allowance,
+            "planned_peak": self.peak.to_dict() if self.peak is not None else None,
             "start_formats": dict(self.start.formats),
             "steady_formats": dict(self.steady.formats),
         }

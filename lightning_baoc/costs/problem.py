@@ -57,6 +57,7 @@ from lightning_baoc.costs.options import (
     prior_correction_risk,
     split_option,
 )
+from lightning_baoc.costs.peak import planned_peak
 from lightning_baoc.costs.phases import StatePhases, state_phases
 from lightning_baoc.formats import DEFAULT_MIN_8BIT_NUMEL, RULE_NAMES, formats_of
 from lightning_baoc.risk.shadow import DEFAULT_SHADOW_ELEMENTS
@@ -362,6 +363,8 @@ class AllocationProblem:
                               self.dtypes if self.corrections is not None else None)
         sizes = self.instruments(**(sampler or {}))
         phases.instrument_bytes, phases.instrument_allowance = sizes.estimate_bytes, sizes.allowance
+        dtypes = self.dtypes or {b: [torch.float32] * len(row) for b, row in self.shapes.items()}
+        phases.peak = planned_peak(self.shapes, dtypes, max(f.state_bytes for f in phases.figures()), phases.instrument_bytes)
         return phases
 
     def instruments(

@@ -57,6 +57,7 @@ from lightning_baoc.control.controller import AllocationEvent, BAOCController, r
 from lightning_baoc.integrations.checkpoints import check_saved_shards, distributed_metadata
 from lightning_baoc.optim import BlockwiseAdamW
 from lightning_baoc.report.allocation import AllocationReporter
+from lightning_baoc.report.memory import MeasuredPeak, MemoryMeter
 
 
 def _refused_strategy(strategy: Any) -> str | None:
@@ -225,6 +226,7 @@ class BAOC(Callback):
         self._at_boundary = True
         self._warned_missing_monitor = False
         self._warned_short_run = False
+        self._meter = MemoryMeter()  # the run's measured memory, printed beside the planned peak at fit end
         self._restored_early = False
         self._resumed = False  # this fit resumed from a checkpoint (said once its state is restored)
         self._unwrap: Any = None
@@ -318,6 +320,7 @@ class BAOC(Callback):
                 f"Return a single torch.optim.AdamW/Adam (several param groups are fine)."
             )
         self._restore_before_load(trainer)
+        self._meter.start(pl_module.device)  # before install: the corrections and instruments it allocates count
         old = optimizers[0]
         new = self.controller.install(old, pl_module)
         if new is not old:
@@ -382,6 +385,7 @@ class BAOC(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._at_boundary = trainer.global_step != self._step_at_batch_start
+        self._meter.sample()
         if self._at_boundary and not self._resumed and trainer.global_step == 1:  # the run's first step: its states exist
             rank_zero_info(self.controller.summary())
         if self._at_boundary:
@@ -422,6 +426,8 @@ class BAOC(Callback):
                 f"BAOC: training ended after {trainer.global_step} optimizer steps, before warm-up ended "
                 f"(warmup_steps={self.config.warmup_steps}); the optimizer states stayed fp32."
             )
+        if self.report and self.controller.installed:
+            rank_zero_info(self.memory_line())
         self.controller.close()
 
     @override
@@ -513,6 +519,15 @@ class BAOC(Callback):
         # trainer.log_dir broadcasts: every rank must ask for it.
         directory = trainer.log_dir if self.reporter.enabled else None
         self.reporter(event, self.controller.history, directory, trainer.is_global_zero, trainer.loggers, rank_zero_info)
+
+    def memory_line(self) -> str:
+        """The planned peak beyond the weights and what was measured since fit start (printed at fit end
+        when ``report`` is on; :mod:`lightning_baoc.report.memory`)."""
+        return self._meter.line(self.controller.planned_peak())
+
+    def measured_memory(self) -> MeasuredPeak | None:
+        """What the run's memory measured since fit start (``None`` before it)."""
+        return self._meter.measured()
 
     @property
     def report(self) -> bool:

@@ -175,9 +175,11 @@ def _phases_result(phases: StatePhases, c: _BudgetContext, least: int) -> CheckR
         f"the warm-up's states are created in the start formats ({fp32_warmup}); the sampler's buffers and the "
         f"shadow moments hold {format_bytes(phases.instrument_bytes)} besides, outside the budget (at most "
         f"{format_bytes(phases.instrument_allowance)}, baoc.instrument_share)"
+        + (f"; planned peak {phases.peak.line()}" if phases.peak is not None else "")
     )
     figures = {"budget_bytes": budget_bytes, "fp32_bytes": fp32_bytes, **{f.phase: f.state_bytes for f in phases.figures()},
-               "instrument_bytes": phases.instrument_bytes}
+               "instrument_bytes": phases.instrument_bytes,
+               "planned_peak": phases.peak.to_dict() if phases.peak is not None else None}
     over = phases.exceeded()
     if not over:
         return CheckResult(NAME, True, detail, figures=figures)

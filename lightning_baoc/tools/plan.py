@@ -572,7 +572,7 @@ def _render_phases(p: Plan, console: Any) -> None:
         ) + (
             f"; BAOC's sampler buffers and shadow moments: {_bytes(phases.instrument_bytes)} besides, outside the "
             f"budget (at most {_bytes(phases.instrument_allowance)})"
-        )
+        ) + (f"; planned peak {phases.peak.line()}" if phases.peak is not None else "")
         table = Table(title=title, caption=caption)
         for col in ("phase", "state bytes", "of budget", "within budget", "what"):
             table.add_column(col, justify="right" if col in ("state bytes", "of budget") else "left")
