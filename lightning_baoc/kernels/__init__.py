@@ -6,7 +6,8 @@ kernels in ``cpu_step.cpp`` do each format's whole step in one pass per 1024-ele
 (decode, AdamW in fp32, encode), over all the tensors of a call at once, threaded with
 ``at::parallel_for``. They are built with :func:`torch.utils.cpp_extension.load` the first time an
 optimizer needs them (measured: 10.7 s on an idle 2-core machine, 79.5 s on a loaded one; once per
-machine, torch version and source version) and loaded from the cache afterwards (under a second).
+machine, torch version and source version, whichever checkout of the source loads them: they are built from
+a copy of the source in the cache, :func:`_shared_source`) and loaded from the cache afterwards (under a second).
 
 What a user sees: a build is a pause before the first step, so it is said at warning level (the
 ``lightning_baoc.kernels`` logger; Python's logging prints warnings to stderr even where nothing is
@@ -168,10 +169,15 @@ def _wait_for_build_lock(directory: Path | None, poll: float = 0.5) -> None:
         return
     lock = directory / "lock"
     said = False
+    start = time.perf_counter()
+    last = start
     while True:
         try:
             age = time.time() - lock.stat().st_mtime
         except OSError:  # no lock: nobody is building
+            if said:
+                log.warning("lightning_baoc: waited %.0f s for another process's build of the CPU kernels; loading them",
+                            time.perf_counter() - start)
             return
         if age > STALE_LOCK_SECONDS:
             lock.unlink(missing_ok=True)
@@ -187,6 +193,10 @@ def _wait_for_build_lock(directory: Path | None, poll: float = 0.5) -> None:
             # a pause before the first step, as a build is: said at the build's level
             log.warning("lightning_baoc: waiting for another process's build of the CPU kernels (%s); delete the lock "
                         "if no other process is building", lock)
+        elif time.perf_counter() - last >= PROGRESS_SECONDS:
+            last = time.perf_counter()
+            log.warning("lightning_baoc: still waiting for another process's build of the CPU kernels: %.0f s so far ...",
+                        last - start)
         time.sleep(poll)
 
 
@@ -206,8 +216,8 @@ class _BuildProgress:
     A thread, not torch's ``verbose=True``: torch's verbose output is ninja's and the compiler's command
     lines on stdout (dozens of long lines, not the logging a user can filter or a test can capture),
     and says nothing about how long it has been running. Where something was cached but torch rebuilds
-    anyway (the source path in ``build.ninja`` moved: another checkout of the same source), the first
-    progress line says so.
+    anyway (its ``build.ninja`` changed: a cache written before the shared source copy, :func:`_shared_source`),
+    the first progress line says so.
     """
 
     def __init__(self, directory: Path | None, fresh: bool, every: float | None = None) -> None:
@@ -244,6 +254,32 @@ class _BuildProgress:
             self._thread.join()
 
 
+def _shared_source(directory: Path | None) -> Path:
+    """The kernels' source at a path every checkout of it shares: a copy in its build directory.
+
+    torch's ``build.ninja`` records the path of the source it compiles. The directory is named by the
+    source's content (:func:`_build_name`), so two checkouts of the same source (a working tree and a
+    fresh clone) share it; built from each checkout's own path, each load rewrote ``build.ninja`` with its
+    path and recompiled the other's object file. Built from the copy, the path is the same for all. The
+    copy is written only when it is missing or differs (atomically: a concurrent process reads a whole
+    file), so its modification time stays older than the object built from it.
+    """
+    if directory is None:
+        return SOURCE
+    target = directory / SOURCE.name
+    code = SOURCE.read_bytes()
+    try:
+        if target.is_file() and target.read_bytes() == code:
+            return target
+        directory.mkdir(parents=True, exist_ok=True)
+        part = directory / f".{SOURCE.name}.{os.getpid()}.part"
+        part.write_bytes(code)
+        os.replace(part, target)
+        return target
+    except OSError:  # not writable: torch's own error comes from the build, with its fix
+        return SOURCE
+
+
 def _libraries(directory: Path | None) -> dict[Path, float]:
     """The built libraries in ``directory`` and their modification times."""
     if directory is None:
@@ -268,8 +304,9 @@ def _build(flags: list[str], ldflags: list[str]) -> KernelStatus | str:
     _wait_for_build_lock(directory)
     start = time.perf_counter()
     try:
+        source = _shared_source(directory)
         with _BuildProgress(directory, fresh=not before):
-            load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=ldflags, is_python_module=False,
+            load(name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=ldflags, is_python_module=False,
                  verbose=False)
     except OSError as err:  # the build directory: not a directory, not writable, the disk full
         where = os.environ.get("TORCH_EXTENSIONS_DIR")

@@ -142,6 +142,7 @@ _BUILD = textwrap.dedent(
     start = time.perf_counter()
     BlockwiseAdamW([nn.Parameter(torch.zeros(4))], kernels="compiled")
     print("STATUS", kernels.cpu_kernels().detail, f"{time.perf_counter() - start:.1f}")
+    print("FROM", __import__("pathlib").Path(kernels.__file__).parents[2])
     """
 )
 
@@ -167,3 +168,58 @@ def test_a_real_first_build_and_a_later_load_say_so(tmp_path: Path) -> None:
     again = subprocess.run([sys.executable, "-c", _BUILD], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "STATUS loaded from the cache" in again.stdout, again.stdout + again.stderr[-2000:]
     assert "lightning_baoc:" not in again.stderr, again.stderr
+
+
+def test_a_step_waiting_for_another_process_s_build_says_so_and_for_how_long(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another process holds the build's lock: a warning when the wait starts, one every ``PROGRESS_SECONDS``
+    with the time so far, and one when it ends with how long it took."""
+    import threading
+
+    monkeypatch.setattr(kernels, "PROGRESS_SECONDS", 0.1)
+    lock = tmp_path / "lock"
+    lock.touch()
+    threading.Timer(0.45, lock.unlink).start()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        kernels._wait_for_build_lock(tmp_path, poll=0.02)  # noqa: SLF001 - the wait itself
+    said = _said(caplog)
+    assert all(level == logging.WARNING for level, _ in said), said
+    texts = [text for _, text in said]
+    assert texts[0].startswith("lightning_baoc: waiting for another process's build of the CPU kernels ("), texts
+    assert any(t.startswith("lightning_baoc: still waiting for another process's build of the CPU kernels: ") for t in texts), texts
+    assert texts[-1].startswith("lightning_baoc: waited ") and texts[-1].endswith(
+        "s for another process's build of the CPU kernels; loading them"), texts
+
+
+def _checkout(root: Path) -> Path:
+    """A copy of the package under ``root``, as another checkout of the same source holds it."""
+    import shutil
+
+    shutil.copytree(Path(kernels.__file__).resolve().parents[1], root / "lightning_baoc",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+@pytest.mark.skipif(not kernels.cpu_kernels().available, reason=f"no compiled kernels: {kernels.cpu_kernels().detail}")
+def test_two_checkouts_of_the_same_source_compile_once(tmp_path: Path) -> None:
+    """A working tree and a fresh clone (two copies of the package at two paths) share one build: the
+    first process builds, the others load from the cache, and the library is never rebuilt. (torch's
+    ``build.ninja`` records the source's path: built from each checkout's own, every load of the other
+    checkout recompiled; measured 28 rebuilds in an hour on a CI machine.)"""
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    env.pop(kernels.KERNELS_ENV, None)
+    a, b = _checkout(tmp_path / "a"), _checkout(tmp_path / "b")
+    details = []
+    for checkout in (a, b, a):
+        run_env = dict(env, PYTHONPATH=str(checkout) + os.pathsep + env.get("PYTHONPATH", ""))
+        done = subprocess.run([sys.executable, "-c", _BUILD], cwd=checkout, env=run_env, capture_output=True, text=True,
+                              timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert f"FROM {checkout}" in done.stdout, done.stdout  # the checkout's own package ran
+        details.append(next(line for line in done.stdout.splitlines() if line.startswith("STATUS ")))
+        if len(details) == 1:
+            built = {p: p.stat().st_mtime_ns for p in (tmp_path / "ext").rglob("*.so")}
+    assert details[0].startswith("STATUS built in "), details
+    assert details[1].startswith("STATUS loaded from the cache") and details[2].startswith("STATUS loaded from the cache"), details
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "ext").rglob("*.so")} == built
