@@ -100,6 +100,11 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corrections", nargs="+", choices=list(CORRECTIONS), metavar="CORRECTION",
                         help="as BAOC(corrections=...): the solver pairs each block's format with one of these "
                              f"corrections of its 16-bit weights ({', '.join(CORRECTIONS)}; needs --weight-dtype bf16 or fp16)")
+    from lightning_baoc.costs.offload import PROFILES
+
+    parser.add_argument("--hardware", choices=sorted(PROFILES), metavar="NAME",
+                        help="predict the update phase of the offloaded states on this machine, host-only and "
+                             f"interleaved, for the uniform offload row and every allocation that offloads ({', '.join(sorted(PROFILES))})")
     parser.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
 
 
@@ -132,6 +137,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         release=args.release,
         optimizer=args.optimizer,
         corrections=args.corrections,
+        hardware=args.hardware,
     )
     render(result, Console(width=max(Console().width, 120)))
     if args.json:

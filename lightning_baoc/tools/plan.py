@@ -59,6 +59,9 @@ from lightning_baoc.formats.correction import check_correction, corrections_refu
 from lightning_baoc.risk.prior import block_kind, prior_risk
 from lightning_baoc.risk.start import INITIAL_PREFERENCE, AllocationRecord, Initial
 from lightning_baoc.sampling.blocks import partition
+from lightning_baoc.costs.offload import Hardware, OffloadPrediction
+from lightning_baoc.costs.offload import hardware as offload_hardware
+from lightning_baoc.costs.offload import predict as offload_predict
 from lightning_baoc.solver import Allocation, BudgetInfeasibleError
 from lightning_baoc.tools.plan_inputs import check_initial, check_optimizer, checked_mask, load_statistics
 from lightning_baoc.tools.presets import build_model
@@ -90,6 +93,8 @@ class PlannedAllocation:
     params_by_format: dict[str, int] = field(default_factory=dict)
     min_memory: float | None = None  # where infeasible: the smallest feasible memory budget, bytes
     phases: StatePhases | None = None
+    #: with ``hardware``, where the allocation offloads: its update phase, host-only and interleaved
+    offload: OffloadPrediction | None = None
 
 
 @dataclass
@@ -127,6 +132,10 @@ class Plan:
     block_dtypes: dict[str, list[torch.dtype]] = field(default_factory=dict)
     #: whether ``device`` is :data:`DEFAULT_DEVICE` because none was given
     device_default: bool = False
+    #: the hardware profile the offloaded updates are predicted on (``--hardware``), and the uniform
+    #: ``offload`` row's prediction (:mod:`lightning_baoc.costs.offload`)
+    hardware: str | None = None
+    uniform_offload: OffloadPrediction | None = None
 
     @property
     def device_note(self) -> str:
@@ -177,8 +186,11 @@ class Plan:
             "fp32_state_bytes": self.fp32_bytes,
             "baseline_state_bytes": self.baseline_bytes or self.fp32_bytes,
             "corrections": self.corrections,
+            "hardware": self.hardware,
             "formats": {
-                f.name: {"device_bytes": f.device_bytes, "host_bytes": f.host_bytes, "fallback_params": f.fallback_params}
+                f.name: {"device_bytes": f.device_bytes, "host_bytes": f.host_bytes, "fallback_params": f.fallback_params,
+                         **({"offload": self.uniform_offload.to_dict()}
+                            if f.name == "offload" and self.uniform_offload is not None else {})}
                 for f in self.formats
             },
             "masked": dict(self.masked),
@@ -194,6 +206,7 @@ class Plan:
                     **({"allocation": a.allocation.to_dict()} if a.allocation is not None else {}),
                     **({"phases": a.phases.to_dict()} if a.phases is not None else {}),
                     **({"training_memory": self.memory_of(a.allocation)} if a.allocation is not None else {}),
+                    **({"offload": a.offload.to_dict()} if a.offload is not None else {}),
                 }
                 for a in self.allocations
             ],
@@ -240,6 +253,7 @@ def plan(
     min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL,
     method: str = "auto", corrections: Sequence[str] | None = None,
     weight_dtype: str | None = None, weight_correction: str = "none", release: bool = False, optimizer: str = "adamw",
+    hardware: str | None = None,
 ) -> Plan:
     """Plan the optimizer-state memory of ``model`` on ``device``.
 
@@ -266,6 +280,9 @@ def plan(
             (their momentum formats, :data:`~lightning_baoc.formats.MOMENTUM_FORMATS`).
         corrections: as ``BAOC(corrections=...)``: options pairing formats with corrections of 16-bit
             weights (default: none; needs bf16/fp16 weights, ``weight_correction`` left at ``"none"``).
+        hardware: a hardware profile (:data:`~lightning_baoc.costs.offload.PROFILES`): the update phase of the
+            offloaded states predicted, host-only and interleaved, for the uniform ``offload`` row and every
+            allocation that offloads (default: none).
 
     Raises:
         ValueError: a bad model, budget, mask, optimizer, statistics file, ``initial`` or ``corrections``, or an absolute ``time_budget`` without ``calibrate_time``.
@@ -278,6 +295,7 @@ def plan(
         >>> phases.warmup_bytes == phases.start_bytes <= 0.5 * p.fp32_bytes
         True
     """
+    profile = offload_hardware(hardware) if hardware is not None else None  # a bad name is bad input, before any work
     device_default = device is None
     device = DEFAULT_DEVICE if device is None else device
     rule, initial = _check_inputs(optimizer, time_budget, calibrate_time, initial, corrections)
@@ -298,6 +316,14 @@ def plan(
                                                 problem if corrections is not None else None)
         options = {"method": method, "max_boundaries": max_boundaries, "initial": initial, "steady_risk": steady_risk}
         allocations = [_allocate(problem, kinds, blocks, budget, time_budget, options) for budget in budgets]
+    uniform = None
+    if profile is not None:
+        width = {b: [d.itemsize for d in row] for b, row in dtypes.items()}
+        uniform = _offload_of(blocks, width, set(blocks), profile)
+        for entry in allocations:
+            if entry.allocation is not None:
+                chosen = {b for b, option in entry.allocation.formats.items() if split_option(option)[0] == "offload"}
+                entry.offload = _offload_of(blocks, width, chosen, profile) if chosen else None
     return Plan(
         model=model if isinstance(model, str) else type(model).__name__, device=str(device), granularity=granularity,
         params=sum(numel_of(s) for shapes in blocks.values() for s in shapes),
@@ -306,7 +332,18 @@ def plan(
         time_source=problem.time_source if budgets else None, time_budget=None if time_budget is None else str(time_budget), allocations=allocations,
         start_source=start_source, rule=rule, baseline_bytes=problem.baseline_bytes or problem.fp32_bytes,
         corrections=corrections, block_dtypes=dtypes, device_default=device_default, **weights,
+        hardware=hardware, uniform_offload=uniform,
     )  # fmt: skip
+
+
+def _offload_of(blocks: Mapping[str, list[tuple[int, ...]]], width: Mapping[str, list[int]], chosen: set[str],
+                profile: Hardware) -> OffloadPrediction:
+    """The update phase of the tensors of the ``chosen`` blocks held in ``offload`` (gradients and weights
+    moved at the weights' width), host-only and interleaved on ``profile``."""
+    numels = [numel_of(s) for b in blocks if b in chosen for s in blocks[b]]
+    widths = {w for b in chosen for w in width[b]}
+    w = max(widths) if widths else 4
+    return offload_predict(numels, profile, grad_bytes=w, weight_bytes=w)
 
 
 def _check_inputs(
@@ -509,8 +546,31 @@ def render(p: Plan, console: Any = None) -> None:
         _render_infeasible(p, console)
         _render_phases(p, console)
         _render_training_memory(p, console)
+    _render_offload(p, console)
     if p.masked:
         console.print("Masked: " + "; ".join(f"{k}: {v}" for k, v in p.masked.items()))
+
+
+def _render_offload(p: Plan, console: Any) -> None:
+    """With ``--hardware``: the offloaded bytes and the predicted update phase, host-only and interleaved, of the
+    uniform ``offload`` row and of every allocation that offloads."""
+    from rich.table import Table
+
+    if p.hardware is None:
+        return
+    rows = [("uniform offload", p.uniform_offload)] + [(f"budget {e.budget}", e.offload) for e in p.allocations if e.offload]
+    table = Table(title=f"Offloaded states' update phase on {p.hardware} (lightning_baoc.costs.offload: simulated, "
+                        f"all gradients final at once)")
+    for col in ("", "offloaded state", "subgroups", "host-only", "interleaved", "interleaved / host", "on the GPU"):
+        table.add_column(col, justify="left" if not col else "right")
+    for name, o in rows:
+        if o is None:
+            continue
+        table.add_row(name, _bytes(o.bytes), f"{o.subgroups:,}", f"{o.host * 1e3:.1f} ms", f"{o.interleaved * 1e3:.1f} ms",
+                      f"{o.interleaved / o.host:.2f}x" if o.host else "-", f"{o.device_share:.0%}")
+    console.print(table)
+    if not any(e.offload for e in p.allocations) and p.allocations:
+        console.print("No allocation offloads: their update phase has no host part.")
 
 
 def _render_infeasible(p: Plan, console: Any) -> None:

@@ -394,3 +394,34 @@ def test_corrections_plan_the_controllers_start_and_the_measured_training_memory
         plan("tiny", [0.25], device="cpu", corrections=corrections)
     with pytest.raises(ValueError, match="leave weight_correction at 'none'"):
         plan("tiny", [0.25], device="cpu", weight_dtype="bf16", weight_correction="ecc8", corrections=corrections)
+
+
+def test_plan_with_hardware_predicts_the_offloaded_update_host_only_and_interleaved(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``plan --hardware``: the uniform offload row and every allocation that offloads carry their offloaded
+    bytes and the update phase of both schedules (``lightning_baoc.costs.offload``), in the table and the JSON."""
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--preset", "llama-7b", "--budget", "0.05", "--time-budget", "3", "--hardware", "h100-pcie5",
+                 "--json", str(out)])
+    assert code == 0
+    d = json.loads(out.read_text())
+    assert d["hardware"] == "h100-pcie5"
+    uniform = d["formats"]["offload"]["offload"]
+    assert uniform["bytes"] == 8 * d["params"]
+    assert 0 < uniform["update_s"]["interleaved"] < 0.6 * uniform["update_s"]["host"]
+    offloading = [a for a in d["allocations"] if "offload" in a]
+    assert offloading, d["allocations"]
+    for a in offloading:
+        held = a["params_by_format"]["offload"]
+        assert a["offload"]["bytes"] == 8 * held
+        assert a["offload"]["update_s"]["interleaved"] < a["offload"]["update_s"]["host"]
+    from lightning_baoc.tools.plan import plan
+
+    without = plan("tiny", [0.5]).to_dict()  # no --hardware: no prediction
+    assert without["hardware"] is None and "offload" not in without["formats"]["offload"]
+
+
+def test_an_unknown_hardware_profile_is_refused_by_name() -> None:
+    from lightning_baoc.tools.plan import plan
+
+    with pytest.raises(ValueError, match="Unknown hardware profile 'h100'; allowed: \\['a100-pcie4', 'h100-pcie5', 'h100-sxm', 'h200'\\]"):
+        plan("tiny", [0.5], hardware="h100")
