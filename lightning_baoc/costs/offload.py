@@ -6,15 +6,16 @@ parameters each, by one of two paths:
 
 - **host**: the gradient down (D2H, at the gradient's width), the CPU's AdamW over the fp32 master and
   moments held in host memory, the parameter up (H2D, at the weight's width);
-- **device**: the subgroup's fp32 master and moments up (12 bytes per element), the GPU's AdamW, and
-  the three back down (12 bytes per element); the weight on the GPU is written by the step.
+- **device**: the subgroup's moments up (``offload`` holds fp32 ``m`` and ``v``: 8 bytes per element;
+  12 where an fp32 master weight lives on the host too, as DeepSpeed keeps it), the GPU's AdamW, and
+  the moments back down; the weight on the GPU is written by the step.
 
 The resources are the H2D copy engine, the D2H copy engine (one shared engine where the profile has a
 single one), the CPU (its AdamW threads, one task at a time) and the GPU's compute stream. Each path is a
 chain of tasks; a task starts when the one before it in its chain has finished and its resource is free,
 in the order the subgroups are listed (first come, first served, as CUDA streams and a host thread pool
 run them). The **update phase** is the time from the first gradient ready to the last task done. The
-device path needs a staging buffer of its subgroup's 12 bytes per element, double-buffered, in the GPU
+device path needs a staging buffer of its subgroup's states, double-buffered, in the GPU
 memory free during the update (activations are released by then); a schedule that does not fit leaves
 those subgroups on the host.
 
@@ -33,8 +34,9 @@ from dataclasses import dataclass, field, replace
 
 #: Default subgroup size: fp32 parameters per subgroup (64 MiB of them: 16,777,216 elements).
 DEFAULT_SUBGROUP_BYTES = 64 << 20
-#: Bytes per element the device path moves each way: the fp32 master, ``exp_avg`` and ``exp_avg_sq``.
-STATE_BYTES = 12
+#: Bytes per element the device path moves each way: ``offload``'s fp32 ``exp_avg`` and ``exp_avg_sq`` (the
+#: weight on the device is its own master, or a 16-bit weight is stepped as the host path steps it).
+STATE_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -107,16 +109,18 @@ def calibrated(base: Hardware, **rates: float) -> Hardware:
 @dataclass(frozen=True)
 class Subgroup:
     """Offloaded parameters updated together: ``numel`` elements, gradients and weights of ``grad_bytes``
-    and ``weight_bytes`` per element on the device, gradients final at ``ready`` seconds."""
+    and ``weight_bytes`` per element on the device, ``state_bytes`` per element held on the host (what the
+    device path moves each way), gradients final at ``ready`` seconds."""
 
     numel: int
     grad_bytes: int = 4
     weight_bytes: int = 4
     ready: float = 0.0
+    state_bytes: int = STATE_BYTES
 
 
 def subgroups(numels: Sequence[int], subgroup_bytes: int = DEFAULT_SUBGROUP_BYTES, grad_bytes: int = 4,
-              weight_bytes: int = 4) -> list[Subgroup]:
+              weight_bytes: int = 4, state_bytes: int = STATE_BYTES) -> list[Subgroup]:
     """Tensors of ``numels`` (in the order their gradients become final) packed into subgroups of at most
     ``subgroup_bytes`` of fp32 parameters (a larger tensor is split: its elements step independently)."""
     if subgroup_bytes < 4:
@@ -130,10 +134,10 @@ def subgroups(numels: Sequence[int], subgroup_bytes: int = DEFAULT_SUBGROUP_BYTE
             current += take
             n -= take
             if current == cap:
-                out.append(Subgroup(current, grad_bytes, weight_bytes))
+                out.append(Subgroup(current, grad_bytes, weight_bytes, state_bytes=state_bytes))
                 current = 0
     if current:
-        out.append(Subgroup(current, grad_bytes, weight_bytes))
+        out.append(Subgroup(current, grad_bytes, weight_bytes, state_bytes=state_bytes))
     return out
 
 
@@ -152,15 +156,15 @@ class Schedule:
 
 
 def staging_bytes(groups: Sequence[Subgroup], on_device: Sequence[bool]) -> int:
-    """GPU memory the device path stages: two of its largest subgroups' fp32 master and moments."""
-    sizes = sorted((g.numel for g, d in zip(groups, on_device) if d), reverse=True)[:2]
-    return STATE_BYTES * sum(sizes)
+    """GPU memory the device path stages: two of its largest subgroups' states (double-buffered)."""
+    sizes = sorted((g.numel * g.state_bytes for g, d in zip(groups, on_device) if d), reverse=True)[:2]
+    return sum(sizes)
 
 
 def _chain(g: Subgroup, device: bool, hw: Hardware) -> list[tuple[str, float]]:
     """A subgroup's tasks in order: (resource, seconds)."""
     if device:
-        return [("h2d", STATE_BYTES * g.numel / hw.h2d), ("gpu", g.numel / hw.gpu_adam), ("d2h", STATE_BYTES * g.numel / hw.d2h)]
+        return [("h2d", g.state_bytes * g.numel / hw.h2d), ("gpu", g.numel / hw.gpu_adam), ("d2h", g.state_bytes * g.numel / hw.d2h)]
     return [("d2h", g.grad_bytes * g.numel / hw.d2h), ("cpu", g.numel / hw.cpu_adam), ("h2d", g.weight_bytes * g.numel / hw.h2d)]
 
 
@@ -273,16 +277,17 @@ class OffloadPrediction:
 
 
 def predict(numels: Sequence[int], hw: Hardware, free_memory: int | None = None,
-            subgroup_bytes: int = DEFAULT_SUBGROUP_BYTES, grad_bytes: int = 4, weight_bytes: int = 4) -> OffloadPrediction:
+            subgroup_bytes: int = DEFAULT_SUBGROUP_BYTES, grad_bytes: int = 4, weight_bytes: int = 4,
+            state_bytes: int = STATE_BYTES) -> OffloadPrediction:
     """Host-only and interleaved update times of offloaded tensors of ``numels`` (all gradients final at
-    once: the update phase after backward) on ``hw``; the offloaded bytes are their fp32 states'
-    (``offload``'s 8 bytes per element of host memory, the master besides where the weights are 16-bit)."""
-    groups = subgroups(numels, subgroup_bytes, grad_bytes, weight_bytes)
+    once: the update phase after backward) on ``hw``; the offloaded bytes are ``state_bytes`` per element
+    (``offload``'s 8 of host memory)."""
+    groups = subgroups(numels, subgroup_bytes, grad_bytes, weight_bytes, state_bytes)
     free = hw.gpu_memory // 4 if free_memory is None else free_memory
     host = host_only(groups, hw)
     inter = choose(groups, hw, free)
     total = sum(numels)
-    return OffloadPrediction(8 * total, host.seconds, inter.seconds, inter.device_share, len(groups))
+    return OffloadPrediction(state_bytes * total, host.seconds, inter.seconds, inter.device_share, len(groups))
 
 
 __all__ = ["DEFAULT_SUBGROUP_BYTES", "PROFILES", "Hardware", "OffloadPrediction", "Schedule", "Subgroup", "calibrated",

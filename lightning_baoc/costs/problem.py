@@ -132,6 +132,7 @@ class AllocationProblem:
             :func:`~lightning_baoc.costs.calibration.calibrate` with ``corrections``; given costs name it
             ``"+ecc8"``).
         dtypes: block -> the dtypes of its parameters, in block order (the corrections' bytes).
+        costs_source: what ``costs`` given as a mapping are, in words (``time_source``).
 
     Raises:
         ValueError: every format of the menu is withheld (the message names why).
@@ -156,6 +157,8 @@ class AllocationProblem:
     rule: str = "adamw"
     corrections: Sequence[str] | None = None
     dtypes: Mapping[str, Sequence[torch.dtype]] | None = None
+    #: what given ``costs`` (a mapping) are, for ``time_source`` (default: "given costs")
+    costs_source: str | None = None
     withheld: dict[str, str] = field(init=False)
     allowed: list[str] = field(init=False)
     memory: dict[str, dict[str, int]] = field(init=False)
@@ -219,7 +222,7 @@ class AllocationProblem:
                 self._per_correction = self.costs.correction_seconds_per_element
             else:
                 given = dict(self.costs)
-                self._per_element, self.time_source = given, "given costs"
+                self._per_element, self.time_source = given, self.costs_source or "given costs"
                 # a correction's cost given beside the formats' (key "+ecc8"); none: nothing added
                 self._per_correction = {"none": 0.0, **{k[len(SEPARATOR):]: v for k, v in given.items() if k.startswith(SEPARATOR)}}
         return self._per_element

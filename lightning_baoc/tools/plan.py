@@ -44,7 +44,7 @@ from lightning_baoc.config.budget import (
     is_absolute_time,
 )
 from lightning_baoc.costs import CONVERSION_BOUND, AllocationProblem, StatePhases, baseline_state_bytes
-from lightning_baoc.costs.calibration import offload_saves_memory
+from lightning_baoc.costs.calibration import PRIOR_STEP_COSTS, offload_saves_memory
 from lightning_baoc.costs.options import correction_bytes, split_option
 from lightning_baoc.formats import (
     DEFAULT_MIN_8BIT_NUMEL,
@@ -303,8 +303,17 @@ def plan(
     blocks, dtypes = _blocks(module, granularity, weight_dtype)
     weights = _weight_figures(module, weight_dtype, weight_correction, release)
     corrections = _checked_corrections(corrections, weight_correction, dtypes)
+    uniform = _offload_of(blocks, dtypes, set(blocks), profile) if profile is not None else None
+    costs: Any = "calibrate" if calibrate_time else "prior"
+    costs_source = None
+    if uniform is not None and not calibrate_time and rule == "adamw" and uniform.host:
+        # offload's step priced by the interleaved schedule on the profile, relative to the GPU's fp32 step
+        params = sum(numel_of(s) for shapes in blocks.values() for s in shapes)
+        costs = {**PRIOR_STEP_COSTS[rule], "offload": uniform.interleaved / params * profile.gpu_adam}
+        costs_source = (f"prior (PRIOR_STEP_COSTS, relative to fp32), offload {costs['offload']:.3g} from the interleaved "
+                        f"schedule on {profile.name}")
     problem = AllocationProblem(
-        blocks, device, timed=time_budget is not None, costs="calibrate" if calibrate_time else "prior",
+        blocks, device, timed=time_budget is not None, costs=costs, costs_source=costs_source,
         min_8bit_numel=min_8bit_numel, mask=checked_mask(mask, rule), cache_dir=cache_dir, rule=rule,
         baseline_bytes=baseline_state_bytes(blocks, dtypes, rule), corrections=corrections, dtypes=dtypes,
     )  # fmt: skip
@@ -316,14 +325,11 @@ def plan(
                                                 problem if corrections is not None else None)
         options = {"method": method, "max_boundaries": max_boundaries, "initial": initial, "steady_risk": steady_risk}
         allocations = [_allocate(problem, kinds, blocks, budget, time_budget, options) for budget in budgets]
-    uniform = None
     if profile is not None:
-        width = {b: [d.itemsize for d in row] for b, row in dtypes.items()}
-        uniform = _offload_of(blocks, width, set(blocks), profile)
         for entry in allocations:
             if entry.allocation is not None:
                 chosen = {b for b, option in entry.allocation.formats.items() if split_option(option)[0] == "offload"}
-                entry.offload = _offload_of(blocks, width, chosen, profile) if chosen else None
+                entry.offload = _offload_of(blocks, dtypes, chosen, profile) if chosen else None
     return Plan(
         model=model if isinstance(model, str) else type(model).__name__, device=str(device), granularity=granularity,
         params=sum(numel_of(s) for shapes in blocks.values() for s in shapes),
@@ -336,12 +342,12 @@ def plan(
     )  # fmt: skip
 
 
-def _offload_of(blocks: Mapping[str, list[tuple[int, ...]]], width: Mapping[str, list[int]], chosen: set[str],
+def _offload_of(blocks: Mapping[str, list[tuple[int, ...]]], dtypes: Mapping[str, list[torch.dtype]], chosen: set[str],
                 profile: Hardware) -> OffloadPrediction:
     """The update phase of the tensors of the ``chosen`` blocks held in ``offload`` (gradients and weights
     moved at the weights' width), host-only and interleaved on ``profile``."""
     numels = [numel_of(s) for b in blocks if b in chosen for s in blocks[b]]
-    widths = {w for b in chosen for w in width[b]}
+    widths = {d.itemsize for b in chosen for d in dtypes[b]}
     w = max(widths) if widths else 4
     return offload_predict(numels, profile, grad_bytes=w, weight_bytes=w)
 
