@@ -141,7 +141,7 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
     loader = DataLoader(TensorDataset(data), batch_size=workload.batch)
     resident = Resident()
     callbacks: list[L.Callback] = [resident]
-    watcher = AllocatedWatcher() if workload.watch else None
+    watcher = AllocatedWatcher(cuda) if workload.watch else None
     if watcher is not None:
         callbacks.insert(0, watcher)
     baoc = None
@@ -189,21 +189,30 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
 
 
 class _Watcher:
-    """A thread reading glibc's allocated bytes every 0.2 ms from fit start: the run's allocated peak."""
+    """The run's allocated peak from fit start: on the CPU a thread reading glibc's allocated bytes every 0.2 ms;
+    on CUDA ``max_memory_allocated`` (reset at fit start) over ``memory_allocated`` then."""
 
-    def __init__(self) -> None:
+    def __init__(self, cuda: bool = False) -> None:
         import threading
 
         from lightning_baoc.report.memory import glibc_allocated
 
+        self.cuda = cuda
         self.allocated = glibc_allocated
-        if glibc_allocated() is None:
+        if not cuda and glibc_allocated() is None:
             raise RuntimeError("--planned needs glibc >= 2.33 (mallinfo2)")
         self.start_bytes = self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def begin(self) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.start_bytes = int(torch.cuda.memory_allocated())
+            return
         self.start_bytes = self.peak = self.allocated()
         self._thread.start()
 
@@ -212,18 +221,23 @@ class _Watcher:
             self.peak = max(self.peak, self.allocated())
 
     def stop(self) -> dict[str, int]:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            return {"allocated_start": self.start_bytes, "allocated_peak": int(torch.cuda.max_memory_allocated())}
         self._stop.set()
         self._thread.join()
         return {"allocated_start": self.start_bytes, "allocated_peak": self.peak}
 
 
-def AllocatedWatcher() -> Any:  # noqa: N802 - a Lightning callback class built where Lightning is imported
+def AllocatedWatcher(cuda: bool = False) -> Any:  # noqa: N802 - a Lightning callback class built where Lightning is imported
     """A callback starting a :class:`_Watcher` at fit start (before BAOC's, which it precedes in the list)."""
     import lightning as L
 
     class Watch(L.Callback):
         def __init__(self) -> None:
-            self.watcher = _Watcher()
+            self.watcher = _Watcher(cuda)
 
         def on_fit_start(self, *_: Any) -> None:
             self.watcher.begin()
@@ -237,7 +251,8 @@ def AllocatedWatcher() -> Any:  # noqa: N802 - a Lightning callback class built 
 def planned_rows(workload: Workload, budget: float) -> list[dict[str, Any]]:
     """BAOC at ``budget`` with its defaults on ``workload``, fp32 and bf16-true: the planned peak beyond the
     weights (the controller's, and ``lightning-baoc check``'s on the model built on the meta device) against
-    the allocated peak measured from fit start (glibc's allocated bytes, sampled every 0.2 ms)."""
+    the allocated peak measured from fit start (glibc's allocated bytes, sampled every 0.2 ms; on CUDA
+    ``max_memory_allocated``)."""
     import torch
     from torch import nn
 
@@ -443,7 +458,7 @@ def main() -> None:
                         "steps, the allocation at step 20 (section peak_excess[_cuda])")
     parser.add_argument("--planned", action="store_true",
                         help="only the planned peak beyond the weights against the measured allocated peak, on the "
-                        "--excess run (section peak_planned)")
+                        "--excess run (section peak_planned[_cuda])")
     args = parser.parse_args()
     if args.planned:
         w = excess_workload(accelerator=args.accelerator)
@@ -452,12 +467,14 @@ def main() -> None:
                 f"({w.params:,} parameters), built under `trainer.init_module()`, BAOC at {args.budgets[0]} with its "
                 f"defaults, {w.steps} steps, the allocation at step {w.warmup}. Planned: what `lightning-baoc check` "
                 f"prints for the model built on the meta device, and what the callback prints at fit end "
-                f"(`BAOC.memory_line()`); measured: the C allocator's allocated bytes, sampled every 0.2 ms from "
-                f"fit start, their peak over the fit-start value.\n\n{planned_table(rows)}\n\n"
+                f"(`BAOC.memory_line()`); measured: " + ("`torch.cuda.max_memory_allocated` over `memory_allocated` at "
+                "fit start" if args.accelerator == "cuda" else "the C allocator's allocated bytes, sampled every "
+                "0.2 ms from fit start, their peak over the fit-start value") + f".\n\n{planned_table(rows)}\n\n"
                 + "\n".join(f"- {r['precision']}: `{r['line']}`" for r in rows))
         print(body)
         if args.docs:
-            write_docs_section("benchmarks/peak-memory.md", "peak_planned", body)
+            name = "peak_planned" if args.accelerator == "cpu" else f"peak_planned_{args.accelerator}"
+            write_docs_section("benchmarks/peak-memory.md", name, body)
         return
     if args.excess:
         layers = 10 if args.layers == parser.get_default("layers") else args.layers[0]
