@@ -29,7 +29,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -100,6 +99,7 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
 
     import lightning_baoc  # noqa: F401  (imported by every run: the libraries are in the baseline)
     from lightning_baoc import BAOC
+    from lightning_baoc.report.memory import resident_bytes
 
     torch.set_num_threads(workload.threads)
     load_the_code()
@@ -134,8 +134,7 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
                 torch.cuda.synchronize()
                 self.held.append(int(torch.cuda.memory_allocated()))
             else:
-                with open("/proc/self/statm") as f:
-                    self.held.append(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+                self.held.append(resident_bytes())
 
     data = torch.randn(workload.epoch_steps * workload.batch, workload.width)
     loader = DataLoader(TensorDataset(data), batch_size=workload.batch)

@@ -7,7 +7,7 @@ training and held-back validation text. Each run trains ``steps`` optimizer step
 ``block`` bytes, linear warm-up over the first 5% of the steps then cosine decay to 10% of the peak learning
 rate, with ``precision="bf16-mixed"`` on a GPU (``32-true`` on the CPU, where bf16 matrix products are slow),
 and reports the validation loss over fixed windows of the held-back text, the optimizer state it held
-(measured: ``state_bytes()`` of ours, the tensors of the peers' states), the whole run's peak memory
+(measured: ``_quality_rows.measured_state_bytes``, the storages of the peers' states), the whole run's peak memory
 (``torch.cuda.max_memory_allocated``, reset per run; on the CPU the process's peak resident set, which the runs
 of one call share) and tokens per second.
 
@@ -52,6 +52,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package
 
 from _models import CharGPT  # noqa: E402
+from _quality_rows import measured_state_bytes  # noqa: E402
 from _report import command, machine, markdown_table, write_docs_section  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "runs" / "quality_at_scale"
@@ -130,21 +131,6 @@ def _peer(row: str, params: Any, lr: float) -> torch.optim.Optimizer:
 
         return flashoptim.AdamW(params, lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
     raise ValueError(row)
-
-
-def state_bytes(opt: torch.optim.Optimizer) -> int:
-    """Bytes of an optimizer's state as held: ours from ``state_bytes()`` (corrections included), a torch or
-    peer optimizer's from the tensors in ``opt.state`` (through tensor subclasses' inner tensors)."""
-    if hasattr(opt, "state_bytes"):
-        return int(opt.state_bytes()) + int(getattr(opt, "weight_correction_bytes", lambda: 0)())
-    total = 0
-    for state in opt.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor) and value.numel() > 1:
-                names = getattr(value, "__tensor_flatten__", lambda: ([], None))()[0]
-                inner = [getattr(value, n) for n in names]
-                total += sum(t.numel() * t.element_size() for t in inner) if inner else value.numel() * value.element_size()
-    return total
 
 
 def train(size: str, row: str, seed: int, device: str, corpus_mb: float) -> dict[str, Any]:
@@ -228,7 +214,7 @@ def train(size: str, row: str, seed: int, device: str, corpus_mb: float) -> dict
     n = sum(p.numel() for p in module.model.parameters())
     return {
         "size": size, "row": row, "seed": seed, "status": "ok", "params": n, "steps": trainer.global_step,
-        "val_loss": statistics.fmean(losses), "state_bytes": state_bytes(trainer.optimizers[0]),
+        "val_loss": statistics.fmean(losses), "state_bytes": measured_state_bytes(trainer.optimizers[0]),
         "peak_memory": int(torch.cuda.max_memory_allocated()) if cuda else peak_resident_bytes(),
         "peak_memory_kind": "max_memory_allocated" if cuda else "the process's peak resident set (runs in one process share it)",
         "tokens_per_second": cfg["steps"] * cfg["batch"] * cfg["block"] / seconds, "seconds": seconds,

@@ -261,7 +261,8 @@ class BAOCController:
         try:
             phases = self.tables.problem.phases(
                 kinds, cfg.memory_budget, cfg.time_budget, initial=cfg.initial,
-                sampler={"capacity": cfg.capacity, "max_elements": cfg.max_elements, "instrument_share": cfg.instrument_share})
+                sampler={"capacity": cfg.capacity, "max_elements": cfg.max_elements, "instrument_share": cfg.instrument_share},
+                release=self.optimizer is not None and self.optimizer.releases_gradients)
         except (BudgetInfeasibleError, ValueError):
             return None
         return phases.peak

@@ -79,11 +79,13 @@ def gradient_bytes(shapes: Mapping[str, Sequence[Sequence[int]]], dtypes: Mappin
 
 def planned_peak(
     shapes: Mapping[str, Sequence[Sequence[int]]], dtypes: Mapping[str, Sequence[torch.dtype]], state_bytes: int,
-    instrument_bytes: int, chunk_size: int = DEFAULT_CHUNK,
+    instrument_bytes: int, chunk_size: int = DEFAULT_CHUNK, release: bool = False,
 ) -> PlannedPeak:
     """The :class:`PlannedPeak` of tensors of ``shapes`` (block -> shapes) training in ``dtypes`` with
-    ``state_bytes`` of optimizer state at most and ``instrument_bytes`` of instruments."""
-    return PlannedPeak(gradient_bytes(shapes, dtypes), int(state_bytes), int(instrument_bytes), working_bytes(chunk_size))
+    ``state_bytes`` of optimizer state at most and ``instrument_bytes`` of instruments; ``release``: gradient
+    release (each parameter steps in backward and drops its gradient: none is held)."""
+    grads = 0 if release else gradient_bytes(shapes, dtypes)
+    return PlannedPeak(grads, int(state_bytes), int(instrument_bytes), working_bytes(chunk_size))
 
 
 __all__ = ["PlannedPeak", "gradient_bytes", "planned_peak", "working_bytes"]

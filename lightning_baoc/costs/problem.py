@@ -333,6 +333,7 @@ class AllocationProblem:
         steady_risk: Table | None = None,
         owner: str = "BAOC",
         sampler: Mapping[str, Any] | None = None,
+        release: bool = False,
         **options: Any,
     ) -> StatePhases:
         """The device state of a run's phases at these budgets: start, warm-up, conversion, steady
@@ -353,6 +354,7 @@ class AllocationProblem:
             owner: who was given ``initial``, for error messages.
             sampler: ``capacity``, ``max_elements``, ``instrument_share`` of the run (default: BAOC's
                 defaults), for the instruments' bytes (:mod:`lightning_baoc.costs.instruments`).
+            release: gradient release: the planned peak holds no gradients (:mod:`lightning_baoc.costs.peak`).
 
         Raises:
             BudgetInfeasibleError: no allocation meets the budgets.
@@ -367,7 +369,8 @@ class AllocationProblem:
         sizes = self.instruments(**(sampler or {}))
         phases.instrument_bytes, phases.instrument_allowance = sizes.estimate_bytes, sizes.allowance
         dtypes = self.dtypes or {b: [torch.float32] * len(row) for b, row in self.shapes.items()}
-        phases.peak = planned_peak(self.shapes, dtypes, max(f.state_bytes for f in phases.figures()), phases.instrument_bytes)
+        phases.peak = planned_peak(self.shapes, dtypes, max(f.state_bytes for f in phases.figures()), phases.instrument_bytes,
+                                   release=release)
         return phases
 
     def instruments(

@@ -103,7 +103,8 @@ class StateSlices:
         self.numel = numel_of(shape)
         self.device = next((t.device for t in views.values()), torch.device("cpu"))
         self._ranges = list(chunk_ranges(self.numel, chunk, frame_lead(views)))
-        self._load_v = _v_reader(fmt, views, shape, shards)
+        # read only: an element-wise v's slice is read in place (a conversion's reader copies it for its store)
+        self._load_v = _v_reader(fmt, views, shape, shards) if fmt.factored else (lambda a, b: fmt.load_v(views, a, b))
 
     @property
     def has_momentum(self) -> bool:

@@ -5,13 +5,15 @@
   memory also holds what no plan counts: the code of the libraries a run first uses (mapped from
   disk) and the C allocator's cache of freed memory (glibc keeps up to twice the largest block it
   freed). Where glibc is the allocator, its allocated bytes (``mallinfo2``: in use, and mapped
-  blocks) are read at fit start and at every step's end, which the plan is comparable with.
+  blocks) are read at fit start and at steps' ends, which the plan is comparable with. ``mallinfo2`` walks
+  the heap's free lists (measured: 1.2 ms on a heap of 10,000 free blocks), so it is read at most 0.1% of the
+  run's time: after a reading that took ``t``, not again for ``1000 t``.
 - **CUDA**: ``torch.cuda.max_memory_allocated`` over ``memory_allocated`` at fit start (allocated
   storage: the caching allocator's reserve is not in it). When the peak since the process started
   (or the last ``reset_peak_memory_stats``) was reached before fit start, the run's own is unknown
   and is printed as such: BAOC does not reset the counters, which are the user's.
 
-Nothing here synchronizes a device or allocates: reading is a few system calls per step.
+Nothing here synchronizes a device or allocates.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import ctypes
 import ctypes.util
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,6 +100,7 @@ class MemoryMeter:
         self._peak_before: int | None = None
         self._allocated_start: int | None = None
         self._allocated_most: int | None = None
+        self._next_reading = 0.0  # perf_counter time before which sample() reads nothing
 
     def start(self, device: torch.device) -> None:
         """Take the fit-start readings on the training ``device``."""
@@ -108,9 +112,16 @@ class MemoryMeter:
         self._allocated_start = self._allocated_most = glibc_allocated()
 
     def sample(self) -> None:
-        """At a step's end: the most the C allocator has handed out so far (CPU with glibc)."""
-        if self._allocated_start is not None:
-            self._allocated_most = max(self._allocated_most or 0, glibc_allocated() or 0)
+        """At a step's end: the most the C allocator has handed out so far (CPU with glibc; rate-limited, see the
+        module docstring)."""
+        if self._allocated_start is None:
+            return
+        began = time.perf_counter()
+        if began < self._next_reading:
+            return
+        self._allocated_most = max(self._allocated_most or 0, glibc_allocated() or 0)
+        done = time.perf_counter()
+        self._next_reading = done + 1000 * (done - began)
 
     def measured(self) -> MeasuredPeak | None:
         """The readings so far; ``None`` before :meth:`start`."""

@@ -323,7 +323,8 @@ def plan(
         kinds = {b: block_kind(module, b) for b in blocks}
         steady_risk, risk_source = _steady_risk(kinds, blocks, statistics, min_8bit_numel, start_source, rule,
                                                 problem if corrections is not None else None)
-        options = {"method": method, "max_boundaries": max_boundaries, "initial": initial, "steady_risk": steady_risk}
+        options = {"method": method, "max_boundaries": max_boundaries, "initial": initial, "steady_risk": steady_risk,
+                   "release": release}
         allocations = [_allocate(problem, kinds, blocks, budget, time_budget, options) for budget in budgets]
     if profile is not None:
         for entry in allocations:

@@ -440,3 +440,11 @@ def test_with_hardware_the_solver_prices_offload_by_the_interleaved_schedule() -
     assert held["priced"] > 2 * held["prior"] > 0, held
     a = priced.allocations[0].allocation
     assert a is not None and a.time <= 3 * a.fp32_time * (1 + 1e-9)
+
+
+def test_the_planned_peak_holds_no_gradients_under_gradient_release() -> None:
+    from lightning_baoc.tools.plan import plan
+
+    held, released = (plan("tiny", [0.5], device="cpu", release=r).allocations[0].phases.peak for r in (False, True))
+    assert held.gradients == 4 * plan("tiny", device="cpu").params and released.gradients == 0
+    assert held.total - released.total == held.gradients
