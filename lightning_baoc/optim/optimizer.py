@@ -249,7 +249,12 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
 
     def target_format(self, param: Tensor) -> str:
         """The format ``param``'s state is (or will be) held in, after shape fallbacks."""
-        return resolve_in(self.format_registry, self.requested_format(param), param.shape, self.min_8bit_numel)
+        return resolve_in(self.format_registry, self.requested_format(param), self._format_shape(param), self.min_8bit_numel)
+
+    def _format_shape(self, param: Tensor) -> tuple[int, ...]:
+        """The shape ``param``'s format is decided on: its own (a DTensor's is the whole parameter's); a
+        fragment of a DeepSpeed partition answers its whole parameter's (:mod:`lightning_baoc.optim.deepspeed`)."""
+        return param.shape
 
     def formats(self) -> dict[str, str]:
         """Parameter name -> effective format (held now, or on the first step for fresh ones)."""
@@ -333,7 +338,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         for p, rec in self._records.items():
             if rec.format is None:
                 continue
-            key = (self._requested(rec), p.shape, self.min_8bit_numel)
+            key = (self._requested(rec), self._format_shape(p), self.min_8bit_numel)
             known = targets.get(rec.name)
             if known is None or known[0] != key:  # resolved once per request, not on every step
                 known = targets[rec.name] = (key, self.target_format(p))

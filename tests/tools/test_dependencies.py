@@ -19,8 +19,9 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["
 #: The training dependencies: the optimizer, the callback and the Fabric strategy with their defaults.
 TRAINING = {"torch", "lightning", "numpy", "ninja", "omegaconf", "rich", "jsonschema"}
 #: Modules the package imports only where a feature asks for them, and the extra that brings each
-#: (triton: also torch's CUDA wheels on Linux).
-OPTIONAL = {"matplotlib": "plot", "triton": "test"}
+#: (triton: also torch's CUDA wheels on Linux; deepspeed: only lightning_baoc.optim.deepspeed and BAOC under
+#: DeepSpeed import it).
+OPTIONAL = {"matplotlib": "plot", "triton": "test", "deepspeed": "deepspeed"}
 #: What a CPU machine must not get from a plain install.
 NOT_FOR_TRAINING = {"mkdocs", "mkdocs-material", "matplotlib", "scikit-learn", "triton", "jsonargparse", "hydra-core", "pytest"}
 
