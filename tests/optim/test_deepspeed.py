@@ -158,3 +158,89 @@ def test_formats_bit_equal_to_one_process_on_two_ranks(stage: int, fmt: str) -> 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_int8_bit_equal_on_one_rank(stage: int) -> None:
     on_gloo_ranks(_parity, 1, 1, stage, "int8", False)
+
+
+def _train(engine, batches: list[torch.Tensor]) -> None:
+    for x in batches:
+        engine.backward(engine(x).square().mean())
+        engine.step()
+
+
+def _engine(stage: int, fmt: str):
+    import deepspeed
+
+    from lightning_baoc import BlockwiseAdamW
+    from lightning_baoc.optim.deepspeed import zero_client
+
+    model = _model()
+    client = zero_client(BlockwiseAdamW(model.named_parameters(), lr=1e-2, state_format=fmt, min_8bit_numel=0))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client, config=_config(stage), dist_init_required=False)
+    return engine, client
+
+
+def _resume(rank: int, world: int, stage: int, fmt: str, directory: str) -> None:
+    """Train 2 steps, save through DeepSpeed, train 2 more; a fresh engine loads the save and trains the
+    same 2 steps: the weights and every state tensor are bit-equal, the formats kept."""
+    _deepspeed_env(rank, world)
+    batches = _batches()
+    engine, client = _engine(stage, fmt)
+    _train(engine, batches[:2])
+    engine.save_checkpoint(directory, tag="ckpt")
+    _train(engine, batches[2:])
+    want, want_states = _full_params(engine, stage), [t.clone() for t in client.inner.state_tensors()]
+    export = client.to_adamw_state_dict()
+
+    engine, client = _engine(stage, fmt)
+    engine.load_checkpoint(directory, tag="ckpt")
+    assert set(client.formats().values()) == {fmt}
+    _train(engine, batches[2:])
+    got = _full_params(engine, stage)
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"stage {stage}: {name} differs after resume"
+    states = client.inner.state_tensors()
+    assert len(states) == len(want_states) and all(torch.equal(a, b) for a, b in zip(states, want_states))
+    assert all(s.dtype == w.dtype for s, w in zip(states, want_states))  # int8 codes came back int8
+
+    # the export holds the whole parameters' fp32 moments, and loads into a plain torch AdamW
+    model = _model()
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plain.load_state_dict(export)
+    names = [n for n, _ in model.named_parameters()]
+    for i, p in enumerate(model.parameters()):
+        assert plain.state[p]["exp_avg"].shape == p.shape, names[i]
+    torch.save({"export": export, "client": client.state_dict()}, os.path.join(directory, f"export{rank}.pt"))
+
+
+def _load_elsewhere(rank: int, world: int, stage: int, fmt: str, directory: str) -> None:
+    """A per-fragment save of 2 ranks refused at 1 rank, naming the export; the export loads instead and
+    holds the same moments the 2 ranks held."""
+    _deepspeed_env(rank, world)
+    from lightning_baoc.optim import CheckpointError
+
+    engine, client = _engine(stage, fmt)
+    with pytest.raises(Exception, match="world size of 2"):  # DeepSpeed's own refusal comes first
+        engine.load_checkpoint(directory, tag="ckpt")
+    saved = torch.load(os.path.join(directory, "export0.pt"), weights_only=True)
+    with pytest.raises(CheckpointError, match="to_adamw_state_dict"):  # the client's, where DeepSpeed lets it through
+        client.load_state_dict(saved["client"])
+    export = saved["export"]
+    client.load_adamw_state_dict(export)
+    again = client.to_adamw_state_dict()
+    for i, entry in export["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(again["state"][i][key], entry[key]) if fmt == "fp32" else torch.allclose(
+                again["state"][i][key], entry[key], rtol=0.1, atol=1e-6)
+
+
+@needs_gloo
+def test_resume_through_deepspeed_checkpoints_and_another_rank_count(tmp_path) -> None:
+    on_gloo_ranks(_resume, 2, 2, 3, "int8", str(tmp_path))
+    on_gloo_ranks(_load_elsewhere, 1, 1, 3, "int8", str(tmp_path))
+
+
+@pytest.mark.slow
+@needs_gloo
+@pytest.mark.parametrize(("stage", "fmt"), [(2, "int8"), (1, "bf16"), (3, "fp32")])
+def test_resume_bit_equal(tmp_path, stage: int, fmt: str) -> None:
+    on_gloo_ranks(_resume, 2, 2, stage, fmt, str(tmp_path))
+    on_gloo_ranks(_load_elsewhere, 1, 1, stage, fmt, str(tmp_path))
