@@ -4,8 +4,9 @@ discrete-event simulator of the update phase (Deep Optimizer States, arXiv 2410.
 Offloaded parameters are updated in **subgroups** of about :data:`DEFAULT_SUBGROUP_BYTES` of fp32
 parameters each, by one of two paths:
 
-- **host**: the gradient down (D2H, at the gradient's width), the CPU's AdamW over the fp32 master and
-  moments held in host memory, the parameter up (H2D, at the weight's width);
+- **host**: the gradient down (D2H, at its width; the weight too where the host holds no copy of it:
+  ``Subgroup.weight_down``; the optimizer keeps one, as DeepSpeed keeps its fp32 master there), the CPU's AdamW
+  over them and the moments held in host memory, the weight up (H2D, at its width);
 - **device**: the subgroup's moments up (``offload`` holds fp32 ``m`` and ``v``: 8 bytes per element;
   12 where an fp32 master weight lives on the host too, as DeepSpeed keeps it), the GPU's AdamW, and
   the moments back down; the weight on the GPU is written by the step.
@@ -32,11 +33,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-#: Default subgroup size: fp32 parameters per subgroup (64 MiB of them: 16,777,216 elements).
-DEFAULT_SUBGROUP_BYTES = 64 << 20
-#: Bytes per element the device path moves each way: ``offload``'s fp32 ``exp_avg`` and ``exp_avg_sq`` (the
-#: weight on the device is its own master, or a 16-bit weight is stepped as the host path steps it).
-STATE_BYTES = 8
+from lightning_baoc.formats.offload import DEFAULT_SUBGROUP_BYTES, STATE_BYTES  # the format's own figures
 
 
 @dataclass(frozen=True)
@@ -110,17 +107,19 @@ def calibrated(base: Hardware, **rates: float) -> Hardware:
 class Subgroup:
     """Offloaded parameters updated together: ``numel`` elements, gradients and weights of ``grad_bytes``
     and ``weight_bytes`` per element on the device, ``state_bytes`` per element held on the host (what the
-    device path moves each way), gradients final at ``ready`` seconds."""
+    device path moves each way), gradients final at ``ready`` seconds; ``weight_down``: the host path copies
+    the weight down too (no host copy of it is kept: ``OffloadSchedule(keep_host_weights=False)``)."""
 
     numel: int
     grad_bytes: int = 4
     weight_bytes: int = 4
     ready: float = 0.0
     state_bytes: int = STATE_BYTES
+    weight_down: bool = False
 
 
 def subgroups(numels: Sequence[int], subgroup_bytes: int = DEFAULT_SUBGROUP_BYTES, grad_bytes: int = 4,
-              weight_bytes: int = 4, state_bytes: int = STATE_BYTES) -> list[Subgroup]:
+              weight_bytes: int = 4, state_bytes: int = STATE_BYTES, weight_down: bool = False) -> list[Subgroup]:
     """Tensors of ``numels`` (in the order their gradients become final) packed into subgroups of at most
     ``subgroup_bytes`` of fp32 parameters (a larger tensor is split: its elements step independently)."""
     if subgroup_bytes < 4:
@@ -134,10 +133,10 @@ def subgroups(numels: Sequence[int], subgroup_bytes: int = DEFAULT_SUBGROUP_BYTE
             current += take
             n -= take
             if current == cap:
-                out.append(Subgroup(current, grad_bytes, weight_bytes, state_bytes=state_bytes))
+                out.append(Subgroup(current, grad_bytes, weight_bytes, state_bytes=state_bytes, weight_down=weight_down))
                 current = 0
     if current:
-        out.append(Subgroup(current, grad_bytes, weight_bytes, state_bytes=state_bytes))
+        out.append(Subgroup(current, grad_bytes, weight_bytes, state_bytes=state_bytes, weight_down=weight_down))
     return out
 
 
@@ -165,7 +164,8 @@ def _chain(g: Subgroup, device: bool, hw: Hardware) -> list[tuple[str, float]]:
     """A subgroup's tasks in order: (resource, seconds)."""
     if device:
         return [("h2d", g.state_bytes * g.numel / hw.h2d), ("gpu", g.numel / hw.gpu_adam), ("d2h", g.state_bytes * g.numel / hw.d2h)]
-    return [("d2h", g.grad_bytes * g.numel / hw.d2h), ("cpu", g.numel / hw.cpu_adam), ("h2d", g.weight_bytes * g.numel / hw.h2d)]
+    down = g.grad_bytes + (g.weight_bytes if g.weight_down else 0)
+    return [("d2h", down * g.numel / hw.d2h), ("cpu", g.numel / hw.cpu_adam), ("h2d", g.weight_bytes * g.numel / hw.h2d)]
 
 
 def simulate(groups: Sequence[Subgroup], on_device: Sequence[bool], hw: Hardware, free_memory: int | None = None) -> Schedule:
@@ -278,11 +278,11 @@ class OffloadPrediction:
 
 def predict(numels: Sequence[int], hw: Hardware, free_memory: int | None = None,
             subgroup_bytes: int = DEFAULT_SUBGROUP_BYTES, grad_bytes: int = 4, weight_bytes: int = 4,
-            state_bytes: int = STATE_BYTES) -> OffloadPrediction:
+            state_bytes: int = STATE_BYTES, weight_down: bool = False) -> OffloadPrediction:
     """Host-only and interleaved update times of offloaded tensors of ``numels`` (all gradients final at
     once: the update phase after backward) on ``hw``; the offloaded bytes are ``state_bytes`` per element
-    (``offload``'s 8 of host memory)."""
-    groups = subgroups(numels, subgroup_bytes, grad_bytes, weight_bytes, state_bytes)
+    (``offload``'s 8 of host memory); ``weight_down``: :class:`Subgroup`'s."""
+    groups = subgroups(numels, subgroup_bytes, grad_bytes, weight_bytes, state_bytes, weight_down)
     free = hw.gpu_memory // 4 if free_memory is None else free_memory
     host = host_only(groups, hw)
     inter = choose(groups, hw, free)

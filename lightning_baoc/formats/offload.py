@@ -24,6 +24,12 @@ from lightning_baoc.formats.base import (
 from lightning_baoc.formats.fused_adam import fused_dense_fp32
 
 HOST = torch.device("cpu")
+#: Default size of the subgroups the offloaded states are updated in: bytes of fp32 parameters (64 MiB: 16,777,216
+#: elements; the paper's subgroups are of this order), :mod:`lightning_baoc.optim.offload_schedule`.
+DEFAULT_SUBGROUP_BYTES = 64 << 20
+#: Bytes per element of ``offload``'s host-held state: fp32 ``exp_avg`` and ``exp_avg_sq`` (what the device path
+#: moves each way; the weight on the device is its own master).
+STATE_BYTES = 8
 
 
 class Offload(StateFormat):

@@ -52,6 +52,7 @@ from lightning_baoc.optim.checkpoint import CheckpointError, load_checkpoint
 from lightning_baoc.optim.convert import StateSlices
 from lightning_baoc.optim.gradient_release import ReleaseHooks
 from lightning_baoc.optim.masters import MasterWeights
+from lightning_baoc.optim.offload_schedule import OffloadSchedule, OffloadScheduler, resolve_schedule
 from lightning_baoc.optim.persist import CheckpointCodec
 from lightning_baoc.optim.pools import Record, StatePools
 from lightning_baoc.optim.sharding import check_placements, flat_shards, row_shards, shard_offset
@@ -61,7 +62,7 @@ from lightning_baoc.optim.validate import plan_load
 #: Mixed into the rounding key of a conversion, so that it never reuses a step's noise.
 _CONVERSION_SALT = 0x5A17C0DE
 #: The attributes holding the optimizer's parts: built again in a copy, never copied.
-_PARTS = ("_pools", "_stepper", "_masters", "_release", "_codec")
+_PARTS = ("_pools", "_stepper", "_masters", "_release", "_codec", "_offload")
 
 
 class BlockwiseOptimizer(torch.optim.Optimizer):
@@ -136,6 +137,8 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         self._pools = StatePools(self._records, self.format_registry, self._stepper.forget_plans)
         self._masters = MasterWeights(self._records, self._stepper.forget_plans)
         self._release = ReleaseHooks(self._records)
+        self._offload = OffloadScheduler(self._records, self._stepper, self.format_registry,
+                                         getattr(self, "_offload_settings", None), self._step_settings.atomic)
         self._codec = CheckpointCodec(self._records, self._names, self._pools, self._stepper, self.format_registry,
                                       self.rule, self.label, self.min_8bit_numel)
 
@@ -452,6 +455,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         self._initialize_new()
         self._masters.sync(self.param_groups)
         waited = self._release.new_window()  # a new window: each parameter may release its gradient once again
+        batches = self._offload.step(batches, self._hyper)  # offloaded states by subgroups (optim/offload_schedule.py)
         self._stepper.step(batches, self._hyper)
         for p in waited:  # gradients that waited for step() under release (reentrant checkpointing) go as released ones
             p.grad = None
@@ -756,6 +760,13 @@ class BlockwiseAdamW(BlockwiseOptimizer):
         atomic_step: undo a step that raises part-way, so that it changes nothing (default: False). It
             keeps a host copy of the stepped parameters and states during each step: a transient of
             their bytes, never on the accelerator (:mod:`lightning_baoc.optim.journal`).
+        offload_schedule: how ``offload`` states are updated, by subgroups of about 64 MiB: ``"interleaved"``
+            (each subgroup on the host or the device, as the performance model finds fastest, transfers on
+            their own CUDA streams), ``"host"`` (all on the CPU: static offload) or ``"device"``; or an
+            :class:`~lightning_baoc.optim.offload_schedule.OffloadSchedule` for the subgroup size, overlap
+            with backward and the rates. Default: ``"interleaved"`` for CUDA parameters, and on the CPU the
+            plain step (a given schedule runs there with the CPU standing in for the device; the states
+            are counted as device memory either way) (:mod:`lightning_baoc.optim.offload_schedule`).
 
     Raises:
         ValueError: an invalid hyperparameter, or ``amsgrad``/``capturable``/``differentiable``
@@ -800,8 +811,10 @@ class BlockwiseAdamW(BlockwiseOptimizer):
         param_names: nn.Module | Iterable[tuple[str, Tensor]] | None = None,
         kernels: str | None = None,
         atomic_step: bool = False,
+        offload_schedule: str | OffloadSchedule | None = None,
     ) -> None:
         check_torch_options(lr, betas, foreach, fused, capturable, differentiable)
+        self._offload_settings = resolve_schedule(offload_schedule)
         defaults = dict(
             lr=lr,
             betas=betas,

@@ -36,7 +36,10 @@ def test_one_subgroup_s_paths_take_their_chain_of_transfers_and_update() -> None
     hw = calibrated(hardware("h100-pcie5"), latency=0.0)
     g = [Subgroup(SUBGROUP, grad_bytes=2, weight_bytes=2)]
     host = simulate(g, [False], hw).seconds
+    # the host path: the bf16 gradient down (the host keeps a copy of the weight), the CPU's update, the weight up
     assert host == pytest.approx(2 * SUBGROUP / hw.d2h + SUBGROUP / hw.cpu_adam + 2 * SUBGROUP / hw.h2d)
+    copied = simulate([Subgroup(SUBGROUP, 2, 2, weight_down=True)], [False], hw).seconds  # no host copy: the weight too
+    assert copied == pytest.approx(4 * SUBGROUP / hw.d2h + SUBGROUP / hw.cpu_adam + 2 * SUBGROUP / hw.h2d)
     device = simulate(g, [True], hw).seconds
     assert device == pytest.approx(STATE_BYTES * SUBGROUP / hw.h2d + SUBGROUP / hw.gpu_adam + STATE_BYTES * SUBGROUP / hw.d2h)
 

@@ -1,0 +1,278 @@
+"""The scheduled update of ``offload`` states (``lightning_baoc/optim/offload_schedule.py``), on the CPU standing in
+for the device: every schedule held to the ``fp32`` step over 50 steps, with skipped steps, a conversion, a
+resume, gradient accumulation, overlap with backward and clipping."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_baoc import BlockwiseAdamW
+from lightning_baoc.costs.offload import Hardware, calibrated, hardware
+from lightning_baoc.optim.offload_schedule import OffloadSchedule, pack, resolve_schedule
+
+#: Subgroups of 4096 fp32 elements: the model below packs into 4, in backward's order: the head (1066 elements), the
+#: 9216-element weight alone, a bias, the first weight (4608, alone).
+SUBGROUP_BYTES = 4 * 4096
+#: Rates that interleave these small subgroups (the model's answer: host, device, host, device, on h100-pcie5's
+#: copies with a slower CPU).
+MIXED = calibrated(hardware("h100-pcie5"), cpu_adam=2e8)
+#: Copies so fast that every subgroup goes to the device (the model's answer: all on the device).
+FAST_PCIE = Hardware("fast", h2d=1e15, d2h=1e15, cpu_adam=1e9, gpu_adam=1e12, latency=0.0)
+#: The device path's distance from the fp32 step after 50 steps, in ulps of each tensor's scale (torch's fused
+#: AdamW against the compiled kernel: the same fp32 operations, ordered differently; measured at most 17.5 over
+#: every case below).
+MAX_ULPS = 32.0
+STEPS = 50
+NONFINITE_AT = (7, 31)  # steps whose gradient of "2.weight" holds a NaN: skipped, as the fp32 step skips them
+
+
+def ulps(a: Tensor, b: Tensor) -> float:
+    """Largest ``|a - b|`` in ulps of ``max(|a|, |b|, rms(a))``, element by element (fp32)."""
+    a, b = a.float(), b.float()
+    scale = torch.maximum(torch.maximum(a.abs(), b.abs()), a.square().mean().sqrt())
+    spacing = torch.nextafter(scale, torch.full_like(scale, float("inf"))) - scale
+    return float(((a - b).abs() / spacing).max()) if a.numel() else 0.0
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(48, 96), nn.Tanh(), nn.Linear(96, 96), nn.Tanh(), nn.Linear(96, 10))
+
+
+def _batch(step: int, micro: int) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randn(16, 48, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+
+
+def _optimizer(model: nn.Module, fmt: str, schedule: object, kernels: str | None) -> BlockwiseAdamW:
+    return BlockwiseAdamW(model.named_parameters(), lr=3e-3, weight_decay=0.1, state_format=fmt,
+                          offload_schedule=schedule, kernels=kernels)
+
+
+def _train(fmt: str, schedule: object = None, *, accumulate: int = 1, clip: float | None = None,
+           convert_at: int | None = None, resume_at: int | None = None, skip_window_at: int | None = None,
+           kernels: str | None = None) -> tuple[nn.Module, BlockwiseAdamW]:
+    """50 steps of the model; ``convert_at``: ``fp32`` -> ``fmt`` there (the run starts in ``fp32``), and one
+    layer back to ``fp32`` 15 steps later; ``resume_at``: save, reload (``weights_only``) into a new model and
+    optimizer, go on; ``skip_window_at``: a backward whose step never comes (AMP's skipped step) before it."""
+    model = _model()
+    opt = _optimizer(model, "fp32" if convert_at is not None else fmt, schedule, kernels)
+    for step in range(STEPS):
+        if convert_at is not None and step == convert_at:
+            opt.set_formats({"0": fmt, "2": fmt, "4": fmt})
+        if convert_at is not None and step == convert_at + 15:
+            opt.set_formats({"4": "fp32"})
+        if step == skip_window_at:
+            x, y = _batch(step, 99)
+            F.cross_entropy(model(x), y).backward()
+            opt.zero_grad()  # the step was skipped: its gradients go
+        for micro in range(accumulate):
+            x, y = _batch(step, micro)
+            (F.cross_entropy(model(x), y) / accumulate).backward()
+        if step in NONFINITE_AT:
+            model[2].weight.grad[3, 5] = float("nan")
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        if step == resume_at:
+            buffer = io.BytesIO()
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
+            buffer.seek(0)
+            saved = torch.load(buffer, weights_only=True)
+            model = _model()
+            model.load_state_dict(saved["model"])
+            opt = _optimizer(model, fmt, schedule, kernels)
+            opt.load_state_dict(saved["optimizer"])
+    return model, opt
+
+
+def _distance(a: tuple[nn.Module, BlockwiseAdamW], b: tuple[nn.Module, BlockwiseAdamW]) -> float:
+    """Largest distance in ulps over the parameters and both moments of every parameter."""
+    (ma, oa), (mb, ob) = a, b
+    worst = 0.0
+    for (name, pa), pb in zip(ma.named_parameters(), mb.parameters()):
+        sa, sb = oa.param_state(name), ob.param_state(name)
+        worst = max(worst, ulps(pa.detach(), pb.detach()), ulps(sa.exp_avg, sb.exp_avg),
+                    ulps(sa.dense_v(), sb.dense_v()))
+        assert oa.step_count(name) == ob.step_count(name)
+    return worst
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, tuple[nn.Module, BlockwiseAdamW]]:
+    """The fp32 step of each variant of the run (compiled kernels and the eager step)."""
+    return {key: _train("fp32", **kwargs) for key, kwargs in _VARIANTS.items()}
+
+
+_VARIANTS = {
+    "plain": {},
+    "clip": {"clip": 0.5},
+    "accumulate": {"accumulate": 2},
+    "resume": {"resume_at": 24},
+    "skipped window": {"skip_window_at": 12},
+    "eager": {"kernels": "eager"},
+}
+
+SCHEDULES = {
+    "host": OffloadSchedule("host", subgroup_bytes=SUBGROUP_BYTES),
+    "device": OffloadSchedule("device", subgroup_bytes=SUBGROUP_BYTES, hardware=MIXED),
+    "interleaved": OffloadSchedule("interleaved", subgroup_bytes=SUBGROUP_BYTES, hardware=MIXED),
+    "fast pcie": OffloadSchedule("interleaved", subgroup_bytes=SUBGROUP_BYTES, hardware=FAST_PCIE),
+    "no staging": OffloadSchedule("interleaved", subgroup_bytes=SUBGROUP_BYTES, hardware=FAST_PCIE, staging_bytes=0),
+}
+
+
+def _with(schedule: OffloadSchedule, **changes: object) -> OffloadSchedule:
+    from dataclasses import replace
+
+    return replace(schedule, **changes)
+
+
+@pytest.mark.parametrize("variant", list(_VARIANTS))
+@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("overlap", [False, True], ids=["no overlap", "overlap"])
+def test_every_schedule_equals_the_fp32_step_over_50_steps(reference, name: str, variant: str, overlap: bool) -> None:
+    """Host-only is the fp32 step bit for bit (the same compiled CPU kernel over host copies); a schedule with the
+    device path within fp32 ulps (torch's fused AdamW there). Skipped steps skip alike (their counts too)."""
+    kwargs = dict(_VARIANTS[variant])
+    accumulate = int(kwargs.get("accumulate", 1))  # type: ignore[call-overload]
+    schedule = _with(SCHEDULES[name], overlap=overlap, accumulate_grad_batches=accumulate)
+    run = _train("offload", schedule, **kwargs)  # type: ignore[arg-type]
+    last = run[1]._offload.last["cpu"]
+    paths = last["on_device"]
+    expected = {"host": [False] * 4, "device": [True] * 4, "interleaved": [False, True, False, True],
+                "fast pcie": [True] * 4, "no staging": [False] * 4}[name]
+    assert last["subgroups"] == 4 and last["elements"] == [1066, 9216, 96, 4608] and paths == expected, last
+    distance = _distance(reference[variant], run)
+    if not any(paths):
+        assert distance == 0.0, distance
+    else:
+        assert distance <= MAX_ULPS, distance
+    assert run[1].nonfinite_counts == ({"2.weight": len(NONFINITE_AT)} if "clip" not in kwargs else
+                                       {n: len(NONFINITE_AT) for n, _ in run[0].named_parameters()})
+    counters = run[1]._offload.counters
+    if overlap:
+        # the transfers started in backward were used, but where clipping (every gradient) or the NaN written in
+        # changed a gradient after them: those were taken again
+        assert counters["prefetched"] >= STEPS // 2 - 1, counters  # at least one subgroup a step (resumed: half the steps)
+        if "clip" in kwargs:
+            assert counters["reused"] == 0 and counters["retaken"] == counters["prefetched"], counters
+        else:
+            seen = [s for s in NONFINITE_AT if s > int(kwargs.get("resume_at", -1))]  # type: ignore[call-overload]
+            assert counters["reused"] > 0 and counters["retaken"] >= len(seen), counters  # (the resumed optimizer's)
+    else:
+        assert counters == {"prefetched": 0, "reused": 0, "retaken": 0}
+
+
+@pytest.mark.parametrize("name", ["host", "interleaved"])
+def test_a_conversion_into_and_out_of_offload_keeps_the_fp32_trajectory(name: str) -> None:
+    """fp32 -> offload at step 10 (the states move to the schedule whole), one layer back to fp32 at step 25."""
+    reference = _train("fp32")
+    run = _train("offload", SCHEDULES[name], convert_at=10)
+    assert run[1].formats() == {"0.weight": "offload", "0.bias": "offload", "2.weight": "offload",
+                                "2.bias": "offload", "4.weight": "fp32", "4.bias": "fp32"}
+    distance = _distance(reference, run)
+    assert distance == 0.0 if name == "host" else distance <= MAX_ULPS, distance
+
+
+def test_the_plain_offload_step_is_unchanged_on_the_cpu_and_counts_as_device_memory() -> None:
+    """Without ``offload_schedule`` the CPU keeps its own step (nothing scheduled); with one, the state is still
+    the training device's memory (8 bytes per element): offload never makes a CPU budget look met."""
+    plain = _train("offload")
+    assert plain[1]._offload.last == {} and _distance(_train("fp32"), plain) == 0.0
+    model, opt = _train("offload", SCHEDULES["interleaved"])
+    n = sum(p.numel() for p in model.parameters())
+    assert opt.state_bytes() == 8 * n and opt.host_state_bytes() == 0
+    # the host path keeps a copy of each of its weights (fp32 here) and two gradient buffers
+    host = [p for g, d in zip(pack(list(model.parameters())[::-1], SUBGROUP_BYTES), [False, True, False, True])
+            if not d for p in g]
+    assert opt._offload.host_bytes() >= 4 * sum(p.numel() for p in host)
+
+
+def test_a_weight_written_outside_the_step_is_brought_down_again() -> None:
+    """The host copy of a host-path weight holds only while nothing else wrote the weight: an in-place write (a
+    model load) is seen by its version counter, and the next step brings the weight down."""
+    torch.manual_seed(0)
+    runs = []
+    for schedule in (None, SCHEDULES["host"]):
+        model = _model()
+        opt = _optimizer(model, "offload" if schedule else "fp32", schedule, None)
+        for step in range(6):
+            if step == 3:
+                with torch.no_grad():
+                    model[0].weight.mul_(0.5)
+            x, y = _batch(step, 0)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, opt))
+    assert _distance(runs[0], runs[1]) == 0.0
+
+
+def test_bf16_weights_move_at_their_width_and_step_as_the_plain_offload_step() -> None:
+    """bf16 weights and gradients: the host path copies them at 2 bytes an element and steps them with the
+    compiled kernel, as the CPU's own offload step does; the device path through fp32 working copies."""
+    results = {}
+    for key, schedule in (("plain", None), ("host", SCHEDULES["host"]), ("device", SCHEDULES["device"])):
+        model = _model().to(torch.bfloat16)
+        opt = _optimizer(model, "offload", schedule, None)
+        for step in range(10):
+            x, y = _batch(step, 0)
+            F.cross_entropy(model(x.bfloat16()).float(), y).backward()
+            opt.step()
+            opt.zero_grad()
+        results[key] = (model, opt)
+        if schedule is not None:
+            grad_buffers = [b for (d, name), b in opt._offload.host_buffers.items() if name[0] == "slot"]
+            if key == "host":
+                assert max(b.numel() for b in grad_buffers) < 4 * 9216 + 64  # bf16 gradients: 2 bytes an element
+    for key in ("host", "device"):
+        for pa, pb in zip(results["plain"][0].parameters(), results[key][0].parameters()):
+            assert pa.dtype == pb.dtype == torch.bfloat16
+            if key == "host":
+                assert torch.equal(pa, pb)
+            else:  # one bf16 rounding apart at most, where the fp32 updates differ in their last bits
+                assert torch.allclose(pa.float(), pb.float(), rtol=2**-7, atol=1e-6)
+
+
+def test_the_model_s_choices_follow_the_rates_and_the_memory() -> None:
+    """Very fast copies: every subgroup on the device; no staging memory: every one on the host; a device-only
+    schedule that cannot stage is refused with the fix named."""
+    for schedule, expected in ((SCHEDULES["fast pcie"], [True] * 4), (SCHEDULES["no staging"], [False] * 4)):
+        _, opt = _train("offload", schedule)
+        assert opt._offload.last["cpu"]["on_device"] == expected
+    model = _model()
+    opt = _optimizer(model, "offload", OffloadSchedule("device", subgroup_bytes=SUBGROUP_BYTES, staging_bytes=100), None)
+    x, y = _batch(0, 0)
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="stages .* bytes .* more than the 100 bytes free on cpu. Use a smaller "
+                                           "subgroup_bytes, 'interleaved'"):
+        opt.step()
+
+
+def test_the_schedule_argument_is_validated_with_the_allowed_values() -> None:
+    model = _model()
+    with pytest.raises(ValueError, match="Invalid offload_schedule: 'sideways'; allowed: 'interleaved', 'host', 'device'"):
+        BlockwiseAdamW(model.parameters(), offload_schedule="sideways")
+    with pytest.raises(TypeError, match="Invalid offload_schedule: 3; expected"):
+        BlockwiseAdamW(model.parameters(), offload_schedule=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Invalid offload subgroup_bytes: 2; expected an int >= 4"):
+        OffloadSchedule(subgroup_bytes=2)
+    with pytest.raises(ValueError, match="Invalid offload accumulate_grad_batches: 0"):
+        OffloadSchedule(accumulate_grad_batches=0)
+    with pytest.raises(ValueError, match="Unknown hardware profile 'h100'"):
+        OffloadSchedule(hardware="h100")
+    assert resolve_schedule("host") == OffloadSchedule("host") and resolve_schedule(None) is None
+
+
+def test_a_copy_keeps_the_schedule() -> None:
+    model, opt = _train("offload", SCHEDULES["interleaved"])
+    twin = copy.deepcopy(opt)
+    assert twin._offload.settings == SCHEDULES["interleaved"]
