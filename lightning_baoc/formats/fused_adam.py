@@ -164,12 +164,26 @@ def fused_dense_fp32(
 
 def fused_call(
     device: torch.device, params: list[Tensor], grads: list[Tensor], ms: list[Tensor], vs: list[Tensor],
-    counts: list[int], hyper: StepHyper, found_inf: Tensor | None,
+    counts: list[int], hyper: StepHyper, found_inf: Tensor | None, tensor_lr: bool = False,
 ) -> None:
     """One call of the fused kernel (served: :func:`fusable`, :func:`fused_available`) over ``params``
-    with their gradients, moments in the parameters' shapes and step counts, all on ``device``."""
+    with their gradients, moments in the parameters' shapes and step counts, all on ``device``;
+    ``tensor_lr``: the learning rate given as an fp32 tensor on ``device`` (what a CUDA graph reads)."""
     kernel, arguments = fused_arguments(device, params, grads, ms, vs, counts, hyper)
-    kernel(*arguments, found_inf=found_inf, **_options(hyper))
+    options = _options(hyper)
+    if tensor_lr:
+        options["lr"] = torch.full((), hyper.lr, dtype=torch.float32, device=device)
+    kernel(*arguments, found_inf=found_inf, **options)
+
+
+def fused_kernel_options(hyper: StepHyper) -> tuple[Callable[..., None], dict[str, float | bool]]:
+    """torch's fused kernel for ``hyper`` and its options but the learning rate (a CUDA graph's step gives it
+    as a tensor: :mod:`lightning_baoc.optim.graph_step`)."""
+    kernel = _kernel(hyper.decoupled_weight_decay)
+    assert kernel is not None  # the plan sent fp32 tensors to it only where it is available
+    options = _options(hyper)
+    del options["lr"]
+    return kernel, options
 
 
 def fused_arguments(

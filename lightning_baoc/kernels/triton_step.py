@@ -65,7 +65,7 @@ _SUPER = 1024
 #: tensor the kernel does not read for this format is given the parameter's address). The first
 #: super-block of each tensor follows the rows.
 _COLUMNS = ("param", "grad", "correction", "m", "m_scale", "m_exp", "v", "v_scale", "v_exp", "row_factor",
-            "col_factor", "skip_flag", "numel", "cols", "noise_key", "lr_step", "inv_sqrt_bc2")
+            "col_factor", "skip_flag", "numel", "cols", "noise_key", "lr_step", "inv_sqrt_bc2", "decay")
 _SKIP_COLUMN, _NUMEL_COLUMN, _KEY_COLUMN = (_COLUMNS.index(name) for name in ("skip_flag", "numel", "noise_key"))
 
 
@@ -83,8 +83,9 @@ def _f32(x: float) -> float:
 
 if triton is not None:
     _COLUMN_COUNT = tl.constexpr(len(_COLUMNS))
-    _SKIP_FLAG, _NUMEL, _COLS, _NOISE_KEY, _LR_STEP, _INV_SQRT_BC2 = (
-        tl.constexpr(_COLUMNS.index(name)) for name in ("skip_flag", "numel", "cols", "noise_key", "lr_step", "inv_sqrt_bc2")
+    _SKIP_FLAG, _NUMEL, _COLS, _NOISE_KEY, _LR_STEP, _INV_SQRT_BC2, _DECAY = (
+        tl.constexpr(_COLUMNS.index(name))
+        for name in ("skip_flag", "numel", "cols", "noise_key", "lr_step", "inv_sqrt_bc2", "decay")
     )
 
     @triton.jit
@@ -323,7 +324,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["count"])
     def _adamw_tensors(
-        table, count, any_flag, decay, l2, beta2, one_minus_beta2, lerp_coeff, eps, gsign, limit_m, limit_v,
+        table, count, any_flag, l2, beta2, one_minus_beta2, lerp_coeff, eps, gsign, limit_m, limit_v,
         M: tl.constexpr, V: tl.constexpr, LERP_SMALL: tl.constexpr, L2: tl.constexpr,
         W: tl.constexpr, G: tl.constexpr, CB: tl.constexpr, SKIP: tl.constexpr, SEARCH: tl.constexpr,
         REPAIR: tl.constexpr,
@@ -360,7 +361,8 @@ if triton is not None:
             _ptr(row, 5, tl.int8), _ptr(row, 6, VT), _ptr(row, 7, tl.float16), _ptr(row, 8, tl.int8),
             _ptr(row, 9, tl.float32), _ptr(row, 10, tl.float32), pid - tl.load(first + lo), tl.load(row + _COLS),
             tl.load(row + _NUMEL), _int32_at(row, _NOISE_KEY), _int32_at(row, _LR_STEP).to(tl.float32, bitcast=True),
-            decay, l2, beta2, one_minus_beta2, lerp_coeff, _int32_at(row, _INV_SQRT_BC2).to(tl.float32, bitcast=True),
+            _int32_at(row, _DECAY).to(tl.float32, bitcast=True), l2, beta2, one_minus_beta2, lerp_coeff,
+            _int32_at(row, _INV_SQRT_BC2).to(tl.float32, bitcast=True),
             eps, gsign, limit_m, limit_v, M, V, LERP_SMALL, L2, W, G, CB,
         )
 
@@ -467,21 +469,29 @@ def _launch_kind(param: Tensor, grad_dtype: torch.dtype, corr: Tensor | None, sk
 
 
 def _row(it: Any, corr: Tensor | None, keys: tuple[str | None, ...], factors: tuple[Tensor, Tensor, int] | None,
-         scalars: tuple[int, int]) -> list[int]:
+         scalars: tuple[int, int], decay: int) -> list[int]:
     """One tensor's row of the launch's table (:data:`_COLUMNS`): its addresses (``keys``: its states' names
     in the column order, ``None`` for those its format has not), then its scalars (``scalars``: the bits of
-    its step size and of its ``1 / sqrt(bias_correction2)``)."""
+    its step size and of its ``1 / sqrt(bias_correction2)``; ``decay``: :func:`decay_bits`)."""
     p = it.param.data_ptr()
     addresses = [p, it.grad.data_ptr(), *_state_addresses(it.param, it.views, corr, keys)]
     row_factor, col_factor, cols = factors if factors is not None else (it.param, it.param, 1)
     addresses += [row_factor.data_ptr(), col_factor.data_ptr(), p if it.skip_flag is None else it.skip_flag.data_ptr()]
-    return addresses + [it.param.numel(), cols, _signed32(it.noise_key & 0xFFFFFFFF), *scalars]
+    return addresses + [it.param.numel(), cols, _signed32(it.noise_key & 0xFFFFFFFF), *scalars, decay]
 
 
 def step_scalars(bias_correction1: float, bias_correction2: float, has_m: bool, lr: float) -> tuple[int, int]:
-    """The bits of a tensor's step size and of its ``1 / sqrt(bias_correction2)`` (its table's last columns)."""
+    """The bits of a tensor's step size and of its ``1 / sqrt(bias_correction2)`` (its table's columns
+    after the rounding key)."""
     lr_step = -lr / bias_correction1 if has_m else -lr
     return _float_bits(lr_step), _float_bits(1.0 / math.sqrt(bias_correction2))
+
+
+def decay_bits(hyper: Any) -> int:
+    """The bits of the decoupled weight decay's factor ``1 - lr * weight_decay`` (fp32; 1 without it): the
+    table's last column, so that a launch captured in a CUDA graph reads the step's learning rate."""
+    wd = hyper.weight_decay
+    return _float_bits(_f32(1.0 - hyper.lr * wd) if wd != 0.0 and hyper.decoupled_weight_decay else 1.0)
 
 
 def _common(kinds: tuple[int, int], hyper: Any, limit_m: float, limit_v: float) -> dict[str, Any]:
@@ -491,7 +501,7 @@ def _common(kinds: tuple[int, int], hyper: Any, limit_m: float, limit_v: float) 
     w = _f32(1.0 - hyper.beta1)
     small = abs(w) < 0.5
     return dict(
-        decay=_f32(1.0 - hyper.lr * wd) if wd != 0.0 and decoupled else 1.0, l2=_f32(wd), beta2=_f32(hyper.beta2),
+        l2=_f32(wd), beta2=_f32(hyper.beta2),
         one_minus_beta2=_f32(1.0 - hyper.beta2), lerp_coeff=w if small else _f32(w - 1.0), eps=_f32(hyper.eps),
         gsign=-1.0 if hyper.maximize else 1.0, limit_m=_f32(limit_m), limit_v=_f32(limit_v), M=m_kind, V=v_kind,
         LERP_SMALL=small, L2=wd != 0.0 and not decoupled,
@@ -534,6 +544,7 @@ def adamw_step(
     alive = []  # the factored formats' factors, read by the launches below
     keys = _M_KEYS.get(m_kind, (None, None, None)) + _V_KEYS[v_kind]
     scalars: dict[tuple[float, float], tuple[int, int]] = {}  # by bias corrections: most tensors share them
+    decay = decay_bits(hyper)
     for it, corr in zip(items, corrections or [None] * len(items)):
         n = it.param.numel()
         if n == 0:
@@ -570,7 +581,7 @@ def adamw_step(
         if bits is None:
             bits = scalars[(it.bias_correction1, it.bias_correction2)] = step_scalars(
                 it.bias_correction1, it.bias_correction2, has_m, hyper.lr)
-        rows += _row(it, corr, keys, factors, bits)
+        rows += _row(it, corr, keys, factors, bits, decay)
         firsts.append(firsts[-1] + (n + _SUPER - 1) // _SUPER)
     if not launches:
         return

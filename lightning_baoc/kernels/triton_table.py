@@ -35,7 +35,7 @@ class Table:
         rows, self.kind = [], []
         for p, g_dtype, v, corr in zip(params, grad_dtypes, views, corrections):
             ptr = p.data_ptr()
-            rows.append([ptr, 0, *ts._state_addresses(p, v, corr, keys), ptr, ptr, 0, p.numel(), 1, 0, 0, 0])
+            rows.append([ptr, 0, *ts._state_addresses(p, v, corr, keys), ptr, ptr, 0, p.numel(), 1, 0, 0, 0, 0])
             self.kind.append(ts._launch_kind(p, g_dtype, corr, True))
         self.rows = np.array(rows, dtype=np.int64).reshape(len(rows), len(ts._COLUMNS))
         self.blocks = (self.rows[:, ts._NUMEL_COLUMN] + ts._SUPER - 1) // ts._SUPER
@@ -43,16 +43,19 @@ class Table:
                         for kind in dict.fromkeys(self.kind)}  # the rows of each launch, when all tensors step
 
     def launch(self, hyper: Any, limit_m: float, limit_v: float, device: torch.device, grads: list[int],
-               skips: Any, keys: Any, step_bits: Any, select: Any = None, repair: Tensor | None = None) -> None:
+               skips: Any, keys: Any, step_bits: Any, decay: int, select: Any = None,
+               repair: Tensor | None = None) -> None:
         """Step the tensors (or those of ``select``, indices into them): ``grads``, their gradients'
         addresses; ``skips``, their skip flags' addresses; ``keys``, their rounding keys; ``step_bits``,
         ``[k, 2]``: the bits of their step sizes and of their ``1 / sqrt(bias_correction2)``
-        (:func:`~.triton_step.step_scalars`): numpy arrays (the gradients' addresses a list), one entry per selected tensor."""
+        (:func:`~.triton_step.step_scalars`): numpy arrays (the gradients' addresses a list), one entry per selected
+        tensor; ``decay``: the bits of the decoupled weight decay's factor (:func:`~.triton_step.decay_bits`)."""
         rows = self.rows.copy() if select is None else self.rows[select]  # (indexing copies)
         rows[:, 1] = grads
         rows[:, ts._SKIP_COLUMN] = skips
         rows[:, ts._KEY_COLUMN] = np.where(keys >= 1 << 31, keys - (1 << 32), keys)  # sign-extended int32
-        rows[:, ts._KEY_COLUMN + 1 :] = step_bits
+        rows[:, ts._KEY_COLUMN + 1 : ts._KEY_COLUMN + 3] = step_bits
+        rows[:, ts._KEY_COLUMN + 3] = decay
         blocks = self.blocks if select is None else self.blocks[select]
         by_kind = self.by_kind
         if select is not None:

@@ -192,13 +192,16 @@ class Chosen:
     def params(self) -> list[Tensor]:
         return [e.param for e in self.entries]
 
-    def step(self, hyper: StepHyper, seed: int, flags: list[tuple[DeferredFlags, int, Tensor]]) -> None:
+    def step(self, hyper: StepHyper, seed: int, flags: list[tuple[DeferredFlags, int, Tensor]],
+             tensor_lr: bool = False) -> None:
         """Step the entries with their flags (``flags``: each entry's, in order, from
         :meth:`StepDispatcher._device_flags <lightning_baoc.optim.stepping.StepDispatcher._device_flags>`):
         their counts advance now (one numpy operation over the plan's counts), a skip is applied when next
         read (:class:`~lightning_baoc.optim.pools.DeferredFlags`). One launch per format and device: the
         Triton kernel's (:meth:`Table.launch <lightning_baoc.kernels.triton_table.Table.launch>`), or for
-        fp32 tensors torch's fused kernel, then the Triton kernel where it skipped any (``repair``)."""
+        fp32 tensors torch's fused kernel, then the Triton kernel where it skipped any (``repair``).
+        ``tensor_lr``: the fused kernel reads the learning rate from an fp32 tensor, as under a CUDA graph
+        (:mod:`lightning_baoc.optim.graph_step`), so that the two steps are the same bits."""
         plan, rows = self.plan, self.rows
         array, at = plan.array, plan.index[rows]
         array[at, 0] += 1
@@ -227,7 +230,7 @@ class Chosen:
             # device is set; then the Triton kernel steps the finite ones where it was, as the unplanned step does.
             # A tensor alone takes its own flag, with nothing to repair.
             found_inf = run.found_inf(members, skip)
-            fused_call(*run.fused_arguments(launched, members), found_inf)
+            fused_call(*run.fused_arguments(launched, members), found_inf, tensor_lr)
             if len(launched) > 1:
                 launch.table.launch(*run.launch_arguments(launched, members, skip), found_inf)
 
@@ -245,7 +248,7 @@ class _Step:
     def launch_arguments(self, entries: list[_Entry], members: list[int], skip: Tensor) -> tuple:
         """The arguments of the Triton launch of ``entries`` (rows of one table, in its order; ``members``:
         their indices in the step; ``skip``: their device's skip flags) but its ``repair``."""
-        from lightning_baoc.kernels.triton_step import step_scalars
+        from lightning_baoc.kernels.triton_step import decay_bits, step_scalars
 
         launch = entries[0].launch
         assert launch is not None  # every entry has its launch
@@ -261,7 +264,7 @@ class _Step:
                         dtype=np.int64).reshape(-1, 2)
         flags = skip.data_ptr() + 4 * self.indices[which]  # fp32 elements of the device's flags
         return (self.hyper, M_SCALE_MAX, V_SCALE_MAX, entries[0].param.device, [e.param.grad.data_ptr() for e in entries],
-                flags, keys.astype(np.int64), bits[pair_of], select)
+                flags, keys.astype(np.int64), bits[pair_of], decay_bits(self.hyper), select)
 
     def found_inf(self, members: list[int], skip: Tensor) -> Tensor:
         """The flag torch's fused kernel skips on: a tensor alone's own, else any tensor's of the device (a

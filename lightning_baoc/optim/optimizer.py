@@ -440,6 +440,13 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        stepper = self._stepper
+        if stepper.graphs.current is not None:  # the captured step (optim/graph_step.py), where it holds
+            if stepper.unread:
+                stepper.apply_device_skips()
+            if stepper.graphs.replay(self.param_groups, self._hyper, stepper.generation, stepper.count_store.array,
+                                     not (self._release.enabled or self.atomic_step)):
+                return loss
         batches = []  # per group: its index, the group, its parameters with gradients
         for index, group in enumerate(self.param_groups):
             with_grad = [p for p in group["params"] if p.grad is not None]
@@ -456,7 +463,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         self._masters.sync(self.param_groups)
         waited = self._release.new_window()  # a new window: each parameter may release its gradient once again
         batches = self._offload.step(batches, self._hyper)  # offloaded states by subgroups (optim/offload_schedule.py)
-        self._stepper.step(batches, self._hyper)
+        self._stepper.step(batches, self._hyper, None if self._release.enabled else self.param_groups)
         for p in waited:  # gradients that waited for step() under release (reentrant checkpointing) go as released ones
             p.grad = None
         return loss

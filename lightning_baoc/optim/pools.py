@@ -47,6 +47,9 @@ class DeferredFlags:
     counts when a count is next read: at the next step, by which time the copy is done, or at a checkpoint.
     """
 
+    #: read once, then forgotten by each record (a captured step's flags stay: graph_step.GraphSkips)
+    persistent = False
+
     def __init__(self, skip: Tensor, size: int) -> None:
         #: (record, whether its format had a momentum) of each flag, set as the step launches
         self.records: list[tuple[Record, bool] | None] = [None] * size
@@ -130,6 +133,9 @@ class Record:
         if self.unread_skip is None:
             return
         deferred, index = self.unread_skip
+        if deferred.persistent:  # a captured step's flags (optim/graph_step.py): all its records' at once
+            deferred.apply()
+            return
         self.unread_skip = None
         if not deferred.values()[index]:
             counts = self._counts()

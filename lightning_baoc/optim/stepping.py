@@ -51,6 +51,7 @@ from lightning_baoc.formats.quant import M_SCALE_MAX, V_SCALE_MAX, name_salt, st
 from lightning_baoc.kernels import M_FP32, V_FP32, use_triton
 from lightning_baoc.kernels.compiled import KernelItem, compiled_step, kernel_serves
 from lightning_baoc.optim.device_plan import Chosen, CountsStore, DevicePlan
+from lightning_baoc.optim.graph_step import GraphSteps
 from lightning_baoc.optim.journal import StepJournal
 from lightning_baoc.optim.pools import DeferredFlags, Record
 from lightning_baoc.optim.sharding import is_sharded, local, mesh_min
@@ -68,6 +69,7 @@ class StepSettings:
     kernels: str  # the kernel policy: "auto", "compiled" or "eager" (lightning_baoc.kernels)
     label: str  # the optimizer's name in warnings
     atomic: bool = False  # a step that raises is undone (optim/journal.py)
+    graphs: str = "auto"  # the CUDA graph step (optim/graph_step.py): "auto" (on CUDA parameters) or "off"
 
 
 class StepDispatcher:
@@ -105,6 +107,8 @@ class StepDispatcher:
         self.unread: list[DeferredFlags] = []  # the steps whose skips the device decided, read at the next step
         self.plans: dict[tuple[int, tuple[str, ...]], DevicePlan] = {}  # by group and parameter names (device_plan.py)
         self.count_store = CountsStore()  # the records' counts as rows of one array, for the plans
+        self.generation = 0  # advanced whenever a parameter's states or correction are replaced: a graph is dropped
+        self.graphs = GraphSteps(settings.graphs, settings.seed, settings.label, self.warn_skipped)
 
     # ------------------------------------------------------------------ rounding keys
 
@@ -124,7 +128,8 @@ class StepDispatcher:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self, batches: Sequence[tuple[int, Mapping[str, Any], list[Tensor]]], hyper_of: HyperOf) -> None:
+    def step(self, batches: Sequence[tuple[int, Mapping[str, Any], list[Tensor]]], hyper_of: HyperOf,
+             groups: list[dict[str, Any]] | None = None) -> None:
         """One step of the parameters of ``batches`` (per param group: its index, the group, its parameters
         with gradients, their states and corrections in place; ``hyper_of(group)``: its hyperparameters).
 
@@ -140,7 +145,9 @@ class StepDispatcher:
           are finite.
 
         With ``atomic`` set, a :class:`~lightning_baoc.optim.journal.StepJournal` is taken first and restored
-        if the step raises: the step is then undone whole, and the error goes on.
+        if the step raises: the step is then undone whole, and the error goes on. ``groups``: the optimizer's
+        param groups, given by its ``step()``: a step whose parameters all took the device's plans may then be
+        captured for the next (:class:`~lightning_baoc.optim.graph_step.GraphSteps`).
         """
         journal = StepJournal.take([p for _, _, ps in batches for p in ps], self.records, self) if self.atomic else None
         try:
@@ -153,8 +160,14 @@ class StepDispatcher:
             if not rest:
                 return
             route = self._prepare(rest)
+            tensor_lr = self.graphs.on
             for hyper, chosen, flags in route.planned:
-                chosen.step(hyper, self.seed, flags)
+                chosen.step(hyper, self.seed, flags, tensor_lr)
+            if groups is not None:  # the optimizer's step: the next may be captured (graph_step.py)
+                complete = (not compiled and not route.device and not route.eager and len(route.indices) == len(rest)
+                            and all(route.whole))
+                self.graphs.observe([(index, hyper, chosen) for index, (hyper, chosen, _) in zip(route.indices, route.planned)],
+                                    complete, groups, self.generation, self.count_store.array)
             for fmt, hyper, items, corrections, any_skip in route.device:
                 self._device_step(fmt, items, corrections, hyper, any_skip)
             for fmt, hyper, items, corrections in route.eager:
@@ -226,6 +239,8 @@ class StepDispatcher:
             chosen, others = self._planned(index, hyper, params, records, kernels_on)
             if chosen:
                 planned.append((hyper, chosen))
+                route.indices.append(index)
+                route.whole.append(not others)
             if others:
                 ps, recs = [p for p, _ in others], [rec for _, rec in others]
                 on_device = [_decided(self._device_route(p, rec, hyper, kernels_on), rec) for p, rec in others]
@@ -311,9 +326,11 @@ class StepDispatcher:
         return chosen
 
     def forget_plans(self) -> None:
-        """Forget the device's step plans: a parameter's states or correction were replaced (a plan holds
-        the tensors it read: it would keep the old ones alive)."""
+        """Forget the device's step plans and captured step: a parameter's states or correction were replaced
+        (a plan holds the tensors it read: it would keep the old ones alive)."""
         self.plans.clear()
+        self.generation += 1
+        self.graphs.drop()
 
     def _kernel_serves(self, rec: Record, fmt: StateFormat, local_part: Tensor) -> bool:
         """:func:`kernel_serves` for ``rec``'s parameter (its local part ``local_part``), decided once per
@@ -328,6 +345,7 @@ class StepDispatcher:
 
     def apply_device_skips(self) -> None:
         """Apply the skips the device decided at the last step to the counts, and warn of the skipped."""
+        self.graphs.apply_skips()
         for deferred in self.unread:
             skipped = deferred.skipped()
             if skipped:
@@ -511,7 +529,8 @@ class StepDispatcher:
             found_inf = any_skip.amax().view(1)  # any parameter's, on this device (a superset of these: still exact)
         fused_call(items[0].param.device, [it.param for it in items], [it.grad for it in items],
                    [shaped(it.views["exp_avg"], it.param) for it in items],
-                   [shaped(it.views["exp_avg_sq"], it.param) for it in items], counts, hyper, found_inf)  # type: ignore[arg-type]
+                   [shaped(it.views["exp_avg_sq"], it.param) for it in items], counts, hyper, found_inf,  # type: ignore[arg-type]
+                   self.graphs.on)  # the learning rate as the planned and captured steps read it
         if len(items) > 1:
             triton_step.adamw_step(kinds, items, hyper, M_SCALE_MAX, V_SCALE_MAX, None, repair=found_inf)
 
@@ -535,6 +554,9 @@ class _Route:
         self.device: list[tuple[StateFormat, StepHyper, list[StepItem], list[Tensor | None], Tensor | None]] = []
         #: the eager step: (format, hyperparameters, items, their corrections)
         self.eager: list[tuple[StateFormat, StepHyper, list[StepItem], list[Tensor | None]]] = []
+        #: each planned entry's param group (its index), and whether the plan took all of the group's parameters
+        self.indices: list[int] = []
+        self.whole: list[bool] = []
 
 
 def _decided(route: str | None, rec: Record) -> bool:
