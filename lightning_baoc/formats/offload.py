@@ -1,8 +1,11 @@
 """``offload``: fp32 momentum and second moment in host memory (Deep Optimizer States, arXiv 2410.21316).
 
-On an accelerator, the states live in (pinned) host memory and cost the device nothing; the update
-of an offloaded parameter runs on the CPU: its gradient is copied to the host, the fp32 AdamW
-math runs there, and the new parameter values are copied back.
+On an accelerator, the states live in (pinned) host memory and cost the device nothing. Their update is
+scheduled by subgroups, each on the host or on the device as the performance model finds fastest
+(:mod:`lightning_baoc.optim.offload_schedule`, ``BlockwiseAdamW(offload_schedule=...)``); what that part does not
+serve (a master-weight correction, a sharded parameter, gradient release, ``atomic_step``) takes this format's own
+:meth:`Offload.update`: its gradient is copied to the host, the fp32 AdamW math runs there, and the new parameter
+values are copied back.
 
 When training runs on the CPU, host memory *is* the device's memory: the states are then counted
 in full by ``BlockwiseAdamW.state_bytes()`` (8 bytes per element), so ``offload`` can never make a
