@@ -1,7 +1,8 @@
-"""The captured step (``lightning_baoc/optim/graph_step.py``) against the planned one, on the CPU: the device's
-path through Triton's interpreter (``TRITON_INTERPRET=1``, set by ``tests/conftest.py``), the graph through
-:class:`~lightning_baoc.optim.graph_step.TapeBackend`, which records the step's calls at capture and replays
-them with the arguments recorded (a CUDA graph's semantics: a host value read at capture stays what it was).
+"""The captured step (``lightning_baoc/optim/graph_step.py``) against the planned one. On a GPU, real CUDA
+graphs; on the CPU, the device's path through Triton's interpreter (``TRITON_INTERPRET=1``, set by
+``tests/conftest.py``) and the graph through :class:`~lightning_baoc.optim.graph_step.TapeBackend`, which
+records the step's calls at capture and replays them with the arguments recorded (a CUDA graph's semantics:
+a host value read at capture stays what it was).
 
 - 50 steps with skipped steps, a learning-rate schedule, a conversion mid-run and a resume: the same bits as
   the planned step, most steps replayed;
@@ -23,9 +24,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-if torch.cuda.is_available():  # pragma: no cover - the GPU runs the kernels compiled
-    pytest.skip("CUDA present: tests/integrations/test_cuda.py captures real graphs", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it before triton is imported
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it before triton is imported
     pytest.skip("TRITON_INTERPRET=1 is not set", allow_module_level=True)
 pytest.importorskip("triton", reason="triton is not installed (the CUDA step's optional kernels)")
 
@@ -38,21 +39,37 @@ from lightning_baoc.optim import graph_step  # noqa: E402
 @pytest.fixture(autouse=True)
 def device_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """CPU parameters take the device's path (the Triton kernels, torch's fused AdamW for fp32)."""
-    monkeypatch.setattr(kernels, "TRITON_DEVICES", {"cuda", "cpu"})
-    monkeypatch.setattr(stepping, "kernel_serves", lambda *args: False)
+    if not ON_GPU:
+        monkeypatch.setattr(kernels, "TRITON_DEVICES", {"cuda", "cpu"})
+        monkeypatch.setattr(stepping, "kernel_serves", lambda *args: False)
 
 
-def _graphs(opt: BlockwiseAdamW, on: bool) -> graph_step.TapeBackend:
-    tape = graph_step.TapeBackend()
-    opt._stepper.graphs.backend_for = (lambda device: tape) if on else (lambda device: None)  # noqa: SLF001
-    return tape
+class _CountedCuda(graph_step.CudaGraphs):
+    def __init__(self) -> None:
+        self.captures = 0
+
+    def capture(self, body: Any, device: torch.device) -> Any:
+        self.captures += 1
+        return super().capture(body, device)
+
+
+def _graphs(opt: BlockwiseAdamW, on: bool) -> Any:
+    """The graphs of ``opt`` on (CUDA's on a GPU, else the tape) or off (the planned step, as it runs with graphs
+    on: the fused kernel reading a tensor learning rate)."""
+    backend = _CountedCuda() if ON_GPU else graph_step.TapeBackend()
+    opt._stepper.graphs.backend_for = (lambda device: backend) if on else (lambda device: None)  # noqa: SLF001
+    return backend
+
+
+def _noise(shape: Any, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    return (torch.randn(shape, generator=gen) * 1e-2).to(DEVICE, dtype)
 
 
 def _model(seed: int = 0) -> list[tuple[str, nn.Parameter]]:
     gen = torch.Generator().manual_seed(seed)
     shapes = {"a": (37, 101), "b": (300,), "c": (64, 64), "d": (5,), "e": (2, 1024), "f": (3, 11)}
-    named = [(name, nn.Parameter(torch.randn(shape, generator=gen) * 0.1)) for name, shape in shapes.items()]
-    named.append(("h", nn.Parameter((torch.randn(20, 50, generator=gen) * 0.1).to(torch.bfloat16))))
+    named = [(name, nn.Parameter((torch.randn(shape, generator=gen) * 0.1).to(DEVICE))) for name, shape in shapes.items()]
+    named.append(("h", nn.Parameter((torch.randn(20, 50, generator=gen) * 0.1).to(DEVICE, torch.bfloat16))))
     return named
 
 
@@ -99,7 +116,7 @@ def _run(graphs: bool, steps: int = 50) -> tuple[list[torch.Tensor], dict, dict,
             schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
             schedule.load_state_dict(saved_schedule)
         for _, p in named:
-            p.grad.copy_((torch.randn(p.shape, generator=gen) * 1e-2).to(p.dtype))
+            p.grad.copy_(_noise(p.shape, gen, p.dtype))
         if step == 5:
             params["a"].grad[3, 7] = float("nan")
             params["d"].grad[1] = float("inf")
@@ -176,7 +193,7 @@ def _betas(named: list, opt: BlockwiseAdamW) -> None:
 
 
 def _add_group(named: list, opt: BlockwiseAdamW) -> None:
-    extra = nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(3)))
+    extra = nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(3)).to(DEVICE))
     extra.grad = torch.zeros_like(extra)
     named.append(("x", extra))
     opt.add_param_group({"params": [("x", extra)]})
@@ -209,7 +226,7 @@ def test_what_invalidates_a_captured_step(change: Change) -> None:
                 change(named, opt)
             noise = []
             for _, p in named:
-                r = (torch.randn(p.shape, generator=gen) * 1e-2).to(p.dtype)
+                r = _noise(p.shape, gen, p.dtype)
                 if change is _release and step >= 4:
                     noise.append((p, r))
                 elif p.grad is not None:
@@ -235,7 +252,7 @@ def test_what_invalidates_a_captured_step(change: Change) -> None:
 
 
 def test_a_capture_that_fails_turns_graphs_off_with_one_warning() -> None:
-    class Failing(graph_step.TapeBackend):
+    class Failing(graph_step.TapeBackend):  # what a capture's error looks like, on any device
         def capture(self, body: Any, device: torch.device) -> Any:
             raise RuntimeError("operation not permitted when stream is capturing")
 
@@ -259,11 +276,13 @@ def test_gradients_that_move_at_every_step_turn_graphs_off() -> None:
     named = _model()
     opt = _optimizer(named)
     tape = _graphs(opt, True)
+    kept = []  # the old gradients, held: a new one never takes an old one's memory
     with pytest.warns(RuntimeWarning, match="gradients change address from step to step"):
         for step in range(40):
-            for k, (_, p) in enumerate(named):
-                # two steps at one address, then another: captured at each third step, never replayed twice
-                if step % 3 == 0 or p.grad is None:
+            for _, p in named:
+                # three steps at one address, then another: captured at each third step, replayed once
+                if step % 3 == 0:
+                    kept.append(p.grad)
                     p.grad = torch.full_like(p, 1e-3)
             opt.step()
     assert tape.captures == graph_step.MAX_RECAPTURES
@@ -284,12 +303,12 @@ def _host_work(n: int) -> tuple[int, int]:
     """Python calls and torch operations of one replayed step of ``n`` tensors (the graph's replay aside:
     on a GPU it is one call)."""
     gen = torch.Generator().manual_seed(0)
-    named = [(f"w{i}", nn.Parameter(torch.randn(64, generator=gen))) for i in range(n)]
-    opt = BlockwiseAdamW(named, lr=1e-3, state_format="bf16", min_8bit_numel=0)
+    named = [(f"w{i}", nn.Parameter(torch.randn(64, generator=gen).to(DEVICE))) for i in range(n)]
+    opt = BlockwiseAdamW(named, lr=1e-3, state_format="fp32")
     _graphs(opt, True)
     for _, p in named:
         p.grad = torch.full_like(p, 1e-3)
-    for _ in range(4):
+    for _ in range(3):  # two steady steps, then the capture and its first replay
         opt.step()
     graphs = opt._stepper.graphs  # noqa: SLF001
     assert graphs.current is not None and graphs.current.graph is not None
@@ -311,7 +330,7 @@ def _host_work(n: int) -> tuple[int, int]:
     ops = _Ops()  # apart: the mode's own Python runs for each operation
     with ops:
         opt.step()
-    assert graphs.replays == 5  # captured at the third step, replayed at the fourth, fifth and here
+    assert graphs.replays == 4  # captured at the third step, replayed there and at the next three
     return sum(calls.values()), ops.count
 
 
