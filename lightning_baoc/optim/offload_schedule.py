@@ -364,12 +364,15 @@ class OffloadScheduler:
         device_groups = [i for i, d in enumerate(layout.on_device) if d]
         host_groups = [i for i, d in enumerate(layout.on_device) if not d]
         events: list[tuple[str, Any, Any, int]] = []  # (resource, start event, end event, elements) for the rates
-        self._device_path(device, layout, device_groups, hypers, lanes, events)
+        # the staging buffers stay referenced until every lane is done with them: freed earlier, the caching
+        # allocator could hand their memory out again on the stream they were made on while another still reads them
+        staging = self._device_path(device, layout, device_groups, hypers, lanes, events)
         self._host_path(device, layout, host_groups, hypers, lanes, events, seconds)
         for lane in lanes.values():  # the update phase ends here: the next forward reads the new weights
             if lane.stream is not None:
                 torch.cuda.current_stream(device).wait_stream(lane.stream)
                 lane.stream.synchronize()
+        del staging
         wall = time.perf_counter() - started
         self._recalibrate(events, seconds)
         self.last[str(device)] = {
@@ -465,11 +468,13 @@ class OffloadScheduler:
     # ------------------------------------------------------------------ the device path
 
     def _device_path(self, device: torch.device, layout: Layout, indices: list[int], hypers: dict[int, StepHyper],
-                     lanes: dict[str, Lane], events: list) -> None:
+                     lanes: dict[str, Lane], events: list) -> list[Any]:
         """State up, the device's fused fp32 step, state down, for the subgroups ``indices``: each stages its
-        ``m`` and ``v`` in one of two buffers (the subgroup two before it in the same buffer is down first)."""
+        ``m`` and ``v`` in one of two buffers (the subgroup two before it in the same buffer is down first).
+        Returns the staging buffers (and the moments staged in backward), to be kept until the lanes are done."""
+        keep: list[Any] = []
         if not indices:
-            return
+            return keep
         params = [p for i in indices for p in layout.groups[i]]
         finite = iter(self.stepper.finite_mask(params))  # one read of the gradients' finiteness per step
         up, compute, down = lanes["dev_h2d"], lanes["dev_compute"], lanes["dev_d2h"]
@@ -483,6 +488,7 @@ class OffloadScheduler:
             for p in group:  # stepped on the device: a host copy of its weight would be stale
                 self.mirrors.pop(p, None)
             prefetched = self.prefetched.pop((device, i), None)
+            keep.append(prefetched)
             staged = prefetched.staged if prefetched is not None and prefetched.valid(self.records) else None
             if staged is None:
                 if slots[slot] is None:
@@ -539,6 +545,8 @@ class OffloadScheduler:
                     held["exp_avg_sq"].copy_(views["exp_avg_sq"], non_blocking=True)
             freed[slot] = down.record()
             events.append(("d2h", start, freed[slot], STATE_BYTES * sum(p.numel() for p in group)))
+        keep.extend(slots)
+        return keep
 
     # ------------------------------------------------------------------ the host path
 
@@ -550,6 +558,7 @@ class OffloadScheduler:
             return
         down, up = lanes["host_d2h"], lanes["host_h2d"]
         down.wait_current()
+        up.wait_current()  # the weights are written after whatever backward queued that reads them
         uploaded: list[Any] = [None, None]  # per buffer: the event after its weights went up
         copies: dict[int, _Copies] = {}
 

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The interleaved offload schedule measured on one NVIDIA GPU (issue 48, Done-when 4), with its logs:
+#
+#   bash benchmarks/cuda_offload.sh OUT_DIR [SECONDS]
+#
+# from the repository root, with lightning_baoc importable (installed, or this checkout on PYTHONPATH). Runs
+# benchmarks/offload_schedule.py: the optimizer step of 1.2B offloaded parameters (host-only, interleaved, all on
+# the GPU, and fp32 states on the GPU) and a Lightning GPT with every state offloaded, each schedule's iteration
+# time, peak GPU memory and the model's prediction beside the measured update. The CPU's AdamW runs on every core
+# (no OMP_NUM_THREADS=1 here: the host path is the CPU's work). SECONDS (default 540) bounds the run; the results
+# (OUT_DIR/offload_schedule.json, .md) and the log (OUT_DIR/offload_schedule.log) stay in OUT_DIR.
+set -u
+out=${1:?usage: bash benchmarks/cuda_offload.sh OUT_DIR [SECONDS]}
+budget=${2:-540}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
+timeout "$budget" python benchmarks/offload_schedule.py --out "$out" > "$out/offload_schedule.log" 2>&1
+echo "offload_schedule exit $?" | tee -a "$out/gpu.txt"
+tail -n 30 "$out/offload_schedule.log"
