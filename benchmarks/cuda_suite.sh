@@ -48,7 +48,7 @@ rest=$(( $(left) - 30 ))
 part total_memory $rest python3 benchmarks/total_memory.py --device cuda --docs --memory-history memory_history &
 (part tests $rest python3 -m pytest -q -p no:cacheprovider -rs tests/integrations/test_cuda.py \
    tests/optim/test_conversion_memory.py tests/kernels/test_step_decisions.py tests/costs/test_instruments.py \
-   tests/costs/test_calibration.py tests/report/test_memory.py \
+   tests/costs/test_calibration.py tests/report/test_memory.py tests/optim/test_graph_step.py \
    "tests/benchmarks/test_peak_memory.py::test_the_peak_over_the_steady_state_is_within_adamws_own_plus_a_third_of_a_byte" \
    "tests/benchmarks/test_peak_memory.py::test_the_planned_peak_is_the_measured_allocated_peak_within_5_percent"
  part peak_excess $(( $(left) - 25 )) python3 benchmarks/peak_memory.py --excess --accelerator cuda --docs

@@ -127,9 +127,9 @@ def _peer(row: str, params: Any, lr: float) -> torch.optim.Optimizer:
 
         return (AdamW8bit if row == "torchao_8bit" else AdamW4bit)(params, lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
     if row == "flashoptim":
-        import flashoptim  # type: ignore[import-not-found]
+        from flashoptim import FlashAdamW  # type: ignore[import-not-found]
 
-        return flashoptim.AdamW(params, lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
+        return FlashAdamW(params, lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
     raise ValueError(row)
 
 

@@ -32,6 +32,15 @@ Run from the repository root:
     python benchmarks/step_time.py --device cuda --threads 1   # on a GPU (sections *_cuda; steps synchronized)
     python benchmarks/step_time.py --layers 400 --width 64 --threads 1   # 800 small tensors: the host's work
                                                                          # per parameter (section step_time_400x64)
+    python benchmarks/step_time.py --shapes gpt2-small --device cuda --threads 1   # a shape set (section
+                                                                         # step_time_gpt2-small_cuda)
+
+Shape sets (``--shapes``): ``square`` (the default: ``--layers`` x Linear(``--width``)), ``gpt2-small`` (GPT-2
+small's 124M parameters in its 148 tensors), ``ragged`` (21M parameters in 33 tensors unlike the square
+layers: an embedding, wide, narrow, odd-sized and 1-D ones), ``many`` (1,000 tensors of 4,096 elements: the
+host's work per tensor). On a GPU each format's row is its default step (captured in a CUDA graph from its
+third step: ``lightning_baoc/optim/graph_step.py``; the capture's time and the steps replayed are given), and
+a row ``(planned)`` the same step with graphs off.
 
 On a machine whose cores are busy with other work, prefix ``OMP_WAIT_POLICY=PASSIVE`` (recorded
 beside the command on the page): with OpenMP's default spinning, every parallel region at 2 threads waits
@@ -65,6 +74,7 @@ FUSED = "torch AdamW fused"
 FOREACH = "torch AdamW foreach"
 BNB = "bitsandbytes AdamW8bit"
 TORCHAO = "torchao AdamW8bit"
+FLASHOPTIM = "FlashOptim FlashAdamW"
 NO_TEST = "fp32, skip_nonfinite=False"
 
 
@@ -72,9 +82,44 @@ NO_TEST = "fp32, skip_nonfinite=False"
 DEVICE = torch.device("cpu")
 
 
-def build(layers: int, width: int) -> nn.Module:
+def shape_set(name: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The named tensors of a shape set (``--shapes``) but ``square``."""
+    if name == "gpt2-small":
+        d, vocab, context, layers = 768, 50257, 1024, 12
+        out = [("wte", (vocab, d)), ("wpe", (context, d))]
+        for i in range(layers):
+            out += [(f"h{i}.ln_1.weight", (d,)), (f"h{i}.ln_1.bias", (d,)),
+                    (f"h{i}.attn.c_attn.weight", (d, 3 * d)), (f"h{i}.attn.c_attn.bias", (3 * d,)),
+                    (f"h{i}.attn.c_proj.weight", (d, d)), (f"h{i}.attn.c_proj.bias", (d,)),
+                    (f"h{i}.ln_2.weight", (d,)), (f"h{i}.ln_2.bias", (d,)),
+                    (f"h{i}.mlp.c_fc.weight", (d, 4 * d)), (f"h{i}.mlp.c_fc.bias", (4 * d,)),
+                    (f"h{i}.mlp.c_proj.weight", (4 * d, d)), (f"h{i}.mlp.c_proj.bias", (d,))]
+        return out + [("ln_f.weight", (d,)), ("ln_f.bias", (d,))]
+    if name == "ragged":
+        shapes = [(32000, 256)] + [(256, 8192)] * 2 + [(8192, 64)] * 4 + [(1023, 1025)] * 4 + [(777, 1111)] * 2
+        shapes += [(3001,)] * 8 + [(17,)] * 8 + [(1,)] * 4
+        return [(f"t{i}", shape) for i, shape in enumerate(shapes)]
+    if name == "many":
+        return [(f"t{i}", (4096,)) for i in range(1000)]
+    raise SystemExit(f"--shapes: unknown set {name!r}; one of square, gpt2-small, ragged, many")
+
+
+class Tensors(nn.Module):
+    """Named parameters of given shapes (a shape set), nothing else."""
+
+    def __init__(self, shapes: list[tuple[str, tuple[int, ...]]]) -> None:
+        super().__init__()
+        for name, shape in shapes:
+            self.register_parameter(name.replace(".", "_"), nn.Parameter(torch.randn(shape) * 0.02))
+
+
+def build(layers: int, width: int, shapes: str = "square") -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(DEVICE)
+    if shapes == "square":
+        model: nn.Module = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    else:
+        model = Tensors(shape_set(shapes))
+    model = model.to(DEVICE)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     return model
@@ -95,11 +140,15 @@ def optimizers(model: nn.Module) -> dict[str, tuple[torch.optim.Optimizer, float
             eager = BlockwiseAdamW(model.named_parameters(), state_format=fmt, kernels="eager")
             eager.step()
             out[f"{fmt} (eager)"] = (eager, eager.state_bytes() / n)
+            planned = BlockwiseAdamW(model.named_parameters(), state_format=fmt)
+            planned._stepper.graphs.policy = "off"  # the planned step alone  # noqa: SLF001
+            planned.step()
+            out[f"{fmt} (planned)"] = (planned, planned.state_bytes() / n)
     # what the per-parameter non-finite test costs: the fp32 step without it
     unchecked = BlockwiseAdamW(model.named_parameters(), state_format="fp32", skip_nonfinite=False)
     unchecked.step()
     out[NO_TEST] = (unchecked, unchecked.state_bytes() / n)
-    for label, make in ((BNB, _bnb), (TORCHAO, _torchao)):
+    for label, make in ((BNB, _bnb), (TORCHAO, _torchao), (FLASHOPTIM, _flashoptim)):
         try:
             peer = make(model)
             peer.step()
@@ -171,6 +220,27 @@ def _torchao(model: nn.Module) -> torch.optim.Optimizer:
     from torchao.optim import AdamW8bit
 
     return AdamW8bit(model.parameters())
+
+
+def _flashoptim(model: nn.Module) -> torch.optim.Optimizer:
+    from flashoptim import FlashAdamW  # type: ignore[import-not-found]
+
+    return FlashAdamW(model.parameters())
+
+
+def graph_notes(built: dict[str, tuple[torch.optim.Optimizer, float]]) -> str:
+    """Each format's CUDA graph: its captures, their time on the host, and the steps it replayed (or why it is off)."""
+    parts = []
+    for label, (opt, _) in built.items():
+        graphs = getattr(getattr(opt, "_stepper", None), "graphs", None)
+        if graphs is None or graphs.policy == "off" or label.endswith("(eager)"):
+            continue
+        if graphs.captures:
+            seconds = ", ".join(f"{s * 1e3:.0f}" for s in graphs.capture_seconds)
+            parts.append(f"{label}: {graphs.captures} capture(s) ({seconds} ms), {graphs.replays} steps replayed")
+        else:
+            parts.append(f"{label}: no graph ({graphs.off_reason or 'its steps are not all planned'})")
+    return " CUDA graphs: " + "; ".join(parts) + "." if parts else ""
 
 
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -271,6 +341,8 @@ def _arguments() -> argparse.Namespace:
                         help="SGD and Lion: torch's SGD against BlockwiseSGD and BlockwiseLion in every momentum format "
                              "(section step_time_momentum)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the model and the optimizers live")
+    parser.add_argument("--shapes", default="square", choices=["square", "gpt2-small", "ragged", "many"],
+                        help="the tensors: square layers (--layers, --width; the default) or a shape set")
     return parser.parse_args()
 
 
@@ -330,17 +402,21 @@ def main() -> None:
     missing = "; ".join(f"{label}: unavailable ({why})" for label, why in UNAVAILABLE.items())
     notes = f"Memory traffic per second: {floor}. {compiled.capitalize()}." + (f" {missing}." if missing else "")
     notes += spread
+    if DEVICE.type == "cuda":
+        notes += graph_notes(built)
     print(table)
     print(notes)
     section = "step_time_momentum" if args.momentum else "step_time_bf16" if args.bf16_weights else "step_time"
-    if (args.layers, args.width) != (20, 1024):  # another model: a section of its own (many small layers: host work)
+    if args.shapes != "square":
+        section += f"_{args.shapes}"
+    elif (args.layers, args.width) != (20, 1024):  # another model: a section of its own (many small layers: host work)
         section += f"_{args.layers}x{args.width}"
     if DEVICE.type != "cpu":
         section += f"_{DEVICE.type}"
     if not args.quick:
         weights = "bf16 weights and gradients, " if args.bf16_weights else ""
         body = (
-            f"Step time, {n / 1e6:.1f}M parameters ({args.layers} x Linear({args.width}, {args.width})), {weights}"
+            f"Step time, {n / 1e6:.1f}M parameters ({model_text(args, layouts[0][0])}), {weights}"
             f"at {' and '.join(str(t) for t in args.threads)} torch threads: {args.rounds} rounds, each "
             f"optimizer {args.steps} steps per round in a shuffled order, after {args.warmup} warm-up steps; "
             f"median step over the rounds, and median over the rounds of the ratio to {reference}'s "
@@ -350,9 +426,16 @@ def main() -> None:
         write_docs_section("benchmarks/step-time.md", section, body)
 
 
+def model_text(args: argparse.Namespace, model: nn.Module) -> str:
+    """The model of a run, in words."""
+    if args.shapes == "square":
+        return f"{args.layers} x Linear({args.width}, {args.width})"
+    return f"shape set {args.shapes}: {len(list(model.parameters()))} tensors"
+
+
 def build_layout(args: argparse.Namespace) -> tuple[nn.Module, dict[str, tuple[torch.optim.Optimizer, float]]]:
     """One copy of the model (fresh allocations, the same values) and every optimizer over it."""
-    model = build(args.layers, args.width)
+    model = build(args.layers, args.width, args.shapes)
     if args.bf16_weights:
         model = model.to(torch.bfloat16)
     if args.momentum:

@@ -44,6 +44,7 @@ PyTorch's caching allocator repeats from step to step in a steady loop.
 from __future__ import annotations
 
 import operator
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -390,6 +391,7 @@ class GraphSteps:
         self.current: GraphStep | None = None
         self.captures = 0  # graphs captured (the first, then each re-capture)
         self.replays = 0
+        self.capture_seconds: list[float] = []  # the host's time of each capture
         self.off_reason: str | None = None  # why graphs are off for good (said once)
         self._seen: tuple | None = None  # the last step's signature, and how many steps had it
         self._steady = 0
@@ -440,12 +442,14 @@ class GraphSteps:
                 self.turn_off(f"captured {self.captures} times already: the gradients change address from step to "
                               f"step (keep them between steps: zero_grad(set_to_none=False))")
                 return False
+            start = time.perf_counter()
             try:
                 g.capture()
             except Exception as err:  # noqa: BLE001 - any capture error turns graphs off; the step runs planned
                 self.turn_off(f"capture failed ({type(err).__name__}: {err})")
                 return False
             self.captures += 1
+            self.capture_seconds.append(time.perf_counter() - start)
         if not g.fill([h.lr for h in hypers], hypers):
             self.drop()  # a count torch's fused kernel cannot take: the planned step decides
             return False
