@@ -2,8 +2,12 @@
 
 Hook by hook (Lightning 2.6; README.md, "The BAOC callback", has the whole lifecycle):
 
-- ``setup``: refuses strategies that own the optimizer or flatten its parameters (DeepSpeed, FSDP1);
-  ``ModelParallelStrategy`` (FSDP2) runs, each rank holding its shards' states.
+- ``setup``: refuses strategies that flatten the parameters into one state dtype (FSDP1);
+  ``ModelParallelStrategy`` (FSDP2) runs, each rank holding its shards' states. Under
+  ``DeepSpeedStrategy`` (ZeRO 1-3) ``configure_optimizers`` is wrapped so that DeepSpeed builds its
+  engine over BAOC's client optimizer (:mod:`lightning_baoc.integrations.deepspeed`): each rank holds
+  the states of its fragments of DeepSpeed's flat partitions, the gradients are observed inside
+  DeepSpeed's step, checkpoints go through DeepSpeed's own.
 - ``on_fit_start``: installs once: the optimizer ``configure_optimizers`` returned becomes a fp32
   :class:`~lightning_baoc.BlockwiseAdamW` over the same param groups (``strategy.optimizers``
   and every LR scheduler are rebound, so Lightning, the schedulers, ``LearningRateMonitor`` and
@@ -66,11 +70,7 @@ def _refused_strategy(strategy: Any) -> str | None:
 
     name = type(strategy).__name__
     if isinstance(strategy, DeepSpeedStrategy):
-        return (
-            f"BAOC cannot run under {name}: DeepSpeed owns the optimizer and its states (ZeRO partitions "
-            f"them), so their formats cannot be converted per block. Use strategy='ddp' (or a single "
-            f"device) with BAOC, or DeepSpeed without BAOC."
-        )
+        return None  # the DeepSpeed branch (setup, on_fit_start, the batch hooks)
     if isinstance(strategy, FSDPStrategy):
         return (
             f"BAOC cannot run under {name}: FSDP's flat parameters hold one state dtype and parameter-shaped "
@@ -230,6 +230,7 @@ class BAOC(Callback):
         self._restored_early = False
         self._resumed = False  # this fit resumed from a checkpoint (said once its state is restored)
         self._unwrap: Any = None
+        self._deepspeed = False  # under DeepSpeedStrategy: the optimizer is DeepSpeed's client (setup decides)
 
     # ------------------------------------------------------------------ public
 
@@ -310,6 +311,22 @@ class BAOC(Callback):
                 f"Trainer(callbacks=...) holds {len(others) + 1} BAOC callbacks; one optimizer has one "
                 f"allocation: keep a single BAOC"
             )
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        self._deepspeed = isinstance(trainer.strategy, DeepSpeedStrategy)
+        if self._deepspeed:  # DeepSpeed builds its engine in the strategy's setup, over this optimizer
+            try:
+                import deepspeed
+            except ImportError as err:
+                raise ModuleNotFoundError(
+                    f"BAOC under {type(trainer.strategy).__name__} needs DeepSpeed: pip install 'lightning_baoc[deepspeed]'"
+                ) from err
+            from lightning_baoc.integrations.deepspeed import check_offload, wrap_configure_optimizers
+            from lightning_baoc.optim.deepspeed import check_deepspeed_version
+
+            check_deepspeed_version(deepspeed.__version__)
+            check_offload(trainer.strategy.config or {})
+            self._unwrap = wrap_configure_optimizers(pl_module, self.config.min_8bit_numel, self.config.seed)
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -319,6 +336,9 @@ class BAOC(Callback):
                 f"BAOC manages exactly one optimizer; configure_optimizers returned {len(optimizers)}. "
                 f"Return a single torch.optim.AdamW/Adam (several param groups are fine)."
             )
+        if self._deepspeed:
+            self._install_deepspeed(trainer, pl_module)
+            return
         self._restore_before_load(trainer)
         self._meter.start(pl_module.device)  # before install: the corrections and instruments it allocates count
         old = optimizers[0]
@@ -358,6 +378,9 @@ class BAOC(Callback):
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._step_at_batch_start = trainer.global_step
+        if self._deepspeed:  # observed inside DeepSpeed's step, where it hands the client the gradients
+            self.controller.open_released_step(trainer.global_step)
+            return
         optimizer = self.controller.optimizer
         if optimizer is not None and optimizer.releases_gradients:
             # Gradient release steps each parameter during backward: what runs before the step runs
@@ -371,6 +394,11 @@ class BAOC(Callback):
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         # Before the step: new parameters would otherwise take fp32 state outside the budget, and
         # a format dropped from the menu at resume must not run a single step.
+        if self._deepspeed:  # the gradients are observed inside DeepSpeed's step, which comes after this hook
+            event = self.controller.before_step(trainer.global_step, trainer.strategy.broadcast, trainer.is_global_zero)
+            if event is not None:
+                self._report(trainer, event)
+            return
         if self.controller.release_open:  # gradient release: observed in backward, completed here
             self.controller.close_released_step()
             return
@@ -385,6 +413,8 @@ class BAOC(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._at_boundary = trainer.global_step != self._step_at_batch_start
+        if self._deepspeed and self._at_boundary and self.controller.release_open:
+            self.controller.close_released_step()  # DeepSpeed's step has run: its gradients were observed
         self._meter.sample()
         if self._at_boundary and not self._resumed and trainer.global_step == 1:  # the run's first step: its states exist
             rank_zero_info(self.controller.summary())
@@ -508,6 +538,17 @@ class BAOC(Callback):
         self._restored_early = True  # Lightning hands the same state to load_state_dict later
 
     # ------------------------------------------------------------------ internals
+
+    def _install_deepspeed(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Install over DeepSpeed's client: the controller manages its fragments (the optimizer and its
+        schedulers stay DeepSpeed's and Lightning's as they are)."""
+        from lightning_baoc.integrations.deepspeed import fragment_module, zero_client_of
+
+        client = zero_client_of(trainer.strategy)
+        self._meter.start(pl_module.device)
+        self.controller.install(client.inner, fragment_module(pl_module, client))
+        self.controller.check_feasible(trainer.strategy.broadcast, trainer.is_global_zero)
+
 
     def _maybe_allocate(self, trainer: Trainer) -> AllocationEvent | None:
         event = self.controller.maybe_allocate(trainer.global_step, trainer.strategy.broadcast, trainer.is_global_zero)

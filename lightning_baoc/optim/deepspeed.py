@@ -58,6 +58,7 @@ import torch
 from torch import Tensor
 
 from lightning_baoc.formats import Canonical, resolve_in
+from lightning_baoc.formats.base import ShardShape
 from lightning_baoc.formats.quant import SUPER
 from lightning_baoc.optim.checkpoint import CheckpointError
 from lightning_baoc.optim.optimizer import BlockwiseOptimizer
@@ -403,6 +404,13 @@ class ZeroClient(torch.optim.Optimizer):
             view = view.view(f.numel // cols, *f.shape[1:])
         elif f.numel == numel:
             view = view.view(f.shape)
+        # a parameter of its own (sharing the flat tensor's storage), so that a stand-in module can hold it too
+        view = torch.nn.Parameter(view, requires_grad=True)
+        # what a budget counts (BAOC's tables, ``sharding.shard_shape``): per tensor, the most any rank holds
+        shards = [((count // cols, *f.shape[1:]) if rows_whole else (count,), offset)
+                  for offset, count in fmap.spans[f.name] if count]
+        largest = max(shards, key=lambda s: math.prod(s[0]))[0]
+        view.baoc_counted_shape = ShardShape(largest, f.shape if rows_whole or not split else (numel,), shards)
         # a split parameter cut mid-row has no factored form here: decided as a 1-D tensor of its numel
         decision = f.shape if rows_whole or not split else (numel,)
         frame = None
@@ -458,6 +466,11 @@ class ZeroClient(torch.optim.Optimizer):
                     stepped.append(i)
         try:
             self._agree_nonfinite(stepped)
+            observers = list(inner._release.observers.values())  # noqa: SLF001  (BAOC's sampler: the gradients handed here)
+            for i in stepped if observers else ():
+                if self._views[i].grad is not None:
+                    for observe in observers:
+                        observe(self._views[i])
             inner.step()
         finally:
             for i in stepped:

@@ -286,7 +286,11 @@ def shard_starts(p: Tensor) -> tuple[int, ...]:
 def shard_shape(p: Tensor) -> tuple[int, ...]:
     """The shape an allocation counts for ``p`` on each rank: :func:`largest_shard_shape`, as a
     ``formats.base.ShardShape`` when ``p``'s rows are split (its formats decided on the whole
-    parameter, its bytes the most any shard holds); ``p``'s shape when it is not sharded."""
+    parameter, its bytes the most any shard holds); ``p``'s shape when it is not sharded. A fragment of a
+    DeepSpeed partition carries its own (``baoc_counted_shape``, set by ``optim.deepspeed``)."""
+    counted = getattr(p, "baoc_counted_shape", None)
+    if counted is not None:
+        return counted
     largest = largest_shard_shape(p)
     if not splits_rows(p):
         return largest
