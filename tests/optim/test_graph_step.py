@@ -341,3 +341,50 @@ def test_a_replayed_steps_host_work_does_not_grow_with_the_number_of_tensors() -
     assert ops_small == ops_large <= 2
     assert small == large  # the same Python calls for 10 and 1,000 tensors
     assert small < 600
+
+
+def test_cuda_graphs_off_runs_the_planned_step() -> None:
+    named = _model()
+    opt = _optimizer(named)
+    tape = _graphs(opt, True)
+    for _, p in named:
+        p.grad = torch.full_like(p, 1e-3)
+    for _ in range(4):
+        opt.step()
+    assert opt.cuda_graphs and opt._stepper.graphs.replays == 2  # noqa: SLF001
+    opt.cuda_graphs = False
+    for _ in range(4):
+        opt.step()
+    assert not opt.cuda_graphs and opt._stepper.graphs.replays == 2 and tape.captures == 1  # noqa: SLF001
+    with pytest.raises(TypeError, match="cuda_graphs must be True or False"):
+        opt.cuda_graphs = "yes"  # type: ignore[assignment]
+    opt.cuda_graphs = True
+    for _ in range(3):
+        opt.step()
+    assert tape.captures == 2 and opt._stepper.graphs.replays == 3  # noqa: SLF001
+    assert opt.step_count("a") == 11
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA: the replay's synchronisations are CUDA's")
+def test_a_replayed_step_makes_no_host_synchronisation() -> None:
+    """Replayed steps (one with a NaN) under CUDA's sync-debug mode: any synchronising call raises."""
+    named = _model()
+    opt = _optimizer(named)
+    _graphs(opt, True)
+    for _, p in named:
+        p.grad = torch.full_like(p, 1e-3)
+    for _ in range(3):
+        opt.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(3):
+            if step == 1:
+                named[0][1].grad[0, 0] = float("nan")
+            opt.step()
+            named[0][1].grad.fill_(1e-3)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert opt._stepper.graphs.replays == 4  # noqa: SLF001
+    with pytest.warns(RuntimeWarning, match="non-finite gradient for 'a'"):
+        assert opt.nonfinite_counts == {"a": 1}
