@@ -378,13 +378,15 @@ def test_a_replayed_step_makes_no_host_synchronisation() -> None:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for step in range(3):
-            if step == 1:
-                named[0][1].grad[0, 0] = float("nan")
-            opt.step()
-            named[0][1].grad.fill_(1e-3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(3):
+                if step == 1:
+                    named[0][1].grad[0, 0] = float("nan")
+                opt.step()
+                named[0][1].grad.fill_(1e-3)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert opt._stepper.graphs.replays == 4  # noqa: SLF001
-    with pytest.warns(RuntimeWarning, match="non-finite gradient for 'a'"):
-        assert opt.nonfinite_counts == {"a": 1}
+    assert opt.nonfinite_counts == {"a": 1}
+    assert any("non-finite gradient for 'a'" in str(w.message) for w in caught)  # at the step after the NaN's
