@@ -28,7 +28,10 @@ buffers: the first two device-path subgroups). ``step()`` does the rest: every u
 global-norm clipping and AMP's unscaling and skip test, so both stay correct without a condition: a copy whose
 gradient or weight changed after it was taken (``clip_grad_norm_``, ``GradScaler.unscale_``, one more
 micro-batch: each an in-place write that advances the tensor's version counter) is taken again; a window that
-``step()`` never closed (AMP's skipped step) drops its copies at the next backward.
+``step()`` never closed (AMP's skipped step) drops its copies at the next backward. With
+:attr:`OffloadSchedule.update_in_backward`, a host-path subgroup's whole update runs there as well (on CUDA in a
+worker thread, so that backward goes on): for runs without clipping and loss scaling, and ``step()`` refuses,
+naming the setting, a gradient written after its update and a window no ``step()`` closed.
 
 Parameters this part does not serve stay with the optimizer's own step (:mod:`lightning_baoc.optim.stepping`):
 those with a master-weight correction, sharded ones (FSDP2), non-contiguous ones, the steps of gradient release,
@@ -37,8 +40,9 @@ and every parameter of an optimizer built with ``atomic_step=True`` (its journal
 
 from __future__ import annotations
 
-import math
 import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Literal, Mapping, Sequence
@@ -87,6 +91,10 @@ class OffloadSchedule:
             by anything else (an in-place write advances its version counter; another step, its step count). A
             write through ``param.data`` bypasses both: set ``False`` to bring every weight down each step
             (default: True).
+        update_in_backward: with ``overlap``, a host-path subgroup's whole update (the CPU's AdamW, the weights
+            up) runs in backward too, on the gradients backward leaves: for runs without global-norm clipping and
+            without a loss scaler. ``step()`` refuses, naming this setting, a gradient written after its update
+            (clipping, ``GradScaler.unscale_``) and a window no ``step()`` closed (default: False).
 
     Example:
         >>> OffloadSchedule("host").mode
@@ -104,6 +112,7 @@ class OffloadSchedule:
     hardware: str | "Hardware" | None = None
     staging_bytes: int | None = None
     keep_host_weights: bool = True
+    update_in_backward: bool = False
 
     def __post_init__(self) -> None:
         from lightning_baoc.costs.offload import PROFILES, Hardware, hardware
@@ -131,6 +140,11 @@ class OffloadSchedule:
             raise ValueError(f"Invalid offload staging_bytes: {self.staging_bytes!r}; expected an int >= 0 or None")
         if not isinstance(self.keep_host_weights, bool):
             raise TypeError(f"Invalid offload keep_host_weights: {self.keep_host_weights!r}; expected True or False")
+        if not isinstance(self.update_in_backward, bool):
+            raise TypeError(f"Invalid offload update_in_backward: {self.update_in_backward!r}; expected True or False")
+        if self.update_in_backward and not self.overlap:
+            raise ValueError("Invalid offload settings: update_in_backward=True needs overlap=True (the update in "
+                             "backward starts where the transfers do); set both, or neither")
 
 
 def resolve_schedule(value: Any) -> OffloadSchedule | None:
@@ -287,13 +301,18 @@ class OffloadScheduler:
     """
 
     def __init__(self, records: dict[Tensor, Record], stepper: Any, registry: Mapping[str, StateFormat],
-                 settings: OffloadSchedule | None, atomic: bool) -> None:
+                 settings: OffloadSchedule | None, atomic: bool, release: Any = None) -> None:
         self.records = records
         self.stepper = stepper
         self.registry = registry
         self.settings = settings
         self.atomic = atomic
+        self.release = release  # the optimizer's gradient release (its ``enabled``): its hooks step the parameters
+        self.worker: ThreadPoolExecutor | None = None  # the CPU's updates in backward, on CUDA
+        self.hyper_of: Any = None  # the optimizer's hyperparameters of a group (a weak method: no cycle)
+        self.groups: dict[int, Mapping[str, Any]] = {}  # the param groups of the last step, by index
         self.layouts: dict[torch.device, Layout] = {}
+        self.stale: set[torch.device] = set()  # devices whose layout is chosen again at the next step (new rates)
         self.lanes: dict[torch.device, dict[str, Lane]] = {}
         self.handles: dict[Tensor, RemovableHandle] = {}
         self.fired: dict[Tensor, int] = {}  # hook calls in this window, per parameter
@@ -305,7 +324,7 @@ class OffloadScheduler:
         self.measured: dict[str, float] = {}  # rates measured, EMA (h2d, d2h, cpu_adam, gpu_adam)
         #: the last step's figures, per device: subgroups, paths, predicted and measured seconds, copies reused
         self.last: dict[str, Any] = {}
-        self.counters = {"prefetched": 0, "reused": 0, "retaken": 0}
+        self.counters = {"prefetched": 0, "reused": 0, "retaken": 0, "updated_in_backward": 0}
 
     # ------------------------------------------------------------------ which parameters
 
@@ -339,30 +358,72 @@ class OffloadScheduler:
         hypers: dict[int, StepHyper] = {}
         scheduled: dict[torch.device, list[Tensor]] = {}
         rest = []
-        for index, group, params in batches:
-            hyper = hypers[index] = hyper_of(group)
-            left = []
-            for p in params:
-                (scheduled.setdefault(p.device, []) if self.serves(p, self.records[p], hyper) else left).append(p)
-            if left:
-                rest.append((index, group, left))
+        self.hyper_of = weakref.WeakMethod(hyper_of) if hasattr(hyper_of, "__self__") else lambda: hyper_of
         try:
+            done = self._collect_backward_updates()  # refused, naming the setting, where they no longer hold
+            for index, group, params in batches:
+                self.groups[index] = group
+                hyper = hypers[index] = hyper_of(group)
+                left = []
+                for p in params:
+                    if self.serves(p, self.records[p], hyper):
+                        scheduled.setdefault(p.device, []).append(p)
+                    elif p not in done:
+                        left.append(p)
+                if left:
+                    rest.append((index, group, left))
             for device, params in scheduled.items():
-                self._step_device(device, params, hypers)
+                unscheduled = self._step_device(device, params, hypers, done)
+                for index, group, params in batches:  # a subgroup updated in backward in part: the rest goes on
+                    left = [p for p in params if p in unscheduled]
+                    if left:
+                        rest.append((index, group, left))
         finally:
             self.prefetched.clear()  # what this window's step did not use is stale from now on
             self._new_window()
         return rest
 
-    def _step_device(self, device: torch.device, params: list[Tensor], hypers: dict[int, StepHyper]) -> None:
+    def _collect_backward_updates(self) -> set[Tensor]:
+        """The parameters whose update ran in backward (:attr:`OffloadSchedule.update_in_backward`), once it is
+        done and their weights are up; a gradient written after its update is refused, naming the setting."""
+        done: set[Tensor] = set()
+        devices = set()
+        for (device, _), copies in list(self.prefetched.items()):
+            if copies.update is None:
+                continue
+            copies.update.result()  # the worker's error, if any, is raised here
+            changed = [self.records[p].name for p, before in zip(copies.group, copies.grad_versions)
+                       if _grad_version_of(p) != before]
+            if changed:
+                raise RuntimeError(
+                    f"BlockwiseAdamW offload_schedule with update_in_backward=True: the gradient of {changed[0]!r} was "
+                    f"written after its update ran in backward (global-norm clipping, AMP's GradScaler.unscale_, or "
+                    f"more micro-batches than accumulate_grad_batches): that update used the gradient backward left. "
+                    f"Set OffloadSchedule(update_in_backward=False) (the transfers still overlap backward and every "
+                    f"update waits for step()), or train without clipping and loss scaling.")
+            done.update(copies.group)
+            devices.add(device)
+        for device in devices:
+            lane = self._lanes(device)["host_h2d"]
+            if lane.stream is not None:
+                torch.cuda.current_stream(device).wait_stream(lane.stream)
+                lane.stream.synchronize()  # the host copies are written again only once their uploads are done
+        return done
+
+    def _step_device(self, device: torch.device, params: list[Tensor], hypers: dict[int, StepHyper],
+                     done: set[Tensor]) -> set[Tensor]:
+        """Update ``params`` of ``device`` (but the subgroups ``done`` in backward); returns the parameters of a
+        subgroup done in part (a layout that changed since), for the optimizer's own step."""
         settings = self.settings_for(device)
         assert settings is not None  # serves() said so
         layout = self._layout(device, params[::-1], settings)  # backward makes the last layers' gradients first
         lanes = self._lanes(device)
         started = time.perf_counter()
         seconds: dict[str, float] = {}
-        device_groups = [i for i, d in enumerate(layout.on_device) if d]
-        host_groups = [i for i, d in enumerate(layout.on_device) if not d]
+        partial = {i for i, g in enumerate(layout.groups) if any(p in done for p in g)}
+        unscheduled = {p for i in partial for p in layout.groups[i] if p not in done}
+        device_groups = [i for i, d in enumerate(layout.on_device) if d and i not in partial]
+        host_groups = [i for i, d in enumerate(layout.on_device) if not d and i not in partial]
         events: list[tuple[str, Any, Any, int]] = []  # (resource, start event, end event, elements) for the rates
         # the staging buffers stay referenced until every lane is done with them: freed earlier, the caching
         # allocator could hand their memory out again on the stream they were made on while another still reads them
@@ -374,7 +435,7 @@ class OffloadScheduler:
                 lane.stream.synchronize()
         del staging
         wall = time.perf_counter() - started
-        self._recalibrate(events, seconds)
+        self._recalibrate(device, settings, events, seconds)
         self.last[str(device)] = {
             "subgroups": len(layout.groups), "on_device": list(layout.on_device),
             "elements": [sum(p.numel() for p in g) for g in layout.groups],
@@ -382,14 +443,16 @@ class OffloadScheduler:
         }
         if settings.overlap:
             self._attach(device, layout)
+        return unscheduled
 
     # ------------------------------------------------------------------ layout and model
 
     def _layout(self, device: torch.device, params: list[Tensor], settings: OffloadSchedule) -> Layout:
         key = (settings, tuple((self.records[p].name, p.numel(), p.dtype, p.grad.dtype) for p in params))
         layout = self.layouts.get(device)
-        if layout is not None and layout.key == key:
+        if layout is not None and layout.key == key and device not in self.stale:
             return layout
+        self.stale.discard(device)
         from lightning_baoc.costs.offload import Subgroup, choose, simulate, staging_bytes
 
         groups = pack(params, settings.subgroup_bytes)
@@ -438,10 +501,12 @@ class OffloadScheduler:
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return free if bound is None else min(free, bound)
 
-    def _recalibrate(self, events: list[tuple[str, Any, Any, int]], seconds: dict[str, float]) -> None:
+    def _recalibrate(self, device: torch.device, settings: OffloadSchedule, events: list[tuple[str, Any, Any, int]],
+                     seconds: dict[str, float]) -> None:
         """Fold this step's measured rates into :attr:`measured` (an average over steps: each step weighs 1/4):
         the CUDA events' times of each resource's tasks, and the CPU's wall time of its AdamW. A rate that moved
-        by more than a quarter since the layout was chosen makes the next step choose again."""
+        by more than a quarter makes the next step choose again (interleaved, at the rates measured: no profile
+        named); the hooks of overlap keep the layout until then."""
         totals: dict[str, list[float]] = {}
         for resource, start, end, amount in events:
             if start is None or end is None:
@@ -462,8 +527,8 @@ class OffloadScheduler:
             new = rate if old is None else 0.75 * old + 0.25 * rate
             self.measured[resource] = new
             moved |= old is None or abs(new - old) > 0.25 * old
-        if moved and (self.settings is None or self.settings.hardware is None):
-            self.layouts.clear()  # the next step chooses again, at the new rates
+        if moved and settings.mode == "interleaved" and settings.hardware is None:
+            self.stale.add(device)
 
     # ------------------------------------------------------------------ the device path
 
@@ -720,11 +785,21 @@ class OffloadScheduler:
         settings = self.settings_for(p.device)
         if layout is None or settings is None or not settings.overlap or p.grad is None:
             return
+        if self.release is not None and self.release.enabled:  # release steps each parameter in its own hook
+            return
         i = layout.group_of.get(p)
         if i is None:
             return
         fired = self.fired[p] = self.fired.get(p, 0) + 1
         if fired > settings.accumulate_grad_batches:  # step() was skipped: a new window
+            if any(c.update is not None for c in self.prefetched.values()):
+                raise RuntimeError(
+                    f"BlockwiseAdamW offload_schedule with update_in_backward=True: {self.records[p].name!r} received "
+                    f"a gradient again before step() was called, after subgroups were updated in backward on the "
+                    f"last (AMP's GradScaler skipped the step, or accumulate_grad_batches="
+                    f"{settings.accumulate_grad_batches} is fewer than the micro-batches of a step, or reentrant "
+                    f"activation checkpointing delivered the gradient in parts). Set "
+                    f"OffloadSchedule(update_in_backward=False), or accumulate_grad_batches to the run's.")
             self._drop_prefetched(p.device)
             self._new_window()
             fired = self.fired[p] = 1
@@ -736,6 +811,21 @@ class OffloadScheduler:
         if left == 0:
             self._prefetch(p.device, layout, i)
 
+    def _update_in_backward(self, group: list[Tensor], copies: _Copies, up: Lane) -> None:
+        """A host-path subgroup's update in backward, once its copies are down: the CPU's AdamW at the group's
+        hyperparameters now (an LR scheduler steps after ``step()``), the weights up."""
+        hyper_of = self.hyper_of() if self.hyper_of is not None else None
+        if hyper_of is None:
+            raise RuntimeError("the optimizer of this offload schedule is gone")
+        hypers = {index: hyper_of(self.groups[index]) for index in {self.records[p].group for p in group}}
+        synchronize(copies.ready)
+        self._cpu_adam(group, copies, hypers)
+        up.wait_current()
+        with up():
+            for p, copy in zip(group, copies.weights):
+                p.detach().view(-1).copy_(copy, non_blocking=True)
+                self._mirrored(p)
+
     def _prefetch(self, device: torch.device, layout: Layout, i: int) -> None:
         """Start subgroup ``i``'s transfers: a host-path subgroup's weights and gradients down into buffers of
         its own; a device-path one's moments up, where one of the two staging buffers is free."""
@@ -743,8 +833,20 @@ class OffloadScheduler:
         lanes = self._lanes(device)
         if not layout.on_device[i]:
             lanes["host_d2h"].wait_current()
-            self.prefetched[(device, i)] = self._copy_down(device, group, ("prefetch", i), lanes["host_d2h"], [])
+            copies = self.prefetched[(device, i)] = self._copy_down(device, group, ("prefetch", i), lanes["host_d2h"], [])
             self.counters["prefetched"] += 1
+            settings = self.settings_for(device)
+            if settings is not None and settings.update_in_backward:
+                copies.grad_versions = tuple(_grad_version_of(p) for p in group)
+                self.counters["updated_in_backward"] += 1
+                if device.type == "cuda":  # the CPU's AdamW off the autograd thread, while backward goes on
+                    if self.worker is None:
+                        self.worker = ThreadPoolExecutor(1, thread_name_prefix="offload-update")
+                    copies.update = self.worker.submit(self._update_in_backward, group, copies, lanes["host_h2d"])
+                else:
+                    copies.update = Future()
+                    self._update_in_backward(group, copies, lanes["host_h2d"])
+                    copies.update.set_result(None)
             return
         order = [j for j, d in enumerate(layout.on_device) if d]
         if order.index(i) >= 2:  # the double buffers hold the first two; the others go up in step()
@@ -763,6 +865,11 @@ class OffloadScheduler:
                 at += n
         self.prefetched[(device, i)] = _Copies(group, [], [], up.record(), staged).taken_from(self.records)
         self.counters["prefetched"] += 1
+
+
+def _grad_version_of(p: Tensor) -> tuple | None:
+    g = p.grad
+    return None if g is None else (g.data_ptr(), g._version)
 
 
 def _fp32_step(items: list[StepItem], hyper: StepHyper) -> None:
@@ -799,6 +906,8 @@ class _Copies:
     staged: list[dict[str, Tensor]] | None
     versions: tuple = ()
     states: tuple = ()
+    grad_versions: tuple = ()  # of the gradients an update in backward used
+    update: Future | None = None  # that update (OffloadSchedule.update_in_backward)
 
     def __post_init__(self) -> None:
         self.versions = tuple(_version_of(p) for p in self.group)

@@ -57,10 +57,11 @@ def _optimizer(model: nn.Module, fmt: str, schedule: object, kernels: str | None
 
 def _train(fmt: str, schedule: object = None, *, accumulate: int = 1, clip: float | None = None,
            convert_at: int | None = None, resume_at: int | None = None, skip_window_at: int | None = None,
-           kernels: str | None = None) -> tuple[nn.Module, BlockwiseAdamW]:
+           kernels: str | None = None, nan_in_backward: bool = False) -> tuple[nn.Module, BlockwiseAdamW]:
     """50 steps of the model; ``convert_at``: ``fp32`` -> ``fmt`` there (the run starts in ``fp32``), and one
     layer back to ``fp32`` 15 steps later; ``resume_at``: save, reload (``weights_only``) into a new model and
-    optimizer, go on; ``skip_window_at``: a backward whose step never comes (AMP's skipped step) before it."""
+    optimizer, go on; ``skip_window_at``: a backward whose step never comes (AMP's skipped step) before it;
+    ``nan_in_backward``: the NaN of the skipped steps comes from backward itself (a tensor hook), not written after."""
     model = _model()
     opt = _optimizer(model, "fp32" if convert_at is not None else fmt, schedule, kernels)
     for step in range(STEPS):
@@ -72,10 +73,16 @@ def _train(fmt: str, schedule: object = None, *, accumulate: int = 1, clip: floa
             x, y = _batch(step, 99)
             F.cross_entropy(model(x), y).backward()
             opt.zero_grad()  # the step was skipped: its gradients go
+        poison = None
+        if nan_in_backward and step in NONFINITE_AT:
+            poison = model[2].weight.register_hook(lambda g: g.index_put((torch.tensor([3]), torch.tensor([5])),
+                                                                         torch.tensor(float("nan"))))
         for micro in range(accumulate):
             x, y = _batch(step, micro)
             (F.cross_entropy(model(x), y) / accumulate).backward()
-        if step in NONFINITE_AT:
+        if poison is not None:
+            poison.remove()
+        elif step in NONFINITE_AT:
             model[2].weight.grad[3, 5] = float("nan")
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -168,7 +175,7 @@ def test_every_schedule_equals_the_fp32_step_over_50_steps(reference, name: str,
             seen = [s for s in NONFINITE_AT if s > int(kwargs.get("resume_at", -1))]  # type: ignore[call-overload]
             assert counters["reused"] > 0 and counters["retaken"] >= len(seen), counters  # (the resumed optimizer's)
     else:
-        assert counters == {"prefetched": 0, "reused": 0, "retaken": 0}
+        assert counters == {"prefetched": 0, "reused": 0, "retaken": 0, "updated_in_backward": 0}
 
 
 @pytest.mark.parametrize("name", ["host", "interleaved"])
@@ -276,3 +283,112 @@ def test_a_copy_keeps_the_schedule() -> None:
     model, opt = _train("offload", SCHEDULES["interleaved"])
     twin = copy.deepcopy(opt)
     assert twin._offload.settings == SCHEDULES["interleaved"]
+
+
+def _steps(model: nn.Module, opt: BlockwiseAdamW, steps: int, between: object = None, frozen_at: int | None = None) -> None:
+    for step in range(steps):
+        x, y = _batch(step, 0)
+        F.cross_entropy(model(x), y).backward()
+        if step == frozen_at:
+            model[0].weight.grad = None  # a step where one parameter has no gradient
+        if callable(between):
+            between(step, opt)
+        opt.step()
+        opt.zero_grad()
+
+
+def test_groups_of_their_own_hyperparameters_share_subgroups_and_a_missing_gradient_is_left_out() -> None:
+    """Two param groups (their own learning rate and decay) mixed in subgroups, and a step where one weight has
+    no gradient (its subgroup is laid out again without it): the fp32 step's numbers."""
+    runs = []
+    for fmt, schedule in (("fp32", None), ("offload", _with(SCHEDULES["interleaved"], overlap=True))):
+        model = _model()
+        groups = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "lr": 2e-3},
+                  {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "lr": 5e-3,
+                   "weight_decay": 0.0}]
+        opt = BlockwiseAdamW(groups, state_format=fmt, offload_schedule=schedule, param_names=model)
+        _steps(model, opt, 20, frozen_at=9)
+        runs.append((model, opt))
+    assert _distance(runs[0], runs[1]) <= MAX_ULPS
+    assert runs[1][1].step_count("0.weight") == 19
+
+
+def test_a_conversion_between_backward_and_step_drops_the_moments_staged_in_backward() -> None:
+    """Overlap stages device-path moments in backward; a format change before ``step()`` replaces the states, and
+    the staged copies are not used (taken again from the new states)."""
+    def convert(step: int, opt: BlockwiseAdamW) -> None:
+        if step == 5:
+            opt.set_formats({"2": "fp32"})
+        if step == 6:
+            opt.set_formats({"2": "offload"})
+
+    runs = []
+    for fmt, schedule in (("fp32", None), ("offload", _with(SCHEDULES["device"], overlap=True))):
+        model = _model()
+        opt = _optimizer(model, fmt, schedule, None)
+        _steps(model, opt, 12, between=convert)
+        runs.append((model, opt))
+    assert _distance(runs[0], runs[1]) <= MAX_ULPS
+    assert runs[1][1]._offload.counters["reused"] > 0
+
+
+@pytest.mark.parametrize("case", ["atomic_step", "weight_correction", "release"])
+def test_what_the_schedule_does_not_serve_takes_the_optimizer_s_own_step(case: str) -> None:
+    """An atomic step (its journal covers the optimizer's own step), a bf16 weight with a master-weight correction,
+    and gradient release: the optimizer's own offload step, nothing scheduled, the same numbers as without a
+    schedule."""
+    runs = []
+    for schedule in (None, SCHEDULES["interleaved"]):
+        model = _model()
+        kwargs: dict[str, object] = {}
+        if case == "atomic_step":
+            kwargs["atomic_step"] = True
+        if case == "weight_correction":
+            model = model.to(torch.bfloat16)
+            kwargs["weight_correction"] = "ecc8"
+        opt = BlockwiseAdamW(model.named_parameters(), lr=3e-3, state_format="offload", offload_schedule=schedule,
+                             **kwargs)  # type: ignore[arg-type]
+        if case == "release":
+            opt.release_gradients()
+        for step in range(6):
+            x, y = _batch(step, 0)
+            F.cross_entropy(model(x.to(next(model.parameters()).dtype)).float(), y).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, opt))
+        if schedule is not None:
+            assert opt._offload.last == {}
+    for pa, pb in zip(runs[0][0].parameters(), runs[1][0].parameters()):
+        assert torch.equal(pa, pb)
+
+
+_IN_BACKWARD = {"plain": {}, "accumulate": {"accumulate": 2}, "resume": {"resume_at": 24}, "eager": {"kernels": "eager"}}
+
+
+@pytest.mark.parametrize("variant", list(_IN_BACKWARD))
+@pytest.mark.parametrize("name", ["host", "interleaved"])
+def test_updates_in_backward_equal_the_fp32_step(name: str, variant: str) -> None:
+    """``update_in_backward``: each host-path subgroup is updated in its hook, on the last micro-batch; skipped steps
+    (a NaN from backward) skip alike; the same numbers as the fp32 step (host-only: to the bit)."""
+    kwargs = dict(_IN_BACKWARD[variant], nan_in_backward=True)
+    schedule = _with(SCHEDULES[name], overlap=True, update_in_backward=True,
+                     accumulate_grad_batches=int(kwargs.get("accumulate", 1)))  # type: ignore[call-overload]
+    reference = _train("fp32", **kwargs)  # type: ignore[arg-type]
+    run = _train("offload", schedule, **kwargs)  # type: ignore[arg-type]
+    distance = _distance(reference, run)
+    assert distance == 0.0 if name == "host" else distance <= MAX_ULPS, distance
+    assert run[1].nonfinite_counts == {"2.weight": len(NONFINITE_AT)}
+    steps = STEPS - 1 - int(kwargs.get("resume_at", -1))  # type: ignore[call-overload] - the resumed optimizer's
+    host_groups = 4 if name == "host" else 2
+    assert run[1]._offload.counters["updated_in_backward"] == host_groups * (steps - 1), run[1]._offload.counters
+
+
+@pytest.mark.parametrize("case", ["clip", "skipped window"])
+def test_updates_in_backward_refuse_clipping_and_a_skipped_step_naming_the_setting(case: str) -> None:
+    schedule = _with(SCHEDULES["host"], overlap=True, update_in_backward=True)
+    kwargs = {"clip": 0.5} if case == "clip" else {"skip_window_at": 12}
+    message = "written after its update ran in backward" if case == "clip" else "received a gradient again before step"
+    with pytest.raises(RuntimeError, match=message + ".*update_in_backward=False"):
+        _train("offload", schedule, nan_in_backward=True, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="update_in_backward=True needs overlap=True"):
+        OffloadSchedule(update_in_backward=True)
