@@ -138,7 +138,8 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         self._masters = MasterWeights(self._records, self._stepper.forget_plans)
         self._release = ReleaseHooks(self._records)
         self._offload = OffloadScheduler(self._records, self._stepper, self.format_registry,
-                                         getattr(self, "_offload_settings", None), self._step_settings.atomic)
+                                         getattr(self, "_offload_settings", None), self._step_settings.atomic,
+                                         self._release)
         self._codec = CheckpointCodec(self._records, self._names, self._pools, self._stepper, self.format_registry,
                                       self.rule, self.label, self.min_8bit_numel)
 
@@ -440,6 +441,13 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        stepper = self._stepper
+        if stepper.graphs.current is not None:  # the captured step (optim/graph_step.py), where it holds
+            if stepper.unread:
+                stepper.apply_device_skips()
+            if stepper.graphs.replay(self.param_groups, self._hyper, stepper.generation, stepper.count_store.array,
+                                     not (self._release.enabled or self.atomic_step)):
+                return loss
         batches = []  # per group: its index, the group, its parameters with gradients
         for index, group in enumerate(self.param_groups):
             with_grad = [p for p in group["params"] if p.grad is not None]
@@ -456,7 +464,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         self._masters.sync(self.param_groups)
         waited = self._release.new_window()  # a new window: each parameter may release its gradient once again
         batches = self._offload.step(batches, self._hyper)  # offloaded states by subgroups (optim/offload_schedule.py)
-        self._stepper.step(batches, self._hyper)
+        self._stepper.step(batches, self._hyper, None if self._release.enabled else self.param_groups)
         for p in waited:  # gradients that waited for step() under release (reentrant checkpointing) go as released ones
             p.grad = None
         return loss
@@ -564,6 +572,21 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
     def releases_gradients(self) -> bool:
         """Whether gradient release is on (:meth:`release_gradients`)."""
         return self._release.enabled
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether a CUDA step whose parameters all take the device's plans is captured in a CUDA graph and
+        replayed (:mod:`lightning_baoc.optim.graph_step`; on by default, off once a capture failed). Set it
+        ``False`` to run the planned step at every step."""
+        return self._stepper.graphs.on
+
+    @cuda_graphs.setter
+    def cuda_graphs(self, enabled: bool) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"cuda_graphs must be True or False, got {enabled!r}")
+        graphs = self._stepper.graphs
+        graphs.drop()
+        graphs.policy = "auto" if enabled else "off"
 
     @torch.no_grad()
     def _step_released(self, p: Tensor) -> None:
