@@ -178,7 +178,11 @@ class GraphSkips:
         self.pending = False
         if self.event is not None and not self.event.query():
             self.event.synchronize()
-        bad = np.flatnonzero(self.host_np)
+        if self.host_np[-1] != 0:  # AMP's scaler skipped the whole step: taken back, nothing counted or warned of
+            self.array[self.index, 0] -= 1
+            self.array[self.index, 1] -= self.momentum
+            return
+        bad = np.flatnonzero(self.host_np[:-1])
         if not len(bad):
             return
         at = self.index[bad]
@@ -201,7 +205,7 @@ class GraphStep:
     on one device, all of this step's parameters."""
 
     def __init__(self, parts: list[tuple[int, Any, Any]], seed: int, backend: GraphBackend,
-                 on_skipped: Callable[[list[Any]], None]) -> None:
+                 on_skipped: Callable[[list[Any]], None], amp: str = "none") -> None:
         from lightning_baoc.kernels import triton_step as ts
 
         self.parts = parts
@@ -231,7 +235,13 @@ class GraphStep:
         # kernel's found_inf, step counts and learning rates
         self.skip = torch.zeros(n, dtype=torch.float32, device=self.device)
         self.any_skip = torch.zeros(1, dtype=torch.float32, device=self.device)
-        self.flags_host = backend.host_buffer(n, torch.float32)
+        self.flags_host = backend.host_buffer(n + 1, torch.float32)  # the skip flags, then AMP's found_inf
+        # AMP's scaler (optim/amp.py): "none", "found" (its found_inf joins the flags) or "scaled" (and the
+        # gradients are unscaled first), as at the step the graph was built after
+        self.amp = amp
+        self.found = torch.zeros(1, dtype=torch.float32, device=self.device)
+        self.inverse_scale = torch.ones((), dtype=torch.float32, device=self.device)
+        self.unscale_found = torch.zeros(1, dtype=torch.float32, device=self.device)
         self.stage_int = backend.host_buffer(4 * n, torch.int64)  # key, lr_step, inv_sqrt_bc2, decay of each row
         self.stage_float = backend.host_buffer(len(self.fused) + len(parts), torch.float32)  # steps, then lrs
         self.stage_int_np, self.stage_float_np = self.stage_int.numpy(), self.stage_float.numpy()  # views, made once
@@ -300,7 +310,17 @@ class GraphStep:
         on_gpu = self.device.type == "cuda"
         rec.call(self.dev_int.copy_, self.stage_int, non_blocking=on_gpu)
         rec.call(self.dev_float.copy_, self.stage_float, non_blocking=on_gpu)
-        rec.call(_skip_flags, [p.grad for p in self.params], self.skip)
+        grads = [p.grad for p in self.params]
+        if self.amp == "scaled":  # the scaler's unscale_, per dtype (optim/amp.py)
+            by_dtype: dict[torch.dtype, list[Tensor]] = {}
+            for g in grads:
+                by_dtype.setdefault(g.dtype, []).append(g)
+            for group in by_dtype.values():
+                rec.call(torch._amp_foreach_non_finite_check_and_unscale_, group, self.unscale_found, self.inverse_scale)
+        rec.call(_skip_flags, grads, self.skip)
+        if self.amp != "none":  # the scaler's found_inf: every flag set
+            rec.call(self.found.clamp_, max=1.0)
+            rec.call(torch.maximum, self.skip, self.found, out=self.skip)
         if len(self.params) > 1:
             rec.call(torch.amax, self.skip, 0, True, out=self.any_skip)
         per_row = self.dev_int.view(-1, 4)
@@ -311,7 +331,9 @@ class GraphStep:
             rec.call(kernel, params, [p.grad for p in params], ms, vs, [], steps, lr=lr, found_inf=found, **options)
         for table, count, _, kind, common, repair, blocks in self.launches:
             rec.call(_launch, table, count, kind, common, repair, blocks)
-        rec.call(self.flags_host.copy_, self.skip, non_blocking=on_gpu)
+        n = len(self.params)
+        rec.call(self.flags_host[:n].copy_, self.skip, non_blocking=on_gpu)
+        rec.call(self.flags_host[n:].copy_, self.found, non_blocking=on_gpu)
 
     def capture(self) -> None:
         """Record the step (its first replay is the step itself)."""
@@ -424,15 +446,18 @@ class GraphSteps:
     # ------------------------------------------------------------------ the optimizer's step
 
     def replay(self, groups: list[dict[str, Any]], hyper_of: Callable[[Any], Any], generation: int,
-               counts: np.ndarray, allowed: bool) -> bool:
+               counts: np.ndarray, allowed: bool, found_inf: Tensor | None = None,
+               grad_scale: Tensor | None = None) -> bool:
         """Step by the captured graph (capturing it first where it is new) if it holds; ``False``: the planned
         step runs (the graph dropped where something changed). ``generation``: the optimizer's (conversions,
         corrections, loads); ``counts``: its counts' array now; ``allowed``: nothing the graph cannot do (gradient
-        release, an atomic step) is on."""
+        release, an atomic step) is on; ``found_inf``, ``grad_scale``: AMP's scaler's (:mod:`lightning_baoc.optim.amp`),
+        as the graph was captured with (or none)."""
         g = self.current
         if g is None:
             return False
-        if not (allowed and generation == g.generation and counts is g.array and self._holds(g, groups)):
+        if not (allowed and generation == g.generation and counts is g.array and g.amp == amp_mode(found_inf, grad_scale)
+                and self._holds(g, groups)):
             self.drop()
             return False
         g.skips.apply()
@@ -453,6 +478,10 @@ class GraphSteps:
         if not g.fill([h.lr for h in hypers], hypers):
             self.drop()  # a count torch's fused kernel cannot take: the planned step decides
             return False
+        if found_inf is not None:
+            g.found.copy_(found_inf.reshape(1), non_blocking=True)
+        if grad_scale is not None:
+            g.inverse_scale.copy_(grad_scale.double().reciprocal().float().reshape(()), non_blocking=True)
         g.replay()
         self.replays += 1
         return True
@@ -468,10 +497,10 @@ class GraphSteps:
         return g.holds(g.params)
 
     def observe(self, parts: list[tuple[int, Any, Any]], complete: bool, groups: list[dict[str, Any]],
-                generation: int, counts: np.ndarray) -> None:
+                generation: int, counts: np.ndarray, amp: str = "none") -> None:
         """After a planned step: ``parts`` (per group: its index, hyperparameters and the plan's entries that
         stepped); ``complete``: they were all of the step's parameters. Two such steps in a row with the same
-        plans and gradient addresses: the next step is captured."""
+        plans and gradient addresses: the next step is captured (``amp``: :func:`amp_mode` of the step's scaler)."""
         if not self.on or self.current is not None:
             return
         if not complete or not parts:
@@ -486,17 +515,22 @@ class GraphSteps:
         backend = self.backend_for(device)
         if backend is None:
             return
-        signature = (generation, tuple(id(chosen.plan) for _, _, chosen in parts), tuple(map(Tensor.data_ptr, params)),
+        signature = (generation, amp, tuple(id(chosen.plan) for _, _, chosen in parts), tuple(map(Tensor.data_ptr, params)),
                      tuple(map(Tensor.data_ptr, map(_grad_of, params))))
         self._steady = self._steady + 1 if signature == self._seen else 1
         self._seen = signature
         if self._steady < STEADY_STEPS:
             return
-        g = GraphStep(parts, self.seed, backend, self.on_skipped)
+        g = GraphStep(parts, self.seed, backend, self.on_skipped, amp)
         g.generation, g.snapshot = generation, _groups_snapshot(groups)
         g.group_indices = [index for index, _, _ in parts]
         g.every = [p for group in groups for p in group["params"]]
         self.current = g
+
+
+def amp_mode(found_inf: Tensor | None, grad_scale: Tensor | None) -> str:
+    """What AMP's scaler hands a step: nothing, its ``found_inf``, or that and the gradients' scale."""
+    return "none" if found_inf is None else "scaled" if grad_scale is not None else "found"
 
 
 def _groups_snapshot(groups: list[dict[str, Any]]) -> tuple:

@@ -45,6 +45,7 @@ from lightning_baoc.formats import (
     resolve_in,
 )
 from lightning_baoc.formats.base import DEFAULT_CHUNK
+from lightning_baoc.optim.amp import scaler_inputs, unscale_
 from lightning_baoc.optim.args import PERFORMANCE_HINTS, check_torch_options
 from lightning_baoc.optim.args import to_float as _float
 from lightning_baoc.optim.args import validate_hyper as _validate_hyper
@@ -442,12 +443,16 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         stepper = self._stepper
+        grad_scale, found_inf = scaler_inputs(self)  # AMP's scaler's, where amp_scaling is on (optim/amp.py)
         if stepper.graphs.current is not None:  # the captured step (optim/graph_step.py), where it holds
             if stepper.unread:
                 stepper.apply_device_skips()
             if stepper.graphs.replay(self.param_groups, self._hyper, stepper.generation, stepper.count_store.array,
-                                     not (self._release.enabled or self.atomic_step)):
+                                     not (self._release.enabled or self.atomic_step), found_inf, grad_scale):
                 return loss
+        if grad_scale is not None:
+            unscale_([p.grad for group in self.param_groups for p in group["params"] if p.grad is not None],
+                     grad_scale)
         batches = []  # per group: its index, the group, its parameters with gradients
         for index, group in enumerate(self.param_groups):
             with_grad = [p for p in group["params"] if p.grad is not None]
@@ -463,8 +468,9 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         self._initialize_new()
         self._masters.sync(self.param_groups)
         waited = self._release.new_window()  # a new window: each parameter may release its gradient once again
-        batches = self._offload.step(batches, self._hyper)  # offloaded states by subgroups (optim/offload_schedule.py)
-        self._stepper.step(batches, self._hyper, None if self._release.enabled else self.param_groups)
+        batches = self._offload.step(batches, self._hyper, found_inf)  # offloaded states by subgroups (offload_schedule.py)
+        self._stepper.step(batches, self._hyper, None if self._release.enabled else self.param_groups, found_inf,
+                           grad_scale is not None)
         for p in waited:  # gradients that waited for step() under release (reentrant checkpointing) go as released ones
             p.grad = None
         return loss
@@ -572,6 +578,21 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
     def releases_gradients(self) -> bool:
         """Whether gradient release is on (:meth:`release_gradients`)."""
         return self._release.enabled
+
+    @property
+    def amp_scaling(self) -> bool:
+        """Whether ``torch.amp.GradScaler`` hands this optimizer its scale and ``found_inf`` and calls ``step()``
+        at every step, the step unscaling and skipping on the device (:mod:`lightning_baoc.optim.amp`; no host
+        synchronisation), instead of unscaling itself and reading ``found_inf`` on the host. Off by default:
+        Lightning refuses gradient clipping with it on, and BAOC (which samples the gradients before the step,
+        unscaled only with it off) leaves it off."""
+        return bool(self.__dict__.get("_step_supports_amp_scaling", False))
+
+    @amp_scaling.setter
+    def amp_scaling(self, enabled: bool) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"amp_scaling must be True or False, got {enabled!r}")
+        self._step_supports_amp_scaling = enabled
 
     @property
     def cuda_graphs(self) -> bool:

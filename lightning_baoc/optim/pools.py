@@ -50,17 +50,28 @@ class DeferredFlags:
     #: read once, then forgotten by each record (a captured step's flags stay: graph_step.GraphSkips)
     persistent = False
 
-    def __init__(self, skip: Tensor, size: int) -> None:
+    def __init__(self, skip: Tensor, size: int, found_inf: Tensor | None = None) -> None:
         #: (record, whether its format had a momentum) of each flag, set as the step launches
         self.records: list[tuple[Record, bool] | None] = [None] * size
+        # AMP's scaler found an inf (optim/amp.py): the whole step skipped, no parameter's non-finite skip
+        found = torch.zeros(1, dtype=skip.dtype, device=skip.device) if found_inf is None else found_inf.reshape(1)
         if skip.device.type == "cuda":
-            self._host = torch.empty(skip.shape, dtype=skip.dtype, pin_memory=True)
-            self._host.copy_(skip, non_blocking=True)
+            self._host = torch.empty(skip.numel() + 1, dtype=skip.dtype, pin_memory=True)
+            self._host[: skip.numel()].copy_(skip, non_blocking=True)
+            self._host[skip.numel() :].copy_(found, non_blocking=True)
             self._event: Any = torch.cuda.Event()
             self._event.record()
         else:
-            self._host, self._event = skip, None
+            self._host, self._event = torch.cat([skip, found.to(skip.dtype)]), None
         self._values: Any = None
+        self._scaler_skip: bool | None = None
+
+    @property
+    def scaler_skipped(self) -> bool:
+        """Whether AMP's scaler skipped the whole step (its ``found_inf``): counts taken back, nothing counted."""
+        self.values()
+        assert self._scaler_skip is not None
+        return self._scaler_skip
 
     def values(self) -> Any:
         """Whether each parameter stepped (its gradient was finite), a host array: waits for the copy
@@ -68,7 +79,9 @@ class DeferredFlags:
         if self._values is None:
             if self._event is not None and not self._event.query():
                 self._event.synchronize()
-            self._values = self._host.numpy() == 0
+            host = self._host.numpy()
+            self._scaler_skip = bool(host[-1] != 0)
+            self._values = host[:-1] == 0
         return self._values
 
     def skipped(self) -> list[Record]:
@@ -85,7 +98,7 @@ class DeferredFlags:
                 entry[0].apply_device_skip()
                 if not flags[i]:
                     out.append(entry[0])
-        return out
+        return [] if self.scaler_skipped else out  # a step the scaler skipped is no parameter's to warn of
 
 
 @dataclass
@@ -141,7 +154,7 @@ class Record:
             counts = self._counts()
             counts[0] -= 1
             counts[1] -= int(deferred.records[index][1])  # type: ignore[index] - set as the step launched
-            counts[2] += 1
+            counts[2] += int(not deferred.scaler_skipped)  # AMP's scaler's skip is no non-finite gradient's
 
     def advance(self, momentum: bool) -> tuple[int, int]:
         """Count one step (and one of the momentum's, where the format has one): the new (step, m_step)."""

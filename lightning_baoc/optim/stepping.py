@@ -108,6 +108,8 @@ class StepDispatcher:
         self.plans: dict[tuple[int, tuple[str, ...]], DevicePlan] = {}  # by group and parameter names (device_plan.py)
         self.count_store = CountsStore()  # the records' counts as rows of one array, for the plans
         self.generation = 0  # advanced whenever a parameter's states or correction are replaced: a graph is dropped
+        self.found_inf: Tensor | None = None  # AMP's scaler's, for the step running (optim/amp.py)
+        self._found_read: tuple[Tensor, bool] | None = None
         self.graphs = GraphSteps(settings.graphs, settings.seed, settings.label, self.warn_skipped)
 
     # ------------------------------------------------------------------ rounding keys
@@ -129,7 +131,7 @@ class StepDispatcher:
     # ------------------------------------------------------------------ the step
 
     def step(self, batches: Sequence[tuple[int, Mapping[str, Any], list[Tensor]]], hyper_of: HyperOf,
-             groups: list[dict[str, Any]] | None = None) -> None:
+             groups: list[dict[str, Any]] | None = None, found_inf: Tensor | None = None, scaled: bool = False) -> None:
         """One step of the parameters of ``batches`` (per param group: its index, the group, its parameters
         with gradients, their states and corrections in place; ``hyper_of(group)``: its hyperparameters).
 
@@ -147,12 +149,18 @@ class StepDispatcher:
         With ``atomic`` set, a :class:`~lightning_baoc.optim.journal.StepJournal` is taken first and restored
         if the step raises: the step is then undone whole, and the error goes on. ``groups``: the optimizer's
         param groups, given by its ``step()``: a step whose parameters all took the device's plans may then be
-        captured for the next (:class:`~lightning_baoc.optim.graph_step.GraphSteps`).
+        captured for the next (:class:`~lightning_baoc.optim.graph_step.GraphSteps`). ``found_inf``: AMP's
+        scaler's (:mod:`lightning_baoc.optim.amp`): where set, the whole step is skipped, decided on the device
+        where every parameter's skip is (it joins their flags), else read on the host first; ``scaled``: the
+        scaler handed the gradients' scale too (they were unscaled before this call).
         """
         journal = StepJournal.take([p for _, _, ps in batches for p in ps], self.records, self) if self.atomic else None
         try:
             self.apply_device_skips()
             compiled, rest = self._route(batches, hyper_of)
+            self.found_inf = found_inf
+            if found_inf is not None and compiled and bool(found_inf):  # the compiled kernels' host decides: skipped
+                return
             for fmt, hyper, items, records, check in compiled:
                 skipped = compiled_step(fmt, items, hyper, self.seed, check)
                 if skipped:
@@ -167,7 +175,8 @@ class StepDispatcher:
                 complete = (not compiled and not route.device and not route.eager and len(route.indices) == len(rest)
                             and all(route.whole))
                 self.graphs.observe([(index, hyper, chosen) for index, (hyper, chosen, _) in zip(route.indices, route.planned)],
-                                    complete, groups, self.generation, self.count_store.array)
+                                    complete, groups, self.generation, self.count_store.array,
+                                    "none" if found_inf is None else "scaled" if scaled else "found")
             for fmt, hyper, items, corrections, any_skip in route.device:
                 self._device_step(fmt, items, corrections, hyper, any_skip)
             for fmt, hyper, items, corrections in route.eager:
@@ -267,6 +276,8 @@ class StepDispatcher:
                     rec.nonfinite += 1
                     skipped.append(rec)
                     continue
+                if not yes and self._scaler_skips():  # AMP's scaler skips the step: read on the host for these
+                    continue
                 fmt = self.registry[rec.format]
                 step, m_step = rec.advance(fmt.has_momentum)
                 bc1 = powers.get((beta1, m_step))
@@ -324,6 +335,14 @@ class StepDispatcher:
             chosen = plan.select(conditions)
             assert chosen is not None  # a plan holds for the step it was built for
         return chosen
+
+    def _scaler_skips(self) -> bool:
+        """Whether AMP's scaler skips this step (its ``found_inf``, read on the host once per step)."""
+        if self.found_inf is None:
+            return False
+        if self._found_read is None or self._found_read[0] is not self.found_inf:
+            self._found_read = (self.found_inf, bool(self.found_inf))
+        return self._found_read[1]
 
     def forget_plans(self) -> None:
         """Forget the device's step plans and captured step: a parameter's states or correction were replaced
@@ -408,7 +427,11 @@ class StepDispatcher:
             max_abs = torch._foreach_norm([local(params[i].grad) for i in members], ord=float("inf"), dtype=torch.float32)
             # x * 0 is 0 for finite x and NaN for inf and NaN: 1 where the gradient was not finite
             skip = torch.stack(max_abs).mul_(0.0).nan_to_num_(nan=1.0)
-            deferred = DeferredFlags(skip, len(members))
+            found = None
+            if self.found_inf is not None:  # AMP's scaler found an inf: every flag set (optim/amp.py)
+                found = self.found_inf.reshape(1).to(skip.device, torch.float32).clamp(max=1.0)
+                torch.maximum(skip, found, out=skip)
+            deferred = DeferredFlags(skip, len(members), found)
             self.unread.append(deferred)
             for k, i in enumerate(members):
                 out[i] = (deferred, k, skip)
