@@ -390,3 +390,34 @@ def test_a_replayed_step_makes_no_host_synchronisation() -> None:
     assert opt._stepper.graphs.replays == 4  # noqa: SLF001
     assert opt.nonfinite_counts == {"a": 1}
     assert any("non-finite gradient for 'a'" in str(w.message) for w in caught)  # at the step after the NaN's
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA: the caching allocator's gradient addresses are CUDA's")
+def test_a_lightning_run_replays_its_captured_step(tmp_path: Any) -> None:
+    """Lightning's loop (gradients set to None after each step, clipped by norm in place) on a GPU: backward puts
+    the gradients at the same addresses from step to step, so the step is captured once and replayed."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 4))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            opt = BlockwiseAdamW(self.named_parameters(), lr=1e-3, state_format="int8", min_8bit_numel=0)
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))}
+
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(40 * 16, 32, generator=gen), torch.randint(0, 4, (40 * 16,), generator=gen))
+    module = Net()
+    trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=40, gradient_clip_val=1.0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer.fit(module, DataLoader(data, batch_size=16))
+    graphs = trainer.optimizers[0]._stepper.graphs  # noqa: SLF001
+    assert graphs.off_reason is None
+    assert graphs.captures <= 2 and graphs.replays >= 30, (graphs.captures, graphs.replays)
