@@ -7,7 +7,10 @@ calls replaced by ones that return at once:
 
 * ``compiled``: the CPU path (the C++ kernel's call, ``kernels.ops().adamw_step``, taken out);
 * ``device``: the GPU's path (the device decides each tensor's skip, one Triton launch per format: the
-  launch, ``triton_step._adamw_tensors``, taken out), with the CPU standing in for the GPU.
+  launch, ``triton_step._adamw_tensors``, taken out), with the CPU standing in for the GPU;
+* ``graph``: the GPU's path captured (``lightning_baoc/optim/graph_step.py``, through its tape backend) and
+  replayed, the replay itself taken out (on a GPU one call of the CUDA graph): what is left is the host's checks
+  and the step's columns, a fixed number of Python and numpy operations.
 
 Everything else runs as it does: the formats' decisions, the counts, the finiteness flags, the launch's
 table. Of its device work, the flags' reduction over the gradients (``torch._foreach_norm``: a pass over every
@@ -118,8 +121,8 @@ def main() -> None:
     grads = [p.grad for p in params]
     steps["finiteness flags (device work)"] = _timed(
         lambda: torch.stack(torch._foreach_norm(grads, ord=float("inf"), dtype=torch.float32)).mul_(0.0).nan_to_num_(nan=1.0))
-    for path in ("compiled", "device"):
-        if path == "device":
+    for path in ("compiled", "device", "graph"):
+        if path != "compiled":
             from lightning_baoc.kernels import triton_step
 
             if not triton_step.triton_status()[0]:
@@ -127,7 +130,19 @@ def main() -> None:
                 continue
         for fmt in args.formats:
             opt = BlockwiseAdamW(model.named_parameters(), state_format=fmt, kernels="compiled" if path == "compiled" else "auto")
-            steps[f"{fmt}, {path} path (host only)"] = _stubbed(path, opt.step)
+            step = _stubbed("compiled" if path == "compiled" else "device", opt.step)
+            if path == "graph":
+                from lightning_baoc.optim.graph_step import TapeBackend
+
+                tape = TapeBackend()
+                opt._stepper.graphs.backend_for = lambda device: tape  # noqa: SLF001
+                for _ in range(3):  # two steady steps, then the capture
+                    step()
+                graphs = opt._stepper.graphs  # noqa: SLF001
+                if graphs.current is None or graphs.current.graph is None:
+                    raise SystemExit(f"{fmt}: the step was not captured ({graphs.off_reason})")
+                graphs.current.graph.replay = lambda: None  # the graph's own work: one call on a GPU
+            steps[f"{fmt}, {path} path (host only)"] = step
     for step in steps.values():  # the states made, the decisions taken
         step()
         step()
