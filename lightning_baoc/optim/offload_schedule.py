@@ -26,8 +26,10 @@ once every gradient of a subgroup is final, the subgroup's transfers start: a ho
 gradients go down (into pinned buffers of its own), a device-path subgroup's moments go up (into the double
 buffers: the first two device-path subgroups). ``step()`` does the rest: every update runs there, after
 global-norm clipping and AMP's unscaling and skip test, so both stay correct without a condition: a copy whose
-gradient or weight changed after it was taken (``clip_grad_norm_``, ``GradScaler.unscale_``, one more
-micro-batch: each an in-place write that advances the tensor's version counter) is taken again; a window that
+gradient or weight changed after it was taken (``clip_grad_norm_``, one more micro-batch: in-place writes that
+advance the tensors' version counters; ``GradScaler.unscale_``, whose fused operation advances none: seen by the
+gradients' norms, taken with the copy and compared bit for bit, one reduction per subgroup) is taken again; a
+window that
 ``step()`` never closed (AMP's skipped step) drops its copies at the next backward. With
 :attr:`OffloadSchedule.update_in_backward`, a host-path subgroup's whole update runs there as well (on CUDA in a
 worker thread, so that backward goes on): for runs without clipping and loss scaling, and ``step()`` refuses,
@@ -324,7 +326,8 @@ class OffloadScheduler:
         self.measured: dict[str, float] = {}  # rates measured, EMA (h2d, d2h, cpu_adam, gpu_adam)
         #: the last step's figures, per device: subgroups, paths, predicted and measured seconds, copies reused
         self.last: dict[str, Any] = {}
-        self.counters = {"prefetched": 0, "reused": 0, "retaken": 0, "updated_in_backward": 0}
+        #: transfers started in backward, and what became of them (used, taken again, dropped: layout or window gone)
+        self.counters = {"prefetched": 0, "reused": 0, "retaken": 0, "dropped": 0, "updated_in_backward": 0}
 
     # ------------------------------------------------------------------ which parameters
 
@@ -352,9 +355,17 @@ class OffloadScheduler:
 
     @torch.no_grad()
     def step(self, batches: Sequence[tuple[int, Mapping[str, Any], list[Tensor]]],
-             hyper_of: Callable[[Mapping[str, Any]], StepHyper]) -> list[tuple[int, Mapping[str, Any], list[Tensor]]]:
+             hyper_of: Callable[[Mapping[str, Any]], StepHyper],
+             found_inf: Tensor | None = None) -> list[tuple[int, Mapping[str, Any], list[Tensor]]]:
         """Update the scheduled parameters of ``batches`` (per param group: its index, the group, its parameters
-        with gradients) and return the batches of the others, for the optimizer's own step."""
+        with gradients) and return the batches of the others, for the optimizer's own step. ``found_inf``: AMP's
+        scaler's (``amp_scaling``, :mod:`lightning_baoc.optim.amp`); where set, nothing is updated here and every
+        parameter goes to the optimizer's own step, which skips the whole step."""
+        if found_inf is not None and bool(found_inf):  # read on the host: the schedule's copies wait for it anyway
+            self._collect_backward_updates()  # an update in backward on scaled gradients is refused there
+            self.prefetched.clear()
+            self._new_window()
+            return list(batches)
         hypers: dict[int, StepHyper] = {}
         scheduled: dict[torch.device, list[Tensor]] = {}
         rest = []
@@ -394,6 +405,8 @@ class OffloadScheduler:
             copies.update.result()  # the worker's error, if any, is raised here
             changed = [self.records[p].name for p, before in zip(copies.group, copies.grad_versions)
                        if _grad_version_of(p) != before]
+            if not changed and not copies.same_gradients():
+                changed = [self.records[copies.group[0]].name]
             if changed:
                 raise RuntimeError(
                     f"BlockwiseAdamW offload_schedule with update_in_backward=True: the gradient of {changed[0]!r} was "
@@ -772,6 +785,7 @@ class OffloadScheduler:
     def _drop_prefetched(self, device: torch.device) -> None:
         for key in [k for k in self.prefetched if k[0] == device]:
             del self.prefetched[key]
+            self.counters["dropped"] += 1
 
     def _new_window(self) -> None:
         self.fired.clear()
@@ -833,7 +847,8 @@ class OffloadScheduler:
         lanes = self._lanes(device)
         if not layout.on_device[i]:
             lanes["host_d2h"].wait_current()
-            copies = self.prefetched[(device, i)] = self._copy_down(device, group, ("prefetch", i), lanes["host_d2h"], [])
+            copies = self._copy_down(device, group, ("prefetch", i), lanes["host_d2h"], []).fingerprint()
+            self.prefetched[(device, i)] = copies
             self.counters["prefetched"] += 1
             settings = self.settings_for(device)
             if settings is not None and settings.update_in_backward:
@@ -865,6 +880,11 @@ class OffloadScheduler:
                 at += n
         self.prefetched[(device, i)] = _Copies(group, [], [], up.record(), staged).taken_from(self.records)
         self.counters["prefetched"] += 1
+
+
+def _norms(group: list[Tensor]) -> Tensor:
+    """The 2-norms of ``group``'s gradients, fp32, stacked on their device (the same bits for the same gradients)."""
+    return torch.stack(torch._foreach_norm([p.grad for p in group], 2, dtype=torch.float32))
 
 
 def _grad_version_of(p: Tensor) -> tuple | None:
@@ -908,6 +928,7 @@ class _Copies:
     states: tuple = ()
     grad_versions: tuple = ()  # of the gradients an update in backward used
     update: Future | None = None  # that update (OffloadSchedule.update_in_backward)
+    norms: Tensor | None = None  # the gradients' norms when copied (fingerprint)
 
     def __post_init__(self) -> None:
         self.versions = tuple(_version_of(p) for p in self.group)
@@ -919,10 +940,23 @@ class _Copies:
         return self
 
     def valid(self, records: dict[Tensor, Record]) -> bool:
-        """Whether every tensor copied is as it was: the same weights and gradients (no clipping, unscaling or
-        further micro-batch wrote them since), and, for staged moments, the same state tensors, unchanged."""
-        return self.versions == tuple(_version_of(p) for p in self.group) and (
-            self.staged is None or self.states == tuple(_states_of(records[p]) for p in self.group))
+        """Whether every tensor copied is as it was. Staged moments: the same state tensors (a step or a conversion
+        changes them; the gradients are read in ``step()``). Host copies: the same weights and gradients, by their
+        version counters (clipping, a further micro-batch) and by the gradients' norms (``GradScaler.unscale_``
+        writes in place without advancing the counters)."""
+        if self.staged is not None:
+            return self.states == tuple(_states_of(records[p]) for p in self.group)
+        return self.versions == tuple(_version_of(p) for p in self.group) and self.same_gradients()
+
+    def fingerprint(self) -> "_Copies":
+        """Remember the gradients' norms (fp32, on their device; read when :meth:`same_gradients` compares)."""
+        self.norms = _norms(self.group)
+        return self
+
+    def same_gradients(self) -> bool:
+        """Whether the gradients' norms are as :meth:`fingerprint` found them (no fingerprint: yes)."""
+        # compared bit for bit: a NaN norm (a gradient holding NaN, skipped alike) equals itself
+        return self.norms is None or bool(torch.equal(self.norms.view(torch.int32), _norms(self.group).view(torch.int32)))
 
 
 def _states_of(rec: Record) -> tuple:
