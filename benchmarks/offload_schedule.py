@@ -87,6 +87,7 @@ def step_part(args: argparse.Namespace, device: torch.device) -> list[dict[str, 
                 row["predicted_s"] = last["predicted_s"]["chosen"]
                 row["predicted_host_s"] = last["predicted_s"]["host"]
                 row["update_s"] = last["measured_s"]
+                row["staging_bytes"], row["host_bytes"] = last["staging_bytes"], last["host_bytes"]
                 row["rates"] = dict(opt._offload.measured)  # noqa: SLF001
         except (RuntimeError, torch.cuda.OutOfMemoryError) as err:  # fp32 or device that does not fit
             row["error"] = str(err).splitlines()[0][:200]

@@ -155,9 +155,10 @@ class Schedule:
 
 
 def staging_bytes(groups: Sequence[Subgroup], on_device: Sequence[bool]) -> int:
-    """GPU memory the device path stages: two of its largest subgroups' states (double-buffered)."""
-    sizes = sorted((g.numel * g.state_bytes for g, d in zip(groups, on_device) if d), reverse=True)[:2]
-    return sum(sizes)
+    """GPU memory the device path stages: two buffers (double-buffered), each of its largest subgroup's states (one
+    buffer where a single subgroup takes the device path), as the optimizer allocates them."""
+    sizes = [g.numel * g.state_bytes for g, d in zip(groups, on_device) if d]
+    return min(len(sizes), 2) * max(sizes, default=0)
 
 
 def _chain(g: Subgroup, device: bool, hw: Hardware) -> list[tuple[str, float]]:

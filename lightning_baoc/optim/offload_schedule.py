@@ -446,14 +446,18 @@ class OffloadScheduler:
             if lane.stream is not None:
                 torch.cuda.current_stream(device).wait_stream(lane.stream)
                 lane.stream.synchronize()
-        del staging
         wall = time.perf_counter() - started
         self._recalibrate(device, settings, events, seconds)
         self.last[str(device)] = {
             "subgroups": len(layout.groups), "on_device": list(layout.on_device),
             "elements": [sum(p.numel() for p in g) for g in layout.groups],
             "predicted_s": dict(layout.predicted), "measured_s": wall,
+            # working memory of the update phase: the device path's staging (at most staging_bytes), the host's
+            # copies of the weights and its pinned gradient buffers
+            "staging_bytes": _staged_bytes(staging),
+            "host_bytes": self.host_bytes(),
         }
+        del staging
         if settings.overlap:
             self._attach(device, layout)
         return unscheduled
@@ -560,6 +564,7 @@ class OffloadScheduler:
         freed: list[Any] = [None, None]  # per buffer: the event after its last moments went down
         slots: list[Tensor | None] = [None, None]
         numel = max(sum(p.numel() for p in layout.groups[i]) for i in indices)
+        width = -(-numel // 16) * 16  # v starts on a 64-byte boundary: each buffer is the model's m and v (staging_bytes)
         for k, i in enumerate(indices):
             group = layout.groups[i]
             slot = k % 2
@@ -571,8 +576,8 @@ class OffloadScheduler:
             if staged is None:
                 if slots[slot] is None:
                     with up():
-                        slots[slot] = torch.empty(2 * numel + 2 * _ALIGN, dtype=torch.float32, device=device)
-                m_all, v_all = slots[slot][:numel], slots[slot][numel + _ALIGN: 2 * numel + _ALIGN]
+                        slots[slot] = torch.empty(2 * width, dtype=torch.float32, device=device)
+                m_all, v_all = slots[slot][:numel], slots[slot][width : width + numel]
                 staged, at = [], 0
                 up.wait(freed[slot])
                 start = up.record()
@@ -880,6 +885,18 @@ class OffloadScheduler:
                 at += n
         self.prefetched[(device, i)] = _Copies(group, [], [], up.record(), staged).taken_from(self.records)
         self.counters["prefetched"] += 1
+
+
+def _staged_bytes(kept: list[Any]) -> int:
+    """Bytes of device storage among the device path's kept buffers and staged copies (each storage once)."""
+    storages: dict[int, int] = {}
+    for item in kept:
+        tensor = item if isinstance(item, Tensor) else (
+            item.staged[0]["exp_avg"] if isinstance(item, _Copies) and item.staged else None)
+        if tensor is not None:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def _norms(group: list[Tensor]) -> Tensor:

@@ -438,3 +438,26 @@ def test_a_step_the_scaler_skipped_updates_nothing_here() -> None:
         assert opt._offload.step(batches, opt._hyper, found) == batches
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
         assert opt.step_count("0.weight") == 1
+
+
+def test_the_update_phase_s_working_memory_is_reported_and_bounded_by_staging_bytes() -> None:
+    """The device path stages two subgroups' moments at most (8 bytes an element, double-buffered), within
+    ``staging_bytes``; a bound below that keeps the largest subgroups on the host."""
+    _, opt = _train("offload", SCHEDULES["device"])
+    last = opt._offload.last["cpu"]
+    assert last["staging_bytes"] == 2 * 8 * 9216  # two buffers of the largest subgroup's m and v
+    bound = 2 * 8 * 4608  # room for the smaller subgroups only
+    _, opt = _train("offload", _with(SCHEDULES["fast pcie"], staging_bytes=bound))
+    last = opt._offload.last["cpu"]
+    assert last["on_device"][1] is False and any(last["on_device"]), last  # the 9216-element one stays on the host
+    assert 0 < last["staging_bytes"] <= bound, last
+
+
+def test_without_a_profile_the_model_plans_with_the_measured_rates() -> None:
+    """No ``hardware``: the CPU's AdamW rate measured by its wall time replaces the profile's, and the layout is
+    chosen again at those rates."""
+    _, opt = _train("offload", OffloadSchedule("interleaved", subgroup_bytes=SUBGROUP_BYTES))
+    measured = opt._offload.measured
+    assert measured["cpu_adam"] > 0
+    rates = opt._offload.hardware(torch.device("cpu"), opt._offload.settings)
+    assert rates.cpu_adam == measured["cpu_adam"] and rates.name == "h100-pcie5 (calibrated)"
