@@ -461,3 +461,46 @@ def test_without_a_profile_the_model_plans_with_the_measured_rates() -> None:
     assert measured["cpu_adam"] > 0
     rates = opt._offload.hardware(torch.device("cpu"), opt._offload.settings)
     assert rates.cpu_adam == measured["cpu_adam"] and rates.name == "h100-pcie5 (calibrated)"
+
+
+def _exact_gradients_run(device: torch.device, fmt: str, schedule: object, steps: int = 20) -> list[Tensor]:
+    """The model on ``device`` trained on gradients drawn on the CPU and delivered by backward exactly (the loss
+    ``sum(p * G)``), so that runs on two devices see the same gradients; its weights after ``steps``, on the CPU."""
+    model = _model().to(device)
+    opt = _optimizer(model, fmt, schedule, None)
+    gen = torch.Generator().manual_seed(7)
+    for step in range(steps):
+        grads = [(torch.randn(p.shape, generator=gen) * 1e-2).to(device) for p in model.parameters()]
+        if step == 9:
+            grads[2][0, 0] = float("nan")  # "2.weight": skipped
+        sum((p * g).sum() for p, g in zip(model.parameters(), grads)).backward()
+        opt.step()
+        opt.zero_grad()
+    if device.type == "cuda":
+        assert opt._offload.last["cuda:0"]["subgroups"] == 4
+    return [p.detach().cpu() for p in model.parameters()]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("overlap", ["off", "transfers", "update"])
+@pytest.mark.parametrize("name", ["host", "interleaved", "device"])
+def test_on_cuda_every_schedule_steps_as_the_cpu_s_fp32_step(name: str, overlap: str) -> None:
+    """On a GPU, with its streams, events, pinned buffers and (updates in backward) the worker thread: host-only is
+    the CPU's fp32 step bit for bit (the same compiled kernel on the same gradients); the device path (torch's fused
+    CUDA AdamW) within fp32 ulps."""
+    schedule = _with(SCHEDULES[name], overlap=overlap != "off", update_in_backward=overlap == "update")
+    reference = _exact_gradients_run(torch.device("cpu"), "fp32", None)
+    run = _exact_gradients_run(torch.device("cuda"), "offload", schedule)
+    worst = max(ulps(a, b) for a, b in zip(reference, run))
+    assert worst == 0.0 if name == "host" else worst <= MAX_ULPS, worst
+
+
+def test_exact_gradients_through_backward_on_the_cpu() -> None:
+    """The CUDA test's harness on the CPU standing in: every schedule the fp32 step (host-only to the bit)."""
+    reference = _exact_gradients_run(torch.device("cpu"), "fp32", None)
+    for name in ("host", "interleaved", "device"):
+        for overlap in ("off", "transfers", "update"):
+            schedule = _with(SCHEDULES[name], overlap=overlap != "off", update_in_backward=overlap == "update")
+            run = _exact_gradients_run(torch.device("cpu"), "offload", schedule)
+            worst = max(ulps(a, b) for a, b in zip(reference, run))
+            assert worst == 0.0 if name == "host" else worst <= MAX_ULPS, (name, overlap, worst)
