@@ -4,9 +4,10 @@
 #   bash benchmarks/cuda_offload.sh OUT_DIR [SECONDS]
 #
 # from the repository root, with lightning_baoc importable (installed, or this checkout on PYTHONPATH). Runs
-# the schedule's CUDA tests, then benchmarks/offload_schedule.py: the optimizer step of 1.2B offloaded parameters (host-only, interleaved, all on
-# the GPU, and fp32 states on the GPU) and a Lightning GPT with every state offloaded, each schedule's iteration
-# time, peak GPU memory and the model's prediction beside the measured update. The CPU's AdamW runs on every core
+# the schedule's CUDA tests, then benchmarks/offload_schedule.py: the optimizer step of 1.2B offloaded
+# parameters (host-only, interleaved, all on the GPU, and fp32 states on the GPU) and a Lightning GPT with
+# every state offloaded, each schedule's iteration time, peak GPU memory and the model's prediction beside
+# the measured update. The CPU's AdamW runs on every core
 # (no OMP_NUM_THREADS=1 here: the host path is the CPU's work). SECONDS (default 540) bounds the run; the results
 # (OUT_DIR/offload_schedule.json, .md) and the logs (OUT_DIR/tests.log, offload_schedule.log) stay in OUT_DIR.
 set -u
