@@ -5,9 +5,10 @@ The offloaded parameters of a device are packed into **subgroups** of about
 :attr:`OffloadSchedule.subgroup_bytes` of fp32 parameters (whole tensors, in the order backward makes their
 gradients final: the optimizer's order reversed). Each step, each subgroup is updated by one of two paths:
 
-- **host**: its weights and gradients down (D2H, at their own widths: a bf16 gradient moves 2 bytes an element),
-  the compiled CPU AdamW over them and the host-held ``m`` and ``v`` (multi-threaded; the same kernel as the CPU's
-  ``fp32`` step), the new weights up (H2D);
+- **host**: its gradients down (D2H, at their own width: a bf16 gradient moves 2 bytes an element; a weight too
+  where its host copy no longer holds: :attr:`OffloadSchedule.keep_host_weights`), the compiled CPU AdamW over the
+  host copies and the host-held ``m`` and ``v`` (multi-threaded; the same kernel as the CPU's ``fp32`` step), the
+  new weights up (H2D, at their width);
 - **device**: its ``m`` and ``v`` up into a staging buffer on the device, the device's fused fp32 AdamW
   (torch's ``_fused_adamw_``) over the weights, gradients and staged moments, the moments back down.
 
@@ -22,15 +23,14 @@ whole schedule (subgroups, paths, buffers, prefetches) runs and is tested there,
 
 **Overlap with backward** (:attr:`OffloadSchedule.overlap`): a post-accumulate-grad hook on every scheduled
 parameter counts the micro-batches of the window (:attr:`OffloadSchedule.accumulate_grad_batches`); on the last,
-once every gradient of a subgroup is final, the subgroup's transfers start: a host-path subgroup's weights and
-gradients go down (into pinned buffers of its own), a device-path subgroup's moments go up (into the double
-buffers: the first two device-path subgroups). ``step()`` does the rest: every update runs there, after
+once every gradient of a subgroup is final, the subgroup's transfers start: a host-path subgroup's gradients (and
+weights whose host copy no longer holds) go down into pinned buffers of its own, the first two device-path
+subgroups' moments go up. ``step()`` does the rest: every update runs there, after
 global-norm clipping and AMP's unscaling and skip test, so both stay correct without a condition: a copy whose
 gradient or weight changed after it was taken (``clip_grad_norm_``, one more micro-batch: in-place writes that
 advance the tensors' version counters; ``GradScaler.unscale_``, whose fused operation advances none: seen by the
 gradients' norms, taken with the copy and compared bit for bit, one reduction per subgroup) is taken again; a
-window that
-``step()`` never closed (AMP's skipped step) drops its copies at the next backward. With
+window that ``step()`` never closed (AMP's skipped step) drops its copies at the next backward. With
 :attr:`OffloadSchedule.update_in_backward`, a host-path subgroup's whole update runs there as well (on CUDA in a
 worker thread, so that backward goes on): for runs without clipping and loss scaling, and ``step()`` refuses,
 naming the setting, a gradient written after its update and a window no ``step()`` closed.
