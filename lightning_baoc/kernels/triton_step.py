@@ -55,7 +55,6 @@ else:
     _IMPORT_ERROR = None
 
 from lightning_baoc.formats.base import factor_dims
-from lightning_baoc.formats.factored_math import moments_from_sums, sqrt_factors
 from lightning_baoc.kernels import M_BF16, M_FP32, M_INT8, M_NONE, V_BF16, V_FACTORED, V_FP32, V_UINT8
 from lightning_baoc.kernels import TRITON_SERVED as SERVED
 
@@ -367,45 +366,6 @@ if triton is not None:
         )
 
 
-if triton is not None:
-
-    @triton.jit(do_not_specialize=["rows", "cols"])
-    def _factored_sums(
-        g_ptr, p_ptr, c_ptr, partial_ptr, row_sum_ptr, rows, cols, k, gsign, l2,
-        L2: tl.constexpr, W: tl.constexpr, G: tl.constexpr, CB: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-    ):
-        """Row sums of ``(g k)**2`` of BR rows, and their column sums (one row of ``partial`` per
-        program, summed in order afterwards: deterministic), ``g`` the effective gradient
-        (factored_math._update_moments)."""
-        pid = tl.program_id(0)
-        r = pid * BR + tl.arange(0, BR)
-        rmask = r < rows
-        acc = tl.zeros((BR,), tl.float32)
-        for c0 in range(0, cols, BC):
-            c = c0 + tl.arange(0, BC)
-            cmask = c < cols
-            idx = r[:, None].to(tl.int64) * cols + c[None, :]
-            mask = rmask[:, None] & cmask[None, :]
-            if G == 0:
-                g = tl.load(g_ptr + idx, mask=mask, other=0.0) * gsign
-            else:
-                g = _load16(tl.load(g_ptr + idx, mask=mask, other=0), G) * gsign
-            if L2:
-                if W == 0:
-                    p = tl.load(p_ptr + idx, mask=mask, other=0.0)
-                else:
-                    p = _load_master(p_ptr, c_ptr, idx, mask, W, CB)
-                g = tl.fma(p, l2, g)
-            x = g * k
-            sq = x * x
-            acc += tl.sum(sq, axis=1)
-            tl.store(partial_ptr + pid.to(tl.int64) * cols + c, tl.sum(sq, axis=0), mask=cmask)
-        tl.store(row_sum_ptr + r, acc, mask=rmask)
-
-
-#: Rows of one program of the factored sums (their partial column sums: 4 bytes per BR elements).
-_SUM_ROWS = 16
-
 #: Parameter and gradient dtypes as the kernel numbers them (``W``, ``G``).
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _CORRECTION_BITS = {torch.int8: 8, torch.int16: 16}
@@ -468,16 +428,40 @@ def _launch_kind(param: Tensor, grad_dtype: torch.dtype, corr: Tensor | None, sk
     return _KINDS[param.dtype], _KINDS[grad_dtype], 0 if corr is None else _CORRECTION_BITS[corr.dtype], skip
 
 
-def _row(it: Any, corr: Tensor | None, keys: tuple[str | None, ...], factors: tuple[Tensor, Tensor, int] | None,
+def _row(it: Any, corr: Tensor | None, keys: tuple[str | None, ...], factors: tuple[int, int, int] | None,
          scalars: tuple[int, int], decay: int) -> list[int]:
     """One tensor's row of the launch's table (:data:`_COLUMNS`): its addresses (``keys``: its states' names
     in the column order, ``None`` for those its format has not), then its scalars (``scalars``: the bits of
     its step size and of its ``1 / sqrt(bias_correction2)``; ``decay``: :func:`decay_bits`)."""
     p = it.param.data_ptr()
     addresses = [p, it.grad.data_ptr(), *_state_addresses(it.param, it.views, corr, keys)]
-    row_factor, col_factor, cols = factors if factors is not None else (it.param, it.param, 1)
-    addresses += [row_factor.data_ptr(), col_factor.data_ptr(), p if it.skip_flag is None else it.skip_flag.data_ptr()]
+    row_factor, col_factor, cols = factors if factors is not None else (p, p, 1)
+    addresses += [row_factor, col_factor, p if it.skip_flag is None else it.skip_flag.data_ptr()]
     return addresses + [it.param.numel(), cols, _signed32(it.noise_key & 0xFFFFFFFF), *scalars, decay]
+
+
+def _factored_prework(items: list[Any], corrections: list[Tensor | None], hyper: Any,
+                      alive: list[Any]) -> dict[int, tuple[int, int, int]]:
+    """The factored items' vectors and factors, all at once (:class:`~.triton_factored.FactoredWork`: two
+    launches); each item's factors' addresses and columns, by its index. ``alive`` keeps the buffers the
+    update's launch reads."""
+    from lightning_baoc.kernels.triton_factored import FactoredWork
+
+    live = [i for i, it in enumerate(items) if it.param.numel()]
+    if not live:
+        return {}
+    chosen = [items[i] for i in live]
+    work = FactoredWork([it.param for it in chosen], [it.grad.dtype for it in chosen], [it.views for it in chosen],
+                        [corrections[i] for i in live], hyper)
+    buffers = work.buffers()
+    zero = torch.zeros(1, dtype=torch.float32, device=work.device)  # the flag of an item the host decided: stepped
+    alive += [buffers, zero]
+    sums, finish = work.tables([it.grad.data_ptr() for it in chosen],
+                               [zero.data_ptr() if it.skip_flag is None else it.skip_flag.data_ptr() for it in chosen],
+                               [_float_bits(it.bias_correction2) for it in chosen])
+    alive += [sums, finish]
+    work.launch(sums, finish, buffers, skip=True)
+    return {i: (rf, cf, int(work.cols[k])) for k, (i, (rf, cf)) in enumerate(zip(live, work.factors(buffers)))}
 
 
 def step_scalars(bias_correction1: float, bias_correction2: float, has_m: bool, lr: float) -> tuple[int, int]:
@@ -545,37 +529,16 @@ def adamw_step(
     keys = _M_KEYS.get(m_kind, (None, None, None)) + _V_KEYS[v_kind]
     scalars: dict[tuple[float, float], tuple[int, int]] = {}  # by bias corrections: most tensors share them
     decay = decay_bits(hyper)
-    for it, corr in zip(items, corrections or [None] * len(items)):
+    corrections = corrections or [None] * len(items)
+    factored: dict[int, tuple[int, int, int]] = {}  # item index -> its factors' addresses and its columns
+    if v_kind == V_FACTORED:
+        factored = _factored_prework(items, corrections, hyper, alive)
+    for index, (it, corr) in enumerate(zip(items, corrections)):
         n = it.param.numel()
         if n == 0:
             continue
         key = _launch_kind(it.param, it.grad.dtype, corr, it.skip_flag is not None)
-        factors = None
-        if v_kind == V_FACTORED:
-            # the factored moments' update: the row and column sums of the squared gradient in one kernel (partial
-            # column sums per block of rows, added in a fixed order), the vectors as the eager step updates them
-            # (kept where the skip flag is set), and the row and column factors of the denominator
-            rows_n, cols = factor_dims(it.param.shape)  # type: ignore[misc] - serves() checked it
-            row, col = it.views["exp_avg_sq_row"], it.views["exp_avg_sq_col"]
-            programs = triton.cdiv(rows_n, _SUM_ROWS)
-            partial = torch.empty((programs, cols), dtype=torch.float32, device=row.device)
-            row_sum = torch.empty(rows_n, dtype=torch.float32, device=row.device)
-            p = it.param.detach().view(-1)
-            _factored_sums[(programs,)](
-                _bits(it.grad.view(-1)), _bits(p), p if corr is None else corr.view(-1), partial, row_sum, rows_n, cols,
-                _f32(math.sqrt((1.0 - hyper.beta2) / max(rows_n, cols))), common["gsign"], common["l2"], L2=common["L2"],
-                W=key[0], G=key[1], CB=key[2], BR=_SUM_ROWS, BC=256, enable_fp_fusion=False,
-            )
-            # the device decides whether the step happens: the new vectors apart, the old ones kept on a skip
-            new_row, new_col = (row, col) if it.skip_flag is None else (row.clone(), col.clone())
-            moments_from_sums(new_row, new_col, row_sum, partial.sum(dim=0), hyper)
-            row_factor, col_factor = sqrt_factors(new_row, new_col, it.bias_correction2)
-            if it.skip_flag is not None:
-                skip = it.skip_flag != 0
-                row.copy_(torch.where(skip, row, new_row))
-                col.copy_(torch.where(skip, col, new_col))
-            factors = (row_factor, col_factor, cols)
-            alive.append(factors)
+        factors = factored.get(index)
         rows, firsts = launches.setdefault(key, ([], [0]))
         bits = scalars.get((it.bias_correction1, it.bias_correction2))
         if bits is None:
