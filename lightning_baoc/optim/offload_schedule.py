@@ -19,7 +19,8 @@ path: up, compute, down) with pinned double buffers, ordered by events: the host
 subgroup run while the CPU updates this one, and the device path runs beside both. On the CPU, the CPU stands in
 for the device: the streams and events are a shim that runs each task at once, in order (:class:`Lane`), so the
 whole schedule (subgroups, paths, buffers, prefetches) runs and is tested there, to the same numbers as the
-``fp32`` step (``tests/optim/test_offload_schedule.py``).
+``fp32`` step (``tests/optim/test_offload_schedule.py``); :class:`DeferredLanes` runs each lane's tasks later, as
+a GPU runs its streams, so the tests there also hold every wait the schedule needs to be in place.
 
 **Overlap with backward** (:attr:`OffloadSchedule.overlap`): a post-accumulate-grad hook on every scheduled
 parameter counts the micro-batches of the window (:attr:`OffloadSchedule.accumulate_grad_batches`); on the last,
@@ -177,14 +178,31 @@ def resolve_schedule(value: Any) -> OffloadSchedule | None:
 
 class Lane:
     """A CUDA stream of the schedule, or on the CPU its stand-in: every task runs at once, in order, so
-    :meth:`record` gives no event and :meth:`wait` has nothing to wait for."""
+    :meth:`record` gives no event and :meth:`wait` has nothing to wait for (:class:`DeferredLanes`: a stand-in
+    whose tasks run later, for tests of the ordering)."""
 
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def __call__(self) -> ContextManager[Any]:
-        """Enter the stream (its work is queued on it)."""
+        """Enter the stream (what is allocated in it is allocated for it)."""
         return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+
+    def run(self, task: Callable[[], None]) -> None:
+        """Queue ``task``'s device work on the stream (on the CPU: run it now)."""
+        with self():
+            task()
+
+    def keep(self, tensor: Tensor) -> None:
+        """Tell the caching allocator that the stream uses ``tensor`` (made on another stream)."""
+        if self.stream is not None:
+            tensor.record_stream(self.stream)
+
+    def finish(self) -> None:
+        """Make the device's current stream wait for this one, and the host for both: the work queued is done."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+            self.stream.synchronize()
 
     def record(self) -> Any:
         """An event after the work queued so far (``None`` on the CPU: it is done)."""
@@ -209,6 +227,78 @@ def synchronize(event: Any) -> None:
     """Wait on the host until ``event`` has happened (nothing on the CPU)."""
     if event is not None:
         event.synchronize()
+
+
+class DeferredLanes:
+    """Lanes whose tasks run later, as a GPU's streams run them: each lane in its own order, after the events it
+    waits for, the lanes interleaved in a random order (``seed``), a task run when the host waits for an event
+    that needs it. Tests set ``OffloadScheduler.lane_factory`` to one: a wait the schedule forgot shows as wrong
+    numbers, a wait that can never end as an error."""
+
+    def __init__(self, seed: int = 0) -> None:
+        import random
+
+        self.rng = random.Random(seed)
+        self.lanes: list[_DeferredLane] = []
+
+    def __call__(self, device: torch.device) -> "_DeferredLane":
+        lane = _DeferredLane(self)
+        self.lanes.append(lane)
+        return lane
+
+    def drive(self, done: Callable[[], bool]) -> None:
+        """Run queued tasks, a random runnable lane at a time, until ``done()``."""
+        while not done():
+            runnable = [lane for lane in self.lanes if lane.runnable()]
+            if not runnable:
+                raise RuntimeError("deferred lanes: the host waits for an event no lane can reach (a wait cycle)")
+            self.rng.choice(runnable).run_one()
+
+
+class _Mark:
+    """An event of a deferred lane: reached once the lane has run its first ``at`` entries."""
+
+    def __init__(self, lane: "_DeferredLane", at: int) -> None:
+        self.lane, self.at = lane, at
+
+    def reached(self) -> bool:
+        return self.lane.ran >= self.at
+
+    def synchronize(self) -> None:
+        self.lane.hub.drive(self.reached)
+
+
+class _DeferredLane(Lane):
+    def __init__(self, hub: DeferredLanes) -> None:
+        self.stream = None
+        self.hub = hub
+        self.queue: list[tuple[str, Any]] = []  # ("task", fn) or ("wait", mark)
+        self.ran = 0
+
+    def run(self, task: Callable[[], None]) -> None:
+        self.queue.append(("task", task))
+
+    def record(self) -> _Mark:
+        return _Mark(self, len(self.queue))
+
+    def wait(self, event: Any) -> None:
+        if event is not None:
+            self.queue.append(("wait", event))
+
+    def runnable(self) -> bool:
+        if self.ran >= len(self.queue):
+            return False
+        kind, what = self.queue[self.ran]
+        return kind == "task" or what.reached()
+
+    def run_one(self) -> None:
+        kind, what = self.queue[self.ran]
+        if kind == "task":
+            what()
+        self.ran += 1
+
+    def finish(self) -> None:
+        self.hub.drive(lambda: all(lane.ran >= len(lane.queue) for lane in self.hub.lanes))
 
 
 def _carve(buffer: Tensor, specs: Sequence[tuple[torch.dtype, int]]) -> list[Tensor]:
@@ -316,6 +406,8 @@ class OffloadScheduler:
         self.layouts: dict[torch.device, Layout] = {}
         self.stale: set[torch.device] = set()  # devices whose layout is chosen again at the next step (new rates)
         self.lanes: dict[torch.device, dict[str, Lane]] = {}
+        #: makes each lane: :class:`Lane` (CUDA streams; on the CPU, at once), or a test's :class:`DeferredLanes`
+        self.lane_factory: Callable[[torch.device], Lane] = Lane
         self.handles: dict[Tensor, RemovableHandle] = {}
         self.fired: dict[Tensor, int] = {}  # hook calls in this window, per parameter
         self.pending: dict[tuple[torch.device, int], int] = {}  # gradients a subgroup still waits for
@@ -417,10 +509,7 @@ class OffloadScheduler:
             done.update(copies.group)
             devices.add(device)
         for device in devices:
-            lane = self._lanes(device)["host_h2d"]
-            if lane.stream is not None:
-                torch.cuda.current_stream(device).wait_stream(lane.stream)
-                lane.stream.synchronize()  # the host copies are written again only once their uploads are done
+            self._lanes(device)["host_h2d"].finish()  # the host copies are written again once their uploads are done
         return done
 
     def _step_device(self, device: torch.device, params: list[Tensor], hypers: dict[int, StepHyper],
@@ -443,9 +532,7 @@ class OffloadScheduler:
         staging = self._device_path(device, layout, device_groups, hypers, lanes, events)
         self._host_path(device, layout, host_groups, hypers, lanes, events, seconds)
         for lane in lanes.values():  # the update phase ends here: the next forward reads the new weights
-            if lane.stream is not None:
-                torch.cuda.current_stream(device).wait_stream(lane.stream)
-                lane.stream.synchronize()
+            lane.finish()
         wall = time.perf_counter() - started
         self._recalibrate(device, settings, events, seconds)
         self.last[str(device)] = {
@@ -526,8 +613,8 @@ class OffloadScheduler:
         named); the hooks of overlap keep the layout until then."""
         totals: dict[str, list[float]] = {}
         for resource, start, end, amount in events:
-            if start is None or end is None:
-                continue
+            if not (isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event)):
+                continue  # the CPU's stand-ins time nothing
             ms = start.elapsed_time(end)
             if ms > 0:
                 t = totals.setdefault(resource, [0.0, 0.0])
@@ -579,17 +666,14 @@ class OffloadScheduler:
                         slots[slot] = torch.empty(2 * width, dtype=torch.float32, device=device)
                 m_all, v_all = slots[slot][:numel], slots[slot][width : width + numel]
                 staged, at = [], 0
+                for p in group:
+                    n = p.numel()
+                    staged.append({"exp_avg": m_all[at : at + n], "exp_avg_sq": v_all[at : at + n]})
+                    at += n
                 up.wait(freed[slot])
                 start = up.record()
-                with up():
-                    for p in group:
-                        n = p.numel()
-                        views = self.records[p].views
-                        m, v = m_all[at : at + n], v_all[at : at + n]
-                        m.copy_(views["exp_avg"], non_blocking=True)
-                        v.copy_(views["exp_avg_sq"], non_blocking=True)
-                        staged.append({"exp_avg": m, "exp_avg_sq": v})
-                        at += n
+                up.run(_copier([(s[k], self.records[p].views[k]) for p, s in zip(group, staged)
+                                for k in ("exp_avg", "exp_avg_sq")]))
                 events.append(("h2d", start, up.record(), STATE_BYTES * at))
                 if prefetched is not None:
                     self.counters["retaken"] += 1
@@ -614,18 +698,13 @@ class OffloadScheduler:
             if skipped:
                 self.stepper.warn_skipped(skipped)
             start = compute.record()
-            with compute():
-                for index, items in by_group.items():
-                    _fp32_step(items, hypers[index])
+            compute.run(lambda by_group=by_group: [_fp32_step(items, hypers[index]) for index, items in by_group.items()])
             stepped = compute.record()
             events.append(("gpu_adam", start, stepped, sum(p.numel() for p in group)))
             down.wait(stepped)
             start = down.record()
-            with down():
-                for p, views in zip(group, staged):
-                    held = self.records[p].views
-                    held["exp_avg"].copy_(views["exp_avg"], non_blocking=True)
-                    held["exp_avg_sq"].copy_(views["exp_avg_sq"], non_blocking=True)
+            down.run(_copier([(self.records[p].views[k], views[k]) for p, views in zip(group, staged)
+                              for k in ("exp_avg", "exp_avg_sq")]))
             freed[slot] = down.record()
             events.append(("d2h", start, freed[slot], STATE_BYTES * sum(p.numel() for p in group)))
         keep.extend(slots)
@@ -669,10 +748,7 @@ class OffloadScheduler:
             cpu_s += time.perf_counter() - t0
             cpu_n += sum(p.numel() for p in layout.groups[i])
             start = up.record()
-            with up():
-                for p, copy in zip(layout.groups[i], held.weights):
-                    p.detach().view(-1).copy_(copy, non_blocking=True)
-                    self._mirrored(p)
+            up.run(self._uploader(layout.groups[i], held.weights))
             uploaded[k % 2] = up.record()
             events.append(("h2d", start, uploaded[k % 2], sum(p.numel() * p.element_size() for p in layout.groups[i])))
         seconds["cpu"], seconds["cpu_elements"] = cpu_s, cpu_n
@@ -688,18 +764,18 @@ class OffloadScheduler:
             held = self.host_buffers[key] = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
         grads = _carve(held, specs)
         weights = []
+        pairs = []  # (host copy, device tensor)
         moved = size
+        for p, g in zip(group, grads):
+            mirror, holds = self._mirror(p)
+            if not holds:
+                pairs.append((mirror, p.detach().view(-1)))
+                moved += p.numel() * p.element_size()
+            weights.append(mirror)
+            pairs.append((g, p.grad.view(-1)))
+            lane.keep(p.grad)
         start = lane.record()
-        with lane():
-            for p, g in zip(group, grads):
-                mirror, holds = self._mirror(p)
-                if not holds:
-                    mirror.copy_(p.detach().view(-1), non_blocking=True)
-                    moved += p.numel() * p.element_size()
-                weights.append(mirror)
-                g.copy_(p.grad.view(-1), non_blocking=True)
-                if lane.stream is not None:
-                    p.grad.record_stream(lane.stream)
+        lane.run(_copier(pairs))
         ready = lane.record()
         events.append(("d2h", start, ready, moved))
         return _Copies(group, weights, grads, ready, None)
@@ -715,6 +791,14 @@ class OffloadScheduler:
         settings = self.settings_for(p.device)
         holds = settings is not None and settings.keep_host_weights and known[1] == (p._version, p.data_ptr(), rec.step)
         return known[0], holds
+
+    def _uploader(self, group: list[Tensor], weights: list[Tensor]) -> Callable[[], None]:
+        """The task that writes ``group``'s weights from their host copies (the copies then hold: :meth:`_mirror`)."""
+        def upload() -> None:
+            for p, copy in zip(group, weights):
+                p.detach().view(-1).copy_(copy, non_blocking=True)
+                self._mirrored(p)
+        return upload
 
     def _mirrored(self, p: Tensor) -> None:
         """``p`` was just written from its host copy: the copy holds its value (:meth:`_mirror`)."""
@@ -765,7 +849,7 @@ class OffloadScheduler:
     def _lanes(self, device: torch.device) -> dict[str, Lane]:
         lanes = self.lanes.get(device)
         if lanes is None:
-            lanes = self.lanes[device] = {k: Lane(device) for k in ("host_d2h", "host_h2d", "dev_h2d", "dev_compute",
+            lanes = self.lanes[device] = {k: self.lane_factory(device) for k in ("host_d2h", "host_h2d", "dev_h2d", "dev_compute",
                                                                      "dev_d2h")}
         return lanes
 
@@ -840,10 +924,7 @@ class OffloadScheduler:
         synchronize(copies.ready)
         self._cpu_adam(group, copies, hypers)
         up.wait_current()
-        with up():
-            for p, copy in zip(group, copies.weights):
-                p.detach().view(-1).copy_(copy, non_blocking=True)
-                self._mirrored(p)
+        up.run(self._uploader(group, copies.weights))
 
     def _prefetch(self, device: torch.device, layout: Layout, i: int) -> None:
         """Start subgroup ``i``'s transfers: a host-path subgroup's weights and gradients down into buffers of
@@ -875,16 +956,23 @@ class OffloadScheduler:
         up = lanes["dev_h2d"]
         with up():
             buffer = torch.empty(2 * numel, dtype=torch.float32, device=device)
-            staged, at = [], 0
-            for p in group:
-                n, views = p.numel(), self.records[p].views
-                m, v = buffer[at : at + n], buffer[numel + at : numel + at + n]
-                m.copy_(views["exp_avg"], non_blocking=True)
-                v.copy_(views["exp_avg_sq"], non_blocking=True)
-                staged.append({"exp_avg": m, "exp_avg_sq": v})
-                at += n
+        staged, at = [], 0
+        for p in group:
+            n = p.numel()
+            staged.append({"exp_avg": buffer[at : at + n], "exp_avg_sq": buffer[numel + at : numel + at + n]})
+            at += n
+        up.run(_copier([(s[k], self.records[p].views[k]) for p, s in zip(group, staged) for k in ("exp_avg", "exp_avg_sq")]))
         self.prefetched[(device, i)] = _Copies(group, [], [], up.record(), staged).taken_from(self.records)
         self.counters["prefetched"] += 1
+
+
+def _copier(pairs: list[tuple[Tensor, Tensor]]) -> Callable[[], None]:
+    """The task that copies each pair's source into its destination (asynchronously between pinned host memory and
+    the device)."""
+    def copy() -> None:
+        for destination, source in pairs:
+            destination.copy_(source, non_blocking=True)
+    return copy
 
 
 def _staged_bytes(kept: list[Any]) -> int:
@@ -989,4 +1077,4 @@ def _version_of(p: Tensor) -> tuple:
     return (p._version, p.data_ptr(), None if g is None else (g.data_ptr(), g._version))
 
 
-__all__ = ["MODES", "Lane", "Layout", "OffloadSchedule", "OffloadScheduler", "pack", "resolve_schedule", "synchronize"]
+__all__ = ["MODES", "DeferredLanes", "Lane", "Layout", "OffloadSchedule", "OffloadScheduler", "pack", "resolve_schedule", "synchronize"]

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from lightning_baoc import BlockwiseAdamW
 from lightning_baoc.costs.offload import Hardware, calibrated, hardware
-from lightning_baoc.optim.offload_schedule import OffloadSchedule, pack, resolve_schedule
+from lightning_baoc.optim.offload_schedule import DeferredLanes, OffloadSchedule, pack, resolve_schedule
 
 #: Subgroups of 4096 fp32 elements: the model below packs into 4, in backward's order: the head (1066 elements), the
 #: 9216-element weight alone, a bias, the first weight (4608, alone).
@@ -50,20 +50,26 @@ def _batch(step: int, micro: int) -> tuple[Tensor, Tensor]:
     return torch.randn(16, 48, generator=gen), torch.randint(0, 10, (16,), generator=gen)
 
 
-def _optimizer(model: nn.Module, fmt: str, schedule: object, kernels: str | None) -> BlockwiseAdamW:
-    return BlockwiseAdamW(model.named_parameters(), lr=3e-3, weight_decay=0.1, state_format=fmt,
-                          offload_schedule=schedule, kernels=kernels)
+def _optimizer(model: nn.Module, fmt: str, schedule: object, kernels: str | None,
+               lanes: int | None = None) -> BlockwiseAdamW:
+    """The optimizer of the runs; ``lanes``: the seed of :class:`DeferredLanes` (asynchronous stand-in streams)."""
+    opt = BlockwiseAdamW(model.named_parameters(), lr=3e-3, weight_decay=0.1, state_format=fmt,
+                         offload_schedule=schedule, kernels=kernels)
+    if lanes is not None:
+        opt._offload.lane_factory = DeferredLanes(lanes)
+    return opt
 
 
 def _train(fmt: str, schedule: object = None, *, accumulate: int = 1, clip: float | None = None,
            convert_at: int | None = None, resume_at: int | None = None, skip_window_at: int | None = None,
-           kernels: str | None = None, nan_in_backward: bool = False) -> tuple[nn.Module, BlockwiseAdamW]:
+           kernels: str | None = None, nan_in_backward: bool = False,
+           lanes: int | None = None) -> tuple[nn.Module, BlockwiseAdamW]:
     """50 steps of the model; ``convert_at``: ``fp32`` -> ``fmt`` there (the run starts in ``fp32``), and one
     layer back to ``fp32`` 15 steps later; ``resume_at``: save, reload (``weights_only``) into a new model and
     optimizer, go on; ``skip_window_at``: a backward whose step never comes (AMP's skipped step) before it;
     ``nan_in_backward``: the NaN of the skipped steps comes from backward itself (a tensor hook), not written after."""
     model = _model()
-    opt = _optimizer(model, "fp32" if convert_at is not None else fmt, schedule, kernels)
+    opt = _optimizer(model, "fp32" if convert_at is not None else fmt, schedule, kernels, lanes)
     for step in range(STEPS):
         if convert_at is not None and step == convert_at:
             opt.set_formats({"0": fmt, "2": fmt, "4": fmt})
@@ -95,7 +101,7 @@ def _train(fmt: str, schedule: object = None, *, accumulate: int = 1, clip: floa
             saved = torch.load(buffer, weights_only=True)
             model = _model()
             model.load_state_dict(saved["model"])
-            opt = _optimizer(model, fmt, schedule, kernels)
+            opt = _optimizer(model, fmt, schedule, kernels, lanes)
             opt.load_state_dict(saved["optimizer"])
     return model, opt
 
@@ -504,3 +510,45 @@ def test_exact_gradients_through_backward_on_the_cpu() -> None:
             run = _exact_gradients_run(torch.device("cpu"), "offload", schedule)
             worst = max(ulps(a, b) for a, b in zip(reference, run))
             assert worst == 0.0 if name == "host" else worst <= MAX_ULPS, (name, overlap, worst)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("name", ["host", "interleaved", "device"])
+@pytest.mark.parametrize("overlap", ["off", "transfers", "update"])
+def test_with_streams_that_run_later_every_wait_is_in_place(name: str, overlap: str, seed: int) -> None:
+    """The lanes as a GPU runs its streams (:class:`DeferredLanes`): each task later, in its lane's order and after
+    the events it waits for, the lanes interleaved at random. A copy that ran before the data it copies, a buffer
+    reused before its last reader, a weight read before its upload: each would move the numbers. They are the fp32
+    step's (host-only to the bit) over 50 steps with skipped steps, accumulation over two micro-batches and a
+    resume, whatever the interleaving."""
+    schedule = _with(SCHEDULES[name], overlap=overlap != "off", update_in_backward=overlap == "update",
+                     accumulate_grad_batches=2)
+    kwargs = {"accumulate": 2, "resume_at": 24, "nan_in_backward": True}
+    reference = _train("fp32", **kwargs)  # type: ignore[arg-type]
+    run = _train("offload", schedule, lanes=seed, **kwargs)  # type: ignore[arg-type]
+    distance = _distance(reference, run)
+    assert distance == 0.0 if name == "host" else distance <= MAX_ULPS, distance
+    hub = run[1]._offload.lane_factory
+    assert isinstance(hub, DeferredLanes) and sum(lane.ran for lane in hub.lanes) > 100  # the tasks went through it
+
+
+def test_a_missing_wait_shows_under_streams_that_run_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stand-in catches what it is for: with the device path's wait for the moments' upload taken out, the step
+    reads staging buffers not yet written, and the numbers move."""
+    from lightning_baoc.optim import offload_schedule as S
+
+    waits = []
+    original = S._DeferredLane.wait
+
+    def forgetful(self, event):  # the compute lane forgets its waits
+        waits.append(event)
+        if self is not self.hub.lanes[3]:
+            original(self, event)
+
+    monkeypatch.setattr(S._DeferredLane, "wait", forgetful)
+    reference = _train("fp32")[0]
+    moved = []
+    for seed in range(3):
+        run = _train("offload", SCHEDULES["device"], lanes=seed)[0]
+        moved.append(max(ulps(a.detach(), b.detach()) for a, b in zip(reference.parameters(), run.parameters())))
+    assert waits and max(moved) > 1e3, moved
