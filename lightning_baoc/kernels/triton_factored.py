@@ -25,7 +25,6 @@ another order).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,10 +173,10 @@ class FactoredWork:
     :meth:`factors` gives each tensor's row and column factors (views of the buffers, for the update's table).
 
     ``params``, ``grad_dtypes``, ``views`` (each one's ``exp_avg_sq_row`` and ``exp_avg_sq_col``), ``corrections``:
-    the tensors, in order."""
+    the tensors, in order. The hyperparameters are read at each step (:meth:`tables`, :meth:`launch`)."""
 
     def __init__(self, params: list[Tensor], grad_dtypes: list[torch.dtype], views: list[dict[str, Tensor]],
-                 corrections: list[Tensor | None], hyper: Any) -> None:
+                 corrections: list[Tensor | None]) -> None:
         self.device = params[0].device
         self.count = len(params)
         dims = [(v["exp_avg_sq_row"].numel(), v["exp_avg_sq_col"].numel()) for v in views]
@@ -190,10 +189,7 @@ class FactoredWork:
         self.rf_at = self.row_at.copy()
         self.cf_at = int(self.rows.sum()) + np.concatenate([[0], np.cumsum(self.cols)[:-1]]).astype(np.int64)
         self.sizes = (int(partial_sizes.sum()), int(self.rows.sum()), int(self.rows.sum() + self.cols.sum()))
-        common = ts._common((ts.M_NONE, ts.V_FACTORED), hyper, 0.0, 0.0)
-        self.gsign, self.l2, self.L2 = common["gsign"], common["l2"], common["L2"]
-        self.beta2 = ts._f32(hyper.beta2)
-        self.floor = ts._f32((1.0 - hyper.beta2) * _eps_square())
+        self.longest = np.maximum(self.rows, self.cols).astype(np.float64)
         # the sums' tables, by kind (the gradient's column filled at each launch)
         self.kinds: dict[tuple[int, int, int], np.ndarray] = {}
         kinds = [(ts._KINDS[p.dtype], ts._KINDS[g], 0 if c is None else ts._CORRECTION_BITS[c.dtype])
@@ -202,9 +198,8 @@ class FactoredWork:
             self.kinds[kind] = np.array([i for i, k in enumerate(kinds) if k == kind], dtype=np.int64)
         rows = []
         for i, (p, c) in enumerate(zip(params, corrections)):
-            k = ts._f32(math.sqrt((1.0 - hyper.beta2) / max(int(self.rows[i]), int(self.cols[i]))))
             rows.append([0, p.data_ptr(), p.data_ptr() if c is None else c.data_ptr(), int(self.rows[i]),
-                         int(self.cols[i]), ts._float_bits(k), int(self.partial_at[i]), int(self.row_at[i])])
+                         int(self.cols[i]), 0, int(self.partial_at[i]), int(self.row_at[i])])
         self.sum_rows = np.array(rows, dtype=np.int64).reshape(-1, len(SUM_COLUMNS))
         fin = []
         for i, v in enumerate(views):
@@ -227,13 +222,16 @@ class FactoredWork:
         base = buffers.factors.data_ptr()
         return [(base + 4 * int(r), base + 4 * int(c)) for r, c in zip(self.rf_at, self.cf_at)]
 
-    def tables(self, grads: list[int], skips: Any, bias_corrections2: Any) -> tuple[dict[tuple, Tensor], Tensor]:
+    def tables(self, grads: list[int], skips: Any, bias_corrections2: Any, hyper: Any) -> tuple[dict[tuple, Tensor], Tensor]:
         """The launches' tables on the device (the sums' per kind, then the finish's): ``grads``, the gradients'
-        addresses; ``skips``, the skip flags' addresses (0: none); ``bias_corrections2``, each tensor's, fp32 bits."""
+        addresses; ``skips``, the skip flags' addresses; ``bias_corrections2``, each tensor's, fp32 bits; ``hyper``:
+        the step's hyperparameters (each tensor's scale of the squares, ``sqrt((1 - beta2) / max(rows, cols))``)."""
         sums = {}
+        scale = np.sqrt((1.0 - hyper.beta2) / self.longest).astype(np.float32).view(np.int32).astype(np.int64)
         for kind, members in self.kinds.items():
             part = self.sum_rows[members].copy()
             part[:, 0] = np.asarray(grads, dtype=np.int64)[members]
+            part[:, 5] = scale[members]
             firsts = np.cumsum(self.programs[members])
             flat = torch.from_numpy(np.concatenate([part.reshape(-1), [0], firsts[:-1]]).astype(np.int64))
             sums[kind] = ts.on_device(flat, self.device)
@@ -242,16 +240,18 @@ class FactoredWork:
         fin[:, 10] = bias_corrections2
         return sums, ts.on_device(torch.from_numpy(fin.reshape(-1)), self.device)
 
-    def launch(self, sums: dict[tuple, Tensor], finish: Tensor, buffers: Buffers, skip: bool) -> None:
-        """The step's two launches (the sums' one per kind) into ``buffers``; ``skip``: the tensors carry skip flags."""
+    def launch(self, sums: dict[tuple, Tensor], finish: Tensor, buffers: Buffers, hyper: Any) -> None:
+        """The step's two launches (the sums' one per kind) into ``buffers``, by :meth:`tables`' tables."""
+        common = ts._common((ts.M_NONE, ts.V_FACTORED), hyper, 0.0, 0.0)
+        beta2, floor = ts._f32(hyper.beta2), ts._f32((1.0 - hyper.beta2) * _eps_square())
         for kind, table in sums.items():
             members = self.kinds[kind]
             count = len(members)
             _sums[(int(self.programs[members].sum()),)](
-                table, count, buffers.partial, buffers.row_sum, self.gsign, self.l2, L2=self.L2, W=kind[0], G=kind[1],
+                table, count, buffers.partial, buffers.row_sum, common["gsign"], common["l2"], L2=common["L2"], W=kind[0], G=kind[1],
                 CB=kind[2], SEARCH=max(count - 1, 1).bit_length(), BR=ROWS, BC=TILE, enable_fp_fusion=False)
-        _finish[(self.count,)](finish, buffers.partial, buffers.row_sum, buffers.factors, self.beta2, self.floor,
-                               SKIP=skip, B=BLOCK, enable_fp_fusion=False)
+        _finish[(self.count,)](finish, buffers.partial, buffers.row_sum, buffers.factors, beta2, floor,
+                               SKIP=True, B=BLOCK, enable_fp_fusion=False)
 
 
 def _eps_square() -> float:

@@ -65,7 +65,8 @@ _SUPER = 1024
 #: super-block of each tensor follows the rows.
 _COLUMNS = ("param", "grad", "correction", "m", "m_scale", "m_exp", "v", "v_scale", "v_exp", "row_factor",
             "col_factor", "skip_flag", "numel", "cols", "noise_key", "lr_step", "inv_sqrt_bc2", "decay")
-_SKIP_COLUMN, _NUMEL_COLUMN, _KEY_COLUMN = (_COLUMNS.index(name) for name in ("skip_flag", "numel", "noise_key"))
+_SKIP_COLUMN, _NUMEL_COLUMN, _KEY_COLUMN, _FACTOR_COLUMN = (
+    _COLUMNS.index(name) for name in ("skip_flag", "numel", "noise_key", "row_factor"))
 
 
 def triton_status() -> tuple[bool, str]:
@@ -452,15 +453,15 @@ def _factored_prework(items: list[Any], corrections: list[Tensor | None], hyper:
         return {}
     chosen = [items[i] for i in live]
     work = FactoredWork([it.param for it in chosen], [it.grad.dtype for it in chosen], [it.views for it in chosen],
-                        [corrections[i] for i in live], hyper)
+                        [corrections[i] for i in live])
     buffers = work.buffers()
     zero = torch.zeros(1, dtype=torch.float32, device=work.device)  # the flag of an item the host decided: stepped
     alive += [buffers, zero]
     sums, finish = work.tables([it.grad.data_ptr() for it in chosen],
                                [zero.data_ptr() if it.skip_flag is None else it.skip_flag.data_ptr() for it in chosen],
-                               [_float_bits(it.bias_correction2) for it in chosen])
+                               [_float_bits(it.bias_correction2) for it in chosen], hyper)
     alive += [sums, finish]
-    work.launch(sums, finish, buffers, skip=True)
+    work.launch(sums, finish, buffers, hyper)
     return {i: (rf, cf, int(work.cols[k])) for k, (i, (rf, cf)) in enumerate(zip(live, work.factors(buffers)))}
 
 

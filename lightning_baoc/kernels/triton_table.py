@@ -22,20 +22,20 @@ class Table:
     What stays from step to step is written once: each tensor's addresses (parameter, correction,
     states), size and launch kind. Each step fills the columns that change (the gradients' addresses,
     the skip flags', the rounding keys, the step sizes) with numpy over all rows at once, so the host's
-    work per tensor is the few Python reads its caller makes. Only the non-factored formats (the factored
-    ones compute their factors per tensor and step) and items whose skip the device decides.
+    work per tensor is the few Python reads its caller makes. Items whose skip the device decides. A
+    factored format's rows point their factors into the step's flat buffers (:mod:`.triton_factored`:
+    ``factors`` of :meth:`launch`, or written once by a captured step).
     """
 
     def __init__(self, kinds: tuple[int, int], params: list[Tensor], grad_dtypes: list[torch.dtype],
                  views: list[dict[str, Tensor]], corrections: list[Tensor | None]) -> None:
-        if kinds[1] == ts.V_FACTORED:
-            raise ValueError("Table serves the non-factored formats: the factored ones compute factors per step")
         self.kinds = kinds
         keys = ts._M_KEYS.get(kinds[0], (None, None, None)) + ts._V_KEYS[kinds[1]]
         rows, self.kind = [], []
         for p, g_dtype, v, corr in zip(params, grad_dtypes, views, corrections):
             ptr = p.data_ptr()
-            rows.append([ptr, 0, *ts._state_addresses(p, v, corr, keys), ptr, ptr, 0, p.numel(), 1, 0, 0, 0, 0])
+            cols = v["exp_avg_sq_col"].numel() if kinds[1] == ts.V_FACTORED else 1
+            rows.append([ptr, 0, *ts._state_addresses(p, v, corr, keys), ptr, ptr, 0, p.numel(), cols, 0, 0, 0, 0])
             self.kind.append(ts._launch_kind(p, g_dtype, corr, True))
         self.rows = np.array(rows, dtype=np.int64).reshape(len(rows), len(ts._COLUMNS))
         self.blocks = (self.rows[:, ts._NUMEL_COLUMN] + ts._SUPER - 1) // ts._SUPER
@@ -44,18 +44,21 @@ class Table:
 
     def launch(self, hyper: Any, limit_m: float, limit_v: float, device: torch.device, grads: list[int],
                skips: Any, keys: Any, step_bits: Any, decay: int, select: Any = None,
-               repair: Tensor | None = None) -> None:
+               repair: Tensor | None = None, factors: list[tuple[int, int]] | None = None) -> None:
         """Step the tensors (or those of ``select``, indices into them): ``grads``, their gradients'
         addresses; ``skips``, their skip flags' addresses; ``keys``, their rounding keys; ``step_bits``,
         ``[k, 2]``: the bits of their step sizes and of their ``1 / sqrt(bias_correction2)``
         (:func:`~.triton_step.step_scalars`): numpy arrays (the gradients' addresses a list), one entry per selected
-        tensor; ``decay``: the bits of the decoupled weight decay's factor (:func:`~.triton_step.decay_bits`)."""
+        tensor; ``decay``: the bits of the decoupled weight decay's factor (:func:`~.triton_step.decay_bits`);
+        ``factors``: a factored format's row and column factors' addresses, per selected tensor."""
         rows = self.rows.copy() if select is None else self.rows[select]  # (indexing copies)
         rows[:, 1] = grads
         rows[:, ts._SKIP_COLUMN] = skips
         rows[:, ts._KEY_COLUMN] = np.where(keys >= 1 << 31, keys - (1 << 32), keys)  # sign-extended int32
         rows[:, ts._KEY_COLUMN + 1 : ts._KEY_COLUMN + 3] = step_bits
         rows[:, ts._KEY_COLUMN + 3] = decay
+        if factors is not None:
+            rows[:, ts._FACTOR_COLUMN : ts._FACTOR_COLUMN + 2] = factors
         blocks = self.blocks if select is None else self.blocks[select]
         by_kind = self.by_kind
         if select is not None:

@@ -100,6 +100,7 @@ class _Launch:
     table: Any  # kernels.triton_table.Table
     salts: np.ndarray  # uint64: their names' hashes
     offsets: np.ndarray  # uint64: their shards' offsets
+    work: Any = None  # a factored format's kernels.triton_factored.FactoredWork
 
 
 class DevicePlan:
@@ -125,7 +126,7 @@ class DevicePlan:
         for p, route in zip(params, routes):
             rec = records[p]
             fmt = registry[rec.format]
-            if route is None or (route == "triton" and fmt.factored):  # factors per tensor: the unplanned step
+            if route is None:
                 self.others.append((p, rec))
                 continue
             entry = _Entry(p, rec, rec.format, rec.views, rec.master_correction, p.data_ptr(), p.grad.dtype,
@@ -147,6 +148,11 @@ class DevicePlan:
                           [e.grad_dtype for e in entries], [e.views for e in entries], [e.correction for e in entries])
             launch = _Launch(table, np.array([e.salt & _M32 for e in entries], dtype=np.uint64),
                              np.array([e.rec.shard_offset for e in entries], dtype=np.uint64))
+            if registry[name].factored:  # the second moment's vectors and factors: two launches for all of them
+                from lightning_baoc.kernels.triton_factored import FactoredWork
+
+                launch.work = FactoredWork([e.param for e in entries], [e.grad_dtype for e in entries],
+                                           [e.views for e in entries], [e.correction for e in entries])
             for row, e in enumerate(entries):
                 e.launch, e.row = launch, row
 
@@ -223,6 +229,15 @@ class Chosen:
         run = _Step(pairs, hyper, seed, pair_of.astype(np.int64, copy=False), np.array(indices, dtype=np.int64))
         for launch, (members, skip) in launches.items():
             launched = [entries[k] for k in members]
+            if launch.work is not None:  # factored: the vectors and factors first, into this step's buffers
+                arguments = run.launch_arguments(launched, members, skip)
+                work = launch.work
+                buffers = work.buffers()
+                sums, finish = work.tables([e.param.grad.data_ptr() for e in launched], arguments[5],
+                                           run.bc2_bits(members), hyper)
+                work.launch(sums, finish, buffers, hyper)
+                launch.table.launch(*arguments, factors=work.factors(buffers))
+                continue
             if not launched[0].fused:
                 launch.table.launch(*run.launch_arguments(launched, members, skip))
                 continue
@@ -265,6 +280,13 @@ class _Step:
         flags = skip.data_ptr() + 4 * self.indices[which]  # fp32 elements of the device's flags
         return (self.hyper, M_SCALE_MAX, V_SCALE_MAX, entries[0].param.device, [e.param.grad.data_ptr() for e in entries],
                 flags, keys.astype(np.int64), bits[pair_of], decay_bits(self.hyper), select)
+
+    def bc2_bits(self, members: list[int]) -> np.ndarray:
+        """The fp32 bits of ``members``' ``bias_correction2`` (a factored format's factors divide by it)."""
+        from lightning_baoc.kernels.triton_step import _float_bits
+
+        bits = np.array([_float_bits(bc2) for _, bc2 in self.corrections], dtype=np.int64)
+        return bits[self.pair_of[np.array(members, dtype=np.int64)]]
 
     def found_inf(self, members: list[int], skip: Tensor) -> Tensor:
         """The flag torch's fused kernel skips on: a tensor alone's own, else any tensor's of the device (a

@@ -58,6 +58,9 @@ from lightning_baoc.formats.fused_adam import MAX_FUSED_STEP, fused_kernel_optio
 from lightning_baoc.formats.quant import M_SCALE_MAX, V_SCALE_MAX, stream_keys
 from lightning_baoc.kernels import M_NONE
 
+#: Per-step columns of each row in the host buffer: rounding key, step size, 1/sqrt(bias_correction2), decay,
+#: bias_correction2.
+_STAGE = 5
 #: Captures allowed per optimizer before the graph is turned off (gradients that move at every step).
 MAX_RECAPTURES = 8
 #: Steps with an unchanged plan and unchanged gradient addresses before a step is captured.
@@ -242,13 +245,17 @@ class GraphStep:
         self.found = torch.zeros(1, dtype=torch.float32, device=self.device)
         self.inverse_scale = torch.ones((), dtype=torch.float32, device=self.device)
         self.unscale_found = torch.zeros(1, dtype=torch.float32, device=self.device)
-        self.stage_int = backend.host_buffer(4 * n, torch.int64)  # key, lr_step, inv_sqrt_bc2, decay of each row
+        # each row's key, lr_step, inv_sqrt_bc2, decay (its table's last columns) and bias_correction2 (factored)
+        self.stage_int = backend.host_buffer(_STAGE * n, torch.int64)
         self.stage_float = backend.host_buffer(len(self.fused) + len(parts), torch.float32)  # steps, then lrs
         self.stage_int_np, self.stage_float_np = self.stage_int.numpy(), self.stage_float.numpy()  # views, made once
-        self.dev_int = torch.zeros(4 * n, dtype=torch.int64, device=self.device)
+        self.dev_int = torch.zeros(_STAGE * n, dtype=torch.int64, device=self.device)
         self.dev_float = torch.zeros(len(self.fused) + len(parts), dtype=torch.float32, device=self.device)
         self.launches: list[tuple[Any, ...]] = []  # (table on the device, count, rows in entries, kind, common)
         self.fused_calls: list[tuple[Any, ...]] = []
+        # the factored formats' works (kernels/triton_factored.py): (work, its buffers, its sums' tables, its finish
+        # table, its rows among the entries, the hyperparameters), the buffers the graph's own
+        self.factored: list[tuple[Any, ...]] = []
         start = 0
         fused_at = {int(i): k for k, i in enumerate(self.fused.tolist())}
         for g, (_, hyper, chosen) in enumerate(parts):
@@ -274,15 +281,32 @@ class GraphStep:
                     if len(members) == 1:
                         continue
                     repair = found
-                self.launches.extend(self._tables(table, rows, members, common, repair))
+                factors = None
+                if launch.work is not None:
+                    factors = self._factored(launch.work, rows, members, hyper)
+                self.launches.extend(self._tables(table, rows, members, common, repair, factors))
             start += len(chosen)
         self.graph: Graph | None = None
         self.skips = GraphSkips(self.flags_host, self.array, self.index, self.momentum,
                                 [e.rec for e in entries], on_skipped)
 
-    def _tables(self, table: Any, rows: np.ndarray, members: list[int], common: dict, repair: Tensor | None) -> list:
+    def _factored(self, work: Any, rows: np.ndarray, members: list[int], hyper: Any) -> list[tuple[int, int]]:
+        """A factored launch's work with buffers and tables of the graph's own (its gradients' and skip flags'
+        addresses of this capture); its rows' factors' addresses."""
+        if not np.array_equal(rows, np.arange(work.count)):
+            raise ValueError("a factored launch steps all of its tensors, in order")
+        buffers = work.buffers()
+        grads = [self.grad_addresses[i] for i in members]
+        skips = self.skip.data_ptr() + 4 * np.array(members, dtype=np.int64)
+        sums, finish = work.tables(grads, skips, np.zeros(len(members), dtype=np.int64), hyper)
+        at = torch.tensor(members, dtype=torch.int64, device=self.device)
+        self.factored.append((work, buffers, sums, finish, at, hyper))
+        return work.factors(buffers)
+
+    def _tables(self, table: Any, rows: np.ndarray, members: list[int], common: dict, repair: Tensor | None,
+                factors: list[tuple[int, int]] | None = None) -> list:
         """The device tables of one launch's rows (per kind): what stays written once, the gradients' and skip
-        flags' addresses of this capture among it."""
+        flags' addresses of this capture among it (and a factored format's factors, in the graph's buffers)."""
         from lightning_baoc.kernels import triton_step as ts
 
         out = []
@@ -293,6 +317,8 @@ class GraphStep:
             at = [members[j] for j in of_kind]
             part[:, 1] = [self.grad_addresses[i] for i in at]
             part[:, ts._SKIP_COLUMN] = self.skip.data_ptr() + 4 * np.array(at, dtype=np.int64)
+            if factors is not None:
+                part[:, ts._FACTOR_COLUMN : ts._FACTOR_COLUMN + 2] = [factors[j] for j in of_kind]
             sizes = table.blocks[rows[of_kind]]
             firsts = np.cumsum(sizes)
             flat = torch.from_numpy(np.concatenate([part.reshape(-1), [0], firsts[:-1]]).astype(np.int64))
@@ -305,6 +331,7 @@ class GraphStep:
 
     def _body(self, rec: Recorder) -> None:
         """The step's device work, every argument a tensor the graph keeps or a constant of the capture."""
+        from lightning_baoc.kernels import triton_factored as tf
         from lightning_baoc.kernels import triton_step as ts
 
         on_gpu = self.device.type == "cuda"
@@ -323,10 +350,14 @@ class GraphStep:
             rec.call(torch.maximum, self.skip, self.found, out=self.skip)
         if len(self.params) > 1:
             rec.call(torch.amax, self.skip, 0, True, out=self.any_skip)
-        per_row = self.dev_int.view(-1, 4)
+        per_row = self.dev_int.view(-1, _STAGE)
         for table, count, at, _, _, _, _ in self.launches:
             columns = table[: count * len(ts._COLUMNS)].view(count, len(ts._COLUMNS))[:, ts._KEY_COLUMN :]
-            rec.call(_gather_into, columns, per_row, at)
+            rec.call(_gather_into, columns, per_row[:, :4], at)
+        for work, buffers, sums, finish, at, hyper in self.factored:  # the vectors and factors before the updates
+            bc2 = finish.view(work.count, len(tf.FINISH_COLUMNS))[:, tf.FINISH_COLUMNS.index("bias_correction2")]
+            rec.call(_gather_into, bc2, per_row[:, 4], at)
+            rec.call(work.launch, sums, finish, buffers, hyper)
         for kernel, params, ms, vs, steps, lr, options, found in self.fused_calls:
             rec.call(kernel, params, [p.grad for p in params], ms, vs, [], steps, lr=lr, found_inf=found, **options)
         for table, count, _, kind, common, repair, blocks in self.launches:
@@ -359,18 +390,18 @@ class GraphStep:
         rows = np.stack([array[at, 0], array[at, 1], self.has_m, self.group_of], axis=1)
         distinct, pair_of = np.unique(rows, axis=0, return_inverse=True)
         pair_of = pair_of.reshape(-1)
-        cols = self.stage_int_np.reshape(-1, 4)
+        cols = self.stage_int_np.reshape(-1, _STAGE)
         steps, bits = [], []
         for s, m, has_m, group in distinct.tolist():
             hyper = hypers[group]
             bc1 = 1.0 - hyper.beta1**m if m else 1.0
             bc2 = 1.0 - hyper.beta2**s
             steps.append(s)
-            bits.append((*ts.step_scalars(bc1, bc2, bool(has_m), lrs[group]), ts.decay_bits(hyper)))
+            bits.append((*ts.step_scalars(bc1, bc2, bool(has_m), lrs[group]), ts.decay_bits(hyper), ts._float_bits(bc2)))
         key_bits = (stream_keys(self.seed, steps, self.salts, pair_of) + self.offsets) & np.uint64(_M32)
         key_bits = key_bits.astype(np.int64)
         cols[:, 0] = np.where(key_bits >= 1 << 31, key_bits - (1 << 32), key_bits)
-        table_bits = np.array(bits, dtype=np.int64).reshape(-1, 3)
+        table_bits = np.array(bits, dtype=np.int64).reshape(-1, _STAGE - 1)
         cols[:, 1:] = table_bits[pair_of]
         floats = self.stage_float_np
         if len(self.fused):

@@ -178,3 +178,42 @@ def test_the_plans_advance_rows_of_one_counts_array(builds: list[int]) -> None:
     twin.step()
     assert {rec.name: rec.step for rec in twin._records.values()} == {"a": 7, "b": 7, "c": 4}  # noqa: SLF001
     assert {rec.name: rec.step for rec in records} == {"a": 6, "b": 6, "c": 3}
+
+
+def test_the_factored_formats_step_through_the_plan_as_unplanned(builds: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``factored`` and ``int8_factored`` tensors (fp32 and bf16 weights, an ecc8 correction) in the plan: their
+    vectors and factors in two launches for all of them (kernels/triton_factored.py), the same bits as the
+    unplanned step, a NaN skipping its tensor alone (its vectors kept)."""
+    def run(planned: bool) -> tuple[list[torch.Tensor], dict]:
+        with monkeypatch.context() as patch:
+            if not planned:
+                patch.setattr(stepping.StepDispatcher, "_planned",
+                              lambda self, index, hyper, params, records, on: ([], list(zip(params, records))))
+            gen = torch.Generator().manual_seed(0)
+            shapes = {"a": (37, 101), "b": (64, 64), "c": (130, 20), "d": (300, 7)}
+            named = [(n, nn.Parameter(torch.randn(s, generator=gen) * 0.1)) for n, s in shapes.items()]
+            named.append(("h", nn.Parameter((torch.randn(20, 50, generator=gen) * 0.1).to(torch.bfloat16))))
+            opt = BlockwiseAdamW(named, lr=1e-2, weight_decay=0.1, state_format="factored", min_8bit_numel=0,
+                                 weight_correction="ecc8")
+            opt.set_formats({"b": "int8_factored", "d": "int8_factored"})
+            for step in range(6):
+                for _, p in named:
+                    p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(p.dtype)
+                if step == 2:
+                    named[2][1].grad[5, 5] = float("nan")
+                with pytest.warns(RuntimeWarning) if step == 3 else _nothing():
+                    opt.step()
+            if planned:  # the factored tensors are the plan's, none left to the unplanned step
+                assert [len(plan.entries) for plan in opt._stepper.plans.values()] == [5]  # noqa: SLF001
+            out = []
+            for _, p in named:
+                rec = opt._records[p]  # noqa: SLF001
+                out += [p.detach().clone(), *(t.clone() for _, t in sorted(rec.views.items()))]
+            return out, opt.nonfinite_counts
+
+    planned, skipped = run(True)
+    assert builds == [5]  # every tensor in one plan, kept
+    unplanned, skipped_u = run(False)
+    assert skipped == skipped_u == {"c": 1}
+    for x, y in zip(planned, unplanned):
+        assert x.dtype == y.dtype and torch.equal(x, y)

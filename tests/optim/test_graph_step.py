@@ -421,3 +421,37 @@ def test_a_lightning_run_replays_its_captured_step(tmp_path: Any) -> None:
     graphs = trainer.optimizers[0]._stepper.graphs  # noqa: SLF001
     assert graphs.off_reason is None
     assert graphs.captures <= 2 and graphs.replays >= 30, (graphs.captures, graphs.replays)
+
+
+def test_the_factored_formats_replay_as_planned() -> None:
+    """``factored`` and ``int8_factored`` tensors (a bf16 weight with its ecc8 correction among them) in the graph:
+    their vectors and factors recorded too (kernels/triton_factored.py), the same bits as the planned step over
+    12 steps with a NaN and a learning-rate schedule."""
+    def run(graphs: bool) -> tuple[list[torch.Tensor], dict, int]:
+        gen = torch.Generator().manual_seed(0)
+        shapes = {"a": (37, 101), "b": (64, 64), "c": (130, 20), "d": (300,)}
+        named = [(n, nn.Parameter((torch.randn(s, generator=gen) * 0.1).to(DEVICE))) for n, s in shapes.items()]
+        named.append(("h", nn.Parameter((torch.randn(20, 50, generator=gen) * 0.1).to(DEVICE, torch.bfloat16))))
+        opt = BlockwiseAdamW(named, lr=1e-2, weight_decay=0.1, state_format="factored", min_8bit_numel=0,
+                             weight_correction="ecc8")
+        opt.set_formats({"b": "int8_factored", "d": "bf16"})
+        backend = _graphs(opt, graphs)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=12)
+        for _, p in named:
+            p.grad = torch.zeros_like(p)
+        for step in range(12):
+            for _, p in named:
+                p.grad.copy_(_noise(p.shape, gen, p.dtype))
+            if step == 6:
+                named[2][1].grad[5, 5] = float("nan")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                opt.step()
+            schedule.step()
+        return _state(named, opt), opt.nonfinite_counts, backend.captures
+
+    captured, skipped, captures = run(True)
+    planned, skipped_p, _ = run(False)
+    assert captures == 1 and skipped == skipped_p == {"c": 1}
+    for x, y in zip(captured, planned):
+        assert x.dtype == y.dtype and torch.equal(x, y)
