@@ -455,3 +455,26 @@ def test_the_factored_formats_replay_as_planned() -> None:
     assert captures == 1 and skipped == skipped_p == {"c": 1}
     for x, y in zip(captured, planned):
         assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+def test_gradients_clipped_in_place_feed_the_captured_step() -> None:
+    """``torch.nn.utils.clip_grad_norm_`` before each step (Lightning's ``gradient_clip_val``) writes the gradients in
+    place: the graph reads the clipped ones, the same bits as the planned step."""
+    results = []
+    for graphs in (True, False):
+        named = _model()
+        opt = _optimizer(named)
+        backend = _graphs(opt, graphs)
+        gen = torch.Generator().manual_seed(4)
+        for _, p in named:
+            p.grad = torch.zeros_like(p)
+        for _ in range(8):
+            for _, p in named:
+                p.grad.copy_(_noise(p.shape, gen, p.dtype) * 50)
+            torch.nn.utils.clip_grad_norm_([p for _, p in named], max_norm=0.1)
+            opt.step()
+        results.append((_state(named, opt), backend.captures, opt._stepper.graphs.replays))  # noqa: SLF001
+    (captured, captures, replays), (planned, _, _) = results
+    assert captures == 1 and replays == 6
+    for x, y in zip(captured, planned):
+        assert torch.equal(x, y)
