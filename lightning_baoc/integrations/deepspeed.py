@@ -125,7 +125,7 @@ def zero_client_of(strategy: Any) -> Any:
         empty = [r for r, (_, count) in enumerate(fmap.spans[f.name]) if not count]
         if empty:
             raise RuntimeError(
-                f"BAOC under DeepSpeed ZeRO stage {fmap.stage} needs every rank to hold part of every parameter (its "
+                f"BAOC under DeepSpeed ZeRO stage {fmap.stage_name} needs every rank to hold part of every parameter (its "
                 f"blocks, gradient statistics and allocation are the same on every rank); this ZeRO layout leaves "
                 f"{f.name!r} ({math.prod(f.shape)} elements) with no element on rank(s) {empty}: ZeRO stages 1 and 2 "
                 f"cut the flattened param groups, not the parameters. Use ZeRO stage 3 (strategy='deepspeed_stage_3' "

@@ -105,7 +105,7 @@ class Fragment:
 class FragmentMap:
     """Every fragment of this rank, the flat tensors they lie in, and the data-parallel group."""
 
-    stage: int  # 0 (the parameters themselves), 1 or 2 (one flat per group), 3 (one flat per sub-group)
+    stage: int  # 0 (the parameters themselves), 1 (stages 1 and 2: one flat per group), 3 (one flat per sub-group)
     fragments: list[Fragment]  # in the client's order: group by group, the parameters in their order
     flats: list[Tensor]
     rank: int
@@ -113,6 +113,11 @@ class FragmentMap:
     process_group: Any  # None when world == 1
     #: name -> every rank's (offset, numel), in rank order (an empty fragment placed where it would start)
     spans: dict[str, tuple[tuple[int, int], ...]] | None = None
+
+    @property
+    def stage_name(self) -> str:
+        """The ZeRO stage(s) the map's layout is: ``"0"``, ``"1/2"`` (the same layout) or ``"3"``."""
+        return "1/2" if self.stage == 1 else str(self.stage)
 
     def starts(self, name: str, numel: int) -> tuple[int, ...]:
         """Every rank's first element of ``name``'s flat order, in rank order, then its numel."""
@@ -570,11 +575,11 @@ class ZeroClient(torch.optim.Optimizer):
                                   f"version {LAYOUT_VERSION}")
         saved, now = own.get("map"), self.fragment_map.summary()
         if saved != now:
-            what = (f"world size {saved.get('world')} (ZeRO stage {saved.get('stage')})" if isinstance(saved, Mapping)
+            what = (f"world size {saved.get('world')} (ZeRO layout {saved.get('stage')})" if isinstance(saved, Mapping)
                     else "an unknown layout")
             raise CheckpointError(
                 f"this ZeRO client state was saved at {what} with other fragments than this run's (world size "
-                f"{now['world']}, ZeRO stage {now['stage']}, rank {now['rank']}): per-fragment state resumes at the same "
+                f"{now['world']}, ZeRO stage {self.fragment_map.stage_name}, rank {now['rank']}): per-fragment state resumes at the same "
                 f"world size and ZeRO configuration only. To move a run, save client.to_adamw_state_dict() (on every "
                 f"rank) and load it with client.load_adamw_state_dict() at the new rank count")
         for g, outer in enumerate(self._outer):  # the groups' hyperparameters as saved (an LR scheduler's lr)

@@ -180,3 +180,14 @@ def test_baoc_with_deepspeed_cpu_offload(tmp_path: Path) -> None:
     offloaded partitions."""
     on_lightning_ranks(_fit, 2, str(tmp_path), 3, 2, 2, "run", None, True)
     _check_allocated(_read(tmp_path, "run", 2))
+
+
+def _fit_expecting_refusal(rank: int, root: str) -> None:
+    with pytest.raises(RuntimeError, match=r"ZeRO stage 1/2 needs every rank to hold part of every parameter.*ZeRO stage 3"):
+        _fit(rank, root, 2, 2, 1, "refused")
+
+
+@pytest.mark.slow
+@needs_gloo
+def test_zero_2_layout_leaving_a_parameter_on_one_rank_is_refused(tmp_path: Path) -> None:
+    on_lightning_ranks(_fit_expecting_refusal, 2, str(tmp_path))

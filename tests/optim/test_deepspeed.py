@@ -244,3 +244,64 @@ def test_resume_through_deepspeed_checkpoints_and_another_rank_count(tmp_path) -
 def test_resume_bit_equal(tmp_path, stage: int, fmt: str) -> None:
     on_gloo_ranks(_resume, 2, 2, stage, fmt, str(tmp_path))
     on_gloo_ranks(_load_elsewhere, 1, 1, stage, fmt, str(tmp_path))
+
+
+def _momentum_parity(rank: int, world: int, stage: int, rule: str) -> None:
+    """BlockwiseSGD (momentum) and BlockwiseLion in int8 under ZeRO equal one process's bit for bit."""
+    _deepspeed_env(rank, world)
+    import deepspeed
+
+    from lightning_baoc import BlockwiseLion, BlockwiseSGD
+    from lightning_baoc.optim.deepspeed import zero_client
+
+    def build(model: torch.nn.Module):
+        if rule == "sgd":
+            return BlockwiseSGD(model.named_parameters(), lr=1e-2, momentum=0.9, state_format="int8", min_8bit_numel=0)
+        return BlockwiseLion(model.named_parameters(), lr=1e-3, state_format="int8", min_8bit_numel=0)
+
+    reference_model, model = _model(), _model()
+    reference, client = build(reference_model), zero_client(build(model))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client, config=_config(stage), dist_init_required=False)
+    for x in _batches():
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        reference.zero_grad()
+        reference_model(x).square().mean().backward()
+        reference.step()
+    got, want = _full_params(engine, stage), dict(reference_model.named_parameters())
+    for name in want:
+        assert torch.equal(got[name], want[name].detach()), f"{rule} stage {stage}: {name} differs"
+    assert set(client.formats().values()) == {"int8"}
+    assert client.state_bytes() == _storage_bytes(client.inner)
+
+
+@pytest.mark.slow
+@needs_gloo
+@pytest.mark.parametrize(("stage", "rule"), [(2, "sgd"), (3, "lion")])
+def test_sgd_and_lion_bit_equal_on_two_ranks(stage: int, rule: str) -> None:
+    on_gloo_ranks(_momentum_parity, 2, 2, stage, rule)
+
+
+def test_an_unsupported_deepspeed_release_is_refused_by_name() -> None:
+    from lightning_baoc.optim.deepspeed import SUPPORTED_DEEPSPEED, check_deepspeed_version
+
+    check_deepspeed_version("0.19.8")
+    with pytest.raises(RuntimeError, match=rf"DeepSpeed 0.18.2 is not supported.*>={SUPPORTED_DEEPSPEED[0]},<{SUPPORTED_DEEPSPEED[1]}"):
+        check_deepspeed_version("0.18.2")
+
+
+def test_zero_client_takes_a_blockwise_optimizer_without_state() -> None:
+    from lightning_baoc import BlockwiseAdamW
+    from lightning_baoc.optim.deepspeed import zero_client
+
+    model = _model()
+    with pytest.raises(TypeError, match="BlockwiseAdamW.from_optimizer"):
+        zero_client(torch.optim.AdamW(model.parameters()))
+    opt = BlockwiseAdamW(model.named_parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match="holds state already"):
+        zero_client(opt)
+    client = zero_client(BlockwiseAdamW(model.named_parameters()))
+    with pytest.raises(RuntimeError, match="after deepspeed.initialize"):
+        client.state_bytes()
