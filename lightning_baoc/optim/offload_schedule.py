@@ -118,7 +118,6 @@ class OffloadSchedule:
     update_in_backward: bool = False
 
     def __post_init__(self) -> None:
-        from lightning_baoc.costs.offload import PROFILES, Hardware, hardware
 
         if self.mode not in MODES:
             raise ValueError(
@@ -134,6 +133,8 @@ class OffloadSchedule:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"Invalid offload accumulate_grad_batches: {n!r}; expected an int >= 1 (the "
                              f"micro-batches of one optimizer step, Lightning's accumulate_grad_batches)")
+        if self.hardware is not None:  # the model imported only here: costs/ imports the optimizer
+            from lightning_baoc.costs.offload import PROFILES, Hardware, hardware
         if isinstance(self.hardware, str):
             hardware(self.hardware)  # an unknown name fails here, naming the profiles
         elif self.hardware is not None and not isinstance(self.hardware, Hardware):
@@ -148,6 +149,10 @@ class OffloadSchedule:
         if self.update_in_backward and not self.overlap:
             raise ValueError("Invalid offload settings: update_in_backward=True needs overlap=True (the update in "
                              "backward starts where the transfers do); set both, or neither")
+
+
+#: The schedule of CUDA parameters where none is given (made once: it is asked for every parameter at every step).
+_CUDA_DEFAULT = OffloadSchedule()
 
 
 def resolve_schedule(value: Any) -> OffloadSchedule | None:
@@ -428,7 +433,7 @@ class OffloadScheduler:
         (the optimizer's own step, as before) on the CPU."""
         if self.settings is not None:
             return self.settings
-        return OffloadSchedule() if device.type == "cuda" else None
+        return _CUDA_DEFAULT if device.type == "cuda" else None
 
     def serves(self, p: Tensor, rec: Record, hyper: StepHyper) -> bool:
         """Whether ``p`` (``rec``: its record) is updated here: a dense, contiguous parameter held in an

@@ -533,16 +533,16 @@ def test_with_streams_that_run_later_every_wait_is_in_place(name: str, overlap: 
 
 
 def test_a_missing_wait_shows_under_streams_that_run_later(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The stand-in catches what it is for: with the device path's wait for the moments' upload taken out, the step
-    reads staging buffers not yet written, and the numbers move."""
+    """The stand-in catches what it is for: with the device path's wait for its step taken out of the lane that copies
+    the moments back, they go down before the step wrote them (the host keeps stale moments), and the numbers move."""
     from lightning_baoc.optim import offload_schedule as S
 
     waits = []
     original = S._DeferredLane.wait
 
-    def forgetful(self, event):  # the compute lane forgets its waits
+    def forgetful(self, event):  # the lane of the moments' way down (the fifth made: dev_d2h) forgets its waits
         waits.append(event)
-        if self is not self.hub.lanes[3]:
+        if self is not self.hub.lanes[4]:
             original(self, event)
 
     monkeypatch.setattr(S._DeferredLane, "wait", forgetful)
