@@ -72,21 +72,23 @@ class RankDump(Callback):
         out = {"formats": client.formats(), "allocation": baoc.allocation, "phase": baoc.phase,
                "state_bytes": client.state_bytes(), "storage": sum(storage.values()),
                "budget": baoc.controller.memory_budget_bytes(), "fp32": baoc.controller.fp32_state_bytes(),
-               "dtypes": sorted({str(t.dtype) for t in client.inner.state_tensors()})}
+               "dtypes": sorted({str(t.dtype) for t in client.inner.state_tensors()}),
+               "lrs": {str(k): v for k, v in pl_module.lrs.items()},
+               "inner_lr": [g["lr"] for g in client.inner.param_groups]}
         rank = trainer.global_rank
         (self.directory / f"{self.tag}{rank}.json").write_text(json.dumps(out))
         torch.save(weights, self.directory / f"{self.tag}{rank}.pt")
 
 
 def _fit(rank: int, root: str, stage: int, world: int, epochs: int, tag: str, resume: str | None = None,
-         offload: bool = False) -> None:
+         offload: bool = False, schedule: str = "none") -> None:
     """Fit the digits MLP under ZeRO ``stage`` on ``world`` ranks (every rank the same 4 batches per epoch),
     BAOC allocating after a warm-up of 4 steps, a checkpoint each epoch; from ``resume`` if given."""
     os.environ["DS_ACCELERATOR"] = "cpu"
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     root_path = Path(root)
-    model = DigitsModule(widths=(64, 48, 10), schedule="none")
+    model = DigitsModule(widths=(64, 48, 10), schedule=schedule)
     baoc = BAOC(memory_budget=0.4, warmup_steps=4, sample_every=1, calibration="prior", report=False, min_8bit_numel=0)
     checkpoint = ModelCheckpoint(dirpath=root_path / "ckpt", save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=True)
     trainer = make_trainer(root_path, devices=world, max_epochs=epochs, limit_train_batches=4, limit_val_batches=0,
@@ -120,8 +122,13 @@ def _check_allocated(ranks: list[dict]) -> None:
 
 @needs_gloo
 def test_baoc_under_zero_3_on_two_ranks(tmp_path: Path) -> None:
-    on_lightning_ranks(_fit, 2, str(tmp_path), 3, 2, 2, "run")
-    _check_allocated(_read(tmp_path, "run", 2))
+    on_lightning_ranks(_fit, 2, str(tmp_path), 3, 2, 2, "run", None, False, "cosine")
+    ranks = _read(tmp_path, "run", 2)
+    _check_allocated(ranks)
+    # the user's cosine LambdaLR, rebound to the client, drives the fragments' learning rate
+    lrs = ranks[0]["lrs"]
+    assert lrs["0"][0] > lrs[str(len(lrs) - 1)][0]
+    assert ranks[0]["inner_lr"] == lrs[str(len(lrs) - 1)]  # the last step ran at the scheduler's rate
 
 
 def _crash_resume(tmp_path: Path, stage: int, world: int) -> list[dict]:
