@@ -57,7 +57,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from lightning_baoc.formats import Canonical, resolve_in
+from lightning_baoc.formats import Canonical
 from lightning_baoc.formats.base import ShardShape
 from lightning_baoc.formats.quant import SUPER
 from lightning_baoc.optim.checkpoint import CheckpointError
