@@ -305,3 +305,40 @@ def test_zero_client_takes_a_blockwise_optimizer_without_state() -> None:
     client = zero_client(BlockwiseAdamW(model.named_parameters()))
     with pytest.raises(RuntimeError, match="after deepspeed.initialize"):
         client.state_bytes()
+
+
+def _conversion_parity(rank: int, world: int, stage: int) -> None:
+    """Live conversions of the fragments (fp32 -> int8 -> bf16 -> int8 mid-training, the 8-bit edges of
+    split groups exchanged) equal one process's conversions bit for bit."""
+    _deepspeed_env(rank, world)
+    import deepspeed
+
+    from lightning_baoc import BlockwiseAdamW
+    from lightning_baoc.optim.deepspeed import zero_client
+
+    reference_model, model = _model(), _model()
+    reference = BlockwiseAdamW(reference_model.named_parameters(), lr=1e-2, min_8bit_numel=0)
+    client = zero_client(BlockwiseAdamW(model.named_parameters(), lr=1e-2, min_8bit_numel=0))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client, config=_config(stage), dist_init_required=False)
+    plan = {1: {"0": "int8"}, 2: {"2": "bf16", "0": "bf16_momentum"}, 3: {"0": "int8", "2": "int8"}}
+    for step, x in enumerate(_batches()):
+        for opt in (client, reference):
+            if step in plan:
+                opt.set_formats(plan[step])
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        reference.zero_grad()
+        reference_model(x).square().mean().backward()
+        reference.step()
+    got, want = _full_params(engine, stage), dict(reference_model.named_parameters())
+    assert client.formats() == reference.formats()
+    for name in want:
+        assert torch.equal(got[name], want[name].detach()), f"stage {stage}: {name} differs after conversions"
+    assert client.state_bytes() == _storage_bytes(client.inner)
+
+
+@pytest.mark.slow
+@needs_gloo
+@pytest.mark.parametrize("stage", [2, 3])
+def test_live_conversions_bit_equal_on_two_ranks(stage: int) -> None:
+    on_gloo_ranks(_conversion_parity, 2, 2, stage)
