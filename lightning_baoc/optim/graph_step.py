@@ -437,8 +437,10 @@ class GraphSteps:
     ``policy``: ``"auto"`` (CUDA parameters take a graph) or ``"off"``. ``backend_for(device)``: the graph
     backend of a device (:func:`default_backend`; tests give :class:`TapeBackend`)."""
 
-    def __init__(self, policy: str, seed: int, label: str, on_skipped: Callable[[list[Any]], None]) -> None:
+    def __init__(self, policy: str, seed: int, label: str, on_skipped: Callable[[list[Any]], None],
+                 describe: Callable[[Tensor], str] = repr) -> None:
         self.policy = policy
+        self.describe = describe  # a parameter in a message: its name and format
         self.seed, self.label, self.on_skipped = seed, label, on_skipped
         self.backend_for: Callable[[torch.device], GraphBackend | None] = default_backend
         self.current: GraphStep | None = None
@@ -448,7 +450,8 @@ class GraphSteps:
         self.off_reason: str | None = None  # why graphs are off for good (said once)
         self._seen: tuple | None = None  # the last step's signature, and how many steps had it
         self._steady = 0
-        self._snapshot: tuple | None = None
+        self._outside = 0  # steps a graph could not take for parameters outside the plans
+        self.reason_said = False
 
     @property
     def on(self) -> bool:
@@ -469,6 +472,10 @@ class GraphSteps:
             self.current.skips.release()
             self.current = None
         self._seen, self._steady = None, 0
+
+    def wants_reason(self) -> bool:
+        """Whether a step the graph cannot take should name the parameters outside the plans (said once)."""
+        return self.on and not self.reason_said and self.current is None
 
     def apply_skips(self) -> None:
         if self.current is not None:
@@ -528,14 +535,32 @@ class GraphSteps:
         return g.holds(g.params)
 
     def observe(self, parts: list[tuple[int, Any, Any]], complete: bool, groups: list[dict[str, Any]],
-                generation: int, counts: np.ndarray, amp: str = "none") -> None:
+                generation: int, counts: np.ndarray, amp: str = "none", outside: list[str] | None = None) -> None:
         """After a planned step: ``parts`` (per group: its index, hyperparameters and the plan's entries that
         stepped); ``complete``: they were all of the step's parameters. Two such steps in a row with the same
-        plans and gradient addresses: the next step is captured (``amp``: :func:`amp_mode` of the step's scaler)."""
+        plans and gradient addresses: the next step is captured (``amp``: :func:`amp_mode` of the step's scaler).
+        ``outside``: where the step was not complete, the parameters outside the plans (:meth:`wants_reason`), said
+        once after two such steps on a device with graphs."""
         if not self.on or self.current is not None:
             return
+        if complete and parts:  # every parameter with a gradient among the plans' (another part of the optimizer
+            stepped = {id(e.param) for _, _, chosen in parts for e in chosen.entries}  # may step some: offload's)
+            missing = [p for group in groups for p in group["params"] if p.grad is not None and id(p) not in stepped]
+            if missing:
+                complete = False
+                if outside is None and not self.reason_said:
+                    outside = [self.describe(p) for p in missing]
         if not complete or not parts:
             self._seen, self._steady = None, 0
+            if outside and parts and self.backend_for(parts[0][2].entries[0].param.device) is not None:
+                self._outside += 1
+                if self._outside >= STEADY_STEPS:
+                    self.reason_said = True
+                    shown = ", ".join(outside[:4]) + (f" and {len(outside) - 4} more" if len(outside) > 4 else "")
+                    warnings.warn(
+                        f"{self.label}: the CUDA graph step does not capture this optimizer's steps: {shown} step "
+                        f"outside the device's plans (a format without GPU kernels, a sharded parameter, or a layout "
+                        f"the kernels do not take). The planned step runs for the others.", RuntimeWarning, stacklevel=4)
             return
         params = [e.param for _, _, chosen in parts for e in chosen.entries]
         devices = {p.device for p in params}

@@ -447,8 +447,9 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         if stepper.graphs.current is not None:  # the captured step (optim/graph_step.py), where it holds
             if stepper.unread:
                 stepper.apply_device_skips()
+            scheduled = bool(self._offload.layouts or self._offload.handles)  # offload's subgroups step apart
             if stepper.graphs.replay(self.param_groups, self._hyper, stepper.generation, stepper.count_store.array,
-                                     not (self._release.enabled or self.atomic_step), found_inf, grad_scale):
+                                     not (self._release.enabled or self.atomic_step or scheduled), found_inf, grad_scale):
                 return loss
         if grad_scale is not None:
             unscale_([p.grad for group in self.param_groups for p in group["params"] if p.grad is not None],

@@ -110,7 +110,7 @@ class StepDispatcher:
         self.generation = 0  # advanced whenever a parameter's states or correction are replaced: a graph is dropped
         self.found_inf: Tensor | None = None  # AMP's scaler's, for the step running (optim/amp.py)
         self._found_read: tuple[Tensor, bool] | None = None
-        self.graphs = GraphSteps(settings.graphs, settings.seed, settings.label, self.warn_skipped)
+        self.graphs = GraphSteps(settings.graphs, settings.seed, settings.label, self.warn_skipped, self._describe)
 
     # ------------------------------------------------------------------ rounding keys
 
@@ -174,9 +174,14 @@ class StepDispatcher:
             if groups is not None:  # the optimizer's step: the next may be captured (graph_step.py)
                 complete = (not compiled and not route.device and not route.eager and len(route.indices) == len(rest)
                             and all(route.whole))
+                outside = None
+                if not complete and route.planned and self.graphs.wants_reason():
+                    planned = {id(e.param) for _, chosen, _ in route.planned for e in chosen.entries}
+                    outside = [f"{rec.name!r} ({rec.format})" for _, _, ps, recs in rest for p, rec in zip(ps, recs)
+                               if id(p) not in planned]
                 self.graphs.observe([(index, hyper, chosen) for index, (hyper, chosen, _) in zip(route.indices, route.planned)],
                                     complete, groups, self.generation, self.count_store.array,
-                                    "none" if found_inf is None else "scaled" if scaled else "found")
+                                    "none" if found_inf is None else "scaled" if scaled else "found", outside)
             for fmt, hyper, items, corrections, any_skip in route.device:
                 self._device_step(fmt, items, corrections, hyper, any_skip)
             for fmt, hyper, items, corrections in route.eager:
@@ -335,6 +340,11 @@ class StepDispatcher:
             chosen = plan.select(conditions)
             assert chosen is not None  # a plan holds for the step it was built for
         return chosen
+
+    def _describe(self, p: Tensor) -> str:
+        """A parameter in a message: its name and format."""
+        rec = self.records.get(p)
+        return "an unknown parameter" if rec is None else f"{rec.name!r} ({rec.format})"
 
     def _scaler_skips(self) -> bool:
         """Whether AMP's scaler skips this step (its ``found_inf``, read on the host once per step)."""

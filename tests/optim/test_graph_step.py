@@ -478,3 +478,21 @@ def test_gradients_clipped_in_place_feed_the_captured_step() -> None:
     assert captures == 1 and replays == 6
     for x, y in zip(captured, planned):
         assert torch.equal(x, y)
+
+
+def test_a_step_the_graph_cannot_take_says_why_once() -> None:
+    """A parameter the device's kernels do not take (here a gradient of another layout: a transposed view) keeps the
+    steps out of the graph: said once, naming it, after two such steps; the steps run planned."""
+    named = _model()
+    opt = _optimizer(named)
+    tape = _graphs(opt, True)
+    for name, p in named:
+        p.grad = torch.full_like(p, 1e-3) if name != "c" else torch.full_like(p, 1e-3).t().contiguous().t()
+    with pytest.warns(RuntimeWarning, match=r"does not capture this optimizer's steps: 'c' \(int8\) step outside"):
+        for _ in range(3):
+            opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            opt.step()
+    assert tape.captures == 0 and opt.step_count("a") == 6
