@@ -105,14 +105,26 @@ class Recorder:
 
 
 class CudaGraphs:
-    """torch's CUDA graphs: the body captured on the capture stream of :func:`torch.cuda.graph`."""
+    """torch's CUDA graphs: the body captured on a side stream (``thread_local`` capture: another thread's CUDA
+    calls, a data loader's pinning thread, are not part of it), without :func:`torch.cuda.graph`'s
+    ``empty_cache()`` and garbage collection, which would move the next backward's gradients off the addresses
+    the graph reads."""
 
     name = "cuda"
 
     def capture(self, body: Callable[[Recorder], None], device: torch.device) -> Graph:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(device), torch.cuda.graph(graph):
-            body(Recorder(run=True))
+        with torch.cuda.device(device):
+            current = torch.cuda.current_stream(device)
+            side = torch.cuda.Stream(device)
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    body(Recorder(run=True))
+                finally:
+                    graph.capture_end()
+            current.wait_stream(side)
         return graph
 
     def host_buffer(self, numel: int, dtype: torch.dtype) -> Tensor:

@@ -420,7 +420,7 @@ def test_a_lightning_run_replays_its_captured_step(tmp_path: Any) -> None:
     trainer.fit(module, DataLoader(data, batch_size=16))
     graphs = trainer.optimizers[0]._stepper.graphs  # noqa: SLF001
     assert graphs.off_reason is None
-    assert graphs.captures <= 2 and graphs.replays >= 30, (graphs.captures, graphs.replays)
+    assert graphs.captures <= 3 and graphs.replays >= 25, (graphs.captures, graphs.replays)
 
 
 def test_the_factored_formats_replay_as_planned() -> None:
