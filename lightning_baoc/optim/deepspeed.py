@@ -601,8 +601,8 @@ class ZeroClient(torch.optim.Optimizer):
         state: dict[int, dict[str, Tensor]] = {}
         for i, f in enumerate(fmap.fragments):
             canonical = inner.param_state(f.name)
-            step = inner.step_count(f.name)
-            if _all_ranks_max(step, fmap) == 0:
+            step = _all_ranks_max(inner.step_count(f.name), fmap)  # a rank holding none of it never steps it
+            if step == 0:
                 continue
             m = canonical.exp_avg if canonical is not None and canonical.exp_avg is not None else None
             v = canonical.dense_v() if canonical is not None else None

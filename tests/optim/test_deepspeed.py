@@ -226,6 +226,7 @@ def _load_elsewhere(rank: int, world: int, stage: int, fmt: str, directory: str)
     export = saved["export"]
     client.load_adamw_state_dict(export)
     again = client.to_adamw_state_dict()
+    assert sorted(again["state"]) == sorted(export["state"])  # every parameter's moments and step came across
     for i, entry in export["state"].items():
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(again["state"][i][key], entry[key]) if fmt == "fp32" else torch.allclose(
