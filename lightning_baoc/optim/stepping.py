@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -110,7 +111,9 @@ class StepDispatcher:
         self.generation = 0  # advanced whenever a parameter's states or correction are replaced: a graph is dropped
         self.found_inf: Tensor | None = None  # AMP's scaler's, for the step running (optim/amp.py)
         self._found_read: tuple[Tensor, bool] | None = None
-        self.graphs = GraphSteps(settings.graphs, settings.seed, settings.label, self.warn_skipped, self._describe)
+        # (weak: the graphs must not hold the dispatcher, which a dropped optimizer frees at once, without a collection)
+        self.graphs = GraphSteps(settings.graphs, settings.seed, settings.label, _weakly(self.warn_skipped),
+                                 _weakly(self._describe))
 
     # ------------------------------------------------------------------ rounding keys
 
@@ -590,6 +593,16 @@ class _Route:
         #: each planned entry's param group (its index), and whether the plan took all of the group's parameters
         self.indices: list[int] = []
         self.whole: list[bool] = []
+
+
+def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` called through a weak reference to its object (nothing where the object is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
+    return call
 
 
 def _decided(route: str | None, rec: Record) -> bool:
