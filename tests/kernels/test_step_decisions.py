@@ -341,3 +341,32 @@ def test_every_batch_tests_its_gradients_before_it_steps(monkeypatch: pytest.Mon
     for name, n in skips.items():
         assert compiled_opt.step_count(name) == 6 - n
     _same_elementwise(compiled_opt, eager_opt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gradient_test_finds_a_non_finite_value_in_every_part_of_its_read(dtype: torch.dtype) -> None:
+    """The test reads a large gradient as eight parts side by side, 16 KiB of each in turn, then the rest: an inf
+    or a NaN at the first and last element of a part, inside one, or in the rest is found, at 1 thread (one
+    thread's share the whole tensor)."""
+    width = 16384 // torch.empty((), dtype=dtype).element_size()
+    part = 3 * width
+    n = 8 * part + 1234
+    where = [0, part - 1, part, 3 * part + 5, 7 * part + width, 8 * part - 1, 8 * part, n - 1]
+    p = nn.Parameter(torch.zeros(n, dtype=dtype))
+    opt = BlockwiseAdamW([("p", p)], lr=1e-2, state_format="bf16" if dtype == torch.bfloat16 else "fp32",
+                         min_8bit_numel=0, kernels="compiled")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for k, at in enumerate(where):
+                p.grad = torch.full((n,), 1e-3, dtype=dtype)
+                p.grad[at] = float("nan") if k % 2 else float("inf")
+                opt.step()
+                assert opt.nonfinite_counts == {"p": k + 1}, at
+            p.grad = torch.full((n,), 1e-3, dtype=dtype)
+            opt.step()
+    finally:
+        torch.set_num_threads(saved)
+    assert opt.step_count("p") == 1 and bool((p.detach() != 0).all())
