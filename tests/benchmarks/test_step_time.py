@@ -34,7 +34,7 @@ def test_the_layouts_give_their_own_medians() -> None:
 
 
 def test_each_layout_is_a_fresh_allocation_of_the_same_model() -> None:
-    args = argparse.Namespace(layers=2, width=32, bf16_weights=False, momentum=True)
+    args = argparse.Namespace(layers=2, width=32, bf16_weights=False, momentum=True, shapes="square")
     (a, opts_a), (b, opts_b) = S.build_layout(args), S.build_layout(args)
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb) and torch.equal(pa.grad, pb.grad)
@@ -42,6 +42,21 @@ def test_each_layout_is_a_fresh_allocation_of_the_same_model() -> None:
     assert opts_a.keys() == opts_b.keys()
     for label in opts_a:
         assert opts_a[label][0] is not opts_b[label][0]
+
+
+def test_the_shape_sets_are_the_models_they_name() -> None:
+    """GPT-2 small's 148 tensors and 124.4M parameters; 20.4M in 33 ragged tensors (an embedding larger than the
+    cache, odd sizes, 1-D ones down to one element); 1,000 tensors of 4,096."""
+    import math
+
+    sets = {name: S.shape_set(name) for name in ("gpt2-small", "ragged", "many")}
+    counts = {name: (len(shapes), sum(math.prod(s) for _, s in shapes)) for name, shapes in sets.items()}
+    assert counts == {"gpt2-small": (148, 124_439_808), "ragged": (33, 20_428_398), "many": (1000, 4_096_000)}
+    assert (50257, 768) in [s for _, s in sets["gpt2-small"]] and (1,) in [s for _, s in sets["ragged"]]
+    model = S.Tensors([("a.b", (3, 5)), ("c", (7,))])
+    assert [tuple(p.shape) for p in model.parameters()] == [(3, 5), (7,)]
+    with pytest.raises(SystemExit, match="unknown set"):
+        S.shape_set("huge")
 
 
 class _Sleeper:
