@@ -551,4 +551,5 @@ def test_a_missing_wait_shows_under_streams_that_run_later(monkeypatch: pytest.M
     for seed in range(3):
         run = _train("offload", SCHEDULES["device"], lanes=seed)[0]
         moved.append(max(ulps(a.detach(), b.detach()) for a, b in zip(reference.parameters(), run.parameters())))
-    assert waits and max(moved) > 1e3, moved
+    # stale moments move the numbers by millions of ulps, or to NaN (a buffer's leftovers): any of them shows it
+    assert waits and any(not m <= 1e3 for m in moved), moved
