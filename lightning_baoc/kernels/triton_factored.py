@@ -61,13 +61,7 @@ if triton is not None:
         """Row sums of ``(g k)**2`` of BR rows of one tensor, and their column sums (one row of ``partial``)."""
         pid = tl.program_id(0).to(tl.int64)
         first = table + count * _SUM_COUNT
-        lo = tl.zeros((), tl.int64)
-        hi = lo + count
-        for _ in tl.static_range(SEARCH):  # first[lo] <= pid < first[hi]
-            mid = (lo + hi) // 2
-            below = tl.load(first + mid) <= pid
-            lo = tl.where(below, mid, lo)
-            hi = tl.where(below, hi, mid)
+        lo = ts._find(first, count, pid, SEARCH)
         row = table + lo * _SUM_COUNT
         WT: tl.constexpr = tl.float32 if W == 0 else tl.int16
         GT: tl.constexpr = tl.float32 if G == 0 else tl.int16

@@ -322,6 +322,19 @@ if triton is not None:
         """Column ``j`` of the table as int32 (stored sign-extended)."""
         return tl.load(row + j).to(tl.int32)
 
+    @triton.jit
+    def _find(first, count, pid, SEARCH: tl.constexpr):
+        """The tensor of program ``pid``: the ``lo`` with ``first[lo] <= pid < first[lo + 1]`` among the ``count``
+        tensors' first programs (a binary search of ``SEARCH`` halvings)."""
+        lo = tl.zeros((), tl.int64)
+        hi = lo + count
+        for _ in tl.static_range(SEARCH):
+            mid = (lo + hi) // 2
+            below = tl.load(first + mid) <= pid
+            lo = tl.where(below, mid, lo)
+            hi = tl.where(below, hi, mid)
+        return lo
+
     @triton.jit(do_not_specialize=["count"])
     def _adamw_tensors(
         table, count, any_flag, l2, beta2, one_minus_beta2, lerp_coeff, eps, gsign, limit_m, limit_v,
@@ -340,13 +353,7 @@ if triton is not None:
                 return
         pid = tl.program_id(0).to(tl.int64)
         first = table + count * _COLUMN_COUNT
-        lo = tl.zeros((), tl.int64)
-        hi = lo + count
-        for _ in tl.static_range(SEARCH):  # first[lo] <= pid < first[hi]
-            mid = (lo + hi) // 2
-            below = tl.load(first + mid) <= pid
-            lo = tl.where(below, mid, lo)
-            hi = tl.where(below, hi, mid)
+        lo = _find(first, count, pid, SEARCH)
         row = table + lo * _COLUMN_COUNT
         if SKIP:
             if tl.load(_ptr(row, _SKIP_FLAG, tl.float32)) != 0.0:

@@ -151,19 +151,25 @@ def read_fragments(lp_groups: Sequence[Sequence[Tensor]], names: Sequence[Sequen
     return fmap
 
 
-def _read_stage3(lp_groups: Sequence[Sequence[Tensor]], names: Sequence[Sequence[str]]) -> FragmentMap:
+def _rank_in_every_rank_group(group: Any, stage: str) -> tuple[int, int]:
+    """This rank and the size of DeepSpeed's data-parallel ``group``, which must hold every rank."""
     import torch.distributed as dist
 
+    rank, world = dist.get_rank(group=group), dist.get_world_size(group=group)
+    if world != dist.get_world_size():
+        raise RuntimeError(f"{stage} partitions over a data-parallel group of {world} of the world's "
+                           f"{dist.get_world_size()} ranks; lightning_baoc's client optimizer supports one group of "
+                           f"every rank (no model or expert parallelism)")
+    return rank, world
+
+
+def _read_stage3(lp_groups: Sequence[Sequence[Tensor]], names: Sequence[Sequence[str]]) -> FragmentMap:
     zero = next(p._z3_optimizer for g in lp_groups for p in g if getattr(p, "_z3_optimizer", None) is not None)
     if getattr(zero, "swap_optimizer", False):
         raise RuntimeError("ZeRO-3 NVMe swapping of optimizer states (offload_optimizer.device='nvme') is not supported "
                            "with lightning_baoc's client optimizer; use device 'cpu' or 'none'")
     group = zero.dp_process_group
-    rank, world = dist.get_rank(group=group), dist.get_world_size(group=group)
-    if world != dist.get_world_size():
-        raise RuntimeError(f"ZeRO-3 partitions over a data-parallel group of {world} of the world's "
-                           f"{dist.get_world_size()} ranks; lightning_baoc's client optimizer supports one group of "
-                           f"every rank (no model or expert parallelism)")
+    rank, world = _rank_in_every_rank_group(group, "ZeRO-3")
     fragments = []
     for g, (params, group_names) in enumerate(zip(lp_groups, names)):
         for p, name in zip(params, group_names):
@@ -186,8 +192,6 @@ def _read_stage3(lp_groups: Sequence[Sequence[Tensor]], names: Sequence[Sequence
 
 def _read_stage12(lp_groups: Sequence[Sequence[Tensor]], names: Sequence[Sequence[str]],
                   client_groups: Sequence[Mapping[str, Any]]) -> FragmentMap:
-    import torch.distributed as dist
-
     flats = []
     for g, group in enumerate(client_groups):
         if len(group["params"]) != 1:
@@ -199,11 +203,7 @@ def _read_stage12(lp_groups: Sequence[Sequence[Tensor]], names: Sequence[Sequenc
         raise RuntimeError("the parameters are partitioned over several data-parallel groups (MoE experts); "
                            "lightning_baoc's client optimizer supports one group of every rank")
     group = next(iter(dp_groups.values()))
-    rank, world = dist.get_rank(group=group), dist.get_world_size(group=group)
-    if world != dist.get_world_size():
-        raise RuntimeError(f"ZeRO partitions over a data-parallel group of {world} of the world's "
-                           f"{dist.get_world_size()} ranks; lightning_baoc's client optimizer supports one group of "
-                           f"every rank (no model or expert parallelism)")
+    rank, world = _rank_in_every_rank_group(group, "ZeRO")
     fragments = []
     for g, (params, group_names) in enumerate(zip(lp_groups, names)):
         flat = flats[g]

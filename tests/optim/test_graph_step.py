@@ -90,6 +90,17 @@ def _state(named: list[tuple[str, nn.Parameter]], opt: BlockwiseAdamW) -> list[t
     return out
 
 
+def _fresh(graphs: bool, seed: int) -> tuple[list[tuple[str, nn.Parameter]], BlockwiseAdamW, Any, torch.Generator]:
+    """The model and its optimizer with graphs on or off, each gradient a tensor kept (zeros), and the noise's
+    generator."""
+    named = _model()
+    opt = _optimizer(named)
+    backend = _graphs(opt, graphs)
+    for _, p in named:
+        p.grad = torch.zeros_like(p)
+    return named, opt, backend, torch.Generator().manual_seed(seed)
+
+
 def _run(graphs: bool, steps: int = 50) -> tuple[list[torch.Tensor], dict, dict, graph_step.GraphSteps, int]:
     """``steps`` steps of int8, bf16, fp32 and bf16-weight (ecc8) parameters, each gradient written into the
     one tensor it has (as backward accumulates into a kept gradient): non-finite gradients at steps 5 (an int8
@@ -214,12 +225,7 @@ def test_what_invalidates_a_captured_step(change: Change) -> None:
     a steady step after it is captured again (but under gradient release, which steps in backward)."""
     results = []
     for graphs in (True, False):
-        named = _model()
-        opt = _optimizer(named)
-        tape = _graphs(opt, graphs)
-        gen = torch.Generator().manual_seed(2)
-        for _, p in named:
-            p.grad = torch.zeros_like(p)
+        named, opt, tape, gen = _fresh(graphs, 2)
         replays = []
         for step in range(8):
             if step == 4:
@@ -462,12 +468,7 @@ def test_gradients_clipped_in_place_feed_the_captured_step() -> None:
     place: the graph reads the clipped ones, the same bits as the planned step."""
     results = []
     for graphs in (True, False):
-        named = _model()
-        opt = _optimizer(named)
-        backend = _graphs(opt, graphs)
-        gen = torch.Generator().manual_seed(4)
-        for _, p in named:
-            p.grad = torch.zeros_like(p)
+        named, opt, backend, gen = _fresh(graphs, 4)
         for _ in range(8):
             for _, p in named:
                 p.grad.copy_(_noise(p.shape, gen, p.dtype) * 50)
