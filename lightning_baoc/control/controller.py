@@ -50,6 +50,8 @@ current one no longer meets the (possibly changed) budgets.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import warnings
 from typing import Any, Literal
@@ -265,7 +267,8 @@ class BAOCController:
                 release=self.optimizer is not None and self.optimizer.releases_gradients)
         except (BudgetInfeasibleError, ValueError):
             return None
-        return phases.peak
+        staging = getattr(self.optimizer, "offload_working_bytes", None)  # the offload schedule's staging
+        return phases.peak if staging is None else dataclasses.replace(phases.peak, staging=int(staging()))
 
     def peak_state_bytes(self) -> int:
         """The most optimizer state held on the training devices at any moment of the run (resumes

@@ -56,17 +56,19 @@ class PlannedPeak:
     state: int
     instruments: int
     working: int
+    staging: int = 0  # the offload schedule's device staging (optim/offload_schedule.py): BAOC's working memory too
 
     @property
     def total(self) -> int:
-        return self.gradients + self.state + self.instruments + self.working
+        return self.gradients + self.state + self.instruments + self.working + self.staging
 
     def line(self) -> str:
         """One line, e.g. ``139 MiB beyond the weights: gradients 80 MiB, ...``."""
+        staging = f", offload staging <= {format_bytes(self.staging)}" if self.staging else ""
         return (f"{format_bytes(self.total)} beyond the weights: gradients {format_bytes(self.gradients)}, "
                 f"optimizer state <= {format_bytes(self.state)}, "
-                f"instruments {format_bytes(self.instruments)}, BAOC's working memory <= {format_bytes(self.working)} "
-                f"(activations not counted)")
+                f"instruments {format_bytes(self.instruments)}, BAOC's working memory <= {format_bytes(self.working)}"
+                f"{staging} (activations not counted)")
 
     def to_dict(self) -> dict[str, int]:
         return {**asdict(self), "total": self.total}

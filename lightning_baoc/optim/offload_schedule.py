@@ -809,6 +809,30 @@ class OffloadScheduler:
         """``p`` was just written from its host copy: the copy holds its value (:meth:`_mirror`)."""
         self.mirrors[p] = (self.mirrors[p][0], (p._version, p.data_ptr(), self.records[p].step))
 
+    def working_bytes(self, format_of: Callable[[Tensor, Record], str | None] | None = None) -> int:
+        """The device memory the update phase works in, at most, over the devices (the report's working memory):
+        a device's staging at its last step, or before one the most it may stage (two buffers of the largest
+        subgroup's moments, 8 bytes per element, within ``staging_bytes``; none under the ``"host"`` schedule).
+        ``format_of(p, rec)``: each parameter's format (by default the one it holds; before its first step the
+        optimizer's target)."""
+        largest: dict[torch.device, int] = {}
+        for p, rec in self.records.items():
+            fmt = rec.format if format_of is None else format_of(p, rec)
+            if fmt is not None and self.registry[fmt].offloaded:
+                largest[p.device] = max(largest.get(p.device, 0), p.numel())
+        total = 0
+        for device, numel in largest.items():
+            settings = self.settings_for(device)
+            if settings is None or settings.mode == "host":
+                continue
+            last = self.last.get(str(device))
+            if last is not None:
+                total += int(last["staging_bytes"])
+                continue
+            bound = 2 * 8 * max(numel, settings.subgroup_bytes // 4)
+            total += bound if settings.staging_bytes is None else min(bound, settings.staging_bytes)
+        return total
+
     def host_bytes(self) -> int:
         """Host memory this part holds: the weights' host copies and the gradients' pinned buffers."""
         return (sum(m.numel() * m.element_size() for m, _ in self.mirrors.values())

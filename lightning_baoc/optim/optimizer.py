@@ -580,6 +580,13 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         """Whether gradient release is on (:meth:`release_gradients`)."""
         return self._release.enabled
 
+    def offload_working_bytes(self) -> int:
+        """Device memory the ``offload`` states' update works in, at most (the schedule's staging buffers, bounded by
+        ``OffloadSchedule.staging_bytes``; :meth:`OffloadScheduler.working_bytes
+        <lightning_baoc.optim.offload_schedule.OffloadScheduler.working_bytes>`): BAOC's report counts it as
+        working memory."""
+        return self._offload.working_bytes(lambda p, rec: rec.format or self.target_format(p))
+
     @property
     def amp_scaling(self) -> bool:
         """Whether ``torch.amp.GradScaler`` hands this optimizer its scale and ``found_inf`` and calls ``step()``

@@ -459,6 +459,28 @@ def test_the_update_phase_s_working_memory_is_reported_and_bounded_by_staging_by
     assert 0 < last["staging_bytes"] <= bound, last
 
 
+def test_the_staging_is_counted_as_working_memory_in_the_planned_peak() -> None:
+    """``offload_working_bytes()``: before a step the most the schedule may stage (two buffers of the largest
+    subgroup's moments, within ``staging_bytes``; none under ``"host"``), after one what it staged; the planned
+    peak counts it beside BAOC's own working memory."""
+    from lightning_baoc.costs.peak import PlannedPeak
+
+    model = _model()
+    opt = _optimizer(model, "offload", SCHEDULES["device"], None)
+    largest = max(p.numel() for p in model.parameters())
+    subgroup = SCHEDULES["device"].subgroup_bytes // 4
+    assert opt.offload_working_bytes() == 2 * 8 * max(largest, subgroup)
+    _, trained = _train("offload", SCHEDULES["device"])
+    assert trained.offload_working_bytes() == trained._offload.last["cpu"]["staging_bytes"] == 2 * 8 * 9216
+    bounded = _optimizer(_model(), "offload", _with(SCHEDULES["device"], staging_bytes=1000), None)
+    assert bounded.offload_working_bytes() == 1000
+    assert _optimizer(_model(), "offload", OffloadSchedule("host"), None).offload_working_bytes() == 0
+    assert _optimizer(_model(), "fp32", None, None).offload_working_bytes() == 0
+    peak = PlannedPeak(gradients=100, state=200, instruments=10, working=20, staging=2 * 8 * 9216)
+    assert peak.total == 330 + 2 * 8 * 9216 and "offload staging <= 144 KiB (activations" in peak.line()
+    assert "offload staging" not in PlannedPeak(100, 200, 10, 20).line()
+
+
 def test_without_a_profile_the_model_plans_with_the_measured_rates() -> None:
     """No ``hardware``: the CPU's AdamW rate measured by its wall time replaces the profile's, and the layout is
     chosen again at those rates."""
