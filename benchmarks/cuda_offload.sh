@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The interleaved offload schedule measured on one NVIDIA GPU (issue 48, Done-when 4), with its logs:
+# The interleaved offload schedule measured on one NVIDIA GPU, with its logs:
 #
 #   bash benchmarks/cuda_offload.sh OUT_DIR [SECONDS]
 #

@@ -1,5 +1,5 @@
 """The interleaved offload schedule against static (host-only) offload, measured: the optimizer step of offloaded
-parameters, and the iterations of a Lightning GPT whose fp32 states do not fit beside it (issue 48, Done-when 4).
+parameters, and the iterations of a Lightning GPT whose fp32 states do not fit beside it.
 
 Two parts, each for the schedules ``host`` (every subgroup updated on the CPU: ZeRO-Offload's static offload),
 ``interleaved`` (the model's choice per subgroup) and ``device`` (every subgroup on the GPU's path), beside the
