@@ -40,7 +40,6 @@ def run(name: str, config: dict[str, Any]) -> dict[str, Any]:
     """One run (in its own process): ``config`` holds the size, stage, row, steps, accelerator and budget."""
     import lightning as L
     from lightning.pytorch.strategies import DeepSpeedStrategy
-    from torch import nn
 
     from _models import CharGPT
     from lightning_baoc import BAOC
