@@ -11,7 +11,10 @@ Lion with a momentum format per parameter.
 - :mod:`.checkpoint`: the state-dict layout, checksums, plain-AdamW export, :class:`CheckpointError`;
 - :mod:`.distributed`: the layout of a sharded optimizer's state dict for ``torch.distributed.checkpoint``;
 - :mod:`.validate`: a whole state dict validated before anything changes;
-- :mod:`.args`: ``torch.optim.AdamW``'s constructor arguments, checked as torch does.
+- :mod:`.args`: ``torch.optim.AdamW``'s constructor arguments, checked as torch does;
+- :mod:`.graph_step`: the GPU's step captured in a CUDA graph; :mod:`.amp`: AMP's scaler feeding the step;
+- :mod:`.offload_schedule`: the ``offload`` states' interleaved update (:class:`OffloadSchedule` its settings);
+- :mod:`.deepspeed`: the optimizers as DeepSpeed ZeRO's client (:func:`zero_client`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from typing import Any
 
 from lightning_baoc.optim.aliases import optimizer_alias, resolve_alias
 from lightning_baoc.optim.checkpoint import CheckpointError, export_adamw_state_dict, load_checkpoint, seal_state_dict
+from lightning_baoc.optim.deepspeed import zero_client
 from lightning_baoc.optim.distributed import saved_formats
+from lightning_baoc.optim.offload_schedule import OffloadSchedule
 from lightning_baoc.optim.optimizer import BlockwiseAdamW, BlockwiseOptimizer
 from lightning_baoc.optim.sgd_lion import BlockwiseLion, BlockwiseSGD
 
@@ -36,9 +41,11 @@ __all__ = [
     "BlockwiseOptimizer",
     "BlockwiseSGD",
     "CheckpointError",
+    "OffloadSchedule",
     "export_adamw_state_dict",
     "load_checkpoint",
     "optimizer_alias",
     "saved_formats",
     "seal_state_dict",
+    "zero_client",
 ]
