@@ -43,18 +43,19 @@ class Table:
                         for kind in dict.fromkeys(self.kind)}  # the rows of each launch, when all tensors step
 
     def launch(self, hyper: Any, limit_m: float, limit_v: float, device: torch.device, grads: list[int],
-               skips: Any, keys: Any, step_bits: Any, decay: int, select: Any = None,
+               skips: Any, keys: Any, step_bits: Any, decay: Any, select: Any = None,
                repair: Tensor | None = None, factors: list[tuple[int, int]] | None = None) -> None:
         """Step the tensors (or those of ``select``, indices into them): ``grads``, their gradients'
-        addresses; ``skips``, their skip flags' addresses; ``keys``, their rounding keys; ``step_bits``,
-        ``[k, 2]``: the bits of their step sizes and of their ``1 / sqrt(bias_correction2)``
-        (:func:`~.triton_step.step_scalars`): numpy arrays (the gradients' addresses a list), one entry per selected
-        tensor; ``decay``: the bits of the decoupled weight decay's factor (:func:`~.triton_step.decay_bits`);
+        addresses; ``skips``, their skip flags' addresses; ``keys``, their rounding keys (sign-extended 32 bits);
+        ``step_bits``, ``[k, 2]``: the bits of their step sizes and of their ``1 / sqrt(bias_correction2)``
+        (:func:`~.triton_step.step_scalars`); ``decay``: the bits of the decoupled weight decay's factor
+        (:func:`~.triton_step.decay_bits`): numpy arrays (the gradients' addresses a list), one entry per selected
+        tensor (``lightning_baoc.optim.device_plan.step_columns``);
         ``factors``: a factored format's row and column factors' addresses, per selected tensor."""
         rows = self.rows.copy() if select is None else self.rows[select]  # (indexing copies)
         rows[:, 1] = grads
         rows[:, ts._SKIP_COLUMN] = skips
-        rows[:, ts._KEY_COLUMN] = np.where(keys >= 1 << 31, keys - (1 << 32), keys)  # sign-extended int32
+        rows[:, ts._KEY_COLUMN] = keys
         rows[:, ts._KEY_COLUMN + 1 : ts._KEY_COLUMN + 3] = step_bits
         rows[:, ts._KEY_COLUMN + 3] = decay
         if factors is not None:

@@ -95,11 +95,9 @@ class _Entry:
 
 @dataclass(eq=False)
 class _Launch:
-    """The tensors of one format and device: their table and what their rounding keys read of them."""
+    """The tensors of one format and device: their table (and a factored format's work)."""
 
     table: Any  # kernels.triton_table.Table
-    salts: np.ndarray  # uint64: their names' hashes
-    offsets: np.ndarray  # uint64: their shards' offsets
     work: Any = None  # a factored format's kernels.triton_factored.FactoredWork
 
 
@@ -141,13 +139,17 @@ class DevicePlan:
         for e in self.entries:
             e.counts = e.rec.counts
         self.momentum = np.array([e.has_momentum for e in self.entries], dtype=np.int64)
+        # what each entry's rounding key and step size read of it (step_columns): its name's hash, its shard's
+        # offset, whether its launch steps a momentum (its step size divides by bias_correction1)
+        self.salts = np.array([e.salt & _M32 for e in self.entries], dtype=np.uint64)
+        self.offsets = np.array([e.rec.shard_offset for e in self.entries], dtype=np.uint64)
+        self.has_m = np.array([registry[e.format].kernel_kinds[0] != M_NONE for e in self.entries], dtype=np.int64)
         self.fused = np.array([i for i, e in enumerate(self.entries) if e.fused], dtype=np.int64)
         self.every = np.arange(len(self.entries), dtype=np.int64)
         for (name, _), entries in by_format.items():
             table = Table(registry[name].kernel_kinds, [e.param for e in entries],
                           [e.grad_dtype for e in entries], [e.views for e in entries], [e.correction for e in entries])
-            launch = _Launch(table, np.array([e.salt & _M32 for e in entries], dtype=np.uint64),
-                             np.array([e.rec.shard_offset for e in entries], dtype=np.uint64))
+            launch = _Launch(table)
             if registry[name].factored:  # the second moment's vectors and factors: two launches for all of them
                 from lightning_baoc.kernels.triton_factored import FactoredWork
 
@@ -212,12 +214,9 @@ class Chosen:
         array, at = plan.array, plan.index[rows]
         array[at, 0] += 1
         array[at, 1] += plan.momentum[rows]
-        keys = array[at, 0] << 32 | array[at, 1]  # (step, m_step): most tensors share one
-        if len(keys) and (keys == keys[0]).all():
-            distinct, pair_of = keys[:1], np.zeros(len(keys), dtype=np.int64)
-        else:
-            distinct, pair_of = np.unique(keys, return_inverse=True)
-        pairs = [(int(k >> 32), int(k & _M32)) for k in distinct.tolist()]
+        counts = array[at, :2]
+        columns = step_columns(seed, counts, plan.has_m[rows], np.zeros(len(rows), dtype=np.int64), [hyper], [hyper.lr],
+                               plan.salts[rows], plan.offsets[rows])
         entries = self.entries
         indices = []
         launches: dict[_Launch, tuple[list[int], Tensor]] = {}  # by launch: its entries (indices) and the device's flags
@@ -226,7 +225,7 @@ class Chosen:
             e.rec.unread_skip = (deferred, index)
             indices.append(index)
             launches.setdefault(e.launch, ([], skip))[0].append(k)  # type: ignore[arg-type] - set for every entry
-        run = _Step(pairs, hyper, seed, pair_of.astype(np.int64, copy=False), np.array(indices, dtype=np.int64))
+        run = _Step(columns, counts[:, 0], hyper, np.array(indices, dtype=np.int64))
         for launch, (members, skip) in launches.items():
             launched = [entries[k] for k in members]
             if launch.work is not None:  # factored: the vectors and factors first, into this step's buffers
@@ -234,7 +233,7 @@ class Chosen:
                 work = launch.work
                 buffers = work.buffers()
                 sums, finish = work.tables([e.param.grad.data_ptr() for e in launched], arguments[5],
-                                           run.bc2_bits(members), hyper)
+                                           run.columns[np.array(members, dtype=np.int64), 4], hyper)
                 work.launch(sums, finish, buffers, hyper)
                 launch.table.launch(*arguments, factors=work.factors(buffers))
                 continue
@@ -251,42 +250,23 @@ class Chosen:
 
 
 class _Step:
-    """What the launches of one plan's step share: the distinct counts (``pairs``: (step, m_step)), each
-    entry's (``pair_of``, into ``pairs``) and its index in its device's skip flags (``indices``); the
-    arguments of each launch."""
+    """What the launches of one plan's step share: each entry's per-step columns (:func:`step_columns`), its
+    step count and its index in its device's skip flags (``indices``); the arguments of each launch."""
 
-    def __init__(self, pairs: list[tuple[int, int]], hyper: StepHyper, seed: int, pair_of: np.ndarray,
-                 indices: np.ndarray) -> None:
-        self.pairs, self.hyper, self.seed, self.pair_of, self.indices = pairs, hyper, seed, pair_of, indices
-        self.corrections = [(1.0 - hyper.beta1**m if m else 1.0, 1.0 - hyper.beta2**s) for s, m in pairs]
+    def __init__(self, columns: np.ndarray, steps: np.ndarray, hyper: StepHyper, indices: np.ndarray) -> None:
+        self.columns, self.steps, self.hyper, self.indices = columns, steps, hyper, indices
 
     def launch_arguments(self, entries: list[_Entry], members: list[int], skip: Tensor) -> tuple:
         """The arguments of the Triton launch of ``entries`` (rows of one table, in its order; ``members``:
         their indices in the step; ``skip``: their device's skip flags) but its ``repair``."""
-        from lightning_baoc.kernels.triton_step import decay_bits, step_scalars
-
         launch = entries[0].launch
         assert launch is not None  # every entry has its launch
-        table = launch.table
-        select = None if len(entries) == len(table.kind) else np.array([e.row for e in entries], dtype=np.int64)
+        select = None if len(entries) == len(launch.table.kind) else np.array([e.row for e in entries], dtype=np.int64)
         which = np.array(members, dtype=np.int64)
-        pair_of = self.pair_of[which]
-        salts = launch.salts if select is None else launch.salts[select]
-        offsets = launch.offsets if select is None else launch.offsets[select]
-        keys = (stream_keys(self.seed, [s for s, _ in self.pairs], salts, pair_of) + offsets) & np.uint64(_M32)
-        has_m = table.kinds[0] != M_NONE  # one format per table
-        bits = np.array([step_scalars(bc1, bc2, has_m, self.hyper.lr) for bc1, bc2 in self.corrections],
-                        dtype=np.int64).reshape(-1, 2)
+        columns = self.columns[which]
         flags = skip.data_ptr() + 4 * self.indices[which]  # fp32 elements of the device's flags
         return (self.hyper, M_SCALE_MAX, V_SCALE_MAX, entries[0].param.device, [e.param.grad.data_ptr() for e in entries],
-                flags, keys.astype(np.int64), bits[pair_of], decay_bits(self.hyper), select)
-
-    def bc2_bits(self, members: list[int]) -> np.ndarray:
-        """The fp32 bits of ``members``' ``bias_correction2`` (a factored format's factors divide by it)."""
-        from lightning_baoc.kernels.triton_step import _float_bits
-
-        bits = np.array([_float_bits(bc2) for _, bc2 in self.corrections], dtype=np.int64)
-        return bits[self.pair_of[np.array(members, dtype=np.int64)]]
+                flags, columns[:, 0], columns[:, 1:3], columns[:, 3], select)
 
     def found_inf(self, members: list[int], skip: Tensor) -> Tensor:
         """The flag torch's fused kernel skips on: a tensor alone's own, else any tensor's of the device (a
@@ -301,4 +281,35 @@ class _Step:
         moments = [e.moments for e in entries]
         return (entries[0].param.device, [e.param for e in entries], [e.param.grad for e in entries],
                 [m for m, _ in moments], [v for _, v in moments],  # type: ignore[misc] - set for fused entries
-                [self.pairs[int(self.pair_of[k])][0] for k in members], self.hyper)
+                self.steps[np.array(members, dtype=np.int64)].tolist(), self.hyper)
+
+
+def step_columns(seed: int, counts: np.ndarray, has_m: np.ndarray, group_of: np.ndarray, hypers: list[StepHyper],
+                 lrs: list[float], salts: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Each row's per-step columns of its launch's table (int64 ``[rows, 5]``): its rounding key (sign-extended
+    32 bits), the fp32 bits of its step size and of its ``1 / sqrt(bias_correction2)``, of the decay factor and of
+    its ``bias_correction2`` (a factored format's factors divide by it). ``counts``: each row's (step, m_step), as
+    the step takes them; ``has_m``: whether its format steps a momentum; ``group_of``: its group, an index into
+    ``hypers`` and ``lrs``; ``salts``, ``offsets``: its name's hash and its shard's offset. The planned step and
+    the CUDA graph step (:mod:`lightning_baoc.optim.graph_step`) both take their columns here: one Python
+    computation per distinct (step, m_step, momentum, group), numpy over the rows."""
+    from lightning_baoc.kernels.triton_step import _float_bits, decay_bits, step_scalars
+
+    rows = np.stack([counts[:, 0], counts[:, 1], has_m, group_of], axis=1)
+    if len(rows) and (rows == rows[0]).all():  # the common step: every row shares one
+        distinct, pair_of = rows[:1], np.zeros(len(rows), dtype=np.int64)
+    else:
+        distinct, pair_of = np.unique(rows, axis=0, return_inverse=True)
+        pair_of = pair_of.reshape(-1)
+    steps, bits = [], []
+    for s, m, momentum, group in distinct.tolist():
+        hyper = hypers[group]
+        bc1 = 1.0 - hyper.beta1**m if m else 1.0
+        bc2 = 1.0 - hyper.beta2**s
+        steps.append(s)
+        bits.append((*step_scalars(bc1, bc2, bool(momentum), lrs[group]), decay_bits(hyper), _float_bits(bc2)))
+    keys = ((stream_keys(seed, steps, salts, pair_of) + offsets) & np.uint64(_M32)).astype(np.int64)
+    out = np.empty((len(rows), 5), dtype=np.int64)
+    out[:, 0] = np.where(keys >= 1 << 31, keys - (1 << 32), keys)
+    out[:, 1:] = np.array(bits, dtype=np.int64).reshape(-1, 4)[pair_of]
+    return out

@@ -55,8 +55,8 @@ import torch
 from torch import Tensor
 
 from lightning_baoc.formats.fused_adam import MAX_FUSED_STEP, fused_kernel_options
-from lightning_baoc.formats.quant import M_SCALE_MAX, V_SCALE_MAX, stream_keys
-from lightning_baoc.kernels import M_NONE
+from lightning_baoc.formats.quant import M_SCALE_MAX, V_SCALE_MAX
+from lightning_baoc.optim.device_plan import step_columns
 
 #: Per-step columns of each row in the host buffer: rounding key, step size, 1/sqrt(bias_correction2), decay,
 #: bias_correction2.
@@ -66,7 +66,6 @@ MAX_RECAPTURES = 8
 #: Steps with an unchanged plan and unchanged gradient addresses before a step is captured.
 STEADY_STEPS = 2
 
-_M32 = 0xFFFFFFFF
 _grad_of = operator.attrgetter("grad")
 _dtype_of = operator.attrgetter("dtype")
 
@@ -233,13 +232,12 @@ class GraphStep:
         plan0 = parts[0][2].plan
         self.array = plan0.array  # the counts of every entry: rows of the optimizer's one array
         self.index = np.concatenate([chosen.plan.index[chosen.rows] for _, _, chosen in parts])
-        self.momentum = np.array([e.has_momentum for e in entries], dtype=np.int64)
-        # whether each row's launch steps a momentum (its step size divides by bias_correction1)
-        self.has_m = np.array([e.launch.table.kinds[0] != M_NONE for e in entries], dtype=np.int64)
+        # what step_columns reads of each row, from its plan
+        self.momentum, self.has_m, self.salts, self.offsets = (
+            np.concatenate([getattr(chosen.plan, name)[chosen.rows] for _, _, chosen in parts])
+            for name in ("momentum", "has_m", "salts", "offsets"))
         self.group_of = np.concatenate([np.full(len(chosen), g, dtype=np.int64) for g, (_, _, chosen) in enumerate(parts)])
         self.fused = np.array([i for i, e in enumerate(entries) if e.fused], dtype=np.int64)
-        self.salts = np.array([e.salt & _M32 for e in entries], dtype=np.uint64)
-        self.offsets = np.array([e.rec.shard_offset for e in entries], dtype=np.uint64)
         # what the checks compare: the parameters' and gradients' addresses, dtypes
         grads = list(map(_grad_of, self.params))
         self.param_addresses = list(map(Tensor.data_ptr, self.params))
@@ -389,8 +387,6 @@ class GraphStep:
         """Advance the counts as if every tensor stepped and write the step's columns into the host buffers
         (``lrs``: each part's learning rate, ``hypers``: its hyperparameters); ``False`` (nothing changed) where
         torch's fused kernel cannot take a count (the planned step decides)."""
-        from lightning_baoc.kernels import triton_step as ts
-
         array, at = self.array, self.index
         if len(self.fused):
             counts = array[at[self.fused]]
@@ -398,23 +394,8 @@ class GraphStep:
                 return False
         array[at, 0] += 1
         array[at, 1] += self.momentum
-        # the distinct (step, m_step, whether the format has a momentum, group) of the rows: most share one
-        rows = np.stack([array[at, 0], array[at, 1], self.has_m, self.group_of], axis=1)
-        distinct, pair_of = np.unique(rows, axis=0, return_inverse=True)
-        pair_of = pair_of.reshape(-1)
-        cols = self.stage_int_np.reshape(-1, _STAGE)
-        steps, bits = [], []
-        for s, m, has_m, group in distinct.tolist():
-            hyper = hypers[group]
-            bc1 = 1.0 - hyper.beta1**m if m else 1.0
-            bc2 = 1.0 - hyper.beta2**s
-            steps.append(s)
-            bits.append((*ts.step_scalars(bc1, bc2, bool(has_m), lrs[group]), ts.decay_bits(hyper), ts._float_bits(bc2)))
-        key_bits = (stream_keys(self.seed, steps, self.salts, pair_of) + self.offsets) & np.uint64(_M32)
-        key_bits = key_bits.astype(np.int64)
-        cols[:, 0] = np.where(key_bits >= 1 << 31, key_bits - (1 << 32), key_bits)
-        table_bits = np.array(bits, dtype=np.int64).reshape(-1, _STAGE - 1)
-        cols[:, 1:] = table_bits[pair_of]
+        self.stage_int_np.reshape(-1, _STAGE)[:] = step_columns(self.seed, array[at, :2], self.has_m, self.group_of,
+                                                                list(hypers), list(lrs), self.salts, self.offsets)
         floats = self.stage_float_np
         if len(self.fused):
             floats[: len(self.fused)] = array[at[self.fused], 0]

@@ -53,24 +53,26 @@ class DeferredFlags:
     def __init__(self, skip: Tensor, size: int, found_inf: Tensor | None = None) -> None:
         #: (record, whether its format had a momentum) of each flag, set as the step launches
         self.records: list[tuple[Record, bool] | None] = [None] * size
-        # AMP's scaler found an inf (optim/amp.py): the whole step skipped, no parameter's non-finite skip
-        found = torch.zeros(1, dtype=skip.dtype, device=skip.device) if found_inf is None else found_inf.reshape(1)
+        # AMP's scaler's found_inf (optim/amp.py), where it handed one: set, the whole step was skipped, which is
+        # no parameter's non-finite skip; copied beside the flags
+        self._found: Tensor | None = None
         if skip.device.type == "cuda":
-            self._host = torch.empty(skip.numel() + 1, dtype=skip.dtype, pin_memory=True)
-            self._host[: skip.numel()].copy_(skip, non_blocking=True)
-            self._host[skip.numel() :].copy_(found, non_blocking=True)
+            self._host = torch.empty(skip.shape, dtype=skip.dtype, pin_memory=True)
+            self._host.copy_(skip, non_blocking=True)
+            if found_inf is not None:
+                self._found = torch.empty(1, dtype=found_inf.dtype, pin_memory=True)
+                self._found.copy_(found_inf.reshape(1), non_blocking=True)
             self._event: Any = torch.cuda.Event()
             self._event.record()
         else:
-            self._host, self._event = torch.cat([skip, found.to(skip.dtype)]), None
+            self._host, self._event, self._found = skip, None, found_inf
         self._values: Any = None
-        self._scaler_skip: bool | None = None
+        self._scaler_skip = False
 
     @property
     def scaler_skipped(self) -> bool:
         """Whether AMP's scaler skipped the whole step (its ``found_inf``): counts taken back, nothing counted."""
         self.values()
-        assert self._scaler_skip is not None
         return self._scaler_skip
 
     def values(self) -> Any:
@@ -79,9 +81,8 @@ class DeferredFlags:
         if self._values is None:
             if self._event is not None and not self._event.query():
                 self._event.synchronize()
-            host = self._host.numpy()
-            self._scaler_skip = bool(host[-1] != 0)
-            self._values = host[:-1] == 0
+            self._scaler_skip = self._found is not None and bool(self._found.reshape(()).item() != 0)
+            self._values = self._host.numpy() == 0
         return self._values
 
     def skipped(self) -> list[Record]:

@@ -110,7 +110,7 @@ class StepDispatcher:
         self.count_store = CountsStore()  # the records' counts as rows of one array, for the plans
         self.generation = 0  # advanced whenever a parameter's states or correction are replaced: a graph is dropped
         self.found_inf: Tensor | None = None  # AMP's scaler's, for the step running (optim/amp.py)
-        self._found_read: tuple[Tensor, bool] | None = None
+        self._found_read: bool | None = None  # found_inf as the host read it, once per step
         # (weak: the graphs must not hold the dispatcher, which a dropped optimizer frees at once, without a collection)
         self.graphs = GraphSteps(settings.graphs, settings.seed, settings.label, _weakly(self.warn_skipped),
                                  _weakly(self._describe))
@@ -161,8 +161,8 @@ class StepDispatcher:
         try:
             self.apply_device_skips()
             compiled, rest = self._route(batches, hyper_of)
-            self.found_inf = found_inf
-            if found_inf is not None and compiled and bool(found_inf):  # the compiled kernels' host decides: skipped
+            self.found_inf, self._found_read = found_inf, None
+            if found_inf is not None and compiled and self._scaler_skips():  # the compiled kernels' host decides: skipped
                 return
             for fmt, hyper, items, records, check in compiled:
                 skipped = compiled_step(fmt, items, hyper, self.seed, check)
@@ -175,13 +175,12 @@ class StepDispatcher:
             for hyper, chosen, flags in route.planned:
                 chosen.step(hyper, self.seed, flags, tensor_lr)
             if groups is not None:  # the optimizer's step: the next may be captured (graph_step.py)
-                complete = (not compiled and not route.device and not route.eager and len(route.indices) == len(rest)
-                            and all(route.whole))
+                # every group's parameters all in its plan (then none went to the device's or the eager step)
+                complete = not compiled and len(route.indices) == len(rest) and all(route.whole)
                 outside = None
                 if not complete and route.planned and self.graphs.wants_reason():
                     planned = {id(e.param) for _, chosen, _ in route.planned for e in chosen.entries}
-                    outside = [f"{rec.name!r} ({rec.format})" for _, _, ps, recs in rest for p, rec in zip(ps, recs)
-                               if id(p) not in planned]
+                    outside = [self._describe(p) for _, _, ps, _ in rest for p in ps if id(p) not in planned]
                 self.graphs.observe([(index, hyper, chosen) for index, (hyper, chosen, _) in zip(route.indices, route.planned)],
                                     complete, groups, self.generation, self.count_store.array,
                                     "none" if found_inf is None else "scaled" if scaled else "found", outside)
@@ -353,9 +352,9 @@ class StepDispatcher:
         """Whether AMP's scaler skips this step (its ``found_inf``, read on the host once per step)."""
         if self.found_inf is None:
             return False
-        if self._found_read is None or self._found_read[0] is not self.found_inf:
-            self._found_read = (self.found_inf, bool(self.found_inf))
-        return self._found_read[1]
+        if self._found_read is None:
+            self._found_read = bool(self.found_inf)
+        return self._found_read
 
     def forget_plans(self) -> None:
         """Forget the device's step plans and captured step: a parameter's states or correction were replaced
