@@ -469,7 +469,10 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         self._initialize_new()
         self._masters.sync(self.param_groups)
         waited = self._release.new_window()  # a new window: each parameter may release its gradient once again
-        batches = self._offload.step(batches, self._hyper, found_inf)  # offloaded states by subgroups (offload_schedule.py)
+        if self._offload.layouts or self._offload.handles or self._pools.holds_offloaded():
+            # offloaded states by subgroups (offload_schedule.py); no walk over the parameters (nor a read of AMP's
+            # found_inf) where no state is offloaded
+            batches = self._offload.step(batches, self._hyper, found_inf)
         self._stepper.step(batches, self._hyper, None if self._release.enabled else self.param_groups, found_inf,
                            grad_scale is not None)
         for p in waited:  # gradients that waited for step() under release (reentrant checkpointing) go as released ones

@@ -267,6 +267,10 @@ class StatePools:
 
     # ------------------------------------------------------------------ accounting
 
+    def holds_offloaded(self) -> bool:
+        """Whether any parameter's state is in an offloaded format (a look at the pools, not the parameters)."""
+        return any(self.registry[fmt].offloaded for fmt, _ in self.pools)
+
     def count_allocated(self, nbytes: int) -> None:
         """Count ``nbytes`` of state allocated (negative: released) on a training device."""
         self.live_bytes += nbytes
