@@ -267,8 +267,9 @@ class BAOCController:
                 release=self.optimizer is not None and self.optimizer.releases_gradients)
         except (BudgetInfeasibleError, ValueError):
             return None
-        staging = getattr(self.optimizer, "offload_working_bytes", None)  # the offload schedule's staging
-        return phases.peak if staging is None else dataclasses.replace(phases.peak, staging=int(staging()))
+        if self.optimizer is None:
+            return phases.peak
+        return dataclasses.replace(phases.peak, staging=self.optimizer.offload_working_bytes())  # offload's staging
 
     def peak_state_bytes(self) -> int:
         """The most optimizer state held on the training devices at any moment of the run (resumes

@@ -136,7 +136,7 @@ def _update_row(moment: Tensor, sums: Tensor, alpha: float, hyper: StepHyper) ->
 
 def moments_from_sums(row: Tensor, col: Tensor, row_sum: Tensor, col_sum: Tensor, hyper: StepHyper) -> None:
     """The factored moments' update from the row and column sums of ``(g k)**2``, in place
-    (:func:`_update_moments`; the CUDA step's kernel computes the sums, ``kernels/triton_step.py``)."""
+    (:func:`_update_moments`; the CUDA step computes the same in its own kernel, ``kernels/triton_factored.py``)."""
     rows, cols = row.numel(), col.numel()
     _update_row(row, row_sum, max(rows, cols) / cols, hyper)
     _update_row(col, col_sum, max(rows, cols) / rows, hyper)

@@ -549,7 +549,6 @@ class BAOC(Callback):
         self.controller.install(client.inner, fragment_module(pl_module, client))
         self.controller.check_feasible(trainer.strategy.broadcast, trainer.is_global_zero)
 
-
     def _maybe_allocate(self, trainer: Trainer) -> AllocationEvent | None:
         event = self.controller.maybe_allocate(trainer.global_step, trainer.strategy.broadcast, trainer.is_global_zero)
         if event is not None:
