@@ -444,6 +444,8 @@ class GraphSteps:
         self._seen: tuple | None = None  # the last step's signature, and how many steps had it
         self._steady = 0
         self._outside = 0  # steps a graph could not take for parameters outside the plans
+        self._stepped_apart: int | None = None  # the generation whose steps another part of the optimizer shares
+        self._apart_names: list[str] = []  # and the parameters it steps, for the message
         self.reason_said = False
 
     @property
@@ -536,13 +538,19 @@ class GraphSteps:
         once after two such steps on a device with graphs."""
         if not self.on or self.current is not None:
             return
-        if complete and parts:  # every parameter with a gradient among the plans' (another part of the optimizer
+        if complete and parts and self._stepped_apart == generation:  # as found below, until the states change
+            complete = False
+            if outside is None and not self.reason_said:
+                outside = self._apart_names
+        elif complete and parts:  # every parameter with a gradient among the plans' (another part of the optimizer
             stepped = {id(e.param) for _, _, chosen in parts for e in chosen.entries}  # may step some: offload's)
             missing = [p for group in groups for p in group["params"] if p.grad is not None and id(p) not in stepped]
             if missing:
                 complete = False
+                self._stepped_apart = generation  # not walked again at each step of this generation
+                self._apart_names = [self.describe(p) for p in missing]
                 if outside is None and not self.reason_said:
-                    outside = [self.describe(p) for p in missing]
+                    outside = self._apart_names
         if not complete or not parts:
             self._seen, self._steady = None, 0
             if outside and parts and self.backend_for(parts[0][2].entries[0].param.device) is not None:

@@ -497,3 +497,20 @@ def test_a_step_the_graph_cannot_take_says_why_once() -> None:
         for _ in range(3):
             opt.step()
     assert tape.captures == 0 and opt.step_count("a") == 6
+
+
+def test_parameters_another_part_of_the_optimizer_steps_keep_the_graph_off_and_are_named() -> None:
+    """``offload`` states under an offload schedule are stepped apart from the dispatcher: the graph is never
+    captured (it would not step them), and they are named once, after two such steps."""
+    named = _model()
+    opt = BlockwiseAdamW(named, lr=1e-2, state_format="int8", min_8bit_numel=0, offload_schedule="host")
+    opt.set_formats({"c": "offload"})
+    tape = _graphs(opt, True)
+    for _, p in named:
+        p.grad = torch.full_like(p, 1e-3)
+    with pytest.warns(RuntimeWarning, match=r"does not capture this optimizer's steps: 'c' \(offload\) step outside"):
+        for _ in range(3):
+            opt.step()
+    for _ in range(3):
+        opt.step()
+    assert tape.captures == 0 and opt.step_count("c") == opt.step_count("a") == 6
