@@ -1,8 +1,9 @@
 """The risk of the live state: the risk model on the sampled statistics, and the prior where no state is.
 
 Rank zero decides the allocation from the risk table (:mod:`lightning_baoc.control.protocol`). A
-parameter whose rows FSDP2 splits among ranks is held a part on each: there every rank scores its
-own rows with AdamW's risk model and the terms (sums over elements) are summed over the shards, so
+parameter whose rows FSDP2 splits among ranks is held a part on each, and under DeepSpeed ZeRO every
+parameter is a fragment on each rank (all of it, a run of it, or none: ``sharding.Piece``): there
+every rank scores its own part with AdamW's risk model and the terms (sums over elements) are summed over the shards, so
 the risk is the whole parameter's, as one process would score it (the factored formats' estimate
 over the whole matrix's row and column means). That is a collective, run by every rank before the
 decision (:meth:`Scoring.risk_across_shards`); without such parameters, or with a risk function of
@@ -26,7 +27,7 @@ from lightning_baoc.control.instrumentation import Instrumentation
 from lightning_baoc.control.options import Options
 from lightning_baoc.control.tables import BlockTables
 from lightning_baoc.optim import BlockwiseOptimizer
-from lightning_baoc.optim.sharding import splits_rows
+from lightning_baoc.optim.sharding import piece, splits_rows
 from lightning_baoc.risk import optimizer_risk_table
 from lightning_baoc.risk.prior import block_kind, prior_risk
 
@@ -105,7 +106,7 @@ class Scoring:
         if self.risk_fn is not optimizer_risk_table or opt.rule != "adamw":
             return None
         named = opt.named_params
-        if not any(splits_rows(named[n]) for n in self.blocks.names()):
+        if not any(splits_rows(named[n]) or piece(named[n]) is not None for n in self.blocks.names()):
             return None
         return self.risk(opt, across_shards=True, scores_whole=is_global_zero)
 

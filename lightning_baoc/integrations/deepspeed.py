@@ -21,12 +21,10 @@ closes it after the step, as under gradient release.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
 from torch import nn
-
 
 
 def check_offload(config: dict[str, Any]) -> None:
@@ -120,17 +118,6 @@ def zero_client_of(strategy: Any) -> Any:
             f"config names an 'optimizer' of its own, or configure_optimizers was changed after setup. Drop the "
             f"config's 'optimizer' and return a torch.optim.AdamW from configure_optimizers")
     client.bind()
-    fmap = client.fragment_map
-    for f in fmap.fragments:  # the same spans on every rank: every rank refuses alike
-        empty = [r for r, (_, count) in enumerate(fmap.spans[f.name]) if not count]
-        if empty:
-            raise RuntimeError(
-                f"BAOC under DeepSpeed ZeRO stage {fmap.stage_name} needs every rank to hold part of every parameter (its "
-                f"blocks, gradient statistics and allocation are the same on every rank); this ZeRO layout leaves "
-                f"{f.name!r} ({math.prod(f.shape)} elements) with no element on rank(s) {empty}: ZeRO stages 1 and 2 "
-                f"cut the flattened param groups, not the parameters. Use ZeRO stage 3 (strategy='deepspeed_stage_3' "
-                f"splits every parameter over the ranks), or train on one rank per model replica; without the BAOC "
-                f"callback, lightning_baoc.optim.deepspeed.zero_client runs any ZeRO stage with formats you set")
     return client
 
 

@@ -63,7 +63,7 @@ from lightning_baoc.formats.quant import SUPER
 from lightning_baoc.optim.checkpoint import CheckpointError
 from lightning_baoc.optim.optimizer import BlockwiseOptimizer
 from lightning_baoc.optim.pools import StatePools, storage_device
-from lightning_baoc.optim.sharding import FlatShards, RowShards
+from lightning_baoc.optim.sharding import FlatShards, Piece, RowShards
 
 #: The DeepSpeed releases whose internals (the fragment maps read here) this module was checked
 #: against: ``>= SUPPORTED_DEEPSPEED[0]`` and ``< SUPPORTED_DEEPSPEED[1]`` (tested with 0.19.8).
@@ -423,6 +423,9 @@ class ZeroClient(torch.optim.Optimizer):
             frame = FlatShards(f.offset if f.numel else fmap.spans[f.name][fmap.rank][0], f.numel, starts, fmap.rank,
                                fmap.process_group)
         row_shards = RowShards(int(f.shape[0]), fmap.process_group) if split and rows_whole else None
+        if fmap.process_group is not None:  # on several ranks: what the sampler and the risk scores sum over them
+            offset = f.offset if f.numel else fmap.spans[f.name][fmap.rank][0]
+            view.baoc_piece = Piece(tuple(f.shape), tuple(decision), offset, fmap.process_group, row_shards)
         return view, decision, (f.offset, frame, row_shards)
 
     def _rebind_moved(self) -> None:

@@ -28,6 +28,9 @@ part: each rank holds the state of its own shard, in the format chosen for the w
   of ``cols + 1`` floats per parameter (:class:`RowShards`), and a conversion to or from them sums
   the same way, so the state is the one-process state (within float summation order).
 
+DeepSpeed ZeRO's fragments are plain tensors that carry what a ``DTensor`` knows of its whole
+(:class:`Piece`): under ZeRO 1 and 2 a rank may hold all of a parameter, a run of it cut mid-row, or none.
+
 The step communicates nothing but the factored formats' sums and the 8-bit edges above: it is
 otherwise local to each rank, as FSDP2 expects. ``to_adamw_state_dict``
 gathers the whole fp32 moments (:func:`gather_full`, a collective), and a whole state loads into a
@@ -158,8 +161,58 @@ class RowShards:
         return t
 
 
+@dataclass(frozen=True)
+class Piece:
+    """This rank's part of a parameter held as a plain tensor, the other parts on the other ranks of
+    ``group``: a fragment of DeepSpeed ZeRO's flat partitions (``optim.deepspeed`` sets it on the
+    fragment's view as ``baoc_piece``), which may hold any run of the whole's elements, or none. Where a
+    ``DTensor`` knows its whole shape and where its rows start, a piece carries them, so that the
+    gradient sampler gathers it into the whole parameter's sample and sums the sample over ``group``,
+    and the risk scores sum every rank's terms, as for a ``DTensor``'s rows."""
+
+    whole: tuple[int, ...]  # the parameter's shape
+    decided: tuple[int, ...]  # the shape its formats are decided on: ``whole``, or (numel,) where the ranks cut a row
+    offset: int  # where this rank's elements start in the whole's flat order
+    group: Any  # the process group of the ranks holding the parts
+    rows: RowShards | None  # whole rows split among ranks: the factored formats' sums over them
+
+    @property
+    def cuts_rows(self) -> bool:
+        """Whether the ranks cut a row of the parameter (its row norms are then summed as squares)."""
+        return self.decided != self.whole
+
+    def sum_(self, t: Tensor) -> Tensor:
+        """``t`` <- its sum over the ranks of ``group``, in place (a collective)."""
+        import torch.distributed as dist
+
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t
+
+
+def piece(p: Any) -> Piece | None:
+    """The :class:`Piece` ``p`` is (``None`` for a ``DTensor`` or a parameter held whole)."""
+    return getattr(p, "baoc_piece", None)
+
+
+def whole_shape(p: Tensor) -> tuple[int, ...]:
+    """The shape of the whole parameter ``p`` is part of: a :class:`Piece`'s, or ``p``'s (a ``DTensor``'s is
+    the global one)."""
+    held = piece(p)
+    return held.whole if held is not None else tuple(p.shape)
+
+
+def decided_shape(p: Tensor) -> tuple[int, ...]:
+    """The shape ``p``'s formats are decided on: a :class:`Piece`'s ``decided``, else :func:`whole_shape`."""
+    held = piece(p)
+    return held.decided if held is not None else tuple(p.shape)
+
+
 def row_shards(p: Tensor) -> RowShards | None:
-    """:class:`RowShards` of ``p`` when its rows are split among ranks (:func:`splits_rows`), else ``None``."""
+    """:class:`RowShards` of ``p`` when its rows are split among ranks (:func:`splits_rows`, or a
+    :class:`Piece`'s rows), else ``None``."""
+    held = piece(p)
+    if held is not None:
+        return held.rows
     if not splits_rows(p):
         return None
     return RowShards(int(p.shape[0]), shard_group([p]))
@@ -196,9 +249,13 @@ def mesh_min(t: Tensor, params: Any) -> None:
 
 def shard_group(params: Any) -> Any:
     """The process group over which ``params`` are sharded: the mesh dimension of their ``Shard(0)``
-    (FSDP2's one dimension; HSDP's second, its replicas each summing their own shards), ``None`` when
-    none is a ``DTensor``. Several meshes, or parameters sharded over different mesh dimensions, are
+    (FSDP2's one dimension; HSDP's second, its replicas each summing their own shards), or the group of
+    :class:`Piece` s; ``None`` when none is either. Several meshes, or parameters sharded over different mesh dimensions, are
     refused: the sampler sums its per-rank pieces over one group."""
+    params = list(params)
+    held = [h for h in map(piece, params) if h is not None]
+    if held:  # DeepSpeed's fragments: every one is a part of its parameter on the ranks of one group
+        return held[0].group
     sharded = [p for p in params if is_sharded(p)]
     mesh = _one_mesh(sharded)
     if mesh is None:

@@ -66,7 +66,7 @@ from lightning_baoc.formats import FORMATS, Canonical, StepHyper, factor_dims, r
 from lightning_baoc.formats.base import factor_view, factored_ratio, row_mean
 from lightning_baoc.optim import BlockwiseAdamW
 from lightning_baoc.optim.convert import StateSlices
-from lightning_baoc.optim.sharding import local, row_shards
+from lightning_baoc.optim.sharding import decided_shape, local, piece, row_shards
 from lightning_baoc.risk.shadow import ShadowEntry, ShadowMoments
 from lightning_baoc.risk.shadow import sample_segments as _segments
 
@@ -224,14 +224,15 @@ def _param_terms(
 
     # a re-created momentum estimates the same signal (in fp32, as a format would hold it)
     m_src = m if m is not None else (m_hat * bc1).float().clamp_(max=torch.finfo(torch.float32).max)
-    dims = factor_view(local(p).shape) if factor_dims(p.shape) is not None else None  # a shard: its rows
+    decided = decided_shape(p)  # a DTensor's global shape, a piece's: the shape its formats were decided on
+    dims = factor_view(local(p).shape) if factor_dims(decided) is not None else None  # a shard: its rows
     factored_v: Tensor | None = None
     bias: dict[str, float] = {}
     added_noise: dict[str, float] = {}
     cache: dict[str, tuple[Tensor | None, Tensor, Tensor | None]] = {}
     rounding: dict[str, tuple[float, float]] = {}
     for fmt in formats:
-        actual = resolve_format(fmt, p.shape, opt.min_8bit_numel)
+        actual = resolve_format(fmt, decided, opt.min_8bit_numel)
         spec = FORMATS[actual]
         if actual in ("fp32", "offload"):
             bias[fmt], added_noise[fmt] = 0.0, 0.0
@@ -266,15 +267,18 @@ def _tensor_terms(
     rank's terms of its rows summed over the shards (a rank holding none takes part in the sums)."""
     p = opt.named_params[name]
     shards = row_shards(p) if across_shards else None
-    if shards is None:  # not split by rows: rank zero, which holds it whole, scores it
+    held = piece(p) if across_shards else None  # a DeepSpeed fragment: its ranks' terms summed, split or not
+    if shards is None and held is None:  # not split by rows: rank zero, which holds it whole, scores it
         return _param_terms(opt, name, formats, noise_fraction, generator, max_elements, entry) if scores_whole else None
     if local(p).numel():
         terms = _param_terms(opt, name, formats, noise_fraction, generator, max_elements, entry, shards)
+    elif shards is None:  # a piece with no element here, its rows on one rank: nothing of it to score
+        terms = None
     else:  # no rows here: the collectives of the others' factored forms, no terms
         terms, state = None, opt.state_slices(name, shards)  # a factored state's row mean: a collective
-        if state is not None and any(FORMATS[resolve_format(f, p.shape, opt.min_8bit_numel)].factored for f in formats):
+        if state is not None and any(FORMATS[resolve_format(f, decided_shape(p), opt.min_8bit_numel)].factored for f in formats):
             _factored_estimate(state.factored_means(), factor_view(local(p).shape)[1], None, shards)  # type: ignore[index]
-    return _summed_over_shards(terms, formats, shards, local(p).device)
+    return _summed_over_shards(terms, formats, shards if shards is not None else held, local(p).device)
 
 
 def risk_details(

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_baoc.formats.quant import SUPER
-from lightning_baoc.optim.sharding import is_sharded, local
+from lightning_baoc.optim.sharding import is_sharded, local, piece
 
 #: Elements of each tensor shadowed (16 segments of 1024); smaller tensors are shadowed whole.
 DEFAULT_SHADOW_ELEMENTS = 1 << 14
@@ -105,7 +105,7 @@ class ShadowMoments:
         generator = torch.Generator().manual_seed(seed)
         self.max_elements = int(max_elements)
         #: whether a parameter is sharded: the moments are this rank's (see the module docstring)
-        self.sharded = any(is_sharded(p) for p in params.values())
+        self.sharded = any(is_sharded(p) or piece(p) is not None for p in params.values())
         self.entries: dict[str, ShadowEntry] = {}
         for name, p in params.items():
             numel = local(p).numel()  # a sharded parameter: this rank shadows its own rows

@@ -22,11 +22,14 @@ parameters appear once, under their first name, as ``named_parameters()`` lists 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Collection, Mapping, Sequence, Union
 
 from torch import nn
+
+from lightning_baoc.optim.sharding import whole_shape
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +139,7 @@ def partition_report(
         if not (p.requires_grad or name in keep):
             frozen.append(name)
             continue
-        if p.numel() == 0:
+        if math.prod(whole_shape(p)) == 0:  # a part of a parameter (a piece) may hold none of it here
             raise ValueError(
                 f"Parameter {name!r} has zero elements (shape {tuple(p.shape)}): it cannot hold optimizer "
                 "state; remove it from the model or set requires_grad=False on it"
@@ -169,7 +172,7 @@ def partition_report(
     for name, p in trainable:  # model order: dicts keep insertion order
         b = owner[name]
         blocks.setdefault(b, []).append(name)
-        numel[b] = numel.get(b, 0) + p.numel()
+        numel[b] = numel.get(b, 0) + math.prod(whole_shape(p))
     return PartitionReport(
         blocks=blocks,
         frozen=frozen,

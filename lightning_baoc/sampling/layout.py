@@ -8,11 +8,14 @@ validate the sampler's arguments.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+
+from lightning_baoc.optim.sharding import whole_shape
 
 
 def draw_indices(n: int, k: int, generator: torch.Generator) -> Tensor:
@@ -93,7 +96,7 @@ def _plan_blocks(
     elem_offset = 0
     for name, names in blocks.items():
         ps = [params[n] for n in names]
-        sizes = [p.numel() for p in ps]
+        sizes = [math.prod(whole_shape(p)) for p in ps]  # a part of a parameter (a piece): the whole's
         numel = sum(sizes)
         flat = draw_indices(numel, max_elements, generator)
         segments: list[_Segment] = []
@@ -124,10 +127,11 @@ def _plan_rows(segments: list[_Segment], max_rows: int, generator: torch.Generat
     """Choose the rows whose norms each of a block's segments gives (at most ``max_rows``)."""
     # Rows come from the block's matrices; a block of vectors only (LayerNorm, a lone bias)
     # uses their elements as rows, so it still has a scale anisotropy.
-    matrices = [seg.param.dim() >= 2 for seg in segments]
-    use_rows = matrices if any(matrices) else [seg.param.dim() == 1 for seg in segments]
-    for seg, use in zip(segments, use_rows):
-        rows = int(seg.param.shape[0]) if seg.param.dim() >= 1 else 0
+    shapes = [whole_shape(seg.param) for seg in segments]
+    matrices = [len(shape) >= 2 for shape in shapes]
+    use_rows = matrices if any(matrices) else [len(shape) == 1 for shape in shapes]
+    for seg, use, shape in zip(segments, use_rows, shapes):
+        rows = int(shape[0]) if shape else 0
         if use and rows >= 2:
             seg.row_step = -(-rows // max_rows)
             offset = int(torch.randint(seg.row_step, (1,), generator=generator)) if seg.row_step > 1 else 0
@@ -164,7 +168,7 @@ def _check_blocks(model: nn.Module, blocks: Mapping[str, Sequence[str]]) -> dict
                 )
             if not params[n].requires_grad:
                 raise ValueError(f"blocks[{block!r}] names {n!r}, which is frozen (requires_grad=False); drop it")
-            if params[n].numel() == 0:
+            if math.prod(whole_shape(params[n])) == 0:
                 raise ValueError(f"blocks[{block!r}] names {n!r}, which has zero elements; drop it")
             if n in owner:
                 raise ValueError(f"Parameter {n!r} is in two blocks, {owner[n]!r} and {block!r}; keep it in one")

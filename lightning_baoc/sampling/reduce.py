@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from lightning_baoc.optim.sharding import whole_shape
+
 from lightning_baoc.sampling.layout import _Block
 
 if TYPE_CHECKING:
@@ -47,7 +49,7 @@ class _ReductionMaps:
                 if seg.row_count:
                     block_of_seg.append(bi)
                     # A tensor's CV counts in proportion to its size in the block's anisotropy.
-                    weight.append(float(seg.param.numel()))
+                    weight.append(float(math.prod(whole_shape(seg.param))))
                     count.append(float(seg.row_count))
         return _ReductionMaps(
             row_lengths=torch.tensor(count, dtype=torch.int64),

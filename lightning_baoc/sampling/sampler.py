@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_baoc.optim.sharding import is_sharded, local, shard_group
+from lightning_baoc.optim.sharding import is_sharded, local, piece, shard_group, whole_shape
 from lightning_baoc.sampling import statistics as S
 from lightning_baoc.sampling.blocks import partition
 from lightning_baoc.sampling.gather import _gather, _merge
@@ -170,10 +170,14 @@ class GradientSampler(SamplerStateMixin):
         for bi, block in enumerate(self._blocks):
             for seg in block.segments:
                 self._segments_of.setdefault(seg.param, []).append((bi, seg))
-        # sharded parameters (FSDP2): each rank gathers its rows and a sum over the ranks assembles the
-        # sample; a parameter held whole on every rank is gathered on the group's first rank only
+        # sharded parameters (FSDP2's rows, DeepSpeed's fragments): each rank gathers its part and a sum over
+        # the ranks assembles the sample; a parameter held whole on every rank is gathered on the group's
+        # first rank only
         self._shard_group = shard_group(list(self._segments_of))
         self._replica_zeros = self._shard_group is not None and dist.get_rank(self._shard_group) != 0
+        # a piece whose ranks cut its rows gives its rows' parts' squared norms: rooted after the sum
+        self._squared_rows = [(seg.row_offset, seg.row_offset + seg.row_count) for block in self._blocks
+                              for seg in block.segments if seg.row_count and getattr(piece(seg.param), "cuts_rows", False)]
         self._timing: dict[str, float | int] = {"sample_calls": 0, "hot_path_s": 0.0, "worker_s": 0.0, "stalls": 0}
 
     # ------------------------------------------------------------------ hot path
@@ -255,9 +259,10 @@ class GradientSampler(SamplerStateMixin):
         sample = self._open
         assert sample is not None
         device = torch.device("cpu") if grad is None else grad.device
-        if grad is not None:
-            sample.seen.add(bi)
-            if self._replica_zeros and (not is_sharded(grad) or local(grad).shape == grad.shape):
+        held = piece(seg.param)
+        if grad is not None or (held is not None and not seg.param.numel()):
+            sample.seen.add(bi)  # a piece with no elements here: the ranks holding the rest gather it
+            if held is None and self._replica_zeros and (not is_sharded(grad) or local(grad).shape == grad.shape):
                 grad = None  # another rank gathers this replicated gradient: zeros here
         sample.done.add(id(seg))
         if device.type == "cpu":
@@ -289,6 +294,8 @@ class GradientSampler(SamplerStateMixin):
             buffers = [host] if not sample.copies else [self._device_buffers[d] for d in sample.copies]
             for buf in buffers:
                 dist.all_reduce(buf[:stop], group=self._shard_group)
+                for a, b in self._squared_rows if not follower else ():
+                    buf[a:b].sqrt_()
         missing = [bi for bi in range(len(self._blocks)) if bi not in sample.seen]
         events = []
         for device, ranges in sample.copies.items():
@@ -406,7 +413,7 @@ class GradientSampler(SamplerStateMixin):
         """
         b = self._block(block)
         return {
-            s.name: torch.arange(s.param.numel()) if s.elem_index is None else s.elem_index.clone()
+            s.name: torch.arange(math.prod(whole_shape(s.param))) if s.elem_index is None else s.elem_index.clone()
             for s in b.segments
             if s.elem_count
         }

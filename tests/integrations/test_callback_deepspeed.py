@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,10 @@ class RankDump(Callback):
                "budget": baoc.controller.memory_budget_bytes(), "fp32": baoc.controller.fp32_state_bytes(),
                "dtypes": sorted({str(t.dtype) for t in client.inner.state_tensors()}),
                "lrs": {str(k): v for k, v in pl_module.lrs.items()},
-               "inner_lr": [g["lr"] for g in client.inner.param_groups]}
+               "inner_lr": [g["lr"] for g in client.inner.param_groups],
+               "empty": [f.name for f in client.fragment_map.fragments if not f.numel],
+               "split": [f.name for f in client.fragment_map.fragments if 0 < f.numel < math.prod(f.shape)],
+               "statistics": baoc.controller.sampler.statistics()}
         rank = trainer.global_rank
         (self.directory / f"{self.tag}{rank}.json").write_text(json.dumps(out))
         torch.save(weights, self.directory / f"{self.tag}{rank}.pt")
@@ -189,12 +193,41 @@ def test_baoc_with_deepspeed_cpu_offload(tmp_path: Path) -> None:
     _check_allocated(_read(tmp_path, "run", 2))
 
 
-def _fit_expecting_refusal(rank: int, root: str) -> None:
-    with pytest.raises(RuntimeError, match=r"ZeRO stage 1/2 needs every rank to hold part of every parameter.*ZeRO stage 3"):
-        _fit(rank, root, 2, 2, 1, "refused")
+@needs_gloo
+def test_baoc_under_zero_2_on_two_ranks(tmp_path: Path) -> None:
+    """ZeRO 2 cuts the flattened groups: one rank holds none of some parameters, parts of others. Every rank
+    samples the whole gradient of every block (its part summed with the others'), so the statistics rank zero
+    decides on are the same on both ranks, no block missing."""
+    on_lightning_ranks(_fit, 2, str(tmp_path), 2, 2, 2, "run")
+    ranks = _read(tmp_path, "run", 2)
+    _check_allocated(ranks)
+    assert ranks[0]["empty"] and ranks[1]["empty"] and ranks[0]["split"]  # the layout this test is about
+    stats = ranks[0]["statistics"]
+    for block, s in stats.items():
+        other = ranks[1]["statistics"][block]
+        assert all(v == other[k] or (math.isnan(v) and math.isnan(other[k])) for k, v in s.items()), (block, s, other)
+        assert s["samples"] > 0 and s["missing"] == 0, (block, s)
+
 
 
 @pytest.mark.slow
 @needs_gloo
-def test_zero_2_layout_leaving_a_parameter_on_one_rank_is_refused(tmp_path: Path) -> None:
-    on_lightning_ranks(_fit_expecting_refusal, 2, str(tmp_path))
+def test_zero_2_on_two_ranks_samples_what_one_rank_samples(tmp_path: Path) -> None:
+    """The same run on one rank (every parameter whole) and on two (cut): the same formats, and the statistics
+    of the whole gradients, up to the gradients' own differences (DeepSpeed's reduction over two ranks)."""
+    on_lightning_ranks(_fit, 1, str(tmp_path), 2, 1, 2, "one")
+    on_lightning_ranks(_fit, 2, str(tmp_path), 2, 2, 2, "two")
+    one, two = _read(tmp_path, "one", 1)[0], _read(tmp_path, "two", 2)[0]
+    assert one["formats"] == two["formats"]
+    for block, s in one["statistics"].items():
+        other = two["statistics"][block]
+        assert s["samples"] == other["samples"] and s["numel"] == other["numel"]
+        for key in ("anisotropy", "stability", "snr"):
+            if not math.isnan(s[key]):
+                assert other[key] == pytest.approx(s[key], rel=1e-3), (block, key)
+
+
+@pytest.mark.slow
+@needs_gloo
+def test_crash_and_resume_bit_equal_zero_2_two_ranks(tmp_path: Path) -> None:
+    _check_allocated(_crash_resume(tmp_path, 2, 2))
