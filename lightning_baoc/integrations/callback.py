@@ -544,7 +544,7 @@ class BAOC(Callback):
         schedulers stay DeepSpeed's and Lightning's as they are)."""
         from lightning_baoc.integrations.deepspeed import fragment_module, zero_client_of
 
-        client = zero_client_of(trainer.strategy)
+        client = zero_client_of(trainer.strategy.deepspeed_engine)
         self._meter.start(pl_module.device)
         self.controller.install(client.inner, fragment_module(pl_module, client))
         self.controller.check_feasible(trainer.strategy.broadcast, trainer.is_global_zero)

@@ -1,4 +1,5 @@
-"""BAOC under Lightning's ``DeepSpeedStrategy`` (ZeRO stages 1-3): what the callback's DeepSpeed branch uses.
+"""BAOC under Lightning's and Fabric's ``DeepSpeedStrategy`` (ZeRO stages 1-3): what the callback's DeepSpeed
+branch and Fabric's ``BAOCStrategy(base="deepspeed")`` use.
 
 DeepSpeed builds its engine from the optimizer ``configure_optimizers`` returns, inside the
 strategy's ``setup``, before any ``on_fit_start``: the optimizer cannot be replaced afterwards.
@@ -7,7 +8,10 @@ strategy's ``setup``, before any ``on_fit_start``: the optimizer cannot be repla
   hands DeepSpeed a :class:`~lightning_baoc.optim.deepspeed.ZeroClient` over a fp32
   :class:`~lightning_baoc.BlockwiseAdamW` (``from_optimizer``: the user's groups and hyperparameters; a
   blockwise optimizer is kept), its LR schedulers rebound to the client;
-- :func:`zero_client_of` (``on_fit_start``): the engine's client, bound to DeepSpeed's partitions;
+- :func:`client_of`: the client that replaces one optimizer (Fabric's ``BAOCStrategy(base="deepspeed")``
+  hands it to ``deepspeed.initialize`` in ``fabric.setup``);
+- :func:`zero_client_of` (``on_fit_start``, after ``fabric.setup``): the engine's client, bound to
+  DeepSpeed's partitions;
 - :func:`fragment_module`: a stand-in module of the model's structure whose parameters are the
   client's fragments, under the model's names: the controller partitions it into blocks, samples its
   gradients and counts its bytes per rank (each tensor at the most any rank holds of it);
@@ -46,7 +50,9 @@ def check_offload(config: dict[str, Any]) -> None:
             "drop offload_optimizer.")
 
 
-def _client(optimizer: Any, module: nn.Module, min_8bit_numel: int, seed: int) -> Any:
+def client_of(optimizer: Any, module: nn.Module, min_8bit_numel: int, seed: int) -> Any:
+    """The ZeRO client DeepSpeed is built over in place of ``optimizer`` (a torch AdamW/Adam/SGD converted
+    as the callback converts it: ``optim.swap.convert_optimizer``; a client is kept)."""
     from lightning_baoc.optim.deepspeed import ZeroClient, zero_client
     from lightning_baoc.optim.swap import convert_optimizer
 
@@ -63,7 +69,7 @@ def _swap(out: Any, module: nn.Module, min_8bit_numel: int, seed: int) -> Any:
 
     def optimizer(o: Any) -> Any:
         if id(o) not in swapped:
-            swapped[id(o)] = _client(o, module, min_8bit_numel, seed)
+            swapped[id(o)] = client_of(o, module, min_8bit_numel, seed)
         return swapped[id(o)]
 
     def walk(x: Any) -> Any:
@@ -107,16 +113,16 @@ def wrap_configure_optimizers(module: nn.Module, min_8bit_numel: int, seed: int)
     return lambda: vars(module).pop("configure_optimizers", None)
 
 
-def zero_client_of(strategy: Any) -> Any:
-    """The ZeRO client of the strategy's DeepSpeed engine, bound to its partitions (on every rank)."""
+def zero_client_of(engine: Any) -> Any:
+    """The ZeRO client of a DeepSpeed engine, bound to its partitions (on every rank)."""
     from lightning_baoc.optim.deepspeed import ZeroClient
 
-    client = getattr(strategy.deepspeed_engine, "basic_optimizer", None)
+    client = getattr(engine, "basic_optimizer", None)
     if not isinstance(client, ZeroClient):
         raise RuntimeError(
             f"DeepSpeed's engine holds a {type(client).__name__} as its optimizer, not BAOC's client: the DeepSpeed "
-            f"config names an 'optimizer' of its own, or configure_optimizers was changed after setup. Drop the "
-            f"config's 'optimizer' and return a torch.optim.AdamW from configure_optimizers")
+            f"config names an 'optimizer' of its own, or the optimizer was changed after setup. Drop the "
+            f"config's 'optimizer' and hand DeepSpeed a torch.optim.AdamW (configure_optimizers, fabric.setup)")
     client.bind()
     return client
 
@@ -143,4 +149,4 @@ def fragment_module(model: nn.Module, client: Any) -> nn.Module:
     return root
 
 
-__all__ = ["check_offload", "fragment_module", "wrap_configure_optimizers", "zero_client_of"]
+__all__ = ["check_offload", "client_of", "fragment_module", "wrap_configure_optimizers", "zero_client_of"]

@@ -18,7 +18,11 @@ needs, without any change to the user's loop:
 Fabric branches on ``isinstance`` of its built-in strategies, so ``BAOCStrategy(...)`` returns an
 instance of a subclass of both ``BAOCStrategy`` and the Fabric strategy it extends
 (``SingleDeviceStrategy``, ``DDPStrategy`` with ``base="ddp"``, ``ModelParallelStrategy`` (FSDP2)
-with ``base="model_parallel"``).
+with ``base="model_parallel"``, ``DeepSpeedStrategy`` with ``base="deepspeed"``). Under DeepSpeed,
+``fabric.setup`` builds DeepSpeed's engine over BAOC's ZeRO client
+(:mod:`lightning_baoc.integrations.deepspeed`): each rank holds the states of its fragments of
+DeepSpeed's flat partitions, the gradients are observed inside the engine's step, and ``fabric.save``/
+``fabric.load`` go through DeepSpeed's checkpoints (the controller's state in its client state).
 
 Epochs and validation are the loop's own: call ``strategy.on_train_epoch_end(epoch)`` and
 ``strategy.on_validation_end(value)`` between optimizer steps (or register the strategy as a
@@ -43,7 +47,7 @@ import weakref
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
-from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
@@ -53,7 +57,7 @@ from lightning_baoc.control.controller import AllocationEvent, BAOCController, r
 from lightning_baoc.integrations.checkpoints import check_saved_shards, distributed_metadata
 from lightning_baoc.report.allocation import AllocationReporter
 
-_BASES = ("single_device", "ddp", "model_parallel")
+_BASES = ("single_device", "ddp", "model_parallel", "deepspeed")
 
 
 class BAOCStrategy:
@@ -83,7 +87,7 @@ class BAOCStrategy:
         if base not in _BASES:
             raise ValueError(f"Invalid base={base!r}; allowed: {list(_BASES)} (the Fabric strategy BAOC extends)")
         target = {"single_device": _BAOCSingleDeviceStrategy, "ddp": _BAOCDDPStrategy,
-                  "model_parallel": _BAOCModelParallelStrategy}[base]
+                  "model_parallel": _BAOCModelParallelStrategy, "deepspeed": _BAOCDeepSpeedStrategy}[base]
         return super().__new__(target)
 
     def __init__(
@@ -115,7 +119,7 @@ class BAOCStrategy:
         seed: int = 0,
         max_block_risk: Optional[float] = None,
         initial: Union[str, dict[str, str], None] = None,
-        base: Literal["single_device", "ddp", "model_parallel"] = "single_device",
+        base: Literal["single_device", "ddp", "model_parallel", "deepspeed"] = "single_device",
         report_dir: str | os.PathLike[str] | None = None,
         strategy_kwargs: dict[str, Any] | None = None,
         risk_fn: Callable[..., Any] | None = None,
@@ -128,9 +132,10 @@ class BAOCStrategy:
         keyword-only. Then the strategy's own:
 
         Args:
-            base: the Fabric strategy extended: ``"single_device"``, ``"ddp"`` or ``"model_parallel"``
-                (``ModelParallelStrategy``: FSDP2, its ``parallelize_fn`` in ``strategy_kwargs``) (default:
-                ``"single_device"``).
+            base: the Fabric strategy extended: ``"single_device"``, ``"ddp"``, ``"model_parallel"``
+                (``ModelParallelStrategy``: FSDP2, its ``parallelize_fn`` in ``strategy_kwargs``) or
+                ``"deepspeed"`` (``DeepSpeedStrategy``, ZeRO 1-3: ``strategy_kwargs={"stage": 3}``; needs the
+                ``deepspeed`` extra) (default: ``"single_device"``).
             report_dir: directory for ``baoc_allocation.json``/``.png`` (default: ``None``: the table is
                 printed, no files are written).
             strategy_kwargs: arguments of the base strategy, e.g. ``{"device": "cuda:0"}`` (default: ``None``).
@@ -315,6 +320,84 @@ class BAOCStrategy:
         """Stop the sampler's worker, then the base strategy's teardown."""
         self.controller.close()
         super().teardown()  # type: ignore[misc]
+
+
+class _BAOCDeepSpeedStrategy(BAOCStrategy, DeepSpeedStrategy):
+    """BAOCStrategy under DeepSpeed ZeRO (``DeepSpeedStrategy``): ``fabric.setup`` hands DeepSpeed a ZeRO client
+    over a fp32 :class:`~lightning_baoc.BlockwiseAdamW` (the user's groups and hyperparameters), the controller
+    manages the client's fragments; each engine step that steps the optimizer (at the gradient accumulation
+    boundary) observes the gradients DeepSpeed hands the client, then allocates if due."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            import deepspeed
+        except ImportError as err:
+            raise ModuleNotFoundError("BAOCStrategy(base='deepspeed') needs DeepSpeed: pip install 'lightning_baoc[deepspeed]'") from err
+        from lightning_baoc.integrations.deepspeed import check_offload
+        from lightning_baoc.optim.deepspeed import check_deepspeed_version
+
+        check_deepspeed_version(deepspeed.__version__)
+        super().__init__(*args, **kwargs)
+        check_offload(self.config or {})
+
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None) -> Any:
+        """DeepSpeed's engine over the client of the one optimizer, then the controller over the client's fragments."""
+        from lightning_baoc.integrations.deepspeed import client_of, fragment_module, zero_client_of
+
+        if len(optimizers) != 1:
+            raise ValueError(
+                f"BAOCStrategy manages exactly one optimizer; got {len(optimizers)}. Set up a single "
+                f"torch.optim.AdamW/Adam (several param groups are fine).")
+        old, config = optimizers[0], self.controller.config
+        client = client_of(old, module, config.min_8bit_numel, config.seed)
+        if scheduler is not None:
+            rebind_scheduler(scheduler, client)
+        engine, wrapped, scheduler = DeepSpeedStrategy.setup_module_and_optimizers(self, module, [client], scheduler)
+        client = zero_client_of(engine)
+        if client is not old:  # a scheduler left on the user's optimizer drives the client's groups
+            old.param_groups = client.param_groups
+        self._baoc_module = module
+        self.controller.install(client.inner, fragment_module(module, client))
+        self.controller.check_feasible(self.broadcast, self.is_global_zero)
+        return engine, wrapped, scheduler
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """DeepSpeed's refusal (it sets the optimizer up only with its module, in ``fabric.setup``)."""
+        return DeepSpeedStrategy.setup_optimizer(self, optimizer)
+
+    def backward(self, tensor: torch.Tensor, module: Any, *args: Any, **kwargs: Any) -> Any:
+        """The engine's backward (the gradients are observed in its step)."""
+        return DeepSpeedStrategy.backward(self, tensor, module, *args, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """The engine's step; where it steps the optimizer: what is due before the step, the step with its
+        gradients observed (DeepSpeed hands them to the client inside it), then an allocation if due."""
+        engine = self._deepspeed_engine
+        if engine is None or not engine.is_gradient_accumulation_boundary():
+            return DeepSpeedStrategy.optimizer_step(self, optimizer, **kwargs)  # a micro-batch: accumulated only
+        event = self.controller.before_step(self.controller.steps, self.broadcast, self.is_global_zero)
+        if event is not None:
+            self._baoc_report(event)
+        self.controller.open_released_step(self.controller.steps)
+        try:
+            output = DeepSpeedStrategy.optimizer_step(self, optimizer, **kwargs)
+        finally:
+            if self.controller.release_open:
+                self.controller.close_released_step()
+        self.controller.step_completed()
+        if self.controller.steps == 1:
+            rank_zero_info(self.controller.summary())
+        self._baoc_maybe_allocate()
+        return output
+
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None) -> Any:
+        """``fabric.load`` through DeepSpeed's ``load_checkpoint`` (the client's states with their formats, the
+        controller's from the client state), then the line that says the run resumed."""
+        resumed = isinstance(state, dict) and any(v is self.controller for v in state.values())
+        remainder = DeepSpeedStrategy.load_checkpoint(self, path, state, strict=strict, weights_only=weights_only)
+        if resumed:
+            rank_zero_info(self.controller.resumed_summary())
+        return remainder
 
 
 class _BAOCSingleDeviceStrategy(BAOCStrategy, SingleDeviceStrategy):

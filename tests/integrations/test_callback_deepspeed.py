@@ -194,11 +194,12 @@ def test_baoc_with_deepspeed_cpu_offload(tmp_path: Path) -> None:
 
 
 @needs_gloo
-def test_baoc_under_zero_2_on_two_ranks(tmp_path: Path) -> None:
-    """ZeRO 2 cuts the flattened groups: one rank holds none of some parameters, parts of others. Every rank
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2])
+def test_baoc_under_zero_1_and_2_on_two_ranks(tmp_path: Path, stage: int) -> None:
+    """ZeRO 1 and 2 cut the flattened groups: one rank holds none of some parameters, parts of others. Every rank
     samples the whole gradient of every block (its part summed with the others'), so the statistics rank zero
     decides on are the same on both ranks, no block missing."""
-    on_lightning_ranks(_fit, 2, str(tmp_path), 2, 2, 2, "run")
+    on_lightning_ranks(_fit, 2, str(tmp_path), stage, 2, 2, "run")
     ranks = _read(tmp_path, "run", 2)
     _check_allocated(ranks)
     assert ranks[0]["empty"] and ranks[1]["empty"] and ranks[0]["split"]  # the layout this test is about

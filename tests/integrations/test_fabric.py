@@ -240,6 +240,6 @@ def test_bad_input_at_setup() -> None:
     with pytest.raises(ValueError, match="exactly one optimizer"):
         fabric2.setup(model2, a, b)
     with pytest.raises(ValueError, match="base="):
-        BAOCStrategy(memory_budget=0.3, base="deepspeed")
+        BAOCStrategy(memory_budget=0.3, base="zero")
     with pytest.raises(ValueError, match="memory_budget"):
         BAOCStrategy(memory_budget=3.0)
