@@ -325,8 +325,8 @@ class BAOCStrategy:
 class _BAOCDeepSpeedStrategy(BAOCStrategy, DeepSpeedStrategy):
     """BAOCStrategy under DeepSpeed ZeRO (``DeepSpeedStrategy``): ``fabric.setup`` hands DeepSpeed a ZeRO client
     over a fp32 :class:`~lightning_baoc.BlockwiseAdamW` (the user's groups and hyperparameters), the controller
-    manages the client's fragments; each engine step that steps the optimizer (at the gradient accumulation
-    boundary) observes the gradients DeepSpeed hands the client, then allocates if due."""
+    manages the client's fragments; each step observes the gradients DeepSpeed hands the client, then
+    allocates if due."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         try:
@@ -370,11 +370,9 @@ class _BAOCDeepSpeedStrategy(BAOCStrategy, DeepSpeedStrategy):
         return DeepSpeedStrategy.backward(self, tensor, module, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """The engine's step; where it steps the optimizer: what is due before the step, the step with its
-        gradients observed (DeepSpeed hands them to the client inside it), then an allocation if due."""
-        engine = self._deepspeed_engine
-        if engine is None or not engine.is_gradient_accumulation_boundary():
-            return DeepSpeedStrategy.optimizer_step(self, optimizer, **kwargs)  # a micro-batch: accumulated only
+        """What is due before the step, DeepSpeed's step with its gradients observed (DeepSpeed hands them to
+        the client inside it), then an allocation if due. Fabric steps DeepSpeed's ZeRO optimizer at every
+        ``optimizer.step()`` (not the engine, whose ``gradient_accumulation_steps`` it leaves at 1)."""
         event = self.controller.before_step(self.controller.steps, self.broadcast, self.is_global_zero)
         if event is not None:
             self._baoc_report(event)
