@@ -21,7 +21,7 @@ instance of a subclass of both ``BAOCStrategy`` and the Fabric strategy it exten
 with ``base="model_parallel"``, ``DeepSpeedStrategy`` with ``base="deepspeed"``). Under DeepSpeed,
 ``fabric.setup`` builds DeepSpeed's engine over BAOC's ZeRO client
 (:mod:`lightning_baoc.integrations.deepspeed`): each rank holds the states of its fragments of
-DeepSpeed's flat partitions, the gradients are observed inside the engine's step, and ``fabric.save``/
+DeepSpeed's flat partitions, the gradients are observed inside DeepSpeed's step, and ``fabric.save``/
 ``fabric.load`` go through DeepSpeed's checkpoints (the controller's state in its client state).
 
 Epochs and validation are the loop's own: call ``strategy.on_train_epoch_end(epoch)`` and
@@ -365,10 +365,6 @@ class _BAOCDeepSpeedStrategy(BAOCStrategy, DeepSpeedStrategy):
         """DeepSpeed's refusal (it sets the optimizer up only with its module, in ``fabric.setup``)."""
         return DeepSpeedStrategy.setup_optimizer(self, optimizer)
 
-    def backward(self, tensor: torch.Tensor, module: Any, *args: Any, **kwargs: Any) -> Any:
-        """The engine's backward (the gradients are observed in its step)."""
-        return DeepSpeedStrategy.backward(self, tensor, module, *args, **kwargs)
-
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """What is due before the step, DeepSpeed's step with its gradients observed (DeepSpeed hands them to
         the client inside it), then an allocation if due. Fabric steps DeepSpeed's ZeRO optimizer at every
@@ -377,25 +373,13 @@ class _BAOCDeepSpeedStrategy(BAOCStrategy, DeepSpeedStrategy):
         if event is not None:
             self._baoc_report(event)
         self.controller.open_released_step(self.controller.steps)
-        try:
-            output = DeepSpeedStrategy.optimizer_step(self, optimizer, **kwargs)
-        finally:
-            if self.controller.release_open:
-                self.controller.close_released_step()
+        output = DeepSpeedStrategy.optimizer_step(self, optimizer, **kwargs)
+        self.controller.close_released_step()  # (not after a failed step: closing sums the sample over the ranks)
         self.controller.step_completed()
         if self.controller.steps == 1:
             rank_zero_info(self.controller.summary())
         self._baoc_maybe_allocate()
         return output
-
-    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None) -> Any:
-        """``fabric.load`` through DeepSpeed's ``load_checkpoint`` (the client's states with their formats, the
-        controller's from the client state), then the line that says the run resumed."""
-        resumed = isinstance(state, dict) and any(v is self.controller for v in state.values())
-        remainder = DeepSpeedStrategy.load_checkpoint(self, path, state, strict=strict, weights_only=weights_only)
-        if resumed:
-            rank_zero_info(self.controller.resumed_summary())
-        return remainder
 
 
 class _BAOCSingleDeviceStrategy(BAOCStrategy, SingleDeviceStrategy):
