@@ -51,6 +51,17 @@ def _statistics(model: nn.Module, sharded: bool, max_rows: int = 8) -> dict:
         return sampler.statistics()
 
 
+def _check_equal(stats: dict, reference: dict) -> None:
+    """Every statistic of ``reference`` in ``stats`` (NaN where it is NaN), to float summation order."""
+    for block, ref in reference.items():
+        for key, value in ref.items():
+            got = stats[block][key]
+            if isinstance(value, float) and math.isnan(value):
+                assert math.isnan(got), (block, key)
+            else:
+                assert got == pytest.approx(value, rel=1e-6, abs=1e-9), (block, key, got, value)
+
+
 def _worker(rank: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -63,13 +74,7 @@ def _worker(rank: int) -> None:
     assert model[4].weight.to_local().shape[0] == (1 if rank == 0 else 0)
     stats = _statistics(model, sharded=True)
     assert set(stats) == set(reference)
-    for block, ref in reference.items():
-        for key, value in ref.items():
-            got = stats[block][key]
-            if isinstance(value, float) and math.isnan(value):
-                assert math.isnan(got), (block, key)
-            else:
-                assert got == pytest.approx(value, rel=1e-6, abs=1e-9), (block, key, got, value)
+    _check_equal(stats, reference)
     assert reference["first"]["samples"] == SAMPLES and reference["first"]["elements"] == 300
     everyone = [None] * WORLD  # the same numbers on every rank, to the bit (NaN as None)
     dist.all_gather_object(everyone, {b: {k: None if v != v else v for k, v in s.items()} for b, s in stats.items()})
@@ -149,13 +154,7 @@ def _piece_worker(rank: int, max_rows: int) -> None:
     assert (held["0.weight"] == 0) == (rank == 1) and (held["5.bias"] == 0) == (rank == 0)
     assert model.get_parameter("2.weight").baoc_piece.cuts_rows
     stats = _piece_statistics(model, max_rows)
-    for block, ref in reference.items():
-        for key, value in ref.items():
-            got = stats[block][key]
-            if isinstance(value, float) and math.isnan(value):
-                assert math.isnan(got), (block, key)
-            else:
-                assert got == pytest.approx(value, rel=1e-6, abs=1e-9), (block, key, got, value)
+    _check_equal(stats, reference)
 
 
 @pytest.mark.parametrize("max_rows", [64, 8])  # every row (the cut one among them), and every 8th
