@@ -201,6 +201,11 @@ def whole_shape(p: Tensor) -> tuple[int, ...]:
     return held.whole if held is not None else tuple(p.shape)
 
 
+def whole_numel(p: Tensor) -> int:
+    """The elements of the whole parameter ``p`` is part of (:func:`whole_shape`)."""
+    return math.prod(whole_shape(p))
+
+
 def decided_shape(p: Tensor) -> tuple[int, ...]:
     """The shape ``p``'s formats are decided on: a :class:`Piece`'s ``decided``, else :func:`whole_shape`."""
     held = piece(p)

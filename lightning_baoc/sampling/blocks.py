@@ -22,14 +22,13 @@ parameters appear once, under their first name, as ``named_parameters()`` lists 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Collection, Mapping, Sequence, Union
 
 from torch import nn
 
-from lightning_baoc.optim.sharding import whole_shape
+from lightning_baoc.optim.sharding import whole_numel
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +138,7 @@ def partition_report(
         if not (p.requires_grad or name in keep):
             frozen.append(name)
             continue
-        if math.prod(whole_shape(p)) == 0:  # a part of a parameter (a piece) may hold none of it here
+        if whole_numel(p) == 0:  # a part of a parameter (a piece) may hold none of it here
             raise ValueError(
                 f"Parameter {name!r} has zero elements (shape {tuple(p.shape)}): it cannot hold optimizer "
                 "state; remove it from the model or set requires_grad=False on it"
@@ -172,7 +171,7 @@ def partition_report(
     for name, p in trainable:  # model order: dicts keep insertion order
         b = owner[name]
         blocks.setdefault(b, []).append(name)
-        numel[b] = numel.get(b, 0) + math.prod(whole_shape(p))
+        numel[b] = numel.get(b, 0) + whole_numel(p)
     return PartitionReport(
         blocks=blocks,
         frozen=frozen,

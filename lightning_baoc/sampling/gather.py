@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_baoc.optim.sharding import is_sharded, local, piece, shard_offset, whole_shape
+from lightning_baoc.optim.sharding import is_sharded, local, shard_offset, whole_shape
 from lightning_baoc.sampling.layout import _Segment
 
 _FP32_MAX = torch.finfo(torch.float32).max
@@ -27,7 +27,7 @@ def _gather(seg: _Segment, grad: Tensor | None, buf: Tensor, device: torch.devic
         elems.zero_()
         rows.zero_()
         return
-    if is_sharded(grad) or piece(seg.param) is not None:
+    if is_sharded(grad) or seg.piece is not None:
         _gather_shard(seg, grad, elems, rows, device, with_rows)
         return
     if seg.elem_count:
@@ -61,8 +61,7 @@ def _gather_shard(seg: _Segment, grad: Tensor, elems: Tensor, rows: Tensor, devi
     """:func:`_gather` of this rank's part of a sharded gradient (a ``DTensor``'s rows, a piece's elements):
     its part, zeros elsewhere."""
     if seg.shard_offset is None:  # the parameter's layout is fixed: found once
-        held = piece(seg.param)
-        seg.shard_offset = held.offset if held is not None else shard_offset(grad)
+        seg.shard_offset = seg.piece.offset if seg.piece is not None else shard_offset(grad)
     mine, offset = local(grad), seg.shard_offset
     n = mine.numel()
     elems.zero_()
@@ -84,42 +83,39 @@ def _gather_shard(seg: _Segment, grad: Tensor, elems: Tensor, rows: Tensor, devi
     if with_rows and seg.row_count:
         rows.zero_()
         width = math.prod(whole_shape(seg.param)[1:])
-        held = piece(seg.param)
-        if held is not None and held.cuts_rows:
+        if seg.piece is not None and seg.piece.cuts_rows:
             _cut_rows(seg, mine.reshape(-1), offset, width, rows)
             return
         first, count = offset // width, mine.numel() // width
-        # sampled rows row_start + k * row_step that this shard holds: k in [k_lo, k_hi)
-        k_lo = max(0, -(-(first - seg.row_start) // seg.row_step))
-        k_hi = min(seg.row_count, -(-(first + count - seg.row_start) // seg.row_step))
+        k_lo, k_hi = _sampled_rows(seg, first, first + count)
         if k_hi > k_lo:
             start = seg.row_start + k_lo * seg.row_step - first
             mat = mine.reshape(count, -1)[start :: seg.row_step][: k_hi - k_lo]
             rows[k_lo:k_hi].copy_(_row_norms(mat))
 
 
+def _sampled_rows(seg: _Segment, first: int, stop: int) -> tuple[int, int]:
+    """The sampled rows ``row_start + k * row_step`` among rows ``[first, stop)``: ``k`` in ``[k_lo, k_hi)``."""
+    k_lo = max(0, -(-(first - seg.row_start) // seg.row_step))
+    k_hi = min(seg.row_count, -(-(stop - seg.row_start) // seg.row_step))
+    return k_lo, k_hi
+
+
 def _cut_rows(seg: _Segment, flat: Tensor, offset: int, width: int, rows: Tensor) -> None:
     """The squares of the norms of the sampled rows' parts in ``flat``, a piece of a parameter whose ranks cut
     some of its rows: a sum over the ranks adds a cut row's parts and the sampler takes the root after it."""
-    n = flat.numel()
-    if not n:
+    end = offset + flat.numel()
+    if end == offset:
         return
-    end = offset + n
-    k_lo = max(0, -(-(offset // width - seg.row_start) // seg.row_step))  # rows overlapping [offset, end)
-    k_hi = min(seg.row_count, ((end - 1) // width - seg.row_start) // seg.row_step + 1)
-    if k_hi <= k_lo:
-        return
-    # the rows whole here in one reduction, the (at most two) cut at this piece's edges each alone
-    a, b = -(-offset // width), end // width  # rows [a, b) lie whole in the piece
-    ks = range(k_lo, k_hi)
-    whole = [k for k in ks if a <= seg.row_start + k * seg.row_step < b]
-    if whole:
-        first = seg.row_start + whole[0] * seg.row_step
-        mat = flat[first * width - offset : b * width - offset].view(-1, width)[:: seg.row_step][: len(whole)]
-        rows[whole[0] : whole[-1] + 1].copy_(_row_norms(mat).square_().clamp_(max=_FP32_MAX))
-    for k in ks:
-        r = seg.row_start + k * seg.row_step
-        if not a <= r < b:
+    a, b = -(-offset // width), end // width  # rows [a, b) lie whole in the piece: one reduction
+    k_lo, k_hi = _sampled_rows(seg, a, b)
+    if k_hi > k_lo:
+        start = (seg.row_start + k_lo * seg.row_step) * width - offset
+        mat = flat[start : b * width - offset].view(-1, width)[:: seg.row_step][: k_hi - k_lo]
+        rows[k_lo:k_hi].copy_(_row_norms(mat).square_().clamp_(max=_FP32_MAX))
+    for r in {offset // width, (end - 1) // width} - set(range(a, b)):  # the (at most two) cut at the edges
+        k, off_step = divmod(r - seg.row_start, seg.row_step)
+        if not off_step and 0 <= k < seg.row_count:
             part = flat[max(r * width, offset) - offset : min((r + 1) * width, end) - offset]
             rows[k].copy_(_row_norms(part.view(1, -1)).square_().clamp_(max=_FP32_MAX)[0])
 

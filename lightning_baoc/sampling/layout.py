@@ -8,14 +8,13 @@ validate the sampler's arguments.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
-from lightning_baoc.optim.sharding import whole_shape
+from lightning_baoc.optim.sharding import Piece, piece, whole_numel, whole_shape
 
 
 def draw_indices(n: int, k: int, generator: torch.Generator) -> Tensor:
@@ -56,6 +55,7 @@ class _Segment:
     row_start: int = 0  # rows row_start, row_start + row_step, ... (row_count of them)
     row_step: int = 1
     _on: dict[torch.device, Tensor | None] = field(default_factory=dict, repr=False)
+    piece: Piece | None = None  # the parameter's part on this rank, where it is a piece (a DeepSpeed fragment)
     shard_offset: int | None = None  # where this rank's rows start in a sharded parameter (found at its first gather)
     # a sharded parameter's sampled indices in this rank's shard: (device, offset, numel) -> (lo, hi, positions)
     _shard_positions: dict[tuple, tuple[int, int, Tensor]] = field(default_factory=dict, repr=False)
@@ -96,7 +96,7 @@ def _plan_blocks(
     elem_offset = 0
     for name, names in blocks.items():
         ps = [params[n] for n in names]
-        sizes = [math.prod(whole_shape(p)) for p in ps]  # a part of a parameter (a piece): the whole's
+        sizes = [whole_numel(p) for p in ps]  # a part of a parameter (a piece): the whole's
         numel = sum(sizes)
         flat = draw_indices(numel, max_elements, generator)
         segments: list[_Segment] = []
@@ -106,7 +106,7 @@ def _plan_blocks(
             hi = int(torch.searchsorted(flat, start + size))
             local = flat[lo:hi] - start
             every = local.numel() == size
-            segments.append(_Segment(pname, p, elem_offset + lo, hi - lo, None if every else local))
+            segments.append(_Segment(pname, p, elem_offset + lo, hi - lo, None if every else local, piece=piece(p)))
             start += size
         _plan_rows(segments, max_rows, generator)
         k = flat.numel()
@@ -168,7 +168,7 @@ def _check_blocks(model: nn.Module, blocks: Mapping[str, Sequence[str]]) -> dict
                 )
             if not params[n].requires_grad:
                 raise ValueError(f"blocks[{block!r}] names {n!r}, which is frozen (requires_grad=False); drop it")
-            if math.prod(whole_shape(params[n])) == 0:
+            if whole_numel(params[n]) == 0:
                 raise ValueError(f"blocks[{block!r}] names {n!r}, which has zero elements; drop it")
             if n in owner:
                 raise ValueError(f"Parameter {n!r} is in two blocks, {owner[n]!r} and {block!r}; keep it in one")

@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_baoc.optim.sharding import whole_shape
-
+from lightning_baoc.optim.sharding import whole_numel
 from lightning_baoc.sampling.layout import _Block
 
 if TYPE_CHECKING:
@@ -49,7 +48,7 @@ class _ReductionMaps:
                 if seg.row_count:
                     block_of_seg.append(bi)
                     # A tensor's CV counts in proportion to its size in the block's anisotropy.
-                    weight.append(float(math.prod(whole_shape(seg.param))))
+                    weight.append(float(whole_numel(seg.param)))
                     count.append(float(seg.row_count))
         return _ReductionMaps(
             row_lengths=torch.tensor(count, dtype=torch.int64),

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_baoc.optim.sharding import is_sharded, local, piece, shard_group, whole_shape
+from lightning_baoc.optim.sharding import is_sharded, local, shard_group, whole_numel
 from lightning_baoc.sampling import statistics as S
 from lightning_baoc.sampling.blocks import partition
 from lightning_baoc.sampling.gather import _gather, _merge
@@ -177,7 +177,7 @@ class GradientSampler(SamplerStateMixin):
         self._replica_zeros = self._shard_group is not None and dist.get_rank(self._shard_group) != 0
         # a piece whose ranks cut its rows gives its rows' parts' squared norms: rooted after the sum
         self._squared_rows = [(seg.row_offset, seg.row_offset + seg.row_count) for block in self._blocks
-                              for seg in block.segments if seg.row_count and getattr(piece(seg.param), "cuts_rows", False)]
+                              for seg in block.segments if seg.row_count and seg.piece is not None and seg.piece.cuts_rows]
         self._timing: dict[str, float | int] = {"sample_calls": 0, "hot_path_s": 0.0, "worker_s": 0.0, "stalls": 0}
 
     # ------------------------------------------------------------------ hot path
@@ -259,10 +259,9 @@ class GradientSampler(SamplerStateMixin):
         sample = self._open
         assert sample is not None
         device = torch.device("cpu") if grad is None else grad.device
-        held = piece(seg.param)
-        if grad is not None or (held is not None and not seg.param.numel()):
+        if grad is not None or (seg.piece is not None and not seg.param.numel()):
             sample.seen.add(bi)  # a piece with no elements here: the ranks holding the rest gather it
-            if held is None and self._replica_zeros and (not is_sharded(grad) or local(grad).shape == grad.shape):
+            if seg.piece is None and self._replica_zeros and (not is_sharded(grad) or local(grad).shape == grad.shape):
                 grad = None  # another rank gathers this replicated gradient: zeros here
         sample.done.add(id(seg))
         if device.type == "cpu":
@@ -413,7 +412,7 @@ class GradientSampler(SamplerStateMixin):
         """
         b = self._block(block)
         return {
-            s.name: torch.arange(math.prod(whole_shape(s.param))) if s.elem_index is None else s.elem_index.clone()
+            s.name: torch.arange(whole_numel(s.param)) if s.elem_index is None else s.elem_index.clone()
             for s in b.segments
             if s.elem_count
         }
