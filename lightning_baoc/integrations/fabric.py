@@ -210,9 +210,7 @@ class BAOCStrategy:
                     "BAOCStrategy: gradient release with an fp16 loss scaler would step on scaled gradients; "
                     "use precision='bf16-true' or 'bf16-mixed', or turn release off"
                 )
-            event = self.controller.before_step(self.controller.steps, self.broadcast, self.is_global_zero)  # type: ignore[attr-defined]
-            if event is not None:
-                self._baoc_report(event)
+            self._baoc_before_step()
             self.controller.open_released_step(self.controller.steps)
         return super().backward(tensor, module, *args, **kwargs)  # type: ignore[misc]
 
@@ -223,12 +221,21 @@ class BAOCStrategy:
         if self.controller.release_open:
             self.controller.close_released_step()
         else:
-            event = self.controller.before_step(self.controller.steps, self.broadcast, self.is_global_zero)  # type: ignore[attr-defined]
-            if event is not None:
-                self._baoc_report(event)
+            self._baoc_before_step()
             if "closure" not in kwargs:  # with a closure the gradients do not exist yet
                 self.controller.observe(self.controller.steps, grad_scale=self._baoc_grad_scale(optimizer))
         output = super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
+        self._baoc_after_step()
+        return output
+
+    def _baoc_before_step(self) -> None:
+        """What is due before a step: parameters added since set-up, a re-allocation due to changed settings."""
+        event = self.controller.before_step(self.controller.steps, self.broadcast, self.is_global_zero)  # type: ignore[attr-defined]
+        if event is not None:
+            self._baoc_report(event)
+
+    def _baoc_after_step(self) -> None:
+        """Count the step, say where the run starts after its first, allocate if due."""
         old = self._baoc_replaced() if self._baoc_replaced is not None else None
         if old is not None:
             old._opt_called = True  # type: ignore[attr-defined]  # for a scheduler left on it
@@ -236,7 +243,6 @@ class BAOCStrategy:
         if self.controller.steps == 1:  # the run's first step (a resumed run counts on): its states exist now
             rank_zero_info(self.controller.summary())
         self._baoc_maybe_allocate()
-        return output
 
     def _baoc_grad_scale(self, optimizer: Any) -> float | None:
         """The fp16 loss scale the gradients still carry (``None`` if unscaled or no scaler)."""
@@ -369,16 +375,11 @@ class _BAOCDeepSpeedStrategy(BAOCStrategy, DeepSpeedStrategy):
         """What is due before the step, DeepSpeed's step with its gradients observed (DeepSpeed hands them to
         the client inside it), then an allocation if due. Fabric steps DeepSpeed's ZeRO optimizer at every
         ``optimizer.step()`` (not the engine, whose ``gradient_accumulation_steps`` it leaves at 1)."""
-        event = self.controller.before_step(self.controller.steps, self.broadcast, self.is_global_zero)
-        if event is not None:
-            self._baoc_report(event)
+        self._baoc_before_step()
         self.controller.open_released_step(self.controller.steps)
         output = DeepSpeedStrategy.optimizer_step(self, optimizer, **kwargs)
         self.controller.close_released_step()  # (not after a failed step: closing sums the sample over the ranks)
-        self.controller.step_completed()
-        if self.controller.steps == 1:
-            rank_zero_info(self.controller.summary())
-        self._baoc_maybe_allocate()
+        self._baoc_after_step()
         return output
 
 
