@@ -7,7 +7,7 @@ from torch import Tensor
 
 from lightning_baoc import kernels
 from lightning_baoc.formats.base import (
-    FP32_ULPS, Canonical, Parity, Shape, StateFormat, StepHyper, StepItem, TensorSpec, numel_of,
+    FP32_ULPS, FUSED_TENSOR_LR, Canonical, Parity, Shape, StateFormat, StepHyper, StepItem, TensorSpec, numel_of,
 )
 from lightning_baoc.formats.fused_adam import fused_dense_fp32
 
@@ -25,7 +25,7 @@ class FP32(StateFormat):
     has_momentum = True
     summary = "m fp32, v fp32"
     kernel_kinds = (kernels.M_FP32, kernels.V_FP32)  # the compiled step's own AdamW (chunk_adamw's order)
-    parity = Parity(compiled=FP32_ULPS)
+    parity = Parity(compiled=FP32_ULPS, triton=FUSED_TENSOR_LR)
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         n = numel_of(shape)
