@@ -95,7 +95,8 @@ class _Entry:
 
 @dataclass(eq=False)
 class _Launch:
-    """The tensors of one format and device: their table (and a factored format's work)."""
+    """The tensors of one format, device and kernel (torch's fused or Triton's): their table (and a factored
+    format's work)."""
 
     table: Any  # kernels.triton_table.Table
     work: Any = None  # a factored format's kernels.triton_factored.FactoredWork
@@ -120,7 +121,9 @@ class DevicePlan:
         self.conditions = conditions
         self.entries: list[_Entry] = []
         self.others: list[tuple[Tensor, Record]] = []  # the parameters (and records) it leaves to the unplanned step
-        by_format: dict[tuple[str, torch.device], list[_Entry]] = {}
+        # one launch per format, device and kernel: torch's fused kernel takes the fp32 weights of the fp32 format,
+        # the Triton kernel its 16-bit ones (a group mixes them in any order), so no launch decides from one entry
+        by_launch: dict[tuple[str, torch.device, bool], list[_Entry]] = {}
         for p, route in zip(params, routes):
             rec = records[p]
             fmt = registry[rec.format]
@@ -131,7 +134,7 @@ class DevicePlan:
                            fmt.has_momentum, salt(rec), route == "fused")
             if entry.fused:  # and a table for the Triton kernel's repair
                 entry.moments = (shaped(rec.views["exp_avg"], p), shaped(rec.views["exp_avg_sq"], p))
-            by_format.setdefault((rec.format, p.device), []).append(entry)
+            by_launch.setdefault((rec.format, p.device, entry.fused), []).append(entry)
             self.entries.append(entry)
         # the entries' counts are rows of the optimizer's one host array (CountsStore): a step advances
         # them all with one numpy operation
@@ -146,7 +149,7 @@ class DevicePlan:
         self.has_m = np.array([registry[e.format].kernel_kinds[0] != M_NONE for e in self.entries], dtype=np.int64)
         self.fused = np.array([i for i, e in enumerate(self.entries) if e.fused], dtype=np.int64)
         self.every = np.arange(len(self.entries), dtype=np.int64)
-        for (name, _), entries in by_format.items():
+        for (name, _, _), entries in by_launch.items():
             table = Table(registry[name].kernel_kinds, [e.param for e in entries],
                           [e.grad_dtype for e in entries], [e.views for e in entries], [e.correction for e in entries])
             launch = _Launch(table)
@@ -205,7 +208,7 @@ class Chosen:
         """Step the entries with their flags (``flags``: each entry's, in order, from
         :meth:`StepDispatcher._device_flags <lightning_baoc.optim.stepping.StepDispatcher._device_flags>`):
         their counts advance now (one numpy operation over the plan's counts), a skip is applied when next
-        read (:class:`~lightning_baoc.optim.pools.DeferredFlags`). One launch per format and device: the
+        read (:class:`~lightning_baoc.optim.pools.DeferredFlags`). One launch per format, device and kernel: the
         Triton kernel's (:meth:`Table.launch <lightning_baoc.kernels.triton_table.Table.launch>`), or for
         fp32 tensors torch's fused kernel, then the Triton kernel where it skipped any (``repair``).
         ``tensor_lr``: the fused kernel reads the learning rate from an fp32 tensor, as under a CUDA graph

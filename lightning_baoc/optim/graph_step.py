@@ -278,7 +278,7 @@ class GraphStep:
                 rows = np.array([e.row for e in launched], dtype=np.int64)
                 common = ts._common(table.kinds, hyper, M_SCALE_MAX, V_SCALE_MAX)
                 repair = None
-                if launched[0].fused:
+                if launched[0].fused:  # a launch's entries share their kernel (DevicePlan keys launches by it)
                     steps = [self.dev_float[fused_at[i] : fused_at[i] + 1].view(()) for i in members]
                     found = self.skip[members[0] : members[0] + 1] if len(members) == 1 else self.any_skip
                     kernel, options = fused_kernel_options(hyper)
