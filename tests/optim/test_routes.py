@@ -1,14 +1,7 @@
 """Every route of the optimizer step held to one result: the route is a test axis.
 
-The routes, all on the CPU:
-
-- ``"eager"``: each format's own ``update`` (``kernels="eager"``), the reference every route is held to;
-- ``"compiled"``: the compiled CPU kernels (``kernels="compiled"``);
-- ``"device"``: the GPU's route (the device's planned step: the Triton kernels, torch's fused AdamW for fp32
-  tensors, skips decided by the device's flags), taken by CPU tensors through Triton's interpreter
-  (``TRITON_INTERPRET=1``, set by ``tests/conftest.py``), as ``tests/optim/test_graph_step.py`` drives it;
-- ``"graph"``: the device route with its step captured and replayed (the tape backend of
-  :mod:`lightning_baoc.optim.graph_step`, a CUDA graph's semantics).
+The routes, all on the CPU (``tests/support_routes.py``): the eager step, the compiled CPU kernels, the device's
+route (the GPU's planned step through Triton's interpreter) and graph replay on that route.
 
 Each case (a :class:`Case`) trains named parameters through one route and returns what the step leaves (every
 parameter, its compact states, its counts and its master-weight correction). Every route agrees with the eager
@@ -23,53 +16,19 @@ case on every route, every AdamW format, SGD's and Lion's, and DeepSpeed's fragm
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import torch
-from support_formats import OPTIMIZERS, _assert_fast, unavailable
+from support_formats import OPTIMIZERS, _assert_fast
+from support_routes import PARITY_OF, POLICY, ROUTES, on_route, route_unavailable, set_graphs
 from torch import nn
 
-from lightning_baoc import FORMATS, MOMENTUM_FORMATS, kernels
+from lightning_baoc import FORMATS, MOMENTUM_FORMATS
 from lightning_baoc.formats.base import BIT_EQUAL
-
-ROUTES = ("eager", "compiled", "device", "graph")
-#: the parity of each route (its attribute of a format's Parity): the device's route runs the Triton kernels
-PARITY_OF = {"compiled": "compiled", "device": "triton", "graph": "triton"}
-
-
-def _route_unavailable(route: str) -> str | None:
-    if route == "eager":
-        return None
-    if route == "compiled":
-        return unavailable("compiled")
-    return unavailable("triton")
-
-
-@contextlib.contextmanager
-def _on(route: str) -> Iterator[None]:
-    """CPU parameters take ``route``'s kernels while the block runs (the device's: the Triton kernels and torch's
-    fused AdamW, not the compiled C++ ones)."""
-    if route not in ("device", "graph"):
-        yield
-        return
-    import lightning_baoc.optim.stepping as stepping
-
-    saved = kernels.TRITON_DEVICES, stepping.kernel_serves
-    kernels.TRITON_DEVICES, stepping.kernel_serves = {"cuda", "cpu"}, (lambda *args: False)
-    try:
-        yield
-    finally:
-        kernels.TRITON_DEVICES, stepping.kernel_serves = saved
-
-
-POLICY = {"eager": "eager", "compiled": "compiled", "device": "auto", "graph": "auto"}
-
 
 @dataclass
 class Run:
@@ -87,13 +46,7 @@ class Run:
         if self.opt is not None:
             self.replays += self.opt._stepper.graphs.replays  # noqa: SLF001 - what the graph route did
         self.opt = self.make(self.named)
-        if self.route == "graph":
-            from lightning_baoc.optim import graph_step
-
-            tape = graph_step.TapeBackend()
-            self.opt._stepper.graphs.backend_for = lambda device: tape  # noqa: SLF001
-        elif self.route == "device":
-            self.opt._stepper.graphs.backend_for = lambda device: None  # noqa: SLF001 - the planned step only
+        set_graphs(self.opt, self.route)
         return self.opt
 
     @property
@@ -189,7 +142,7 @@ class Case:
                 opt.set_formats(self.formats)
             return opt
 
-        with _on(route):
+        with on_route(route):
             run = Run(route, self.model(), make)
             run.build()
             self.body(run)
@@ -362,7 +315,7 @@ def assert_routes_agree(case: Case, route: str, got: Any, eager: Any) -> None:
 
 @pytest.mark.parametrize(("name", "route"), _matrix())
 def test_every_route_agrees_with_the_eager_step(name: str, route: str) -> None:
-    why = _route_unavailable(route)
+    why = route_unavailable(route)
     if why is not None:
         pytest.skip(why)
     case = BY_NAME[name]
