@@ -22,6 +22,7 @@ import torch.utils.cpp_extension
 from torch import nn
 
 from lightning_baoc import BlockwiseAdamW, kernels
+from lightning_baoc.kernels import build
 
 LOGGER = "lightning_baoc.kernels"
 
@@ -40,7 +41,7 @@ def _fake_build(monkeypatch: pytest.MonkeyPatch, where: Path, seconds: float, re
             library.write_bytes(b"")
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
-    monkeypatch.setattr(kernels, "_build_directory", lambda name: where / name)
+    monkeypatch.setattr(build, "_build_directory", lambda name: where / name)
     monkeypatch.setattr(kernels, "_ANNOUNCED", set())
     return calls
 
@@ -53,11 +54,11 @@ def test_a_build_is_said_at_warning_level_with_progress_and_the_step_that_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     _fake_build(monkeypatch, tmp_path, 0.45)
-    monkeypatch.setattr(kernels, "PROGRESS_SECONDS", 0.1)
+    monkeypatch.setattr(build, "PROGRESS_SECONDS", 0.1)
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        status = kernels._build(kernels.compile_flags(), [])  # noqa: SLF001 - the build itself, torch's load faked
+        status = build._build(kernels.compile_flags(), [])  # noqa: SLF001 - the build itself, torch's load faked
     said = _said(caplog)
-    assert isinstance(status, kernels.KernelStatus) and status.available and status.detail.startswith("built in 0.")
+    assert isinstance(status, build.KernelStatus) and status.available and status.detail.startswith("built in 0.")
     assert all(level == logging.WARNING for level, _ in said), said
     first, *progress, last = [text for _, text in said]
     assert first.startswith("lightning_baoc: building the compiled CPU optimizer step (first use on this machine: "
@@ -80,12 +81,12 @@ def test_a_load_from_the_cache_is_one_info_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     calls = _fake_build(monkeypatch, tmp_path, 0.0)
-    kernels._build(kernels.compile_flags(), [])  # noqa: SLF001 - the first build: the library is now cached
+    build._build(kernels.compile_flags(), [])  # noqa: SLF001 - the first build: the library is now cached
     monkeypatch.setattr(kernels, "_ANNOUNCED", set())
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        status = kernels._build(kernels.compile_flags(), [])  # noqa: SLF001
-        assert isinstance(status, kernels.KernelStatus) and status.detail == "loaded from the cache"
+        status = build._build(kernels.compile_flags(), [])  # noqa: SLF001
+        assert isinstance(status, build.KernelStatus) and status.detail == "loaded from the cache"
         monkeypatch.setattr(kernels, "_STATUS", status)
         assert kernels.use_compiled("auto") is True and kernels.use_compiled("auto") is True
     assert len(calls) == 2
@@ -95,19 +96,20 @@ def test_a_load_from_the_cache_is_one_info_line(
 def test_a_cache_that_torch_rebuilds_says_it_is_rebuilding(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A library in the cache that torch rebuilds anyway (another checkout's ``build.ninja``): no start
-    line (a load was expected), then a progress line that says it rebuilds, and the done line."""
+    """A library in the cache that torch rebuilds anyway (ninja finds it out of date: an object file
+    removed): no start line (a load was expected), then a progress line that says it rebuilds, and the
+    done line."""
     _fake_build(monkeypatch, tmp_path, 0.0)
-    kernels._build(kernels.compile_flags(), [])  # noqa: SLF001
+    build._build(kernels.compile_flags(), [])  # noqa: SLF001
     so = next(tmp_path.rglob("*.so"))
     os.utime(so, (time.time() - 100, time.time() - 100))
     _fake_build(monkeypatch, tmp_path, 0.25, rebuild=True)
-    monkeypatch.setattr(kernels, "PROGRESS_SECONDS", 0.1)
+    monkeypatch.setattr(build, "PROGRESS_SECONDS", 0.1)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        status = kernels._build(kernels.compile_flags(), [])  # noqa: SLF001
+        status = build._build(kernels.compile_flags(), [])  # noqa: SLF001
     texts = [text for level, text in _said(caplog) if level == logging.WARNING]
-    assert isinstance(status, kernels.KernelStatus) and status.detail.startswith("built in ")
+    assert isinstance(status, build.KernelStatus) and status.detail.startswith("built in ")
     assert texts[0].startswith("lightning_baoc: rebuilding the compiled CPU optimizer step (its cache in "), texts
     assert "is out of date" in texts[0] and texts[-1].startswith("lightning_baoc: built the compiled CPU optimizer step in ")
 
@@ -119,8 +121,8 @@ def test_the_optimizer_that_triggers_the_build_says_it(
     library builds it and says so; a second says nothing more."""
     _fake_build(monkeypatch, tmp_path, 0.0)
     monkeypatch.setattr(kernels, "_STATUS", None)
-    monkeypatch.setattr(kernels, "_loaded", lambda: False)
-    monkeypatch.setattr(kernels, "_missing_tool", lambda: None)
+    monkeypatch.setattr(build, "_loaded", lambda: False)
+    monkeypatch.setattr(build, "_missing_tool", lambda: None)
     with caplog.at_level(logging.INFO, logger=LOGGER):
         BlockwiseAdamW([nn.Parameter(torch.zeros(4))], kernels="auto")
         BlockwiseAdamW([nn.Parameter(torch.zeros(4))], kernels="auto")
@@ -138,7 +140,8 @@ _BUILD = textwrap.dedent(
     import torch
     from torch import nn
     from lightning_baoc import BlockwiseAdamW, kernels
-    kernels.PROGRESS_SECONDS = 2.0
+    from lightning_baoc.kernels import build
+    build.PROGRESS_SECONDS = 2.0
     start = time.perf_counter()
     BlockwiseAdamW([nn.Parameter(torch.zeros(4))], kernels="compiled")
     print("STATUS", kernels.cpu_kernels().detail, f"{time.perf_counter() - start:.1f}")
@@ -177,12 +180,12 @@ def test_a_step_waiting_for_another_process_s_build_says_so_and_for_how_long(
     with the time so far, and one when it ends with how long it took."""
     import threading
 
-    monkeypatch.setattr(kernels, "PROGRESS_SECONDS", 0.1)
+    monkeypatch.setattr(build, "PROGRESS_SECONDS", 0.1)
     lock = tmp_path / "lock"
     lock.touch()
     threading.Timer(0.45, lock.unlink).start()
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        kernels._wait_for_build_lock(tmp_path, poll=0.02)  # noqa: SLF001 - the wait itself
+        build._wait_for_build_lock(tmp_path, poll=0.02)  # noqa: SLF001 - the wait itself
     said = _said(caplog)
     assert all(level == logging.WARNING for level, _ in said), said
     texts = [text for _, text in said]

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from lightning_baoc import FORMATS, BlockwiseAdamW, kernels
+from lightning_baoc.kernels import build
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_kernels().available, reason=f"no compiled kernels: {kernels.cpu_kernels().detail}")
 
@@ -123,7 +124,7 @@ def test_a_build_directory_that_cannot_be_written_names_its_fix(tmp_path: Path, 
     """TORCH_EXTENSIONS_DIR under a file: not a compiler's failure, and the message says what to set."""
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "a-file" / "ext"))
-    status = kernels._build(kernels.compile_flags(), [])  # noqa: SLF001 - the build itself, not the process's cached status
+    status = build._build(kernels.compile_flags(), [])  # noqa: SLF001 - the build itself, not the process's cached status
     assert isinstance(status, kernels.KernelStatus) and not status.available
     assert "build directory cannot be written" in status.detail and "TORCH_EXTENSIONS_DIR" in status.fix
     monkeypatch.setattr(kernels, "_STATUS", status)
@@ -196,20 +197,20 @@ def test_a_compiler_without_openmp_builds_the_kernels_for_one_thread(monkeypatch
     """Apple's clang has no -fopenmp: the build is retried without it, and the status says so."""
     calls: list[list[str]] = []
 
-    def build(flags: list[str], ldflags: list[str]) -> kernels.KernelStatus | str:
+    def fake_build(flags: list[str], ldflags: list[str]) -> kernels.KernelStatus | str:
         calls.append(flags)
         if "-fopenmp" in flags:
             return "clang: error: unsupported option '-fopenmp'"
         return kernels.KernelStatus(True, "built in 9.0 s", 9.0)
 
-    monkeypatch.setattr(kernels, "_loaded", lambda: False)
-    monkeypatch.setattr(kernels, "_missing_tool", lambda: None)
-    monkeypatch.setattr(kernels, "_build", build)
-    status = kernels._load()  # noqa: SLF001 - the build logic itself
+    monkeypatch.setattr(build, "_loaded", lambda: False)
+    monkeypatch.setattr(build, "_missing_tool", lambda: None)
+    monkeypatch.setattr(build, "_build", fake_build)
+    status = build.load_kernels()  # the build logic itself, the builds faked
     assert status.available and "without OpenMP: one thread" in status.detail and "-fopenmp" in status.detail
     assert len(calls) == 2 and "-fopenmp" not in calls[1]
-    monkeypatch.setattr(kernels, "_build", lambda flags, ldflags: "error: no matching function")
-    failed = kernels._load()  # noqa: SLF001
+    monkeypatch.setattr(build, "_build", lambda flags, ldflags: "error: no matching function")
+    failed = build.load_kernels()
     assert not failed.available and failed.detail == "the build failed: error: no matching function"
 
 
@@ -222,10 +223,10 @@ def test_a_stale_build_lock_is_removed_and_a_live_one_waited_for(tmp_path: Path,
 
     lock = tmp_path / "lock"
     lock.touch()
-    old = time.time() - 2 * kernels.STALE_LOCK_SECONDS
+    old = time.time() - 2 * build.STALE_LOCK_SECONDS
     os.utime(lock, (old, old))
     with pytest.warns(RuntimeWarning, match="removed a stale lock of the CPU kernels' build .*lock"):
-        kernels._wait_for_build_lock(tmp_path, poll=0.01)  # noqa: SLF001 - the wait itself
+        build._wait_for_build_lock(tmp_path, poll=0.01)  # noqa: SLF001 - the wait itself
     assert not lock.exists()
 
     lock.touch()  # a live build: its builder removes the lock after 0.3 s
@@ -233,15 +234,15 @@ def test_a_stale_build_lock_is_removed_and_a_live_one_waited_for(tmp_path: Path,
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        kernels._wait_for_build_lock(tmp_path, poll=0.01)  # noqa: SLF001
+        build._wait_for_build_lock(tmp_path, poll=0.01)  # noqa: SLF001
     assert 0.25 <= time.perf_counter() - start < 5.0
 
     lock.touch()  # nobody removes it: it goes stale while waited for
-    monkeypatch.setattr(kernels, "STALE_LOCK_SECONDS", 0.3)
+    monkeypatch.setattr(build, "STALE_LOCK_SECONDS", 0.3)
     with pytest.warns(RuntimeWarning, match="stale lock"):
-        kernels._wait_for_build_lock(tmp_path, poll=0.01)  # noqa: SLF001
+        build._wait_for_build_lock(tmp_path, poll=0.01)  # noqa: SLF001
     assert not lock.exists()
-    kernels._wait_for_build_lock(None)  # noqa: SLF001 - a torch that does not say where it builds
+    build._wait_for_build_lock(None)  # noqa: SLF001 - a torch that does not say where it builds
 
 
 def _saturation(bits: torch.Tensor, noise: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
