@@ -9,11 +9,12 @@ parameter's flat order, split between ranks wherever a partition ends (mid-row, 
 
 :func:`zero_client` wraps a :class:`~lightning_baoc.optim.BlockwiseOptimizer` (AdamW, SGD or Lion)
 built over the model's parameters into a :class:`ZeroClient`, the optimizer handed to
-``deepspeed.initialize``. At its first use after DeepSpeed's set-up it reads where every parameter's
-fragment lies, once (:func:`read_fragments`: stages 1/2 ``param._hp_mapping``, stage 3
-``param._z3_optimizer.grad_position[param.ds_id]``), checks the map (the DeepSpeed version among
-:data:`SUPPORTED_DEEPSPEED`, fragments that tile each parameter in rank order) and builds the inner
-optimizer, of the wrapped one's class and settings, over one view per fragment into the flat tensors:
+``deepspeed.initialize`` (or the optimizer itself, handed as it is: see below). At its first use after
+DeepSpeed's set-up it reads where every parameter's fragment lies, once (:func:`read_fragments`: stages
+1/2 ``param._hp_mapping``, stage 3 ``param._z3_optimizer.grad_position[param.ds_id]``), checks the map
+(the DeepSpeed version among :data:`SUPPORTED_DEEPSPEED`, fragments that tile each parameter in rank
+order) and builds the inner optimizer, of the wrapped one's class and settings, over one view per
+fragment into the flat tensors:
 
 - every rank holds a fragment of every parameter, empty where another rank holds all of it, so
   that every rank's records are the same, in the same order, as under FSDP2 (``optim.sharding``);
@@ -36,6 +37,21 @@ at stage 3) steps the fragments of the flat tensors in its groups, from views of
 DeepSpeed set on them; the groups' hyperparameters (an LR scheduler's ``lr``) are read at each call.
 ``state_bytes()`` is this rank's state, equal to the storage allocated.
 
+Handed as it is: a blockwise optimizer given to ``deepspeed.initialize`` itself, as torch's optimizers
+are, becomes the client (:func:`become_client`). ZeRO rewrites its param groups in place to hold the flat
+partitions (stages 1/2) or nothing but the sub-group being stepped (stage 3); the optimizer's first call
+that finds tensors there it holds no record of (DeepSpeed's first ``step()``, ``load_state_dict`` of
+``load_checkpoint``, the user's ``state_bytes()`` or ``set_formats()``) builds, locally, the client
+:func:`zero_client` would have built of it, from its records and its own group dicts, and forwards that
+call and every later one to it: the step, ``zero_grad``, the state dicts, ``state_bytes``, ``formats``,
+``set_formats``, ``param_state``, ``named_params``, ``to_adamw_state_dict``. The two paths train the
+same weights and states bit for bit, and their checkpoints load into each other; ``zero_client(opt)``
+returns the client ``opt`` became (its :attr:`ZeroClient.inner`, :meth:`ZeroClient.bind`,
+:meth:`ZeroClient.load_adamw_state_dict`). An optimizer that stepped before ``deepspeed.initialize``
+(its state lies in the whole parameters) or releases its gradients is refused at that first call, the
+message naming the way that works. At ZeRO stage 0 DeepSpeed leaves the groups as they are and the
+optimizer steps the parameters itself, as the client's stage-0 map would.
+
 Checkpoints: DeepSpeed's ``save_checkpoint`` stores each rank's ``state_dict()`` in its own file; it
 holds the compact states (int8 stays int8) with the fragment map it was saved under, and
 ``load_state_dict`` (called by ``load_checkpoint``) takes it back at the same world size and ZeRO
@@ -57,7 +73,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from lightning_baoc.formats import Canonical
+from lightning_baoc.formats import Canonical, check_format_name
 from lightning_baoc.formats.base import ShardShape
 from lightning_baoc.formats.quant import SUPER
 from lightning_baoc.optim.checkpoint import CheckpointError
@@ -315,12 +331,67 @@ def _fragment_class(cls: type) -> type:
 _SETTINGS = ("min_8bit_numel", "skip_nonfinite", "seed", "chunk_size", "kernels", "atomic_step")
 
 
+def _check_wrappable(optimizer: Any, handed: bool) -> None:
+    """Refuse an optimizer no client can be built from: not a blockwise one, holding state already, or
+    stepping its parameters in backward (``handed``: given to ``deepspeed.initialize`` itself, not to
+    :func:`zero_client`; the messages name the way that works)."""
+    if not isinstance(optimizer, BlockwiseOptimizer):
+        raise TypeError(f"zero_client wraps a BlockwiseAdamW, BlockwiseSGD or BlockwiseLion, got "
+                        f"{type(optimizer).__name__}; build one with BlockwiseAdamW.from_optimizer(...)")
+    if optimizer.state:
+        if handed:
+            raise RuntimeError(
+                f"the {optimizer.label} handed to deepspeed.initialize stepped before it: its state lies in the whole "
+                f"parameters, which ZeRO has partitioned since. Hand DeepSpeed an optimizer without state, e.g. "
+                f"zero_client({optimizer.label}(...)) built before the first step; to carry this state over, save "
+                f"this one's to_adamw_state_dict() before deepspeed.initialize and load it after into the new one's "
+                f"client: zero_client(new).load_adamw_state_dict(saved)")
+        raise ValueError(f"the {optimizer.label} passed to zero_client holds state already; wrap it before its first "
+                         f"step (DeepSpeed's partitions are made at deepspeed.initialize)")
+    if optimizer.releases_gradients:
+        raise ValueError(
+            f"the {optimizer.label} {'handed to deepspeed.initialize' if handed else 'passed to zero_client'} releases "
+            f"its gradients (each parameter stepped in backward); under ZeRO DeepSpeed steps its partitions after "
+            f"reducing the gradients: call release_gradients(False) before deepspeed.initialize")
+
+
+def become_client(optimizer: BlockwiseOptimizer, groups: list[dict[str, Any]]) -> ZeroClient | None:
+    """The :class:`ZeroClient` that ``optimizer``, handed to ``deepspeed.initialize`` itself (without
+    :func:`zero_client`), becomes: the one :func:`zero_client` would have made of it, over the group dicts
+    DeepSpeed holds. Called by the optimizer at the first call that finds its param groups rewritten (a
+    local step: the client binds to the partitions at its first step or state dict, on every rank alike).
+
+    Args:
+        optimizer: the blockwise optimizer DeepSpeed holds.
+        groups: its group dicts as it built them (ZeRO puts a one-group list in place of its list
+            around each group's step; the client needs every group).
+
+    Returns:
+        the client, or ``None`` where the parameters carry no ZeRO partitioning or the groups are not the
+        optimizer's own (edited otherwise, or another optimizer's assigned to it): the optimizer then
+        answers as itself, and its own checks speak.
+
+    Raises:
+        RuntimeError: the optimizer stepped before ``deepspeed.initialize`` (naming :func:`zero_client`).
+        ValueError: it releases its gradients.
+    """
+    params = optimizer._records  # noqa: SLF001  (the parameters, whatever ZeRO left in the groups)
+    if not any(getattr(p, "_z3_optimizer", None) is not None or hasattr(p, "_hp_mapping") for p in params):
+        return None
+    own = {id(g) for g in groups}
+    if not all(id(g) in own for g in optimizer.param_groups):
+        return None
+    _check_wrappable(optimizer, handed=True)
+    return ZeroClient(optimizer, groups)
+
+
 class ZeroClient(torch.optim.Optimizer):
     """A blockwise optimizer as DeepSpeed's client optimizer (ZeRO stages 0-3): state per fragment of
     DeepSpeed's flat partitions, each in its parameter's format (see the module).
 
     Built by :func:`zero_client` from a :class:`~lightning_baoc.optim.BlockwiseOptimizer` over the
-    model's parameters, before ``deepspeed.initialize``. Its param groups are DeepSpeed's to rewrite;
+    model's parameters, before ``deepspeed.initialize``, or by the optimizer itself where it was handed to
+    ``deepspeed.initialize`` as it is (:func:`become_client`). Its param groups are DeepSpeed's to rewrite;
     the optimizer doing the work, :attr:`inner`, is built at the first ``step()``, ``state_dict()``,
     ``load_state_dict()`` or :meth:`bind` after DeepSpeed's set-up. The inner optimizer's formats,
     accounting and conversions are those of the wrapped class: :meth:`set_formats`,
@@ -328,27 +399,38 @@ class ZeroClient(torch.optim.Optimizer):
 
     Args:
         optimizer: a BlockwiseAdamW, BlockwiseSGD or BlockwiseLion without state yet.
+        handed: the group dicts of ``optimizer`` where DeepSpeed holds ``optimizer`` itself and rewrote
+            them (:func:`become_client`): the client's groups are those, stepped as DeepSpeed hands them to
+            ``optimizer`` (default: ``None``, the client's own copies, handed to DeepSpeed in its place).
 
     Example:
         >>> opt = zero_client(BlockwiseAdamW(model.parameters(), state_format="int8", param_names=model))  # doctest: +SKIP
         >>> engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)  # doctest: +SKIP
     """
 
-    def __init__(self, optimizer: BlockwiseOptimizer) -> None:
-        if not isinstance(optimizer, BlockwiseOptimizer):
-            raise TypeError(f"zero_client wraps a BlockwiseAdamW, BlockwiseSGD or BlockwiseLion, got "
-                            f"{type(optimizer).__name__}; build one with BlockwiseAdamW.from_optimizer(...)")
-        if optimizer.state:
-            raise ValueError(f"the {optimizer.label} passed to zero_client holds state already; wrap it before its first "
-                             f"step (DeepSpeed's partitions are made at deepspeed.initialize)")
+    def __init__(self, optimizer: BlockwiseOptimizer, handed: list[dict[str, Any]] | None = None) -> None:
+        if handed is None:
+            _check_wrappable(optimizer, handed=False)
+        source = optimizer.param_groups if handed is None else handed
         self._wrapped_class = type(optimizer)
         self._settings = {k: getattr(optimizer, k) for k in _SETTINGS}
-        self._lp_groups = [list(g["params"]) for g in optimizer.param_groups]
-        self._names = [[optimizer.param_name(p) for p in g] for g in self._lp_groups]
-        self._requests = {optimizer.param_name(p): optimizer._records[p].requested  # noqa: SLF001
-                          for g in self._lp_groups for p in g if optimizer._records[p].requested}  # noqa: SLF001
-        groups = [{k: v for k, v in g.items() if k != "param_names"} for g in optimizer.param_groups]
+        # the parameters by group from the records (the groups themselves hold DeepSpeed's partitions once it
+        # rewrote them): in the groups' order, the order add_param_group recorded them in
+        records = optimizer._records  # noqa: SLF001
+        self._lp_groups: list[list[Tensor]] = [[] for _ in source]
+        for p, rec in records.items():
+            self._lp_groups[rec.group].append(p)
+        self._names = [[records[p].name for p in g] for g in self._lp_groups]
+        self._requests = {records[p].name: records[p].requested for g in self._lp_groups for p in g
+                          if records[p].requested}
+        groups = [{k: v for k, v in g.items() if k not in ("params", "param_names")} | {"params": params}
+                  for g, params in zip(source, self._lp_groups)]
         super().__init__(groups, dict(optimizer.defaults))
+        # the optimizer whose groups DeepSpeed rewrites and steps (ZeRO 1/2 put a one-group list in its
+        # param_groups around each group's step): None, this one; or the optimizer handed to it itself
+        self._host: torch.optim.Optimizer | None = None
+        if handed is not None:
+            self.param_groups, self._host = handed, optimizer
         self._outer = list(self.param_groups)  # the group dicts, which DeepSpeed keeps while it swaps lists
         self.inner: BlockwiseOptimizer | None = None
         self.fragment_map: FragmentMap | None = None
@@ -454,7 +536,7 @@ class ZeroClient(torch.optim.Optimizer):
         fmap = self.fragment_map
         flat_index = {id(t): j for j, t in enumerate(fmap.flats)}
         stepped: list[int] = []
-        for group in self.param_groups:
+        for group in (self if self._host is None else self._host).param_groups:  # as DeepSpeed set them now
             g = next((k for k, outer in enumerate(self._outer) if outer is group), None)
             if g is None:
                 raise RuntimeError("DeepSpeed stepped a param group the client did not hand it; the client's groups "
@@ -512,7 +594,8 @@ class ZeroClient(torch.optim.Optimizer):
     def _bound(self) -> BlockwiseOptimizer:
         if self.inner is None:
             raise RuntimeError("the ZeroClient is not bound to DeepSpeed's partitions yet: call it after "
-                               "deepspeed.initialize (its first step, or client.bind() on every rank)")
+                               "deepspeed.initialize and its first step, or bind it first on every rank: client.bind() "
+                               "(zero_client(optimizer).bind() for an optimizer handed to deepspeed.initialize itself)")
         return self.inner
 
     def state_bytes(self, by_group: bool = False) -> int | list[int]:
@@ -529,6 +612,7 @@ class ZeroClient(torch.optim.Optimizer):
         formats: a conversion of a split parameter into an 8-bit or factored format is a collective)."""
         if self.inner is None:
             for key, fmt in formats.items():  # before set-up: kept as requests, like the wrapped optimizer's
+                check_format_name(fmt, f"format of {key!r}", self._wrapped_class.format_registry)
                 for name in self._resolve_early(key, blocks):
                     self._requests[name] = fmt
             return {}
@@ -670,7 +754,8 @@ def _copy_hyper(source: Mapping[str, Any], target: dict[str, Any]) -> None:
 
 def zero_client(optimizer: BlockwiseOptimizer) -> ZeroClient:
     """``optimizer`` (a blockwise optimizer over the model's parameters, without state yet) as the
-    client optimizer of ``deepspeed.initialize`` under ZeRO stages 0-3 (:class:`ZeroClient`).
+    client optimizer of ``deepspeed.initialize`` under ZeRO stages 0-3 (:class:`ZeroClient`); of an
+    optimizer handed to ``deepspeed.initialize`` itself, the client it became (:func:`become_client`).
 
     DeepSpeed refuses a client optimizer under ZeRO unless its config sets
     ``"zero_allow_untested_optimizer": true`` (Lightning's ``DeepSpeedStrategy`` sets it), and with its
@@ -680,8 +765,11 @@ def zero_client(optimizer: BlockwiseOptimizer) -> ZeroClient:
         >>> opt = zero_client(BlockwiseAdamW(model.parameters(), state_format="int8", param_names=model))  # doctest: +SKIP
         >>> engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)  # doctest: +SKIP
     """
-    return optimizer if isinstance(optimizer, ZeroClient) else ZeroClient(optimizer)
+    if isinstance(optimizer, ZeroClient):
+        return optimizer
+    became = optimizer._zero_client() if isinstance(optimizer, BlockwiseOptimizer) else None  # noqa: SLF001
+    return became if became is not None else ZeroClient(optimizer)
 
 
-__all__ = ["SUPPORTED_DEEPSPEED", "Fragment", "FragmentMap", "ZeroClient", "check_deepspeed_version",
+__all__ = ["SUPPORTED_DEEPSPEED", "Fragment", "FragmentMap", "ZeroClient", "become_client", "check_deepspeed_version",
            "read_fragments", "zero_client"]

@@ -126,6 +126,9 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         self._build_parts()
         self._validate_group(defaults, "")
         super().__init__(params, defaults)
+        # the list of the group dicts (add_param_group appends to it): DeepSpeed's ZeRO steps one group at a time
+        # with a one-group list in its place, and the client this optimizer becomes under ZeRO needs them all
+        self._own_groups = self.param_groups
         devices = {p.device for g in self.param_groups for p in g["params"]}
         if any(d.type == "cpu" for d in devices):
             _kernels.use_compiled(self.kernels)  # builds or loads them now, says which step runs
@@ -231,11 +234,32 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
 
     @property
     def named_params(self) -> dict[str, Tensor]:
-        """Parameter name -> parameter, in the optimizer's order."""
+        """Parameter name -> parameter, in the optimizer's order (under ZeRO: this rank's fragments)."""
+        if (zero := self._zero_client()) is not None:
+            return zero.named_params
         return dict(self._names)
 
     def _param(self, name_or_param: str | Tensor) -> Tensor:
         return self._names[name_or_param] if isinstance(name_or_param, str) else name_or_param
+
+    # ------------------------------------------------------------------ handed to DeepSpeed
+
+    def _zero_client(self) -> Any:
+        """The :class:`~lightning_baoc.optim.deepspeed.ZeroClient` this optimizer answers through since
+        ``deepspeed.initialize(optimizer=self)`` partitioned it under ZeRO stage 1, 2 or 3, else ``None``.
+
+        ZeRO rewrites its client's param groups to hold flat fp32 partitions (stages 1/2) or, at stage 3,
+        nothing but the sub-group it steps: tensors this optimizer holds no record of. The first call that
+        finds them makes the client :func:`~lightning_baoc.optim.deepspeed.zero_client` would have made
+        (built locally, bound to the partitions at its first step or state dict, as that one is); the step,
+        state dicts, accounting and conversions go to it from then on. Checked in O(groups), not per parameter.
+        """
+        client = self.__dict__.get("_deepspeed_client")
+        if client is None and _holds_other_tensors(self.param_groups, self._records):
+            from lightning_baoc.optim.deepspeed import become_client  # imported only where DeepSpeed took it
+
+            client = self._deepspeed_client = become_client(self, self.__dict__.get("_own_groups", self.param_groups))
+        return client
 
     # ------------------------------------------------------------------ formats
 
@@ -263,6 +287,8 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
 
     def formats(self) -> dict[str, str]:
         """Parameter name -> effective format (held now, or on the first step for fresh ones)."""
+        if (zero := self._zero_client()) is not None:
+            return zero.formats()
         return {rec.name: rec.format or self.target_format(p) for p, rec in self._records.items()}
 
     def resolve_names(
@@ -324,6 +350,8 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         Example:
             >>> opt.set_formats({"encoder": "int8", "head": "bf16"})  # doctest: +SKIP
         """
+        if (zero := self._zero_client()) is not None:
+            return zero.set_formats(formats, blocks)
         if not isinstance(formats, Mapping):
             raise TypeError(f"formats must be a mapping name -> format, got {type(formats).__name__}")
         resolved = self.resolve_names(formats.keys(), blocks)
@@ -391,6 +419,8 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         Args:
             by_group: return a list with the bytes of each param group instead of the total.
         """
+        if (zero := self._zero_client()) is not None:
+            return zero.state_bytes(by_group)
         return self._bytes(host=False, by_group=by_group)
 
     def host_state_bytes(self, by_group: bool = False) -> int | list[int]:
@@ -435,9 +465,19 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         if fresh:
             self._convert(fresh)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients, as torch's ``zero_grad``; under ZeRO nothing (DeepSpeed owns its partitions'
+        gradients, as :meth:`ZeroClient.zero_grad <lightning_baoc.optim.deepspeed.ZeroClient.zero_grad>` says)."""
+        if (zero := self._zero_client()) is not None:
+            zero.zero_grad(set_to_none)
+            return
+        super().zero_grad(set_to_none)
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # noqa: D401 - torch's signature
         """Perform one optimization step (``closure`` re-evaluates the model, as in torch)."""
+        if (zero := self._zero_client()) is not None:  # DeepSpeed's ZeRO steps its partitions through the client
+            return zero.step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -490,6 +530,8 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         Of a sharded parameter (FSDP2): this rank's shard. A factored second moment of a shard
         expands over the whole parameter's row mean, summed over the shards: ``dense_v()`` is then a
         collective (call it on every rank)."""
+        if (zero := self._zero_client()) is not None:
+            return zero.param_state(name_or_param)
         return self._pools.decode(self._param(name_or_param))
 
     def state_slices(self, name_or_param: str | Tensor, shards: Any = None) -> StateSlices | None:
@@ -624,6 +666,9 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
     def _step_released(self, p: Tensor) -> None:
         """Step ``p`` alone, its gradient complete (the release hook): its format and correction first
         brought to their targets, as ``step()`` does for every parameter."""
+        if self._zero_client() is not None:  # (where DeepSpeed took it with release on, the call itself refuses it)
+            raise ValueError(f"{self.label} releases its gradients under DeepSpeed's ZeRO, which steps its partitions "
+                             f"after reducing the gradients: call release_gradients(False)")
         rec = self._records[p]
         target = self.target_format(p)
         if target != rec.format:
@@ -645,6 +690,8 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         loads whole: each rank's compact tensors as its row of a ``DTensor``.
         Hooks registered with torch's ``register_state_dict_pre_hook``/``post_hook`` run as in torch.
         """
+        if (zero := self._zero_client()) is not None:
+            return zero.state_dict()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state_dict = self._codec.state_dict(self.param_groups)
@@ -677,6 +724,9 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
             CheckpointError: the dict is damaged, invalid or of another model; the message names
                 the parameter and the key.
         """
+        if (zero := self._zero_client()) is not None:
+            zero.load_state_dict(state_dict)
+            return
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             state_dict = state_dict if result is None else result
@@ -714,8 +764,11 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         their own step count (documented loss: a plain AdamW resumes with a cold momentum there).
         Same as :func:`~lightning_baoc.export_adamw_state_dict` of :meth:`state_dict`. Over sharded
         parameters (FSDP2) it holds the whole moments, gathered from every rank: call it on every rank;
-        it loads into a run of any world size, one process included (each rank takes its rows).
+        it loads into a run of any world size, one process included (each rank takes its rows). Under ZeRO
+        (handed to ``deepspeed.initialize``) the same, from DeepSpeed's partitions.
         """
+        if (zero := self._zero_client()) is not None:
+            return zero.to_adamw_state_dict()
         return self._codec.to_adamw_state_dict(self.param_groups)
 
     def to_torch_state_dict(self) -> dict[str, Any]:
@@ -999,6 +1052,19 @@ def _repeated_names(params: Any) -> set[str]:
             if isinstance(name, str):
                 (repeated if name in seen else seen).add(name)
     return repeated
+
+
+def _holds_other_tensors(groups: list[dict[str, Any]], records: Mapping[Tensor, Record]) -> bool:
+    """Whether the param ``groups`` hold other tensors than the parameters of ``records``: what DeepSpeed's ZeRO
+    leaves in its client's groups (stages 1/2: one flat partition per group; stage 3: none, or the stepped
+    sub-group's). Each group's first tensor and the count, not every parameter: the step asks at every call."""
+    held = 0
+    for group in groups:
+        params = group["params"]
+        if params and params[0] not in records:
+            return True
+        held += len(params)
+    return held != len(records)
 
 
 # ---------------------------------------------------------------------------- public path

@@ -166,14 +166,16 @@ def _train(engine, batches: list[torch.Tensor]) -> None:
         engine.step()
 
 
-def _engine(stage: int, fmt: str):
+def _engine(stage: int, fmt: str, plain: bool = False):
+    """A DeepSpeed engine over a BlockwiseAdamW wrapped by ``zero_client``, or handed as it is (``plain``)."""
     import deepspeed
 
     from lightning_baoc import BlockwiseAdamW
     from lightning_baoc.optim.deepspeed import zero_client
 
     model = _model()
-    client = zero_client(BlockwiseAdamW(model.named_parameters(), lr=1e-2, state_format=fmt, min_8bit_numel=0))
+    opt = BlockwiseAdamW(model.named_parameters(), lr=1e-2, state_format=fmt, min_8bit_numel=0)
+    client = opt if plain else zero_client(opt)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client, config=_config(stage), dist_init_required=False)
     return engine, client
 
@@ -343,3 +345,161 @@ def _conversion_parity(rank: int, world: int, stage: int) -> None:
 @pytest.mark.parametrize("stage", [2, 3])
 def test_live_conversions_bit_equal_on_two_ranks(stage: int) -> None:
     on_gloo_ranks(_conversion_parity, 2, 2, stage)
+
+
+# ---------------------------------------------------------------------------- handed to deepspeed.initialize as it is
+
+
+def _blockwise(rule: str, model: torch.nn.Module):
+    """A blockwise optimizer of ``rule`` in int8 over two param groups (the weights decayed, the biases not):
+    ZeRO 1/2 step each group through a one-group list of it."""
+    from lightning_baoc import BlockwiseAdamW, BlockwiseLion, BlockwiseSGD
+
+    groups = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")]},
+              {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
+    kwargs = {"state_format": "int8", "min_8bit_numel": 0, "param_names": model}
+    if rule == "adamw":
+        return BlockwiseAdamW(groups, lr=1e-2, **kwargs)
+    if rule == "sgd":
+        return BlockwiseSGD(groups, lr=1e-2, momentum=0.9, weight_decay=1e-2, **kwargs)
+    return BlockwiseLion(groups, lr=1e-3, **kwargs)
+
+
+def _plain_parity(rank: int, world: int, cases: list[tuple[int, str]]) -> None:
+    """A blockwise optimizer handed to deepspeed.initialize as it is trains bit-equal to ``zero_client`` of
+    the same (weights, every state tensor, formats, state bytes), through a ``set_formats`` mid-run; it
+    becomes that client at its first use: ``zero_client(opt)`` is then the client it became."""
+    _deepspeed_env(rank, world)
+    import deepspeed
+
+    from lightning_baoc.optim.deepspeed import ZeroClient, zero_client
+
+    for stage, rule in cases:
+        wrapped_model, plain_model = _model(), _model()
+        wrapped, plain = zero_client(_blockwise(rule, wrapped_model)), _blockwise(rule, plain_model)
+        engines = [deepspeed.initialize(model=m, optimizer=o, config=_config(stage), dist_init_required=False)[0]
+                   for m, o in ((wrapped_model, wrapped), (plain_model, plain))]
+        assert engines[1].basic_optimizer is plain  # nothing in between: DeepSpeed holds the optimizer itself
+        for step, x in enumerate(_batches()):
+            if step == 2:  # a conversion of live state, split 8-bit groups in it on two ranks
+                plan = {"2": "bf16", "0.bias": "fp32"}
+                assert plain.set_formats(plan) == wrapped.set_formats(plan) != {}
+            for engine in engines:
+                _train(engine, [x])
+        got, want = _full_params(engines[1], stage), _full_params(engines[0], stage)
+        for name in want:
+            assert torch.equal(got[name], want[name]), f"{rule} stage {stage}: {name} differs from zero_client's"
+        became = zero_client(plain)
+        assert isinstance(became, ZeroClient) and became is not wrapped and zero_client(plain) is became
+        assert plain.formats() == wrapped.formats() and plain.formats()["2.weight"] == "bf16"
+        ours, theirs = became.inner.state_tensors(), wrapped.inner.state_tensors()
+        assert len(ours) == len(theirs) > 0
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(ours, theirs))
+        assert plain.state_bytes() == wrapped.state_bytes() == _storage_bytes(became.inner) > 0
+        assert plain.state_bytes(by_group=True) == wrapped.state_bytes(by_group=True)
+        for name in ("0.weight", "2.bias"):  # this rank's fragment of the momentum (empty where it holds none)
+            a, b = plain.param_state(name).exp_avg, wrapped.param_state(name).exp_avg
+            assert torch.equal(a, b), f"{rule} stage {stage}: {name}'s momentum"
+        assert plain.state_dict()["baoc_deepspeed"]["map"] == wrapped.state_dict()["baoc_deepspeed"]["map"]
+
+
+@needs_gloo
+def test_an_optimizer_handed_to_deepspeed_as_it_is_equals_zero_client_on_two_ranks() -> None:
+    """ZeRO-2 (DeepSpeed steps each of the two groups through a one-group list; a partition cuts 0.weight
+    inside an 8-bit group), BlockwiseAdamW in int8; ZeRO-3 in the checkpoint test and the slow ones."""
+    on_gloo_ranks(_plain_parity, 2, 2, [(2, "adamw")])
+
+
+@pytest.mark.slow
+@needs_gloo
+@pytest.mark.parametrize("world", [1, 2])
+def test_every_stage_and_rule_handed_as_it_is_equals_zero_client(world: int) -> None:
+    on_gloo_ranks(_plain_parity, world, world,
+                  [(1, "adamw"), (2, "adamw"), (3, "adamw"), (2, "sgd"), (3, "sgd"), (1, "lion"), (3, "lion")])
+
+
+def _plain_resume(rank: int, world: int, stage: int, directory: str) -> None:
+    """Saved through DeepSpeed from an optimizer handed as it is, loaded by a fresh one and by a
+    ``zero_client`` (before their first step): the same 2 steps after it are bit-equal, int8 kept int8."""
+    _deepspeed_env(rank, world)
+    from lightning_baoc.optim.deepspeed import zero_client
+
+    batches = _batches()
+    engine, opt = _engine(stage, "int8", plain=True)
+    _train(engine, batches[:2])
+    engine.save_checkpoint(directory, tag="plain")
+    _train(engine, batches[2:])
+    want, want_states = _full_params(engine, stage), [t.clone() for t in zero_client(opt).inner.state_tensors()]
+    for plain in (True, False):
+        engine, opt = _engine(stage, "int8", plain=plain)
+        engine.load_checkpoint(directory, tag="plain")
+        assert set(opt.formats().values()) == {"int8"}
+        _train(engine, batches[2:])
+        got, states = _full_params(engine, stage), zero_client(opt).inner.state_tensors()
+        for name in want:
+            assert torch.equal(got[name], want[name]), f"stage {stage} (plain={plain}): {name} differs after resume"
+        assert len(states) == len(want_states)
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(states, want_states))
+
+
+@needs_gloo
+def test_checkpoints_of_an_optimizer_handed_as_it_is_resume_bit_equal(tmp_path) -> None:
+    on_gloo_ranks(_plain_resume, 1, 1, 3, str(tmp_path))
+
+
+@pytest.mark.slow
+@needs_gloo
+@pytest.mark.parametrize("stage", [1, 2])
+def test_checkpoints_handed_as_it_is_at_other_stages(tmp_path, stage: int) -> None:
+    on_gloo_ranks(_plain_resume, 1, 1, stage, str(tmp_path))
+
+
+def _refused_when_handed(rank: int, world: int) -> None:
+    """What cannot become the client is refused at its first use, naming the fix: an optimizer that
+    stepped before deepspeed.initialize, one releasing its gradients."""
+    _deepspeed_env(rank, world)
+    import deepspeed
+
+    from lightning_baoc import BlockwiseAdamW
+
+    x = _batches()[0]
+    model = _model()
+    opt = BlockwiseAdamW(model.named_parameters(), lr=1e-2)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=_config(2), dist_init_required=False)
+    engine.backward(engine(x).square().mean())
+    with pytest.raises(RuntimeError, match=r"stepped before it.*zero_client\(BlockwiseAdamW\(\.\.\.\)\)"):
+        engine.step()
+    with pytest.raises(RuntimeError, match="stepped before it"):
+        opt.state_bytes()
+
+    model = _model()
+    opt = BlockwiseAdamW(model.named_parameters(), lr=1e-2)
+    opt.release_gradients()
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=_config(2), dist_init_required=False)
+    with pytest.raises(ValueError, match=r"release_gradients\(False\)"):
+        engine.backward(engine(x).square().mean())
+
+
+@needs_gloo
+def test_what_cannot_become_the_client_is_refused_naming_the_fix() -> None:
+    on_gloo_ranks(_refused_when_handed, 1, 1)
+
+
+def test_an_optimizer_not_handed_to_deepspeed_answers_as_itself() -> None:
+    """Param groups edited without DeepSpeed (no ZeRO partitioning on the parameters) are no client's: the
+    optimizer's own checks speak, as before."""
+    from lightning_baoc import BlockwiseAdamW
+    from lightning_baoc.optim.deepspeed import ZeroClient, zero_client
+
+    model = _model()
+    opt = BlockwiseAdamW(model[0].named_parameters())
+    opt.param_groups[0]["params"].append(model[2].weight)
+    assert opt.state_bytes() == 0 and list(opt.formats()) == ["weight", "bias"]
+    released = BlockwiseAdamW(model.named_parameters())
+    released.release_gradients()
+    with pytest.raises(ValueError, match=r"release_gradients\(False\)"):
+        zero_client(released)
+    assert isinstance(zero_client(BlockwiseAdamW(model.named_parameters())), ZeroClient)
