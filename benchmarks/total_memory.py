@@ -140,7 +140,8 @@ def child(run: str, workload: Workload) -> dict[str, Any]:
     if run.startswith("BAOC"):
         formats = list(optimizer.formats().values())
         out["allocation"] = {f: formats.count(f) for f in sorted(set(formats))}
-        out["phase"], out["budget"] = controller.phase, controller.memory_budget_bytes()
+        summary = controller.summary()  # the figures BAOC.summary() gives a Lightning run
+        out["phase"], out["budget"] = summary.phase, summary.memory_budget_bytes
     return out
 
 

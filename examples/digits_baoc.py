@@ -53,9 +53,9 @@ def main() -> None:
         max_epochs=args.epochs, accelerator="cpu", callbacks=[baoc], default_root_dir="lightning_logs/digits_baoc"
     )
     trainer.fit(model, train, test)
-    opt = trainer.optimizers[0]
-    fp32 = 8 * sum(p.numel() for p in model.parameters())
-    print(f"optimizer state: {opt.state_bytes()} bytes = {opt.state_bytes() / fp32:.3f} of fp32 AdamW's {fp32}")
+    s = baoc.summary()  # the run's figures: state bytes, AdamW's, the fraction, formats, corrections, peaks
+    print(f"optimizer state: {s.state_bytes:,} bytes = {s.state_fraction:.3f} of AdamW's {s.baseline_state_bytes:,}; "
+          f"formats {s.formats}")
 
 
 if __name__ == "__main__":

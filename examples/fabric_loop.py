@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             val = nn.functional.cross_entropy(model(xte), yte).item()
         fabric.call("on_validation_end", value=val)  # plateau trigger
         fabric.call("on_train_epoch_end", epoch=epoch)  # every-N-epochs trigger
-        fabric.print(f"epoch {epoch}: val loss {val:.4f}, lr {scheduler.get_last_lr()[0]:.2e}, {strategy.controller.summary()}")
+        s = strategy.summary()  # the run's figures: state bytes against AdamW's, formats, corrections, peaks
+        fabric.print(f"epoch {epoch}: val loss {val:.4f}, lr {scheduler.get_last_lr()[0]:.2e}, phase {s.phase}, "
+                     f"optimizer state {s.state_fraction:.3f} of AdamW's")
 
     ckpt = out / "checkpoint.pt"
     fabric.save(ckpt, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "baoc": strategy.controller})
@@ -111,13 +113,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     model2, optimizer2, scheduler2 = build(lr=3e-3, total_steps=total)
     model2, optimizer2, scheduler2 = fabric2.setup(model2, optimizer2, scheduler=scheduler2)
     fabric2.load(ckpt, {"model": model2, "optimizer": optimizer2, "scheduler": scheduler2, "baoc": strategy2.controller})
-    same = optimizer2.formats() == optimizer.formats() and optimizer2.state_bytes() == optimizer.state_bytes()
-    fp32 = strategy.controller.fp32_state_bytes()
+    s, resumed = strategy.summary(), strategy2.summary()
+    same = resumed.formats == s.formats and resumed.state_bytes == s.state_bytes
     fabric.print(
-        f"optimizer state {optimizer.state_bytes():,} of {fp32:,} fp32 bytes ({optimizer.state_bytes() / fp32:.3f}); "
+        f"optimizer state {s.state_bytes:,} of AdamW's {s.baseline_state_bytes:,} bytes ({s.state_fraction:.3f}); "
         f"final val loss {val:.4f}; resumed in the same formats: {same}; reports in {out}"
     )
-    return {"val_loss": val, "state_bytes": float(optimizer.state_bytes()), "fp32_state_bytes": float(fp32), "resumed_same": float(same)}
+    return {"val_loss": val, "state_bytes": float(s.state_bytes), "baseline_state_bytes": float(s.baseline_state_bytes),
+            "resumed_same": float(same)}
 
 
 if __name__ == "__main__":

@@ -15,13 +15,25 @@ Hydra composes ``configs/<name>.yaml`` with command-line overrides (the same dot
 
 Hydra's own output (logs, the composed config) goes to ``lightning_logs/hydra/`` unless
 ``hydra.run.dir`` / ``hydra.sweep.dir`` are given.
+
+A typo in an override, with Hydra's ``+`` or without, stops the script before Hydra composes anything,
+with one line that names the key, the key meant and the override to write (``+`` only where the
+template lacks the key), and exit code 2 (:func:`check_overrides`)::
+
+    hydra_baoc.py: error: override 'baoc.memory_budgett=0.25': baoc.memory_budgett: unknown key (did you mean baoc.memory_budget?); write baoc.memory_budget=0.25
+
+Without it, Hydra answers ``baoc.memory_budgett=0.25`` with its advice to append the key
+(``+baoc.memory_budgett=0.25``), and that typo then reaches the config. A bad value (or anything else
+the loader refuses in the composed config) is reported the same way, naming its override, without a
+traceback. Each log line prints once (:func:`lightning_logs_once`).
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # `workloads` by class path
@@ -38,15 +50,79 @@ MISSING_HYDRA = (
 )
 
 
-def train(cfg: Any) -> dict[str, float]:
-    """Validate a composed config, build BAOC, the model and the data, train; return the metrics."""
+CONFIGS = HERE.parent / "configs"
+
+
+def stop(error: Exception) -> NoReturn:
+    """Exit on bad input (code 2) with ``error``'s lines after the script's name, and no traceback."""
+    prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "hydra_baoc.py"
+    print(f"{prog}: error: {error}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def check_overrides(args: Sequence[str]) -> None:
+    """Stop (:func:`stop`) on any unknown key among the command line's overrides, before Hydra composes.
+
+    Hydra's own parser reads the command line (as :func:`hydra.main` will), the template it names is
+    read for its keys, and :func:`lightning_baoc.config.files.override_errors` checks every override's
+    key: the key meant, and the override to write, with Hydra's ``+`` exactly when the template lacks
+    that key. Values are checked once composed (:func:`train`), since a sweep is no value yet.
+    """
+    from hydra._internal.utils import get_args_parser  # the parser hydra.main itself uses
+    from omegaconf import OmegaConf
+
+    from lightning_baoc.config.files import ConfigError, override_errors
+
+    parsed = get_args_parser().parse_args(list(args))
+    if parsed.help or parsed.hydra_help or parsed.shell_completion or parsed.experimental_rerun:
+        return
+    folder = Path(parsed.config_path) if parsed.config_path else CONFIGS
+    if not folder.is_absolute():
+        folder = HERE / folder  # as hydra.main reads it: relative to this file
+    try:
+        primary: Any = OmegaConf.to_container(OmegaConf.load(folder / f"{parsed.config_name or 'vision'}.yaml"))
+    except Exception:  # noqa: BLE001 - a missing or broken template: Hydra says so; the overrides are kept as written
+        primary = None
+    errors = override_errors(parsed.overrides, primary)
+    if errors:
+        stop(ConfigError.of(errors, "the overrides"))
+
+
+def lightning_logs_once() -> None:
+    """Leave Lightning's lines to the handlers Hydra configured, so that each prints once.
+
+    The ``lightning`` package gives its logger a console handler of its own (``lightning.pytorch`` and
+    ``lightning.fabric`` do too when they are imported before logging is configured) and lets records
+    propagate to the root logger, where Hydra's handlers print them again (and write them to the run's
+    log file). Under Hydra those handlers are dropped. BAOC's own lines need nothing: its logger writes
+    only where nothing else would (:mod:`lightning_baoc.integrations.logs`).
+    """
+    import logging
+
+    import lightning  # noqa: F401 - its handlers are added at import
+
+    if not logging.getLogger().handlers:  # logging not configured (hydra/job_logging=none): keep Lightning's
+        return
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        for handler in [h for h in logger.handlers if type(h) is logging.StreamHandler]:
+            logger.removeHandler(handler)
+        logger.propagate = True
+
+
+def train(cfg: Any, overrides: Sequence[str] = ()) -> dict[str, float]:
+    """Validate a composed config, build BAOC, the model and the data, train; return the metrics.
+
+    ``overrides``: the ones Hydra applied (``HydraConfig.get().overrides.task``), named by the errors
+    of the keys they set.
+    """
     import lightning as L
 
     from lightning_baoc import BAOC
     from lightning_baoc.config.files import parse_config
     from lightning_baoc.tools.check import build_component
 
-    config = parse_config(cfg, source="the Hydra config")
+    config = parse_config(cfg, source="the Hydra config", overrides=overrides)
     if config.model is None or config.data is None:
         raise SystemExit("the config needs model and data sections (class_path, init_args) to train")
     if config.seed_everything is not None:
@@ -57,11 +133,25 @@ def train(cfg: Any) -> dict[str, float]:
     trainer = L.Trainer(**config.trainer, callbacks=[baoc])
     trainer.fit(module, data)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    state = trainer.optimizers[0].state_bytes()
-    fp32 = 8 * sum(p.numel() for p in module.parameters() if p.requires_grad)
+    s = baoc.summary()
     print(f"{config.model.class_path}: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items())))
-    print(f"optimizer state: {state:,} bytes ({state / fp32:.3f} of fp32 AdamW's {fp32:,}); allocation: {baoc.allocation}")
+    print(f"optimizer state: {s.state_bytes:,} bytes ({s.state_fraction:.3f} of AdamW's {s.baseline_state_bytes:,}); "
+          f"allocation: {baoc.allocation}")
     return metrics
+
+
+def task(cfg: Any) -> dict[str, float]:
+    """The Hydra task: :func:`train` with Hydra's overrides named in errors, one line per log event,
+    and a config error as one line (:func:`stop`) rather than Hydra's report of an exception."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from lightning_baoc.config.files import ConfigError
+
+    lightning_logs_once()
+    try:
+        return train(cfg, overrides=HydraConfig.get().overrides.task)
+    except ConfigError as err:
+        stop(err)
 
 
 def main() -> None:
@@ -70,9 +160,10 @@ def main() -> None:
         print(MISSING_HYDRA, file=sys.stderr)
         raise SystemExit(2)
     args = sys.argv[1:]
+    check_overrides(args)
     if not any(a.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for a in args):
         sys.argv += ["hydra.run.dir=lightning_logs/hydra/${now:%Y-%m-%d_%H-%M-%S}", "hydra.sweep.dir=lightning_logs/hydra/multirun"]
-    entry = hydra.main(version_base=None, config_path=str(HERE.parent / "configs"), config_name="vision")(train)
+    entry = hydra.main(version_base=None, config_path=str(CONFIGS), config_name="vision")(task)
     entry()
 
 

@@ -44,6 +44,7 @@ def run_example(name: str, args: Any, keep: dict[str, Any] | None = None) -> dic
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     callbacks: list[L.Callback] = []
+    baoc: Any = None
     if args.baoc_budget is not None:
         try:
             from lightning_baoc import BAOC
@@ -53,7 +54,8 @@ def run_example(name: str, args: Any, keep: dict[str, Any] | None = None) -> dic
                 "Run without --baoc-budget, or install a lightning_baoc version with the BAOC callback."
             ) from err
         warmup = args.baoc_warmup if args.baoc_warmup is not None else max(20, min(200, args.steps // 5))
-        callbacks.append(BAOC(memory_budget=args.baoc_budget, warmup_steps=warmup))
+        baoc = BAOC(memory_budget=args.baoc_budget, warmup_steps=warmup)
+        callbacks.append(baoc)
     module, data = build(name, args.recipe, args.steps, args.seed, args.data_dir, args.lr)
     print(f"{name}: {module.num_parameters():,} parameters, recipe {args.recipe} ({module.recipe})")
     trainer = L.Trainer(
@@ -72,14 +74,16 @@ def run_example(name: str, args: Any, keep: dict[str, Any] | None = None) -> dic
     if keep is not None:
         keep.update(module=module, trainer=trainer)
     metrics = {k: float(v) for k, v in trainer.validate(module, data, verbose=False)[0].items()}
-    opt = trainer.optimizers[0]
-    state = opt.state_bytes() if hasattr(opt, "state_bytes") else None
-    fp32 = 8 * module.num_parameters()
     print(f"{name} after {trainer.global_step} steps: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items())))
-    if state is not None:
-        print(f"optimizer state: {state:,} bytes ({state / fp32:.3f} of fp32 AdamW's {fp32:,})")
+    if baoc is not None:  # BAOC's figures, from its documented summary
+        s = baoc.summary()
+        print(f"optimizer state: {s.state_bytes:,} bytes ({s.state_fraction:.3f} of AdamW's {s.baseline_state_bytes:,})")
     else:
-        print(f"optimizer: {type(opt).__name__} (fp32 AdamW state: {fp32:,} bytes)")
+        opt, fp32 = trainer.optimizers[0], 8 * module.num_parameters()
+        if hasattr(opt, "state_bytes"):  # a blockwise optimizer of the recipe's own
+            print(f"optimizer state: {opt.state_bytes():,} bytes ({opt.state_bytes() / fp32:.3f} of fp32 AdamW's {fp32:,})")
+        else:
+            print(f"optimizer: {type(opt).__name__} (fp32 AdamW state: {fp32:,} bytes)")
     return metrics
 
 

@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "BAOC": "lightning_baoc.integrations.callback",
     "BAOCStrategy": "lightning_baoc.integrations.fabric",
     "GradientRelease": "lightning_baoc.integrations.release",
+    "BAOCSummary": "lightning_baoc.report.summary",
     "training_memory": "lightning_baoc.costs.memory",
     "TrainingMemory": "lightning_baoc.costs.memory",
     "BAOCSection": "lightning_baoc.config.files",
@@ -69,7 +70,7 @@ if TYPE_CHECKING:  # what type checkers and documentation tools see
     from lightning_baoc.integrations.callback import BAOC  # noqa: F401
     from lightning_baoc.integrations.fabric import BAOCStrategy  # noqa: F401
     from lightning_baoc.integrations.release import GradientRelease  # noqa: F401
-    from lightning_baoc.optim import (  # noqa: F401  # noqa: F401
+    from lightning_baoc.optim import (  # noqa: F401
         BlockwiseAdamW,
         BlockwiseLion,
         BlockwiseSGD,
@@ -78,6 +79,7 @@ if TYPE_CHECKING:  # what type checkers and documentation tools see
         load_checkpoint,
         saved_formats,
     )
+    from lightning_baoc.report.summary import BAOCSummary  # noqa: F401
     from lightning_baoc.sampling import GradientSampler  # noqa: F401
     from lightning_baoc.sampling.blocks import partition  # noqa: F401
     from lightning_baoc.solver import Allocation, BudgetInfeasibleError, select_boundaries, solve  # noqa: F401

@@ -5,6 +5,7 @@ new one (``check``, ...) is one function pair and one entry.
 
 Example:
     python -m lightning_baoc plan --preset llama-7b --budget 0.35 --budget 0.25
+    lightning-baoc plan --preset llama-7b --budget 0.3 --json - | jq '.allocations[0].formats'
     lightning-baoc plan --model mypkg.models:build --device cuda --budget 6GB --time-budget 1.10
     lightning-baoc plan --preset llama-7b --optimizer sgd --budget 0.3
     lightning-baoc check --config configs/vision.yaml baoc.memory_budget=0.25 --device cpu
@@ -105,7 +106,9 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hardware", choices=sorted(PROFILES), metavar="NAME",
                         help="predict the update phase of the offloaded states on this machine, host-only and "
                              f"interleaved, for the uniform offload row and every allocation that offloads ({', '.join(sorted(PROFILES))})")
-    parser.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
+    parser.add_argument("--json", metavar="FILE",
+                        help="also write the plan as JSON to FILE; '-': to standard output, alone there (the tables "
+                             "then go to standard error), e.g. lightning-baoc plan --json - | jq .allocations")
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -139,8 +142,13 @@ def _run_plan(args: argparse.Namespace) -> int:
         corrections=args.corrections,
         hardware=args.hardware,
     )
-    render(result, Console(width=max(Console().width, 120)))
-    if args.json:
+    to_stdout = args.json == "-"  # the JSON alone on stdout, for a pipe: the tables go to stderr
+    render(result, Console(file=sys.stderr if to_stdout else None, width=max(Console().width, 120)))
+    if to_stdout:
+        json.dump(result.to_dict(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    elif args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(result.to_dict(), fh, indent=2)
     failed = [a for a in result.allocations if a.error is not None]

@@ -35,7 +35,10 @@ Loading is strict and reports every error of a config at once: an unknown key an
 (the file, or the dotlist override that set it). A key of 0.1.0's nested section
 (``baoc.sampler.sample_every``, :data:`RETIRED_KEYS`) is an unknown key whose message names the key
 that replaced it. Overrides are OmegaConf dotlists (``baoc.memory_budget=0.25``); Hydra is not needed.
-:func:`lightning_cli_errors` runs the same checks on a LightningCLI config, before jsonargparse sees it.
+:func:`lightning_cli_errors` runs the same checks on a LightningCLI config, before jsonargparse sees it, and
+:func:`override_errors` on the keys of command-line overrides (Hydra's too), before anything composes them.
+An unknown key's message ends with what to write instead (:attr:`ConfigError.fix`): the override or
+argument corrected, or the key renamed.
 The committed ``configs/baoc.schema.json`` is regenerated with
 ``python -m lightning_baoc schema > configs/baoc.schema.json``.
 """
@@ -46,11 +49,13 @@ import dataclasses
 import functools
 import inspect
 import os
+import re
+import shlex
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Callable, Literal, Union
 
 from lightning_baoc.config.settings import (
     SETTING,
@@ -113,6 +118,9 @@ class ConfigError(ValueError):
             or ``"<dict>"``.
         setting: the setting of a ``baoc`` key (``"sample_every"``), else ``""``.
         suggestion: the key meant, for an unknown key with a close one (``"baoc.sample_every"``), else ``""``.
+        fix: what to write instead of an unknown key, the end of its message: the override or argument
+            corrected (``"write baoc.sample_every=5"``, ``"write --trainer.callbacks.warmup_steps=100"``), or
+            in a file or a mapping the key renamed (``"rename warmup to warmup_steps"``); else ``""``.
 
     Example:
         >>> try:
@@ -121,7 +129,7 @@ class ConfigError(ValueError):
         ...     print(err)
         ...     print([e.key for e in err.errors], err.errors[0].suggestion)
         2 errors in <dict>:
-          <dict>: baoc.warmup: unknown key (did you mean baoc.warmup_steps?)
+          <dict>: baoc.warmup: unknown key (did you mean baoc.warmup_steps?); rename warmup to warmup_steps
           <dict>: baoc.sample_every: invalid value 0; expected an int >= 1
         ['baoc.warmup', 'baoc.sample_every'] baoc.warmup_steps
     """
@@ -134,12 +142,14 @@ class ConfigError(ValueError):
         setting: str = "",
         suggestion: str = "",
         errors: Sequence[ConfigError] | None = None,
+        fix: str = "",
     ) -> None:
         super().__init__(message)
         self.key = key
         self.source = source
         self.setting = setting
         self.suggestion = suggestion
+        self.fix = fix
         self.errors: list[ConfigError] = list(errors) if errors else [self]
 
     @classmethod
@@ -151,7 +161,10 @@ class ConfigError(ValueError):
             return errors[0]
         first = errors[0]
         lines = "\n".join(f"  {e}" for e in errors)
-        return cls(f"{len(errors)} errors in {where}:\n{lines}", first.key, first.source, first.setting, first.suggestion, errors)
+        return cls(
+            f"{len(errors)} errors in {where}:\n{lines}", first.key, first.source, first.setting, first.suggestion, errors,
+            fix=first.fix,
+        )
 
 
 def _help(text: str, **more: Any) -> dict[str, Any]:
@@ -246,18 +259,79 @@ class Config:
 # ---------------------------------------------------------------------------- checking, every error
 
 
-class _Source:
-    """Names where a key's value came from: the file, or the dotlist override that set it."""
+#: An override or argument as written: its prefix (``--``, Hydra's ``+`` / ``++`` / ``~``), its dotted
+#: key, and the rest (``=value``, `` value`` or nothing).
+_WRITTEN = re.compile(r"([-+~]*)([^=\s]+)(.*)", re.S)
 
-    def __init__(self, name: str, labels: Mapping[str, str] | None = None) -> None:
+
+def _override_key(text: str) -> str:
+    """The dotted key of an override as written: ``'+baoc.sample_every=5'`` -> ``'baoc.sample_every'``."""
+    return text.split("=", 1)[0].strip().lstrip("+~")
+
+
+def _command_text(text: str) -> str:
+    """``text`` as typed in a shell: quoted where the shell would split or expand it."""
+    prefix, key, rest = _WRITTEN.fullmatch(text).groups()  # type: ignore[union-attr]
+    if rest[:1].isspace():  # "--key value": two words
+        return f"{shlex.quote(prefix + key)} {shlex.quote(rest.strip())}"
+    return shlex.quote(text)
+
+
+class _Source:
+    """Names where a key's value came from (the file, or the override or argument that set it), and
+    what to write instead of an unknown key.
+
+    Args:
+        name: the file, ``"<dict>"``, or the label of a command-line argument.
+        labels: dotted key -> ``"override 'k=v'"``, for the keys an override set.
+        texts: dotted key -> the override as written (``"+baoc.sampel_every=5"``).
+        argument: the command-line argument that is the whole source, as written.
+        present: Hydra's primary config: whether a dotted key is in it (an override of a key that is
+            not needs Hydra's ``+``, one of a key that is must not have it).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        labels: Mapping[str, str] | None = None,
+        texts: Mapping[str, str] | None = None,
+        argument: str | None = None,
+        present: Callable[[str], bool] | None = None,
+    ) -> None:
         self.name = name
-        self.labels = dict(labels or {})  # dotted key -> "override 'k=v'"
+        self.labels = dict(labels or {})
+        self.texts = dict(texts or {})
+        self.argument = argument
+        self.present = present
+
+    def _override(self, key: str) -> str | None:
+        for okey in reversed(list(self.labels)):  # the last override of a key set it
+            if key == okey or key.startswith(okey + ".") or okey.startswith(key + "."):
+                return okey
+        return None
 
     def of(self, key: str) -> str:
-        for okey, label in reversed(list(self.labels.items())):  # the last override of a key set it
-            if key == okey or key.startswith(okey + ".") or okey.startswith(key + "."):
-                return label
-        return self.name
+        okey = self._override(key)
+        return self.name if okey is None else self.labels[okey]
+
+    def fix(self, key: str, suggestion: str) -> str:
+        """What to write instead of the unknown ``key`` when ``suggestion`` is meant: the override or
+        argument that set it, corrected; else (a file, a mapping) the key renamed, when it stays where it is."""
+        okey = self._override(key)
+        written = self.texts.get(okey) if okey is not None else self.argument
+        if written is None:
+            (parent, _, old), (new_parent, _, new) = key.rpartition("."), suggestion.rpartition(".")
+            return f"rename {old} to {new}" if parent == new_parent and old != new else ""
+        match = _WRITTEN.fullmatch(written)
+        if match is None:
+            return ""
+        prefix, dotted, rest = match.groups()
+        if dotted != key and not dotted.startswith(key + "."):  # the key is inside the value: nothing to rewrite
+            return ""
+        corrected = suggestion + dotted[len(key):]
+        if self.present is not None and prefix in ("", "+"):  # Hydra: '+' adds a key, and only a new one
+            prefix = "" if self.present(corrected) else "+"
+        return f"write {_command_text(prefix + corrected + rest)}"
 
 
 def _suggest(old: str) -> tuple[str | None, bool]:
@@ -282,8 +356,11 @@ class _Errors:
         self.found: list[ConfigError] = []
 
     def add(self, key: str, message: str, setting: str = "", suggestion: str = "") -> None:
+        """One error of ``key``; with a ``suggestion``, its message ends with what to write instead."""
         where = self.source.of(key)
-        self.found.append(ConfigError(f"{where}: {key}: {message}", key, where, setting, suggestion))
+        fix = self.source.fix(key, suggestion) if suggestion else ""
+        text = f"{where}: {key}: {message}" + (f"; {fix}" if fix else "")
+        self.found.append(ConfigError(text, key, where, setting, suggestion, fix=fix))
 
     def unknown(self, key: str, known: Sequence[str], prefix: str, note: str = "", listed: bool = True) -> None:
         """``key`` (dotted, under ``prefix``) is none of ``known``: its closest one, else (``listed``) them all."""
@@ -417,22 +494,30 @@ def _parse(data: Any, source: _Source) -> Config:
     return config
 
 
-def parse_config(data: Mapping[str, Any] | Any, source: str = "<dict>") -> Config:
+def parse_config(data: Mapping[str, Any] | Any, source: str = "<dict>", overrides: Sequence[str] = ()) -> Config:
     """A validated :class:`Config` from a mapping (or an OmegaConf ``DictConfig``, e.g. Hydra's).
 
     Args:
         data: the whole config, with a ``baoc`` section.
         source: named in error messages (default: ``"<dict>"``).
+        overrides: the overrides already applied to ``data`` (Hydra's ``HydraConfig.get().overrides.task``),
+            as written: an error of a key one of them set names that override, and an unknown key the
+            override to write instead (default: none).
 
     Raises:
         ConfigError: every unknown key (with its closest known key), a missing
-            ``baoc.memory_budget``, every bad value; each names its key and ``source``.
+            ``baoc.memory_budget``, every bad value; each names its key and ``source`` (or its override).
 
     Example:
         >>> parse_config({"baoc": {"memory_budget": "35%", "sample_every": 5}}).baoc.sample_every
         5
+        >>> try:
+        ...     parse_config({"baoc": {"memory_budget": 0.3, "sampel_every": 5}}, "the Hydra config", ["+baoc.sampel_every=5"])
+        ... except ConfigError as err:
+        ...     print(err)
+        override '+baoc.sampel_every=5': baoc.sampel_every: unknown key (did you mean baoc.sample_every?); write +baoc.sample_every=5
     """
-    return _parse(plain(data), _Source(source))
+    return _parse(plain(data), _Source(source, *_override_labels(overrides)))
 
 
 def parse_section(data: Mapping[str, Any] | Any, source: str = "<dict>") -> BAOCSection:  # type: ignore[valid-type]
@@ -445,9 +530,27 @@ def parse_section(data: Mapping[str, Any] | Any, source: str = "<dict>") -> BAOC
     return _parse({"baoc": plain(data)}, _Source(source)).baoc
 
 
-def lightning_cli_errors(data: Mapping[str, Any] | Any, source: str = "<dict>") -> list[ConfigError]:
+def lightning_cli_errors(
+    data: Mapping[str, Any] | Any,
+    source: str = "<dict>",
+    *,
+    argument: str | None = None,
+    callback: str | None = None,
+) -> list[ConfigError]:
     """Every error of the BAOC settings and ``trainer`` keys of one LightningCLI input (a config file
     or an argument), before jsonargparse parses it; an empty list when there is none.
+
+    Args:
+        data: the input as a config: a file's content, or an argument as a one-key config
+            (``--baoc.sample_every=5``: ``{"baoc": {"sample_every": 5}}``).
+        source: named in every message: the file, or ``"argument '--k=v'"`` (default: ``"<dict>"``).
+        argument: the argument ``data`` came from, as written: an unknown key's message then ends with
+            the argument to write instead (``write --baoc.sample_every=5``); a file's with the key to
+            rename (default: ``None``, not an argument).
+        callback: the class path of the callback that jsonargparse's ``--trainer.callbacks.KEY`` (or
+            ``.init_args.KEY``) sets: the last one added before it. When it is BAOC, the argument's
+            ``{"trainer": {"callbacks": {KEY: value}}}`` is checked as BAOC's settings, named
+            ``trainer.callbacks.KEY`` as written (default: ``None``).
 
     Checked as :func:`load_config` checks them: the ``baoc`` section (``examples/cli.py``'s) and the
     ``init_args`` of every BAOC in ``trainer.callbacks`` (the same keys: BAOC's arguments), unknown keys
@@ -460,10 +563,15 @@ def lightning_cli_errors(data: Mapping[str, Any] | Any, source: str = "<dict>") 
 
     Example:
         >>> [str(e) for e in lightning_cli_errors({"trainer": {"max_step": 10}}, "my.yaml")]
-        ['my.yaml: trainer.max_step: unknown key (did you mean trainer.max_steps?): not an argument of lightning.Trainer']
+        ['my.yaml: trainer.max_step: unknown key (did you mean trainer.max_steps?): not an argument of lightning.Trainer; rename max_step to max_steps']
+        >>> arg = "--trainer.callbacks.warmup_stepz=100"
+        >>> [err] = lightning_cli_errors({"trainer": {"callbacks": {"warmup_stepz": 100}}}, f"argument {arg!r}",
+        ...                              argument=arg, callback="lightning_baoc.BAOC")
+        >>> print(err)
+        argument '--trainer.callbacks.warmup_stepz=100': trainer.callbacks.warmup_stepz: unknown key (did you mean trainer.callbacks.warmup_steps?); write --trainer.callbacks.warmup_steps=100
     """
     data = plain(data)
-    errors = _Errors(_Source(source))
+    errors = _Errors(_Source(source, argument=argument))
     if not isinstance(data, Mapping):
         return []
 
@@ -475,6 +583,12 @@ def lightning_cli_errors(data: Mapping[str, Any] | Any, source: str = "<dict>") 
             return
         _trainer(trainer, f"{dot}trainer", errors)
         callbacks = trainer.get("callbacks") if isinstance(trainer, Mapping) else None
+        if isinstance(callbacks, Mapping) and "class_path" not in callbacks:  # --trainer.callbacks.KEY=value
+            if callback in BAOC_CLASS_PATHS:
+                nested = set(callbacks) == {"init_args"}
+                _section(callbacks["init_args"] if nested else callbacks,
+                         f"{dot}trainer.callbacks" + (".init_args" if nested else ""), errors, whole=False)
+            return
         items = [callbacks] if isinstance(callbacks, Mapping) else callbacks if isinstance(callbacks, list) else []
         for i, item in enumerate(items):
             if isinstance(item, Mapping) and item.get("class_path") in BAOC_CLASS_PATHS and "init_args" in item:
@@ -487,24 +601,115 @@ def lightning_cli_errors(data: Mapping[str, Any] | Any, source: str = "<dict>") 
     return errors.found
 
 
+def _has(data: Any, dotted: str) -> bool:
+    """Whether the mapping ``data`` holds the dotted key (``"baoc.sample_every"``)."""
+    for part in dotted.split("."):
+        if not isinstance(data, Mapping) or part not in data:
+            return False
+        data = data[part]
+    return True
+
+
+def _key_errors(key: str, errors: _Errors) -> None:
+    """The errors of one dotted key of an override, its value left out (a sweep, a value to compose)."""
+    parts = key.split(".")
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    head = parts[0]
+    if head not in fields:
+        errors.unknown(head, list(fields), "")
+    elif len(parts) == 1:
+        return
+    elif head == "baoc":
+        name = parts[1]
+        if name not in SETTING:  # below a setting (blocks.embeddings) is its value
+            old = ".".join(parts[1:]) if name in _RETIRED_SECTIONS else name
+            errors.unknown_setting(f"baoc.{old}", old, "baoc")
+    elif head == "trainer":
+        _trainer({parts[1]: None}, "trainer", errors)
+    elif head in ("model", "data") and parts[1] not in {f.name for f in dataclasses.fields(ComponentConfig)}:
+        errors.unknown(f"{head}.{parts[1]}", [f.name for f in dataclasses.fields(ComponentConfig)], head)
+
+
+def override_errors(
+    overrides: Sequence[str], config: Mapping[str, Any] | Any | None = None
+) -> list[ConfigError]:
+    """Every unknown key of command-line overrides, before anything applies them: each with its closest
+    known key and the override to write instead; an empty list when there is none.
+
+    The overrides are OmegaConf dotlists (``baoc.sample_every=5``) or Hydra's (``+baoc.sample_every=5``,
+    ``++k=v``, ``~k``, sweeps ``baoc.memory_budget=0.5,0.35``). Only their keys are checked, as
+    :func:`load_config` checks a file's: ``baoc`` keys against the settings (a key of 0.1.0's nested
+    section gets the key that replaced it), ``trainer`` keys against ``lightning.Trainer``'s arguments,
+    the sections' names. Values are left to the composed config (:func:`parse_config`): a sweep is no
+    value yet. Hydra's own keys (``hydra.*``) and config groups (``group/option``, ``@package``) are not
+    this config's and are skipped.
+
+    Hydra refuses ``baoc.memory_budgett=0.25`` (the key is not in the config) with its advice to write
+    ``+baoc.memory_budgett=0.25``, and then applies that typo; checked here first, both get the key meant.
+
+    Args:
+        overrides: the overrides as written on the command line.
+        config: the config they apply to (Hydra's primary config, as a mapping): the override to write
+            then has Hydra's ``+`` exactly when its key is not in it (default: ``None``: as written).
+
+    Example:
+        >>> config = {"baoc": {"memory_budget": 0.35, "sample_every": 10}}
+        >>> for err in override_errors(["baoc.memory_budgett=0.25", "+baoc.sample_evry=5", "+baoc.reprot=false"], config):
+        ...     print(err)
+        override 'baoc.memory_budgett=0.25': baoc.memory_budgett: unknown key (did you mean baoc.memory_budget?); write baoc.memory_budget=0.25
+        override '+baoc.sample_evry=5': baoc.sample_evry: unknown key (did you mean baoc.sample_every?); write baoc.sample_every=5
+        override '+baoc.reprot=false': baoc.reprot: unknown key (did you mean baoc.report?); write +baoc.report=false
+    """
+    labels, texts = _override_labels(overrides)
+    keys = {key: None for key in labels if not ("/" in key or "@" in key or key.split(".")[0] == "hydra")}
+    present = None if config is None else functools.partial(_has, _unresolved(config))
+    errors = _Errors(_Source("the overrides", labels, texts, present=present))
+    for key in keys:
+        _key_errors(key, errors)
+    return errors.found
+
+
+def _unresolved(config: Mapping[str, Any] | Any) -> Any:
+    """``config`` as plain dicts and lists, an OmegaConf container's interpolations left unresolved
+    (only its keys are read)."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(config, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(config, resolve=False)
+    except ImportError:  # pragma: no cover - omegaconf is installed with the package
+        pass
+    return config
+
+
 # ---------------------------------------------------------------------------- loading
 
 
-def _parse_overrides(overrides: Sequence[str]) -> tuple[Any, dict[str, str]]:
-    from omegaconf import OmegaConf
-
+def _override_labels(overrides: Sequence[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """For each dotted key an override sets: its label in messages (``"override 'k=v'"``) and its text."""
     if isinstance(overrides, str):
         raise TypeError(f"overrides must be a list of 'key=value' strings, got the string {overrides!r}")
     labels: dict[str, str] = {}
+    texts: dict[str, str] = {}
     for text in overrides:
-        if not isinstance(text, str) or "=" not in text or not text.split("=", 1)[0].strip():
+        if isinstance(text, str) and _override_key(text):
+            labels[_override_key(text)] = f"override {text!r}"
+            texts[_override_key(text)] = text
+    return labels, texts
+
+
+def _parse_overrides(overrides: Sequence[str]) -> tuple[Any, dict[str, str], dict[str, str]]:
+    from omegaconf import OmegaConf
+
+    labels, texts = _override_labels(overrides)
+    for text in overrides:
+        if not isinstance(text, str) or "=" not in text or not _override_key(text):
             raise ConfigError(
                 f"override {text!r}: expected 'key=value' with a dotted key, e.g. 'baoc.memory_budget=0.25'",
                 source=f"override {text!r}",
             )
-        labels[text.split("=", 1)[0].strip().lstrip("+~")] = f"override {text!r}"
     try:
-        return OmegaConf.from_dotlist([t.lstrip("+") for t in overrides]), labels
+        return OmegaConf.from_dotlist([t.lstrip("+") for t in overrides]), labels, texts
     except Exception as err:  # noqa: BLE001 - OmegaConf raises several grammar errors
         raise ConfigError(f"overrides {list(overrides)!r}: {err}", source="overrides") from None
 
@@ -523,8 +728,9 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
 
     Raises:
         ConfigError: the file cannot be read or parsed, or it holds errors: every unknown key (with
-            its closest known key) and every bad value, each naming its key, and the file or the
-            override that set it (:attr:`ConfigError.errors` lists them).
+            its closest known key, and the override to write or the key to rename) and every bad value,
+            each naming its key, and the file or the override that set it (:attr:`ConfigError.errors`
+            lists them).
 
     Example:
         >>> cfg = load_config("configs/vision.yaml", ["baoc.memory_budget=0.25"])  # doctest: +SKIP
@@ -544,14 +750,15 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
         raise ConfigError(f"{name}: expected a mapping with a 'baoc' section, got a list", source=name)
     merged = loaded
     labels: dict[str, str] = {}
+    texts: dict[str, str] = {}
     if overrides:
-        dotlist, labels = _parse_overrides(overrides)
+        dotlist, labels, texts = _parse_overrides(overrides)
         merged = OmegaConf.merge(loaded, dotlist)
     try:
         data = OmegaConf.to_container(merged, resolve=True)
     except Exception as err:  # noqa: BLE001 - interpolation errors
         raise ConfigError(f"{name}: cannot resolve an interpolation: {err}", source=name) from None
-    return _parse(data, _Source(name, labels))
+    return _parse(data, _Source(name, labels, texts))
 
 
 def baoc_kwargs(config: Config | BAOCSection | Mapping[str, Any] | Any) -> dict[str, Any]:  # type: ignore[valid-type]
@@ -699,6 +906,7 @@ __all__ = [
     "json_schema",
     "lightning_cli_errors",
     "load_config",
+    "override_errors",
     "parse_config",
     "parse_section",
     "schema_text",

@@ -80,6 +80,7 @@ from lightning_baoc.costs.peak import PlannedPeak
 from lightning_baoc.formats import DEFAULT_MIN_8BIT_NUMEL, RULE_NAMES
 from lightning_baoc.optim import BlockwiseOptimizer
 from lightning_baoc.optim.swap import SUPPORTED_OPTIMIZERS, convert_optimizer, rebind_scheduler
+from lightning_baoc.report.summary import BAOCSummary, state_fraction
 from lightning_baoc.risk.prior import block_kind
 from lightning_baoc.risk.shadow import ShadowMoments
 from lightning_baoc.sampling import GradientSampler
@@ -622,7 +623,9 @@ class BAOCController:
             instrument_bytes=self.instrument_bytes(),
             training_memory=training_memory(self._module, opt).to_dict() if self._module is not None else None,
             optimizer=RULE_NAMES[opt.rule],
-            correction_bytes=int(opt.weight_correction_bytes()) if self.options.paired else None,
+            correction_bytes=int(opt.weight_correction_bytes()),
+            corrections_in_budget=self.options.paired,
+            corrections=self.options.corrections(opt),
         )
         self.last_event = event
         self.history.append(
@@ -734,26 +737,71 @@ class BAOCController:
         """Stop the sampler's worker thread (statistics stay available)."""
         self.instrumentation.close()
 
-    def summary(self) -> str:
-        """One line: phase, state bytes and budget."""
+    def summary(self, measured_peak_growth_bytes: int | None = None) -> BAOCSummary:
+        """The run's figures now, as the documented record ``BAOC.summary()`` returns.
+
+        Args:
+            measured_peak_growth_bytes: what the adapter measured of the device's memory at its peak, over its
+                level at fit start (default: ``None``, not known).
+
+        Raises:
+            RuntimeError: before :meth:`install` (there is no optimizer to summarize yet).
+
+        Example:
+            >>> s = controller.summary()  # doctest: +SKIP
+            >>> s.state_bytes + (s.correction_bytes if s.corrections_in_budget else 0) <= s.memory_budget_bytes  # doctest: +SKIP
+            True
+        """
+        opt = self._require_installed("summary")
+        state, baseline = int(opt.state_bytes()), self.baseline_state_bytes()
+        return BAOCSummary(
+            phase=self.phase,
+            step=self.steps,
+            optimizer=RULE_NAMES[opt.rule],
+            state_bytes=state,
+            baseline_state_bytes=baseline,
+            state_fraction=state_fraction(state, baseline),
+            correction_bytes=int(opt.weight_correction_bytes()),
+            corrections_in_budget=self.options.paired,
+            memory_budget_bytes=self.memory_budget_bytes(),
+            peak_state_bytes=self.peak_state_bytes(),
+            measured_peak_growth_bytes=measured_peak_growth_bytes,
+            total_risk=float(self.history[-1]["total_risk"]) if self.history else None,
+            formats=self.options.state_formats(opt),
+            corrections=self.options.corrections(opt),
+        )
+
+    def summary_line(self) -> str:
+        """One line: phase, state bytes (and the corrections') and budget; printed after the run's first step.
+
+        Example:
+            >>> controller.summary_line()  # doctest: +SKIP
+            'BAOC: phase warmup, 5 blocks, optimizer state 201 KiB of 672 KiB AdamW (budget 202 KiB)'
+        """
         if self.optimizer is None:
             return f"BAOC: not installed (phase {self.phase})"
         return f"BAOC: phase {self.phase}, {len(self.blocks.params)} blocks, {self._state_line()}"
 
     def _state_line(self) -> str:
-        """``"optimizer state X of Y AdamW (budget Z)"``, of the installed optimizer."""
-        assert self.optimizer is not None  # the callers say so otherwise
-        return (
-            f"optimizer state {format_bytes(self.optimizer.state_bytes())} of {format_bytes(self.baseline_state_bytes())} "
-            f"{RULE_NAMES[self.optimizer.rule]} (budget {format_bytes(self.memory_budget_bytes())})"
-        )
+        """``"optimizer state X of Y AdamW (budget Z)"`` of the installed optimizer, the corrections' bytes
+        beside the states' where there are any (``"... AdamW, weight corrections C (budget Z for both)"``)."""
+        opt = self.optimizer
+        assert opt is not None  # the callers say so otherwise
+        corrections = int(opt.weight_correction_bytes())
+        line = f"optimizer state {format_bytes(opt.state_bytes())} of {format_bytes(self.baseline_state_bytes())} {RULE_NAMES[opt.rule]}"
+        budget = f"budget {format_bytes(self.memory_budget_bytes())}"
+        if self.options.paired:
+            return f"{line}, weight corrections {format_bytes(corrections)} ({budget} for both)"
+        if corrections:
+            return f"{line} ({budget}), weight corrections {format_bytes(corrections)} outside the budget"
+        return f"{line} ({budget})"
 
-    def resumed_summary(self) -> str:
+    def resumed_line(self) -> str:
         """One line after a resume (the optimizer's state restored): the step, the phase and the allocation
         resumed into, and the state.
 
         Example:
-            >>> controller.resumed_summary()  # doctest: +SKIP
+            >>> controller.resumed_line()  # doctest: +SKIP
             'BAOC: resumed at step 120 into the allocation of step 60 (5 blocks: int8 2, fp32 2, bf16_momentum 1); optimizer state 201 KiB of 672 KiB AdamW (budget 202 KiB)'
         """
         if not self.installed:

@@ -40,9 +40,13 @@ class AllocationEvent:
             (:meth:`lightning_baoc.TrainingMemory.to_dict`: weights, corrections, gradients, states,
             total, params; ``None``: not known).
         optimizer: the optimizer whose formats were allocated (``"AdamW"``, ``"SGD"``, ``"Lion"``).
-        correction_bytes: the master-weight corrections' bytes after the allocation, where the options
-            pair formats with corrections (``BAOC(corrections=...)``: the budget caps ``state_bytes``
-            plus these); ``None`` otherwise.
+        correction_bytes: the master-weight corrections' bytes after the allocation (0: none; ``None``:
+            not known).
+        corrections_in_budget: whether the options pair formats with corrections (``BAOC(corrections=...)``,
+            or its default on bf16/fp16 weights): the budget then caps ``state_bytes`` plus
+            ``correction_bytes``; otherwise corrections the optimizer holds of its own are outside it.
+        corrections: block -> the correction of its bf16/fp16 weights (``"none"``, ``"ecc8"``, ``"ecc16"``,
+            ``"mixed"``; ``None``: not known).
     """
 
     step: int
@@ -70,6 +74,8 @@ class AllocationEvent:
     training_memory: dict[str, int] | None = None
     optimizer: str = "AdamW"
     correction_bytes: int | None = None
+    corrections_in_budget: bool = False
+    corrections: dict[str, str] | None = None
 
     @property
     def baseline(self) -> int:

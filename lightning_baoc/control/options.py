@@ -93,6 +93,27 @@ class Options:
             out[b] = fmt
         return out
 
+    def state_formats(self, opt: BlockwiseOptimizer) -> dict[str, str]:
+        """Block -> the state format its parameters are asked to hold (``"mixed"`` where they differ),
+        the correction left out."""
+        named = opt.named_params
+        out = {}
+        for b, names in self.blocks.params.items():
+            held = {opt.requested_format(named[n]) for n in names}
+            out[b] = held.pop() if len(held) == 1 else "mixed"
+        return out
+
+    def corrections(self, opt: BlockwiseOptimizer) -> dict[str, str]:
+        """Block -> the master-weight correction its bf16/fp16 weights hold from their next step, chosen by
+        the options or by the optimizer's own ``weight_correction`` (``"none"`` where there is none or the
+        weights are fp32, ``"mixed"`` where they differ)."""
+        named = opt.named_params
+        out = {}
+        for b, names in self.blocks.params.items():
+            held = {opt.target_correction(named[n]) for n in names if named[n].dtype in WEIGHT_DTYPES} or {"none"}
+            out[b] = held.pop() if len(held) == 1 else "mixed"
+        return out
+
     def apply(
         self, opt: BlockwiseOptimizer, chosen: Mapping[str, str], blocks: Mapping[str, list[str]] | None = None
     ) -> dict[str, tuple[str, str]]:

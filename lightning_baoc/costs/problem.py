@@ -72,6 +72,29 @@ Table = Mapping[str, Mapping[str, float]]
 CostSource = Union[Literal["calibrate", "prior"], Calibration, Mapping[str, float]]
 
 
+def run_instruments(
+    shapes: Mapping[str, Sequence[Shape]],
+    baseline_bytes: int,
+    device: str | torch.device,
+    capacity: int = DEFAULT_CAPACITY,
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+    instrument_share: float = DEFAULT_INSTRUMENT_SHARE,
+) -> InstrumentSizes:
+    """The sampler's and the shadow's sizes a run gives them on blocks of these shapes: within
+    ``max(instrument_share x baseline_bytes, INSTRUMENT_FLOOR)``
+    (:func:`~lightning_baoc.costs.instruments.size_instruments`), device buffers counted on an accelerator.
+    The controller sizes its instruments with it, and ``lightning-baoc check`` reports them with it.
+
+    Example:
+        >>> sizes = run_instruments({"a": [(1024, 1024)]}, baseline_bytes=8 * 2**20, device="cpu")
+        >>> sizes.scaled, sizes.estimate_bytes <= sizes.allowance
+        (True, True)
+    """
+    allowance = instrument_allowance(baseline_bytes, instrument_share)
+    return size_instruments(shapes, capacity, max_elements, DEFAULT_SHADOW_ELEMENTS, allowance,
+                            accelerator=torch.device(device).type != "cpu")
+
+
 def with_message(err: BudgetInfeasibleError, message: str) -> BudgetInfeasibleError:
     """``err`` with another message and the same figures (callers add their context)."""
     return BudgetInfeasibleError(
@@ -377,11 +400,9 @@ class AllocationProblem:
         self, capacity: int = DEFAULT_CAPACITY, max_elements: int = DEFAULT_MAX_ELEMENTS,
         instrument_share: float = DEFAULT_INSTRUMENT_SHARE,
     ) -> InstrumentSizes:
-        """The sampler's and the shadow's sizes on these blocks (the controller's rule,
-        :func:`~lightning_baoc.costs.instruments.size_instruments`)."""
-        allowance = instrument_allowance(self.baseline_bytes, instrument_share)
-        return size_instruments(self.shapes, capacity, max_elements, DEFAULT_SHADOW_ELEMENTS, allowance,
-                                accelerator=torch.device(self.device).type != "cpu")
+        """The sampler's and the shadow's sizes on these blocks (the controller's rule, :func:`run_instruments`)."""
+        assert self.baseline_bytes is not None  # set in __post_init__
+        return run_instruments(self.shapes, self.baseline_bytes, self.device, capacity, max_elements, instrument_share)
 
     def smallest(self, memory_budget: object, time_budget: object = None) -> Allocation:
         """Check feasibility: an allocation meeting the budgets whatever the risk (all risks 0).
@@ -404,4 +425,4 @@ def baseline_state_bytes(
     return sum(moments * math.prod(s) * d.itemsize for b, row in shapes.items() for s, d in zip(row, dtypes[b]))
 
 
-__all__ = ["AllocationProblem", "Budgets", "CostSource", "baseline_state_bytes", "with_message"]
+__all__ = ["AllocationProblem", "Budgets", "CostSource", "baseline_state_bytes", "run_instruments", "with_message"]

@@ -39,7 +39,9 @@ Hook by hook (Lightning 2.6; README.md, "The BAOC callback", has the whole lifec
 
 Reports (rank zero, at each allocation): a rich table, ``baoc_allocation.json`` and, when
 matplotlib is installed, ``baoc_allocation.png`` in ``trainer.log_dir`` (its path is printed once),
-and the scalars ``baoc/state_bytes``, ``baoc/saved_fraction``, ``baoc/total_risk`` to every logger.
+and the scalars of :meth:`BAOC.summary`'s figures (``baoc/state_bytes``, ``baoc/state_fraction``, ...:
+:data:`lightning_baoc.report.summary.METRIC_NAMES`) to every logger. :meth:`BAOC.summary` returns the run's
+figures at any time after install, as a :class:`~lightning_baoc.BAOCSummary`.
 """
 
 from __future__ import annotations
@@ -53,15 +55,17 @@ from typing import Any, Literal, Optional, Union
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_baoc.config.settings import FormatName, ReportSetting, settings_of, split_settings
 from lightning_baoc.control.controller import AllocationEvent, BAOCController, rebind_scheduler
 from lightning_baoc.integrations.checkpoints import check_saved_shards, distributed_metadata
+from lightning_baoc.integrations.logs import rank_zero_info  # BAOC's lines, once under Hydra too
 from lightning_baoc.optim import BlockwiseAdamW
 from lightning_baoc.report.allocation import AllocationReporter
 from lightning_baoc.report.memory import MeasuredPeak, MemoryMeter
+from lightning_baoc.report.summary import BAOCSummary
 
 
 def _refused_strategy(strategy: Any) -> str | None:
@@ -104,9 +108,11 @@ class BAOC(Callback):
 
     Example:
         >>> from lightning import Trainer
-        >>> trainer = Trainer(callbacks=[BAOC(memory_budget=0.35, warmup_steps=200)])  # doctest: +SKIP
+        >>> baoc = BAOC(memory_budget=0.35, warmup_steps=200)
+        >>> trainer = Trainer(callbacks=[baoc])  # doctest: +SKIP
         >>> trainer.fit(model)  # configure_optimizers returns torch.optim.AdamW  # doctest: +SKIP
-        >>> trainer.optimizers[0].state_bytes()  # doctest: +SKIP
+        >>> baoc.summary().state_fraction <= 0.35  # what it saved: a BAOCSummary  # doctest: +SKIP
+        True
     """
 
     def __init__(
@@ -288,6 +294,28 @@ class BAOC(Callback):
         """``"warmup"`` or ``"allocated"``."""
         return self.controller.phase
 
+    def summary(self) -> BAOCSummary:
+        """What BAOC saved, now: the optimizer state against the user's own optimizer's, the fraction, the
+        formats and the master-weight corrections per block, the budget and the peaks
+        (:class:`~lightning_baoc.BAOCSummary`). The same figures go to the loggers at each allocation
+        (``baoc/state_bytes``, ``baoc/state_fraction``, ...) and into ``baoc_allocation.json``.
+
+        Raises:
+            RuntimeError: before ``trainer.fit`` installed the optimizer (nothing to summarize yet).
+
+        Example:
+            >>> trainer.fit(model)  # doctest: +SKIP
+            >>> s = baoc.summary()  # doctest: +SKIP
+            >>> print(f"{s.state_bytes:,} of {s.baseline_state_bytes:,} bytes ({s.state_fraction:.3f})")  # doctest: +SKIP
+            206,064 of 688,208 bytes (0.299)
+        """
+        if not self.controller.installed:
+            raise RuntimeError(
+                "BAOC.summary() has nothing to summarize yet: trainer.fit installs the optimizer at fit start. "
+                "Call it during or after trainer.fit(...)."
+            )
+        return self.controller.summary(self._measured_growth())
+
     def set_budget(self, memory_budget: int | float | str | None = None, time_budget: float | str | None = None) -> None:
         """Change a budget mid-training (on every rank); the next step boundary re-evaluates.
 
@@ -359,7 +387,7 @@ class BAOC(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._resumed = trainer.ckpt_path is not None
         if self._resumed:  # the optimizer's state is restored by now
-            rank_zero_info(self.controller.resumed_summary())
+            rank_zero_info(self.controller.resumed_line())
         if self.controller.phase != "warmup":
             return
         try:
@@ -417,7 +445,7 @@ class BAOC(Callback):
             self.controller.close_released_step()  # DeepSpeed's step has run: its gradients were observed
         self._meter.sample()
         if self._at_boundary and not self._resumed and trainer.global_step == 1:  # the run's first step: its states exist
-            rank_zero_info(self.controller.summary())
+            rank_zero_info(self.controller.summary_line())
         if self._at_boundary:
             self._maybe_allocate(trainer)
 
@@ -558,7 +586,12 @@ class BAOC(Callback):
     def _report(self, trainer: Trainer, event: AllocationEvent) -> None:
         # trainer.log_dir broadcasts: every rank must ask for it.
         directory = trainer.log_dir if self.reporter.enabled else None
-        self.reporter(event, self.controller.history, directory, trainer.is_global_zero, trainer.loggers, rank_zero_info)
+        self.reporter(event, self.controller.history, directory, trainer.is_global_zero, trainer.loggers, rank_zero_info,
+                      measured_peak_growth_bytes=self._measured_growth())
+
+    def _measured_growth(self) -> int | None:
+        measured = self._meter.measured()
+        return None if measured is None else measured.growth
 
     def memory_line(self) -> str:
         """The planned peak beyond the weights and what was measured since fit start (printed at fit end

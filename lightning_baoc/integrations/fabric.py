@@ -27,7 +27,8 @@ DeepSpeed's flat partitions, the gradients are observed inside DeepSpeed's step,
 Epochs and validation are the loop's own: call ``strategy.on_train_epoch_end(epoch)`` and
 ``strategy.on_validation_end(value)`` between optimizer steps (or register the strategy as a
 Fabric callback, ``Fabric(strategy=s, callbacks=[s])``, and use ``fabric.call``; the strategy then
-also finds ``fabric.loggers`` for its scalars). Checkpoints: put ``strategy.controller`` (the
+also finds ``fabric.loggers`` for its scalars). ``strategy.summary()`` returns the run's figures (a
+:class:`~lightning_baoc.BAOCSummary`: state bytes against the baseline, formats, corrections, peaks). Checkpoints: put ``strategy.controller`` (the
 :class:`~lightning_baoc.control.controller.BAOCController`, which has ``state_dict``/``load_state_dict``),
 under a key of your choice, into the state given to ``fabric.save``/``fabric.load``.
 
@@ -48,7 +49,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning_baoc.integrations.logs import rank_zero_info  # BAOC's lines, once under Hydra too
 from torch import nn
 from torch.optim import Optimizer
 
@@ -56,6 +57,8 @@ from lightning_baoc.config.settings import FormatName, ReportSetting, settings_o
 from lightning_baoc.control.controller import AllocationEvent, BAOCController, rebind_scheduler
 from lightning_baoc.integrations.checkpoints import check_saved_shards, distributed_metadata
 from lightning_baoc.report.allocation import AllocationReporter
+from lightning_baoc.report.memory import MemoryMeter
+from lightning_baoc.report.summary import BAOCSummary
 
 _BASES = ("single_device", "ddp", "model_parallel", "deepspeed")
 
@@ -148,6 +151,7 @@ class BAOCStrategy:
         self._baoc_module: nn.Module | None = None
         self._baoc_replaced: weakref.ReferenceType[Optimizer] | None = None
         self._baoc_loggers: list[Any] = []
+        self._baoc_meter = MemoryMeter()  # the run's memory measured from set-up, for summary() and the reports
         super().__init__(**(strategy_kwargs or {}))  # the Fabric strategy next in the MRO
 
     # ------------------------------------------------------------------ set-up
@@ -185,6 +189,7 @@ class BAOCStrategy:
         if self.controller.installed and old is self.controller.optimizer:
             return old
         assert self._baoc_module is not None
+        self._baoc_meter.start(self.root_device)  # type: ignore[attr-defined]  # before install: what it allocates counts
         new = self.controller.install(old, self._baoc_module)
         if new is not old:
             if scheduler is not None:
@@ -240,8 +245,9 @@ class BAOCStrategy:
         if old is not None:
             old._opt_called = True  # type: ignore[attr-defined]  # for a scheduler left on it
         self.controller.step_completed()
+        self._baoc_meter.sample()
         if self.controller.steps == 1:  # the run's first step (a resumed run counts on): its states exist now
-            rank_zero_info(self.controller.summary())
+            rank_zero_info(self.controller.summary_line())
         self._baoc_maybe_allocate()
 
     def _baoc_grad_scale(self, optimizer: Any) -> float | None:
@@ -268,7 +274,31 @@ class BAOCStrategy:
 
     def _baoc_report(self, event: AllocationEvent) -> None:
         is_zero = bool(self.is_global_zero)  # type: ignore[attr-defined]
-        self.reporter(event, self.controller.history, self.report_dir, is_zero, self._baoc_loggers, rank_zero_info)
+        self.reporter(event, self.controller.history, self.report_dir, is_zero, self._baoc_loggers, rank_zero_info,
+                      measured_peak_growth_bytes=self._baoc_measured_growth())
+
+    def _baoc_measured_growth(self) -> int | None:
+        measured = self._baoc_meter.measured()
+        return None if measured is None else measured.growth
+
+    def summary(self) -> BAOCSummary:
+        """What BAOC saved, now (:class:`~lightning_baoc.BAOCSummary`, as :meth:`BAOC.summary
+        <lightning_baoc.BAOC.summary>`); the measured peak is the device's since ``fabric.setup``.
+
+        Raises:
+            RuntimeError: before ``fabric.setup`` installed the optimizer (nothing to summarize yet).
+
+        Example:
+            >>> s = strategy.summary()  # doctest: +SKIP
+            >>> f"{s.state_bytes:,} of {s.baseline_state_bytes:,} bytes"  # the loop of tests/integrations/test_fabric.py  # doctest: +SKIP
+            '63,584 of 213,072 bytes'
+        """
+        if not self.controller.installed:
+            raise RuntimeError(
+                "BAOCStrategy.summary() has nothing to summarize yet: fabric.setup(model, optimizer) installs the "
+                "optimizer. Call it after fabric.setup."
+            )
+        return self.controller.summary(self._baoc_measured_growth())
 
     @property
     def report(self) -> bool:
@@ -319,7 +349,7 @@ class BAOCStrategy:
         resumed = isinstance(state, dict) and any(v is self.controller for v in state.values())
         remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)  # type: ignore[misc]
         if resumed:
-            rank_zero_info(self.controller.resumed_summary())
+            rank_zero_info(self.controller.resumed_line())
         return remainder
 
     def teardown(self) -> None:
@@ -363,6 +393,7 @@ class _BAOCDeepSpeedStrategy(BAOCStrategy, DeepSpeedStrategy):
         if client is not old:  # a scheduler left on the user's optimizer drives the client's groups
             old.param_groups = client.param_groups
         self._baoc_module = module
+        self._baoc_meter.start(self.root_device)
         self.controller.install(client.inner, fragment_module(module, client))
         self.controller.check_feasible(self.broadcast, self.is_global_zero)
         return engine, wrapped, scheduler

@@ -9,10 +9,11 @@ The JSON record (``baoc_allocation.json``, schema :data:`ALLOCATION_SCHEMA`)::
     {"step": int, "reason": str, "memory_budget_bytes": int, "state_bytes": int,
      "state_bytes_before": int, "peak_state_bytes": int, "instrument_bytes": int, "fp32_state_bytes": int,
      "baseline_state_bytes": int, "optimizer": str,
-     "saved_fraction": float,
+     "state_fraction": float, "saved_fraction": float,
+     "correction_bytes": int, "corrections_in_budget": bool, "measured_peak_growth_bytes": int | null,
      "total_risk": float, "time_budget": float | null, "time": float | null, "kept": bool,
      "blocks": [{"name": str, "params": int, "param_names": [str], "format": str,
-                 "state_bytes": int, "risk": {format: float}, "format_risk": float,
+                 "state_format": str, "correction": str, "state_bytes": int, "risk": {format: float}, "format_risk": float,
                  "changed": bool,
                  "stats": {"stability": float | null, "anisotropy": float | null,
                            "snr": float | null, ...}}],
@@ -20,8 +21,21 @@ The JSON record (``baoc_allocation.json``, schema :data:`ALLOCATION_SCHEMA`)::
      "training_memory": {"params": int, "weights": int, "corrections": int, "gradients": int,
                          "states": int, "total": int}}
 
-``correction_bytes`` (with ``BAOC(corrections=...)`` only) is what the master-weight corrections hold; the
-budget then caps ``state_bytes`` plus it, and a block's ``format`` names both (``"int8+ecc8"``).
+The run's figures carry the names of :class:`lightning_baoc.BAOCSummary`'s fields (``BAOC.summary()``) and of
+the logger scalars (``baoc/<name>``): ``state_bytes``, ``baseline_state_bytes``, ``state_fraction`` (``state_bytes /
+baseline_state_bytes``; ``saved_fraction`` is one minus it), ``correction_bytes``, ``memory_budget_bytes``,
+``peak_state_bytes``, ``measured_peak_growth_bytes`` (how far the training device's memory rose above its
+fit-start level, at its peak so far; ``null``: not known), ``total_risk``.
+
+``correction_bytes`` is what the master-weight corrections of bf16/fp16 weights hold (0: none). With
+``corrections_in_budget`` (``BAOC(corrections=...)``, or its default on 16-bit weights) the budget caps
+``state_bytes`` plus it, and a block's ``format`` names the option, its state format and its correction
+(``"int8+ecc8"``); otherwise corrections the optimizer holds of its own (``weight_correction=``) are outside the
+budget. A block's ``state_format`` and ``correction`` are the two parts, whatever chose them; its
+``state_bytes`` holds its corrections' bytes too where they are in the budget (the blocks' sum is then
+``state_bytes`` plus ``correction_bytes``). Records of earlier
+versions have ``correction_bytes`` only where the corrections are in the budget, and none of
+``state_fraction``, ``corrections_in_budget``, ``measured_peak_growth_bytes``, ``state_format``, ``correction``.
 ``optimizer`` names the optimizer whose state was allocated (``"AdamW"``; ``"SGD"``, ``"Lion"``: their
 momentum formats; records without it are AdamW's). ``fp32_state_bytes`` is its fp32 state (AdamW: 8
 bytes per element; SGD and Lion: 4); ``baseline_state_bytes`` the state the user's own optimizer
@@ -55,6 +69,8 @@ from typing import Any, Callable, Iterable, Mapping
 from lightning_baoc.config.budget import format_bytes
 from lightning_baoc.config.settings import ReportSetting
 from lightning_baoc.control.events import AllocationEvent
+from lightning_baoc.costs.options import split_option
+from lightning_baoc.report.summary import METRIC_NAMES, state_fraction
 
 #: File names written into the log directory.
 JSON_NAME = "baoc_allocation.json"
@@ -64,8 +80,8 @@ PNG_NAME = "baoc_allocation.png"
 #: Lightning's ``RichProgressBar`` checks rich.
 _MATPLOTLIB_AVAILABLE: bool = importlib.util.find_spec("matplotlib") is not None
 
-#: The logger scalars, one value per allocation.
-SCALAR_NAMES = ("baoc/state_bytes", "baoc/peak_state_bytes", "baoc/saved_fraction", "baoc/total_risk")
+#: The logger scalars, one value per allocation (the names of :class:`~lightning_baoc.BAOCSummary`'s figures).
+SCALAR_NAMES = METRIC_NAMES
 
 _NUMBER_OR_NULL = {"type": ["number", "null"]}
 
@@ -91,6 +107,9 @@ ALLOCATION_SCHEMA: dict[str, Any] = {
         "baseline_state_bytes": {"type": "integer", "minimum": 0},
         "optimizer": {"type": "string"},
         "correction_bytes": {"type": "integer", "minimum": 0},
+        "corrections_in_budget": {"type": "boolean"},
+        "measured_peak_growth_bytes": {"type": ["integer", "null"], "minimum": 0},
+        "state_fraction": {"type": "number", "minimum": 0},
         "saved_fraction": {"type": "number"},
         "total_risk": {"type": "number", "minimum": 0},
         "time_budget": _NUMBER_OR_NULL,
@@ -112,6 +131,8 @@ ALLOCATION_SCHEMA: dict[str, Any] = {
                     "params": {"type": "integer", "minimum": 0},
                     "param_names": {"type": "array", "items": {"type": "string"}},
                     "format": {"type": "string"},
+                    "state_format": {"type": "string"},
+                    "correction": {"type": "string"},
                     "state_bytes": {"type": "integer", "minimum": 0},
                     "risk": {"type": "object", "additionalProperties": {"type": "number", "minimum": 0}},
                     "format_risk": {"type": "number", "minimum": 0},
@@ -148,8 +169,13 @@ def _finite(value: Any) -> float | int | None:
     return value if math.isfinite(value) else None
 
 
-def build_record(event: AllocationEvent, history: list[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+def build_record(
+    event: AllocationEvent, history: list[Mapping[str, Any]] | None = None, measured_peak_growth_bytes: int | None = None
+) -> dict[str, Any]:
     """The JSON record of an allocation (see the module docstring; primitives only, no NaN).
+
+    ``measured_peak_growth_bytes`` is what the adapter measured of the device's memory, over its fit-start
+    level (default: ``None``, not known).
 
     Example:
         >>> record = build_record(event)  # doctest: +SKIP
@@ -162,12 +188,17 @@ def build_record(event: AllocationEvent, history: list[Mapping[str, Any]] | None
         for key in ("stability", "anisotropy", "snr"):
             stats.setdefault(key, None)
         risk = {f: float(r) for f, r in event.risk.get(name, {}).items()}
+        state_format, correction = split_option(fmt)
+        if event.corrections is not None and not event.corrections_in_budget:
+            correction = event.corrections.get(name, correction)  # the optimizer's own, not in the option
         blocks.append(
             {
                 "name": name,
                 "params": int(event.block_numel[name]),
                 "param_names": list(event.block_params[name]),
                 "format": fmt,
+                "state_format": state_format,
+                "correction": correction,
                 "state_bytes": int(event.block_bytes[name]),
                 "risk": risk,
                 "format_risk": float(risk.get(fmt, 0.0)),
@@ -188,6 +219,9 @@ def build_record(event: AllocationEvent, history: list[Mapping[str, Any]] | None
         "baseline_state_bytes": int(event.baseline),
         "optimizer": event.optimizer,
         **({"correction_bytes": int(event.correction_bytes)} if event.correction_bytes is not None else {}),
+        "corrections_in_budget": bool(event.corrections_in_budget),
+        "measured_peak_growth_bytes": None if measured_peak_growth_bytes is None else int(measured_peak_growth_bytes),
+        "state_fraction": float(state_fraction(event.state_bytes, event.baseline)),
         "saved_fraction": float(event.saved_fraction),
         "total_risk": float(event.total_risk),
         "time_budget": _finite(event.time_budget),
@@ -260,22 +294,35 @@ def _baseline(record: Mapping[str, Any]) -> int:
 
 
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:
-    """The logger scalars of a record: ``baoc/state_bytes``, ``baoc/peak_state_bytes`` (the
-    high-water mark so far, transients included; the state bytes in records without it),
-    ``baoc/saved_fraction`` (of the user's own AdamW state, ``baseline_state_bytes``),
-    ``baoc/total_risk``.
+    """The logger scalars of a record (:data:`SCALAR_NAMES`, the names of :meth:`lightning_baoc.BAOCSummary.metrics`):
+    ``baoc/state_bytes``, ``baoc/baseline_state_bytes`` (the user's own optimizer's state), ``baoc/state_fraction``
+    and ``baoc/saved_fraction`` (of it), ``baoc/correction_bytes``, ``baoc/memory_budget_bytes``,
+    ``baoc/peak_state_bytes`` (the high-water mark so far, transients included; the state bytes in records without
+    it), ``baoc/measured_peak_growth_bytes`` (where known) and ``baoc/total_risk``. Records of earlier versions
+    read as they were written (the fp32 state as the baseline where none is named, no corrections where none are).
 
     Example:
-        >>> scalars({"state_bytes": 300, "fp32_state_bytes": 1000, "total_risk": 0.5})
-        {'baoc/state_bytes': 300.0, 'baoc/peak_state_bytes': 300.0, 'baoc/saved_fraction': 0.7, 'baoc/total_risk': 0.5}
+        >>> scalars({"state_bytes": 300, "fp32_state_bytes": 1000, "memory_budget_bytes": 350, "total_risk": 0.5})
+        ... # doctest: +NORMALIZE_WHITESPACE
+        {'baoc/state_bytes': 300.0, 'baoc/baseline_state_bytes': 1000.0, 'baoc/state_fraction': 0.3,
+         'baoc/saved_fraction': 0.7, 'baoc/correction_bytes': 0.0, 'baoc/memory_budget_bytes': 350.0,
+         'baoc/peak_state_bytes': 300.0, 'baoc/total_risk': 0.5}
     """
     baseline = _baseline(record)
-    return {
+    fraction = state_fraction(record["state_bytes"], baseline)
+    out = {
         "baoc/state_bytes": float(record["state_bytes"]),
+        "baoc/baseline_state_bytes": float(baseline),
+        "baoc/state_fraction": float(fraction),
+        "baoc/saved_fraction": float(1.0 - fraction),
+        "baoc/correction_bytes": float(record.get("correction_bytes", 0)),
+        "baoc/memory_budget_bytes": float(record["memory_budget_bytes"]),
         "baoc/peak_state_bytes": float(record.get("peak_state_bytes", record["state_bytes"])),
-        "baoc/saved_fraction": float(1.0 - record["state_bytes"] / baseline) if baseline else 0.0,
-        "baoc/total_risk": float(record["total_risk"]),
     }
+    if record.get("measured_peak_growth_bytes") is not None:
+        out["baoc/measured_peak_growth_bytes"] = float(record["measured_peak_growth_bytes"])
+    out["baoc/total_risk"] = float(record["total_risk"])
+    return out
 
 
 def block_stat(stats: Mapping[str, Any], key: str) -> Any:
@@ -323,7 +370,8 @@ def allocation_table(record: Mapping[str, Any]) -> Any:
     table.add_column("SNR", justify="right")
     table.add_column("risk", justify="right", footer=_num(total_risk, 4))
     table.add_column("format")
-    table.add_column("bytes", justify="right", footer=format_bytes(record["state_bytes"]))
+    # a block's bytes hold its corrections' too where they are in the budget: the footer is their sum
+    table.add_column("bytes", justify="right", footer=format_bytes(sum(b["state_bytes"] for b in record["blocks"])))
     for b in record["blocks"]:
         stats = b["stats"]
         fmt = f"[bold]{b['format']}[/bold]" if b.get("changed") else b["format"]
@@ -345,6 +393,10 @@ def allocation_table(record: Mapping[str, Any]) -> Any:
         f"({_optimizer(record)} {format_bytes(baseline)}, budget {format_bytes(record['memory_budget_bytes'])}); "
         f"saved {saved:.1%} of {_optimizer(record)}'s state"
     )
+    corrections = int(record.get("correction_bytes", 0))
+    if corrections:
+        where = "in the budget" if record.get("corrections_in_budget", True) else "outside the budget"
+        table.caption += f"; weight corrections {format_bytes(corrections)} ({where})"
     whole = record.get("training_memory")
     if whole and whole.get("params"):
         n = whole["params"]
@@ -557,31 +609,59 @@ class AllocationReporter:
         is_global_zero: bool,
         loggers: Iterable[Any] = (),
         info: Callable[[str], Any] = print,
+        measured_peak_growth_bytes: int | None = None,
     ) -> dict[str, Path]:
-        """Report ``event``; returns the files written (none off rank zero or with reports off)."""
-        record = build_record(event, history)
+        """Report ``event``; returns the files written (none off rank zero or with reports off).
+
+        ``measured_peak_growth_bytes``: the adapter's measurement of the device's memory over its fit-start
+        level, for the record and the scalars (default: ``None``, not known).
+        """
+        record = build_record(event, history, measured_peak_growth_bytes)
         self.last_record, self.last_metrics = record, scalars(record)
         if not is_global_zero:
             return {}
         written = write_reports(record, directory, png=self.png) if self.enabled else {}
         for logger in loggers:
             logger.log_metrics(self.last_metrics, step=event.step)
-        what = "kept" if event.kept else f"{len(event.changed)} block(s) converted"
-        info(
-            f"BAOC: {event.reason} allocation at step {event.step}: {what}; optimizer state "
-            f"{event.state_bytes_before:,} -> {event.state_bytes:,} bytes "
-            f"({event.saved_fraction:.1%} of {event.optimizer}'s state saved; peak so far {event.peak_state_bytes or 0:,}), "
-            f"total risk {event.total_risk:.4g}"
-        )
+        info(allocation_line(event))
         if written and not self._announced:
             self._announced = True
             info(f"BAOC: allocation report written to {announce(written)} (rewritten at each allocation)")
         return written
 
 
+def allocation_line(event: AllocationEvent) -> str:
+    """The line said at each allocation: what it did, the state before and after, the fraction saved, the
+    corrections' bytes beside the states' (where weights hold any), and the total risk.
+
+    Example:
+        >>> allocation_line(event)  # doctest: +SKIP
+        "BAOC: warmup allocation at step 20: 3 block(s) converted; optimizer state 1,200,000 -> 508,304 bytes
+        (84.9% of AdamW's state saved; peak so far 1,200,000); weight corrections 60,000 bytes (0.40 B/param),
+        with the state 568,304 of the 600,000-byte budget; total risk 0.0123"
+    """
+    what = "kept" if event.kept else f"{len(event.changed)} block(s) converted"
+    line = (
+        f"BAOC: {event.reason} allocation at step {event.step}: {what}; optimizer state "
+        f"{event.state_bytes_before:,} -> {event.state_bytes:,} bytes "
+        f"({event.saved_fraction:.1%} of {event.optimizer}'s state saved; peak so far {event.peak_state_bytes or 0:,})"
+    )
+    corrections = int(event.correction_bytes or 0)
+    if event.corrections_in_budget or corrections:
+        params = sum(event.block_numel.values())
+        per_param = f" ({corrections / params:.2f} B/param)" if params else ""
+        line += f"; weight corrections {corrections:,} bytes{per_param}"
+        if event.corrections_in_budget:
+            line += (f", with the state {event.state_bytes + corrections:,} of the "
+                     f"{event.memory_budget_bytes:,}-byte budget")
+        else:
+            line += ", outside the budget (the optimizer's own weight_correction)"
+    return f"{line}; total risk {event.total_risk:.4g}"
+
+
 __all__ = [
     "AllocationReporter", "ALLOCATION_SCHEMA", "CORRECTION_HATCHES", "FORMAT_COLORS", "JSON_NAME", "PNG_NAME",
-    "RENAMED_STATS", "SCALAR_NAMES", "allocation_table", "announce", "block_stat", "ReportSetting",
+    "RENAMED_STATS", "SCALAR_NAMES", "allocation_line", "allocation_table", "announce", "block_stat", "ReportSetting",
     "build_record", "plot_allocation", "png_enabled", "print_report", "scalars", "validate_record",
     "write_json", "write_reports",
 ]

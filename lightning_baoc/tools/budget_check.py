@@ -172,9 +172,9 @@ def _phases_result(phases: StatePhases, c: _BudgetContext, least: int) -> CheckR
     detail = (
         f"{c.budget_text} is feasible: the cheapest allocation of the allowed formats needs {format_bytes(least, up=True)} "
         f"({round_up(least / c.baseline_bytes)} of {c.unit}){c.time_note}{c.withheld_note}; state by phase: {phases.summary()}; "
-        f"the warm-up's states are created in the start formats ({fp32_warmup}); the sampler's buffers and the "
-        f"shadow moments hold {format_bytes(phases.instrument_bytes)} besides, outside the budget (at most "
-        f"{format_bytes(phases.instrument_allowance)}, baoc.instrument_share)"
+        f"the warm-up's states are created in the start formats ({fp32_warmup}); BAOC's instruments (the sampler's "
+        f"buffers and the shadow moments) hold {format_bytes(phases.instrument_bytes)} besides, outside the budget "
+        f"(at most {format_bytes(phases.instrument_allowance)}, baoc.instrument_share)"
         + (f"; planned peak {phases.peak.line()}" if phases.peak is not None else "")
     )
     figures = {"budget_bytes": budget_bytes, "fp32_bytes": fp32_bytes, **{f.phase: f.state_bytes for f in phases.figures()},

@@ -14,9 +14,12 @@ fails, and every failure says how to fix it:
    feasible budget. The line reports the state on the device in every phase of the run (start,
    warm-up, conversion, steady: :meth:`~lightning_baoc.costs.AllocationProblem.phases`) and fails
    when one exceeds its limit (:mod:`lightning_baoc.tools.budget_check`).
-4. **sampler overhead**: an estimate of the gradient sampler's cost from ``sample_every`` and
-   ``max_elements`` against the model's size (:func:`sampler_overhead`), against the 3% the sampler
-   is designed for, and its ring-buffer memory.
+4. **sampler overhead**: an estimate of the gradient sampler's cost from ``sample_every`` and the
+   elements it samples per block against the model's size (:func:`sampler_overhead`), against the 3% the
+   sampler is designed for, and the bytes of its buffers. The elements are the run's: ``max_elements``, or
+   fewer where BAOC's instruments (the sampler's buffers and the shadow moments) would hold more than
+   ``instrument_share`` allows (:func:`~lightning_baoc.costs.problem.run_instruments`); the memory-budget line
+   gives the instruments' bytes, the sampler's buffers and the shadow moments together.
 5. **warm-up**: enough gradient samples for the statistics, and shorter than the run
    (``trainer.max_steps``).
 6. **risk thresholds**: ``max_block_risk`` above 0; ``hysteresis`` in the range that lets
@@ -46,10 +49,13 @@ from torch import nn
 
 from lightning_baoc.config.budget import format_bytes
 from lightning_baoc.config.files import Config, load_config
+from lightning_baoc.costs import baseline_state_bytes
 from lightning_baoc.costs.calibration import hardware_mask
+from lightning_baoc.costs.instruments import InstrumentSizes, sampler_bytes
+from lightning_baoc.costs.problem import run_instruments
 from lightning_baoc.formats import RULE_FORMATS, RULE_NAMES, formats_of
 from lightning_baoc.sampling.blocks import partition_report
-from lightning_baoc.tools.budget_check import check_budget
+from lightning_baoc.tools.budget_check import check_budget, weight_dtypes
 from lightning_baoc.tools.models import EXAMPLES, build_component, default_device, example_folder, resolve_model
 from lightning_baoc.tools.result import CheckResult
 
@@ -87,7 +93,6 @@ class SamplerEstimate:
         samples_per_step: sampling steps per optimizer step during warm-up (and after it).
         overhead: estimated cost as a fraction of a training step, during warm-up.
         overhead_after: the same after warm-up (``sparse_sampling`` times sparser).
-        ring_bytes: bytes of the ring buffer and the staging buffers.
     """
 
     elements_per_sample: int
@@ -96,7 +101,6 @@ class SamplerEstimate:
     samples_per_step_after: float
     overhead: float
     overhead_after: float
-    ring_bytes: int
 
 
 def sampler_overhead(
@@ -109,8 +113,8 @@ def sampler_overhead(
     ``s = 1``). Its cost is taken proportional to the share of the gradient it reads per
     optimizer step, scaled by the measured anchor :data:`OVERHEAD_PER_GRADIENT_SHARE` (a
     first-order model: the step's forward and backward grow with the parameter count, the
-    sampling does not). Memory: ``capacity * (4 * elements + 17 * blocks + 8)`` bytes of ring
-    buffer and two staging buffers of ``4 * elements`` bytes.
+    sampling does not). ``max_elements`` is what the run samples per block (the setting, or fewer where
+    the instruments' allowance lowers it: :func:`~lightning_baoc.costs.problem.run_instruments`).
 
     Example:
         >>> est = sampler_overhead({"a": 100_000, "b": 100_000}, sample_every=10, max_elements=4096, capacity=32)
@@ -124,7 +128,6 @@ def sampler_overhead(
     share = elements / numel
     per_step = 1.0 if sample_every == 1 else 2.0 / sample_every
     per_step_after = per_step / max(1, sparse_sampling)
-    ring = capacity * (4 * elements + 17 * len(block_numel) + 8) + 2 * 4 * elements
     return SamplerEstimate(
         elements_per_sample=elements,
         share_per_sample=share,
@@ -132,7 +135,6 @@ def sampler_overhead(
         samples_per_step_after=per_step_after,
         overhead=OVERHEAD_PER_GRADIENT_SHARE * per_step * share,
         overhead_after=OVERHEAD_PER_GRADIENT_SHARE * per_step_after * share,
-        ring_bytes=ring,
     )
 
 
@@ -184,7 +186,7 @@ def run_checks(
             CheckResult("memory budget", False, "no allowed format is served on this device", "see 'formats served'")
         )
     if report is not None:
-        results.append(_check_sampler(config, report.numel))
+        results.append(_check_sampler(config, report.numel, _instruments(config, model, report.blocks, device, optimizer)))
     results.append(_check_warmup(config))
     results.append(_check_risk(config))
     results.append(_check_trigger(config))
@@ -244,14 +246,42 @@ def _check_blocks(config: Config, model: nn.Module) -> tuple[CheckResult, Any]:
     return CheckResult("blocks", True, detail), report
 
 
-def _check_sampler(config: Config, block_numel: dict[str, int]) -> CheckResult:
-    """4. sampler overhead: the estimated cost against :data:`MAX_SAMPLER_OVERHEAD`."""
+@dataclass(frozen=True)
+class _Instruments:
+    """BAOC's instruments as the run sizes them: the sampler's elements per block, the bytes of its buffers,
+    and the bytes of the instruments (its buffers and the shadow moments) together."""
+
+    sizes: InstrumentSizes
+    sampler_bytes: int
+
+
+def _instruments(config: Config, model: nn.Module, blocks: dict[str, list[str]], device: str, rule: str) -> _Instruments:
+    """The instruments of a run of ``config`` on ``model`` (the controller's sizing, from the state the weights'
+    dtypes give the baseline)."""
+    b = config.baoc
+    params = dict(model.named_parameters())
+    shapes = {name: [tuple(params[n].shape) for n in names] for name, names in blocks.items()}
+    baseline = baseline_state_bytes(shapes, weight_dtypes(config, params, blocks), rule)
+    sizes = run_instruments(shapes, baseline, device, b.capacity, b.max_elements, b.instrument_share)
+    accelerator = torch.device(device).type != "cpu"
+    return _Instruments(sizes, sampler_bytes(shapes, b.capacity, sizes.max_elements, accelerator))
+
+
+def _check_sampler(config: Config, block_numel: dict[str, int], instruments: _Instruments) -> CheckResult:
+    """4. sampler overhead: the estimated cost against :data:`MAX_SAMPLER_OVERHEAD`, at the elements the run samples."""
     s = config.baoc
-    est = sampler_overhead(block_numel, s.sample_every, s.max_elements, s.capacity, s.sparse_sampling)
+    sizes = instruments.sizes
+    est = sampler_overhead(block_numel, s.sample_every, sizes.max_elements, s.capacity, s.sparse_sampling)
+    lowered = (
+        f"; baoc.max_elements={s.max_elements} lowered to {sizes.max_elements} per block, so that BAOC's instruments "
+        f"stay within baoc.instrument_share" if sizes.max_elements < s.max_elements else ""
+    )
     detail = (
         f"reads {est.elements_per_sample:,} gradient elements per sample ({est.share_per_sample:.1%} of the "
-        f"gradient), {est.samples_per_step:.2g} samples per step in warm-up: about {est.overhead:.2%} of a "
-        f"training step (after warm-up {est.overhead_after:.2%}); ring buffer {format_bytes(est.ring_bytes)}"
+        f"gradient{lowered}), {est.samples_per_step:.2g} samples per step in warm-up: about {est.overhead:.2%} of a "
+        f"training step (after warm-up {est.overhead_after:.2%}); sampler buffers "
+        f"{format_bytes(instruments.sampler_bytes)}, of the instruments' {format_bytes(sizes.estimate_bytes)} "
+        f"(see memory budget)"
     )
     if est.overhead <= MAX_SAMPLER_OVERHEAD:
         return CheckResult("sampler overhead", True, detail)
@@ -261,7 +291,7 @@ def _check_sampler(config: Config, block_numel: dict[str, int]) -> CheckResult:
         f"set baoc.sample_every >= {max(need, s.sample_every + 1)} (keep baoc.warmup_steps >= "
         f"{MIN_WARMUP_SAMPLES} x sample_every)"
     )
-    elements = _max_elements_within_budget(block_numel, s)
+    elements = _max_elements_within_budget(block_numel, s, sizes.max_elements)
     if elements is not None:
         fix += f", or baoc.max_elements <= {elements}"
     return CheckResult(
@@ -269,13 +299,15 @@ def _check_sampler(config: Config, block_numel: dict[str, int]) -> CheckResult:
     )
 
 
-def _max_elements_within_budget(block_numel: dict[str, int], s: Any) -> int | None:
-    """The largest ``max_elements`` whose estimated overhead is within budget (``None``: none is)."""
+def _max_elements_within_budget(block_numel: dict[str, int], s: Any, sampled: int) -> int | None:
+    """The largest ``max_elements`` up to ``sampled`` (the elements sampled now) whose estimated overhead is
+    within budget (``None``: none is). A setting at most that samples at most that many (the instruments'
+    allowance only lowers it)."""
 
     def cost(m: int) -> float:
         return sampler_overhead(block_numel, s.sample_every, m, s.capacity, s.sparse_sampling).overhead
 
-    lo, hi = 1, s.max_elements  # cost grows with max_elements
+    lo, hi = 1, sampled  # cost grows with max_elements
     if cost(lo) > MAX_SAMPLER_OVERHEAD:
         return None
     while lo < hi:

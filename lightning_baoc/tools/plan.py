@@ -637,7 +637,7 @@ def _render_phases(p: Plan, console: Any) -> None:
         caption = f"an fp32 warm-up would hold {_bytes(p.fp32_bytes)}" + (
             f", {p.fp32_bytes / budget:.2f}x the budget" if budget else ""
         ) + (
-            f"; BAOC's sampler buffers and shadow moments: {_bytes(phases.instrument_bytes)} besides, outside the "
+            f"; BAOC's instruments (the sampler's buffers and the shadow moments): {_bytes(phases.instrument_bytes)} besides, outside the "
             f"budget (at most {_bytes(phases.instrument_allowance)})"
         ) + (f"; planned peak {phases.peak.line()}" if phases.peak is not None else "")
         table = Table(title=title, caption=caption)

@@ -31,6 +31,7 @@ from lightning_baoc.config.files import (
     json_schema,
     lightning_cli_errors,
     load_config,
+    override_errors,
     parse_config,
     parse_section,
     schema_text,
@@ -191,15 +192,18 @@ def test_every_error_of_a_file_is_reported_at_once_each_with_its_suggestion(tmp_
         f"5 errors in {path}:",
         f"  {path}: baoc.formats: invalid value ['fp32', 'int4']; unknown 'int4' (did you mean 'int8'?); "
         f"{settings.FORMATS_ALLOWED}",
-        f"  {path}: baoc.sampel_every: unknown key (did you mean baoc.sample_every?)",
+        f"  {path}: baoc.sampel_every: unknown key (did you mean baoc.sample_every?); rename sampel_every to sample_every",
         f"  {path}: baoc.sampler.capacity: unknown key; the key is now baoc.capacity",
-        f"  {path}: trainer.max_step: unknown key (did you mean trainer.max_steps?): not an argument of lightning.Trainer",
-        f"  {path}: model.init_arg: unknown key (did you mean model.init_args?)",
+        f"  {path}: trainer.max_step: unknown key (did you mean trainer.max_steps?): not an argument of lightning.Trainer; "
+        "rename max_step to max_steps",
+        f"  {path}: model.init_arg: unknown key (did you mean model.init_args?); rename init_arg to init_args",
     ])
     assert [e.key for e in err.errors] == [  # in the file's order
         "baoc.formats", "baoc.sampel_every", "baoc.sampler.capacity", "trainer.max_step", "model.init_arg"]
     assert [e.suggestion for e in err.errors] == [
         "", "baoc.sample_every", "baoc.capacity", "trainer.max_steps", "model.init_args"]
+    assert [e.fix for e in err.errors] == [  # a key moved out of its section has no rename: the message says where
+        "", "rename sampel_every to sample_every", "", "rename max_step to max_steps", "rename init_arg to init_args"]
     assert {e.source for e in err.errors} == {str(path)} and err.errors[0].setting == "formats"
     assert (err.key, err.source) == (err.errors[0].key, err.errors[0].source)  # the first error's
 
@@ -212,11 +216,12 @@ def test_every_error_of_the_overrides_is_reported_naming_its_override() -> None:
         f"4 errors in {CONFIGS / 'vision.yaml'}:",
         "  override 'baoc.memory_budget=2.5': baoc.memory_budget: invalid value 2.5; a fraction must be <= 1.0 "
         "(an absolute size is an int of bytes or a string with a unit, e.g. '6GB')",
-        "  override 'baoc.sampel_every=5': baoc.sampel_every: unknown key (did you mean baoc.sample_every?)",
+        "  override 'baoc.sampel_every=5': baoc.sampel_every: unknown key (did you mean baoc.sample_every?); "
+        "write baoc.sample_every=5",
         "  override 'baoc.sampler.sample_every=5': baoc.sampler.sample_every: unknown key; the key is now "
-        "baoc.sample_every",
+        "baoc.sample_every; write baoc.sample_every=5",
         "  override 'trainer.max_step=3': trainer.max_step: unknown key (did you mean trainer.max_steps?): not an "
-        "argument of lightning.Trainer",
+        "argument of lightning.Trainer; write trainer.max_steps=3",
     ])
     assert [e.source for e in info.value.errors] == [f"override {o!r}" for o in [overrides[2], *overrides[:2], overrides[3]]]
 
@@ -228,7 +233,8 @@ def test_a_key_of_the_old_nested_section_names_the_key_that_replaced_it(old: str
     head, _, leaf = old.partition(".")
     with pytest.raises(ConfigError) as info:
         parse_config({"baoc": {"memory_budget": 0.3, head: {leaf: value} if leaf else value}}, source="old.yaml")
-    assert str(info.value) == f"old.yaml: baoc.{old}: unknown key; the key is now baoc.{new}"
+    renamed = "" if leaf else f"; rename {old} to {new}"  # a key of an old section moves up: no rename says it
+    assert str(info.value) == f"old.yaml: baoc.{old}: unknown key; the key is now baoc.{new}{renamed}"
     assert info.value.suggestion == f"baoc.{new}"
     assert getattr(parse_section({"memory_budget": 0.3, new: value}), new) == value  # the new key holds it
 
@@ -260,8 +266,9 @@ def test_lightning_baoc_check_lists_every_error_of_a_config(tmp_path: Path, caps
     assert info.value.code == 2
     assert capsys.readouterr().err == "\n".join([
         f"lightning-baoc check: error: 2 errors in {path}:",
-        f"  {path}: baoc.hysterisis: unknown key (did you mean baoc.hysteresis?)",
-        f"  {path}: trainer.max_epoch: unknown key (did you mean trainer.max_epochs?): not an argument of lightning.Trainer",
+        f"  {path}: baoc.hysterisis: unknown key (did you mean baoc.hysteresis?); rename hysterisis to hysteresis",
+        f"  {path}: trainer.max_epoch: unknown key (did you mean trainer.max_epochs?): not an argument of lightning.Trainer; "
+        "rename max_epoch to max_epochs",
         "",
     ])
 
@@ -277,7 +284,75 @@ def test_lightning_cli_errors_checks_each_input_alone() -> None:
     assert [str(e) for e in lightning_cli_errors(data, "b.yaml")] == [
         "b.yaml: trainer.callbacks[0].init_args.sampler.sample_every: unknown key; the key is now "
         "trainer.callbacks[0].init_args.sample_every",
-        "b.yaml: fit.baoc.sampel_every: unknown key (did you mean fit.baoc.sample_every?)",
+        "b.yaml: fit.baoc.sampel_every: unknown key (did you mean fit.baoc.sample_every?); rename sampel_every to "
+        "sample_every",
+    ]
+
+
+def test_lightning_cli_errors_reads_a_callbacks_argument_as_written_for_baoc_only() -> None:
+    # --trainer.callbacks.KEY (and .init_args.KEY) set the last callback added: BAOC's settings are checked there,
+    # named as written, and the message ends with the argument to write
+    def errors(arg: str, node: dict, callback: str) -> list[str]:
+        found = lightning_cli_errors({"trainer": {"callbacks": node}}, f"argument {arg!r}", argument=arg, callback=callback)
+        return [str(e) for e in found]
+
+    arg = "--trainer.callbacks.init_args.warmup_stepz=100"
+    assert errors(arg, {"init_args": {"warmup_stepz": 100}}, "lightning_baoc.BAOC") == [
+        f"argument {arg!r}: trainer.callbacks.init_args.warmup_stepz: unknown key (did you mean "
+        "trainer.callbacks.init_args.warmup_steps?); write --trainer.callbacks.init_args.warmup_steps=100"]
+    arg = "--trainer.callbacks.granularity layers"  # a bad value: the setting's message, no rewrite
+    assert errors(arg, {"granularity": "layers"}, "BAOC") == [
+        f"argument {arg!r}: trainer.callbacks.granularity: invalid value 'layers'; allowed: ['module', 'layer', 'param'] "
+        "(did you mean 'layer'?)"]
+    assert errors("--trainer.callbacks.patience=3", {"patience": 3}, "lightning.pytorch.callbacks.EarlyStopping") == []
+
+
+def test_override_errors_check_keys_before_hydra_composes_each_with_the_override_to_write() -> None:
+    template = yaml.safe_load((CONFIGS / "vision.yaml").read_text())
+    assert "instrument_share" not in template["baoc"]  # so its override needs Hydra's '+'
+    found = override_errors(
+        [
+            "baoc.memory_budgett=0.25",  # Hydra would advise '+baoc.memory_budgett'
+            "+baoc.memory_budgett=0.3",  # Hydra would add the typo
+            "+baoc.instrument_sharre=0.1",  # the key meant is not in the template: the '+' stays
+            "baoc.instrument_sharre=0.1",  # ... and is added
+            "++baoc.sampel_every=5",  # force-add: as written
+            "baoc.sampler.sample_every=5",  # 0.1.0's nested key
+            "trainer.max_step=3",
+            "baco.memory_budget=0.2",  # the section's name
+            "baoc.formats=[fp32,int8]", "baoc.memory_budget=0.5,0.35",  # valid keys, a sweep: not checked here
+            "baoc.blocks.embeddings=[wte.*]", "model.init_args.depth=2", "hydra.run.dir=out", "hydra/launcher=basic",
+        ],
+        template,
+    )
+    assert [(e.key, e.fix) for e in found] == [
+        ("baoc.memory_budgett", "write baoc.memory_budget=0.3"),  # the last override of a key is the one named
+        ("baoc.instrument_sharre", "write +baoc.instrument_share=0.1"),
+        ("baoc.sampel_every", "write ++baoc.sample_every=5"),
+        ("baoc.sampler.sample_every", "write baoc.sample_every=5"),
+        ("trainer.max_step", "write trainer.max_steps=3"),
+        ("baco", "write baoc.memory_budget=0.2"),
+    ]
+    assert str(found[0]) == (
+        "override '+baoc.memory_budgett=0.3': baoc.memory_budgett: unknown key (did you mean baoc.memory_budget?); "
+        "write baoc.memory_budget=0.3")
+    assert str(found[4]) == (
+        "override 'trainer.max_step=3': trainer.max_step: unknown key (did you mean trainer.max_steps?): not an argument "
+        "of lightning.Trainer; write trainer.max_steps=3")
+    # without the template, the override to write keeps the one's prefix; a value the shell would split is quoted
+    assert [e.fix for e in override_errors(["baoc.fromats=[fp32, int8]", "+baoc.memroy_budget=0.2"])] == [
+        "write 'baoc.formats=[fp32, int8]'", "write +baoc.memory_budget=0.2"]
+    assert override_errors(["baoc.sample_every=5", "+trainer.enable_progress_bar=false", "seed_everything=3"]) == []
+
+
+def test_parse_config_names_the_override_that_set_a_key() -> None:
+    data = {"baoc": {"memory_budget": 0.3, "sample_every": 0, "sampel_every": 3}}
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, "the Hydra config", overrides=["baoc.sample_every=0", "+baoc.sampel_every=3"])
+    assert [str(e) for e in info.value.errors] == [
+        "override 'baoc.sample_every=0': baoc.sample_every: invalid value 0; expected an int >= 1",
+        "override '+baoc.sampel_every=3': baoc.sampel_every: unknown key (did you mean baoc.sample_every?); "
+        "write +baoc.sample_every=3",
     ]
 
 
@@ -453,7 +528,8 @@ def test_hydra_example_trains_from_a_composed_template(tmp_path: Path) -> None:
     assert str(info.value) == (
         "2 errors in the Hydra config:\n"
         "  the Hydra config: baoc.sample_every: invalid value 0; expected an int >= 1\n"
-        "  the Hydra config: baoc.sampel_every: unknown key (did you mean baoc.sample_every?)"
+        "  the Hydra config: baoc.sampel_every: unknown key (did you mean baoc.sample_every?); rename sampel_every to "
+        "sample_every"
     )
 
 

@@ -196,7 +196,7 @@ try:
 except ConfigError as err:
     yaml = err
 assert python.setting == yaml.setting == "quantile" and yaml.key == "baoc.quantile", (python, yaml)
-assert str(yaml.errors[1]) == "<dict>: baoc.quantil: unknown key (did you mean baoc.quantile?)", yaml
+assert str(yaml.errors[1]) == "<dict>: baoc.quantil: unknown key (did you mean baoc.quantile?); rename quantil to quantile", yaml
 assert str(yaml.errors[0]).endswith(python.config_message)
 print("picked up")
 '''

@@ -199,3 +199,30 @@ def test_an_option_without_corrections_is_refused_naming_the_setting() -> None:
                                     corrections=["none"]))
     with pytest.raises(ValueError, match=r"block '0' asks for 'int8\+ecc8'.*only with BAOC\(corrections=\[\.\.\.\]\)"):
         ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-5), model)
+
+
+def test_the_summary_holds_the_optimizer_s_figures_in_warm_up_and_after_the_allocation() -> None:
+    """``BAOCController.summary()`` (behind ``BAOC.summary()``): the states and the corrections as the optimizer holds
+    them, the baseline of torch's bf16 AdamW, the formats and corrections per block; refused before install."""
+    model = _model()
+    ctl = _controller(budget=0.5)
+    with pytest.raises(RuntimeError, match=r"summary\(\) needs install"):
+        ctl.summary()
+    opt = ctl.install(torch.optim.AdamW(model.parameters(), lr=1e-5), model)
+    _run(ctl, opt, model, 0, 4)
+    warm = ctl.summary()
+    numel = sum(p.numel() for p in model.parameters())  # 83,460
+    assert (warm.phase, warm.step, warm.total_risk) == ("warmup", 4, None)
+    assert warm.baseline_state_bytes == 4 * numel == 333_840 and warm.memory_budget_bytes == 166_920
+    assert warm.state_bytes == opt.state_bytes() and warm.correction_bytes == opt.weight_correction_bytes()
+    assert warm.state_bytes + warm.correction_bytes <= warm.memory_budget_bytes and warm.corrections_in_budget
+    assert {b: (warm.formats[b], warm.corrections[b]) for b in warm.formats} == {
+        b: split_option(o) for b, o in ctl.start_allocation.items()}
+    events, _ = _run(ctl, opt, model, 4, 16)
+    ctl.close()
+    done = ctl.summary(measured_peak_growth_bytes=123)
+    assert (done.phase, done.step, done.measured_peak_growth_bytes) == ("allocated", 16, 123)
+    assert done.total_risk == events[0].total_risk and done.correction_bytes == events[0].correction_bytes > 0
+    assert done.state_fraction == done.state_bytes / done.baseline_state_bytes and done.peak_state_bytes >= done.state_bytes
+    assert {b: (done.formats[b], done.corrections[b]) for b in done.formats} == {b: split_option(o) for b, o in ctl.allocation.items()}
+    assert done.metrics()["baoc/correction_bytes"] == done.correction_bytes and "baoc/total_risk" in done.metrics()

@@ -68,7 +68,7 @@ def test_allocation_meets_the_budget_of_the_users_optimizer(rule: str) -> None:
     for block, row in event.risk.items():
         assert set(row) == set(MOMENTUM_FORMATS) and row["fp32"] == 0.0
         assert row["none"] > row["int8"] >= 0.0 and row["none"] > row["bf16"], (block, row)
-    assert "Lion" in ctl.summary() if rule == "lion" else "SGD" in ctl.summary()
+    assert "Lion" in ctl.summary_line() if rule == "lion" else "SGD" in ctl.summary_line()
 
 
 def test_groups_without_momentum_hold_nothing_and_stay_out_of_the_blocks() -> None:

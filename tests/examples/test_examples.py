@@ -7,6 +7,7 @@ better than at initialization. The whole file runs in well under a minute.
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -149,6 +150,30 @@ def test_example_script_runs_and_prints(capsys: pytest.CaptureFixture[str]) -> N
     assert math.isfinite(metrics["val_acc"]) and math.isfinite(metrics["val_loss"])
     out = capsys.readouterr().out
     assert "vit_digits after 3 steps" in out and "val_acc" in out
+
+
+def test_baoc_flag_prints_the_figures_of_baoc_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    """With ``--baoc-budget`` the script prints BAOC's figures from ``BAOC.summary()``, not from the optimizer."""
+    import vit_digits
+
+    from lightning_baoc import BAOC
+
+    seen: list[BAOC] = []
+    original = BAOC.summary
+
+    def summary(self: BAOC):  # type: ignore[no-untyped-def]
+        seen.append(self)
+        return original(self)
+
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the warm-up is longer than 3 steps: said, and fine here
+        patch.setattr(BAOC, "summary", summary)
+        vit_digits.main(["--steps", "3", "--eval-every", "3", "--no-progress", "--baoc-budget", "0.35"])
+    (s,) = [original(b) for b in seen]
+    out = capsys.readouterr().out
+    assert (f"optimizer state: {s.state_bytes:,} bytes ({s.state_fraction:.3f} of AdamW's "
+            f"{s.baseline_state_bytes:,})") in out, out
+    assert s.phase == "warmup" and s.state_bytes <= 0.35 * s.baseline_state_bytes
 
 
 def test_baoc_flag_fails_clearly_without_the_callback(monkeypatch: pytest.MonkeyPatch) -> None:

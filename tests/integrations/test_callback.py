@@ -152,3 +152,38 @@ def test_reports_json_png_and_logger_scalars(runs: dict[str, Any]) -> None:
     assert float(rows[0]["baoc/state_bytes"]) == record["state_bytes"]
     assert float(rows[0]["baoc/saved_fraction"]) == pytest.approx(1 - record["state_bytes"] / run["fp32_bytes"])
     assert float(rows[0]["baoc/total_risk"]) == pytest.approx(record["total_risk"])
+
+
+def test_summary_is_the_logged_and_written_figures(runs: dict[str, Any]) -> None:
+    """``BAOC.summary()``: the documented record of what BAOC saved, the figures it logged at the allocation (under
+    the same names, ``baoc/<field>``) and wrote into ``baoc_allocation.json``; nothing to summarize before fit."""
+    from lightning_baoc import BAOCSummary
+    from lightning_baoc.report.summary import METRIC_NAMES
+
+    with pytest.raises(RuntimeError, match=r"BAOC.summary\(\) has nothing to summarize yet.*during or after trainer.fit"):
+        BAOC(memory_budget=0.3).summary()
+    run = runs["baoc"]
+    trainer, baoc = run["trainer"], run["baoc"]
+    s = baoc.summary()
+    assert isinstance(s, BAOCSummary)
+    opt = trainer.optimizers[0]
+    assert (s.phase, s.step, s.optimizer) == ("allocated", EPOCHS * 10, "AdamW")
+    assert s.state_bytes == opt.state_bytes() and s.baseline_state_bytes == run["fp32_bytes"] == 688_208
+    assert s.state_fraction == s.state_bytes / s.baseline_state_bytes <= BUDGET
+    assert s.memory_budget_bytes == int(BUDGET * run["fp32_bytes"]) and s.peak_state_bytes >= s.state_bytes
+    assert (s.correction_bytes, s.corrections_in_budget) == (0, False)  # fp32 weights (bf16-mixed keeps them fp32)
+    assert s.formats == baoc.allocation and set(s.corrections.values()) == {"none"}
+    assert s.measured_peak_growth_bytes == baoc.measured_memory().growth
+    record = json.loads((Path(trainer.log_dir) / JSON_NAME).read_text())
+    for name in ("state_bytes", "baseline_state_bytes", "state_fraction", "correction_bytes", "memory_budget_bytes",
+                 "peak_state_bytes", "total_risk", "corrections_in_budget"):
+        assert record[name] == getattr(s, name), name  # nothing converted since the allocation
+    assert {b["name"]: b["state_format"] for b in record["blocks"]} == s.formats
+    with open(Path(trainer.log_dir) / "metrics.csv", newline="") as fh:
+        (row,) = [r for r in csv.DictReader(fh) if r.get("baoc/state_bytes")]
+    logged = {k: float(v) for k, v in row.items() if k.startswith("baoc/") and v != ""}
+    growth = "baoc/measured_peak_growth_bytes"  # measured at the allocation (where known); it grew since
+    logged.pop(growth, None)
+    now = s.metrics()
+    now.pop(growth, None)
+    assert set(logged) == set(METRIC_NAMES) - {growth} and logged == pytest.approx(now)

@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from support import one_thread  # noqa: F401 - one_thread applies to the module
 from torch import nn
@@ -198,3 +199,62 @@ def test_defaults_under_bf16_true_keep_the_small_updates_the_budget_affords() ->
     assert opted_out <= 0.1 * fp32 and not trainer.optimizers[0].weight_corrections
     tight, trainer = _decrease("bf16-true", BAOC(memory_budget=0.15, report=False))
     assert tight >= 0.5 * fp32 and len(trainer.optimizers[0].weight_corrections) == 1  # what the budget affords
+
+
+class _PlainAdamW(_BF16Model):
+    """torch's AdamW over the bf16 MLP: the corrections are BAOC's default ones, chosen within the budget."""
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.AdamW(self.net.parameters(), lr=self.lr)
+
+
+def test_the_summary_names_the_corrections_beside_the_states(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 61: at budget 0.25 under bf16-true the allocation's line said '... bytes (84.9% of AdamW's state
+    saved)' and nothing of the corrections, which held a share of that budget. The line, the first step's line,
+    ``BAOC.summary()``, the logged scalars and ``baoc_allocation.json`` now name the corrections' bytes beside
+    the states'."""
+    import csv
+    import json
+
+    import lightning_baoc.integrations.callback as callback_module
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_baoc.costs.options import split_option
+    from lightning_baoc.report.allocation import JSON_NAME, validate_record
+
+    said: list[str] = []
+    monkeypatch.setattr(callback_module, "rank_zero_info", lambda *args, **_: said.append(" ".join(map(str, args))))
+    baoc = BAOC(memory_budget=0.25, warmup_steps=12, sample_every=2, report="json")
+    model = _PlainAdamW("none", lr=1e-5)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=16, precision="bf16-true", logger=CSVLogger(str(tmp_path), name="logs"),
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         default_root_dir=tmp_path, callbacks=[baoc])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model)
+    opt, numel = trainer.optimizers[0], sum(p.numel() for p in model.parameters())
+    s = baoc.summary()
+    assert s.phase == "allocated" and s.step == 16 and s.optimizer == "AdamW" and s.corrections_in_budget
+    assert s.baseline_state_bytes == 4 * numel == 101_392 and s.memory_budget_bytes == 25_348
+    assert s.state_bytes == opt.state_bytes() == 6_944 and s.correction_bytes == opt.weight_correction_bytes() == 17_544
+    assert s.state_bytes + s.correction_bytes <= s.memory_budget_bytes  # the budget caps both
+    assert s.formats == {"net.0": "factored", "net.2": "factored", "net.4": "fp32"}
+    assert s.corrections == {"net.0": "none", "net.2": "ecc8", "net.4": "ecc16"}
+    assert s.state_fraction == s.state_bytes / s.baseline_state_bytes
+    assert {b: (s.formats[b], s.corrections[b]) for b in s.formats} == {b: split_option(o) for b, o in baoc.allocation.items()}
+    # the allocation's line: the corrections beside the states, per parameter and against the budget
+    (line,) = [x for x in said if x.startswith("BAOC: warmup allocation at step 12")]
+    assert ("optimizer state 6,944 -> 6,944 bytes (93.2% of AdamW's state saved; peak so far 6,944); weight corrections "
+            "17,544 bytes (0.69 B/param), with the state 24,488 of the 25,348-byte budget; total risk ") in line, line
+    (first,) = [x for x in said if x.startswith("BAOC: phase warmup")]
+    assert first.endswith("optimizer state 6.78 KiB of 99 KiB AdamW, weight corrections 17.1 KiB (budget 24.8 KiB for both)")
+    # the record and the scalars carry the same figures, under the same names
+    record = json.loads((Path(trainer.log_dir) / JSON_NAME).read_text())
+    validate_record(record)
+    assert (record["correction_bytes"], record["corrections_in_budget"]) == (s.correction_bytes, True)
+    assert {b["name"]: (b["state_format"], b["correction"]) for b in record["blocks"]} == {
+        b: (s.formats[b], s.corrections[b]) for b in s.formats}
+    with open(Path(trainer.log_dir) / "metrics.csv", newline="") as fh:
+        (row,) = [r for r in csv.DictReader(fh) if r.get("baoc/state_bytes")]
+    assert float(row["baoc/correction_bytes"]) == s.correction_bytes
+    assert float(row["baoc/state_fraction"]) == pytest.approx(s.state_fraction)

@@ -27,6 +27,7 @@ from torch import nn
 
 from lightning_baoc import BAOCStrategy, BlockwiseAdamW
 from lightning_baoc.report.allocation import JSON_NAME
+from lightning_baoc.report.summary import METRIC_NAMES
 
 STEPS = 30
 ACCUMULATE = 2
@@ -106,7 +107,15 @@ def test_fabric_lifecycle_budget_schedule_and_loss(tmp_path: Path) -> None:
     assert ctl.phase == "allocated" and ctl.history[0]["step"] == 12
     assert inner.state_bytes() <= 0.3 * ctl.fp32_state_bytes()
     assert (tmp_path / JSON_NAME).exists() and strategy.last_record["step"] == 12
-    assert set(strategy.last_metrics) == {"baoc/state_bytes", "baoc/peak_state_bytes", "baoc/saved_fraction", "baoc/total_risk"}
+    assert set(strategy.last_metrics) - {"baoc/measured_peak_growth_bytes"} == set(METRIC_NAMES) - {"baoc/measured_peak_growth_bytes"}
+    # strategy.summary(): the figures logged at the allocation, now (nothing converted since)
+    summary = strategy.summary()
+    assert (summary.phase, summary.step, summary.state_bytes) == ("allocated", STEPS, inner.state_bytes())
+    assert summary.baseline_state_bytes == ctl.fp32_state_bytes() == 213_072 and summary.formats == ctl.allocation
+    assert summary.state_fraction == strategy.last_record["state_fraction"] == summary.state_bytes / 213_072
+    now = summary.metrics()
+    assert {k: now[k] for k in strategy.last_metrics if k != "baoc/measured_peak_growth_bytes"} == pytest.approx(
+        {k: v for k, v in strategy.last_metrics.items() if k != "baoc/measured_peak_growth_bytes"})
 
     plain = Fabric(accelerator="cpu", devices=1)
     pmodel, popt, psched = _objects()
@@ -181,7 +190,7 @@ def test_a_resume_says_it_resumed_and_no_warm_up_line_comes_first(
     model, opt, sched = fabric.setup(model, opt, scheduler=sched)
     assert said == []
     _loop(fabric, model, opt, sched, stop=1)
-    assert said == [strategy.controller.summary()] and said[0].startswith("BAOC: phase warmup, ")
+    assert said == [strategy.controller.summary_line()] and said[0].startswith("BAOC: phase warmup, ")
     assert opt.state_bytes() > 0 and " optimizer state 0 B " not in said[0]
     _loop(fabric, model, opt, sched, start=1, stop=save_at)
     path = tmp_path / "ckpt.pt"
@@ -193,7 +202,7 @@ def test_a_resume_says_it_resumed_and_no_warm_up_line_comes_first(
     model2, opt2, sched2 = _objects()
     model2, opt2, sched2 = fabric2.setup(model2, opt2, scheduler=sched2)
     fabric2.load(path, {"model": model2, "optimizer": opt2, "scheduler": sched2, "baoc": strategy2.controller})
-    state = strategy.controller.summary().split(" blocks, ", 1)[1]
+    state = strategy.controller.summary_line().split(" blocks, ", 1)[1]
     blocks = len(strategy.controller.block_params)
     if save_at < 12:
         start = sorted(strategy.controller.start_allocation.values())
@@ -230,6 +239,8 @@ def test_triggers_through_fabric_call_and_loggers(tmp_path: Path) -> None:
 
 
 def test_bad_input_at_setup() -> None:
+    with pytest.raises(RuntimeError, match=r"BAOCStrategy.summary\(\) has nothing to summarize yet.*after fabric.setup"):
+        _strategy().summary()
     fabric = Fabric(accelerator="cpu", devices=1, strategy=_strategy())
     model = mlp((64, 32, 10))
     with pytest.raises(TypeError, match=r"take over Adagrad .*supported"):

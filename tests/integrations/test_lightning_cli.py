@@ -107,8 +107,26 @@ def test_example_cli_rejects_an_unknown_baoc_key_naming_it(capsys: pytest.Captur
     assert info.value.code == 2
     assert capsys.readouterr().err == (
         "cli.py: error: argument '--baoc.memroy_budget=0.2': baoc.memroy_budget: unknown key (did you mean "
-        "baoc.memory_budget?)\n"
+        "baoc.memory_budget?); write --baoc.memory_budget=0.2\n"
     )
+
+
+def test_example_cli_checks_the_callbacks_arguments_of_the_last_callback_added_when_it_is_baoc(tmp_path: Path) -> None:
+    # jsonargparse's rule: --trainer.callbacks.KEY sets the last callback added, by an argument or a config file
+    path = tmp_path / "callbacks.yaml"
+    path.write_text(yaml.safe_dump({"trainer": {"callbacks": [{"class_path": "lightning_baoc.BAOC"}]}}))
+    args = [
+        "--config", str(path), "--trainer.callbacks.sampel_every=5",  # BAOC, from the file
+        "--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping", "--trainer.callbacks.patiense=3",  # not ours
+        "--trainer.callbacks+=lightning_baoc.BAOC", "--trainer.callbacks.init_args.memroy_budget", "0.3",
+        "--trainer.callbacks.help", "lightning_baoc.BAOC",
+    ]
+    inputs = [item for item in cli.cli_inputs(args) if item.argument is not None]
+    assert [(item.argument, item.data, item.callback) for item in inputs] == [
+        ("--trainer.callbacks.sampel_every=5", {"trainer": {"callbacks": {"sampel_every": 5}}}, "lightning_baoc.BAOC"),
+        ("--trainer.callbacks.init_args.memroy_budget 0.3",
+         {"trainer": {"callbacks": {"init_args": {"memroy_budget": 0.3}}}}, "lightning_baoc.BAOC"),
+    ]
 
 
 def _typos(d: dict[str, Any]) -> None:
@@ -134,12 +152,13 @@ def test_example_cli_reports_every_error_of_a_config_with_suggestions_not_the_us
         "cli.py: error: 7 errors in the LightningCLI config:",
         f"  {path}: baoc.hysteresis: invalid value -1; expected a finite number >= 0.0",
         f"  {path}: baoc.calibration.mode: unknown key; the key is now baoc.calibration",
-        f"  {path}: baoc.sampel_every: unknown key (did you mean baoc.sample_every?)",
-        f"  {path}: trainer.max_step: unknown key (did you mean trainer.max_steps?): not an argument of lightning.Trainer",
+        f"  {path}: baoc.sampel_every: unknown key (did you mean baoc.sample_every?); rename sampel_every to sample_every",
+        f"  {path}: trainer.max_step: unknown key (did you mean trainer.max_steps?): not an argument of lightning.Trainer; "
+        "rename max_step to max_steps",
         f"  {path}: trainer.callbacks[0].init_args.warmup: unknown key (did you mean "
-        "trainer.callbacks[0].init_args.warmup_steps?)",
+        "trainer.callbacks[0].init_args.warmup_steps?); rename warmup to warmup_steps",
         "  argument '--trainer.max_epoch=2': trainer.max_epoch: unknown key (did you mean trainer.max_epochs?): not an "
-        "argument of lightning.Trainer",
+        "argument of lightning.Trainer; write --trainer.max_epochs=2",
         "  argument '--baoc.granularity layers': baoc.granularity: invalid value 'layers'; allowed: ['module', "
         "'layer', 'param'] (did you mean 'layer'?)",
         "",

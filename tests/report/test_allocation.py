@@ -20,6 +20,8 @@ from lightning_baoc.report.allocation import (
     JSON_NAME,
     PNG_NAME,
     RENAMED_STATS,
+    SCALAR_NAMES,
+    allocation_line,
     allocation_table,
     block_stat,
     build_record,
@@ -75,6 +77,8 @@ def test_record_follows_the_schema_and_is_strict_json(tmp_path: Path) -> None:
         "params": 16448,
         "param_names": ["attn.weight", "attn.bias"],
         "format": "int8",
+        "state_format": "int8",
+        "correction": "none",
         "state_bytes": 34952,
         "risk": {"fp32": 0.0, "bf16": 0.02, "int8": 0.04, "factored": 0.1},
         "format_risk": 0.04,
@@ -123,8 +127,10 @@ def test_png_and_scalars(tmp_path: Path) -> None:
     png = plot_allocation(record, tmp_path / PNG_NAME)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     values = scalars(record)
-    assert set(values) == {"baoc/state_bytes", "baoc/peak_state_bytes", "baoc/saved_fraction", "baoc/total_risk"}
+    assert set(values) == set(SCALAR_NAMES) - {"baoc/measured_peak_growth_bytes"}  # not measured here
     assert values["baoc/state_bytes"] == 317576 and values["baoc/saved_fraction"] == pytest.approx(0.5304, abs=1e-4)
+    assert values["baoc/baseline_state_bytes"] == 676352 and values["baoc/state_fraction"] == pytest.approx(0.4695, abs=1e-4)
+    assert values["baoc/memory_budget_bytes"] == 338176 and values["baoc/correction_bytes"] == 0
     assert values["baoc/total_risk"] == pytest.approx(0.05)
     assert values["baoc/peak_state_bytes"] == record["peak_state_bytes"] >= record["state_bytes"]
 
@@ -235,3 +241,45 @@ def test_write_reports_without_a_directory_prints_only(tmp_path: Path, capsys: p
     assert "BAOC allocation" in capsys.readouterr().out
     paths = write_reports(build_record(_event()), tmp_path / "logs", table=False)
     assert sorted(p.name for p in paths.values()) == [JSON_NAME, PNG_NAME]
+
+
+def test_the_record_and_the_line_name_the_corrections_beside_the_states(tmp_path: Path) -> None:
+    """Corrections in the budget (``BAOC(corrections=...)``): the line gives their bytes, per parameter and with the
+    state against the budget; the record holds them under the summary's names; corrections the optimizer holds of
+    its own are said to be outside the budget. Without corrections the line is as it was."""
+    from dataclasses import replace
+
+    event = _event()
+    numel = sum(event.block_numel.values())  # 84,544
+    paired = replace(event, formats={"emb": "bf16+ecc8", "attn": "int8+none", "head": "fp32+none"},
+                     correction_bytes=65536, corrections_in_budget=True)
+    record = build_record(paired, measured_peak_growth_bytes=2**20)
+    validate_record(record)
+    assert (record["correction_bytes"], record["corrections_in_budget"], record["measured_peak_growth_bytes"]) == (65536, True, 2**20)
+    assert [(b["state_format"], b["correction"]) for b in record["blocks"]] == [("bf16", "ecc8"), ("int8", "none"), ("fp32", "none")]
+    assert record["state_fraction"] == pytest.approx(317576 / 676352)
+    assert scalars(record)["baoc/correction_bytes"] == 65536 and scalars(record)["baoc/measured_peak_growth_bytes"] == 2**20
+    assert allocation_line(paired) == (
+        "BAOC: warmup allocation at step 200: 2 block(s) converted; optimizer state 676,352 -> 317,576 bytes (53.0% of "
+        "AdamW's state saved; peak so far 0); weight corrections 65,536 bytes (0.78 B/param), with the state 383,112 of "
+        "the 338,176-byte budget; total risk 0.05"
+    )
+    assert f"{65536 / numel:.2f}" == "0.78"
+    own = replace(event, correction_bytes=84544, corrections={"emb": "ecc8", "attn": "ecc8", "head": "ecc8"})
+    assert "; weight corrections 84,544 bytes (1.00 B/param), outside the budget (the optimizer's own weight_correction);" in allocation_line(own)
+    assert [b["correction"] for b in build_record(own)["blocks"]] == ["ecc8", "ecc8", "ecc8"]
+    assert "weight corrections" not in allocation_line(replace(event, correction_bytes=0))
+    console = Console(record=True, width=200)
+    console.print(allocation_table(record))
+    assert "weight corrections 64 KiB (in the budget)" in console.export_text()
+
+
+def test_a_record_of_an_earlier_version_gives_the_scalars_it_can() -> None:
+    """Records written before the summary's names: no baseline (the fp32 state), no corrections, no measured peak."""
+    old = {"step": 3, "memory_budget_bytes": 400, "state_bytes": 300, "fp32_state_bytes": 1000, "total_risk": 0.5, "blocks": []}
+    validate_record(old)
+    assert scalars(old) == {
+        "baoc/state_bytes": 300.0, "baoc/baseline_state_bytes": 1000.0, "baoc/state_fraction": 0.3,
+        "baoc/saved_fraction": 0.7, "baoc/correction_bytes": 0.0, "baoc/memory_budget_bytes": 400.0,
+        "baoc/peak_state_bytes": 300.0, "baoc/total_risk": 0.5,
+    }

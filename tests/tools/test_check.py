@@ -79,20 +79,54 @@ def test_a_format_the_device_cannot_serve_fails_naming_the_format_and_the_fix(ca
 
 def test_sampler_overhead_says_the_figure_and_fails_above_the_design_budget() -> None:
     model = nn.Sequential(*[nn.Linear(512, 512, device="meta") for _ in range(4)])
-    fine = _by_name(run_checks(parse_config({"baoc": {"memory_budget": 0.5}}), model, "cpu"))["sampler overhead"]
-    assert fine.passed and "(1.6% of the gradient)" in fine.detail and "ring buffer" in fine.detail, fine
-    # a small model is read almost whole at every sample: the same settings cost it too much
+    roomy = parse_config({"baoc": {"memory_budget": 0.5, "instrument_share": 1.0}})  # nothing lowered
+    fine = _by_name(run_checks(roomy, model, "cpu"))["sampler overhead"]
+    assert fine.passed and "reads 16,384 gradient elements per sample (1.6% of the gradient)," in fine.detail, fine
+    assert "sampler buffers 2.26 MiB, of the instruments' 2.78 MiB" in fine.detail
+    # a small model sampled at every step reads too much of its gradient
     small = nn.Sequential(*[nn.Linear(64, 64, device="meta") for _ in range(4)])
-    busy = _by_name(run_checks(parse_config({"baoc": {"memory_budget": 0.5}}), small, "cpu"))["sampler overhead"]
-    assert not busy.passed and "(98.5% of the gradient)" in busy.detail
+    every = parse_config({"baoc": {"memory_budget": 0.5, "sample_every": 1, "warmup_steps": 20}})
+    busy = _by_name(run_checks(every, small, "cpu"))["sampler overhead"]
+    assert not busy.passed and "reads 1,544 gradient elements per sample (9.3% of the gradient;" in busy.detail, busy
+    assert "about 3.29% of a training step" in busy.detail
     assert "baoc.sample_every >= " in busy.fix and "baoc.max_elements <= " in busy.fix
-    # either suggestion brings the estimate under the budget
+    # either suggestion brings the estimate under the budget, at the 386 elements per block the run samples
     suggested = int(busy.fix.split("sample_every >= ")[1].split(" ")[0])
     elements = int(busy.fix.split("max_elements <= ")[1].split(" ")[0])
     numel = {str(i): 64 * 65 for i in range(4)}
-    assert sampler_overhead(numel, 10, 4096, 32).overhead > MAX_SAMPLER_OVERHEAD
-    assert sampler_overhead(numel, suggested, 4096, 32).overhead <= MAX_SAMPLER_OVERHEAD
-    assert sampler_overhead(numel, 10, elements, 32).overhead <= MAX_SAMPLER_OVERHEAD
+    assert sampler_overhead(numel, 1, 386, 32).overhead > MAX_SAMPLER_OVERHEAD
+    assert sampler_overhead(numel, suggested, 386, 32).overhead <= MAX_SAMPLER_OVERHEAD
+    assert elements < 386 and sampler_overhead(numel, 1, elements, 32).overhead <= MAX_SAMPLER_OVERHEAD
+
+
+def test_check_names_each_memory_figure_once_and_they_are_what_the_run_holds() -> None:
+    """Issue 61: 'sampler buffers 255 KiB' and 'ring buffer 5.49 MiB' in one table were two sizes of the
+    sampler's memory: the first BAOC's instruments (the sampler's buffers and the shadow moments) as the
+    run sizes them within baoc.instrument_share, the second the ring at a max_elements the run never
+    samples. Now the memory line names the instruments' bytes, the sampler line the sampler's part of them
+    at the elements the run samples (and says that they were lowered), and both are the controller's."""
+    from lightning_baoc import BAOC
+
+    cfg = load_config(CONFIGS / "vision.yaml")
+    from lightning_baoc.tools.check import resolve_model
+
+    results = _by_name(run_checks(cfg, resolve_model(cfg)[0], "cpu"))
+    budget, sampler = results["memory budget"], results["sampler overhead"]
+    assert "ring buffer" not in sampler.detail and "ring buffer" not in budget.detail
+    assert "BAOC's instruments (the sampler's buffers and the shadow moments) hold 255 KiB besides" in budget.detail
+    assert budget.figures["instrument_bytes"] == 261_144
+    assert "reads 640 gradient elements per sample (0.4% of the gradient; baoc.max_elements=4096 lowered to 32 per block" in sampler.detail
+    assert "sampler buffers 122 KiB, of the instruments' 255 KiB (see memory budget)" in sampler.detail
+
+    torch.manual_seed(0)
+    model = resolve_model(cfg, config_path=CONFIGS / "vision.yaml")[0].to_empty(device="cpu")
+    ctl = BAOC.from_config(CONFIGS / "vision.yaml").controller  # the template's settings, as a run takes them
+    ctl.install(torch.optim.AdamW(model.parameters()), model)
+    try:  # the run samples those elements and holds at most those bytes
+        assert ctl.instruments.max_elements == 32 and ctl.instruments.estimate_bytes == budget.figures["instrument_bytes"]
+        assert 0 < ctl.sampler.buffer_bytes() <= 122 * 2**10 + 2**9
+    finally:
+        ctl.close()
 
 
 def test_sampler_overhead_estimate_reproduces_its_measured_anchor() -> None:

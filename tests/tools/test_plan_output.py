@@ -71,3 +71,21 @@ def test_the_plan_records_whether_its_device_was_the_default() -> None:
     assert plan("tiny").device_default and plan("tiny").device == "cuda"
     given = plan("tiny", device="cuda")
     assert not given.device_default and given.to_dict()["device_default"] is False
+
+
+def test_json_to_standard_output_is_alone_there(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--json -`` wrote a file named ``-``; it writes the plan to standard output, and nothing else goes there
+    (the tables go to standard error), so ``lightning-baoc plan --json - | jq`` reads it."""
+    monkeypatch.chdir(tmp_path)
+    code = main(["plan", "--preset", "tiny", "--device", "cpu", "--budget", "0.5", "--budget", "0.01", "--json", "-"])
+    captured = capsys.readouterr()
+    assert code == 1 and not (tmp_path / "-").exists() and list(tmp_path.iterdir()) == []
+    data = json.loads(captured.out)  # the whole of stdout is the JSON
+    expected = json.loads(json.dumps(plan("tiny", ["0.5", "0.01"], device="cpu").to_dict()))
+    assert data == expected and [a["budget"] for a in data["allocations"]] == ["0.5", "0.01"]
+    assert data["allocations"][1]["error"].startswith("memory_budget 13 KiB")
+    err = " ".join(captured.err.split())
+    assert "lightning-baoc plan: tiny on cpu" in err and "at budget 0.5" in err  # the tables, on stderr
+    assert "lightning-baoc plan: budget 0.01 is infeasible:" in err

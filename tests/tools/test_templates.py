@@ -104,7 +104,7 @@ def test_check_and_the_callback_report_the_same_state_and_budget() -> None:
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     optimizer.step()
-    summary = callback.controller.summary()
+    summary = callback.controller.summary_line()
     callback.controller.close()
     assert (figures["budget_bytes"], figures["start"]) == (callback.controller.memory_budget_bytes(), optimizer.state_bytes())
     assert f"optimizer state {format_bytes(figures['start'])} of" in summary
