@@ -185,3 +185,49 @@ def lone_fp32_steps(device: torch.device, policy: str) -> list[torch.Tensor]:
             opt.step()
         assert opt.nonfinite_counts == {"w": 1} and opt.step_count("w") == 2
     return [p.detach().cpu(), *(v.cpu() for _, v in sorted(opt._records[p].views.items()))]  # noqa: SLF001
+
+
+class BusyCores:
+    """Keep ``count`` cores busy while a block runs: one process per core spinning in a Python loop (it
+    allocates nothing and touches no file), started on entry and killed by its process id on exit. A
+    measurement that holds only on a quiet machine fails under it (issue 61: the memory tests hold under load).
+
+    After the block, ``cpu_seconds`` holds each spinner's CPU time (user + system, from ``os.wait4``) and
+    ``wall_seconds`` the block's, so a test can show that the spinners ran.
+
+    Example::
+
+        with BusyCores(1) as busy:
+            measure()
+        assert min(busy.cpu_seconds) > 0.1 * busy.wall_seconds
+    """
+
+    def __init__(self, count: int = 1) -> None:
+        if count < 1:
+            raise ValueError(f"Invalid count={count}: the number of cores to keep busy, at least 1")
+        self.count = count
+        self.cpu_seconds: list[float] = []
+        self.wall_seconds = 0.0
+        self._procs: list[Any] = []
+        self._began = 0.0
+
+    def __enter__(self) -> BusyCores:
+        import subprocess
+        import sys
+        import time
+
+        self._procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.count)]
+        self._began = time.perf_counter()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        import os
+        import time
+
+        self.wall_seconds = time.perf_counter() - self._began
+        for proc in self._procs:
+            proc.kill()
+            _, status, usage = os.wait4(proc.pid, 0)  # reaped here, with the spinner's own CPU time
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            self.cpu_seconds.append(usage.ru_utime + usage.ru_stime)
+        self._procs = []
