@@ -124,6 +124,7 @@ def _check_allocated(ranks: list[dict]) -> None:
         assert r["state_bytes"] <= r["budget"] < r["fp32"]  # within the per-rank budget
 
 
+@pytest.mark.slow  # two ranks; ZeRO 1/2 under Lightning and Fabric's ZeRO-2 run by default
 @needs_gloo
 def test_baoc_under_zero_3_on_two_ranks(tmp_path: Path) -> None:
     on_lightning_ranks(_fit, 2, str(tmp_path), 3, 2, 2, "run", None, False, "cosine")

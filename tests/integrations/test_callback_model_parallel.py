@@ -136,6 +136,7 @@ def _other_world_size_worker(rank: int, root: str) -> None:
          refused=r"saved by 2 shards, and this run shards them 1 ways .*optimizer.to_adamw_state_dict\(\)")
 
 
+@pytest.mark.slow  # two ranks; Fabric's FSDP2 resume runs by default
 def test_baoc_under_model_parallel_strategy_resumes_from_a_distributed_checkpoint_to_the_bit(tmp_path: Path) -> None:
     on_lightning_ranks(_worker, WORLD, str(tmp_path))
     on_lightning_ranks(_other_world_size_worker, 1, str(tmp_path))

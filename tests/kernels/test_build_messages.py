@@ -204,6 +204,7 @@ def _checkout(root: Path) -> Path:
     return root
 
 
+@pytest.mark.slow  # two real builds; the cache's keys are held fast by tests/kernels/test_build_cache.py
 @pytest.mark.skipif(not kernels.cpu_kernels().available, reason=f"no compiled kernels: {kernels.cpu_kernels().detail}")
 def test_two_checkouts_of_the_same_source_compile_once(tmp_path: Path) -> None:
     """A working tree and a fresh clone (two copies of the package at two paths) share one build: the

@@ -141,6 +141,7 @@ def _run(graphs: bool, steps: int = 50) -> tuple[list[torch.Tensor], dict, dict,
     return _state(named, opt), counts, opt.nonfinite_counts, opt._stepper.graphs, captures + tape.captures  # noqa: SLF001
 
 
+@pytest.mark.slow  # 50 steps; the route matrix's graph route holds replay to the planned step by default
 def test_the_captured_step_equals_the_planned_one_over_50_steps() -> None:
     captured, counts, skipped, graphs, captures = _run(True)
     planned, counts_p, skipped_p, unused, none = _run(False)
@@ -218,8 +219,12 @@ def _release(named: list, opt: BlockwiseAdamW) -> None:
     opt.release_gradients()
 
 
-@pytest.mark.parametrize("change", [_replace_grad, _drop_grad, _replace_data, _convert, _correct, _betas, _add_group,
-                                    _load, _release])
+#: the default run holds three of the changes (a conversion, a load, a dropped gradient); -m slow all of them
+_CHANGES = [_replace_grad, _drop_grad, _replace_data, _convert, _correct, _betas, _add_group, _load, _release]
+
+
+@pytest.mark.parametrize("change", [pytest.param(c, marks=() if c in (_convert, _load, _drop_grad) else pytest.mark.slow)
+                                    for c in _CHANGES])
 def test_what_invalidates_a_captured_step(change: Change) -> None:
     """Each change after capture: the next step runs planned (the graph dropped), with the planned step's bits;
     a steady step after it is captured again (but under gradient release, which steps in backward)."""
@@ -278,6 +283,7 @@ def test_a_capture_that_fails_turns_graphs_off_with_one_warning() -> None:
     assert opt.step_count("a") == 7
 
 
+@pytest.mark.slow  # long; what invalidates a capture is held by the cases below
 def test_gradients_that_move_at_every_step_turn_graphs_off() -> None:
     named = _model()
     opt = _optimizer(named)
@@ -429,6 +435,7 @@ def test_a_lightning_run_replays_its_captured_step(tmp_path: Any) -> None:
     assert graphs.captures <= 3 and graphs.replays >= 25, (graphs.captures, graphs.replays)
 
 
+@pytest.mark.slow  # the route matrix's amp and resume cases replay factored formats by default
 def test_the_factored_formats_replay_as_planned() -> None:
     """``factored`` and ``int8_factored`` tensors (a bf16 weight with its ecc8 correction among them) in the graph:
     their vectors and factors recorded too (kernels/triton_factored.py), the same bits as the planned step over
