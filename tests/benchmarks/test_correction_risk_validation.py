@@ -20,6 +20,7 @@ def restore_threads():
     torch.set_num_threads(before)
 
 
+@pytest.mark.slow  # long; correction risk is held by default by tests/risk/test_correction_risk.py
 def test_quick_run_meets_the_budget_and_orders_the_allocations_by_risk(tmp_path) -> None:
     path = tmp_path / "results.json"
     V.main(["--quick", "--json", str(path)])

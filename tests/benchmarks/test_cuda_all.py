@@ -73,6 +73,7 @@ def check_dry_calls(tmp_path: Path, smoke: bool, seconds: int, timeout: int, ski
     return calls
 
 
+@pytest.mark.slow  # three calls of the script; its refusals are held by default in this file
 def test_the_dry_run_goes_end_to_end_in_a_copy_and_resumes(tmp_path: Path) -> None:
     calls = check_dry_calls(tmp_path, smoke=True, seconds=60, timeout=240, skip="suite_quality quality_at_scale")
     assert "quality_at_scale" not in calls[0] and "quality_at_scale" in calls[1], calls  # the next call goes on

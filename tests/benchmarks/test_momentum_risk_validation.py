@@ -20,7 +20,7 @@ def restore_threads():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "lion"])
+@pytest.mark.parametrize("optimizer", ["sgd", pytest.param("lion", marks=pytest.mark.slow)])  # Lion: the same script
 def test_quick_run_meets_the_budget_and_orders_the_allocations_by_risk(optimizer: str, tmp_path) -> None:
     path = tmp_path / "results.json"
     V.main(["--optimizer", optimizer, "--quick", "--json", str(path)])

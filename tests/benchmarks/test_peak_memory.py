@@ -123,6 +123,7 @@ def test_a_small_run_holds_the_planned_gradients_state_and_instruments_and_peaks
         assert one_miss(plan_misses({**r, "held": r["held"] - t["instruments"]}), "held at a step's end")
 
 
+@pytest.mark.slow  # long; the counted peak within the plan is held by default in this file
 def test_a_small_run_peaks_over_its_steady_state_within_adamws_own_plus_a_third_of_a_byte() -> None:
     """3.1M parameters, fp32 and bf16-true, plain AdamW and BAOC at 0.25 with its defaults, the allocation at
     step 12 of 16, the tensors' bytes counted: BAOC's peak over its steady state is within AdamW's own excess

@@ -209,6 +209,7 @@ NEW_PARAMETERS = '''\
 '''
 
 
+@pytest.mark.slow  # builds a package copy; each setting's consumers are held by default in this file
 def test_a_new_setting_reaches_every_consumer_with_its_entry_and_its_two_parameters(tmp_path: Path) -> None:
     """A copy of the package whose only changes are three more entries in ``SETTINGS`` and their
     parameters in ``BAOC.__init__`` and ``BAOCStrategy.__init__``."""

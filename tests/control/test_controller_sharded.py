@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 from support_distributed import needs_gloo, on_gloo_ranks
@@ -122,6 +123,7 @@ def _risk_worker(rank: int, out: str) -> None:
     one.close()
 
 
+@pytest.mark.slow  # two ranks; the controller on two ranks is held by default in this file
 def test_the_risk_of_a_sharded_model_is_scored_over_every_rank_s_rows(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Each rank scores its rows of every parameter split by rows and the terms are summed: the risk
     table at the warm-up allocation is one process's on the same model and batches, and so is the

@@ -29,6 +29,9 @@ CLI = ROOT / "examples" / "cli.py"
 HYDRA = ROOT / "examples" / "hydra_baoc.py"
 VISION = ROOT / "configs" / "vision.yaml"
 HAS_HYDRA = importlib.util.find_spec("hydra") is not None
+#: six commands in processes of their own (about 20 s on 2 cores): under -m slow. The messages themselves are held
+#: by default in one process by tests/config/test_files.py (lightning_cli_errors, override_errors, load_config)
+pytestmark = pytest.mark.slow
 NEEDS_HYDRA = pytest.mark.skipif(not HAS_HYDRA, reason="hydra-core is an optional dependency (the test extra has it)")
 
 #: The LightningCLI command of docs/configuration.md, with a typo in its last argument.

@@ -40,7 +40,7 @@ def _trainer(steps: int) -> L.Trainer:
 
 
 # (workload, steps, batch size): enough steps for the held-out metric to move clearly.
-FEW_STEPS = [("vit_digits", 25, 64), ("char_gpt", 15, 16), ("ddpm_digits", 15, 64)]
+FEW_STEPS = [("vit_digits", 25, 64), pytest.param("char_gpt", 15, 16, marks=pytest.mark.slow), ("ddpm_digits", 15, 64)]
 
 
 @pytest.mark.parametrize("name,steps,batch_size", FEW_STEPS)

@@ -58,7 +58,9 @@ def test_every_format_on_every_backend_agrees_with_the_eager_step(backend: str, 
     _case(fmt, backend, SHAPES[backend], STEPS[backend][step])
 
 
-@pytest.mark.parametrize("fmt", ["int8", "bf16", "int8_factored"])
+# int8 by default; the other formats' Triton steps are held by default over a few steps by the test above
+@pytest.mark.parametrize("fmt", ["int8", pytest.param("bf16", marks=pytest.mark.slow),
+                                 pytest.param("int8_factored", marks=pytest.mark.slow)])
 def test_the_triton_step_after_50_steps(fmt: str) -> None:
     H.skip_unless("triton")
     _case(fmt, "triton", LONG_TRITON_SHAPES, 51)

@@ -63,7 +63,7 @@ def _spacing(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (neighbour - w.to(torch.float64).abs()).abs()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=pytest.mark.slow), torch.float16], ids=["bf16", "fp16"])  # fp16 by default
 def test_reconstruction_is_within_the_bound_and_ordered(dtype: torch.dtype) -> None:
     x = _masters(dtype)
     assert x.numel() > 4_000_000

@@ -187,6 +187,7 @@ def _decrease(precision: str, baoc: BAOC | None) -> tuple[float, pl.Trainer]:
     return sum(model.losses[:10]) / 10 - sum(model.losses[-10:]) / 10, trainer
 
 
+@pytest.mark.slow  # long; corrections under bf16-true are held by default in this file
 def test_defaults_under_bf16_true_keep_the_small_updates_the_budget_affords() -> None:
     """Measured (fraction of fp32's loss decrease): defaults 1.01 at budget 0.3 (0.00 with corrections=["none"]);
     0.65 at 0.15, where an ecc8 correction (1 byte per weight) fits one of the two layers (the budget is 0.6 bytes

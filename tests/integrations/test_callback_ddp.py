@@ -87,6 +87,7 @@ def _fit(root: Path, devices: int) -> DigitsModule:
     return model
 
 
+@pytest.mark.slow  # two ranks; the controller on two ranks is held by default by tests/control/test_controller_sharded.py
 def test_ddp_ranks_agree_and_match_single_process(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     ddp_model = _fit(tmp_path / "ddp", devices=2)
     ddp_out = capfd.readouterr().out

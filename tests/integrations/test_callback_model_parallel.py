@@ -203,5 +203,6 @@ def _fabric_worker(rank: int, root: str) -> None:
     _same_shards(opt, ref_opt, model, ref_model)
 
 
+@pytest.mark.slow  # two ranks; FSDP2 is held by default by tests/optim/test_routes_sharded.py
 def test_baoc_strategy_under_fabric_fsdp2_resumes_from_a_distributed_checkpoint_to_the_bit(tmp_path: Path) -> None:
     on_lightning_ranks(_fabric_worker, WORLD, str(tmp_path))

@@ -167,7 +167,7 @@ def _in_another_process(source: Path, ext: Path) -> str:
     return next(line for line in done.stdout.splitlines() if line.startswith("STATUS "))
 
 
-@pytest.mark.parametrize("keep", [32, "half"])
+@pytest.mark.parametrize("keep", [pytest.param(32, marks=pytest.mark.slow), "half"])  # a cut header: slow (a rebuild)
 def test_a_truncated_library_in_the_cache_is_rebuilt_once_and_loads(
     keep: int | str, ext: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

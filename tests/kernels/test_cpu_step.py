@@ -151,6 +151,7 @@ _NO_COMPILER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a process without a compiler; the eager step is held by default by every format's tests
 def test_without_a_compiler_the_eager_step_runs_with_the_same_results(tmp_path: Path) -> None:
     """Install on a machine without a C++ compiler: one warning that says so, the eager step, the
     same results as the compiled one."""
@@ -264,6 +265,7 @@ def _saturation(bits: torch.Tensor, noise: int) -> tuple[torch.Tensor, torch.Ten
     return eager, wide, kernel
 
 
+@pytest.mark.slow  # long; 16-bit weights on the compiled step are held by default in this file
 @pytest.mark.parametrize("stride", [pytest.param(61, marks=pytest.mark.slow), 4093])
 def test_the_kernels_bf16_saturation_on_16_bits_equals_the_32_bit_one(stride: int) -> None:
     """The kernels saturate the stochastically rounded bf16 on the 16-bit result (twice the lanes of a

@@ -106,8 +106,9 @@ def test_many_tensors_take_one_launch(fmt: str, triton_on_cpu: list[int], monkey
 
 
 @pytest.mark.parametrize(
-    "options", [{}, {"weight_decay": 0.1, "decoupled_weight_decay": False}, {"maximize": True, "weight_decay": 0.1}],
-    ids=["adamw", "adam-l2", "maximize"],
+    "options", [{}, pytest.param({"weight_decay": 0.1, "decoupled_weight_decay": False}, marks=pytest.mark.slow),
+                pytest.param({"maximize": True, "weight_decay": 0.1}, marks=pytest.mark.slow)],
+    ids=["adamw", "adam-l2", "maximize"],  # the options: slow here, held by default by test_triton_step_options
 )
 def test_fp32_tensors_take_one_fused_call_and_each_skips_alone(
     options: dict, triton_on_cpu: list[int], monkeypatch: pytest.MonkeyPatch
@@ -175,7 +176,7 @@ def test_a_lone_fp32_tensor_takes_its_own_flag_without_a_triton_launch(triton_on
     "options", [{"maximize": True}, {"weight_decay": 0.1, "decoupled_weight_decay": False}, {"betas": (0.4, 0.99)}],
     ids=["maximize", "adam-l2", "large-momentum-weight"],
 )
-@pytest.mark.parametrize("fmt", ["int8", "int8_factored"])
+@pytest.mark.parametrize("fmt", ["int8", pytest.param("int8_factored", marks=pytest.mark.slow)])  # int8 by default
 def test_triton_step_options(fmt: str, options: dict, triton_on_cpu: list[int]) -> None:
     shapes = [(37, 101), (64, 33)]
     _assert_close(fmt, H.run(fmt, "triton", shapes, 2, **options), H.run(fmt, "eager", shapes, 2, **options), shapes)

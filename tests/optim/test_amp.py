@@ -66,8 +66,8 @@ def _run(path: str, on: bool, steps: int = 12) -> tuple[list[torch.Tensor], dict
     return state, counts, opt.nonfinite_counts, scaler.get_scale(), opt._stepper.graphs.replays  # noqa: SLF001
 
 
-# the planned path's AMP is also the route matrix's (tests/optim/test_routes.py, case "amp"): slow here
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow if p == "planned" else ()) for p in PATHS])
+# the planned and graph paths' AMP is also the route matrix's (tests/optim/test_routes.py, case "amp"): slow here
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow if p in ("planned", "graph") else ()) for p in PATHS])
 def test_the_optimizer_handling_the_scaler_steps_as_the_scaler_does(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if path != "compiled":
         _device_path(monkeypatch)

@@ -250,6 +250,7 @@ print("checked", checked)
 """
 
 
+@pytest.mark.slow  # a child process importing torch's test suite; the inputs of the API are held by default in this file
 def test_torch_own_optimizer_inputs_when_available() -> None:
     pytest.importorskip("expecttest")  # torch's test helpers need it
     code = _TORCH_OWN_INPUTS.format(refused=sorted(REFUSED))
@@ -356,6 +357,7 @@ torch.save({n: p.detach() for n, p in model.named_parameters()}, sys.argv[2])
 """
 
 
+@pytest.mark.slow  # a fresh process; pickling in this process is held by default
 def test_pickle_round_trips_in_a_fresh_process(tmp_path: Path) -> None:
     model = mlp((32, 64, 8))
     adamw = torch.optim.AdamW(model.parameters(), lr=3e-3)

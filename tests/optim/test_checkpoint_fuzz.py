@@ -132,6 +132,7 @@ def _delete(sd: dict[str, Any], path: tuple[Any, ...]) -> None:
     del node[path[-1]]
 
 
+@pytest.mark.slow  # long; damaged checkpoints are held by default by tests/optim/test_checkpoint.py
 def test_every_field_deleted(saved: dict[str, Any]) -> None:
     paths = _paths(_sd(saved))
     assert len(paths) > 60
@@ -149,6 +150,7 @@ def test_every_field_deleted(saved: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------- bit flips
 
 
+@pytest.mark.slow  # long; damaged checkpoints are held by default by tests/optim/test_checkpoint.py
 def test_bit_flips_in_saved_files(saved: dict[str, Any]) -> None:
     data = saved["data"]
     rng = random.Random(0)

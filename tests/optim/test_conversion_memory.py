@@ -50,6 +50,7 @@ def _mixed_allocation(opt: BlockwiseAdamW) -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow  # long; the allocator measure is held by default in this file
 @pytest.mark.parametrize(
     "start", ["fp32", pytest.param("int8", marks=pytest.mark.slow), pytest.param("mixed", marks=pytest.mark.slow)]
 )  # int8: 10 s, mixed: 14 s on the 2-core machine

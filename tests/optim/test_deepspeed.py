@@ -235,6 +235,7 @@ def _load_elsewhere(rank: int, world: int, stage: int, fmt: str, directory: str)
                 again["state"][i][key], entry[key], rtol=0.1, atol=1e-6)
 
 
+@pytest.mark.slow  # two ranks; ZeRO is held by default by test_zero_1_2_3_on_two_ranks
 @needs_gloo
 def test_resume_through_deepspeed_checkpoints_and_another_rank_count(tmp_path) -> None:
     on_gloo_ranks(_resume, 2, 2, 3, "int8", str(tmp_path))
@@ -403,6 +404,7 @@ def _plain_parity(rank: int, world: int, cases: list[tuple[int, str]]) -> None:
         assert plain.state_dict()["baoc_deepspeed"]["map"] == wrapped.state_dict()["baoc_deepspeed"]["map"]
 
 
+@pytest.mark.slow  # two ranks; ZeRO is held by default by test_zero_1_2_3_on_two_ranks
 @needs_gloo
 def test_an_optimizer_handed_to_deepspeed_as_it_is_equals_zero_client_on_two_ranks() -> None:
     """ZeRO-2 (DeepSpeed steps each of the two groups through a one-group list; a partition cuts 0.weight
@@ -442,6 +444,7 @@ def _plain_resume(rank: int, world: int, stage: int, directory: str) -> None:
         assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(states, want_states))
 
 
+@pytest.mark.slow  # two ranks; ZeRO is held by default by test_zero_1_2_3_on_two_ranks
 @needs_gloo
 def test_checkpoints_of_an_optimizer_handed_as_it_is_resume_bit_equal(tmp_path) -> None:
     on_gloo_ranks(_plain_resume, 1, 1, 3, str(tmp_path))
@@ -483,6 +486,7 @@ def _refused_when_handed(rank: int, world: int) -> None:
         engine.backward(engine(x).square().mean())
 
 
+@pytest.mark.slow  # two ranks; ZeRO is held by default by test_zero_1_2_3_on_two_ranks
 @needs_gloo
 def test_what_cannot_become_the_client_is_refused_naming_the_fix() -> None:
     on_gloo_ranks(_refused_when_handed, 1, 1)

@@ -96,6 +96,7 @@ class _nothing:  # noqa: N801 - a context manager that does nothing (no warning 
         return None
 
 
+@pytest.mark.slow  # long; the route matrix's device route holds it by default (tests/optim/test_routes.py)
 def test_the_planned_step_equals_the_unplanned_one(builds: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     planned, counts, skipped = _run(True, monkeypatch)
     # plans: the first step's, kept; after each conversion (they dropped them); step 6's subset
@@ -180,6 +181,7 @@ def test_the_plans_advance_rows_of_one_counts_array(builds: list[int]) -> None:
     assert {rec.name: rec.step for rec in records} == {"a": 6, "b": 6, "c": 3}
 
 
+@pytest.mark.slow  # long; the route matrix's device route holds it by default (tests/optim/test_routes.py)
 def test_the_factored_formats_step_through_the_plan_as_unplanned(builds: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     """``factored`` and ``int8_factored`` tensors (fp32 and bf16 weights, an ecc8 correction) in the plan: their
     vectors and factors in two launches for all of them (kernels/triton_factored.py), the same bits as the

@@ -294,6 +294,7 @@ def _assert_close_to_twin(errors: dict[str, float], members: list[Member], phase
             assert errors[m.name] <= tolerance, (m.name, phase, errors[m.name], tolerance)
 
 
+@pytest.mark.slow  # long; a failing step is held by default by tests/optim/test_atomic_step.py
 def test_every_format_survives_fault_injection() -> None:
     opt, twin, members = _build()
     warm_up = Phase("warm-up", WARMUP_STEPS, {dtype: 1e-2 for dtype in DTYPES})

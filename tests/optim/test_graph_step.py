@@ -156,6 +156,7 @@ def test_the_captured_step_equals_the_planned_one_over_50_steps() -> None:
         assert x.dtype == y.dtype and torch.equal(x, y)
 
 
+@pytest.mark.slow  # long; the route matrix's graph route reads a schedule's lr by default (case lr-schedule)
 def test_a_replayed_step_reads_the_learning_rate_of_each_step() -> None:
     """A learning rate set after capture moves the parameters as the planned step's does (a value recorded at
     capture would not)."""
@@ -219,12 +220,11 @@ def _release(named: list, opt: BlockwiseAdamW) -> None:
     opt.release_gradients()
 
 
-#: the default run holds three of the changes (a conversion, a load, a dropped gradient); -m slow all of them
 _CHANGES = [_replace_grad, _drop_grad, _replace_data, _convert, _correct, _betas, _add_group, _load, _release]
 
 
-@pytest.mark.parametrize("change", [pytest.param(c, marks=() if c in (_convert, _load, _drop_grad) else pytest.mark.slow)
-                                    for c in _CHANGES])
+@pytest.mark.slow  # long; a plan rebuilt when its tensors change is held by default by tests/optim/test_device_plan.py
+@pytest.mark.parametrize("change", _CHANGES)
 def test_what_invalidates_a_captured_step(change: Change) -> None:
     """Each change after capture: the next step runs planned (the graph dropped), with the planned step's bits;
     a steady step after it is captured again (but under gradient release, which steps in backward)."""
@@ -262,6 +262,7 @@ def test_what_invalidates_a_captured_step(change: Change) -> None:
         assert torch.equal(x, y)
 
 
+@pytest.mark.slow  # long; a step the graph cannot take is held by default in this file
 def test_a_capture_that_fails_turns_graphs_off_with_one_warning() -> None:
     class Failing(graph_step.TapeBackend):  # what a capture's error looks like, on any device
         def capture(self, body: Any, device: torch.device) -> Any:
@@ -355,6 +356,7 @@ def test_a_replayed_steps_host_work_does_not_grow_with_the_number_of_tensors() -
     assert small < 600
 
 
+@pytest.mark.slow  # long; the planned step is held by default by the route matrix's device route
 def test_cuda_graphs_off_runs_the_planned_step() -> None:
     named = _model()
     opt = _optimizer(named)
@@ -470,6 +472,7 @@ def test_the_factored_formats_replay_as_planned() -> None:
         assert x.dtype == y.dtype and torch.equal(x, y)
 
 
+@pytest.mark.slow  # long; the route matrix's graph route holds clipping with accumulation under -m slow, replay by default
 def test_gradients_clipped_in_place_feed_the_captured_step() -> None:
     """``torch.nn.utils.clip_grad_norm_`` before each step (Lightning's ``gradient_clip_val``) writes the gradients in
     place: the graph reads the clipped ones, the same bits as the planned step."""
@@ -506,6 +509,7 @@ def test_a_step_the_graph_cannot_take_says_why_once() -> None:
     assert tape.captures == 0 and opt.step_count("a") == 6
 
 
+@pytest.mark.slow  # long; a step the graph cannot take is held by default in this file
 def test_parameters_another_part_of_the_optimizer_steps_keep_the_graph_off_and_are_named() -> None:
     """``offload`` states under an offload schedule are stepped apart from the dispatcher: the graph is never
     captured (it would not step them), and they are named once, after two such steps."""

@@ -534,7 +534,7 @@ def test_exact_gradients_through_backward_on_the_cpu() -> None:
             assert worst == 0.0 if name == "host" else worst <= MAX_ULPS, (name, overlap, worst)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])  # more seeds: slow
 @pytest.mark.parametrize("name", ["host", "interleaved", "device"])
 @pytest.mark.parametrize("overlap", ["off", "transfers", "update"])
 def test_with_streams_that_run_later_every_wait_is_in_place(name: str, overlap: str, seed: int) -> None:

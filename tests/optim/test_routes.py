@@ -284,11 +284,17 @@ DEFAULT = ("mixed-dtypes-32-bf-16", "fp32-exact-lr", "mixed-dtypes-int8", "resum
            "accumulate-clip", "sgd-int8")
 
 
+#: the default cases that also run on the device and graph routes by default (the others there under ``-m slow``:
+#: each is several seconds on Triton's interpreter)
+DEFAULT_ON_DEVICE = ("mixed-dtypes-32-bf-16", "fp32-exact-lr", "mixed-dtypes-int8", "sgd-int8")
+
+
 def _matrix() -> list[Any]:
     out = []
     for case in CASES:
-        marks = () if case.name in DEFAULT else (pytest.mark.slow,)
         for route in ROUTES[1:]:
+            default = case.name in DEFAULT and (route == "compiled" or case.name in DEFAULT_ON_DEVICE)
+            marks = () if default else (pytest.mark.slow,)
             out.append(pytest.param(case.name, route, marks=marks, id=f"{case.name}-{route}"))
     return out
 

@@ -187,6 +187,7 @@ def _worker(rank: int, world: int) -> None:
         assert (views["exp_avg_scale"].numel(), views["exp_avg_exp"].numel()) == expected
 
 
+@pytest.mark.slow  # two ranks; shards through every route are held by default by tests/optim/test_routes_sharded.py
 def test_shards_starting_inside_a_group_quantize_as_one_process_does() -> None:
     on_gloo_ranks(_worker, 2, 2)
 

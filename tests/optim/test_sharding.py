@@ -284,6 +284,7 @@ def _refusals(mesh) -> None:  # type: ignore[no-untyped-def]
     assert len(whole["state"]) == len(list(model.parameters()))
 
 
+@pytest.mark.slow  # two ranks; FSDP2 is held by default by tests/optim/test_routes_sharded.py
 def test_blockwise_adamw_under_fsdp2_on_two_ranks() -> None:
     on_gloo_ranks(_worker, WORLD)
 
@@ -474,10 +475,12 @@ def _momentum_recreated_alike(rank: int) -> None:
     assert counts == [1, 1]
 
 
+@pytest.mark.slow  # two ranks; the factored formats over FSDP2 shards are held by default by tests/optim/test_routes_sharded.py
 def test_factored_formats_over_shards_split_by_rows_follow_one_process() -> None:
     on_gloo_ranks(_factored_worker, WORLD)
 
 
+@pytest.mark.slow  # two ranks; sharded state dicts are held by default by tests/optim/test_routes_sharded.py
 def test_a_sharded_optimizer_resumes_to_the_bit_through_torch_distributed_checkpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """... and resumed by 1 rank it is refused before the load: torch's loader failed inside (``Size mismatch between
     saved torch.Size([2, ...]) and current``, a ``CheckpointException`` that ``except Exception`` misses), the

@@ -207,8 +207,10 @@ def test_the_compiled_step_equals_the_eager_one_on_16_bit_weights(dtype: torch.d
             assert torch.equal(ra.views[key], rb.views[key]), (ra.name, key)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("correction", ["ecc8", "ecc16"])
+# ecc8 on bf16 by default; the other pairs under -m slow (the same kernel, other widths)
+@pytest.mark.parametrize(("correction", "dtype"), [
+    pytest.param(c, d, marks=() if (c, d) == ("ecc8", torch.bfloat16) else pytest.mark.slow, id=f"{c}-{i}")
+    for c in ("ecc8", "ecc16") for d, i in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"))])
 def test_the_kernels_split_equals_the_reference_on_every_weight(dtype: torch.dtype, correction: str) -> None:
     """Every finite weight of the dtype, with random corrections (valid or not), positive and
     negative: one step at lr 0 (the master kept as it is, then split again) and one at lr 1e-3,

@@ -24,6 +24,7 @@ def test_the_planned_peak_counts_gradients_state_instruments_and_working_memory(
     assert "activations not counted" in peak.line() and peak.to_dict()["total"] == peak.total
 
 
+@pytest.mark.slow  # a fit; the memory line's figures are held by default in this file
 def test_a_fit_prints_the_planned_peak_beside_the_measured_one(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import lightning_baoc.integrations.callback as callback
 

@@ -49,6 +49,7 @@ def test_sgd_scores_order_the_formats() -> None:
         assert br.bias["none"] == pytest.approx(0.81) and br.variance["none"] == 0.0
 
 
+@pytest.mark.slow  # long; momentum risk is held by default by test_sgd_scores_order_the_formats
 def test_sgd_none_with_dampening_is_unbiased_noise() -> None:
     """With ``dampening = momentum`` the buffer is an average: dropping it keeps the step size and adds
     the noise the buffer damped, ``1 - (1 - beta) / (1 + beta)`` of the gradient's."""
@@ -66,6 +67,7 @@ def test_sgd_none_with_dampening_is_unbiased_noise() -> None:
         assert br.variance["none"] == pytest.approx((1 - 0.1 / 1.9) * noise / br.update_sq, rel=1e-9)
 
 
+@pytest.mark.slow  # long; momentum risk is held by default by test_sgd_scores_order_the_formats
 def test_scores_do_not_depend_on_the_gradients_scale() -> None:
     opt, shadow = _trained_sgd()
     before = momentum_risk_table(opt, BLOCKS, shadow, seed=3)
@@ -78,6 +80,7 @@ def test_scores_do_not_depend_on_the_gradients_scale() -> None:
             assert after[block][fmt] == pytest.approx(before[block][fmt], rel=1e-6, abs=1e-12), (block, fmt)
 
 
+@pytest.mark.slow  # long; momentum risk is held by default by test_sgd_scores_order_the_formats
 def test_a_group_without_momentum_scores_zero() -> None:
     opt, shadow = _trained_sgd(momentum=0.0)
     table = momentum_risk_table(opt, BLOCKS, shadow)

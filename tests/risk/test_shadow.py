@@ -68,6 +68,7 @@ def _sharded_worker(rank: int) -> None:
     assert back.steps == 4
 
 
+@pytest.mark.slow  # two ranks; the controller on two ranks is held by default by tests/control/test_controller_sharded.py
 @needs_gloo
 def test_every_rank_of_a_sharded_shadow_gets_its_own_moments_back() -> None:
     on_gloo_ranks(_sharded_worker, 2)

@@ -493,6 +493,7 @@ def load_benchmark() -> object:
     return module
 
 
+@pytest.mark.slow  # a timing; the sampler's work is held by default in this file
 def test_overhead_at_the_default_interval_is_small() -> None:
     bench = load_benchmark()
     result = bench.measure(intervals=(10,), rounds=20, warmup=3, n_layer=2, n_embd=64)  # type: ignore[attr-defined]
@@ -505,6 +506,7 @@ def test_overhead_at_the_default_interval_is_small() -> None:
     assert row["buffer_mb"] < 0.6 * result["blocks"]
 
 
+@pytest.mark.slow  # a fresh process; the sampler's close is held by default in this file
 def test_an_unclosed_sampler_finishes_its_work_before_the_process_exits(tmp_path: Path) -> None:
     """A script that never closes its sampler: at exit the worker thread finishes the sample it holds
     and is joined before the interpreter tears down (a daemon thread still inside torch's C++ code

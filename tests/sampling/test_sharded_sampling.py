@@ -81,6 +81,7 @@ def _worker(rank: int) -> None:
     assert everyone[0] == everyone[1]
 
 
+@pytest.mark.slow  # two ranks; sampling over ranks is held by default by tests/control/test_controller_sharded.py
 def test_sharded_statistics_equal_the_unsharded_ones() -> None:
     on_gloo_ranks(_worker, WORLD)
 
@@ -157,6 +158,7 @@ def _piece_worker(rank: int, max_rows: int) -> None:
     _check_equal(stats, reference)
 
 
+@pytest.mark.slow  # two ranks; sampling over ranks is held by default by tests/control/test_controller_sharded.py
 @pytest.mark.parametrize("max_rows", [64, 8])  # every row (the cut one among them), and every 8th
 def test_pieces_of_cut_parameters_sample_what_one_process_samples(max_rows: int) -> None:
     """A parameter held whole by one rank and by none on the other, or cut inside a row (its rows' parts'

@@ -118,6 +118,7 @@ def test_exact_equals_brute_force_on_random_instances() -> None:
     assert feasible >= 500 and infeasible >= 30 and both_budgets >= 450
 
 
+@pytest.mark.slow  # long; budgets are held by default in this file
 def test_tight_budgets_are_met_exactly() -> None:
     """A budget equal to the totals of some allocation is feasible: every method returns one."""
     rng = random.Random(7)

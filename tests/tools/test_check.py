@@ -259,6 +259,7 @@ def test_the_memory_line_reports_every_phase_and_the_warm_up_holds_the_budget() 
     ctl.close()
 
 
+@pytest.mark.slow  # long; the instruments' allowance is held by default by tests/costs/test_instruments.py
 def test_the_instruments_of_a_small_transformer_are_a_fraction_of_its_state() -> None:
     """The tiny decoder (166K parameters, 1.27 MiB of fp32 AdamW state): check reported 10.1 MiB of sampler
     ring and shadow moments before they were sized from the state (a 16 MiB floor); now check's figure and

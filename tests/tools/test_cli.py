@@ -64,6 +64,7 @@ def test_python_m_help_runs_in_a_fresh_process(argv: list[str]) -> None:
     assert done.stdout.startswith("usage: lightning-baoc")
 
 
+@pytest.mark.slow  # a fresh process; help through python -m is held by default in this file
 def test_console_script_help() -> None:
     script = shutil.which("lightning-baoc")
     if script is None:

@@ -427,6 +427,7 @@ def test_an_unknown_hardware_profile_is_refused_by_name() -> None:
         plan("tiny", [0.5], hardware="h100")
 
 
+@pytest.mark.slow  # long; the interleaved price is held by default in this file
 def test_with_hardware_the_solver_prices_offload_by_the_interleaved_schedule() -> None:
     """Under a time budget the solver trades ``offload`` against quantization at the price the model gives it on
     the profile (the interleaved update per element over the GPU's fp32 step: 8.03x on h100-pcie5, against the

@@ -32,6 +32,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=300)
 
 
+@pytest.mark.slow  # checks every template; the templates' configs are held by default in this file
 def test_check_finds_the_templates_models_beside_their_configs_and_says_so() -> None:
     """README: ``lightning-baoc check --config configs/vision.yaml`` from the checkout, no PYTHONPATH."""
     out = _cli("check", "--config", "configs/vision.yaml", cwd=ROOT)
