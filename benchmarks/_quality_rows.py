@@ -227,6 +227,25 @@ ROWS: dict[str, Row] = {
 }
 
 
+#: BAOC budgets under quality.py's, trained by ``frontier.py`` only (rows of :data:`FRONTIER_ROWS`, not of
+#: quality.py's tables): the allocation frontier down to 5% of fp32 AdamW's state.
+FRONTIER_BAOC_BUDGETS = {"baoc_0.15": 0.15, "baoc_0.1": 0.1, "baoc_0.05": 0.05}
+
+#: Rows of ``frontier.py`` that quality.py's tables leave out, trained through the same run function into
+#: the same cache: the uniform AdamW formats of ``BlockwiseAdamW`` quality.py has no row of, and BAOC under
+#: budget 0.25. ``offload`` has no row: its state is fp32 in host memory, the arithmetic of ``fp32``.
+FRONTIER_ROWS: dict[str, Row] = {
+    r.name: r
+    for r in [
+        Row("blockwise_fp32", "uniform fp32 (BlockwiseAdamW)", _blockwise("fp32")),
+        Row("bf16_momentum", "uniform bf16 momentum, fp32 v (BlockwiseAdamW)", _blockwise("bf16_momentum")),
+        Row("int8_factored", "uniform int8 momentum, factored v (BlockwiseAdamW)", _blockwise("int8_factored")),
+        Row("nomomentum_int8", "uniform no momentum, int8 v (BlockwiseAdamW)", _blockwise("nomomentum_int8")),
+        *(Row(name, f"BAOC, budget {b}", budget=b) for name, b in FRONTIER_BAOC_BUDGETS.items()),
+    ]
+}
+
+
 def _baoc_class() -> Any:
     from lightning_baoc import BAOC  # raises ImportError while the callback does not exist
 

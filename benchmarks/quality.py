@@ -20,7 +20,9 @@ when it does not import or run on this machine; and the ``BAOC`` callback at bud
 0.25 (``pending`` while ``lightning_baoc.BAOC`` does not import). Every run is cached as JSON under
 ``--results-dir`` (default ``benchmarks/runs/quality/``, tracked: the tables of ``docs/benchmarks/quality.md`` are
 rebuilt from it), so an interrupted run resumes and a finished one is never trained again. Below each
-workload's table the issue's targets are judged on the same runs (:func:`targets_table`).
+workload's table the issue's targets are judged on the same runs (:func:`targets_table`). ``frontier.py``
+trains more rows into the same cache (``_quality_rows.FRONTIER_ROWS``: the other uniform formats, BAOC under
+0.25), rows of its own page, not of these tables.
 
 Run from the repository root:
 
@@ -56,6 +58,7 @@ examples_on_path()
 
 from _quality_rows import (  # noqa: E402
     BAOC_BUDGETS,
+    FRONTIER_BAOC_BUDGETS,
     RECORDED_FAMILIES,
     ROWS,
     NaiveFP16AdamW,  # noqa: F401  (the rows' reference optimizer, imported from here by the tests)
@@ -182,7 +185,7 @@ def run_config(workload: str, recipe: str, row: str, seed: int, steps: int) -> d
                   eval_every=eval_every(steps), torch=torch.__version__)
     if ACCELERATOR != "cpu":
         config["accelerator"] = ACCELERATOR
-    if row in BAOC_BUDGETS:
+    if row in BAOC_BUDGETS or row in FRONTIER_BAOC_BUDGETS:
         config["baoc_version"] = BAOC_CACHE_VERSION
     elif row in RECORDED_BAOC:
         config["baoc_version"] = RECORDED_FAMILIES[RECORDED_BAOC[row]][0]
@@ -207,11 +210,13 @@ def train_one(workload: str, recipe: str, row: Row, seed: int, steps: int) -> di
     module, data = build(workload, recipe, steps, seed)
     callbacks: list[L.Callback] = []
     recorder = _Recorder(module.quality_metric)
+    baoc = None
     if row.budget is not None:
         BAOC = _baoc_class()
         # The runs here are a few hundred steps: BAOC's warm-up is scaled to a fifth of the run.
-        callbacks.append(BAOC(memory_budget=row.budget, warmup_steps=max(20, steps // 5), seed=seed, report=False,
-                              **dict(row.baoc)))
+        baoc = BAOC(memory_budget=row.budget, warmup_steps=max(20, steps // 5), seed=seed, report=False,
+                    **dict(row.baoc))
+        callbacks.append(baoc)
     elif row.make is not None:
         _install_optimizer(module, row.make)
     trainer = L.Trainer(
@@ -239,6 +244,15 @@ def train_one(workload: str, recipe: str, row: Row, seed: int, steps: int) -> di
     optimizer = trainer.optimizers[0]
     # the allocation BAOC ended with: parameters per format
     formats = dict(Counter(optimizer.formats().values())) if isinstance(optimizer, BlockwiseOptimizer) else {}
+    # BAOC rows: the allocation per block (BAOCSummary.formats: block -> format), so frontier.py can show
+    # the allocations that differ between seeds; every row: the last validation's metrics. The process's
+    # measured memory growth is left out: it depends on the runs before in the same process, and a run's
+    # record is compared whole between commits (same_results.py)
+    extra: dict[str, Any] = {}
+    if baoc is not None:
+        summary = baoc.summary().to_dict()
+        extra["baoc_summary"] = {k: v for k, v in summary.items() if k != "measured_peak_growth_bytes"}
+    extra["final_metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
     return dict(
         formats=formats,
         status="diverged" if recorder.diverged else "ok",
@@ -250,6 +264,7 @@ def train_one(workload: str, recipe: str, row: Row, seed: int, steps: int) -> di
         optimizer=f"{type(optimizer).__module__}.{type(optimizer).__name__}",
         seconds=round(seconds, 2),
         machine=machine(),
+        **extra,
     )
 
 
