@@ -27,6 +27,10 @@ How :func:`solve` works (summarized in README.md, "Allocation: budgets, solver, 
    allocation that meets both budgets, the same search looks for any allocation that does and runs
    to completion, so a feasible answer is returned whenever one exists.
 
+5. Floor: the best uniform allocation (one format on every block) that meets both budgets replaces the
+   answer where it risks less, so no method returns an allocation riskier than a uniform format a user
+   could have picked (the greedy alone once rounded a large block away to 2.6x uniform bf16's risk).
+
 An infeasible budget raises :class:`BudgetInfeasibleError` with the smallest feasible memory
 (at the time budget) and time (at the memory budget), found by the same exact search.
 

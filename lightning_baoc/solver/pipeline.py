@@ -80,7 +80,25 @@ def _solve_problem(p: _Problem, mb: float, tb: float | None, method: str, note: 
         budget = None if method == "exact" else AUTO_EXACT_NODES
         x, proven_tol = _exact_search(s, x, cons, mults, accept, budget)
         used = "exact" if method == "exact" else used + "+search"
+    floor = _best_uniform(p, accept)
+    if floor is not None and p.totals(floor)[0] < p.totals(x)[0]:
+        x, used, proven_tol = floor, used + "+uniform", None
     return _allocation(p, s, x, mb, tb, used, g.bound, proven_tol)
+
+
+def _best_uniform(p: _Problem, accept: _Accept) -> np.ndarray | None:
+    """The uniform allocation (one format on every block) of least risk that meets the budgets, or ``None``.
+
+    A floor under every answer: whatever the limits of the greedy and the search, the solver never returns
+    an allocation that risks more than a uniform one a user could have picked within the same budgets."""
+    best, best_risk = None, math.inf
+    for j in range(len(p.formats)):
+        if not p.allowed[:, j].all():
+            continue
+        x = np.full(len(p.blocks), j, dtype=np.int64)
+        if accept(x) and (risk := p.totals(x)[0]) < best_risk:
+            best, best_risk = x, risk
+    return best
 
 
 def _each_resource_fits(p: _Problem, mb: float, tb: float | None) -> bool:
