@@ -67,6 +67,7 @@ def resolve_link(target: str, base: Path) -> tuple[Path, str]:
 # ---------------------------------------------------------------------------- the site
 
 
+@pytest.mark.slow  # a whole mkdocs build (4-5 s); the pages, links and figures are held by default by this file's other tests
 def test_mkdocs_build_strict_succeeds(tmp_path: Path) -> None:
     try:
         import mkdocs  # noqa: F401
