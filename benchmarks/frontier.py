@@ -498,9 +498,9 @@ def load_rows(results_dir: Path, w: str, rows: Sequence[str], seeds: Sequence[in
 
 
 def predates_block_record(result: dict[str, Any]) -> bool:
-    """A BAOC run cached before runs recorded their allocation per block (``baoc_summary``): trained by a BAOC
-    of before 2026-12, whose instruments were not yet sized from the state they watch (docs/benchmarks/quality.md)."""
-    return result["config"]["row"] in BUDGETS and result.get("status") != "error" and "baoc_summary" not in result
+    """A BAOC run cached before runs recorded their allocation per block and the risk tables it solved
+    (``baoc_summary``, ``allocations``): trained by a BAOC of before 2026-12, whose instruments were not yet sized from the state they watch (docs/benchmarks/quality.md)."""
+    return result["config"]["row"] in BUDGETS and result.get("status") != "error" and "allocations" not in result
 
 
 def missing_runs(results_dir: Path, workloads: Sequence[str], rows: Sequence[str], seeds: Sequence[int],

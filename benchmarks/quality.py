@@ -168,6 +168,27 @@ class _Recorder(L.Callback):
             self.curve.append((trainer.global_step, value))
 
 
+class _Allocations(L.Callback):
+    """Every allocation BAOC made in a run (``controller.last_event`` after each step): the step, the reason,
+    the risk table it solved (block -> format -> risk), the formats and the blocks' sizes, so the risk the
+    model predicts for any allocation (a uniform one included) can be set beside the quality it reached
+    (``frontier.py``)."""
+
+    def __init__(self, baoc: L.Callback) -> None:
+        self.baoc = baoc
+        self.events: list[dict[str, Any]] = []
+        self._last: Any = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        event = getattr(self.baoc.controller, "last_event", None)
+        if event is None or event is self._last:
+            return
+        self._last = event
+        self.events.append(dict(step=int(event.step), reason=str(event.reason), formats=dict(event.formats),
+                                risk={b: {f: float(r) for f, r in row.items()} for b, row in event.risk.items()},
+                                total_risk=float(event.total_risk), block_numel=dict(event.block_numel)))
+
+
 def _install_optimizer(module: Workload, make: Callable[[Workload], torch.optim.Optimizer]) -> None:
     """Make ``module.configure_optimizers`` return ``make(module)`` with the module's own schedule."""
 
@@ -216,7 +237,7 @@ def train_one(workload: str, recipe: str, row: Row, seed: int, steps: int) -> di
         # The runs here are a few hundred steps: BAOC's warm-up is scaled to a fifth of the run.
         baoc = BAOC(memory_budget=row.budget, warmup_steps=max(20, steps // 5), seed=seed, report=False,
                     **dict(row.baoc))
-        callbacks.append(baoc)
+        callbacks += [baoc, allocations := _Allocations(baoc)]
     elif row.make is not None:
         _install_optimizer(module, row.make)
     trainer = L.Trainer(
@@ -252,6 +273,7 @@ def train_one(workload: str, recipe: str, row: Row, seed: int, steps: int) -> di
     if baoc is not None:
         summary = baoc.summary().to_dict()
         extra["baoc_summary"] = {k: v for k, v in summary.items() if k != "measured_peak_growth_bytes"}
+        extra["allocations"] = allocations.events
     extra["final_metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
     return dict(
         formats=formats,
