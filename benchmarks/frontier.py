@@ -169,6 +169,7 @@ class RowRuns:
         blocks: seed -> block -> format of the allocation BAOC ended with (the runs that recorded it).
         tensors: seed -> format -> parameter tensors (quality.py's ``formats``, every BlockwiseAdamW run).
         params: the model's parameters.
+        risk_tables: seed -> the risk table (block -> format -> risk) BAOC's first allocation solved.
     """
 
     name: str
@@ -179,6 +180,7 @@ class RowRuns:
     blocks: dict[int, dict[str, str]] = field(default_factory=dict)
     tensors: dict[int, dict[str, int]] = field(default_factory=dict)
     params: int | None = None
+    risk_tables: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)
 
     @property
     def estimate(self) -> Estimate | None:
@@ -205,6 +207,8 @@ def collect(results: Mapping[int, dict[str, Any]], name: str) -> RowRuns:
             out.blocks[seed] = dict(r["baoc_summary"]["formats"])
         if r.get("formats"):
             out.tensors[seed] = dict(r["formats"])
+        if r.get("allocations"):
+            out.risk_tables[seed] = r["allocations"][0]["risk"]
     out.bytes_per_param = statistics.fmean(per_param) if per_param else None
     return out
 
@@ -414,6 +418,86 @@ def allocation_table(rows: Mapping[str, RowRuns], seeds: Sequence[int]) -> str:
     if not lines:
         return ""
     return markdown_table(["budget", *(f"seed {s}" for s in seeds), "blocks whose format differs between seeds"], lines)
+
+
+# ---------------------------------------------------------------------------- predicted vs realized
+
+
+def uniform_risk(risk: Mapping[str, Mapping[str, float]], fmt: str) -> float | None:
+    """The total risk a risk table (block -> format -> risk) gives ``fmt`` on every block; None where a block
+    does not offer it.
+
+    Example:
+        >>> uniform_risk({"a": {"fp32": 0.0, "int8": 0.1}, "b": {"fp32": 0.0, "int8": 0.25}}, "int8")
+        0.35
+    """
+    values = [row.get(fmt) for row in risk.values()]
+    return None if not values or any(v is None for v in values) else math.fsum(values)
+
+
+def rank_correlation(x: Sequence[float], y: Sequence[float]) -> float | None:
+    """Spearman's rank correlation of ``x`` and ``y`` (ties share their mean rank); None under 3 pairs or
+    where one side is constant.
+
+    Example:
+        >>> rank_correlation([1, 2, 3, 4], [10, 30, 20, 40])
+        0.8
+    """
+    if len(x) < 3:
+        return None
+
+    def ranks(v: Sequence[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2.0
+            i = j + 1
+        return out
+
+    rx, ry = ranks(x), ranks(y)
+    if len(set(rx)) == 1 or len(set(ry)) == 1:
+        return None
+    return statistics.correlation(rx, ry)
+
+
+def risk_order(rows: Mapping[str, RowRuns], higher_is_better: bool) -> list[tuple[str, float, Estimate]]:
+    """Per uniform format with runs and a prediction: (row, the risk the model predicts for it on every
+    block, the mean over every BAOC run's first risk table; how much worse than fp32 AdamW it trained, paired
+    on the seeds, in the metric's units, positive = worse)."""
+    tables = [t for name in BUDGETS if name in rows for t in rows[name].risk_tables.values()]
+    out = []
+    for name, fmt in UNIFORM_FORMATS.items():
+        r = rows.get(name)
+        if r is None or not r.finals or "fp32" not in rows or not tables:
+            continue
+        predicted = [u for t in tables if (u := uniform_risk(t, fmt)) is not None]
+        d = paired_difference(r.finals, rows["fp32"].finals)
+        if predicted and d is not None:
+            sign = -1.0 if higher_is_better else 1.0
+            out.append((name, statistics.fmean(predicted), Estimate(sign * d.mean, d.se, d.n)))
+    return out
+
+
+def risk_order_table(rows: Mapping[str, RowRuns], higher_is_better: bool, scale: float) -> str:
+    """The uniform formats ordered by the risk the model predicts beside how much worse each trained: does the
+    model rank the feasible uniform allocations as their quality does? With Spearman's rank correlation."""
+    order = risk_order(rows, higher_is_better)
+    if not order:
+        return ""
+    order.sort(key=lambda t: t[1])
+    lines = [[name, f"{pred:.3g}", _pm(d.mean * scale, None if d.se is None else d.se * scale)]
+             for name, pred, d in order]
+    rho = rank_correlation([p for _, p, _ in order], [d.mean for _, _, d in order])
+    n_tables = sum(len(rows[name].risk_tables) for name in BUDGETS if name in rows)
+    return (markdown_table(["uniform row", "predicted risk (model)", "worse than fp32 AdamW (paired)"], lines)
+            + f"\n\nPredicted: the total risk of the format on every block, the mean over {n_tables} risk tables "
+            f"(each BAOC run's first allocation). Spearman's rank correlation of predicted and realized: "
+            f"{'n/a' if rho is None else f'{rho:+.2f}'} over {len(order)} formats.")
 
 
 # ------------------------------------------------------------------------------------------ plot
@@ -644,6 +728,7 @@ def report(args: argparse.Namespace, steps: Mapping[str, int], left: Sequence[st
             save_frontier_plot(w, rows, plot)
         verdicts = verdict_table(judge(rows, cls.higher_is_better, scale))
         allocations = allocation_table(rows, args.seeds)
+        ordering = risk_order_table(rows, cls.higher_is_better, scale)
         image = (f"![{w}: quality against bytes per parameter]({os.path.relpath(plot, (DOCS / PAGE).parent)})"
                  if args.docs else f"Plot: `{plot}`")
         parts.append(
@@ -652,6 +737,8 @@ def report(args: argparse.Namespace, steps: Mapping[str, int], left: Sequence[st
             f"{', in %' if scale != 1 else ''}).\n\n{task_table(w, rows, args.seeds)}\n\n"
             f"Verdicts on {w}:\n\n{verdicts}\n\n"
             + (f"Allocations (blocks per format at the end of training):\n\n{allocations}\n\n" if allocations else "")
+            + (f"The risk model's order of the uniform formats against their realized order:\n\n{ordering}\n\n"
+               if ordering else "")
             + image
         )
     missing = missing_runs(args.results_dir, args.workloads, args.rows, args.seeds, steps)

@@ -133,6 +133,29 @@ NUMBER = re.compile(r"[+-]?\d+\.\d+")
 
 
 @pytest.mark.slow
+def test_the_risk_models_order_of_uniform_formats_beside_their_realized_order() -> None:
+    fp32 = _row("fp32", {0: 1.00, 1: 1.10}, 8.0)
+    int8 = _row("int8", {0: 1.01, 1: 1.12}, 2.1)  # 0.015 worse on average
+    fact = _row("factored", {0: 1.20, 1: 1.28}, 0.1)  # 0.19 worse
+    nomo = _row("nomomentum_int8", {0: 1.05, 1: 1.14}, 1.1)  # 0.045 worse
+    baoc = _row("baoc_0.25", {0: 1.0, 1: 1.1}, 2.0)
+    # two risk tables, one block each: the model ranks factored below no-momentum (wrong)
+    baoc.risk_tables = {0: {"a": {"int8": 0.01, "factored": 0.02, "nomomentum_int8": 0.05}},
+                        1: {"a": {"int8": 0.03, "factored": 0.04, "nomomentum_int8": 0.07}}}
+    rows = {"fp32": fp32, "int8": int8, "factored": fact, "nomomentum_int8": nomo, "baoc_0.25": baoc}
+    order = {name: (pred, d.mean) for name, pred, d in F.risk_order(rows, higher_is_better=False)}
+    assert order == {"int8": (pytest.approx(0.02), pytest.approx(0.015)), "factored": (pytest.approx(0.03), pytest.approx(0.19)),
+                     "nomomentum_int8": (pytest.approx(0.06), pytest.approx(0.045))}
+    assert F.rank_correlation([0.02, 0.03, 0.06], [0.015, 0.19, 0.045]) == pytest.approx(0.5)
+    assert F.rank_correlation([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0) and F.rank_correlation([1, 2], [1, 2]) is None
+    table = F.risk_order_table(rows, higher_is_better=False, scale=1.0)
+    assert "+0.50 over 3 formats" in table and table.index("| int8 |") < table.index("| factored |") < table.index("| nomomentum_int8 |")
+    # accuracy (higher is better): a lower accuracy is worse, so the sign turns
+    acc = {k: _row(k, {s: 1 - v for s, v in r.finals.items()}, r.bytes_per_param) for k, r in rows.items()}
+    acc["baoc_0.25"].risk_tables = baoc.risk_tables
+    assert {n: d.mean for n, _, d in F.risk_order(acc, higher_is_better=True)}["factored"] == pytest.approx(0.19)
+
+
 def test_small_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     page = ROOT / "docs" / "benchmarks" / "frontier.md"
     before = page.read_text()
