@@ -123,10 +123,10 @@ def main() -> None:
         lambda: torch.stack(torch._foreach_norm(grads, ord=float("inf"), dtype=torch.float32)).mul_(0.0).nan_to_num_(nan=1.0))
     for path in ("compiled", "device", "graph"):
         if path != "compiled":
-            from lightning_baoc.kernels import triton_step
+            from lightning_baoc.kernels import triton_common
 
-            if not triton_step.triton_status()[0]:
-                print(f"device path left out: {triton_step.triton_status()[1]}")
+            if not triton_common.triton_status()[0]:
+                print(f"device path left out: {triton_common.triton_status()[1]}")
                 continue
         for fmt in args.formats:
             opt = BlockwiseAdamW(model.named_parameters(), state_format=fmt, kernels="compiled" if path == "compiled" else "auto")

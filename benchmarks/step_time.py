@@ -396,7 +396,7 @@ def main() -> None:
     status = kernels.cpu_kernels()
     compiled = f"compiled kernels: {status.detail}" if status.available else f"compiled kernels unavailable ({status.detail})"
     if DEVICE.type == "cuda":
-        from lightning_baoc.kernels.triton_step import triton_status
+        from lightning_baoc.kernels.triton_common import triton_status
 
         compiled = f"CUDA step kernels: {triton_status()[1]} (rows marked eager: the eager step)"
     missing = "; ".join(f"{label}: unavailable ({why})" for label, why in UNAVAILABLE.items())

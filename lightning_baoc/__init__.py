@@ -28,7 +28,7 @@ _EXPORTS: dict[str, str] = {
     "BAOC": "lightning_baoc.integrations.callback",
     "BAOCStrategy": "lightning_baoc.integrations.fabric",
     "GradientRelease": "lightning_baoc.integrations.release",
-    "BAOCSummary": "lightning_baoc.report.summary",
+    "BAOCSummary": "lightning_baoc.control.summary",
     "training_memory": "lightning_baoc.costs.memory",
     "TrainingMemory": "lightning_baoc.costs.memory",
     "BAOCSection": "lightning_baoc.config.files",
@@ -65,6 +65,7 @@ if TYPE_CHECKING:  # what type checkers and documentation tools see
     from lightning_baoc.config.budget import parse_memory_budget, parse_time_budget  # noqa: F401
     from lightning_baoc.config.files import BAOCSection, Config, ConfigError, json_schema, load_config, parse_config  # noqa: F401
     from lightning_baoc.config.settings import BAOCConfig, SettingError  # noqa: F401
+    from lightning_baoc.control.summary import BAOCSummary  # noqa: F401
     from lightning_baoc.costs.memory import TrainingMemory, training_memory  # noqa: F401
     from lightning_baoc.formats import FORMATS, MOMENTUM_FORMATS  # noqa: F401
     from lightning_baoc.integrations.callback import BAOC  # noqa: F401
@@ -79,7 +80,6 @@ if TYPE_CHECKING:  # what type checkers and documentation tools see
         load_checkpoint,
         saved_formats,
     )
-    from lightning_baoc.report.summary import BAOCSummary  # noqa: F401
     from lightning_baoc.sampling import GradientSampler  # noqa: F401
     from lightning_baoc.sampling.blocks import partition  # noqa: F401
     from lightning_baoc.solver import Allocation, BudgetInfeasibleError, select_boundaries, solve  # noqa: F401

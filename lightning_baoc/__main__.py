@@ -19,7 +19,20 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-from lightning_baoc.config.budget import MEMORY_BUDGET_FORMS, TIME_BUDGET_FORMS
+from lightning_baoc.config.budget import (
+    MEMORY_BUDGET_FORMS,
+    TIME_BUDGET_FORMS,
+    absolute_time_with_prior_error,
+    is_absolute_time,
+)
+from lightning_baoc.config.files import schema_text
+from lightning_baoc.formats import RULE_FORMATS, RULE_NAMES
+from lightning_baoc.formats.correction import CORRECTIONS
+from lightning_baoc.optim.offload_model import PROFILES
+from lightning_baoc.sampling.blocks import GRANULARITIES
+from lightning_baoc.tools import check
+from lightning_baoc.tools.plan import plan, render
+from lightning_baoc.tools.presets import PRESETS
 
 
 def _literal(text: str) -> str:
@@ -34,11 +47,6 @@ _PLAIN_STEP = "the fp32 optimizer-step time of the plain optimizer (AdamW; SGD/L
 
 
 def _add_plan(parser: argparse.ArgumentParser) -> None:
-    from lightning_baoc.formats import RULE_FORMATS, RULE_NAMES
-    from lightning_baoc.formats.correction import CORRECTIONS
-    from lightning_baoc.sampling.blocks import GRANULARITIES
-    from lightning_baoc.tools.presets import PRESETS
-
     which = parser.add_mutually_exclusive_group()
     which.add_argument(
         "--preset",
@@ -101,8 +109,6 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corrections", nargs="+", choices=list(CORRECTIONS), metavar="CORRECTION",
                         help="as BAOC(corrections=...): the solver pairs each block's format with one of these "
                              f"corrections of its 16-bit weights ({', '.join(CORRECTIONS)}; needs --weight-dtype bf16 or fp16)")
-    from lightning_baoc.costs.offload import PROFILES
-
     parser.add_argument("--hardware", choices=sorted(PROFILES), metavar="NAME",
                         help="predict the update phase of the offloaded states on this machine, host-only and "
                              f"interleaved, for the uniform offload row and every allocation that offloads ({', '.join(sorted(PROFILES))})")
@@ -113,9 +119,6 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
 
 def _run_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
-
-    from lightning_baoc.config.budget import absolute_time_with_prior_error, is_absolute_time
-    from lightning_baoc.tools.plan import plan, render
 
     if args.time_budget is not None and not args.calibrate and is_absolute_time(args.time_budget):
         raise absolute_time_with_prior_error(
@@ -161,15 +164,11 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _add_check(parser: argparse.ArgumentParser) -> None:
-    from lightning_baoc.tools.check import add_arguments
-
-    add_arguments(parser)
+    check.add_arguments(parser)
 
 
 def _run_check(args: argparse.Namespace) -> int:
-    from lightning_baoc.tools.check import run
-
-    return run(args)
+    return check.run(args)
 
 
 def _add_schema(parser: argparse.ArgumentParser) -> None:
@@ -177,8 +176,6 @@ def _add_schema(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_schema(args: argparse.Namespace) -> int:
-    from lightning_baoc.config.files import schema_text
-
     text = schema_text()
     if args.output:
         with open(args.output, "w", encoding="utf-8") as fh:

@@ -114,7 +114,7 @@ def test_layout_diagram_names_every_module_and_package_and_nothing_else() -> Non
 # folders of tests that are not packages of the library: the repository's other parts
 NON_PACKAGE_TEST_FOLDERS = {"docs", "examples", "benchmarks"}
 # top-level test modules about the package (or its test suite) as a whole
-PACKAGE_WIDE_TESTS = {"test_imports.py", "test_layout.py", "test_isolation.py"}
+PACKAGE_WIDE_TESTS = {"test_imports.py", "test_import_graph.py", "test_layout.py", "test_isolation.py"}
 
 
 def test_tests_mirror_the_package_tree() -> None:

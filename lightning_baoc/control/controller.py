@@ -71,6 +71,7 @@ from lightning_baoc.control.protocol import Broadcast, decide_on_rank_zero
 from lightning_baoc.control.released_gradients import ReleasedGradientObserver
 from lightning_baoc.control.scoring import RiskFn, Scoring
 from lightning_baoc.control.start import StartAllocation
+from lightning_baoc.control.summary import BAOCSummary, state_fraction
 from lightning_baoc.control.tables import BlockTables
 from lightning_baoc.control.triggers import Triggers
 from lightning_baoc.costs import AllocationProblem
@@ -80,7 +81,6 @@ from lightning_baoc.costs.peak import PlannedPeak
 from lightning_baoc.formats import DEFAULT_MIN_8BIT_NUMEL, RULE_NAMES
 from lightning_baoc.optim import BlockwiseOptimizer
 from lightning_baoc.optim.swap import SUPPORTED_OPTIMIZERS, convert_optimizer, rebind_scheduler
-from lightning_baoc.report.summary import BAOCSummary, state_fraction
 from lightning_baoc.risk.prior import block_kind
 from lightning_baoc.risk.shadow import ShadowMoments
 from lightning_baoc.sampling import GradientSampler

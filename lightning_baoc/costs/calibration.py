@@ -33,7 +33,9 @@ import torch
 
 from lightning_baoc.formats import DEFAULT_MIN_8BIT_NUMEL, FORMATS, format_state_bytes, formats_of, numel_of, resolve_in
 from lightning_baoc.formats.base import as_shape
+from lightning_baoc.formats.correction import check_correction
 from lightning_baoc.kernels import step_path
+from lightning_baoc.optim import BlockwiseAdamW, BlockwiseLion, BlockwiseSGD
 from lightning_baoc.solver import check_mask as _check_mask
 
 Shape = Sequence[int]
@@ -349,9 +351,6 @@ def measure_step_seconds(
     small-tensor fallback) with fixed random gradients, one optimizer per format. Steps are timed
     round-robin over the formats, so a change of machine load hits every format alike.
     """
-    # imported here: the optimizers import this package's formats
-    from lightning_baoc.optim import BlockwiseAdamW, BlockwiseLion, BlockwiseSGD
-
     names = [_check_name(f, rule) for f in formats]
     make = {
         "adamw": lambda params, fmt: BlockwiseAdamW(params, lr=1e-3, state_format=fmt),
@@ -404,9 +403,6 @@ def measure_correction_seconds(
         >>> measure_correction_seconds(["ecc8"], numel=1 << 16)  # doctest: +SKIP
         {'ecc8': 0.0011}
     """
-    from lightning_baoc.formats.correction import check_correction
-    from lightning_baoc.optim import BlockwiseAdamW
-
     for c in corrections:
         check_correction(c)
     wanted = [c for c in dict.fromkeys(corrections) if c != "none"]
@@ -475,8 +471,6 @@ def calibrate(
         if formats is None
         else [_check_name(f, rule) for f in formats]
     )
-    from lightning_baoc.formats.correction import check_correction
-
     for c in corrections:
         check_correction(c)
     path = cache_path(dev, cache_dir, rule)

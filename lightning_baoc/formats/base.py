@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Sequence
 
 import torch
 from torch import Tensor
+
+from lightning_baoc.formats.quant import GROUP, SUPER, num_groups, num_supers
 
 #: Elements processed at once by chunked updates: large enough to amortize per-op overhead, small
 #: enough that the fp32 working copies of a chunk stay in cache (measured: 2**17 was ~3x faster than
@@ -104,6 +106,20 @@ class TensorSpec:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def framed_specs(specs: tuple[TensorSpec, ...], n: int, lead: int) -> tuple[TensorSpec, ...]:
+    """``specs`` (a format's layout of ``n`` elements) for a shard whose first element sits ``lead``
+    elements into its super-block: the scales and exponents of every group and super-block of the
+    whole parameter the shard touches (one group and one super-block more at most; the 8-bit
+    formats' framing: :mod:`.frames`)."""
+    if not lead or not n:
+        return specs
+    sizes = {"_scale": num_groups(n + lead % GROUP), "_exp": num_supers(n + lead)}
+    return tuple(
+        replace(spec, numel=sizes[spec.key[spec.key.rindex("_"):]]) if spec.key.endswith(("_scale", "_exp")) else spec
+        for spec in specs
+    )
 
 
 @dataclass
@@ -344,7 +360,7 @@ class StateFormat(ABC):
     fallback: ClassVar[str | None] = None
     #: One line for tables and docs.
     summary: ClassVar[str] = ""
-    #: The compiled kernel's momentum and second-moment kinds (:mod:`lightning_baoc.kernels`), or
+    #: The compiled kernel's momentum and second-moment kinds (:mod:`lightning_baoc.formats.kinds`), or
     #: ``None`` where the format has no compiled step.
     kernel_kinds: ClassVar[tuple[int, int] | None] = None
     #: How closely its steps agree: eager with the reference, fast backends with eager (:class:`Parity`).
@@ -375,11 +391,7 @@ class StateFormat(ABC):
     def shard_layout(self, shape: Shape, offset: int = 0) -> tuple[TensorSpec, ...]:
         """The compact tensors stored for a shard of ``shape`` whose first element is element ``offset``
         of its parameter's flat order (FSDP2): :meth:`layout`, with the 8-bit formats' groups and
-        super-blocks the whole parameter's (:func:`~.frames.framed_specs`); :meth:`layout` itself at
-        offset 0."""
-        from lightning_baoc.formats.frames import framed_specs  # frames builds on this module
-        from lightning_baoc.formats.quant import SUPER
-
+        super-blocks the whole parameter's (:func:`framed_specs`); :meth:`layout` itself at offset 0."""
         return framed_specs(self.layout(shape), numel_of(shape), offset % SUPER)
 
     @abstractmethod

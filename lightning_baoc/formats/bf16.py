@@ -12,10 +12,10 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from lightning_baoc import kernels
 from lightning_baoc.formats.base import Shape, StepHyper, TensorSpec, numel_of
 from lightning_baoc.formats.elementwise import ElementwiseFormat
-from lightning_baoc.formats.quant import bf16_stochastic
+from lightning_baoc.formats.kinds import M_BF16, V_BF16
+from lightning_baoc.formats.quant import bf16_stochastic, rounding_hash
 
 
 class BF16(ElementwiseFormat):
@@ -24,10 +24,11 @@ class BF16(ElementwiseFormat):
     name = "bf16"
     has_momentum = True
     summary = "m bf16, v bf16 (stochastic rounding)"
-    kernel_kinds = (kernels.M_BF16, kernels.V_BF16)
+    kernel_kinds = (M_BF16, V_BF16)
 
-    #: The rounding used to store; tests swap in round-to-nearest to show the stagnation it causes.
-    rounding: Callable[[Tensor, Tensor, int, int, int], None] = staticmethod(bf16_stochastic)
+    #: The rounding used to store (``(x, out, key, start, which, hashed)``); tests swap in round-to-nearest to show
+    #: the stagnation it causes.
+    rounding: Callable[..., None] = staticmethod(bf16_stochastic)
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         n = numel_of(shape)
@@ -44,3 +45,15 @@ class BF16(ElementwiseFormat):
 
     def store_v(self, v: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper) -> None:
         self.rounding(v, views["exp_avg_sq"][start:stop], hyper.noise_key, start, 1)
+
+    def store(
+        self, m: Tensor | None, v: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper
+    ) -> None:
+        """Both moments of a slice from one rounding hash: the momentum's noise is its top 16 bits, the second
+        moment's its bottom 16 (:func:`~lightning_baoc.formats.quant.rounding_hash`), computed here once for
+        this call instead of once per store."""
+        hashed = rounding_hash(start, start + v.numel(), hyper.noise_key, v.device)
+        if m is not None:
+            self.rounding(m, views["exp_avg"][start:stop], hyper.noise_key, start, 0,
+                          hashed if m.device == v.device and m.numel() == v.numel() else None)
+        self.rounding(v, views["exp_avg_sq"][start:stop], hyper.noise_key, start, 1, hashed)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_baoc import kernels
 from lightning_baoc.formats.base import Parity, Shape, StepHyper, TensorSpec, numel_of
 from lightning_baoc.formats.elementwise import ElementwiseFormat, Fp32SecondMoment
+from lightning_baoc.formats.kinds import M_BF16, V_FP32
 from lightning_baoc.formats.quant import bf16_stochastic
 
 
@@ -17,7 +17,7 @@ class BF16Momentum(Fp32SecondMoment, ElementwiseFormat):
     name = "bf16_momentum"
     has_momentum = True
     summary = "m bf16 (stochastic rounding), v fp32"
-    kernel_kinds = (kernels.M_BF16, kernels.V_FP32)
+    kernel_kinds = (M_BF16, V_FP32)
     # the reference: one momentum element on a bf16 rounding boundary after 50 steps rounds the other
     # way (measured 5.5e-5)
     parity = Parity(reference=6e-4)

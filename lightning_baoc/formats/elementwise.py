@@ -47,6 +47,15 @@ class ElementwiseFormat(StateFormat):
     ) -> None:
         """Store flat fp32 ``v`` (may be overwritten) as the second-moment elements ``[start, stop)``."""
 
+    def store(
+        self, m: Tensor | None, v: Tensor, views: dict[str, Tensor], start: int, stop: int, hyper: StepHyper
+    ) -> None:
+        """Store a slice's moments: ``m`` (``None``: the format holds none) then ``v`` (see :meth:`store_m`,
+        :meth:`store_v`); a format whose two stores share work overrides it (``BF16``: one rounding hash)."""
+        if m is not None:
+            self.store_m(m, views, start, stop, hyper)
+        self.store_v(v, views, start, stop, hyper)
+
     def encode(self, state: Canonical, views: dict[str, Tensor], hyper: StepHyper) -> None:
         n = numel_of(state.shape)
         v = state.dense_v().reshape(-1)
@@ -54,9 +63,8 @@ class ElementwiseFormat(StateFormat):
         if self.has_momentum and m is None:
             raise ValueError("this format needs a momentum; the optimizer re-creates it before encode")
         for start, stop in chunk_ranges(n, hyper.chunk, frame_lead(views)):
-            if m is not None:
-                self.store_m(m[start:stop].to(torch.float32).clone(), views, start, stop, hyper)
-            self.store_v(v[start:stop].to(torch.float32).clone(), views, start, stop, hyper)
+            m_slice = m[start:stop].to(torch.float32).clone() if m is not None else None
+            self.store(m_slice, v[start:stop].to(torch.float32).clone(), views, start, stop, hyper)
         finish_stores(views)
 
     def decode(self, views: dict[str, Tensor], shape: Shape) -> Canonical:
@@ -84,9 +92,7 @@ class ElementwiseFormat(StateFormat):
                     item.bias_correction1,
                     item.bias_correction2,
                 )
-                if m is not None:
-                    self.store_m(m, item.views, start, stop, step_hyper)
-                self.store_v(v, item.views, start, stop, step_hyper)
+                self.store(m, v, item.views, start, stop, step_hyper)
             finish_stores(item.views)
             write_back()
 

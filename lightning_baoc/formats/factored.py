@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_baoc import kernels
 from lightning_baoc.formats.base import (
     FACTORED_SUMS, Canonical, Parity, Shape, StateFormat, StepHyper, StepItem, TensorSpec, factor_view,
 )
 from lightning_baoc.formats.factored_math import factored_update
+from lightning_baoc.formats.kinds import M_NONE, V_FACTORED
 
 
 class Factored(StateFormat):
@@ -26,7 +26,7 @@ class Factored(StateFormat):
     factored = True
     fallback = "nomomentum"
     summary = "no m, v factored into row + column (fp32)"
-    kernel_kinds = (kernels.M_NONE, kernels.V_FACTORED)
+    kernel_kinds = (M_NONE, V_FACTORED)
     parity = Parity(compiled=FACTORED_SUMS, triton=FACTORED_SUMS)
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:

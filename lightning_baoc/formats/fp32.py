@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_baoc import kernels
 from lightning_baoc.formats.base import (
     FP32_ULPS, FUSED_TENSOR_LR, Canonical, Parity, Shape, StateFormat, StepHyper, StepItem, TensorSpec, numel_of,
 )
 from lightning_baoc.formats.fused_adam import fused_dense_fp32
+from lightning_baoc.formats.kinds import M_FP32, V_FP32
 
 
 class FP32(StateFormat):
@@ -24,7 +24,7 @@ class FP32(StateFormat):
     name = "fp32"
     has_momentum = True
     summary = "m fp32, v fp32"
-    kernel_kinds = (kernels.M_FP32, kernels.V_FP32)  # the compiled step's own AdamW (chunk_adamw's order)
+    kernel_kinds = (M_FP32, V_FP32)  # the compiled step's own AdamW (chunk_adamw's order)
     parity = Parity(compiled=FP32_ULPS, triton=FUSED_TENSOR_LR)
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:

@@ -9,7 +9,7 @@ A shard of a sharded parameter may start anywhere in the whole parameter's flat 
 rows; a row need not be a multiple of 32 elements). Its groups and super-blocks are the whole
 parameter's, never counted from the shard's first element, so that sharding never changes the
 quantization: :class:`FramedViews` carry the shard's place (``lead``), the layout holds every group
-and super-block the shard touches (:func:`framed_specs`), and a group or super-block split between
+and super-block the shard touches (:func:`~.base.framed_specs`), and a group or super-block split between
 two shards takes one scale and one exponent, from the maxima of both parts: the writers hold the
 stores at a shard's shared edges (:func:`store_quantized`) and finish them once the edges' maxima are
 exchanged (:func:`finish_stores`, one small collective per parameter and write).
@@ -17,7 +17,6 @@ exchanged (:func:`finish_stores`, one small collective per parameter and write).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Callable, Mapping
 
 import torch
@@ -79,19 +78,6 @@ def quant_specs(key: str, code_dtype: torch.dtype, n: int) -> tuple[TensorSpec, 
         TensorSpec(key + "_scale", SCALE_DTYPE, num_groups(n)),
         TensorSpec(key, code_dtype, n),
         TensorSpec(key + "_exp", EXP_DTYPE, num_supers(n)),
-    )
-
-
-def framed_specs(specs: tuple[TensorSpec, ...], n: int, lead: int) -> tuple[TensorSpec, ...]:
-    """``specs`` (a format's layout of ``n`` elements) for a shard whose first element sits ``lead``
-    elements into its super-block: the scales and exponents of every group and super-block of the
-    whole parameter the shard touches (one group and one super-block more at most)."""
-    if not lead or not n:
-        return specs
-    sizes = {"_scale": num_groups(n + lead % GROUP), "_exp": num_supers(n + lead)}
-    return tuple(
-        replace(spec, numel=sizes[spec.key[spec.key.rindex("_"):]]) if spec.key.endswith(("_scale", "_exp")) else spec
-        for spec in specs
     )
 
 

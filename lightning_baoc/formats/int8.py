@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_baoc import kernels
 from lightning_baoc.formats.base import Shape, StepHyper, TensorSpec, numel_of
 from lightning_baoc.formats.elementwise import ElementwiseFormat
 from lightning_baoc.formats.frames import quant_args, quant_specs, store_quantized
+from lightning_baoc.formats.kinds import M_INT8, V_UINT8
 from lightning_baoc.formats.quant import dequantize_momentum, dequantize_sqrt, quantize_momentum, quantize_sqrt
 
 
@@ -25,7 +25,7 @@ class Int8(ElementwiseFormat):
     quantized = True
     fallback = "fp32"
     summary = "m int8 companded, v uint8 sqrt-companded, groups of 32"
-    kernel_kinds = (kernels.M_INT8, kernels.V_UINT8)
+    kernel_kinds = (M_INT8, V_UINT8)
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         n = numel_of(shape)

@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_baoc import kernels
 from lightning_baoc.formats.adam_math import chunk_ranges
 from lightning_baoc.formats.base import (
     FACTORED_SUMS, Canonical, Parity, Shape, StateFormat, StepHyper, StepItem, TensorSpec, factor_view, numel_of,
 )
 from lightning_baoc.formats.factored_math import factored_update
 from lightning_baoc.formats.frames import finish_stores, frame_lead, quant_args, quant_specs, store_quantized
+from lightning_baoc.formats.kinds import M_INT8, V_FACTORED
 from lightning_baoc.formats.quant import dequantize_momentum, quantize_momentum
 
 
@@ -36,7 +36,7 @@ class Int8Factored(StateFormat):
     factored = True
     fallback = "int8"
     summary = "m int8 companded (groups of 32), v factored into row + column (fp32)"
-    kernel_kinds = (kernels.M_INT8, kernels.V_FACTORED)
+    kernel_kinds = (M_INT8, V_FACTORED)
     # the reference: 1.1e-6 after 50 steps, but where an int8 momentum code sits on a rounding boundary, the
     # factored means' other order rounds it the other way (measured: 3 codes of 3,072 after 31 steps, the
     # parameter then 2.4e-4 of its movement away)

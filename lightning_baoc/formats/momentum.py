@@ -43,10 +43,10 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
-from lightning_baoc import kernels
 from lightning_baoc.formats.adam_math import chunk_ranges, grad_flat, param_flat
 from lightning_baoc.formats.base import Canonical, Shape, StateFormat, StepHyper, StepItem, TensorSpec, numel_of
 from lightning_baoc.formats.frames import finish_stores, frame_lead, quant_args, quant_specs, store_quantized
+from lightning_baoc.formats.kinds import M_BF16, M_FP32, M_INT8, M_NONE
 from lightning_baoc.formats.quant import bf16_stochastic, dequantize_momentum, quantize_momentum
 
 #: The update rules the momentum formats run.
@@ -57,7 +57,7 @@ class MomentumFormat(StateFormat):
     """A format holding one momentum buffer (or none) per parameter: the SGD and Lion family."""
 
     has_second_moment = False
-    #: The compiled kernel's momentum kind (``momentum_step`` of :mod:`lightning_baoc.kernels`).
+    #: The compiled kernel's momentum kind (:mod:`lightning_baoc.formats.kinds`; the kernels' ``momentum_step``).
     momentum_kind: int
 
     def encode(self, state: Canonical, views: dict[str, Tensor], hyper: StepHyper) -> None:
@@ -146,7 +146,7 @@ class MomentumFP32(MomentumFormat):
     name = "fp32"
     has_momentum = True
     summary = "momentum fp32"
-    momentum_kind = kernels.M_FP32
+    momentum_kind = M_FP32
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         return (TensorSpec("exp_avg", torch.float32, numel_of(shape)),)
@@ -166,7 +166,7 @@ class MomentumBF16(MomentumFormat):
     name = "bf16"
     has_momentum = True
     summary = "momentum bf16 (stochastic rounding)"
-    momentum_kind = kernels.M_BF16
+    momentum_kind = M_BF16
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         return (TensorSpec("exp_avg", torch.bfloat16, numel_of(shape)),)
@@ -186,7 +186,7 @@ class MomentumInt8(MomentumFormat):
     quantized = True
     fallback = "fp32"
     summary = "momentum int8 companded, groups of 32"
-    momentum_kind = kernels.M_INT8
+    momentum_kind = M_INT8
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         return quant_specs("exp_avg", torch.int8, numel_of(shape))
@@ -204,7 +204,7 @@ class MomentumNone(MomentumFormat):
     name = "none"
     has_momentum = False
     summary = "no momentum buffer"
-    momentum_kind = kernels.M_NONE
+    momentum_kind = M_NONE
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         return ()

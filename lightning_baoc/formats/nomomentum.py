@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_baoc import kernels
 from lightning_baoc.formats.base import Shape, StepHyper, TensorSpec, numel_of
 from lightning_baoc.formats.elementwise import ElementwiseFormat, Fp32SecondMoment
+from lightning_baoc.formats.kinds import M_NONE, V_FP32
 
 
 class NoMomentum(Fp32SecondMoment, ElementwiseFormat):
@@ -19,7 +19,7 @@ class NoMomentum(Fp32SecondMoment, ElementwiseFormat):
     name = "nomomentum"
     has_momentum = False
     summary = "no m, v fp32"
-    kernel_kinds = (kernels.M_NONE, kernels.V_FP32)
+    kernel_kinds = (M_NONE, V_FP32)
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         return (TensorSpec("exp_avg_sq", torch.float32, numel_of(shape)),)

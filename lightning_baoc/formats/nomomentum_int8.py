@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_baoc import kernels
 from lightning_baoc.formats.base import Shape, StepHyper, TensorSpec, numel_of
 from lightning_baoc.formats.elementwise import ElementwiseFormat
 from lightning_baoc.formats.frames import quant_args, quant_specs, store_quantized
+from lightning_baoc.formats.kinds import M_NONE, V_UINT8
 from lightning_baoc.formats.quant import dequantize_sqrt, quantize_sqrt
 
 
@@ -25,7 +25,7 @@ class NoMomentumInt8(ElementwiseFormat):
     quantized = True
     fallback = "nomomentum"
     summary = "no m, v uint8 sqrt-companded, groups of 32"
-    kernel_kinds = (kernels.M_NONE, kernels.V_UINT8)
+    kernel_kinds = (M_NONE, V_UINT8)
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:
         n = numel_of(shape)

@@ -19,12 +19,12 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from lightning_baoc import kernels
 from lightning_baoc.formats.adam_math import element_batches
 from lightning_baoc.formats.base import (
     FP32_ULPS, FUSED_TENSOR_LR, Canonical, Parity, Shape, StateFormat, StepHyper, StepItem, TensorSpec, numel_of,
 )
 from lightning_baoc.formats.fused_adam import fused_dense_fp32
+from lightning_baoc.formats.kinds import M_FP32, V_FP32
 
 HOST = torch.device("cpu")
 #: Default size of the subgroups the offloaded states are updated in: bytes of fp32 parameters (64 MiB: 16,777,216
@@ -42,7 +42,7 @@ class Offload(StateFormat):
     has_momentum = True
     offloaded = True
     summary = "m fp32, v fp32, in host memory (updated on the CPU)"
-    kernel_kinds = (kernels.M_FP32, kernels.V_FP32)  # the compiled step's own AdamW (chunk_adamw's order)
+    kernel_kinds = (M_FP32, V_FP32)  # the compiled step's own AdamW (chunk_adamw's order)
     parity = Parity(compiled=FP32_ULPS, triton=FUSED_TENSOR_LR)
 
     def layout(self, shape: Shape) -> tuple[TensorSpec, ...]:

@@ -292,37 +292,30 @@ def _step_key(seed: int, step: int) -> int:
     return mix32(mix32(seed) ^ (step & _M32))
 
 
-#: The last slice's 32-bit hashes: the momentum's store and the second moment's of the same slice
-#: (a bf16 step, a conversion) read one computation; replaced by the next slice's.
-_LAST_HASH: dict[tuple[int, int, int, str], Tensor] = {}
-
-
-def _rounding_hash(start: int, stop: int, key: int, device: torch.device) -> Tensor:
-    """``lowbias32(i + key)`` of the elements ``[start, stop)`` (int64 in ``[0, 2**32)``), not to be modified."""
-    ident = (start, stop, key, str(device))
-    cached = _LAST_HASH.get(ident)
-    if cached is not None:
-        return cached
+def rounding_hash(start: int, stop: int, key: int, device: torch.device) -> Tensor:
+    """``lowbias32(i + key)`` of the elements ``[start, stop)`` (int64 in ``[0, 2**32)``): both moments' noise
+    of a slice (:func:`rounding_bits`), computed once where a caller stores both (``BF16.store``)."""
     x = torch.arange(start, stop, dtype=torch.int64, device=device).add_(key).bitwise_and_(_M32)
     x.bitwise_xor_(x >> 16)
     x.mul_(0x21F0AAAD).bitwise_and_(_M32)
     x.bitwise_xor_(x >> 15)
     x.mul_(0x735A2D97).bitwise_and_(_M32)
     x.bitwise_xor_(x >> 15)
-    _LAST_HASH.clear()
-    _LAST_HASH[ident] = x
     return x
 
 
-def rounding_bits(start: int, stop: int, which: int, key: int, device: torch.device) -> Tensor:
-    """The 16-bit noise (int64 in ``[0, 2**16)``) of elements ``[start, stop)`` of a stream."""
-    x = _rounding_hash(start, stop, key, device)
+def rounding_bits(start: int, stop: int, which: int, key: int, device: torch.device,
+                  hashed: Tensor | None = None) -> Tensor:
+    """The 16-bit noise (int64 in ``[0, 2**16)``) of elements ``[start, stop)`` of a stream (``hashed``: their
+    :func:`rounding_hash`, where the caller holds it already; not modified)."""
+    x = rounding_hash(start, stop, key, device) if hashed is None else hashed
     return x >> 16 if which == 0 else x & 0xFFFF
 
 
-def bf16_stochastic(x: Tensor, out: Tensor, key: int, start: int = 0, which: int = 0) -> None:
+def bf16_stochastic(x: Tensor, out: Tensor, key: int, start: int = 0, which: int = 0,
+                    hashed: Tensor | None = None) -> None:
     """Write fp32 ``x`` (elements ``[start, start + x.numel())`` of stream ``which``) into bf16 ``out``
-    with stochastic rounding.
+    with stochastic rounding (``hashed``: the elements' :func:`rounding_hash`, where the caller holds it).
 
     Adding 16 random bits below the bf16 mantissa and truncating rounds up with probability equal
     to the discarded fraction, so the rounding is unbiased: ``E[round(x)] = x``. Round-to-nearest
@@ -332,11 +325,12 @@ def bf16_stochastic(x: Tensor, out: Tensor, key: int, start: int = 0, which: int
     into the infinite exponent; such values (and an overflowed inf) saturate at bf16's maximum.
     """
     bits = x.contiguous().view(torch.int32)
-    noise = rounding_bits(start, start + bits.numel(), which, key, x.device).view(bits.shape)
+    noise = rounding_bits(start, start + bits.numel(), which, key, x.device, hashed).view(bits.shape)
     noisy = torch.add(bits, noise.to(torch.int32))
     out.copy_(noisy.bitwise_and_(-65536).view(torch.float32).clamp_(-_BF16_MAX, _BF16_MAX))
 
 
-def bf16_round_nearest(x: Tensor, out: Tensor, key: int = 0, start: int = 0, which: int = 0) -> None:
+def bf16_round_nearest(x: Tensor, out: Tensor, key: int = 0, start: int = 0, which: int = 0,
+                       hashed: Tensor | None = None) -> None:
     """Round-to-nearest bf16 store (the naive choice; kept to demonstrate stagnation in tests)."""
     out.copy_(x)

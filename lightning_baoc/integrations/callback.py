@@ -40,7 +40,7 @@ Hook by hook (Lightning 2.6; README.md, "The BAOC callback", has the whole lifec
 Reports (rank zero, at each allocation): a rich table, ``baoc_allocation.json`` and, when
 matplotlib is installed, ``baoc_allocation.png`` in ``trainer.log_dir`` (its path is printed once),
 and the scalars of :meth:`BAOC.summary`'s figures (``baoc/state_bytes``, ``baoc/state_fraction``, ...:
-:data:`lightning_baoc.report.summary.METRIC_NAMES`) to every logger. :meth:`BAOC.summary` returns the run's
+:data:`lightning_baoc.control.summary.METRIC_NAMES`) to every logger. :meth:`BAOC.summary` returns the run's
 figures at any time after install, as a :class:`~lightning_baoc.BAOCSummary`.
 """
 
@@ -58,14 +58,17 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_baoc.config.files import baoc_kwargs, load_config
 from lightning_baoc.config.settings import FormatName, ReportSetting, settings_of, split_settings
 from lightning_baoc.control.controller import AllocationEvent, BAOCController, rebind_scheduler
+from lightning_baoc.control.summary import BAOCSummary
 from lightning_baoc.integrations.checkpoints import check_saved_shards, distributed_metadata
+from lightning_baoc.integrations.deepspeed import check_offload, fragment_module, wrap_configure_optimizers, zero_client_of
 from lightning_baoc.integrations.logs import rank_zero_info  # BAOC's lines, once under Hydra too
 from lightning_baoc.optim import BlockwiseAdamW
+from lightning_baoc.optim.deepspeed import check_deepspeed_version
 from lightning_baoc.report.allocation import AllocationReporter
 from lightning_baoc.report.memory import MeasuredPeak, MemoryMeter
-from lightning_baoc.report.summary import BAOCSummary
 
 
 def _refused_strategy(strategy: Any) -> str | None:
@@ -261,8 +264,6 @@ class BAOC(Callback):
             >>> baoc.config.memory_budget  # doctest: +SKIP
             0.25
         """
-        from lightning_baoc.config.files import baoc_kwargs, load_config
-
         if isinstance(config, (str, os.PathLike)):
             config = load_config(config, overrides)
         elif overrides:
@@ -349,9 +350,6 @@ class BAOC(Callback):
                 raise ModuleNotFoundError(
                     f"BAOC under {type(trainer.strategy).__name__} needs DeepSpeed: pip install 'lightning_baoc[deepspeed]'"
                 ) from err
-            from lightning_baoc.integrations.deepspeed import check_offload, wrap_configure_optimizers
-            from lightning_baoc.optim.deepspeed import check_deepspeed_version
-
             check_deepspeed_version(deepspeed.__version__)
             check_offload(trainer.strategy.config or {})
             self._unwrap = wrap_configure_optimizers(pl_module, self.config.min_8bit_numel, self.config.seed)
@@ -570,8 +568,6 @@ class BAOC(Callback):
     def _install_deepspeed(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Install over DeepSpeed's client: the controller manages its fragments (the optimizer and its
         schedulers stay DeepSpeed's and Lightning's as they are)."""
-        from lightning_baoc.integrations.deepspeed import fragment_module, zero_client_of
-
         client = zero_client_of(trainer.strategy.deepspeed_engine)
         self._meter.start(pl_module.device)
         self.controller.install(client.inner, fragment_module(pl_module, client))

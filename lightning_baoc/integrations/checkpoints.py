@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from lightning_baoc.optim import BlockwiseOptimizer, CheckpointError
-from lightning_baoc.optim.distributed import REFUSAL_KEYS
+from lightning_baoc.optim.checkpoint.distributed import REFUSAL_KEYS
 from lightning_baoc.optim.sharding import is_sharded, shard_count
 
 
@@ -39,7 +39,7 @@ def check_saved_shards(path: Any, optimizers: Any, who: str) -> None:
     DCP itself fails inside its loader (``Size mismatch between saved torch.Size([2, 128]) and current ...``,
     raised as a ``CheckpointException``, which ``except Exception`` does not catch), naming neither BAOC nor
     the fix. A sharded state's per-rank checksum is saved as a ``(shards, 1)`` DTensor: its first size is
-    the saving run's shard count (:mod:`lightning_baoc.optim.distributed`). Also lays the optimizers' dicts out
+    the saving run's shard count (:mod:`lightning_baoc.optim.checkpoint.distributed`). Also lays the optimizers' dicts out
     as the checkpoint's (with or without the keys that make a plain AdamW refuse them: ``to_distributed``)."""
     import torch.distributed.checkpoint as dcp
 

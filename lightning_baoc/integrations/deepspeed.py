@@ -30,6 +30,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from lightning_baoc.optim.deepspeed import ZeroClient, zero_client
+from lightning_baoc.optim.swap import convert_optimizer, rebind_scheduler
+
 
 def check_offload(config: dict[str, Any]) -> None:
     """Refuse what BAOC cannot combine with DeepSpeed's optimizer offload (the strategy's ``config``):
@@ -53,9 +56,6 @@ def check_offload(config: dict[str, Any]) -> None:
 def client_of(optimizer: Any, module: nn.Module, min_8bit_numel: int, seed: int) -> Any:
     """The ZeRO client DeepSpeed is built over in place of ``optimizer`` (a torch AdamW/Adam/SGD converted
     as the callback converts it: ``optim.swap.convert_optimizer``; a client is kept)."""
-    from lightning_baoc.optim.deepspeed import ZeroClient, zero_client
-    from lightning_baoc.optim.swap import convert_optimizer
-
     if isinstance(optimizer, ZeroClient):
         return optimizer
     return zero_client(convert_optimizer(optimizer, module, min_8bit_numel, seed))
@@ -63,8 +63,6 @@ def client_of(optimizer: Any, module: nn.Module, min_8bit_numel: int, seed: int)
 
 def _swap(out: Any, module: nn.Module, min_8bit_numel: int, seed: int) -> Any:
     """``configure_optimizers``' output with each optimizer replaced by its client, the schedulers rebound."""
-    from lightning_baoc.control.controller import rebind_scheduler
-
     swapped: dict[int, Any] = {}
 
     def optimizer(o: Any) -> Any:
@@ -115,8 +113,6 @@ def wrap_configure_optimizers(module: nn.Module, min_8bit_numel: int, seed: int)
 
 def zero_client_of(engine: Any) -> Any:
     """The ZeRO client of a DeepSpeed engine, bound to its partitions (on every rank)."""
-    from lightning_baoc.optim.deepspeed import ZeroClient
-
     client = getattr(engine, "basic_optimizer", None)
     if not isinstance(client, ZeroClient):
         raise RuntimeError(
@@ -128,18 +124,20 @@ def zero_client_of(engine: Any) -> Any:
 
 
 def fragment_module(model: nn.Module, client: Any) -> nn.Module:
-    """A module of ``model``'s structure (its submodules' names and classes' names) whose parameters
-    are ``client``'s fragments under the model's parameter names."""
+    """A module of ``model``'s structure (its submodules' names, each a plain ``nn.Module``) whose parameters
+    are ``client``'s fragments under the model's parameter names.
+
+    Its submodules are none of torch's containers, so the partition's ``"layer"`` granularity (repeated
+    layers: the children of a ``Sequential``, ``ModuleList`` or ``ModuleDict``) finds none in it: blocks
+    are its modules'."""
     named = client.named_params
     root = nn.Module()
     made: dict[str, nn.Module] = {"": root}
-    classes: dict[str, type] = {}
-    for name, sub in model.named_modules():
+    for name, _ in model.named_modules():
         if not name:
             continue
         parent, _, leaf = name.rpartition(".")
-        kind = type(sub).__name__  # the class's name kept: "layer" granularity groups repeated layers by it
-        holder = classes.setdefault(kind, type(kind, (nn.Module,), {}))()
+        holder = nn.Module()
         made[parent].add_module(leaf, holder)
         made[name] = holder
     for name, _ in model.named_parameters():

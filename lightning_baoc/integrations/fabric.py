@@ -55,10 +55,12 @@ from torch.optim import Optimizer
 
 from lightning_baoc.config.settings import FormatName, ReportSetting, settings_of, split_settings
 from lightning_baoc.control.controller import AllocationEvent, BAOCController, rebind_scheduler
+from lightning_baoc.control.summary import BAOCSummary
 from lightning_baoc.integrations.checkpoints import check_saved_shards, distributed_metadata
+from lightning_baoc.integrations.deepspeed import check_offload, client_of, fragment_module, zero_client_of
+from lightning_baoc.optim.deepspeed import check_deepspeed_version
 from lightning_baoc.report.allocation import AllocationReporter
 from lightning_baoc.report.memory import MemoryMeter
-from lightning_baoc.report.summary import BAOCSummary
 
 _BASES = ("single_device", "ddp", "model_parallel", "deepspeed")
 
@@ -369,17 +371,12 @@ class _BAOCDeepSpeedStrategy(BAOCStrategy, DeepSpeedStrategy):
             import deepspeed
         except ImportError as err:
             raise ModuleNotFoundError("BAOCStrategy(base='deepspeed') needs DeepSpeed: pip install 'lightning_baoc[deepspeed]'") from err
-        from lightning_baoc.integrations.deepspeed import check_offload
-        from lightning_baoc.optim.deepspeed import check_deepspeed_version
-
         check_deepspeed_version(deepspeed.__version__)
         super().__init__(*args, **kwargs)
         check_offload(self.config or {})
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None) -> Any:
         """DeepSpeed's engine over the client of the one optimizer, then the controller over the client's fragments."""
-        from lightning_baoc.integrations.deepspeed import client_of, fragment_module, zero_client_of
-
         if len(optimizers) != 1:
             raise ValueError(
                 f"BAOCStrategy manages exactly one optimizer; got {len(optimizers)}. Set up a single "

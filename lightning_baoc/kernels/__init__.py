@@ -8,7 +8,9 @@ kernels in ``cpu_step.cpp`` do each format's whole step in one pass per 1024-ele
 extension cache afterwards: :mod:`lightning_baoc.kernels.build` builds, caches, locks and announces
 them (one cache directory per source version and build command, so environments and processes whose
 commands differ never rebuild each other's library). The Triton kernels of the CUDA step are in
-:mod:`lightning_baoc.kernels.triton_step`.
+:mod:`lightning_baoc.kernels.triton_step`. The kernels build on the formats: a format names
+the kinds of its moments (``kernel_kinds``) and the keys of its states, both in
+:mod:`lightning_baoc.formats.kinds`, and the kernels read them there.
 
 Which path runs is chosen per optimizer (``BlockwiseAdamW(kernels=...)``, default from the
 environment variable ``LIGHTNING_BAOC_KERNELS``, else ``"auto"``):
@@ -36,6 +38,7 @@ from typing import Any
 
 import torch
 
+from lightning_baoc.formats.kinds import M_BF16, M_FP32, M_INT8, M_NONE, V_BF16, V_FACTORED, V_FP32, V_UINT8
 from lightning_baoc.kernels import build
 from lightning_baoc.kernels.build import KernelStatus, compile_flags
 
@@ -46,9 +49,6 @@ KERNELS_ENV = "LIGHTNING_BAOC_KERNELS"
 #: The policies ``BlockwiseAdamW(kernels=...)`` accepts.
 POLICIES = ("auto", "compiled", "eager")
 
-# Momentum and second-moment kinds, as the kernel numbers them (cpu_step.cpp: MKind, VKind).
-M_NONE, M_FP32, M_BF16, M_INT8 = 0, 1, 2, 3
-V_FP32, V_BF16, V_UINT8, V_FACTORED = 0, 1, 2, 3
 #: The update rules of ``momentum_step`` (SGD and Lion over one momentum buffer).
 RULE_SGD, RULE_LION = 1, 2
 
@@ -155,9 +155,9 @@ def use_triton(policy: str, device: torch.device) -> bool:
     """
     if policy == "eager" or device.type not in TRITON_DEVICES:
         return False
-    from lightning_baoc.kernels import triton_step
+    from lightning_baoc.kernels import triton_common  # lazy: triton (optional) takes 0.3-0.45 s to import (python -X importtime)
 
-    available, detail = triton_step.triton_status()
+    available, detail = triton_common.triton_status()
     return _choose(policy, available, detail, f"triton-{available}", True, "Triton step kernels",
                    "Install triton (it ships with torch's CUDA builds on Linux)",
                    f"on {device.type}: same results, bound by kernel launches", f"Triton kernels of the {device.type} step")

@@ -34,13 +34,9 @@ from lightning_baoc.formats.base import StateFormat, StepHyper, factor_dims
 from lightning_baoc.formats.correction import reconstruct, split_into
 from lightning_baoc.formats.factored_math import EPS_SQUARE, FP32_MAX
 from lightning_baoc.formats.frames import framed
+from lightning_baoc.formats.kinds import M_KEYS, V_FACTORED, V_KEYS
 from lightning_baoc.formats.quant import M_SCALE_MAX, V_SCALE_MAX
 
-_M_KEYS = {kernels.M_FP32: ("exp_avg", None, None), kernels.M_BF16: ("exp_avg", None, None),
-           kernels.M_INT8: ("exp_avg", "exp_avg_scale", "exp_avg_exp")}
-_V_KEYS = {kernels.V_FP32: ("exp_avg_sq", None, None), kernels.V_BF16: ("exp_avg_sq", None, None),
-           kernels.V_UINT8: ("exp_avg_sq", "exp_avg_sq_scale", "exp_avg_sq_exp"),
-           kernels.V_FACTORED: (None, None, None)}
 _NO_CORRECTION = torch.empty(0, dtype=torch.int8)
 
 #: Gradient elements of one batch at most (4 MiB of fp32 gradients): the non-finite test (and the
@@ -146,11 +142,11 @@ def _adamw_arguments(
         keys = table.get(kind, (None, None, None))
         return [[it.views[k] for it in items] if k is not None else empty for k in keys]
 
-    m, m_scale, m_exp = lists(_M_KEYS, m_kind)
-    v, v_scale, v_exp = lists(_V_KEYS, v_kind)
+    m, m_scale, m_exp = lists(M_KEYS, m_kind)
+    v, v_scale, v_exp = lists(V_KEYS, v_kind)
     rows: list[Tensor] = empty
     cols: list[Tensor] = empty
-    if v_kind == kernels.V_FACTORED:
+    if v_kind == V_FACTORED:
         for it in items:
             if factor_dims(it.param.shape) is None:  # the optimizer resolves such shapes to the fallback
                 raise ValueError(f"shape {tuple(it.param.shape)} has no factored form")
@@ -173,7 +169,7 @@ def _momentum_arguments(
 ) -> tuple:
     """The arguments of ``kernels.ops().momentum_step`` (SGD and Lion, ``cpu_step.cpp``) for ``items``."""
     kind = fmt.momentum_kind  # type: ignore[attr-defined]
-    keys = _M_KEYS.get(kind, (None, None, None))
+    keys = M_KEYS.get(kind, (None, None, None))
     m, m_scale, m_exp = ([it.views[k] for it in items] if k is not None else [] for k in keys)
     return (
         params, grads, m, m_scale, m_exp, [it.counts for it in items], _corrections(corrections),

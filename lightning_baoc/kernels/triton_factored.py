@@ -32,9 +32,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_baoc.kernels import triton_step as ts
-
-triton, tl = ts.triton, ts.tl
+from lightning_baoc.formats.factored_math import EPS_SQUARE
+from lightning_baoc.formats.kinds import M_NONE, V_FACTORED
+from lightning_baoc.kernels import triton_common as tc
+from lightning_baoc.kernels.triton_common import tl, triton
 
 #: Rows of one program of the sums (their partial column sums: 4 bytes per ROWS elements), and its column tile.
 ROWS, TILE = 64, 128
@@ -61,17 +62,17 @@ if triton is not None:
         """Row sums of ``(g k)**2`` of BR rows of one tensor, and their column sums (one row of ``partial``)."""
         pid = tl.program_id(0).to(tl.int64)
         first = table + count * _SUM_COUNT
-        lo = ts._find(first, count, pid, SEARCH)
+        lo = tc._find(first, count, pid, SEARCH)
         row = table + lo * _SUM_COUNT
         WT: tl.constexpr = tl.float32 if W == 0 else tl.int16
         GT: tl.constexpr = tl.float32 if G == 0 else tl.int16
         CT: tl.constexpr = tl.int8 if CB == 8 else tl.int16
-        g_ptr = ts._ptr(row, 0, GT)
-        p_ptr = ts._ptr(row, 1, WT)
-        c_ptr = ts._ptr(row, 2, CT)
+        g_ptr = tc._ptr(row, 0, GT)
+        p_ptr = tc._ptr(row, 1, WT)
+        c_ptr = tc._ptr(row, 2, CT)
         rows = tl.load(row + 3)
         cols = tl.load(row + 4)
-        k = ts._int32_at(row, 5).to(tl.float32, bitcast=True)
+        k = tc._int32_at(row, 5).to(tl.float32, bitcast=True)
         local = pid - tl.load(first + lo)
         out = partial + tl.load(row + 6) + local * cols
         r = local * BR + tl.arange(0, BR)
@@ -85,12 +86,12 @@ if triton is not None:
             if G == 0:
                 g = tl.load(g_ptr + idx, mask=mask, other=0.0) * gsign
             else:
-                g = ts._load16(tl.load(g_ptr + idx, mask=mask, other=0), G) * gsign
+                g = tc._load16(tl.load(g_ptr + idx, mask=mask, other=0), G) * gsign
             if L2:
                 if W == 0:
                     p = tl.load(p_ptr + idx, mask=mask, other=0.0)
                 else:
-                    p = ts._load_master(p_ptr, c_ptr, idx, mask, W, CB)
+                    p = tc._load_master(p_ptr, c_ptr, idx, mask, W, CB)
                 g = tl.fma(p, l2, g)
             x = g * k
             sq = x * x
@@ -103,10 +104,10 @@ if triton is not None:
         """One tensor's vectors and factors from its sums (module docstring)."""
         row = table + tl.program_id(0).to(tl.int64) * _FINISH_COUNT
         if SKIP:
-            if tl.load(ts._ptr(row, 9, tl.float32)) != 0.0:
+            if tl.load(tc._ptr(row, 9, tl.float32)) != 0.0:
                 return
-        r_ptr = ts._ptr(row, 0, tl.float32)
-        c_ptr = ts._ptr(row, 1, tl.float32)
+        r_ptr = tc._ptr(row, 0, tl.float32)
+        c_ptr = tc._ptr(row, 1, tl.float32)
         rows = tl.load(row + 2)
         cols = tl.load(row + 3)
         part = partial + tl.load(row + 4)
@@ -114,9 +115,9 @@ if triton is not None:
         sums = row_sum + tl.load(row + 6)
         rf = factors + tl.load(row + 7)
         cf = factors + tl.load(row + 8)
-        bc2 = ts._int32_at(row, 10).to(tl.float32, bitcast=True)
-        alpha_r = ts._int32_at(row, 11).to(tl.float32, bitcast=True)
-        alpha_c = ts._int32_at(row, 12).to(tl.float32, bitcast=True)
+        bc2 = tc._int32_at(row, 10).to(tl.float32, bitcast=True)
+        alpha_r = tc._int32_at(row, 11).to(tl.float32, bitcast=True)
+        alpha_c = tc._int32_at(row, 12).to(tl.float32, bitcast=True)
         n_rows = rows.to(tl.float32)
         acc = tl.zeros((B,), tl.float32)
         for i0 in range(0, rows, B):
@@ -186,7 +187,7 @@ class FactoredWork:
         self.longest = np.maximum(self.rows, self.cols).astype(np.float64)
         # the sums' tables, by kind (the gradient's column filled at each launch)
         self.kinds: dict[tuple[int, int, int], np.ndarray] = {}
-        kinds = [(ts._KINDS[p.dtype], ts._KINDS[g], 0 if c is None else ts._CORRECTION_BITS[c.dtype])
+        kinds = [(tc._KINDS[p.dtype], tc._KINDS[g], 0 if c is None else tc._CORRECTION_BITS[c.dtype])
                  for p, g, c in zip(params, grad_dtypes, corrections)]
         for kind in dict.fromkeys(kinds):
             self.kinds[kind] = np.array([i for i, k in enumerate(kinds) if k == kind], dtype=np.int64)
@@ -201,7 +202,7 @@ class FactoredWork:
             longest = max(r, c)
             fin.append([v["exp_avg_sq_row"].data_ptr(), v["exp_avg_sq_col"].data_ptr(), r, c, int(self.partial_at[i]),
                         int(self.programs[i]), int(self.row_at[i]), int(self.rf_at[i]), int(self.cf_at[i]), 0, 0,
-                        ts._float_bits(longest / c), ts._float_bits(longest / r)])
+                        tc._float_bits(longest / c), tc._float_bits(longest / r)])
         self.finish_rows = np.array(fin, dtype=np.int64).reshape(-1, len(FINISH_COLUMNS))
 
     def buffers(self) -> Buffers:
@@ -228,16 +229,16 @@ class FactoredWork:
             part[:, 5] = scale[members]
             firsts = np.cumsum(self.programs[members])
             flat = torch.from_numpy(np.concatenate([part.reshape(-1), [0], firsts[:-1]]).astype(np.int64))
-            sums[kind] = ts.on_device(flat, self.device)
+            sums[kind] = tc.on_device(flat, self.device)
         fin = self.finish_rows.copy()
         fin[:, 9] = skips
         fin[:, 10] = bias_corrections2
-        return sums, ts.on_device(torch.from_numpy(fin.reshape(-1)), self.device)
+        return sums, tc.on_device(torch.from_numpy(fin.reshape(-1)), self.device)
 
     def launch(self, sums: dict[tuple, Tensor], finish: Tensor, buffers: Buffers, hyper: Any) -> None:
         """The step's two launches (the sums' one per kind) into ``buffers``, by :meth:`tables`' tables."""
-        common = ts._common((ts.M_NONE, ts.V_FACTORED), hyper, 0.0, 0.0)
-        beta2, floor = ts._f32(hyper.beta2), ts._f32((1.0 - hyper.beta2) * _eps_square())
+        common = tc._common((M_NONE, V_FACTORED), hyper, 0.0, 0.0)
+        beta2, floor = tc._f32(hyper.beta2), tc._f32((1.0 - hyper.beta2) * EPS_SQUARE)
         for kind, table in sums.items():
             members = self.kinds[kind]
             count = len(members)
@@ -246,12 +247,6 @@ class FactoredWork:
                 CB=kind[2], SEARCH=max(count - 1, 1).bit_length(), BR=ROWS, BC=TILE, enable_fp_fusion=False)
         _finish[(self.count,)](finish, buffers.partial, buffers.row_sum, buffers.factors, beta2, floor,
                                SKIP=True, B=BLOCK, enable_fp_fusion=False)
-
-
-def _eps_square() -> float:
-    from lightning_baoc.formats.factored_math import EPS_SQUARE
-
-    return EPS_SQUARE
 
 
 __all__ = ["BLOCK", "Buffers", "FINISH_COLUMNS", "FactoredWork", "ROWS", "SUM_COLUMNS", "TILE"]

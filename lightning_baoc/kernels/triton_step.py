@@ -29,34 +29,31 @@ from the weight and its master-weight correction (``formats/correction.py``) per
 and split again in the same pass. An item with a ``skip_flag`` (its finiteness decided on the device:
 ``optim/stepping.py``) is skipped by the kernel itself where the flag is set. Every other item takes
 the eager step. Triton is an optional dependency: it ships with torch's CUDA builds on Linux;
-:func:`triton_status` says whether it imports. ``tests/kernels/test_triton_step.py`` runs the kernels
-through Triton's interpreter on the CPU (``TRITON_INTERPRET=1``) against the eager step;
-``tests/integrations/test_cuda.py`` on a GPU.
+:func:`~.triton_common.triton_status` says whether it imports; the device functions this step shares with the
+factored formats' pre-pass (:mod:`.triton_factored`, which runs first) are in :mod:`.triton_common`.
+``tests/kernels/test_triton_step.py`` runs the kernels through Triton's interpreter on the CPU
+(``TRITON_INTERPRET=1``) against the eager step; ``tests/integrations/test_cuda.py`` on a GPU.
 """
 
 from __future__ import annotations
 
 import array
 import math
-import struct
 from typing import Any
 
 import torch
 from torch import Tensor
 
-try:  # an optional dependency: the CUDA step's kernels
-    import triton
-    import triton.language as tl
-except ImportError as err:  # pragma: no cover - depends on the installation
-    triton = None
-    tl = None
-    _IMPORT_ERROR: str | None = str(err)
-else:
-    _IMPORT_ERROR = None
-
 from lightning_baoc.formats.base import factor_dims
-from lightning_baoc.kernels import M_BF16, M_FP32, M_INT8, M_NONE, V_BF16, V_FACTORED, V_FP32, V_UINT8
+from lightning_baoc.formats.kinds import M_FP32, M_KEYS, M_NONE, V_FACTORED, V_FP32, V_KEYS
 from lightning_baoc.kernels import TRITON_SERVED as SERVED
+from lightning_baoc.kernels.triton_common import _CORRECTION_BITS, _KINDS, _common, _f32, _float_bits, on_device, tl, triton
+from lightning_baoc.kernels.triton_factored import FactoredWork
+
+if triton is not None:  # the device functions this module's kernels share with the factored pre-pass
+    from lightning_baoc.kernels.triton_common import (
+        _bf16_load, _find, _int32_at, _load16, _load_master, _ptr, _store_master, _u32,
+    )
 
 _SUPER = 1024
 
@@ -69,28 +66,12 @@ _SKIP_COLUMN, _NUMEL_COLUMN, _KEY_COLUMN, _FACTOR_COLUMN = (
     _COLUMNS.index(name) for name in ("skip_flag", "numel", "noise_key", "row_factor"))
 
 
-def triton_status() -> tuple[bool, str]:
-    """Whether Triton imports, and why not."""
-    if triton is None:
-        return False, f"triton is not installed ({_IMPORT_ERROR})"
-    return True, f"triton {triton.__version__}"
-
-
-def _f32(x: float) -> float:
-    """``x`` rounded to fp32 (the kernel's scalars, as the CPU step's ``static_cast<float>``)."""
-    return struct.unpack("f", struct.pack("f", x))[0]
-
-
 if triton is not None:
     _COLUMN_COUNT = tl.constexpr(len(_COLUMNS))
     _SKIP_FLAG, _NUMEL, _COLS, _NOISE_KEY, _LR_STEP, _INV_SQRT_BC2, _DECAY = (
         tl.constexpr(_COLUMNS.index(name))
         for name in ("skip_flag", "numel", "cols", "noise_key", "lr_step", "inv_sqrt_bc2", "decay")
     )
-
-    @triton.jit
-    def _u32(value: tl.constexpr):
-        return tl.full((), value, tl.uint32)
 
     @triton.jit
     def _mix(x):
@@ -100,11 +81,6 @@ if triton is not None:
         x = x ^ (x >> 15)
         x = x * _u32(0x735A2D97)
         return x ^ (x >> 15)
-
-    @triton.jit
-    def _bf16_load(raw):
-        """bf16 bits (as int16) -> fp32."""
-        return (raw.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _bf16_stochastic(x, noise):
@@ -124,77 +100,6 @@ if triton is not None:
     def _rint(x):
         """Round to nearest even, for |x| < 2**22 (the codes)."""
         return (x + 12582912.0) - 12582912.0
-
-    @triton.jit
-    def _exp2i(e):
-        """2**e for an integral int32 e in [-149, 127] (subnormal below -126): exact (cpu_step.cpp exp2i)."""
-        normal = ((tl.maximum(e, -126) + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
-        subnormal = (_u32(1) << tl.minimum(tl.maximum(e + 149, 0), 22).to(tl.uint32)).to(tl.float32, bitcast=True)
-        return tl.where(e >= -126, normal, subnormal)
-
-    @triton.jit
-    def _unit_exponent(w, toward_zero, KIND: tl.constexpr, BITS: tl.constexpr):
-        """The exponent of a correction's unit over 2**BITS (correction.py ``_unit``): the spacing of the
-        weight's dtype next to |w| on the residual's side, half of it below a power of two."""
-        P: tl.constexpr = 7 if KIND == 1 else 10
-        EMIN: tl.constexpr = -126 if KIND == 1 else -14
-        b = w.to(tl.uint32, bitcast=True) & _u32(0x7FFFFFFF)
-        e = tl.maximum((b >> 23).to(tl.int32) - 127, EMIN)
-        finer = toward_zero & ((b & _u32(0x7FFFFF)) == 0) & (b > _u32((EMIN + 127) << 23))
-        return e - P - BITS - finer.to(tl.int32)
-
-    @triton.jit
-    def _points_to_zero(residual, w):
-        return (residual != 0.0) & ((residual < 0.0) != (w < 0.0))
-
-    @triton.jit
-    def _load16(raw, KIND: tl.constexpr):
-        """16-bit bits (as int16) of a bf16 (KIND 1) or fp16 (KIND 2) value -> fp32."""
-        if KIND == 1:
-            return _bf16_load(raw)
-        return raw.to(tl.float16, bitcast=True).to(tl.float32)
-
-    @triton.jit
-    def _store16(x, KIND: tl.constexpr):
-        """fp32 -> 16-bit bits (as int16), rounded to nearest even as ``.to(dtype)`` (NaN -> bf16's 0x7FC0)."""
-        if KIND == 1:
-            u = x.to(tl.uint32, bitcast=True)
-            rounded = (u + _u32(0x7FFF) + ((u >> 16) & _u32(1))) >> 16
-            out = tl.where((u & _u32(0x7FFFFFFF)) > _u32(0x7F800000), _u32(0x7FC0), rounded)
-            return out.to(tl.uint16).to(tl.int16, bitcast=True)
-        return x.to(tl.float16).to(tl.int16, bitcast=True)
-
-    @triton.jit
-    def _load_master(p_ptr, c_ptr, idx, mask, KIND: tl.constexpr, BITS: tl.constexpr):
-        """The fp32 masters of 16-bit weights and their corrections (correction.py ``reconstruct``)."""
-        w = _load16(tl.load(p_ptr + idx, mask=mask, other=0), KIND)
-        if BITS == 0:
-            return w
-        c = tl.load(c_ptr + idx, mask=mask, other=0).to(tl.float32)
-        x = w + c * _exp2i(_unit_exponent(w, _points_to_zero(c, w), KIND, BITS))
-        return tl.where(c == 0.0, w, x)
-
-    @triton.jit
-    def _store_master(x, p_ptr, c_ptr, idx, mask, KIND: tl.constexpr, BITS: tl.constexpr):
-        """Split fp32 masters into 16-bit weights and corrections (correction.py ``split_into``)."""
-        MAX: tl.constexpr = 3.3895313892515355e38 if KIND == 1 else 65504.0
-        h = _store16(tl.minimum(tl.maximum(x, -MAX), MAX), KIND)
-        tl.store(p_ptr + idx, h, mask=mask)
-        if BITS != 0:
-            LIMIT: tl.constexpr = 127.0 if BITS == 8 else 32767.0
-            w = _load16(h, KIND)
-            r = x - w
-            e = _unit_exponent(w, _points_to_zero(r, w), KIND, BITS)
-            first = tl.minimum(-e, 127)
-            s = (r * _exp2i(first)) * _exp2i(-e - first)
-            s = tl.minimum(tl.maximum(s, -40000.0), 40000.0)
-            s = (s + 12582912.0) - 12582912.0
-            s = tl.minimum(tl.maximum(s, -LIMIT), LIMIT)
-            s = tl.where(s == s, s, 0.0)
-            if BITS == 8:
-                tl.store(c_ptr + idx, s.to(tl.int32).to(tl.int8), mask=mask)
-            else:
-                tl.store(c_ptr + idx, s.to(tl.int32).to(tl.int16), mask=mask)
 
     @triton.jit
     def _load_scales(s_ptr, e_ptr, sb, gidx, gmask):
@@ -312,29 +217,6 @@ if triton is not None:
         elif V == 2:
             _encode_sqrt(root, v_ptr, vs_ptr, ve_ptr, idx, mask, sb, gidx, gmask, limit_v)
 
-    @triton.jit
-    def _ptr(row, j: tl.constexpr, DTYPE: tl.constexpr):
-        """Column ``j`` of a tensor's row of the table: an address, as a pointer to ``DTYPE``."""
-        return tl.load(row + j).to(tl.pointer_type(DTYPE))
-
-    @triton.jit
-    def _int32_at(row, j: tl.constexpr):
-        """Column ``j`` of the table as int32 (stored sign-extended)."""
-        return tl.load(row + j).to(tl.int32)
-
-    @triton.jit
-    def _find(first, count, pid, SEARCH: tl.constexpr):
-        """The tensor of program ``pid``: the ``lo`` with ``first[lo] <= pid < first[lo + 1]`` among the ``count``
-        tensors' first programs (a binary search of ``SEARCH`` halvings)."""
-        lo = tl.zeros((), tl.int64)
-        hi = lo + count
-        for _ in tl.static_range(SEARCH):
-            mid = (lo + hi) // 2
-            below = tl.load(first + mid) <= pid
-            lo = tl.where(below, mid, lo)
-            hi = tl.where(below, hi, mid)
-        return lo
-
     @triton.jit(do_not_specialize=["count"])
     def _adamw_tensors(
         table, count, any_flag, l2, beta2, one_minus_beta2, lerp_coeff, eps, gsign, limit_m, limit_v,
@@ -374,11 +256,6 @@ if triton is not None:
         )
 
 
-#: Parameter and gradient dtypes as the kernel numbers them (``W``, ``G``).
-_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_CORRECTION_BITS = {torch.int8: 8, torch.int16: 16}
-
-
 def serves(
     kinds: tuple[int, int] | None, param: Tensor, grad: Tensor, views: dict[str, Tensor], correction: Tensor | None = None
 ) -> bool:
@@ -401,12 +278,6 @@ def serves(
     )
 
 
-_M_KEYS = {M_FP32: ("exp_avg", None, None), M_BF16: ("exp_avg", None, None),
-           M_INT8: ("exp_avg", "exp_avg_scale", "exp_avg_exp")}
-_V_KEYS = {V_FP32: ("exp_avg_sq", None, None), V_BF16: ("exp_avg_sq", None, None),
-           V_UINT8: ("exp_avg_sq", "exp_avg_sq_scale", "exp_avg_sq_exp"), V_FACTORED: (None, None, None)}
-
-
 def _bits(t: Tensor) -> Tensor:
     """A 16-bit tensor as its int16 bits (what the kernel loads and stores), any other as it is."""
     return t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
@@ -415,11 +286,6 @@ def _bits(t: Tensor) -> Tensor:
 def _signed32(bits: int) -> int:
     """32 bits as a signed int32's value (the table holds them sign-extended)."""
     return bits - (1 << 32) if bits >= 1 << 31 else bits
-
-
-def _float_bits(x: float) -> int:
-    """The fp32 bits of ``x`` as a signed int32's value."""
-    return struct.unpack("i", struct.pack("f", x))[0]
 
 
 def _state_addresses(param: Tensor, views: dict[str, Tensor], corr: Tensor | None,
@@ -453,8 +319,6 @@ def _factored_prework(items: list[Any], corrections: list[Tensor | None], hyper:
     """The factored items' vectors and factors, all at once (:class:`~.triton_factored.FactoredWork`: two
     launches); each item's factors' addresses and columns, by its index. ``alive`` keeps the buffers the
     update's launch reads."""
-    from lightning_baoc.kernels.triton_factored import FactoredWork
-
     live = [i for i, it in enumerate(items) if it.param.numel()]
     if not live:
         return {}
@@ -486,26 +350,6 @@ def decay_bits(hyper: Any) -> int:
     return _float_bits(_f32(1.0 - hyper.lr * wd) if wd != 0.0 and hyper.decoupled_weight_decay else 1.0)
 
 
-def _common(kinds: tuple[int, int], hyper: Any, limit_m: float, limit_v: float) -> dict[str, Any]:
-    """The launch's scalars and format constants shared by every tensor of a step."""
-    m_kind, v_kind = kinds
-    wd, decoupled = hyper.weight_decay, hyper.decoupled_weight_decay
-    w = _f32(1.0 - hyper.beta1)
-    small = abs(w) < 0.5
-    return dict(
-        l2=_f32(wd), beta2=_f32(hyper.beta2),
-        one_minus_beta2=_f32(1.0 - hyper.beta2), lerp_coeff=w if small else _f32(w - 1.0), eps=_f32(hyper.eps),
-        gsign=-1.0 if hyper.maximize else 1.0, limit_m=_f32(limit_m), limit_v=_f32(limit_v), M=m_kind, V=v_kind,
-        LERP_SMALL=small, L2=wd != 0.0 and not decoupled,
-    )
-
-
-def on_device(table: Tensor, device: torch.device) -> Tensor:
-    """A launch's table (host int64) where the kernel reads it: on a GPU, a copy from pinned memory (no
-    synchronisation with the host)."""
-    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
-
-
 def launch_options(kind: tuple[int, int, int, bool], count: int, repair: Tensor | None) -> dict[str, Any]:
     """The compile-time options of a launch over ``count`` tensors of one ``kind`` (W, G, CB, SKIP)."""
     w_kind, g_kind, bits, skip = kind
@@ -534,7 +378,7 @@ def adamw_step(
     common = _common(kinds, hyper, limit_m, limit_v)
     launches: dict[tuple[int, int, int, bool], tuple[list[int], list[int]]] = {}
     alive = []  # the factored formats' factors, read by the launches below
-    keys = _M_KEYS.get(m_kind, (None, None, None)) + _V_KEYS[v_kind]
+    keys = M_KEYS.get(m_kind, (None, None, None)) + V_KEYS[v_kind]
     scalars: dict[tuple[float, float], tuple[int, int]] = {}  # by bias corrections: most tensors share them
     decay = decay_bits(hyper)
     corrections = corrections or [None] * len(items)
@@ -565,4 +409,4 @@ def adamw_step(
                                       **launch_options(kind, count, repair), **common)
 
 
-__all__ = ["SERVED", "adamw_step", "serves", "step_scalars", "triton_status"]
+__all__ = ["SERVED", "adamw_step", "serves", "step_scalars"]

@@ -13,7 +13,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_baoc.formats.kinds import M_KEYS, V_FACTORED, V_KEYS
 from lightning_baoc.kernels import triton_step as ts
+from lightning_baoc.kernels.triton_common import _common, on_device
 
 
 class Table:
@@ -30,11 +32,11 @@ class Table:
     def __init__(self, kinds: tuple[int, int], params: list[Tensor], grad_dtypes: list[torch.dtype],
                  views: list[dict[str, Tensor]], corrections: list[Tensor | None]) -> None:
         self.kinds = kinds
-        keys = ts._M_KEYS.get(kinds[0], (None, None, None)) + ts._V_KEYS[kinds[1]]
+        keys = M_KEYS.get(kinds[0], (None, None, None)) + V_KEYS[kinds[1]]
         rows, self.kind = [], []
         for p, g_dtype, v, corr in zip(params, grad_dtypes, views, corrections):
             ptr = p.data_ptr()
-            cols = v["exp_avg_sq_col"].numel() if kinds[1] == ts.V_FACTORED else 1
+            cols = v["exp_avg_sq_col"].numel() if kinds[1] == V_FACTORED else 1
             rows.append([ptr, 0, *ts._state_addresses(p, v, corr, keys), ptr, ptr, 0, p.numel(), cols, 0, 0, 0, 0])
             self.kind.append(ts._launch_kind(p, g_dtype, corr, True))
         self.rows = np.array(rows, dtype=np.int64).reshape(len(rows), len(ts._COLUMNS))
@@ -66,13 +68,13 @@ class Table:
             kinds = [self.kind[i] for i in select]
             by_kind = {kind: np.array([i for i, k in enumerate(kinds) if k == kind], dtype=np.int64)
                        for kind in dict.fromkeys(kinds)}
-        common = ts._common(self.kinds, hyper, limit_m, limit_v)
+        common = _common(self.kinds, hyper, limit_m, limit_v)
         for kind, of_kind in by_kind.items():
             whole = len(of_kind) == len(rows)
             part, sizes = (rows, blocks) if whole else (rows[of_kind], blocks[of_kind])
             firsts = np.cumsum(sizes)
             flat = np.concatenate([part.reshape(-1), [0], firsts[:-1]])  # the rows, then each first super-block
-            table = ts.on_device(torch.from_numpy(flat), device)
+            table = on_device(torch.from_numpy(flat), device)
             count = len(of_kind)
             ts._adamw_tensors[(int(firsts[-1]),)](table, count, table if repair is None else repair,
                                                   **ts.launch_options(kind, count, repair), **common)

@@ -14,7 +14,9 @@ DeepSpeed's set-up it reads where every parameter's fragment lies, once (:func:`
 1/2 ``param._hp_mapping``, stage 3 ``param._z3_optimizer.grad_position[param.ds_id]``), checks the map
 (the DeepSpeed version among :data:`SUPPORTED_DEEPSPEED`, fragments that tile each parameter in rank
 order) and builds the inner optimizer, of the wrapped one's class and settings, over one view per
-fragment into the flat tensors:
+fragment into the flat tensors, each view's place in its parameter given to it as its
+:class:`~lightning_baoc.optim.placement.FragmentPlacements` (the optimizer asks them for the shape a
+format is decided on, the record's offset and shared edges, the order of conversions):
 
 - every rank holds a fragment of every parameter, empty where another rank holds all of it, so
   that every rank's records are the same, in the same order, as under FSDP2 (``optim.sharding``);
@@ -76,9 +78,8 @@ from torch import Tensor
 from lightning_baoc.formats import Canonical, check_format_name
 from lightning_baoc.formats.base import ShardShape
 from lightning_baoc.formats.quant import SUPER
-from lightning_baoc.optim.checkpoint import CheckpointError
-from lightning_baoc.optim.optimizer import BlockwiseOptimizer
-from lightning_baoc.optim.pools import StatePools, storage_device
+from lightning_baoc.optim.checkpoint.layout import CheckpointError
+from lightning_baoc.optim.placement import FragmentPlacements, Placement
 from lightning_baoc.optim.sharding import FlatShards, Piece, RowShards
 
 #: The DeepSpeed releases whose internals (the fragment maps read here) this module was checked
@@ -286,56 +287,24 @@ def _gather_spans(fmap: FragmentMap) -> dict[str, tuple[tuple[int, int], ...]]:
     return spans
 
 
-class _FragmentPools(StatePools):
-    """The pools of a fragment optimizer: conversions ordered by the whole parameter's bytes, the same
-    on every rank (a rank's own fragment may be empty or hold one row, and a conversion into an 8-bit
-    or factored format of a split parameter is a collective: every rank must convert in one order)."""
-
-    whole_shapes: dict[Tensor, tuple[int, ...]]
-
-    def _device_growth(self, p: Tensor, fmt: str) -> int:
-        shape = self.whole_shapes.get(p, tuple(p.shape))
-        old = self.records[p].format
-
-        def on_device(f: str | None) -> int:
-            if f is None or storage_device(f, p.device, self.registry) != p.device:
-                return 0
-            return self.registry[f].state_bytes(shape)
-
-        return on_device(fmt) - on_device(old)
-
-
-_CLASSES: dict[type, type] = {}
-
-
-def _fragment_class(cls: type) -> type:
-    """``cls`` (a blockwise optimizer class) over fragments: formats decided on the whole parameter."""
-    if cls not in _CLASSES:
-
-        def _format_shape(self: Any, param: Tensor) -> tuple[int, ...]:
-            return self._whole_shapes.get(param, param.shape)
-
-        def _build_parts(self: Any) -> None:
-            cls._build_parts(self)
-            self.__dict__.setdefault("_whole_shapes", {})
-            self._pools.__class__ = _FragmentPools  # the same object, conversions in an order every rank shares
-            self._pools.whole_shapes = self._whole_shapes
-
-        _CLASSES[cls] = type(f"Fragment{cls.__name__}", (cls,), {
-            "_format_shape": _format_shape, "_build_parts": _build_parts, "__module__": __name__,
-            "__doc__": f"{cls.__name__} over the fragments of DeepSpeed's flat partitions (:class:`ZeroClient`)."})
-    return _CLASSES[cls]
-
-
 #: The constructor settings every blockwise optimizer takes, read from the wrapped one.
 _SETTINGS = ("min_8bit_numel", "skip_nonfinite", "seed", "chunk_size", "kernels", "atomic_step")
+
+
+def _is_blockwise(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a blockwise optimizer (BlockwiseAdamW, BlockwiseSGD, BlockwiseLion, or a class
+    of theirs): a torch optimizer whose class names the formats its parameters may be held in, and that can
+    become DeepSpeed's client. Read off the object: the optimizer imports this module (to become the client
+    where it was handed to ``deepspeed.initialize`` itself), and this module does not import it back."""
+    return (isinstance(optimizer, torch.optim.Optimizer) and hasattr(type(optimizer), "format_registry")
+            and callable(getattr(optimizer, "_zero_client", None)))
 
 
 def _check_wrappable(optimizer: Any, handed: bool) -> None:
     """Refuse an optimizer no client can be built from: not a blockwise one, holding state already, or
     stepping its parameters in backward (``handed``: given to ``deepspeed.initialize`` itself, not to
     :func:`zero_client`; the messages name the way that works)."""
-    if not isinstance(optimizer, BlockwiseOptimizer):
+    if not _is_blockwise(optimizer):
         raise TypeError(f"zero_client wraps a BlockwiseAdamW, BlockwiseSGD or BlockwiseLion, got "
                         f"{type(optimizer).__name__}; build one with BlockwiseAdamW.from_optimizer(...)")
     if optimizer.state:
@@ -355,7 +324,7 @@ def _check_wrappable(optimizer: Any, handed: bool) -> None:
             f"reducing the gradients: call release_gradients(False) before deepspeed.initialize")
 
 
-def become_client(optimizer: BlockwiseOptimizer, groups: list[dict[str, Any]]) -> ZeroClient | None:
+def become_client(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> ZeroClient | None:
     """The :class:`ZeroClient` that ``optimizer``, handed to ``deepspeed.initialize`` itself (without
     :func:`zero_client`), becomes: the one :func:`zero_client` would have made of it, over the group dicts
     DeepSpeed holds. Called by the optimizer at the first call that finds its param groups rewritten (a
@@ -408,7 +377,7 @@ class ZeroClient(torch.optim.Optimizer):
         >>> engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)  # doctest: +SKIP
     """
 
-    def __init__(self, optimizer: BlockwiseOptimizer, handed: list[dict[str, Any]] | None = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, handed: list[dict[str, Any]] | None = None) -> None:
         if handed is None:
             _check_wrappable(optimizer, handed=False)
         source = optimizer.param_groups if handed is None else handed
@@ -432,7 +401,7 @@ class ZeroClient(torch.optim.Optimizer):
         if handed is not None:
             self.param_groups, self._host = handed, optimizer
         self._outer = list(self.param_groups)  # the group dicts, which DeepSpeed keeps while it swaps lists
-        self.inner: BlockwiseOptimizer | None = None
+        self.inner: Any = None  # a blockwise optimizer of the wrapped one's class, over the fragments
         self.fragment_map: FragmentMap | None = None
         self._views: list[Tensor] = []  # per fragment: its view into its flat tensor (the inner optimizer's parameter)
         self._by_flat: dict[int, list[int]] = {}
@@ -440,7 +409,7 @@ class ZeroClient(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ set-up
 
-    def bind(self) -> BlockwiseOptimizer:
+    def bind(self) -> Any:
         """Read DeepSpeed's fragment maps and build :attr:`inner` (once; later calls return it). Call it
         on every rank, after ``deepspeed.initialize`` (a collective)."""
         if self.inner is not None:
@@ -450,26 +419,20 @@ class ZeroClient(torch.optim.Optimizer):
                                f"(it drops groups without parameters): give every param group a parameter")
         fmap = read_fragments(self._lp_groups, self._names, self._outer)
         inner_groups = []
-        whole: dict[int, tuple[int, ...]] = {}
-        placements = []
+        table: dict[Tensor, Placement] = {}  # each fragment's view -> where it lies in its parameter
         for g, outer in enumerate(self._outer):
             hyper = {k: v for k, v in outer.items() if k != "params"}
             inner_groups.append({**hyper, "params": [], "param_names": []})
         with torch.no_grad():
             for i, f in enumerate(fmap.fragments):
-                view, decision, placement = self._fragment_view(fmap, f)
+                view, placement = self._fragment_view(fmap, f)
+                table[view] = placement
                 self._views.append(view)
                 self._by_flat.setdefault(f.flat, []).append(i)
                 inner_groups[f.group]["params"].append(view)
                 inner_groups[f.group]["param_names"].append(f.name)
-                whole[i] = decision
-                placements.append(placement)
-        cls = _fragment_class(self._wrapped_class)
-        inner = cls(inner_groups, **self._settings)
-        for i, view in enumerate(self._views):
-            inner._whole_shapes[view] = whole[i]  # noqa: SLF001
-            rec = inner._records[view]  # noqa: SLF001
-            rec.shard_offset, rec.frame, rec.row_shards = placements[i]
+        # the wrapped optimizer's class and settings, its formats decided on the whole parameters
+        inner = self._wrapped_class(inner_groups, placements=FragmentPlacements(table), **self._settings)
         if self._requests:
             inner.set_formats(self._requests)
         self._flat_ptrs = [t.data_ptr() for t in fmap.flats]
@@ -477,9 +440,9 @@ class ZeroClient(torch.optim.Optimizer):
         return inner
 
     @staticmethod
-    def _fragment_view(fmap: FragmentMap, f: Fragment) -> tuple[Tensor, tuple[int, ...], tuple[int, Any, Any]]:
-        """A fragment's view into its flat tensor, the shape its format is decided on, and its record's
-        placement (``shard_offset``, ``frame``, ``row_shards``)."""
+    def _fragment_view(fmap: FragmentMap, f: Fragment) -> tuple[Tensor, Placement]:
+        """A fragment's view into its flat tensor, and where it lies in its parameter: the shape its format is
+        decided on, its first element in the parameter, the 8-bit groups and rows it shares with other ranks."""
         flat = fmap.flats[f.flat].detach().reshape(-1)
         numel = math.prod(f.shape)
         starts = fmap.starts(f.name, numel)
@@ -508,7 +471,7 @@ class ZeroClient(torch.optim.Optimizer):
         if fmap.process_group is not None:  # on several ranks: what the sampler and the risk scores sum over them
             offset = f.offset if f.numel else fmap.spans[f.name][fmap.rank][0]
             view.baoc_piece = Piece(tuple(f.shape), tuple(decision), offset, fmap.process_group, row_shards)
-        return view, decision, (f.offset, frame, row_shards)
+        return view, Placement(tuple(decision), f.offset, frame, row_shards)
 
     def _rebind_moved(self) -> None:
         """Point the fragment views at the flat tensors' storage again where DeepSpeed replaced it."""
@@ -591,7 +554,7 @@ class ZeroClient(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the inner optimizer's API
 
-    def _bound(self) -> BlockwiseOptimizer:
+    def _bound(self) -> Any:
         if self.inner is None:
             raise RuntimeError("the ZeroClient is not bound to DeepSpeed's partitions yet: call it after "
                                "deepspeed.initialize and its first step, or bind it first on every rank: client.bind() "
@@ -752,7 +715,7 @@ def _copy_hyper(source: Mapping[str, Any], target: dict[str, Any]) -> None:
             target[k] = v
 
 
-def zero_client(optimizer: BlockwiseOptimizer) -> ZeroClient:
+def zero_client(optimizer: torch.optim.Optimizer) -> ZeroClient:
     """``optimizer`` (a blockwise optimizer over the model's parameters, without state yet) as the
     client optimizer of ``deepspeed.initialize`` under ZeRO stages 0-3 (:class:`ZeroClient`); of an
     optimizer handed to ``deepspeed.initialize`` itself, the client it became (:func:`become_client`).
@@ -767,7 +730,7 @@ def zero_client(optimizer: BlockwiseOptimizer) -> ZeroClient:
     """
     if isinstance(optimizer, ZeroClient):
         return optimizer
-    became = optimizer._zero_client() if isinstance(optimizer, BlockwiseOptimizer) else None  # noqa: SLF001
+    became = optimizer._zero_client() if _is_blockwise(optimizer) else None  # noqa: SLF001
     return became if became is not None else ZeroClient(optimizer)
 
 

@@ -116,6 +116,7 @@ class DevicePlan:
         self, params: list[Tensor], routes: list[str | None], conditions: tuple, records: Mapping[Tensor, Record],
         registry: Mapping[str, Any], salt: Callable[[Record], int], counts: CountsStore,
     ) -> None:
+        # lazy: the Triton step imports triton, an optional dependency
         from lightning_baoc.kernels.triton_table import Table
 
         self.conditions = conditions
@@ -154,6 +155,7 @@ class DevicePlan:
                           [e.grad_dtype for e in entries], [e.views for e in entries], [e.correction for e in entries])
             launch = _Launch(table)
             if registry[name].factored:  # the second moment's vectors and factors: two launches for all of them
+                # lazy: the Triton step imports triton, an optional dependency
                 from lightning_baoc.kernels.triton_factored import FactoredWork
 
                 launch.work = FactoredWork([e.param for e in entries], [e.grad_dtype for e in entries],
@@ -296,6 +298,7 @@ def step_columns(seed: int, counts: np.ndarray, has_m: np.ndarray, group_of: np.
     ``hypers`` and ``lrs``; ``salts``, ``offsets``: its name's hash and its shard's offset. The planned step and
     the CUDA graph step (:mod:`lightning_baoc.optim.graph_step`) both take their columns here: one Python
     computation per distinct (step, m_step, momentum, group), numpy over the rows."""
+    # lazy: the Triton step imports triton, an optional dependency
     from lightning_baoc.kernels.triton_step import _float_bits, decay_bits, step_scalars
 
     rows = np.stack([counts[:, 0], counts[:, 1], has_m, group_of], axis=1)

@@ -220,6 +220,7 @@ class GraphStep:
 
     def __init__(self, parts: list[tuple[int, Any, Any]], seed: int, backend: GraphBackend,
                  on_skipped: Callable[[list[Any]], None], amp: str = "none") -> None:
+        # lazy: the Triton step imports triton, an optional dependency
         from lightning_baoc.kernels import triton_step as ts
 
         self.parts = parts
@@ -317,6 +318,7 @@ class GraphStep:
                 factors: list[tuple[int, int]] | None = None) -> list:
         """The device tables of one launch's rows (per kind): what stays written once, the gradients' and skip
         flags' addresses of this capture among it (and a factored format's factors, in the graph's buffers)."""
+        # lazy: the Triton step imports triton, an optional dependency
         from lightning_baoc.kernels import triton_step as ts
 
         out = []
@@ -341,8 +343,8 @@ class GraphStep:
 
     def _body(self, rec: Recorder) -> None:
         """The step's device work, every argument a tensor the graph keeps or a constant of the capture."""
-        from lightning_baoc.kernels import triton_factored as tf
-        from lightning_baoc.kernels import triton_step as ts
+        # lazy: the Triton step imports triton, an optional dependency
+        from lightning_baoc.kernels import triton_factored as tf, triton_step as ts
 
         on_gpu = self.device.type == "cuda"
         rec.call(self.dev_int.copy_, self.stage_int, non_blocking=on_gpu)
@@ -612,6 +614,7 @@ def _gather_into(columns: Tensor, per_row: Tensor, at: Tensor) -> None:
 
 
 def _launch(table: Tensor, count: int, kind: Any, common: dict, repair: Tensor | None, blocks: int) -> None:
+    # lazy: the Triton step imports triton, an optional dependency
     from lightning_baoc.kernels import triton_step as ts
 
     ts._adamw_tensors[(blocks,)](table, count, table if repair is None else repair,

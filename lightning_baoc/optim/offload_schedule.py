@@ -1,5 +1,5 @@
 """The update of host-held (``offload``) states by subgroups, each on the path the model finds fastest
-(Deep Optimizer States, arXiv 2410.21316; the model: :mod:`lightning_baoc.costs.offload`).
+(Deep Optimizer States, arXiv 2410.21316; the model: :mod:`lightning_baoc.optim.offload_model`).
 
 The offloaded parameters of a device are packed into **subgroups** of about
 :attr:`OffloadSchedule.subgroup_bytes` of fp32 parameters (whole tensors, in the order backward makes their
@@ -12,7 +12,7 @@ gradients final: the optimizer's order reversed). Each step, each subgroup is up
 - **device**: its ``m`` and ``v`` up into a staging buffer on the device, the device's fused fp32 AdamW
   (torch's ``_fused_adamw_``) over the weights, gradients and staged moments, the moments back down.
 
-Which subgroups take the device path is :func:`~lightning_baoc.costs.offload.choose`'s answer (``"interleaved"``,
+Which subgroups take the device path is :func:`~lightning_baoc.optim.offload_model.choose`'s answer (``"interleaved"``,
 under the free device memory and :attr:`OffloadSchedule.staging_bytes`), none (``"host"``: static offload, as
 ZeRO-Offload) or all (``"device"``). Each path runs on its own CUDA streams (host path: one down, one up; device
 path: up, compute, down) with pinned double buffers, ordered by events: the host path's copies of the next
@@ -48,7 +48,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Literal, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Literal, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -59,11 +59,11 @@ from lightning_baoc.formats.frames import framed
 from lightning_baoc.formats.fused_adam import fused_dense_fp32
 from lightning_baoc.formats.offload import DEFAULT_SUBGROUP_BYTES, STATE_BYTES
 from lightning_baoc.kernels.compiled import KernelItem, compiled_step, kernel_serves
+from lightning_baoc.optim.offload_model import (
+    PROFILES, Hardware, Subgroup, calibrated, choose, hardware, simulate, staging_bytes,
+)
 from lightning_baoc.optim.pools import Record
 from lightning_baoc.optim.sharding import is_sharded
-
-if TYPE_CHECKING:  # the model (costs/) imports the optimizer: it is imported where it is used
-    from lightning_baoc.costs.offload import Hardware
 
 #: The schedules: ``"interleaved"`` (the model chooses per subgroup), ``"host"`` (every subgroup on the host:
 #: static offload), ``"device"`` (every subgroup on the device, where its staging fits: for measurements).
@@ -84,8 +84,8 @@ class OffloadSchedule:
         overlap: start each subgroup's transfers in backward, once its gradients are final (default: False).
         accumulate_grad_batches: micro-batches per optimizer step: the transfers start on the last one only
             (default: 1).
-        hardware: the model's rates: a profile name of :data:`~lightning_baoc.costs.offload.PROFILES`, a
-            :class:`~lightning_baoc.costs.offload.Hardware`, or ``None``: the profile that matches the GPU's
+        hardware: the model's rates: a profile name of :data:`~lightning_baoc.optim.offload_model.PROFILES`, a
+            :class:`~lightning_baoc.optim.offload_model.Hardware`, or ``None``: the profile that matches the GPU's
             name (else ``"h100-pcie5"``), recalibrated from the measured times as training runs (default: None).
         staging_bytes: device memory the device path may stage (its double buffers), at most; ``None``: the
             device's free memory at the step (on the CPU: no bound) (default: None).
@@ -112,7 +112,7 @@ class OffloadSchedule:
     subgroup_bytes: int = DEFAULT_SUBGROUP_BYTES
     overlap: bool = False
     accumulate_grad_batches: int = 1
-    hardware: str | "Hardware" | None = None
+    hardware: str | Hardware | None = None
     staging_bytes: int | None = None
     keep_host_weights: bool = True
     update_in_backward: bool = False
@@ -133,13 +133,11 @@ class OffloadSchedule:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"Invalid offload accumulate_grad_batches: {n!r}; expected an int >= 1 (the "
                              f"micro-batches of one optimizer step, Lightning's accumulate_grad_batches)")
-        if self.hardware is not None:  # the model imported only here: costs/ imports the optimizer
-            from lightning_baoc.costs.offload import PROFILES, Hardware, hardware
         if isinstance(self.hardware, str):
             hardware(self.hardware)  # an unknown name fails here, naming the profiles
         elif self.hardware is not None and not isinstance(self.hardware, Hardware):
             raise TypeError(f"Invalid offload hardware: {self.hardware!r}; expected a profile name "
-                            f"({sorted(PROFILES)}), a costs.offload.Hardware or None")
+                            f"({sorted(PROFILES)}), an optim.offload_model.Hardware or None")
         if self.staging_bytes is not None and (not isinstance(self.staging_bytes, int) or self.staging_bytes < 0):
             raise ValueError(f"Invalid offload staging_bytes: {self.staging_bytes!r}; expected an int >= 0 or None")
         if not isinstance(self.keep_host_weights, bool):
@@ -364,10 +362,8 @@ def pack(params: Sequence[Tensor], subgroup_bytes: int) -> list[list[Tensor]]:
     return out
 
 
-def _profile_for(device: torch.device) -> "Hardware":
+def _profile_for(device: torch.device) -> Hardware:
     """The profile matching a GPU's name (``h100-pcie5`` where none does, and on the CPU)."""
-    from lightning_baoc.costs.offload import PROFILES
-
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device).lower()
         if "h200" in name:
@@ -562,8 +558,6 @@ class OffloadScheduler:
         if layout is not None and layout.key == key and device not in self.stale:
             return layout
         self.stale.discard(device)
-        from lightning_baoc.costs.offload import Subgroup, choose, simulate, staging_bytes
-
         groups = pack(params, settings.subgroup_bytes)
         model = [Subgroup(sum(p.numel() for p in g), grad_bytes=g[0].grad.element_size(),
                           weight_bytes=g[0].element_size(), weight_down=not settings.keep_host_weights) for g in groups]
@@ -588,11 +582,9 @@ class OffloadScheduler:
                                                {"chosen": chosen.seconds, "host": host.seconds})
         return layout
 
-    def hardware(self, device: torch.device, settings: OffloadSchedule) -> "Hardware":
+    def hardware(self, device: torch.device, settings: OffloadSchedule) -> Hardware:
         """The rates the model plans with: the settings' profile, else the device's, with the rates measured in
         training in place of the profile's where no profile was named (:meth:`_recalibrate`)."""
-        from lightning_baoc.costs.offload import Hardware, calibrated, hardware
-
         if isinstance(settings.hardware, Hardware):
             return settings.hardware
         if isinstance(settings.hardware, str):

@@ -15,7 +15,9 @@ its parts, each a class of its own over the one records table (parameter ->
   its format and device (compiled CPU, Triton and torch's fused kernel on a GPU, the eager reference);
 - :class:`~lightning_baoc.optim.masters.MasterWeights`: the master-weight corrections of 16-bit weights;
 - :class:`~lightning_baoc.optim.gradient_release.ReleaseHooks`: gradient release, each parameter stepped in backward;
-- :class:`~lightning_baoc.optim.persist.CheckpointCodec`: state dicts, loads, copies and pickles.
+- :class:`~lightning_baoc.optim.checkpoint.codec.CheckpointCodec`: state dicts, loads, copies and pickles;
+- :class:`~lightning_baoc.optim.placement.Placements`: where its tensors lie in their parameters (whole, FSDP2's
+  shards, DeepSpeed's fragments), the shape each format is decided on.
 
 torch-compatible arguments: :mod:`lightning_baoc.optim.args`.
 
@@ -49,16 +51,18 @@ from lightning_baoc.optim.amp import scaler_inputs, unscale_
 from lightning_baoc.optim.args import PERFORMANCE_HINTS, check_torch_options
 from lightning_baoc.optim.args import to_float as _float
 from lightning_baoc.optim.args import validate_hyper as _validate_hyper
-from lightning_baoc.optim.checkpoint import CheckpointError, load_checkpoint
+from lightning_baoc.optim.checkpoint.codec import CheckpointCodec
+from lightning_baoc.optim.checkpoint.layout import CheckpointError, load_checkpoint
+from lightning_baoc.optim.checkpoint.validate import LoadTarget, plan_load
 from lightning_baoc.optim.convert import StateSlices
+from lightning_baoc.optim.deepspeed import become_client
 from lightning_baoc.optim.gradient_release import ReleaseHooks
 from lightning_baoc.optim.masters import MasterWeights
 from lightning_baoc.optim.offload_schedule import OffloadSchedule, OffloadScheduler, resolve_schedule
-from lightning_baoc.optim.persist import CheckpointCodec
+from lightning_baoc.optim.placement import Placements
 from lightning_baoc.optim.pools import Record, StatePools
-from lightning_baoc.optim.sharding import check_placements, flat_shards, row_shards, shard_offset
+from lightning_baoc.optim.sharding import check_placements
 from lightning_baoc.optim.stepping import StepDispatcher, StepSettings
-from lightning_baoc.optim.validate import plan_load
 
 #: Mixed into the rounding key of a conversion, so that it never reuses a step's noise.
 _CONVERSION_SALT = 0x5A17C0DE
@@ -79,7 +83,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
     format_registry: Mapping[str, StateFormat] = FORMATS
     #: The update rule its formats run (``StepHyper.rule``).
     rule = "adamw"
-    #: The name its messages use (an alias installed in place of a user's optimizer keeps it).
+    #: The name its messages use (the class installed in place of a user's optimizer, named like it, keeps it).
     label = "BlockwiseAdamW"
     #: The hyperparameters every param group of its state dicts carries.
     saved_group_keys: tuple[str, ...] = ("lr", "betas", "eps", "weight_decay", "state_format")
@@ -96,6 +100,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         param_names: nn.Module | Iterable[tuple[str, Tensor]] | None,
         kernels: str | None,
         atomic_step: bool = False,
+        placements: Placements | None = None,
     ) -> None:
         if not isinstance(min_8bit_numel, int) or min_8bit_numel < 0:
             raise ValueError(f"Invalid min_8bit_numel: {min_8bit_numel!r}; expected an int >= 0")
@@ -105,6 +110,12 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
             raise TypeError(f"Invalid seed: {seed!r}; expected an int")
         if not isinstance(atomic_step, bool):
             raise TypeError(f"Invalid atomic_step: {atomic_step!r}; expected True or False")
+        if placements is not None and not isinstance(placements, Placements):
+            raise TypeError(f"Invalid placements: {placements!r}; expected None or a lightning_baoc.optim.placement."
+                            f"Placements")
+        # where its tensors lie in their parameters (whole, FSDP2's shards, DeepSpeed's fragments): asked by the
+        # records, the format decisions and the pools' conversion order
+        self._placements = Placements() if placements is None else placements
         self._step_settings = StepSettings(seed, bool(skip_nonfinite), _kernels.resolve_policy(kernels), self.label,
                                            atomic_step)
         self.min_8bit_numel = min_8bit_numel
@@ -138,7 +149,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
     def _build_parts(self) -> None:
         """Build the parts over the records table (at construction, and in a copy)."""
         self._stepper = StepDispatcher(self._records, self.format_registry, self._step_settings)
-        self._pools = StatePools(self._records, self.format_registry, self._stepper.forget_plans)
+        self._pools = StatePools(self._records, self.format_registry, self._stepper.forget_plans, self._placements)
         self._masters = MasterWeights(self._records, self._stepper.forget_plans)
         self._release = ReleaseHooks(self._records)
         self._offload = OffloadScheduler(self._records, self._stepper, self.format_registry,
@@ -209,8 +220,9 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
                     )
                 check_placements(p, name)
                 self._names[name] = p
-                self._records[p] = Record(name=name, group=index, shard_offset=shard_offset(p), frame=flat_shards(p),
-                                          row_shards=row_shards(p))
+                where = self._placements.of(p)
+                self._records[p] = Record(name=name, group=index, shard_offset=where.shard_offset, frame=where.frame,
+                                          row_shards=where.row_shards)
             self._release.extend(group["params"])  # release on: the new parameters are released too
         except (TypeError, ValueError):
             self.param_groups.pop()
@@ -252,12 +264,13 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         nothing but the sub-group it steps: tensors this optimizer holds no record of. The first call that
         finds them makes the client :func:`~lightning_baoc.optim.deepspeed.zero_client` would have made
         (built locally, bound to the partitions at its first step or state dict, as that one is); the step,
-        state dicts, accounting and conversions go to it from then on. Checked in O(groups), not per parameter.
+        state dicts, accounting and conversions go to it from then on. Checked in O(groups), not per parameter,
+        at every call: a ``None`` answer is not remembered, since ZeRO rewrites the groups' ``params`` in place
+        (stages 1/2 at ``deepspeed.initialize``, stage 3 around each sub-group's step) without replacing
+        ``param_groups``: only a look at the groups sees it.
         """
         client = self.__dict__.get("_deepspeed_client")
         if client is None and _holds_other_tensors(self.param_groups, self._records):
-            from lightning_baoc.optim.deepspeed import become_client  # imported only where DeepSpeed took it
-
             client = self._deepspeed_client = become_client(self, self.__dict__.get("_own_groups", self.param_groups))
         return client
 
@@ -277,13 +290,11 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         return True
 
     def target_format(self, param: Tensor) -> str:
-        """The format ``param``'s state is (or will be) held in, after shape fallbacks."""
-        return resolve_in(self.format_registry, self.requested_format(param), self._format_shape(param), self.min_8bit_numel)
-
-    def _format_shape(self, param: Tensor) -> tuple[int, ...]:
-        """The shape ``param``'s format is decided on: its own (a DTensor's is the whole parameter's); a
-        fragment of a DeepSpeed partition answers its whole parameter's (:mod:`lightning_baoc.optim.deepspeed`)."""
-        return param.shape
+        """The format ``param``'s state is (or will be) held in, after shape fallbacks: decided on the shape its
+        placement gives (:meth:`Placements.decided_shape <lightning_baoc.optim.placement.Placements.decided_shape>`:
+        its own; a ``DTensor``'s and a DeepSpeed fragment's, the whole parameter's)."""
+        shape = self._placements.decided_shape(param)
+        return resolve_in(self.format_registry, self.requested_format(param), shape, self.min_8bit_numel)
 
     def formats(self) -> dict[str, str]:
         """Parameter name -> effective format (held now, or on the first step for fresh ones)."""
@@ -371,7 +382,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         for p, rec in self._records.items():
             if rec.format is None:
                 continue
-            key = (self._requested(rec), self._format_shape(p), self.min_8bit_numel)
+            key = (self._requested(rec), self._placements.decided_shape(p), self.min_8bit_numel)
             known = targets.get(rec.name)
             if known is None or known[0] != key:  # resolved once per request, not on every step
                 known = targets[rec.name] = (key, self.target_format(p))
@@ -681,12 +692,12 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Compact state keyed by parameter name; loads under ``torch.load(weights_only=True)``.
 
-        Layout and checksums: :mod:`lightning_baoc.optim.checkpoint`. 8-bit states stay 8-bit. Tensors
+        Layout and checksums: :mod:`lightning_baoc.optim.checkpoint.layout`. 8-bit states stay 8-bit. Tensors
         are copies (views of one pool in several dtypes cannot be serialized together). Handed to
         a plain ``torch.optim.AdamW``, the dict fails at load with a message that names BAOC and
         the fix (resume with the callback, or :func:`~lightning_baoc.export_adamw_state_dict`).
         Over sharded parameters (FSDP2's ``DTensor``) the dict is in the distributed layout
-        (:mod:`lightning_baoc.optim.distributed`), which ``torch.distributed.checkpoint`` saves and
+        (:mod:`lightning_baoc.optim.checkpoint.distributed`), which ``torch.distributed.checkpoint`` saves and
         loads whole: each rank's compact tensors as its row of a ``DTensor``.
         Hooks registered with torch's ``register_state_dict_pre_hook``/``post_hook`` run as in torch.
         """
@@ -701,7 +712,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         return state_dict
 
     def _local_state_dict(self) -> dict[str, Any]:
-        """The state dict of this rank in the single-process layout (:mod:`lightning_baoc.optim.checkpoint`)."""
+        """The state dict of this rank in the single-process layout (:mod:`lightning_baoc.optim.checkpoint.layout`)."""
         return self._codec.local_state_dict(self.param_groups)
 
     @torch.no_grad()
@@ -730,7 +741,9 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             state_dict = state_dict if result is None else result
-        self._codec.load(state_dict, self.param_groups, lambda sd: plan_load(self, sd), self._hyper)
+        target = LoadTarget(self.param_groups, self._names, self._records, self.format_registry, self.rule, self.label,
+                            self.saved_group_keys, self._validate_group)
+        self._codec.load(state_dict, self.param_groups, lambda sd: plan_load(target, sd), self._hyper)
         for p in self._records:
             self._mark_state(p)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -794,7 +807,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         """State for ``copy.deepcopy`` and ``pickle``: compact copies of the states, no pool views, no parts
-        (:meth:`CheckpointCodec.copy_state <lightning_baoc.optim.persist.CheckpointCodec.copy_state>`)."""
+        (:meth:`CheckpointCodec.copy_state <lightning_baoc.optim.checkpoint.codec.CheckpointCodec.copy_state>`)."""
         state = self._codec.copy_state({k: v for k, v in self.__dict__.items() if k not in _PARTS})
         state["_release_on"] = self._release.enabled  # the copy registers its own hooks
         return state
@@ -875,6 +888,10 @@ class BlockwiseAdamW(BlockwiseOptimizer):
             with backward and the rates. Default: ``"interleaved"`` for CUDA parameters, and on the CPU the
             plain step (a given schedule runs there with the CPU standing in for the device; the states
             are counted as device memory either way) (:mod:`lightning_baoc.optim.offload_schedule`).
+        placements: where the parameters lie in their whole parameters, for a caller that made them as views
+            (:class:`~lightning_baoc.optim.placement.FragmentPlacements`: DeepSpeed's client passes its fragments';
+            :mod:`lightning_baoc.optim.deepspeed`). Default: each parameter read off itself, whole or FSDP2's
+            ``DTensor`` shard (:class:`~lightning_baoc.optim.placement.Placements`).
 
     Raises:
         ValueError: an invalid hyperparameter, or ``amsgrad``/``capturable``/``differentiable``
@@ -920,6 +937,7 @@ class BlockwiseAdamW(BlockwiseOptimizer):
         kernels: str | None = None,
         atomic_step: bool = False,
         offload_schedule: str | OffloadSchedule | None = None,
+        placements: Placements | None = None,
     ) -> None:
         check_torch_options(lr, betas, foreach, fused, capturable, differentiable)
         self._offload_settings = resolve_schedule(offload_schedule)
@@ -946,6 +964,7 @@ class BlockwiseAdamW(BlockwiseOptimizer):
             param_names=param_names,
             kernels=kernels,
             atomic_step=atomic_step,
+            placements=placements,
         )
 
     def _hyper(self, group: Mapping[str, Any], noise_key: int = 0) -> StepHyper:
@@ -1069,7 +1088,7 @@ def _holds_other_tensors(groups: list[dict[str, Any]], records: Mapping[Tensor, 
 
 # ---------------------------------------------------------------------------- public path
 
-#: Where pickles find the optimizers and their aliases: the public path, not this file's, so a
+#: Where pickles find the optimizers: the public path, not this file's, so a
 #: pickle survives a move of the implementation.
 PUBLIC_MODULE = "lightning_baoc.optim"
 BlockwiseOptimizer.__module__ = PUBLIC_MODULE

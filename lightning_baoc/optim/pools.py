@@ -32,7 +32,8 @@ from lightning_baoc.formats import FORMATS, Canonical, StateFormat, StepHyper
 from lightning_baoc.formats.base import TensorSpec
 from lightning_baoc.formats.frames import FramedViews
 from lightning_baoc.optim.convert import StateSlices, convert_state
-from lightning_baoc.optim.sharding import is_sharded, largest_shard_shape, local, mesh_min
+from lightning_baoc.optim.placement import Placements
+from lightning_baoc.optim.sharding import is_sharded, local, mesh_min
 
 HOST = torch.device("cpu")
 
@@ -240,10 +241,11 @@ class StatePools:
 
     Needs: the records table (parameter -> :class:`Record`, shared with the optimizer; a record's
     ``format`` and ``views`` are written here, its ``shard_offset``, ``frame`` and ``row_shards`` read),
-    the format registry, and ``on_replace``, called before a parameter's state tensors are replaced
-    (the step's device plans hold them: ``StepDispatcher.forget_plans``). Conversions take the
-    parameter's hyperparameters (``hyper_for(p)``: the slice size, its momentum's beta, the rounding key)
-    from their caller.
+    the format registry, ``on_replace``, called before a parameter's state tensors are replaced
+    (the step's device plans hold them: ``StepDispatcher.forget_plans``), and the optimizer's
+    :class:`~lightning_baoc.optim.placement.Placements` (the shape whose bytes order conversions, the
+    same on every rank). Conversions take the parameter's hyperparameters (``hyper_for(p)``: the slice
+    size, its momentum's beta, the rounding key) from their caller.
 
     Example:
         >>> records = {p: Record(name="w", group=0)}  # doctest: +SKIP
@@ -257,10 +259,12 @@ class StatePools:
         records: dict[Tensor, Record],
         registry: Mapping[str, StateFormat],
         on_replace: Callable[[], None] = lambda: None,
+        placements: Placements | None = None,
     ) -> None:
         self.records = records
         self.registry = registry
         self.on_replace = on_replace
+        self.placements = Placements() if placements is None else placements
         self.pools: dict[tuple[str, str], Pool] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -363,10 +367,9 @@ class StatePools:
     def _device_growth(self, p: Tensor, fmt: str) -> int:
         """Bytes on ``p``'s device that moving ``p`` to ``fmt`` adds (negative: frees)."""
         old = self.records[p].format
-
-        # a sharded parameter: its largest shard's bytes, the same on every rank, so that every rank
-        # converts in the same order (a factored conversion of a shard is a collective)
-        shape = largest_shard_shape(p) if is_sharded(p) else local(p).shape
+        # a sharded parameter or a fragment: bytes the same on every rank, so that every rank converts in the
+        # same order (a factored or 8-bit conversion of a shard is a collective)
+        shape = self.placements.ordering_shape(p)
 
         def on_device(f: str | None) -> int:
             if f is None or storage_device(f, p.device, self.registry) != p.device:

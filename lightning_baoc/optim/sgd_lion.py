@@ -19,7 +19,7 @@ A state dict records the update rule: a dict of one does not load into another (
 so). ``load_state_dict`` also takes the dicts of ``torch.optim.SGD`` (``momentum_buffer``) and of
 Lion implementations that name the buffer ``exp_avg``; ``to_torch_state_dict()`` gives those. The
 state dict ends with a param group of no parameters that makes ``torch.optim.SGD`` or a plain Lion
-refuse it (:data:`~lightning_baoc.optim.checkpoint.REFUSAL_KEY`), where it would drop the momentum.
+refuse it (:data:`~lightning_baoc.optim.checkpoint.layout.REFUSAL_KEY`), where it would drop the momentum.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from lightning_baoc.formats import DEFAULT_MIN_8BIT_NUMEL, MOMENTUM_FORMATS, Ste
 from lightning_baoc.formats.base import DEFAULT_CHUNK
 from lightning_baoc.optim.args import check_correction, check_lr, to_float
 from lightning_baoc.optim.optimizer import PUBLIC_MODULE, BlockwiseOptimizer
+from lightning_baoc.optim.placement import Placements
 
 
 def _check_number(group: Mapping[str, Any], key: str, where: str, upper: float = math.inf) -> float:
@@ -74,7 +75,8 @@ class BlockwiseSGD(BlockwiseOptimizer):
             format (``none``), as torch's SGD.
 
     The keyword arguments ``weight_correction``, ``min_8bit_numel``, ``skip_nonfinite``, ``seed``,
-    ``chunk_size``, ``param_names``, ``kernels`` and ``atomic_step`` are :class:`~lightning_baoc.optim.BlockwiseAdamW`'s.
+    ``chunk_size``, ``param_names``, ``kernels``, ``atomic_step`` and ``placements`` are
+    :class:`~lightning_baoc.optim.BlockwiseAdamW`'s.
 
     Example:
         >>> model = nn.Linear(64, 64)
@@ -111,6 +113,7 @@ class BlockwiseSGD(BlockwiseOptimizer):
         param_names: nn.Module | Iterable[tuple[str, Tensor]] | None = None,
         kernels: str | None = None,
         atomic_step: bool = False,
+        placements: Placements | None = None,
     ) -> None:
         if differentiable:
             raise ValueError("Invalid differentiable=True: BlockwiseSGD does not implement differentiable; use differentiable=False")
@@ -135,6 +138,7 @@ class BlockwiseSGD(BlockwiseOptimizer):
             param_names=param_names,
             kernels=kernels,
             atomic_step=atomic_step,
+            placements=placements,
         )
 
     def _validate_group(self, group: Mapping[str, Any], where: str) -> None:
@@ -223,7 +227,8 @@ class BlockwiseLion(BlockwiseOptimizer):
             (``none``: the sign of the gradient, signSGD) (default: ``"fp32"``).
 
     The keyword arguments ``weight_correction``, ``min_8bit_numel``, ``skip_nonfinite``, ``seed``,
-    ``chunk_size``, ``param_names``, ``kernels`` and ``atomic_step`` are :class:`~lightning_baoc.optim.BlockwiseAdamW`'s.
+    ``chunk_size``, ``param_names``, ``kernels``, ``atomic_step`` and ``placements`` are
+    :class:`~lightning_baoc.optim.BlockwiseAdamW`'s.
 
     Example:
         >>> model = nn.Linear(64, 64)
@@ -255,6 +260,7 @@ class BlockwiseLion(BlockwiseOptimizer):
         param_names: nn.Module | Iterable[tuple[str, Tensor]] | None = None,
         kernels: str | None = None,
         atomic_step: bool = False,
+        placements: Placements | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -274,6 +280,7 @@ class BlockwiseLion(BlockwiseOptimizer):
             param_names=param_names,
             kernels=kernels,
             atomic_step=atomic_step,
+            placements=placements,
         )
 
     def _validate_group(self, group: Mapping[str, Any], where: str) -> None:

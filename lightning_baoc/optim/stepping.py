@@ -417,6 +417,7 @@ class StepDispatcher:
                           and fusable(p, grad, rec.views["exp_avg"], rec.views["exp_avg_sq"])
                           and fused_available(device, hyper.decoupled_weight_decay))
             else:
+                # lazy: the Triton step imports triton, an optional dependency
                 from lightning_baoc.kernels import triton_step
 
                 serves = triton_step.serves(kinds, p, grad, rec.views, rec.master_correction)
@@ -521,7 +522,7 @@ class StepDispatcher:
             on = kernels_on[device] = use_triton(self.kernels, device)
         if not on:
             return None, items, corrections
-        from lightning_baoc.kernels import triton_step  # imports triton: only where it runs
+        from lightning_baoc.kernels import triton_step  # lazy: imports triton, an optional dependency, where it runs
 
         if kinds == (M_FP32, V_FP32) and all(it.param.dtype == torch.float32 for it in items):
             # fp32 moments of fp32 parameters: torch's fused kernel for those decided on the device
@@ -547,7 +548,7 @@ class StepDispatcher:
         any flag is set, then the Triton kernel steps the finite ones where it was (``repair``; it does
         nothing where no flag is set: a rare step, the same math within ulps). ``any_skip``: the device's
         skip flags (:meth:`_device_flags`)."""
-        from lightning_baoc.kernels import triton_step  # imports triton: only where it runs
+        from lightning_baoc.kernels import triton_step  # lazy: imports triton, an optional dependency, where it runs
 
         kinds = fmt.kernel_kinds
         assert kinds is not None  # _device_part sends only formats with kernels

@@ -3,6 +3,11 @@
 
 Torch plumbing, no training framework: the Lightning callback and the Fabric strategy call it at
 install (through :meth:`~lightning_baoc.control.controller.BAOCController.install`), and so can any loop.
+
+The optimizer installed keeps the name of the torch class it replaces: ``LearningRateMonitor`` names its
+metrics ``"lr-" + type(optimizer).__name__`` (``lr-AdamW/pg1``), so the swap installs :class:`AdamW`,
+:class:`Adam` or :class:`SGD`, subclasses of the blockwise optimizers written out here, one per torch class
+BAOC takes over; a subclass of one of these takes the name of the torch class it derives from.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch
 from torch import nn
 
 from lightning_baoc.formats import DEFAULT_MIN_8BIT_NUMEL
-from lightning_baoc.optim import BlockwiseAdamW, BlockwiseOptimizer, BlockwiseSGD, optimizer_alias
+from lightning_baoc.optim import BlockwiseAdamW, BlockwiseOptimizer, BlockwiseSGD
 
 #: Optimizers BAOC can take over (named in the error for any other).
 SUPPORTED_OPTIMIZERS = (
@@ -29,15 +34,32 @@ SUPPORTED_OPTIMIZERS = (
 )
 
 
-def _named_like(name: str, base: type[BlockwiseOptimizer] = BlockwiseAdamW) -> type[BlockwiseOptimizer]:
-    """A subclass of ``base`` whose ``__name__`` is the user's optimizer class name.
+class AdamW(BlockwiseAdamW):
+    """The :class:`~lightning_baoc.BlockwiseAdamW` installed in place of a ``torch.optim.AdamW``, named like it
+    (``LearningRateMonitor``'s metrics keep their names); nothing else differs."""
 
-    ``LearningRateMonitor`` names its metrics ``"lr-" + type(optimizer).__name__`` (``lr-AdamW/pg1``);
-    keeping the name keeps the user's dashboards and monitors working after the swap. The registry
-    lives in :mod:`lightning_baoc.optim` (:func:`~lightning_baoc.optim.optimizer_alias`), which
-    resolves the class by name in any process, so pickles load in a fresh one.
-    """
-    return optimizer_alias(name, base)
+
+class Adam(BlockwiseAdamW):
+    """The :class:`~lightning_baoc.BlockwiseAdamW` installed in place of a ``torch.optim.Adam`` (taken over with its
+    L2 penalty, ``decoupled_weight_decay=False``), named like it."""
+
+
+class SGD(BlockwiseSGD):
+    """The :class:`~lightning_baoc.BlockwiseSGD` installed in place of a ``torch.optim.SGD``, named like it."""
+
+
+#: The class installed in place of each torch optimizer BAOC takes over, named like it (the most derived first:
+#: torch's AdamW is an Adam).
+_NAMED_LIKE: tuple[tuple[type[torch.optim.Optimizer], type[BlockwiseOptimizer]], ...] = (
+    (torch.optim.AdamW, AdamW),
+    (torch.optim.Adam, Adam),
+    (torch.optim.SGD, SGD),
+)
+
+
+def _named_like(optimizer: torch.optim.Optimizer) -> type[BlockwiseOptimizer]:
+    """The class installed in place of ``optimizer``: named like the torch class it is or derives from."""
+    return next(named for torch_class, named in _NAMED_LIKE if isinstance(optimizer, torch_class))
 
 
 def convert_optimizer(
@@ -49,7 +71,8 @@ def convert_optimizer(
     momentum).
 
     A blockwise optimizer (BlockwiseAdamW, BlockwiseSGD, BlockwiseLion) is returned as is. The new
-    optimizer's class carries the old one's name (``type(new).__name__ == "AdamW"``) so that
+    optimizer's class carries the name of the torch class it replaces (``type(new).__name__ == "AdamW"``;
+    a user's subclass of ``torch.optim.AdamW`` gets ``"AdamW"`` too: :class:`AdamW`) so that
     LR-monitor metric names do not change.
 
     Raises:
@@ -88,8 +111,9 @@ def _replace(
     optimizer: torch.optim.Optimizer, module: nn.Module, base: type[BlockwiseOptimizer], update: str,
     min_8bit_numel: int, seed: int,
 ) -> BlockwiseOptimizer:
-    """The checked ``optimizer`` as a ``base`` (BlockwiseAdamW, BlockwiseSGD) named like it, its state
-    inherited (see :func:`convert_optimizer`); an overridden ``step`` is said aloud."""
+    """The checked ``optimizer`` as a ``base`` (BlockwiseAdamW, BlockwiseSGD), its class named like the torch class
+    it replaces (:func:`_named_like`), its state inherited (see
+    :func:`convert_optimizer`); an overridden ``step`` is said aloud."""
     if _overrides_step(optimizer):
         warnings.warn(
             f"{type(optimizer).__name__} overrides step(); BAOC replaces it by {base.__name__}, which "
@@ -97,7 +121,7 @@ def _replace(
             UserWarning,
             stacklevel=3,
         )
-    cls = _named_like(type(optimizer).__name__, base)
+    cls = _named_like(optimizer)  # a subclass of ``base``
     new = cls.from_optimizer(optimizer, module, min_8bit_numel=min_8bit_numel, seed=seed)
     if getattr(optimizer, "_opt_called", False):
         new._opt_called = True  # type: ignore[attr-defined]

@@ -69,8 +69,8 @@ from typing import Any, Callable, Iterable, Mapping
 from lightning_baoc.config.budget import format_bytes
 from lightning_baoc.config.settings import ReportSetting
 from lightning_baoc.control.events import AllocationEvent
+from lightning_baoc.control.summary import METRIC_NAMES, state_fraction
 from lightning_baoc.costs.options import split_option
-from lightning_baoc.report.summary import METRIC_NAMES, state_fraction
 
 #: File names written into the log directory.
 JSON_NAME = "baoc_allocation.json"

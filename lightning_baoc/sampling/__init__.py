@@ -29,13 +29,13 @@ constant over the ring buffer, not to one that changes inside it).
 The package, module by module:
 
 - :mod:`~lightning_baoc.sampling.sampler`: :class:`GradientSampler` (hot path, ring buffer,
-  statistics, state dict), :class:`BlockHistory` and the defaults;
+  statistics, state dict, the worker thread's loop), :class:`BlockHistory` and the defaults;
 - :mod:`~lightning_baoc.sampling.layout`: :func:`draw_indices`, the blocks' segments and their
   places in the staging buffer, the argument checks;
 - :mod:`~lightning_baoc.sampling.gather`: the hot path's gathers into the staging buffer;
 - :mod:`~lightning_baoc.sampling.state`: the sampler's checkpoint (``state_dict``, ``load_state_dict``);
-- :mod:`~lightning_baoc.sampling.reduce`: the worker thread's loop and its reductions (validity,
-  cosines, anisotropy).
+- :mod:`~lightning_baoc.sampling.reduce`: the worker thread's reductions (validity, cosines,
+  anisotropy).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The worker thread's side: its loop, and the reductions of a staging buffer over all blocks.
+"""The worker thread's reductions of a staging buffer over all blocks.
 
-:func:`_worker_loop` runs on the background thread and hands each staging buffer to
+The worker's loop (``_worker_loop`` in :mod:`lightning_baoc.sampling.sampler`, beside the sampler whose
+thread runs it) hands each staging buffer to
 :meth:`GradientSampler._reduce <lightning_baoc.sampling.sampler.GradientSampler._reduce>`, which
 uses the segmented reductions here: which blocks' samples are finite (:func:`_valid_blocks`), the
 cosine of each block's sample with the previous step's (:func:`_cosines`), and the coefficient of
@@ -11,19 +12,13 @@ maps that let them reduce all blocks with a handful of tensor ops.
 from __future__ import annotations
 
 import math
-import queue
-import weakref
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from lightning_baoc.optim.sharding import whole_numel
 from lightning_baoc.sampling.layout import _Block
-
-if TYPE_CHECKING:
-    from lightning_baoc.sampling.sampler import GradientSampler
 
 
 @dataclass
@@ -150,22 +145,3 @@ def _anisotropy(rows: Tensor, maps: _ReductionMaps, blocks: int) -> Tensor:
     num = torch.zeros(blocks, dtype=torch.float64).index_add_(0, maps.block_of_seg, torch.where(ok, cv, 0.0) * w)
     den = torch.zeros(blocks, dtype=torch.float64).index_add_(0, maps.block_of_seg, w)
     return torch.where(den > 0, num / den, torch.full_like(num, math.nan))
-
-
-def _worker_loop(ref: weakref.ReferenceType[GradientSampler], work: queue.Queue[Any]) -> None:
-    """Reduce staging buffers until the sentinel ``None`` (or the sampler is collected)."""
-    while True:
-        item = work.get()
-        try:
-            if item is None:
-                return
-            sampler = ref()
-            if sampler is None:
-                return
-            try:
-                sampler._reduce(item)
-            except BaseException as error:  # handed to the caller on the next flush or sample
-                sampler._error = error
-            del sampler
-        finally:
-            work.task_done()

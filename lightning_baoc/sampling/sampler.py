@@ -29,7 +29,6 @@ from lightning_baoc.sampling.reduce import (
     _cosines,
     _ReductionMaps,
     _valid_blocks,
-    _worker_loop,
 )
 from lightning_baoc.sampling.state import STATE_VERSION, SamplerStateMixin  # noqa: F401 - STATE_VERSION: its public path
 
@@ -564,6 +563,26 @@ class GradientSampler(SamplerStateMixin):
             f"GradientSampler(blocks={len(self._blocks)}, sample_every={self.sample_every}, "
             f"capacity={self.capacity}, max_elements={self.max_elements}, max_rows={self.max_rows}, seed={self.seed})"
         )
+
+
+def _worker_loop(ref: weakref.ReferenceType[GradientSampler], work: queue.Queue[Any]) -> None:
+    """Reduce staging buffers until the sentinel ``None`` (or the sampler is collected): the worker
+    thread's loop, each buffer handed to :meth:`GradientSampler._reduce`."""
+    while True:
+        item = work.get()
+        try:
+            if item is None:
+                return
+            sampler = ref()
+            if sampler is None:
+                return
+            try:
+                sampler._reduce(item)
+            except BaseException as error:  # handed to the caller on the next flush or sample
+                sampler._error = error
+            del sampler
+        finally:
+            work.task_done()
 
 
 def _stop_worker(work: queue.Queue[Any], thread: threading.Thread) -> None:

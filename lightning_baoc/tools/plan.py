@@ -59,9 +59,9 @@ from lightning_baoc.formats.correction import check_correction, corrections_refu
 from lightning_baoc.risk.prior import block_kind, prior_risk
 from lightning_baoc.risk.start import INITIAL_PREFERENCE, AllocationRecord, Initial
 from lightning_baoc.sampling.blocks import partition
-from lightning_baoc.costs.offload import Hardware, OffloadPrediction
-from lightning_baoc.costs.offload import hardware as offload_hardware
-from lightning_baoc.costs.offload import predict as offload_predict
+from lightning_baoc.optim.offload_model import Hardware, OffloadPrediction
+from lightning_baoc.optim.offload_model import hardware as offload_hardware
+from lightning_baoc.optim.offload_model import predict as offload_predict
 from lightning_baoc.solver import Allocation, BudgetInfeasibleError
 from lightning_baoc.tools.plan_inputs import check_initial, check_optimizer, checked_mask, load_statistics
 from lightning_baoc.tools.presets import build_model
@@ -133,7 +133,7 @@ class Plan:
     #: whether ``device`` is :data:`DEFAULT_DEVICE` because none was given
     device_default: bool = False
     #: the hardware profile the offloaded updates are predicted on (``--hardware``), and the uniform
-    #: ``offload`` row's prediction (:mod:`lightning_baoc.costs.offload`)
+    #: ``offload`` row's prediction (:mod:`lightning_baoc.optim.offload_model`)
     hardware: str | None = None
     uniform_offload: OffloadPrediction | None = None
 
@@ -280,7 +280,7 @@ def plan(
             (their momentum formats, :data:`~lightning_baoc.formats.MOMENTUM_FORMATS`).
         corrections: as ``BAOC(corrections=...)``: options pairing formats with corrections of 16-bit
             weights (default: none; needs bf16/fp16 weights, ``weight_correction`` left at ``"none"``).
-        hardware: a hardware profile (:data:`~lightning_baoc.costs.offload.PROFILES`): the update phase of the
+        hardware: a hardware profile (:data:`~lightning_baoc.optim.offload_model.PROFILES`): the update phase of the
             offloaded states predicted, host-only and interleaved, for the uniform ``offload`` row and every
             allocation that offloads (default: none).
 
@@ -566,7 +566,7 @@ def _render_offload(p: Plan, console: Any) -> None:
     if p.hardware is None:
         return
     rows = [("uniform offload", p.uniform_offload)] + [(f"budget {e.budget}", e.offload) for e in p.allocations if e.offload]
-    table = Table(title=f"Offloaded states' update phase on {p.hardware} (lightning_baoc.costs.offload: simulated, "
+    table = Table(title=f"Offloaded states' update phase on {p.hardware} (lightning_baoc.optim.offload_model: simulated, "
                         f"all gradients final at once)")
     for col in ("", "offloaded state", "subgroups", "host-only", "interleaved", "interleaved / host", "on the GPU"):
         table.add_column(col, justify="left" if not col else "right")

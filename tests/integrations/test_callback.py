@@ -159,7 +159,7 @@ def test_summary_is_the_logged_and_written_figures(runs: dict[str, Any]) -> None
     """``BAOC.summary()``: the documented record of what BAOC saved, the figures it logged at the allocation (under
     the same names, ``baoc/<field>``) and wrote into ``baoc_allocation.json``; nothing to summarize before fit."""
     from lightning_baoc import BAOCSummary
-    from lightning_baoc.report.summary import METRIC_NAMES
+    from lightning_baoc.control.summary import METRIC_NAMES
 
     with pytest.raises(RuntimeError, match=r"BAOC.summary\(\) has nothing to summarize yet.*during or after trainer.fit"):
         BAOC(memory_budget=0.3).summary()

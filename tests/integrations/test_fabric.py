@@ -26,8 +26,8 @@ from support import (
 from torch import nn
 
 from lightning_baoc import BAOCStrategy, BlockwiseAdamW
+from lightning_baoc.control.summary import METRIC_NAMES
 from lightning_baoc.report.allocation import JSON_NAME
-from lightning_baoc.report.summary import METRIC_NAMES
 
 STEPS = 30
 ACCUMULATE = 2

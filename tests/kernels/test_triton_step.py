@@ -33,7 +33,7 @@ from support import lone_fp32_steps, ragged_shapes, record_grids, record_launche
 
 import lightning_baoc.optim.stepping as stepping  # noqa: E402
 from lightning_baoc import FORMATS, BlockwiseAdamW, kernels  # noqa: E402
-from lightning_baoc.kernels import triton_step  # noqa: E402
+from lightning_baoc.kernels import triton_common, triton_step  # noqa: E402
 
 SERVED = [name for name, fmt in FORMATS.items() if fmt.kernel_kinds in triton_step.SERVED]
 SHAPES = [(37, 101), (3, 11), (1000,), (2, 1024)]
@@ -314,7 +314,7 @@ def test_without_triton_the_policy_is_checked_at_construction(monkeypatch: pytes
     warns once there and steps eagerly; ``"eager"`` says nothing."""
     monkeypatch.setattr(kernels, "TRITON_DEVICES", {"cuda", "cpu"})
     monkeypatch.setattr(kernels, "_ANNOUNCED", set())
-    monkeypatch.setattr(triton_step, "triton_status", lambda: (False, "triton is not installed (No module named 'triton')"))
+    monkeypatch.setattr(triton_common, "triton_status", lambda: (False, "triton is not installed (No module named 'triton')"))
     p = nn.Parameter(torch.randn(8, 8))
     with pytest.raises(RuntimeError, match="Triton kernels .* not available: triton is not installed.*Install triton"):
         BlockwiseAdamW([("w", p)], state_format="int8", kernels="compiled")

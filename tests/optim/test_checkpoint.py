@@ -322,7 +322,7 @@ def test_truncated_file_is_named_as_such(tmp_path: Any) -> None:
 
 
 def test_checksum_is_exact_for_any_chunking_and_large_bytes() -> None:
-    from lightning_baoc.optim.checkpoint import digest_bytes
+    from lightning_baoc.optim.checkpoint.layout import digest_bytes
 
     gen = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (10_007,), generator=gen, dtype=torch.int64).to(torch.uint8)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_baoc import BlockwiseAdamW
-from lightning_baoc.costs.offload import Hardware, calibrated, hardware
+from lightning_baoc.optim.offload_model import Hardware, calibrated, hardware
 from lightning_baoc.optim.offload_schedule import DeferredLanes, OffloadSchedule, pack, resolve_schedule
 
 #: Subgroups of 4096 fp32 elements: the model below packs into 4, in backward's order: the head (1066 elements), the

@@ -1,4 +1,4 @@
-"""The checkpoint codec alone (``lightning_baoc/optim/persist.py``: :class:`CheckpointCodec`), over records,
+"""The checkpoint codec alone (``lightning_baoc/optim/checkpoint/codec.py``: :class:`CheckpointCodec`), over records,
 names, pools and a step made here, with param groups as plain dicts and the validation given as a function.
 
 - Its state dict names every entry and group member by parameter name, counts and requests included, and
@@ -21,10 +21,10 @@ from torch import Tensor, nn
 
 from lightning_baoc.formats import FORMATS, StepHyper
 from lightning_baoc.optim.checkpoint import CheckpointError
-from lightning_baoc.optim.persist import CheckpointCodec
+from lightning_baoc.optim.checkpoint.codec import CheckpointCodec
+from lightning_baoc.optim.checkpoint.validate import LoadedState, LoadPlan
 from lightning_baoc.optim.pools import Record, StatePools
 from lightning_baoc.optim.stepping import StepDispatcher, StepSettings
-from lightning_baoc.optim.validate import LoadedState, LoadPlan
 
 
 def _hyper_of(group: Mapping[str, Any], noise_key: int = 0) -> StepHyper:

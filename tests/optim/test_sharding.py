@@ -331,7 +331,7 @@ def _dcp_worker(rank: int, path: str) -> None:
     with torch.no_grad():
         for p in fresh.parameters():
             p.mul_(0.5)  # not the saved weights: the load must bring them
-    from lightning_baoc.optim.distributed import saved_formats
+    from lightning_baoc.optim.checkpoint.distributed import saved_formats
 
     resumed = BlockwiseAdamW(fresh.named_parameters(), lr=1e-2, weight_decay=0.1, min_8bit_numel=0)
     resumed.set_formats(saved_formats(path, "optim"))  # the template of the load follows them
@@ -381,7 +381,7 @@ def _dcp_worker(rank: int, path: str) -> None:
     with pytest.raises(CheckpointError, match="checksum of its formats, counts and param groups"):
         again.load_state_dict(bad)
     # another world size is refused, naming the way (to_adamw_state_dict)
-    from lightning_baoc.optim.distributed import _local_row
+    from lightning_baoc.optim.checkpoint.distributed import _local_row
 
     with pytest.raises(CheckpointError, match=r"saved by 2 shards, this run has 4.*to_adamw_state_dict"):
         _local_row(saved["state"]["0.weight"]["tensors"]["exp_avg"], 1, "x", 4)

@@ -398,7 +398,7 @@ def test_corrections_plan_the_controllers_start_and_the_measured_training_memory
 
 def test_plan_with_hardware_predicts_the_offloaded_update_host_only_and_interleaved(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """``plan --hardware``: the uniform offload row and every allocation that offloads carry their offloaded
-    bytes and the update phase of both schedules (``lightning_baoc.costs.offload``), in the table and the JSON."""
+    bytes and the update phase of both schedules (``lightning_baoc.optim.offload_model``), in the table and the JSON."""
     out = tmp_path / "plan.json"
     code = main(["plan", "--preset", "llama-7b", "--budget", "0.05", "--time-budget", "3", "--hardware", "h100-pcie5",
                  "--json", str(out)])

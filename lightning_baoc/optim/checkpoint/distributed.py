@@ -10,7 +10,7 @@
 
 So when the optimizer holds a ``DTensor`` parameter, ``state_dict()`` returns this *distributed
 layout*, which carries the same content as the single-process layout
-(:mod:`lightning_baoc.optim.checkpoint`) in a form DCP saves whole::
+(:mod:`lightning_baoc.optim.checkpoint.layout`) in a form DCP saves whole::
 
     {"state": {position: {"name": str, "format": str, "steps": int, "m_step": int, "step": FOREIGN_STEP,
                           ["exp_avg": FOREIGN_STEP, "exp_avg_sq": FOREIGN_STEP] (AdamW's),
@@ -48,7 +48,14 @@ import torch
 from torch import Tensor
 
 from lightning_baoc.formats import StateFormat
-from lightning_baoc.optim.checkpoint import FOREIGN_STEP, LAYOUT, STATE_DICT_VERSION, CheckpointError, _digest_value
+from lightning_baoc.optim.checkpoint.layout import (
+    FOREIGN_STEP,
+    LAYOUT,
+    STATE_DICT_VERSION,
+    CheckpointError,
+    digest_value,
+    meta_checksum,
+)
 from lightning_baoc.optim.sharding import (
     DTensor,
     as_dtensor,
@@ -100,7 +107,7 @@ def _meta_checksum(entries: Mapping[Any, Mapping[str, Any]], groups: list[Mappin
     }
     # positions or names (DCP re-keys them): the names in "param_names" are covered
     covered_groups = [{k: v for k, v in g.items() if k not in ("params", "baoc")} for g in groups]
-    return _digest_value({"entries": covered_entries, "groups": covered_groups,
+    return digest_value({"entries": covered_entries, "groups": covered_groups,
                           "meta": {k: v for k, v in meta.items() if k != "checksum"}})
 
 
@@ -280,8 +287,6 @@ def from_distributed(
             asked[name] = entry["correction_requested"]
     if meta_in.get("has_corrections"):
         meta["corrections"], meta["correction_requested"] = corrections, asked
-    from lightning_baoc.optim.checkpoint import meta_checksum
-
     out_sd = {"state": state, "param_groups": groups, "baoc": meta}
     meta["checksum"] = meta_checksum(out_sd)
     return out_sd

@@ -1,4 +1,4 @@
-"""The offloaded update's performance model and simulator (``lightning_baoc.costs.offload``)."""
+"""The offloaded update's performance model and simulator (``lightning_baoc.optim.offload_model``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_baoc.costs.offload import (
+from lightning_baoc.optim.offload_model import (
     PROFILES,
     STATE_BYTES,
     Subgroup,

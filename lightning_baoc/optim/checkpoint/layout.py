@@ -24,7 +24,7 @@ A state dict (version 2) is::
   bit flip anywhere in what a load reads is detected (see :func:`digest_bytes`). A dict edited on purpose is re-sealed with :func:`seal_state_dict`.
 
 Loading validates the whole dict before anything is changed
-(:func:`lightning_baoc.optim.validate.plan_load`); every problem raises :class:`CheckpointError`
+(:func:`lightning_baoc.optim.checkpoint.validate.plan_load`); every problem raises :class:`CheckpointError`
 naming the parameter and the key. Version-1 dicts (no shapes, no
 checksums) and ``torch.optim.AdamW``/``Adam`` state dicts (no checksums: torch writes none) load
 with every check but the checksums.
@@ -45,7 +45,7 @@ from lightning_baoc.formats.base import factor_view
 STATE_DICT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 #: The ``"layout"`` of the ``"baoc"`` metadata in each param group of a sharded optimizer's state dict
-#: (:mod:`lightning_baoc.optim.distributed`).
+#: (:mod:`lightning_baoc.optim.checkpoint.distributed`).
 LAYOUT = "distributed"
 
 #: The per-parameter ``"step"`` of a BlockwiseAdamW state dict: what a plain AdamW reports when
@@ -152,7 +152,8 @@ def _encode_value(value: Any, out: list[bytes]) -> None:
         out.append(b"r" + repr(value).encode())
 
 
-def _digest_value(value: Any) -> int:
+def digest_value(value: Any) -> int:
+    """The checksum of a state-dict value (tensors by dtype, shape and bytes; containers by their items)."""
     out: list[bytes] = []
     _encode_value(value, out)
     return digest_bytes([torch.frombuffer(bytearray(b"".join(out)), dtype=torch.uint8)])
@@ -163,7 +164,7 @@ def entry_checksum(entry: Mapping[str, Any]) -> int:
     head = {k: entry.get(k) for k in ("format", "shape", "steps", "m_step", "step")}
     tensors = entry.get("tensors", {})
     head["tensors"] = [(k, str(t.dtype), tuple(t.shape)) for k, t in sorted(tensors.items())]
-    return _digest_value([_digest_value(head), digest_bytes([tensors[k] for k in sorted(tensors)])])
+    return digest_value([digest_value(head), digest_bytes([tensors[k] for k in sorted(tensors)])])
 
 
 def meta_checksum(sd: Mapping[str, Any]) -> int:
@@ -176,7 +177,7 @@ def meta_checksum(sd: Mapping[str, Any]) -> int:
     covered = {k: v for k, v in meta.items() if k != "checksum"}
     covered["param_groups"] = groups
     covered["entries"] = {name: entry.get("checksum") for name, entry in sd["state"].items()}
-    return _digest_value(covered)
+    return digest_value(covered)
 
 
 def make_entry(fmt: str, shape: Iterable[int], steps: int, m_step: int, tensors: dict[str, Tensor]) -> dict[str, Any]:
@@ -485,7 +486,7 @@ def momentum_export(
 
 
 def is_distributed_layout(sd: Any) -> bool:
-    """Whether ``sd`` is a state dict in the distributed layout (:mod:`lightning_baoc.optim.distributed`)."""
+    """Whether ``sd`` is a state dict in the distributed layout (:mod:`lightning_baoc.optim.checkpoint.distributed`)."""
     if not isinstance(sd, Mapping) or "baoc" in sd:
         return False
     groups = sd.get("param_groups")

@@ -1,16 +1,16 @@
 """Validation of an optimizer state dict before a load (:func:`plan_load`): nothing is changed here.
 
-The whole dict is checked against the optimizer (groups, hyperparameters, every entry's format,
-counts, shape, tensors and checksum) and turned into a :class:`LoadPlan`;
-``BlockwiseAdamW.load_state_dict`` commits it only after building the new pools, so every
-problem raises :class:`~lightning_baoc.optim.checkpoint.CheckpointError` with the optimizer untouched.
+The whole dict is checked against what the optimizer holds (a :class:`LoadTarget`: groups,
+hyperparameters, parameter names, every entry's format, counts, shape, tensors and checksum) and turned
+into a :class:`LoadPlan`; ``BlockwiseAdamW.load_state_dict`` commits it only after building the new pools,
+so every problem raises :class:`~lightning_baoc.optim.checkpoint.CheckpointError` with the optimizer untouched.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -18,7 +18,7 @@ from torch import Tensor
 from lightning_baoc.formats import Canonical, StateFormat, check_format_name
 from lightning_baoc.formats.correction import CORRECTIONS, WEIGHT_DTYPES, correction_dtype
 from lightning_baoc.optim.args import PERFORMANCE_HINTS
-from lightning_baoc.optim.checkpoint import (
+from lightning_baoc.optim.checkpoint.layout import (
     READABLE_VERSIONS,
     check_entry_fields,
     check_layout,
@@ -27,12 +27,41 @@ from lightning_baoc.optim.checkpoint import (
     require_count,
     require_mapping,
 )
+from lightning_baoc.optim.pools import Record
 from lightning_baoc.optim.sharding import local, this_shard
 
-if TYPE_CHECKING:
-    from lightning_baoc.optim.optimizer import BlockwiseAdamW
-
 _TORCH_IMPLEMENTATION_KEYS = PERFORMANCE_HINTS + ("capturable", "differentiable")
+
+
+@dataclass(frozen=True)
+class LoadTarget:
+    """What a state dict is validated against: the optimizer's groups, parameters and update rule, as it
+    holds them now (the optimizer builds one for each load; nothing here is changed).
+
+    Attributes:
+        param_groups: the optimizer's param groups.
+        names: parameter name -> parameter (read when the load is validated: parameters adopted from the
+            dict's names first are in it).
+        records: parameter -> its record (its name, and where its shard starts).
+        format_registry: the formats its parameters may be held in.
+        rule: its update rule (``"adamw"``, ``"sgd"``, ``"lion"``); a dict of another rule is refused.
+        label: the name its messages use.
+        saved_group_keys: the hyperparameters every param group of its own dicts carries.
+        validate_group: validates a merged group's hyperparameters (errors name ``where + key``).
+    """
+
+    param_groups: list[dict[str, Any]]
+    names: Mapping[str, Tensor]
+    records: Mapping[Tensor, Record]
+    format_registry: Mapping[str, StateFormat]
+    rule: str
+    label: str
+    saved_group_keys: tuple[str, ...]
+    validate_group: Callable[[Mapping[str, Any], str], None]
+
+    def param_name(self, p: Tensor) -> str:
+        """The name ``p`` is held under."""
+        return self.records[p].name
 
 
 @dataclass
@@ -58,11 +87,11 @@ class LoadPlan:
 
 
 
-def plan_load(opt: "BlockwiseAdamW", state_dict: Any) -> LoadPlan:
-    """Validate a whole state dict against ``opt`` and return what loading it changes.
+def plan_load(target: LoadTarget, state_dict: Any) -> LoadPlan:
+    """Validate a whole state dict against ``target`` (the optimizer as it is) and return what loading it changes.
 
     Raises:
-        CheckpointError: anything wrong, named; ``opt`` is not touched.
+        CheckpointError: anything wrong, named; nothing is touched.
     """
     sd = require_mapping(state_dict, "state_dict")
     for key in ("state", "param_groups"):
@@ -70,29 +99,29 @@ def plan_load(opt: "BlockwiseAdamW", state_dict: Any) -> LoadPlan:
             raise invalid(f"the key {key!r} is missing (expected an optimizer state dict with 'state' and 'param_groups')")
     if not isinstance(sd["param_groups"], (list, tuple)):
         raise invalid(f"'param_groups' should be a list, got {type(sd['param_groups']).__name__}")
-    if len(sd["param_groups"]) != len(opt.param_groups):
+    if len(sd["param_groups"]) != len(target.param_groups):
         raise invalid(
             f"the state dict has {len(sd['param_groups'])} param groups, this optimizer has "
-            f"{len(opt.param_groups)}: it was saved from another model or optimizer setup"
+            f"{len(target.param_groups)}: it was saved from another model or optimizer setup"
         )
     require_mapping(sd["state"], "'state'")
     if "baoc" in sd:
-        return _plan_own(opt, sd)
-    return _plan_torch(opt, sd)
+        return _plan_own(target, sd)
+    return _plan_torch(target, sd)
 
 
-def _merged_hyper(opt: "BlockwiseAdamW", index: int, saved: Mapping[str, Any], drop: tuple[str, ...]) -> dict[str, Any]:
+def _merged_hyper(target: LoadTarget, index: int, saved: Mapping[str, Any], drop: tuple[str, ...]) -> dict[str, Any]:
     update = {k: v for k, v in saved.items() if k not in ("params", "param_names") + drop}
-    merged = {k: v for k, v in opt.param_groups[index].items() if k not in ("params", "param_names")}
+    merged = {k: v for k, v in target.param_groups[index].items() if k not in ("params", "param_names")}
     merged.update(update)
     try:
-        opt._validate_group(merged, f"param_groups[{index}].")
+        target.validate_group(merged, f"param_groups[{index}].")
     except (TypeError, ValueError) as err:
         raise invalid(str(err)) from err
     return update
 
 
-def _plan_own(opt: "BlockwiseAdamW", sd: Mapping[str, Any]) -> LoadPlan:
+def _plan_own(target: LoadTarget, sd: Mapping[str, Any]) -> LoadPlan:
     meta = require_mapping(sd["baoc"], "'baoc'")
     version = meta.get("version")
     if version not in READABLE_VERSIONS:
@@ -115,13 +144,13 @@ def _plan_own(opt: "BlockwiseAdamW", sd: Mapping[str, Any]) -> LoadPlan:
                 "lightning_baoc.optim.checkpoint.seal_state_dict)"
             )
     rule = meta.get("rule", "adamw")  # dicts of BlockwiseAdamW carry no rule
-    if rule != opt.rule:
+    if rule != target.rule:
         raise invalid(
             f"the state dict was saved by an optimizer with the {rule!r} update rule, this is "
-            f"{opt.label} ({opt.rule!r}): their states do not carry over; load it into the "
+            f"{target.label} ({target.rule!r}): their states do not carry over; load it into the "
             f"optimizer that saved it"
         )
-    names = opt.named_params
+    names = target.names
     groups = []
     for i, saved in enumerate(sd["param_groups"]):
         saved = require_mapping(saved, f"param_groups[{i}]")
@@ -131,26 +160,26 @@ def _plan_own(opt: "BlockwiseAdamW", sd: Mapping[str, Any]) -> LoadPlan:
         unknown = [n for n in listed if n not in names]
         if unknown:
             raise invalid(f"param group {i} of the state dict names unknown parameters {unknown[:5]}; it was saved from another model")
-        ours = [opt.param_name(p) for p in opt.param_groups[i]["params"]]
+        ours = [target.param_name(p) for p in target.param_groups[i]["params"]]
         if sorted(listed) != sorted(ours):
             raise invalid(
                 f"param group {i} of the state dict holds the parameters {sorted(set(listed) ^ set(ours))[:5]} "
                 f"that this optimizer's group {i} does not (or lacks them): another model or grouping"
             )
-        for key in opt.saved_group_keys:
+        for key in target.saved_group_keys:
             if key not in saved:
                 raise invalid(f"param_groups[{i}]: the field {key!r} is missing")
-        groups.append(_merged_hyper(opt, i, saved, ()))
+        groups.append(_merged_hyper(target, i, saved, ()))
     entries: dict[Tensor, LoadedState] = {}
     for name, entry in sd["state"].items():
         if name not in names:
             raise invalid(f"the state dict holds state of unknown parameter {name!r}; it was saved from another model")
-        entries[names[name]] = _own_entry(name, entry, names[name], version, opt.format_registry,
-                                          opt._records[names[name]].shard_offset)
+        entries[names[name]] = _own_entry(name, entry, names[name], version, target.format_registry,
+                                          target.records[names[name]].shard_offset)
     return LoadPlan(
         groups=groups,
         entries=entries,
-        requested=_requested(meta.get("requested", {}), names, opt.format_registry),
+        requested=_requested(meta.get("requested", {}), names, target.format_registry),
         nonfinite=_nonfinite(meta.get("nonfinite", {}), names),
         corrections=_corrections(meta.get("corrections", {}), meta.get("correction_requested", {}), names),
     )
@@ -225,10 +254,10 @@ def _corrections(
     return out
 
 
-def _plan_torch(opt: "BlockwiseAdamW", sd: Mapping[str, Any]) -> LoadPlan:
+def _plan_torch(target: LoadTarget, sd: Mapping[str, Any]) -> LoadPlan:
     index_to_param: dict[Any, Tensor] = {}
     groups = []
-    for i, (saved, group) in enumerate(zip(sd["param_groups"], opt.param_groups)):
+    for i, (saved, group) in enumerate(zip(sd["param_groups"], target.param_groups)):
         saved = require_mapping(saved, f"param_groups[{i}]")
         listed = saved.get("params")
         if not isinstance(listed, (list, tuple)):
@@ -238,19 +267,19 @@ def _plan_torch(opt: "BlockwiseAdamW", sd: Mapping[str, Any]) -> LoadPlan:
                 f"param group {i} of the state dict has {len(listed)} parameters, this optimizer's "
                 f"has {len(group['params'])}: another model or grouping"
             )
-        if saved.get("amsgrad") and opt.rule == "adamw":
+        if saved.get("amsgrad") and target.rule == "adamw":
             raise invalid(f"param_groups[{i}] has amsgrad=True: BlockwiseAdamW does not implement amsgrad")
         index_to_param.update(zip(listed, group["params"]))
-        groups.append(_merged_hyper(opt, i, saved, _TORCH_IMPLEMENTATION_KEYS))
+        groups.append(_merged_hyper(target, i, saved, _TORCH_IMPLEMENTATION_KEYS))
     entries: dict[Tensor, LoadedState] = {}
     for key, entry in sd["state"].items():
         if key not in index_to_param:
             raise invalid(f"state entry {key!r} belongs to no parameter of the state dict's param groups")
         p = index_to_param[key]
-        if opt.rule == "adamw":
-            entries[p] = _torch_entry(opt.param_name(p), key, entry, p)
+        if target.rule == "adamw":
+            entries[p] = _torch_entry(target.param_name(p), key, entry, p)
         else:
-            entries[p] = _torch_momentum_entry(opt, opt.param_name(p), key, entry, p)
+            entries[p] = _torch_momentum_entry(target, target.param_name(p), key, entry, p)
     return LoadPlan(groups=groups, entries=entries, requested=None, nonfinite={})
 
 
@@ -294,16 +323,16 @@ def _torch_entry(name: str, key: Any, entry: Any, p: Tensor) -> LoadedState:
 _TORCH_BUFFERS = {"sgd": "momentum_buffer", "lion": "exp_avg"}
 
 
-def _torch_momentum_entry(opt: "BlockwiseAdamW", name: str, key: Any, entry: Any, p: Tensor) -> LoadedState:
+def _torch_momentum_entry(target: LoadTarget, name: str, key: Any, entry: Any, p: Tensor) -> LoadedState:
     """An entry of ``torch.optim.SGD`` (``momentum_buffer``, possibly ``None``) or of a Lion
     implementation (``exp_avg``): the buffer, taken as already started (one step counted)."""
     where = f"state of {name!r} (entry {key!r})"
     entry = require_mapping(entry, where)
     if "format" in entry and "tensors" in entry:
-        raise invalid(f"{where} is a {opt.label} entry, but the dict's 'baoc' section is missing{_STRIPPED}")
-    buffer_key = _TORCH_BUFFERS[opt.rule]
+        raise invalid(f"{where} is a {target.label} entry, but the dict's 'baoc' section is missing{_STRIPPED}")
+    buffer_key = _TORCH_BUFFERS[target.rule]
     if buffer_key not in entry:
-        raise invalid(f"{where}: {buffer_key!r} is missing (keys {sorted(map(str, entry))}): not a {opt.rule} state")
+        raise invalid(f"{where}: {buffer_key!r} is missing (keys {sorted(map(str, entry))}): not a {target.rule} state")
     t = entry[buffer_key]
     if t is None:  # torch's SGD without momentum
         return LoadedState(None, Canonical(tuple(local(p).shape)), 0, 0)

@@ -24,6 +24,9 @@ those subgroups on the host.
 on the device spread evenly (every K-th at ``m = n / K``; Twin-Flow's fixed ratio is one of them), refines
 the best, and keeps the shortest whose staging fits the free memory. :data:`PROFILES` name the rates of common machines so a plan can be made without a GPU;
 :func:`calibrated` replaces a profile's rates by measured ones (CUDA event times, during training).
+
+The model lives beside the schedule that runs it (:mod:`.offload_schedule` chooses each device's paths with
+:func:`choose`), under the optimizer; ``lightning-baoc plan --hardware`` predicts with it (:func:`predict`).
 """
 
 from __future__ import annotations

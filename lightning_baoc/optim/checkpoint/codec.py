@@ -1,14 +1,13 @@
 """Persistence of the blockwise optimizers: state dicts, loads, copies, pickles.
 
 :class:`CheckpointCodec` turns an optimizer's state into its state dict and back (layout and checksums:
-:mod:`lightning_baoc.optim.checkpoint`; validation: :mod:`lightning_baoc.optim.validate`; the layout of
-sharded parameters: :mod:`lightning_baoc.optim.distributed`), and into the state of a ``copy.deepcopy`` or
-``pickle`` and back. A load validates everything first and then commits at once, so a refused dict
-leaves the optimizer unchanged.
+:mod:`~lightning_baoc.optim.checkpoint.layout`; validation: :mod:`~lightning_baoc.optim.checkpoint.validate`;
+the layout of sharded parameters: :mod:`~lightning_baoc.optim.checkpoint.distributed`), and into the state
+of a ``copy.deepcopy`` or ``pickle`` and back. A load validates everything first and then commits at once,
+so a refused dict leaves the optimizer unchanged.
 """
 
 from __future__ import annotations
-
 
 import dataclasses
 from typing import Any, Callable, Mapping
@@ -18,15 +17,22 @@ from torch import Tensor
 
 from lightning_baoc.formats import Canonical, StateFormat, StepHyper, resolve_in
 from lightning_baoc.formats.frames import framed
-from lightning_baoc.optim.checkpoint import (
-    STATE_DICT_VERSION, adamw_export, decode_entry, is_distributed_layout, make_entry, momentum_export, seal_state_dict,
-    with_refusal, without_refusal,
+from lightning_baoc.optim.checkpoint.distributed import from_distributed, to_distributed
+from lightning_baoc.optim.checkpoint.layout import (
+    STATE_DICT_VERSION,
+    adamw_export,
+    decode_entry,
+    is_distributed_layout,
+    make_entry,
+    momentum_export,
+    seal_state_dict,
+    with_refusal,
+    without_refusal,
 )
-from lightning_baoc.optim.distributed import from_distributed, to_distributed
+from lightning_baoc.optim.checkpoint.validate import LoadPlan
 from lightning_baoc.optim.pools import Record, StatePools
 from lightning_baoc.optim.sharding import gather_full, is_sharded, local
 from lightning_baoc.optim.stepping import StepDispatcher
-from lightning_baoc.optim.validate import LoadPlan
 
 #: Attributes that only tie an optimizer to its process (hooks, an LR scheduler's wrapper of
 #: ``step``): not copied or pickled, as torch's own ``Optimizer.__getstate__`` does not.
@@ -56,12 +62,13 @@ class CheckpointCodec:
     keeps, the step's plans dropped); the format registry, the optimizer's update rule and label (a dict
     records its rule) and ``min_8bit_numel`` (the formats a torch state is encoded into). The param
     groups, ``hyper_of(group, noise_key)`` and the validation of a dict against the optimizer
-    (``validate(state_dict) -> LoadPlan``) come from the caller.
+    (``validate(state_dict) -> LoadPlan``: :func:`~lightning_baoc.optim.checkpoint.validate.plan_load` over
+    the optimizer's :class:`~lightning_baoc.optim.checkpoint.validate.LoadTarget`) come from the caller.
 
     Example:
         >>> codec = CheckpointCodec(records, names, pools, stepper, FORMATS, "adamw", "BlockwiseAdamW", 4096)  # doctest: +SKIP
         >>> sd = codec.state_dict(optimizer.param_groups)  # doctest: +SKIP
-        >>> codec.load(sd, optimizer.param_groups, lambda sd: plan_load(optimizer, sd), optimizer._hyper)  # doctest: +SKIP
+        >>> codec.load(sd, optimizer.param_groups, lambda sd: plan_load(target, sd), optimizer._hyper)  # doctest: +SKIP
     """
 
     records: dict[Tensor, Record]
@@ -73,7 +80,7 @@ class CheckpointCodec:
     label: str
     min_8bit_numel: int
     #: whether the distributed layout carries the keys of a plain AdamW's state, which make it refuse the dict
-    #: (:func:`~lightning_baoc.optim.distributed.to_distributed`); off for the template of a checkpoint saved by
+    #: (:func:`~lightning_baoc.optim.checkpoint.distributed.to_distributed`); off for the template of a checkpoint saved by
     #: an earlier release without them (:func:`~lightning_baoc.integrations.checkpoints.check_saved_shards`)
     refusal_keys: bool = True
 
@@ -89,7 +96,7 @@ class CheckpointCodec:
         return state_dict if self.rule == "adamw" else with_refusal(state_dict)  # a plain SGD or Lion refuses it
 
     def local_state_dict(self, groups: list[dict[str, Any]]) -> dict[str, Any]:
-        """The state dict of this rank in the single-process layout (:mod:`lightning_baoc.optim.checkpoint`)."""
+        """The state dict of this rank in the single-process layout (:mod:`lightning_baoc.optim.checkpoint.layout`)."""
         state: dict[str, Any] = {}
         for p, rec in self.records.items():
             if rec.format is None:
