@@ -21,7 +21,7 @@ Schema and in every message. Optionally it holds the sections a ``LightningCLI``
       monitor: val_loss
       sample_every: 10
 
-The section is :class:`BAOCSection`, a dataclass written out from
+The section is :class:`BAOCSection`, a dataclass generated from
 :data:`lightning_baoc.config.settings.SETTINGS` (a field per setting, its type, default and help); its
 values are checked by the callback's own validator (:func:`~lightning_baoc.config.settings.check_setting`,
 :func:`~lightning_baoc.config.settings.rule_errors`), and the JSON Schema (:func:`json_schema`) is
@@ -55,16 +55,15 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Literal, Union
 
 from lightning_baoc.config.settings import (
     SETTING,
     SETTINGS,
-    FormatName,
     Mismatch,
-    ReportSetting,
     Setting,
     SettingError,
+    args_section,
     check_setting,
     conform,
     did_you_mean,
@@ -72,7 +71,6 @@ from lightning_baoc.config.settings import (
     rule_errors,
     type_name,
 )
-from lightning_baoc.sampling.blocks import GRANULARITIES
 
 #: ``$id``-less draft of the generated schema.
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -177,53 +175,26 @@ def _help(text: str, **more: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- the baoc section
 
 
-def _setting_field(name: str) -> Any:
-    """The field of setting ``name`` in :class:`BAOCSection`: its default from the table (none where it is
-    required), the setting as metadata (``{"setting": s}``: the schema's description, the validator)."""
-    s = SETTING[name]
-    return field(metadata={"setting": s}) if s.required else field(default=s.default, metadata={"setting": s})
+def _section_class() -> type:
+    """:class:`BAOCSection` from :data:`~lightning_baoc.config.settings.SETTINGS`: a field per setting,
+    under its name, carrying ``{"setting": s}`` as metadata; nothing is validated here."""
+    fields = [
+        (s.name, s.type, field(metadata={"setting": s}) if s.required else field(default=s.default, metadata={"setting": s}))
+        for s in SETTINGS
+    ]
+    doc = (
+        "The ``baoc`` section of a config: every setting of the BAOC callback, under its argument's name.\n\n"
+        "Generated from :data:`~lightning_baoc.config.settings.SETTINGS`; :func:`parse_section` validates.\n\n"
+        + args_section(SETTINGS)
+        + "\n\nExample:\n    >>> parse_section({'memory_budget': 0.3, 'sample_every': 5}).sample_every\n    5\n"
+    )
+    cls = dataclasses.make_dataclass("BAOCSection", fields, namespace={"__doc__": doc})
+    cls.__module__ = __name__  # pickles, and jsonargparse finds it, as a class written out
+    return cls
 
 
-@dataclass
-class BAOCSection:
-    """The ``baoc`` section of a config: every setting of the BAOC callback, under its argument's name.
-
-    Written out, a field per setting of :data:`~lightning_baoc.config.settings.SETTINGS` in its order, of its
-    type, its default and help taken from the table (``tests/config/test_settings.py`` holds the fields to the
-    table); nothing is validated here: :func:`parse_section` validates. What each setting means: the table, and
-    :class:`~lightning_baoc.BAOC`'s arguments of the same names.
-
-    Example:
-        >>> parse_section({'memory_budget': 0.3, 'sample_every': 5}).sample_every
-        5
-    """
-
-    memory_budget: Union[int, float, str] = _setting_field("memory_budget")
-    time_budget: Union[float, str, None] = _setting_field("time_budget")
-    warmup_steps: int = _setting_field("warmup_steps")
-    sample_every: int = _setting_field("sample_every")
-    granularity: Literal[GRANULARITIES] = _setting_field("granularity")  # type: ignore[valid-type]
-    blocks: Optional[dict[str, Union[str, list[str]]]] = _setting_field("blocks")
-    formats: Optional[list[FormatName]] = _setting_field("formats")  # type: ignore[valid-type]
-    corrections: Optional[list[Literal["none", "ecc8", "ecc16"]]] = _setting_field("corrections")
-    reevaluate_every_n_epochs: Optional[int] = _setting_field("reevaluate_every_n_epochs")
-    monitor: Optional[str] = _setting_field("monitor")
-    mode: Literal["min", "max"] = _setting_field("mode")
-    patience: int = _setting_field("patience")
-    min_delta: float = _setting_field("min_delta")
-    hysteresis: float = _setting_field("hysteresis")
-    horizon: int = _setting_field("horizon")
-    sparse_sampling: int = _setting_field("sparse_sampling")
-    capacity: int = _setting_field("capacity")
-    max_elements: int = _setting_field("max_elements")
-    instrument_share: float = _setting_field("instrument_share")
-    min_8bit_numel: int = _setting_field("min_8bit_numel")
-    calibration: Literal["auto", "prior"] = _setting_field("calibration")
-    calibration_cache_dir: Optional[str] = _setting_field("calibration_cache_dir")
-    report: ReportSetting = _setting_field("report")
-    seed: int = _setting_field("seed")
-    max_block_risk: Optional[float] = _setting_field("max_block_risk")
-    initial: Optional[Union[str, dict[str, str]]] = _setting_field("initial")
+#: The ``baoc`` section (generated from :data:`~lightning_baoc.config.settings.SETTINGS`).
+BAOCSection = _section_class()
 
 
 @dataclass

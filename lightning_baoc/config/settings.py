@@ -7,16 +7,14 @@ a dotlist override (``baoc.sample_every=5``), LightningCLI's option (``--baoc.sa
 JSON Schema's property and every error message. Everything else is derived from :data:`SETTINGS`,
 in its order:
 
-- :class:`BAOCConfig`, the controller's validated settings (all but the adapters' own ``report``), written out
-  with its defaults from the table;
+- :class:`BAOCConfig`, the controller's validated settings (all but the adapters' own ``report``);
 - the checks of ``BAOC.__init__`` and ``BAOCStrategy.__init__``, whose signatures spell every setting
   out (annotations LightningCLI validates, a docstring whose ``Args:`` it shows as help) and are held
   to this table by ``tests/config/test_settings.py`` (:func:`settings_of` gathers their arguments);
 - the ``baoc`` section of a config file: its dataclass, loader, defaults and JSON Schema
   (:mod:`lightning_baoc.config.files`).
 
-Adding a setting is one entry here, its parameter in the two signatures and its field in the two dataclasses
-(:class:`BAOCConfig`, :class:`~lightning_baoc.config.files.BAOCSection`; the test names what is
+Adding a setting is one entry here, its parameter in the two signatures (the test names what is
 missing), and its use in the controller. :func:`check_settings` is the
 only validator: a bad value raises :class:`SettingError`, which names the setting; the config
 loader adds the file (or the override) and reports every error of a config at once
@@ -29,6 +27,7 @@ import dataclasses
 import difflib
 import math
 import os
+import textwrap
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -552,6 +551,19 @@ def check_settings(values: Mapping[str, Any], settings: Sequence[Setting] = SETT
 # ---------------------------------------------------------------------------- derived signatures
 
 
+def arg_doc(name: str, text: str, default: Any = REQUIRED) -> str:
+    """One Google-style ``Args:`` entry, ``(default: X)`` appended, wrapped at 100 columns."""
+    suffix = "" if default is REQUIRED or default is dataclasses.MISSING else f" (default: {default!r})"
+    return "\n".join("    " + line for line in textwrap.wrap(
+        f"{name}: {text}{suffix}", 96, subsequent_indent="    ", break_on_hyphens=False, break_long_words=False
+    ))
+
+
+def args_section(settings: Sequence[Setting] = SETTINGS) -> str:
+    """A Google-style ``Args:`` section from the settings' help texts."""
+    return "\n".join(["Args:", *(arg_doc(s.name, s.help, s.default) for s in settings)])
+
+
 def settings_of(arguments: Mapping[str, Any], settings: Sequence[Setting] = SETTINGS) -> dict[str, Any]:
     """The settings among a written-out ``__init__``'s arguments (its ``locals()``), by name, in the table's order.
 
@@ -569,55 +581,23 @@ def settings_of(arguments: Mapping[str, Any], settings: Sequence[Setting] = SETT
 CONTROLLER_SETTINGS: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.controller)
 
 
-def _from_table(name: str) -> Any:
-    """The dataclass field of setting ``name``: its default from :data:`SETTING` (none where it is required)."""
-    default = SETTING[name].default
-    return dataclasses.field() if default is REQUIRED else dataclasses.field(default=default)
+def _config_post_init(self: Any) -> None:
+    checked = check_settings({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, CONTROLLER_SETTINGS)
+    for name, value in checked.items():
+        setattr(self, name, value)
 
 
-@dataclass
-class BAOCConfig:
-    """Every setting of the BAOC lifecycle but the adapters' ``report``, checked by :func:`check_settings`.
-
-    Written out, a field per setting of :data:`CONTROLLER_SETTINGS` in its order, of its type, its default
-    taken from the table (``tests/config/test_settings.py`` holds the fields to the table). What each means:
-    :data:`SETTINGS` (the same names as ``BAOC``'s arguments, whose docstring gives every help text).
-
-    Example:
-        >>> BAOCConfig(memory_budget=0.3, warmup_steps=100).sample_every
-        10
-    """
-
-    memory_budget: Union[int, float, str] = _from_table("memory_budget")
-    time_budget: Union[float, str, None] = _from_table("time_budget")
-    warmup_steps: int = _from_table("warmup_steps")
-    sample_every: int = _from_table("sample_every")
-    granularity: Literal[GRANULARITIES] = _from_table("granularity")  # type: ignore[valid-type]
-    blocks: Optional[dict[str, Union[str, list[str]]]] = _from_table("blocks")
-    formats: Optional[list[FormatName]] = _from_table("formats")  # type: ignore[valid-type]
-    corrections: Optional[list[Literal["none", "ecc8", "ecc16"]]] = _from_table("corrections")
-    reevaluate_every_n_epochs: Optional[int] = _from_table("reevaluate_every_n_epochs")
-    monitor: Optional[str] = _from_table("monitor")
-    mode: Literal["min", "max"] = _from_table("mode")
-    patience: int = _from_table("patience")
-    min_delta: float = _from_table("min_delta")
-    hysteresis: float = _from_table("hysteresis")
-    horizon: int = _from_table("horizon")
-    sparse_sampling: int = _from_table("sparse_sampling")
-    capacity: int = _from_table("capacity")
-    max_elements: int = _from_table("max_elements")
-    instrument_share: float = _from_table("instrument_share")
-    min_8bit_numel: int = _from_table("min_8bit_numel")
-    calibration: Literal["auto", "prior"] = _from_table("calibration")
-    calibration_cache_dir: Optional[str] = _from_table("calibration_cache_dir")
-    seed: int = _from_table("seed")
-    max_block_risk: Optional[float] = _from_table("max_block_risk")
-    initial: Optional[Union[str, dict[str, str]]] = _from_table("initial")
-
-    def __post_init__(self) -> None:
-        checked = check_settings({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, CONTROLLER_SETTINGS)
-        for name, value in checked.items():
-            setattr(self, name, value)
+BAOCConfig = dataclasses.make_dataclass(
+    "BAOCConfig",
+    [(s.name, s.type, dataclasses.field(**({} if s.required else {"default": s.default}))) for s in CONTROLLER_SETTINGS],
+    namespace={
+        "__post_init__": _config_post_init,
+        "__doc__": "Every setting of the BAOC lifecycle but the adapters' ``report``, checked by "
+        ":func:`check_settings`.\n\nGenerated from :data:`SETTINGS`.\n\n" + args_section(CONTROLLER_SETTINGS)
+        + "\n\nExample:\n    >>> BAOCConfig(memory_budget=0.3, warmup_steps=100).sample_every\n    10\n",
+    },
+)
+BAOCConfig.__module__ = __name__  # pickles by name, as a class written out
 
 
 def split_settings(values: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -635,6 +615,6 @@ def split_settings(values: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
 
 __all__ = [
     "BAOCConfig", "CONTROLLER_SETTINGS", "FORMATS_ALLOWED", "FormatName", "MIN_SAMPLES", "REQUIRED",
-    "ReportSetting", "SETTING", "SETTINGS", "Setting", "SettingError",
+    "ReportSetting", "SETTING", "SETTINGS", "Setting", "SettingError", "arg_doc", "args_section",
     "check_setting", "check_settings", "did_you_mean", "rule_errors", "settings_of", "split_settings",
 ]

@@ -43,9 +43,6 @@ def test_every_setting_is_in_every_consumer_with_the_same_default(s: Any) -> Non
     schema = json_schema()["properties"]["baoc"]["properties"][s.name]
     assert schema["description"] == s.help
     assert BAOCSection.__dataclass_fields__[s.name].metadata["setting"] is s
-    assert typing.get_type_hints(BAOCSection)[s.name] == s.type  # the written-out dataclasses hold the table's types
-    if s.controller:
-        assert typing.get_type_hints(BAOCConfig)[s.name] == s.type
     if s.default is REQUIRED:
         assert s.name in json_schema()["properties"]["baoc"]["required"]
         return
@@ -61,7 +58,6 @@ def test_the_signatures_keep_their_order_and_memory_budget_first() -> None:
     assert list(_params(BAOC)) == [s.name for s in SETTINGS]
     assert list(_params(BAOCStrategy))[: len(SETTINGS)] == [s.name for s in SETTINGS]
     assert list(BAOCConfig.__dataclass_fields__) == [s.name for s in CONTROLLER_SETTINGS]
-    assert list(BAOCSection.__dataclass_fields__) == [s.name for s in SETTINGS]
     baoc = BAOC(0.3, None, 50)  # positionally, as before
     assert (baoc.config.memory_budget, baoc.config.warmup_steps) == (0.3, 50)
     with pytest.raises(TypeError, match="memory_budget"):
@@ -213,7 +209,6 @@ NEW_PARAMETERS = '''\
 '''
 
 
-@pytest.mark.slow  # builds a package copy; each setting's consumers are held by default in this file
 def test_a_new_setting_reaches_every_consumer_with_its_entry_and_its_two_parameters(tmp_path: Path) -> None:
     """A copy of the package whose only changes are three more entries in ``SETTINGS`` and their
     parameters in ``BAOC.__init__`` and ``BAOCStrategy.__init__``."""
